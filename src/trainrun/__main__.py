@@ -1,0 +1,5 @@
+import sys
+
+from trainrun.cli import main
+
+sys.exit(main())

@@ -1,0 +1,90 @@
+"""The Grain pipeline: a random-access dataset of whole batches over in-memory arrays.
+
+Element ``i`` of the dataset is global batch ``i``: epoch ``i // batches_per_epoch`` under that
+epoch's permutation, and of it only this process's rows. Because a batch is a pure function of
+its index, the iterator's whole position is Grain's ``next_index``: saving it with a checkpoint
+and restoring it gives exactly the batches an uninterrupted run would have seen.
+
+Gathering a batch with one fancy-index per array (rather than Grain's per-record batching) keeps
+the host cost of a step in microseconds, which matters when a step is itself ~50 µs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import grain
+import numpy as np
+
+from trainrun.errors import UserError
+
+Batch = dict[str, np.ndarray]
+
+
+class DataError(UserError):
+    """Data that cannot be used as configured; the CLI prints it on one line and exits 2."""
+
+
+class ArrayBatches(grain.MapDataset):
+    """Global batch ``i`` (this process's rows of it) over arrays of equal length.
+
+    arrays: name -> array with the examples on axis 0.
+    batch_size: the global batch; each of ``process_count`` processes gets an equal slice.
+    shuffle: permute examples each epoch with ``default_rng((seed, epoch))``; else file order.
+    Incomplete final batches of an epoch are dropped, so every step sees a full batch.
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, *, shuffle: bool,
+                 seed: int, process_index: int = 0, process_count: int = 1):
+        super().__init__()
+        lengths = {name: len(a) for name, a in arrays.items()}
+        if len(set(lengths.values())) != 1:
+            raise DataError(f"data arrays have different lengths {lengths}; every array needs "
+                            "one entry per example")
+        self.num_examples = next(iter(lengths.values()))
+        if batch_size > self.num_examples:
+            raise DataError(f"batch_size {batch_size} is larger than the data "
+                            f"({self.num_examples} examples); lower data.batch_size")
+        if batch_size % process_count:
+            raise DataError(f"batch_size {batch_size} does not divide over {process_count} "
+                            "processes; make it a multiple of the process count")
+        self.arrays = dict(arrays)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.batches_per_epoch = self.num_examples // batch_size
+        local = batch_size // process_count
+        self.rows = slice(process_index * local, (process_index + 1) * local)
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch * 2**40  # unbounded for any real run; epochs repeat
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 (one dataset per run; holds two epochs' orders)
+    def _order(self, epoch: int) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        return np.random.default_rng((self.seed, epoch)).permutation(self.num_examples)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        epoch, position = divmod(index, self.batches_per_epoch)
+        start = position * self.batch_size
+        order = self._order(epoch)
+        if order is None:
+            rows = slice(start + self.rows.start, start + self.rows.stop)
+            return {name: a[rows] for name, a in self.arrays.items()}
+        idx = order[start:start + self.batch_size][self.rows]
+        return {name: a[idx] for name, a in self.arrays.items()}
+
+
+def batch_iterator(dataset: grain.MapDataset, prefetch_threads: int = 0) -> grain.DatasetIterator:
+    """A checkpointable iterator (``get_state``/``set_state``) over ``dataset``.
+
+    prefetch_threads > 0 loads batches ahead on that many threads, overlapping host work with
+    device compute; 0 loads in the caller's thread (best when a batch is a cheap slice).
+    """
+    options = grain.ReadOptions(num_threads=prefetch_threads,
+                                prefetch_buffer_size=2 * prefetch_threads)
+    return iter(dataset.to_iter_dataset(options))

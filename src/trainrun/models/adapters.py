@@ -26,11 +26,15 @@ class Model:
     loss: ``(params, batch, key) -> (scalar loss, dict of scalar aux metrics)``; ``key`` is the
         step's randomness (dropout), already folded with the step number.
     name: shown in logs and checkpoint metadata.
+    logical_axes: optional pytree shaped like params whose leaves are tuples naming each
+        dimension of that param (e.g. ``("embed", "mlp")``, ``None`` for an unnamed dim);
+        sharding rules map these names onto mesh axes (tensor parallelism).
     """
 
     init: Callable[[jax.Array], PyTree]
     loss: LossFn
     name: str = "model"
+    logical_axes: PyTree | None = None
 
 
 def from_functions(init: Callable[[jax.Array], PyTree], loss: Callable[..., Any],

@@ -1,0 +1,43 @@
+"""The single-file examples a user copies: each trains through the same loop."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+
+from trainrun.writers import read_metrics
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["plain_functions", "nnx_module"])
+def test_example_trains_and_its_loss_falls(tmp_path, monkeypatch, name):
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    summary = load_example(name).main(str(tmp_path / name))
+    losses = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < first / 5, (first, last)
+    assert summary["final_loss"] == losses[-1]
+
+
+def test_nnx_params_are_a_plain_dict_of_arrays():
+    import jax
+
+    example = load_example("nnx_module")
+    model = example.trainrun.from_nnx(
+        lambda rngs: example.Classifier(16, 8, 4, rngs), example.loss)
+    params = model.init(jax.random.key(0))
+    assert isinstance(params, dict)
+    shapes = {k: {n: v.shape for n, v in layer.items()} for k, layer in params.items()}
+    assert shapes == {"hidden": {"kernel": (16, 8), "bias": (8,)},
+                      "out": {"kernel": (8, 4), "bias": (4,)}}

@@ -1,0 +1,123 @@
+"""The loop and what it leaves in the run directory."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import jax
+import numpy as np
+import yaml
+
+from trainrun import rundir
+from trainrun.config import load_config
+from trainrun.loop import CompiledSteps, init_state, run
+from trainrun.models import build_model
+from trainrun.optim import build_optimizer
+from trainrun.timing import Stopwatch
+from trainrun.writers import read_metrics
+
+SUMMARY_KEYS = {"final_loss", "steps", "compile_s", "step_time_median_s", "steps_per_s",
+                "examples_per_s", "provenance"}
+PROVENANCE_KEYS = {"trainrun", "jax", "jaxlib", "backend", "device_kind", "device_count",
+                   "process_count", "python", "xla_flags", "config_digest"}
+
+
+def test_run_directory_holds_config_provenance_metrics_and_summary(tmp_path):
+    config = load_config("mlp", ["steps=30", "log_every=10"])
+    out = io.StringIO()
+    summary = run(config, tmp_path, out=out)
+
+    assert yaml.safe_load((tmp_path / rundir.CONFIG).read_text()) == config.to_dict()
+    provenance = json.loads((tmp_path / rundir.PROVENANCE).read_text())
+    assert PROVENANCE_KEYS <= provenance.keys()
+    assert provenance["config_digest"] == config.digest()
+
+    records = read_metrics(tmp_path / rundir.METRICS)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert all({"loss", "lr", "grad_norm"} <= r.keys() for r in records)
+
+    saved = json.loads((tmp_path / rundir.SUMMARY).read_text())
+    assert SUMMARY_KEYS <= saved.keys()
+    assert saved["final_loss"] == records[-1]["loss"] == summary["final_loss"]
+    assert saved["steps_per_s"] > 0 and saved["compile_s"] > 0
+    assert saved["examples_per_s"] == saved["steps_per_s"] * 256
+
+    lines = out.getvalue().splitlines()
+    assert sum(line.startswith("step ") for line in lines) == 3  # steps 10, 20, 30
+    assert any("compile" in line for line in lines)
+    assert any("provenance" in line and "jax 0.10.2" in line for line in lines)
+
+
+def test_metrics_file_reads_back_float32_bit_for_bit(tmp_path):
+    """Losses in metrics.jsonl are the device's float32 values exactly."""
+    config = load_config("mlp", ["steps=5"])
+    model, optimizer = build_model(config.model), build_optimizer(config.optimizer)
+    state = init_state(model, optimizer, config.seed)
+    steps = CompiledSteps(model, optimizer, 1, Stopwatch())
+    from trainrun.data import batch_iterator, build_dataset
+
+    batches = batch_iterator(build_dataset(config.data, config.seed))
+    device_losses = []
+    loss_column = None
+    for _ in range(5):
+        state, packed = steps(1, state, next(batches))
+        loss_column = steps.metric_names.index("loss")
+        device_losses.append(np.asarray(packed)[loss_column])
+    run(config, tmp_path, out=io.StringIO())
+    written = np.array([r["loss"] for r in read_metrics(tmp_path / rundir.METRICS)], np.float32)
+    assert written.tobytes() == np.array(device_losses, np.float32).tobytes()
+
+
+def test_batch_is_an_argument_not_a_constant_baked_into_the_program():
+    config = load_config("mlp")
+    model, optimizer = build_model(config.model), build_optimizer(config.optimizer)
+    state = init_state(model, optimizer, config.seed)
+    steps = CompiledSteps(model, optimizer, 1, Stopwatch())
+    batch = {"x": np.ones((256, 8), np.float32), "y": np.ones((256, 1), np.float32)}
+    hlo = steps.fn.lower(state, batch).as_text()
+    assert "tensor<256x8xf32>" in hlo  # the batch comes in as a parameter
+    assert "dense<" not in "\n".join(line for line in hlo.splitlines() if "256x8" in line)
+
+
+def test_a_short_tail_call_is_compiled_once(tmp_path):
+    config = load_config("mlp", ["steps=25", "steps_per_call=10"])
+    seen: list[int] = []
+    original = CompiledSteps.__call__
+
+    def spy(self, k, state, batch):
+        seen.append(k)
+        result = original(self, k, state, batch)
+        spy.programs = dict(self.programs)
+        return result
+
+    CompiledSteps.__call__ = spy
+    try:
+        run(config, tmp_path, out=io.StringIO())
+    finally:
+        CompiledSteps.__call__ = original
+    assert seen == [10, 10, 5]
+    assert sorted(spy.programs) == [5, 10]
+    assert len(read_metrics(tmp_path / rundir.METRICS)) == 25
+
+
+def test_base_key_never_changes_and_step_counts_updates():
+    config = load_config("mlp")
+    model, optimizer = build_model(config.model), build_optimizer(config.optimizer)
+    state = init_state(model, optimizer, config.seed)
+    key_before = jax.random.key_data(state.key).copy()
+    steps = CompiledSteps(model, optimizer, 1, Stopwatch())
+    batch = {"x": np.ones((256, 8), np.float32), "y": np.ones((256, 1), np.float32)}
+    for _ in range(3):
+        state, _ = steps(1, state, batch)
+    assert int(state.step) == 3
+    assert np.array_equal(jax.random.key_data(state.key), key_before)
+
+
+def test_existing_run_is_never_overwritten(tmp_path, cli):
+    first = cli("train", "--run-dir", str(tmp_path / "r"), "steps=3")
+    assert first.returncode == 0, first.stderr
+    metrics = (tmp_path / "r" / rundir.METRICS).read_text()
+    again = cli("train", "--run-dir", str(tmp_path / "r"), "steps=3", "optimizer.lr=0.5")
+    assert again.returncode != 0 or "finished" in again.stdout + again.stderr
+    assert (tmp_path / "r" / rundir.METRICS).read_text().startswith(metrics.splitlines()[0])

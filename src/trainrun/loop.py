@@ -124,23 +124,26 @@ class MetricsReader:
     closes a timing window (see ``StepTimer``).
     """
 
-    def __init__(self, names: list[str], timer: StepTimer):
+    def __init__(self, names: list[str], timer: StepTimer, log_every: int):
         self.names = names
         self.timer = timer
+        self.log_every = log_every
         self.pending: list[_Call] = []
+        self.log_due = False  # a pending call includes a step to log
 
     def add(self, call: _Call) -> None:
         self.pending.append(call)
+        end = call.first_step + call.steps
+        self.log_due |= end // self.log_every > call.first_step // self.log_every
 
-    def covers(self, every: int) -> bool:
-        """Whether a pending call includes a step that is a multiple of ``every``."""
-        return any((c.first_step + c.steps) // every > c.first_step // every for c in self.pending)
+    def due(self) -> bool:
+        return self.log_due or len(self.pending) >= MAX_PENDING_CALLS
 
     def read(self) -> list[tuple[int, dict[str, float]]]:
         """Block on the pending calls and return ``(step, metrics)`` for each of their steps."""
         if not self.pending:
             return []
-        calls, self.pending = self.pending, []
+        calls, self.pending, self.log_due = self.pending, [], False
         rows = np.asarray(jax.block_until_ready(_stack([c.packed for c in calls])))
         self.timer.record(calls[0].dispatched_at, sum(c.steps for c in calls))
         first = calls[0].first_step
@@ -199,25 +202,28 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
                 console.line(step, metrics, rate)
 
     done = int(state.step)
+    data_wait = 0.0
     while done < config.steps:
         k = min(config.steps_per_call, config.steps - done)
-        with watch.phase("data"):
-            if config.steps_per_call == 1:
-                batch = next(batches)
-            else:
-                batch = stack_batches([next(batches) for _ in range(k)])
+        data_start = time.perf_counter()
+        if config.steps_per_call == 1:
+            batch = next(batches)
+        else:
+            batch = stack_batches([next(batches) for _ in range(k)])
         dispatched_at = time.perf_counter()
+        data_wait += dispatched_at - data_start
         state, packed = programs(k, state, batch)
         if reader is None:
-            reader = MetricsReader(programs.metric_names, timer)
+            reader = MetricsReader(programs.metric_names, timer, config.log_every)
         # One call late: the calls before this one are read while this one runs.
-        if reader.covers(config.log_every) or len(reader.pending) >= MAX_PENDING_CALLS:
+        if reader.due():
             write(reader.read())
         reader.add(_Call(done, k, packed, dispatched_at))
         done += k
     if reader is not None:
         write(reader.read())
     jsonl.close()
+    watch.totals["data"] = data_wait
 
     summary = _summary(config, last_metrics, timer, watch, prov, batch_size,
                        time.perf_counter() - wall_start)

@@ -79,12 +79,44 @@ class ArrayBatches(grain.MapDataset):
         return {name: a[idx] for name, a in self.arrays.items()}
 
 
-def batch_iterator(dataset: grain.MapDataset, prefetch_threads: int = 0) -> grain.DatasetIterator:
+class BatchCursor:
+    """Reads a MapDataset of batches in order, in the caller's thread.
+
+    Grain's own iterator costs ~9 µs per element in its bookkeeping, a fifth of a small model's
+    whole step; reading element ``i`` directly costs ~2 µs. The position is kept in Grain's
+    state format (``{"next_index": i}``), so a checkpoint written through either iterator
+    restores into the other.
+    """
+
+    def __init__(self, dataset: grain.MapDataset):
+        self.dataset = dataset
+        self.next_index = 0
+
+    def __iter__(self) -> BatchCursor:
+        return self
+
+    def __next__(self) -> Batch:
+        index = self.next_index
+        self.next_index = index + 1
+        return self.dataset[index]
+
+    def get_state(self) -> dict[str, int]:
+        return {"next_index": self.next_index}
+
+    def set_state(self, state: Mapping[str, int]) -> None:
+        self.next_index = int(state["next_index"])
+
+
+def batch_iterator(dataset: grain.MapDataset,
+                   prefetch_threads: int = 0) -> grain.DatasetIterator | BatchCursor:
     """A checkpointable iterator (``get_state``/``set_state``) over ``dataset``.
 
-    prefetch_threads > 0 loads batches ahead on that many threads, overlapping host work with
-    device compute; 0 loads in the caller's thread (best when a batch is a cheap slice).
+    prefetch_threads > 0: Grain's iterator loads batches ahead on that many threads,
+    overlapping host work (reading, decoding) with device compute. 0: a ``BatchCursor`` in the
+    caller's thread, best when a batch is a cheap slice of arrays already in memory.
     """
+    if prefetch_threads == 0:
+        return BatchCursor(dataset)
     options = grain.ReadOptions(num_threads=prefetch_threads,
                                 prefetch_buffer_size=2 * prefetch_threads)
     return iter(dataset.to_iter_dataset(options))

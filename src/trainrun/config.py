@@ -43,7 +43,48 @@ class MLPModel(Section):
     init_scale: float = Field(0.1, gt=0)
 
 
-ModelConfig = Annotated[Union[MLPModel], Field(discriminator="kind")]  # noqa: UP007
+class NNXMLPModel(Section):
+    """An MLP as a Flax NNX module: flattened ``x`` -> hidden (GELU, dropout) -> outputs."""
+
+    kind: Literal["nnx_mlp"] = "nnx_mlp"
+    features: int = Field(8, gt=0)
+    hidden: list[int] = Field(default_factory=lambda: [64])
+    outputs: int = Field(1, gt=0)
+    task: Literal["regression", "classification"] = "regression"
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
+class CNNModel(Section):
+    """A small image classifier: 3x3 conv blocks (ReLU, 2x2 max-pool) -> dense -> classes."""
+
+    kind: Literal["cnn"] = "cnn"
+    image_size: int = Field(8, gt=0)
+    in_channels: int = Field(1, gt=0)
+    channels: list[int] = Field(default_factory=lambda: [32, 64])
+    hidden: int = Field(128, gt=0)
+    classes: int = Field(10, gt=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
+class TransformerModel(Section):
+    """A decoder-only transformer LM: pre-LayerNorm blocks, causal attention, GELU MLP,
+    input and output embeddings tied."""
+
+    kind: Literal["transformer"] = "transformer"
+    vocab: int = Field(256, gt=1)
+    d_model: int = Field(128, gt=0)
+    layers: int = Field(4, gt=0)
+    heads: int = Field(4, gt=0)
+    mlp_ratio: int = Field(4, gt=0)
+    seq_len: int = Field(128, gt=0)
+    positions: Literal["rope", "learned"] = "rope"
+    dropout: float = Field(0.0, ge=0, lt=1)
+    init_std: float = Field(0.02, gt=0)
+
+
+ModelConfig = Annotated[
+    Union[MLPModel, NNXMLPModel, CNNModel, TransformerModel],  # noqa: UP007
+    Field(discriminator="kind")]
 
 
 # ---- data ------------------------------------------------------------------------------------

@@ -29,12 +29,16 @@ class Model:
     logical_axes: optional pytree shaped like params whose leaves are tuples naming each
         dimension of that param (e.g. ``("embed", "mlp")``, ``None`` for an unnamed dim);
         sharding rules map these names onto mesh axes (tensor parallelism).
+    eval_loss: optional ``(params, batch) -> (loss, aux)`` without training randomness
+        (dropout off), used on the held-out split; without it eval calls ``loss`` with a fixed
+        key.
     """
 
     init: Callable[[jax.Array], PyTree]
     loss: LossFn
     name: str = "model"
     logical_axes: PyTree | None = None
+    eval_loss: Callable[[PyTree, Batch], tuple[jax.Array, dict[str, jax.Array]]] | None = None
 
 
 def from_functions(init: Callable[[jax.Array], PyTree], loss: Callable[..., Any],
@@ -49,16 +53,48 @@ def from_functions(init: Callable[[jax.Array], PyTree], loss: Callable[..., Any]
 
 
 def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module],
-             loss: Callable[[nnx.Module, Batch, jax.Array], Any], name: str = "model") -> Model:
+             loss: Callable[[nnx.Module, Batch, jax.Array], Any], name: str = "model",
+             eval_loss: Callable[[nnx.Module, Batch], Any] | None = None) -> Model:
     """A Flax NNX module, trained through ``nnx.split`` / ``nnx.merge``.
 
     make_module: ``rngs -> module``; called with ``nnx.Rngs(params=key)`` at init.
     loss: ``(module, batch, key) -> loss`` or ``(loss, aux)``; pass ``rngs=nnx.Rngs(key)`` to
         dropout layers inside it, so their randomness is the step key.
+    eval_loss: ``(module, batch) -> loss`` or ``(loss, aux)`` with dropout off, for eval.
+
+    A param created with ``axes=(...)`` metadata (``nnx.Param(value, axes=("embed", "mlp"))``
+    or a layer's ``kernel_metadata={"axes": ...}``) gives the model's ``logical_axes``.
 
     The trained state is the module's ``nnx.Param`` variables as a plain dict; other variable
     kinds (batch statistics, stored RNG counters) would be silently frozen, so they are refused.
     """
+    module, param_state = _binder(make_module, name)
+
+    def init(key: jax.Array) -> PyTree:
+        built = make_module(nnx.Rngs(params=key))
+        return nnx.to_pure_dict(nnx.state(built, nnx.Param))
+
+    def module_loss(params: PyTree, batch: Batch, key: jax.Array):
+        out = loss(module(params), batch, key)
+        return out if isinstance(out, tuple) else (out, {})
+
+    def module_eval_loss(params: PyTree, batch: Batch):
+        out = eval_loss(module(params), batch)
+        return out if isinstance(out, tuple) else (out, {})
+
+    return Model(init=init, loss=module_loss, name=name, logical_axes=_axes(param_state),
+                 eval_loss=module_eval_loss if eval_loss is not None else None)
+
+
+def bind_params(make_module: Callable[[nnx.Rngs], nnx.Module],
+                name: str = "model") -> Callable[[PyTree], nnx.Module]:
+    """``params -> module``: the module ``make_module`` builds, holding ``params`` (a pure dict,
+    e.g. restored from a checkpoint). Traceable: use it inside jitted functions."""
+    return _binder(make_module, name)[0]
+
+
+def _binder(make_module: Callable[[nnx.Rngs], nnx.Module],
+            name: str) -> tuple[Callable[[PyTree], nnx.Module], nnx.State]:
     abstract = nnx.eval_shape(lambda: make_module(nnx.Rngs(params=0)))
     graphdef, param_state, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
@@ -67,14 +103,30 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module],
         raise ValueError(f"module {name!r} holds non-parameter state ({', '.join(kinds)}); "
                          "trainrun trains nnx.Param only: pass rngs at call time instead")
 
-    def init(key: jax.Array) -> PyTree:
-        module = make_module(nnx.Rngs(params=key))
-        return nnx.to_pure_dict(nnx.state(module, nnx.Param))
-
-    def module_loss(params: PyTree, batch: Batch, key: jax.Array):
+    def module(params: PyTree) -> nnx.Module:
         state = jax.tree.map(lambda leaf: leaf, param_state)  # a fresh copy to fill per trace
         nnx.replace_by_pure_dict(state, params)
-        out = loss(nnx.merge(graphdef, state), batch, key)
-        return out if isinstance(out, tuple) else (out, {})
+        return nnx.merge(graphdef, state)
 
-    return Model(init=init, loss=module_loss, name=name)
+    return module, param_state
+
+
+def _axes(param_state: nnx.State) -> PyTree | None:
+    """The ``axes`` metadata of each param as a pure-dict pytree of tuples (all ``None`` for a
+    param without it); None when no param names its axes."""
+    found = False
+
+    def names(variable: nnx.Variable) -> tuple[str | None, ...]:
+        nonlocal found
+        axes = variable.get_metadata().get("axes")
+        found = found or axes is not None
+        return tuple(axes) if axes is not None else (None,) * len(variable.shape)
+
+    flat = {path: names(v) for path, v in nnx.to_flat_state(param_state)}
+    tree: dict[Any, Any] = {}
+    for path, axes in flat.items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = axes
+    return tree if found else None

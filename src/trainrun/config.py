@@ -108,14 +108,107 @@ DataConfig = Annotated[Union[RegressionData], Field(discriminator="kind")]  # no
 # ---- optimizer -------------------------------------------------------------------------------
 
 
+class ConstantSchedule(Section):
+    """``optimizer.lr`` at every step."""
+
+    kind: Literal["constant"] = "constant"
+
+
+class WarmupSchedule(Section):
+    """Linear from ``init_lr`` to ``optimizer.lr`` over ``warmup_steps``, then constant."""
+
+    kind: Literal["warmup"] = "warmup"
+    warmup_steps: int = Field(100, ge=0)
+    init_lr: float = Field(0.0, ge=0)
+
+
+class CosineSchedule(Section):
+    """Linear warmup to ``optimizer.lr``, then cosine decay reaching ``end_lr`` at
+    ``total_steps`` (counted from step 0, warmup included; null: the run's ``steps``)."""
+
+    kind: Literal["cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, gt=0)
+    init_lr: float = Field(0.0, ge=0)
+    end_lr: float = Field(0.0, ge=0)
+
+
+class ExponentialSchedule(Section):
+    """Linear warmup to ``optimizer.lr``, then ``lr * decay_rate ** (t / transition_steps)``
+    (``t`` counted from the end of warmup; floored at ``end_lr`` when given)."""
+
+    kind: Literal["exponential"] = "exponential"
+    warmup_steps: int = Field(0, ge=0)
+    init_lr: float = Field(0.0, ge=0)
+    transition_steps: int = Field(1000, gt=0)
+    decay_rate: float = Field(0.96, gt=0)
+    staircase: bool = False
+    end_lr: float | None = Field(None, ge=0)
+
+
+class WSDSchedule(Section):
+    """Warmup-stable-decay: linear warmup to ``optimizer.lr``, hold it, then decay to ``end_lr``
+    over the last ``decay_fraction`` of ``total_steps`` (null: the run's ``steps``)."""
+
+    kind: Literal["wsd"] = "wsd"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, gt=0)
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    decay: Literal["linear", "cosine", "sqrt"] = "linear"
+    init_lr: float = Field(0.0, ge=0)
+    end_lr: float = Field(0.0, ge=0)
+
+
+class PiecewiseSchedule(Section):
+    """``optimizer.lr`` multiplied by ``scales[i]`` from step ``boundaries[i]`` on (cumulative)."""
+
+    kind: Literal["piecewise"] = "piecewise"
+    boundaries: list[int] = Field(default_factory=list)
+    scales: list[float] = Field(default_factory=list)
+
+    @pydantic.model_validator(mode="after")
+    def _pairs(self) -> PiecewiseSchedule:
+        if len(self.boundaries) != len(self.scales):
+            raise ValueError(f"{len(self.boundaries)} boundaries but {len(self.scales)} scales; "
+                             "give one scale per boundary")
+        if any(b <= 0 for b in self.boundaries) or self.boundaries != sorted(set(self.boundaries)):
+            raise ValueError(f"boundaries {self.boundaries} must be positive steps in increasing "
+                             "order")
+        if any(s < 0 for s in self.scales):
+            raise ValueError(f"scales {self.scales} must be >= 0")
+        return self
+
+
+ScheduleConfig = Annotated[
+    Union[ConstantSchedule, WarmupSchedule, CosineSchedule,  # noqa: UP007
+          ExponentialSchedule, WSDSchedule, PiecewiseSchedule], Field(discriminator="kind")]
+
+
 class OptimizerConfig(Section):
     name: Literal["adam", "adamw", "sgd", "lion"] = "adam"
     lr: float = Field(1e-3, gt=0)
+    schedule: ScheduleConfig = Field(default_factory=ConstantSchedule)
+    clip_norm: float | None = Field(None, gt=0)
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.0, ge=0)
+
+
+# ---- precision -------------------------------------------------------------------------------
+
+
+class PrecisionConfig(Section):
+    """dtypes of the stored params, of the model's computation, and of its loss; the dynamic
+    loss scale used with float16 compute."""
+
+    params: Literal["float32", "bfloat16"] = "float32"
+    compute: Literal["float32", "bfloat16", "float16"] = "float32"
+    output: Literal["float32", "bfloat16", "float16"] = "float32"
+    loss_scale: float = Field(2.0**15, gt=0)
+    loss_scale_growth_interval: int = Field(2000, gt=0)
+    loss_scale_factor: float = Field(2.0, gt=1)
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -130,6 +223,9 @@ class RunConfig(Section):
     model: ModelConfig = Field(default_factory=MLPModel)
     data: DataConfig = Field(default_factory=RegressionData)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    accumulate: int = Field(1, gt=0)
+    nonfinite: Literal["skip", "halt"] = "skip"
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -209,9 +305,55 @@ def load_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     try:
-        return RunConfig.model_validate(raw)
+        config = RunConfig.model_validate(raw)
     except pydantic.ValidationError as err:
         raise ConfigError(describe_validation_error(err, raw)) from None
+    _check_optimization(config)
+    return config
+
+
+def _check_optimization(config: RunConfig) -> None:
+    """Keys that are each valid but do not fit together (accumulation, schedule, precision)."""
+    batch = config.data.batch_size
+    if batch % config.accumulate:
+        raise ConfigError(f"accumulate={config.accumulate} does not divide data.batch_size="
+                          f"{batch}; pick an accumulate that divides the batch")
+    if config.nonfinite == "halt" and config.precision.compute == "float16":
+        raise ConfigError("nonfinite=halt cannot be used with precision.compute=float16: its loss "
+                          "scaling skips overflowing steps by design; use nonfinite=skip")
+    sched = config.optimizer.schedule
+    total = getattr(sched, "total_steps", None) or config.steps
+    warmup = getattr(sched, "warmup_steps", 0)
+    if sched.kind == "cosine" and warmup >= total:
+        raise ConfigError(f"optimizer.schedule.warmup_steps={warmup} leaves no steps to decay in "
+                          f"{total} total steps; lower warmup_steps or raise total_steps")
+    if sched.kind == "wsd" and warmup + round(sched.decay_fraction * total) > total:
+        raise ConfigError(f"optimizer.schedule: warmup_steps={warmup} plus decay_fraction="
+                          f"{sched.decay_fraction} of {total} steps exceeds the total; lower one")
+
+
+def _check_model_and_data(config: RunConfig) -> None:
+    """Model and data keys that are each valid but do not fit together."""
+    model, data = config.model, config.data
+    if model.kind == "transformer":
+        if model.d_model % model.heads:
+            raise ConfigError(f"model.d_model={model.d_model} does not divide into "
+                              f"model.heads={model.heads}; pick heads that divide d_model")
+        if model.positions == "rope" and (model.d_model // model.heads) % 2:
+            raise ConfigError(f"rotary positions need an even head size, got d_model/heads="
+                              f"{model.d_model // model.heads}; change d_model or heads")
+        if data.kind in ("regression", "digits"):
+            raise ConfigError(f"model.kind=transformer needs token data, not data.kind="
+                              f"{data.kind}; use data.kind=text or data.kind=tokens")
+        if data.kind in ("text", "tokens") and data.seq_len > model.seq_len:
+            raise ConfigError(f"data.seq_len={data.seq_len} is longer than the model's context "
+                              f"model.seq_len={model.seq_len}; set them equal")
+        if data.kind == "text" and model.vocab < 256:
+            raise ConfigError(f"byte-level text needs model.vocab >= 256, got {model.vocab}")
+    if config.eval.every and data.kind == "regression":
+        raise ConfigError("eval.every is set but data.kind=regression has no held-out split; "
+                          "set eval.every=0 or use data with one (digits, text, arrays, tokens)")
+
 
 
 # ---- error messages --------------------------------------------------------------------------
@@ -292,6 +434,8 @@ def describe_validation_error(err: pydantic.ValidationError, raw: dict[str, Any]
         tag = given.get("kind") if isinstance(given, dict) else given
         return (f"config key {dotted}.kind: unknown kind {tag!r}; "
                 f"expected one of {', '.join(members)}")
+    if kind == "value_error":  # a section's own check; its message names the fix
+        return f"config key {dotted!r}: {first['msg'].removeprefix('Value error, ')}"
     given = first.get("input")
     expected = _type_name(annotation)
     return (f"config key {dotted!r} expects {expected}, got {given!r} "

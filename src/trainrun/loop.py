@@ -25,8 +25,10 @@ import numpy as np
 from trainrun import rundir
 from trainrun.config import RunConfig
 from trainrun.data import batch_iterator, build_dataset
+from trainrun.errors import UserError
 from trainrun.models import Model, build_model
 from trainrun.optim import Optimizer, build_optimizer
+from trainrun.precision import Policy, policy_from_config
 from trainrun.state import TrainState, create_state
 from trainrun.step import make_multi_step, make_train_step
 from trainrun.timing import StepTimer, Stopwatch, provenance
@@ -53,9 +55,16 @@ def root_keys(seed: int) -> tuple[jax.Array, jax.Array]:
 INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "algsimp"}
 
 
-def init_state(model: Model, optimizer: Optimizer, seed: int) -> TrainState:
+class NonFiniteError(UserError):
+    """A non-finite loss or gradient under ``nonfinite: halt``; names the step."""
+
+
+def init_state(model: Model, optimizer: Optimizer, seed: int,
+               policy: Policy | None = None) -> TrainState:
     init_key, base_key = root_keys(seed)
-    build = jax.jit(lambda k0, k1: create_state(model.init(k0), optimizer.tx, k1))
+    policy = policy or Policy()
+    build = jax.jit(lambda k0, k1: create_state(policy.cast_to_param(model.init(k0)),
+                                                optimizer.tx, k1, policy.initial_loss_scale()))
     program = build.lower(init_key, base_key).compile(compiler_options=INIT_COMPILER_OPTIONS)
     return program(init_key, base_key)
 
@@ -78,8 +87,8 @@ class CompiledSteps:
     jitted call then finds that executable in JAX's cache and keeps its fast dispatch path."""
 
     def __init__(self, model: Model, optimizer: Optimizer, steps_per_call: int,
-                 watch: Stopwatch):
-        single = make_train_step(model, optimizer)
+                 watch: Stopwatch, *, accumulate: int = 1, policy: Policy | None = None):
+        single = make_train_step(model, optimizer, accumulate=accumulate, policy=policy)
         step = single if steps_per_call == 1 else make_multi_step(single)
 
         def packed_step(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
@@ -176,11 +185,13 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
                              process_count=jax.process_count())
     batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
                if isinstance(data, grain.MapDataset) else iter(data))
-    optimizer = build_optimizer(config.optimizer)
+    optimizer = build_optimizer(config.optimizer, config.steps)
+    policy = policy_from_config(config.precision)
     watch = Stopwatch()
     with watch.phase("init"):
-        state = jax.block_until_ready(init_state(model, optimizer, config.seed))
-    programs = CompiledSteps(model, optimizer, config.steps_per_call, watch)
+        state = jax.block_until_ready(init_state(model, optimizer, config.seed, policy))
+    programs = CompiledSteps(model, optimizer, config.steps_per_call, watch,
+                             accumulate=config.accumulate, policy=policy)
     timer = StepTimer()
     jsonl = JsonlWriter(run_dir / rundir.METRICS)
     console.message(f"training {model.name} for {config.steps} steps, "
@@ -189,12 +200,16 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
     reader: MetricsReader | None = None
     last_log = {"step": int(state.step), "time": time.perf_counter()}
     last_metrics: dict[str, float] = {}
+    nonfinite_seen = int(state.nonfinite_steps)
 
     def write(rows: list[tuple[int, dict[str, float]]]) -> None:
-        nonlocal last_metrics
+        nonlocal last_metrics, nonfinite_seen
         for step, metrics in rows:
             jsonl.write(step, metrics)
             last_metrics = metrics
+            if metrics["nonfinite_steps"] > nonfinite_seen:
+                nonfinite_seen = int(metrics["nonfinite_steps"])
+                _on_nonfinite(config, step, metrics, console, jsonl)
             if step % config.log_every == 0 or step == config.steps:
                 now = time.perf_counter()
                 rate = (step - last_log["step"]) / max(now - last_log["time"], 1e-9)
@@ -230,6 +245,22 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
     rundir.write_json(run_dir / rundir.SUMMARY, summary)
     _print_summary(console, summary)
     return summary
+
+
+def _on_nonfinite(config: RunConfig, step: int, metrics: dict[str, float], console: ConsoleLog,
+                  jsonl: JsonlWriter) -> None:
+    """The ``nonfinite`` policy. The step already kept params and optimizer state as they were;
+    ``halt`` stops the run here, before anything after this step can be saved."""
+    if config.nonfinite == "halt":
+        jsonl.close()
+        raise NonFiniteError(
+            f"step {step}: loss or gradients are not finite (loss={metrics['loss']}); the run "
+            f"halted (nonfinite=halt) with the update not applied and no checkpoint written "
+            f"after it. Lower optimizer.lr, set optimizer.clip_norm, check the data, or pass "
+            f"nonfinite=skip to skip such steps")
+    scale = f"; loss scale was {metrics['loss_scale']:g}" if "loss_scale" in metrics else ""
+    console.message(f"step {step}: loss or gradients not finite; update skipped "
+                    f"({int(metrics['nonfinite_steps'])} so far{scale})")
 
 
 def _batch_size(config: RunConfig, data: Any) -> int:

@@ -3,32 +3,92 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from trainrun.config import OptimizerConfig
+
+PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
     """tx: the gradient transformation the step applies.
-    schedule: step -> learning rate, the value ``tx`` uses at that step (logged as ``lr``)."""
+    schedule: update count -> learning rate; ``tx`` uses ``schedule(c)`` for its ``c``-th update
+    (from 0), and the step logs that value as ``lr``."""
 
     tx: optax.GradientTransformation
     schedule: optax.Schedule
 
 
-def build_optimizer(cfg: OptimizerConfig) -> Optimizer:
-    schedule = optax.constant_schedule(cfg.lr)
+def build_schedule(cfg: OptimizerConfig, total_steps: int | None = None) -> optax.Schedule:
+    """The schedule ``cfg.schedule`` names, peaking at ``cfg.lr``.
+
+    total_steps: the run's length, for schedules whose ``total_steps`` is null.
+    """
+    s, peak = cfg.schedule, cfg.lr
+    total = getattr(s, "total_steps", None) or total_steps
+    if s.kind in ("cosine", "wsd") and total is None:
+        raise ValueError(f"schedule {s.kind!r} needs total_steps (the run's length)")
+    if s.kind == "constant":
+        return optax.constant_schedule(peak)
+    if s.kind == "warmup":
+        return optax.warmup_constant_schedule(s.init_lr, peak, s.warmup_steps)
+    if s.kind == "cosine":
+        return optax.warmup_cosine_decay_schedule(s.init_lr, peak, s.warmup_steps, total,
+                                                  end_value=s.end_lr)
+    if s.kind == "exponential":
+        return optax.warmup_exponential_decay_schedule(
+            s.init_lr, peak, s.warmup_steps, s.transition_steps, s.decay_rate,
+            staircase=s.staircase, end_value=s.end_lr)
+    if s.kind == "wsd":
+        return warmup_stable_decay(s.init_lr, peak, s.end_lr, s.warmup_steps,
+                                   round(s.decay_fraction * total), total, s.decay)
+    return optax.piecewise_constant_schedule(peak, dict(zip(s.boundaries, s.scales, strict=True)))
+
+
+def warmup_stable_decay(init_lr: float, peak: float, end_lr: float, warmup_steps: int,
+                        decay_steps: int, total_steps: int, shape: str) -> optax.Schedule:
+    """Linear warmup, ``peak`` held, then a ``shape`` decay to ``end_lr`` over the last
+    ``decay_steps`` (linear; cosine; sqrt: ``1 - sqrt(t)``, the cooldown of Hägele et al. 2024)."""
+    decay_start = total_steps - decay_steps
+
+    def decay(count: jax.Array) -> jax.Array:
+        t = jnp.clip(count / max(decay_steps, 1), 0.0, 1.0)
+        frac = {"linear": 1.0 - t, "cosine": 0.5 * (1.0 + jnp.cos(jnp.pi * t)),
+                "sqrt": 1.0 - jnp.sqrt(t)}[shape]
+        return end_lr + (peak - end_lr) * frac
+
+    return optax.join_schedules(
+        [optax.linear_schedule(init_lr, peak, warmup_steps), optax.constant_schedule(peak), decay],
+        [warmup_steps, decay_start])
+
+
+def decay_mask(params: PyTree) -> PyTree:
+    """True for params that get weight decay: those with two or more dims (weight matrices,
+    embeddings, conv kernels). Vectors (biases, norm scales and offsets) are left alone."""
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def build_optimizer(cfg: OptimizerConfig, total_steps: int | None = None) -> Optimizer:
+    """``cfg``'s optimizer with its schedule, after global-norm clipping if ``cfg.clip_norm``."""
+    schedule = build_schedule(cfg, total_steps)
     # A float learning rate (not the schedule) when it is constant: the same program as a
     # hand-written `optax.adam(lr)`, which is what parity with a hand loop is tested against.
-    lr = cfg.lr
+    lr = cfg.lr if cfg.schedule.kind == "constant" else schedule
     if cfg.name == "adam":
         tx = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     elif cfg.name == "adamw":
-        tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        tx = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                         mask=decay_mask)
     elif cfg.name == "sgd":
         tx = optax.sgd(lr, momentum=cfg.momentum or None)
     else:
-        tx = optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+        tx = optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                        mask=decay_mask)
+    if cfg.clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
     return Optimizer(tx=tx, schedule=schedule)

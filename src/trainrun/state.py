@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trainrun.precision import LossScale
+
 PyTree = Any
 
 
@@ -17,11 +19,15 @@ PyTree = Any
 class TrainState:
     """One pytree for the whole run state.
 
-    step: int32 scalar, the number of optimizer updates done.
-    params: the model's parameters (float32 masters).
+    step: int32 scalar, the number of steps taken (batches consumed).
+    params: the model's parameters (float32 masters unless ``precision.params`` says else).
     opt_state: the Optax state for ``params``.
     key: typed PRNG key (``jax.random.key``); never changes. Step ``s`` draws from
         ``fold_in(key, s)``, so a resumed run draws the same bits as an uninterrupted one.
+    nonfinite_steps: int32 scalar, steps whose loss or gradients were not finite; their update
+        was skipped (params and opt_state kept), so the optimizer has done
+        ``step - nonfinite_steps`` updates and its schedule stands at that count.
+    loss_scale: the dynamic loss scale (float16 compute); ``(1.0, 0)`` and unused otherwise.
 
     A new piece of run state is a new field here: then it is donated, checkpointed and covered
     by the resume check with no other change.
@@ -31,19 +37,23 @@ class TrainState:
     params: PyTree
     opt_state: PyTree
     key: jax.Array
+    nonfinite_steps: jax.Array
+    loss_scale: LossScale
 
     def replace(self, **changes: Any) -> TrainState:
         return dataclasses.replace(self, **changes)
 
 
 def create_state(params: PyTree, optimizer: optax.GradientTransformation,
-                 key: jax.Array) -> TrainState:
+                 key: jax.Array, loss_scale: LossScale | None = None) -> TrainState:
     """A fresh state at step 0. Call under ``jax.jit`` to create it already placed/sharded."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=optimizer.init(params),
         key=key,
+        nonfinite_steps=jnp.zeros((), jnp.int32),
+        loss_scale=loss_scale if loss_scale is not None else LossScale.create(),
     )
 
 

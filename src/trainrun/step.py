@@ -12,38 +12,129 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trainrun.config import ConfigError
 from trainrun.models.adapters import Model
 from trainrun.optim import Optimizer
+from trainrun.precision import LossScale, Policy
 from trainrun.state import TrainState, step_key
 
 Batch = Any
+PyTree = Any
 Metrics = dict[str, jax.Array]
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 
 
-def make_train_step(model: Model, optimizer: Optimizer) -> StepFn:
-    """One optimizer update.
+def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
+                    policy: Policy | None = None) -> StepFn:
+    """One optimizer update on one batch.
 
-    Metrics: ``loss`` (of the params before the update, as value_and_grad computes it),
-    ``grad_norm`` (global L2 norm), ``lr`` (the schedule's value at this step) and the model's
-    aux metrics.
+    accumulate: M > 1 splits the batch into M microbatches (example ``j`` goes to microbatch
+        ``j % M``) and scans over them inside this one step, so only one microbatch's
+        activations are alive at a time. Microbatch ``i`` draws from ``fold_in(step_key, i)``.
+        Gradients, loss and aux are combined weighted by each microbatch's ``weight`` (see
+        ``Model``), which makes the result the full-batch gradient also when microbatches hold
+        different numbers of valid tokens. The optimizer and its schedule advance once.
+    policy: mixed precision (``precision.Policy``); params and floating batch leaves are cast
+        to its compute dtype, the loss to its output dtype; float16 scales the loss.
+
+    A step whose loss, gradients or update is not finite is not applied: params and opt_state
+    (hence the schedule) stay as they were, ``nonfinite_steps`` counts it, and with float16 the
+    loss scale halves. ``loop.py`` decides whether the run goes on (``nonfinite`` policy).
+
+    Metrics: ``loss`` (of the params before the update), ``grad_norm`` (before clipping),
+    ``update_norm``, ``param_norm`` (after the step), ``lr`` (the value the optimizer used),
+    ``nonfinite_steps`` (so far), ``loss_scale`` (float16 only) and the model's aux metrics.
     """
+    policy = policy or Policy()
+    gradients = _gradient_fn(model, policy, accumulate)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        grad_fn = jax.value_and_grad(model.loss, has_aux=True)
-        (loss, aux), grads = grad_fn(state.params, batch, step_key(state))
+        loss, aux, grads = gradients(state.params, batch, step_key(state), state.loss_scale)
+        grads = policy.unscale_grads(grads, state.loss_scale)
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.global_norm(grads)
+        update_norm = optax.global_norm(updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+        # A select, not a branch: one program, and a finite step computes the very same bits.
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        updates_done = state.step - state.nonfinite_steps
+        new_state = state.replace(
+            step=state.step + 1, params=params, opt_state=opt_state,
+            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+            loss_scale=policy.adjust(state.loss_scale, finite))
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
-            "lr": jnp.asarray(optimizer.schedule(state.step), jnp.float32),
+            "grad_norm": grad_norm,
+            "update_norm": update_norm,
+            "param_norm": optax.global_norm(params),
+            "lr": jnp.asarray(optimizer.schedule(updates_done), jnp.float32),
+            "nonfinite_steps": new_state.nonfinite_steps,
+            **({"loss_scale": state.loss_scale.scale} if policy.scales_loss else {}),
             **aux,
         }
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
     return train_step
+
+
+GradientFn = Callable[[PyTree, Batch, jax.Array, LossScale],
+                      tuple[jax.Array, dict[str, jax.Array], PyTree]]
+
+
+def _gradient_fn(model: Model, policy: Policy, accumulate: int) -> GradientFn:
+    """``(params, batch, key, loss_scale) -> (loss, aux, grads)``; grads still scaled."""
+
+    def objective(params: PyTree, batch: Batch, key: jax.Array, loss_scale: LossScale):
+        loss, aux = model.loss(policy.cast_to_compute(params), policy.cast_to_compute(batch), key)
+        aux = dict(aux)
+        weight = aux.pop("weight", None)
+        loss, aux = policy.cast_to_output((loss, aux))
+        return policy.scale_loss(loss, loss_scale), (loss, aux, weight)
+
+    grad = jax.value_and_grad(objective, has_aux=True)
+
+    def whole(params, batch, key, loss_scale):
+        (_, (loss, aux, _)), grads = grad(params, batch, key, loss_scale)
+        return loss, aux, grads
+
+    if accumulate == 1:
+        return whole
+
+    def accumulated(params, batch, key, loss_scale):
+        size = jax.tree.leaves(batch)[0].shape[0]
+        if size % accumulate:
+            raise ConfigError(f"accumulate={accumulate} does not divide the batch of {size} "
+                              "examples; pick an accumulate that divides the batch")
+        micro = size // accumulate
+        # Strided, not contiguous: a device's contiguous shard of the batch then holds its
+        # share of every microbatch, so the split moves no data between devices.
+        strided = jax.tree.map(lambda x: x.reshape(micro, accumulate, *x.shape[1:]), batch)
+
+        def part(i):
+            return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), strided)
+
+        def one(i):
+            (_, (loss, aux, weight)), grads = grad(params, part(i), jax.random.fold_in(key, i),
+                                                   loss_scale)
+            weight = jnp.asarray(micro if weight is None else weight, jnp.float32)
+            return weight, (loss, aux, grads)
+
+        def body(totals, i):
+            weight, values = one(i)
+            # A microbatch without valid tokens adds nothing, even if its mean came out 0/0.
+            add = lambda t, v: t + jnp.where(weight > 0, weight * v.astype(jnp.float32), 0.0)
+            return (totals[0] + weight, jax.tree.map(add, totals[1], values)), None
+
+        shapes = jax.eval_shape(one, 0)[1]
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+        (total, sums), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                        jnp.arange(accumulate))
+        loss, aux, grads = jax.tree.map(lambda t, s: (t / total).astype(s.dtype), sums, shapes)
+        return loss, aux, grads
+
+    return accumulated
 
 
 def make_multi_step(train_step: StepFn) -> StepFn:

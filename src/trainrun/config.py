@@ -211,6 +211,57 @@ class PrecisionConfig(Section):
     loss_scale_factor: float = Field(2.0, gt=1)
 
 
+# ---- placement: mesh and processes -----------------------------------------------------------
+
+
+class MeshConfig(Section):
+    """The device mesh: a size per axis, or -1 for the devices the other axes leave. By default
+    every device (of every process) is on ``data``: plain data parallelism."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    fsdp_min_size: int = Field(16384, ge=0)
+    tensor_axes: list[str] = Field(default_factory=lambda: ["mlp", "heads", "kv_heads", "vocab"])
+
+    @pydantic.field_validator("data", "fsdp", "tensor")
+    @classmethod
+    def _size(cls, size: int) -> int:
+        if size == 0 or size < -1:
+            raise ValueError("an axis size is a number of devices >= 1, or -1 for the rest")
+        return size
+
+
+class SingleProcess(Section):
+    """One process driving the devices it sees."""
+
+    kind: Literal["none"] = "none"
+
+
+class AutoDistributed(Section):
+    """Processes found by ``jax.distributed.initialize()``'s cluster detection (SLURM, Open MPI,
+    Cloud TPU, ...). A process silent for ``peer_timeout_s`` is taken as lost: the others stop
+    with an error naming it (JAX's own heartbeat, at twice that, is the backstop)."""
+
+    kind: Literal["auto"] = "auto"
+    peer_timeout_s: float = Field(20.0, gt=0)
+    init_timeout_s: int = Field(300, gt=0)
+
+
+class ExplicitDistributed(AutoDistributed):
+    """Processes named by hand: the coordinator's host:port, the process count, this one's id."""
+
+    kind: Literal["explicit"] = "explicit"  # type: ignore[assignment]
+    coordinator: str | None = None
+    num_processes: int | None = Field(None, gt=0)
+    process_id: int | None = Field(None, ge=0)
+
+
+DistributedConfig = Annotated[
+    Union[SingleProcess, AutoDistributed, ExplicitDistributed],  # noqa: UP007
+    Field(discriminator="kind")]
+
+
 # ---- the run ---------------------------------------------------------------------------------
 
 
@@ -226,13 +277,24 @@ class RunConfig(Section):
     accumulate: int = Field(1, gt=0)
     nonfinite: Literal["skip", "halt"] = "skip"
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    distributed: DistributedConfig = Field(default_factory=SingleProcess)
+
+    @pydantic.field_validator("distributed", mode="before")
+    @classmethod
+    def _distributed_shorthand(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value  # `distributed: auto`
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
     def digest(self) -> str:
-        """sha256 of the resolved config: names a trajectory in provenance and on resume."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """sha256 of the resolved config: names a trajectory in provenance and on resume.
+
+        Placement (mesh, processes) is left out: the same run on another mesh or process count
+        is the same trajectory, and a checkpoint restores across them."""
+        trajectory = {k: v for k, v in self.to_dict().items() if k not in ("mesh", "distributed")}
+        blob = json.dumps(trajectory, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -11,6 +11,7 @@ call ``i+1`` is queued behind it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun import rundir
+from trainrun import distributed, rundir, sharding
 from trainrun.config import RunConfig
 from trainrun.data import batch_iterator, build_dataset
 from trainrun.errors import UserError
@@ -59,14 +60,29 @@ class NonFiniteError(UserError):
     """A non-finite loss or gradient under ``nonfinite: halt``; names the step."""
 
 
-def init_state(model: Model, optimizer: Optimizer, seed: int,
-               policy: Policy | None = None) -> TrainState:
-    init_key, base_key = root_keys(seed)
+def _state_builder(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None):
     policy = policy or Policy()
-    build = jax.jit(lambda k0, k1: create_state(policy.cast_to_param(model.init(k0)),
-                                                optimizer.tx, k1, policy.initial_loss_scale()))
-    program = build.lower(init_key, base_key).compile(compiler_options=INIT_COMPILER_OPTIONS)
-    return program(init_key, base_key)
+
+    def build() -> TrainState:
+        init_key, base_key = root_keys(seed)  # traced: the same bits as eager, on every process
+        return create_state(policy.cast_to_param(model.init(init_key)), optimizer.tx, base_key,
+                            policy.initial_loss_scale())
+
+    return build
+
+
+def abstract_state(model: Model, optimizer: Optimizer, seed: int,
+                   policy: Policy | None = None) -> TrainState:
+    """The state's shapes and dtypes, computed without allocating it."""
+    return jax.eval_shape(_state_builder(model, optimizer, seed, policy))
+
+
+def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None = None,
+               shardings: TrainState | None = None) -> TrainState:
+    """A fresh state, created where ``shardings`` puts it: each device computes only its own
+    shards, so a model never has to fit whole on one device."""
+    build = jax.jit(_state_builder(model, optimizer, seed, policy), out_shardings=shardings)
+    return build.lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
 
 
 def stack_batches(batches: list[Batch]) -> Batch:
@@ -87,7 +103,9 @@ class CompiledSteps:
     jitted call then finds that executable in JAX's cache and keeps its fast dispatch path."""
 
     def __init__(self, model: Model, optimizer: Optimizer, steps_per_call: int,
-                 watch: Stopwatch, *, accumulate: int = 1, policy: Policy | None = None):
+                 watch: Stopwatch, *, accumulate: int = 1, policy: Policy | None = None,
+                 state_sharding: TrainState | None = None,
+                 batch_sharding: jax.sharding.Sharding | None = None):
         single = make_train_step(model, optimizer, accumulate=accumulate, policy=policy)
         step = single if steps_per_call == 1 else make_multi_step(single)
 
@@ -96,7 +114,14 @@ class CompiledSteps:
             return state, pack_metrics(metrics)
 
         self.step = step
-        self.fn = jax.jit(packed_step, donate_argnums=0)
+        if state_sharding is None:
+            self.fn = jax.jit(packed_step, donate_argnums=0)
+        else:  # pinned, so the donated state comes back exactly where it went in
+            metrics_sharding = jax.sharding.NamedSharding(batch_sharding.mesh,
+                                                          jax.sharding.PartitionSpec())
+            self.fn = jax.jit(packed_step, donate_argnums=0,
+                              in_shardings=(state_sharding, batch_sharding),
+                              out_shardings=(state_sharding, metrics_sharding))
         self.watch = watch
         self.programs: dict[int, Any] = {}
         self.metric_names: list[str] = []
@@ -167,33 +192,42 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
 
     model: defaults to the one ``config.model`` names.
     data: a Grain ``MapDataset`` of batches (checkpointable position) or any iterator of host
-        NumPy batches; defaults to the one ``config.data`` names.
+        NumPy batches; defaults to the one ``config.data`` names. With several processes, each
+        process's ``data`` yields its own rows of each global batch.
     """
     wall_start = time.perf_counter()
+    distributed.initialize(config.distributed)  # before anything asks JAX for devices
+    primary = jax.process_index() == 0  # only process 0 writes files and logs
     run_dir = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
     prov = provenance(config.digest())
-    moved = rundir.start_fresh(run_dir, config, prov, fresh)
+    moved = rundir.start_fresh(run_dir, config, prov, fresh) if primary else None
     batch_size = _batch_size(config, data)
-    console = ConsoleLog(config.steps, batch_size, out)
+    console = ConsoleLog(config.steps, batch_size, out if primary else open(os.devnull, "w"))  # noqa: SIM115
     if moved is not None:
         console.message(f"moved the previous run aside to {moved}")
 
     model = model or build_model(config.model)
-    if data is None:
-        data = build_dataset(config.data, seed=config.seed,
-                             process_index=jax.process_index(),
-                             process_count=jax.process_count())
-    batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
-               if isinstance(data, grain.MapDataset) else iter(data))
     optimizer = build_optimizer(config.optimizer, config.steps)
     policy = policy_from_config(config.precision)
+    mesh = sharding.build_mesh(config.mesh)
+    state_sharding = sharding.state_shardings(
+        mesh, abstract_state(model, optimizer, config.seed, policy), model.logical_axes,
+        optimizer.tx, config.mesh)
+    placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
+    if data is None:
+        data = build_dataset(config.data, seed=config.seed, process_index=placement.rows[0],
+                             process_count=placement.rows[1])
+    batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
+               if isinstance(data, grain.MapDataset) else iter(data))
     watch = Stopwatch()
     with watch.phase("init"):
-        state = jax.block_until_ready(init_state(model, optimizer, config.seed, policy))
+        state = jax.block_until_ready(
+            init_state(model, optimizer, config.seed, policy, state_sharding))
     programs = CompiledSteps(model, optimizer, config.steps_per_call, watch,
-                             accumulate=config.accumulate, policy=policy)
+                             accumulate=config.accumulate, policy=policy,
+                             state_sharding=state_sharding, batch_sharding=placement.sharding)
     timer = StepTimer()
-    jsonl = JsonlWriter(run_dir / rundir.METRICS)
+    jsonl = JsonlWriter(run_dir / rundir.METRICS if primary else Path(os.devnull))
     console.message(f"training {model.name} for {config.steps} steps, "
                     f"{config.steps_per_call} per call -> {run_dir}")
 
@@ -225,6 +259,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
             batch = next(batches)
         else:
             batch = stack_batches([next(batches) for _ in range(k)])
+        batch = placement.put(batch)
         dispatched_at = time.perf_counter()
         data_wait += dispatched_at - data_start
         state, packed = programs(k, state, batch)
@@ -242,7 +277,8 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
 
     summary = _summary(config, last_metrics, timer, watch, prov, batch_size,
                        time.perf_counter() - wall_start)
-    rundir.write_json(run_dir / rundir.SUMMARY, summary)
+    if primary:
+        rundir.write_json(run_dir / rundir.SUMMARY, summary)
     _print_summary(console, summary)
     return summary
 

@@ -6,6 +6,8 @@ own, op for op, so a run of ``configs/mlp.yaml`` reproduces its hand-written loo
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -37,4 +39,10 @@ def make_mlp(cfg: MLPModel) -> Model:
         del key  # deterministic model
         return jnp.mean((predict(params, batch["x"]) - batch["y"]) ** 2)
 
-    return from_functions(init, loss, name="mlp")
+    # Tensor parallelism, Megatron style: odd layers split their output dim ("mlp": column
+    # parallel), even layers their input dim (row parallel), so a pair needs one all-reduce.
+    axes = {}
+    for i in range(1, n_layers + 1):
+        names = ("embed", "mlp") if i % 2 else ("mlp", "embed")
+        axes[f"w{i}"], axes[f"b{i}"] = names, names[1:]
+    return dataclasses.replace(from_functions(init, loss, name="mlp"), logical_axes=axes)

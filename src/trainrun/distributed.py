@@ -1,0 +1,328 @@
+"""Several processes, one program: joining them on ``jax.distributed``, watching each other,
+and ``trainrun launch``, which starts N of them on this machine.
+
+Once joined, ``jax.devices()`` lists every device of every process and one jitted program runs
+over all of them; the mesh spans processes like it spans devices. What this module adds is
+failure handling: a process that dies, hangs or fails makes the others stop within a bounded
+time, with an error that names it, instead of waiting forever in a collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import jax
+
+from trainrun.config import AutoDistributed, ExplicitDistributed, SingleProcess
+from trainrun.errors import UserError
+
+DistributedConfig = SingleProcess | AutoDistributed | ExplicitDistributed
+PEER_LOST_EXIT = 3  # exit status of a process stopped because another was lost
+
+
+class DistributedError(UserError):
+    """A process group that cannot be formed as configured; one line, exit 2."""
+
+
+# ---- joining ---------------------------------------------------------------------------------
+
+_watch: PeerWatch | None = None
+
+
+def initialize(cfg: DistributedConfig) -> PeerWatch | None:
+    """Join the process group ``cfg`` describes (once per process) and start watching the other
+    processes. Must run before anything else touches JAX's devices. ``none``: nothing to do."""
+    global _watch
+    if cfg.kind == "none" or jax.distributed.is_initialized():
+        return _watch
+    options: dict[str, Any] = {
+        "initialization_timeout": cfg.init_timeout_s,
+        # JAX's heartbeat aborts the process when a peer is silent this long: the backstop
+        # behind PeerWatch, which reports the same loss sooner and by name.
+        "heartbeat_timeout_seconds": max(2, round(2 * cfg.peer_timeout_s)),
+    }
+    if isinstance(cfg, ExplicitDistributed):
+        options.update(_explicit_options(cfg))
+    # Cross-process collectives on CPU go over gloo (TCP); GPUs and TPUs bring their own.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = options.get("coordinator_address", "the detected cluster")
+    try:
+        jax.distributed.initialize(**options)
+    except RuntimeError as err:
+        if "must be called before" in str(err):
+            raise DistributedError("distributed start-up must come before any use of JAX "
+                                   "devices; call trainrun.run (or distributed.initialize) "
+                                   "first") from None
+        raise DistributedError(f"could not join the processes at {where}: "
+                               f"{_first_line(err)}") from None
+    except ValueError as err:
+        if cfg.kind == "auto":
+            raise DistributedError("distributed=auto found no cluster to join (SLURM, Open MPI, "
+                                   "Cloud TPU, ...); run under one, use `trainrun launch` on "
+                                   "one machine, or set distributed.kind=explicit with "
+                                   "coordinator, num_processes and process_id") from None
+        raise DistributedError(f"distributed start-up failed: {_first_line(err)}") from None
+    except Exception as err:  # the coordinator unreachable, a port taken, a timeout
+        raise DistributedError(f"could not join the processes at {where}: "
+                               f"{_first_line(err)}") from None
+    if jax.process_count() > 1:
+        _watch = PeerWatch(jax.process_index(), jax.process_count(), cfg.peer_timeout_s)
+        _watch.start()
+    return _watch
+
+
+def _explicit_options(cfg: ExplicitDistributed) -> dict[str, Any]:
+    missing = [name for name in ("coordinator", "num_processes", "process_id")
+               if getattr(cfg, name) is None]
+    if missing:
+        raise DistributedError(f"distributed.kind=explicit needs {', '.join(missing)}: set "
+                               "distributed.coordinator=HOST:PORT (process 0's address), "
+                               "distributed.num_processes=N and distributed.process_id=I")
+    if not re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", cfg.coordinator):
+        raise DistributedError(f"distributed.coordinator {cfg.coordinator!r} is not HOST:PORT "
+                               "(e.g. 10.0.0.1:1234)")
+    if cfg.process_id >= cfg.num_processes:
+        raise DistributedError(f"distributed.process_id {cfg.process_id} is not below "
+                               f"distributed.num_processes {cfg.num_processes}; ids run "
+                               f"0..{cfg.num_processes - 1}")
+    return {"coordinator_address": cfg.coordinator, "num_processes": cfg.num_processes,
+            "process_id": cfg.process_id}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# ---- watching the others ---------------------------------------------------------------------
+
+
+class PeerWatch:
+    """Heartbeats through the coordinator's key-value store.
+
+    Every second each process bumps its own counter and reads everyone's. A peer whose counter
+    has not moved for ``timeout_s`` (by this process's clock: no clock skew between hosts) is
+    lost; a peer that recorded a failure has failed. Either way this process prints an error
+    naming it and exits at once, from this thread, since the main thread may be blocked in a
+    collective that will never complete. Losing the coordinator itself shows as the store
+    failing to answer.
+    """
+
+    PREFIX = "trainrun/peers/"
+
+    def __init__(self, process_id: int, process_count: int, timeout_s: float,
+                 period_s: float = 1.0):
+        from jax._src import distributed as jax_distributed  # the store has no public handle
+
+        self.client = jax_distributed.global_state.client
+        self.coordinator = jax_distributed.global_state.coordinator_address
+        self.me, self.count = process_id, process_count
+        self.timeout_s, self.period_s = timeout_s, period_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="trainrun-peer-watch", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        # Stop beating before JAX's own exit handler waits for the others (handlers run last
+        # registered first): a process that is leaving must not look alive.
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    def finish(self) -> None:
+        """This process is done: the others stop expecting its heartbeat."""
+        self.stop()
+        self.client.key_value_set(f"{self.PREFIX}done/{self.me}", "", allow_overwrite=True)
+
+    def fail(self, message: str, code: int) -> None:
+        """Tell the others this process failed, so they stop now with its message."""
+        self.stop()
+        with contextlib.suppress(Exception):  # the coordinator may be what failed
+            self.client.key_value_set(f"{self.PREFIX}failed/{self.me}", f"{code} {message}",
+                                      allow_overwrite=True)
+
+    def _run(self) -> None:
+        beats = 0
+        seen: dict[int, tuple[str | None, float]] = {}
+        start = time.monotonic()
+        while not self.stopped.wait(0 if beats == 0 else self.period_s):
+            beats += 1
+            try:
+                self.client.key_value_set(f"{self.PREFIX}beat/{self.me}", str(beats),
+                                          allow_overwrite=True)
+                entries = dict(self.client.key_value_dir_get(self.PREFIX))
+            except Exception as err:
+                if self.stopped.is_set():
+                    return
+                self._exit(f"lost the coordinator (process 0 at {self.coordinator}): "
+                           f"{_first_line(err)}", PEER_LOST_EXIT)
+            now = time.monotonic()
+            for peer in range(self.count):
+                if peer == self.me or f"{self.PREFIX}done/{peer}" in entries:
+                    continue
+                failed = entries.get(f"{self.PREFIX}failed/{peer}")
+                if failed is not None:
+                    code, _, message = failed.partition(" ")
+                    self._exit(f"process {peer} of {self.count} failed: {message}", int(code))
+                beat = entries.get(f"{self.PREFIX}beat/{peer}")
+                last_beat, since = seen.get(peer, (None, start))
+                if beat != last_beat:
+                    seen[peer] = (beat, now)
+                elif now - since > self.timeout_s:
+                    self._exit(f"process {peer} of {self.count} stopped responding (no heartbeat "
+                               f"for {self.timeout_s:g} s: it died, hung or lost the network); "
+                               "stopping this process too", PEER_LOST_EXIT)
+
+    def _exit(self, message: str, code: int) -> None:
+        if self.stopped.is_set():
+            return
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@contextlib.contextmanager
+def session(cfg: DistributedConfig) -> Iterator[None]:
+    """Joined for the ``with`` body. If the body fails in a multi-process run, the others are
+    told (and stop with this process's message) and this process exits at once: waiting for
+    them in JAX's orderly shutdown would only hang."""
+    watch = initialize(cfg)
+    try:
+        yield
+    except BaseException as err:
+        if watch is None:
+            raise
+        code = 2 if isinstance(err, UserError) else 130 if isinstance(err, KeyboardInterrupt) else 1
+        message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+        watch.fail(message, code)
+        if not isinstance(err, UserError):
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+        os._exit(code)
+    if watch is not None:
+        watch.finish()
+
+
+# ---- the local launcher ----------------------------------------------------------------------
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def process_env(devices_per_process: int | None, port: int) -> dict[str, str]:
+    """The environment of a launched process: CPU only, unbuffered output, the coordinator
+    bound to loopback only, and ``devices_per_process`` simulated devices when given."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
+    if devices_per_process is not None:
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+        env["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={devices_per_process}"])
+    return env
+
+
+def launch(n: int, train_args: list[str], devices_per_process: int | None = None,
+           grace_s: float = 90.0, out: TextIO = sys.stdout) -> int:
+    """Run ``trainrun <train_args>`` as ``n`` processes of one run on this machine.
+
+    Each gets ``distributed.kind=explicit`` with a coordinator on 127.0.0.1 at a free port;
+    their output is streamed line by line, prefixed ``[i]``. Returns 0 if all succeed, else the
+    status of the first to fail (128 + signal for a killed one). Once one has failed the others
+    get ``grace_s`` seconds to stop by themselves (they do, within their peer timeout) before
+    they are terminated.
+    """
+    if not train_args or train_args[0] != "train":
+        raise DistributedError("trainrun launch runs a training command: "
+                               "trainrun launch -n N [--devices-per-process D] -- train [args]")
+    if n < 1 or (devices_per_process is not None and devices_per_process < 1):
+        raise DistributedError("launch needs -n >= 1 and --devices-per-process >= 1")
+    port = free_port()
+    env = process_env(devices_per_process, port)
+    lock = threading.Lock()
+
+    def say(text: str) -> None:
+        with lock:
+            out.write(text + "\n")
+            out.flush()
+
+    procs: list[subprocess.Popen[str]] = []
+    for i in range(n):
+        joining = ["distributed.kind=explicit", f"distributed.coordinator=127.0.0.1:{port}",
+                   f"distributed.num_processes={n}", f"distributed.process_id={i}"]
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainrun", *train_args, *joining],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, bufsize=1, env=env))
+        say(f"[launch] process {i} of {n}: pid {procs[-1].pid}")
+    pumps = [threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", say), daemon=True)
+             for i, p in enumerate(procs)]
+    for pump in pumps:
+        pump.start()
+
+    first_failure: int | None = None
+    deadline: float | None = None
+    terminated = False
+    forward = {sig: signal.signal(sig, lambda s, _: [p.send_signal(s) for p in procs])
+               for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while any(p.returncode is None for p in procs):
+            for i, p in enumerate(procs):
+                if p.returncode is None and p.poll() is not None:
+                    say(f"[launch] process {i} exited with {_describe(p.returncode)}")
+                    if p.returncode != 0 and first_failure is None:
+                        first_failure = _status(p.returncode)
+                        deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                for i, p in enumerate(procs):
+                    if p.poll() is None:
+                        say(f"[launch] process {i} still running after a failure; "
+                            f"{'killing' if terminated else 'terminating'} it")
+                        p.kill() if terminated else p.terminate()
+                terminated, deadline = True, time.monotonic() + 10
+            time.sleep(0.05)
+    finally:
+        for sig, handler in forward.items():
+            signal.signal(sig, handler)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for pump in pumps:
+        pump.join(timeout=5)
+    return first_failure or 0
+
+
+def _pump(stream: TextIO, prefix: str, say: Any) -> None:
+    for line in stream:
+        say(prefix + line.rstrip("\n"))
+
+
+def _status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name} (status {_status(returncode)})"
+    return f"status {returncode}"

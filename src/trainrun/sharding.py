@@ -1,0 +1,181 @@
+"""Where arrays live: the device mesh, and the shardings of the batch and of the train state.
+
+    mesh       axes (data, fsdp, tensor); sizes from the config, -1 = the devices left over
+    batch      its example dim split over (data, fsdp)        [B, ...] or stacked [K, B, ...]
+    params     tensor: the dim whose logical name is in ``mesh.tensor_axes`` split over `tensor`
+               (an MLP's ``(embed, mlp)`` then ``(mlp, embed)`` is column- then row-parallel)
+               fsdp:   of a param with >= ``mesh.fsdp_min_size`` elements, the largest other
+                       dim that `fsdp` divides
+               a dim that does not divide stays whole (replicated)
+    opt state  each param-shaped part follows its param; scalars, step and key replicated
+
+The same program runs on 1 device, N devices and N hosts: only the mesh changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainrun.config import MeshConfig
+from trainrun.errors import UserError
+
+PyTree = Any
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+class MeshError(UserError):
+    """A mesh that does not fit the devices or the model; one line, exit 2."""
+
+
+def mesh_shape(cfg: MeshConfig, device_count: int) -> dict[str, int]:
+    """Axis sizes with a ``-1`` resolved; their product is exactly ``device_count``."""
+    sizes = {axis: getattr(cfg, axis) for axis in AXES}
+    free = [axis for axis, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        raise MeshError(f"mesh axes {' and '.join(free)} are both -1; only one axis can take "
+                        "the remaining devices, give the others a size")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    named = " x ".join(f"{axis}={size}" for axis, size in sizes.items() if size != -1)
+    if free:
+        if device_count % fixed:
+            raise MeshError(f"mesh {named} = {fixed} devices does not divide the "
+                            f"{device_count} devices of this run; choose sizes whose product "
+                            f"divides {device_count}")
+        sizes[free[0]] = device_count // fixed
+    elif fixed != device_count:
+        raise MeshError(f"mesh {named} = {fixed} devices, but this run has {device_count}; "
+                        f"make the product {device_count} or set one axis to -1")
+    return sizes
+
+
+def build_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
+    """The run's mesh over ``devices`` (default: every device of every process).
+
+    Axes are ``Auto``: the model's code carries no sharding annotations; XLA propagates the
+    shardings of the params and the batch through it.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = mesh_shape(cfg, len(devices))
+    return jax.make_mesh(tuple(sizes.values()), AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                         devices=devices)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+# ---- params and state ------------------------------------------------------------------------
+
+
+def param_spec(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
+               sizes: dict[str, int], cfg: MeshConfig, where: str = "param") -> P:
+    """The PartitionSpec of one param of ``shape`` whose dims are named ``names``."""
+    spec: list[str | None] = [None] * len(shape)
+    if names is not None and len(names) != len(shape):
+        raise MeshError(f"{where} has shape {shape} but its logical axes {names} name "
+                        f"{len(names)} dims; give one name (or None) per dim")
+    tensor, fsdp = sizes["tensor"], sizes["fsdp"]
+    if tensor > 1 and names is not None:
+        for dim, (size, name) in enumerate(zip(shape, names, strict=True)):
+            if name in cfg.tensor_axes and size % tensor == 0:
+                spec[dim] = "tensor"
+                break  # a mesh axis shards one dim at most
+    if fsdp > 1 and math.prod(shape) >= cfg.fsdp_min_size:
+        free = [dim for dim in range(len(shape)) if spec[dim] is None and shape[dim] % fsdp == 0]
+        if free:
+            spec[max(free, key=lambda dim: shape[dim])] = "fsdp"  # max keeps the first of ties
+    return P(*spec)
+
+
+def param_shardings(mesh: Mesh, params: PyTree, logical_axes: PyTree | None,
+                    cfg: MeshConfig) -> PyTree:
+    """A NamedSharding per param; ``params`` may be abstract (``jax.eval_shape``)."""
+    sizes = dict(mesh.shape)
+    if sizes["tensor"] > 1 and logical_axes is None:
+        raise MeshError(f"mesh.tensor={sizes['tensor']} but the model names no param axes "
+                        "(Model.logical_axes), so nothing could be split over tensor; set "
+                        "mesh.tensor=1 or give the model logical axes")
+    paths, treedef = jax.tree.flatten_with_path(params)
+    names = ([None] * len(paths) if logical_axes is None
+             else treedef.flatten_up_to(logical_axes))
+    specs = [param_spec(tuple(leaf.shape), axes, sizes, cfg, jax.tree_util.keystr(path))
+             for (path, leaf), axes in zip(paths, names, strict=True)]
+    return treedef.unflatten([NamedSharding(mesh, spec) for spec in specs])
+
+
+def state_shardings(mesh: Mesh, abstract_state: Any, logical_axes: PyTree | None,
+                    tx: optax.GradientTransformation, cfg: MeshConfig) -> Any:
+    """Shardings for a whole TrainState: params by the rules, optimizer state following them."""
+    params = param_shardings(mesh, abstract_state.params, logical_axes, cfg)
+    whole = replicated(mesh)
+    opt_state = optax.tree_map_params(tx, lambda _, sharding: sharding,
+                                      abstract_state.opt_state, params,
+                                      transform_non_params=lambda _: whole)
+    return jax.tree.map(lambda _: whole, abstract_state).replace(params=params,
+                                                                 opt_state=opt_state)
+
+
+# ---- the batch -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlacement:
+    """How a global batch of ``global_size`` examples is split over the mesh and the processes.
+
+    sharding: of each batch leaf (the example dim is ``axis``: 1 for stacked ``[K, B, ...]``).
+    rows: ``(index, count)``: this process loads rows ``[index * B / count, (index+1) * B /
+        count)`` of each global batch, the rows its devices hold. Processes whose devices hold
+        the same rows (a `tensor` axis across hosts) load the same rows.
+    """
+
+    sharding: NamedSharding
+    axis: int
+    global_size: int
+    rows: tuple[int, int]
+
+    def put(self, batch: PyTree) -> PyTree:
+        """This process's host rows -> the global batch.
+
+        One process: the host arrays are returned as they are; the jitted step places them by
+        its ``in_shardings`` inside its C++ dispatch, with no per-step Python ``device_put``.
+        Several: each process contributes the rows it holds.
+        """
+        if jax.process_count() == 1:
+            return batch
+
+        def global_array(leaf: np.ndarray) -> jax.Array:
+            shape = list(leaf.shape)
+            shape[self.axis] = self.global_size
+            return jax.make_array_from_process_local_data(self.sharding, leaf, tuple(shape))
+
+        return jax.tree.map(global_array, batch)
+
+
+def batch_placement(mesh: Mesh, global_size: int, stacked: bool) -> BatchPlacement:
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    if global_size % split:
+        raise MeshError(f"data.batch_size {global_size} does not split over data x fsdp = "
+                        f"{split} devices; make it a multiple of {split}")
+    spec = P(None, BATCH_AXES) if stacked else P(BATCH_AXES)
+    return BatchPlacement(NamedSharding(mesh, spec), 1 if stacked else 0, global_size,
+                          _process_rows(mesh, global_size))
+
+
+def _process_rows(mesh: Mesh, global_size: int) -> tuple[int, int]:
+    held = NamedSharding(mesh, P(BATCH_AXES)).addressable_devices_indices_map((global_size,))
+    spans = sorted({(index[0].indices(global_size)[:2]) for index in held.values()})
+    start, stop = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != stop - start:
+        raise MeshError(f"this process's devices hold rows {spans} of the batch, which are not "
+                        "one block; order the devices so each process's are adjacent on "
+                        "(data, fsdp)")
+    return start // (stop - start), global_size // (stop - start)

@@ -3,11 +3,13 @@ through blocking reads, and the provenance that says what the numbers were measu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
@@ -65,13 +67,36 @@ class StepTimer:
 
 
 class Stopwatch:
-    """Accumulates wall time per named phase (compile, data, checkpoint, eval, ...)."""
+    """Accumulates wall time per named phase (compile, data, checkpoint, eval, ...).
+
+    ``loop()`` marks the training loop: phases timed inside it are also kept apart (``in_loop``)
+    so that what remains of the loop's time is the steps themselves (see ``wall_split``).
+    """
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
+        self.in_loop: dict[str, float] = {}
+        self.loop_s = 0.0
+        self._looping = False
 
     def phase(self, name: str) -> _Phase:
         return _Phase(self, name)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Time measured by the caller (hot paths that avoid a context manager per step)."""
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+        if self._looping:
+            self.in_loop[name] = self.in_loop.get(name, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def loop(self) -> Iterator[None]:
+        start = time.perf_counter()
+        self._looping = True
+        try:
+            yield
+        finally:
+            self._looping = False
+            self.loop_s += time.perf_counter() - start
 
 
 class _Phase:
@@ -82,5 +107,26 @@ class _Phase:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        elapsed = time.perf_counter() - self.start
-        self.watch.totals[self.name] = self.watch.totals.get(self.name, 0.0) + elapsed
+        self.watch.add(self.name, time.perf_counter() - self.start)
+
+
+# Where a run's wall time went: Stopwatch phase -> summary name. Step compute is what is left of
+# the training loop once its other phases are taken out: dispatching the jitted calls and
+# waiting for their results.
+PHASES = {"init": "init", "compile": "compile", "data": "data_wait", "checkpoint": "checkpoint",
+          "eval": "eval", "log": "logging", "profile": "profiling"}
+
+
+def wall_split(watch: Stopwatch, wall_s: float) -> dict[str, float]:
+    """``wall_s`` split into parts that add up to it: the timed phases, ``step_compute`` and
+    ``other`` (set-up before the loop, the summary, phases with names not listed)."""
+    split = {name: watch.totals.get(phase, 0.0) for phase, name in PHASES.items()}
+    inside = sum(watch.in_loop.values())
+    split["step_compute"] = max(watch.loop_s - inside, 0.0)
+    split["other"] = max(wall_s - sum(split.values()), 0.0)
+    return split
+
+
+def goodput(split: dict[str, float], wall_s: float) -> float | None:
+    """The fraction of the run's wall time spent computing steps."""
+    return split["step_compute"] / wall_s if wall_s > 0 else None

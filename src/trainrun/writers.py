@@ -1,17 +1,36 @@
 """Where metrics go: the only module that writes them.
 
-Every writer takes one step's metrics as plain Python floats. ``metrics.jsonl`` always; more
-writers (TensorBoard, W&B) implement the same two methods.
+Every writer takes one step's metrics as plain Python floats through one small protocol
+(``write`` and ``close``): ``metrics.jsonl`` always, TensorBoard event files (on by default),
+Weights & Biases when installed and asked for. ``RunOutput`` fans a window of rows out to them
+and to the console; only process 0 of a multi-process run builds any of them.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from trainrun import rundir
+from trainrun.errors import UserError
+
+Rows = list[tuple[int, dict[str, float]]]
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+class WriterError(UserError):
+    """A metrics destination that cannot be used as configured."""
 
 
 class Writer(Protocol):
@@ -60,22 +79,249 @@ def read_metrics(path: Path, split: str = "train") -> list[dict]:
     return [r for r in records if r.get("split", "train") == split]
 
 
-class ConsoleLog:
-    """Plain log lines every ``log_every`` steps: step, loss, lr, steps/s, examples/s."""
+class TensorBoardWriter:
+    """TensorBoard event files in ``logdir``, tags ``<split>/<metric>``: one event per step.
 
-    def __init__(self, total_steps: int, examples_per_step: int, out: TextIO = sys.stdout):
+    Events are written synchronously through tensorboardX's record writer (a few µs per step),
+    not its queue-and-thread ``SummaryWriter``, whose bounded queue hands every scalar to
+    another thread (~100 µs per step here). A run resumed at step ``s`` starts its file with
+    TensorBoard's restart marker, so steps after ``s`` that an earlier process wrote are dropped
+    from the charts instead of drawn twice.
+    """
+
+    def __init__(self, logdir: Path, start_step: int = 0):
+        EventsWriter, Event, SessionLog, Summary = _tensorboardx()
+        self._event, self._summary = Event, Summary
+        logdir.mkdir(parents=True, exist_ok=True)
+        self.events = EventsWriter(str(logdir / "events"))
+        if start_step:
+            self.events.write_event(Event(wall_time=time.time(), step=start_step,
+                                          session_log=SessionLog(status=SessionLog.START)))
+
+    def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
+        values = [self._summary.Value(tag=f"{split}/{name}", simple_value=value)
+                  for name, value in metrics.items()]
+        self.events.write_event(self._event(wall_time=time.time(), step=step,
+                                            summary=self._summary(value=values)))
+
+    def flush(self) -> None:
+        self.events.flush()
+
+    def close(self) -> None:
+        self.events.close()
+
+
+def _tensorboardx() -> tuple[Any, Any, Any, Any]:
+    """tensorboardX's record writer and protos. Importing tensorboardX imports torch when it is
+    installed (seconds, for support trainrun never uses), so torch is hidden for that import."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
+    try:
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return EventsWriter, Event, SessionLog, Summary
+
+
+class WandbWriter:
+    """A Weights & Biases run; ``mode="offline"`` writes it under the run dir with no network
+    (``wandb sync <run dir>/wandb/offline-run-*`` uploads it later). A resumed run logs to the
+    same W&B run (its id is kept in ``<run dir>/wandb-id``)."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], name: str, mode: str,
+                 project: str):
+        try:
+            import wandb
+        except ImportError:
+            raise WriterError(f"metrics.wandb is {mode!r} but wandb is not installed; "
+                              "pip install wandb, or set metrics.wandb=off") from None
+        id_file = run_dir / "wandb-id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=project, name=name, id=run_id, resume="allow",
+                              dir=str(run_dir), mode=mode, config=config,
+                              settings=wandb.Settings(console="off", silent=True))
+
+    def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
+        self.run.log({f"{split}/{name}": value for name, value in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+# ---- the console -----------------------------------------------------------------------------
+
+
+class ConsoleLog:
+    """Plain log lines every ``log_every`` steps: step, loss, lr, steps/s, examples/s. Used when
+    the output is not a terminal (CI, a file): one line per log point, never a redraw."""
+
+    def __init__(self, total_steps: int, examples_per_step: int, out: TextIO = sys.stdout,
+                 unit: str = "examples"):
         self.total = total_steps
         self.examples_per_step = examples_per_step
         self.out = out
+        self.unit = unit
 
     def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float) -> None:
         width = len(str(self.total))
         self.out.write(
             f"step {step:>{width}}/{self.total}  loss {metrics['loss']:.6g}  "
             f"lr {metrics['lr']:.3g}  {steps_per_s:,.1f} steps/s  "
-            f"{steps_per_s * self.examples_per_step:,.0f} examples/s\n")
+            f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s\n")
         self.out.flush()
 
     def message(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
+
+    def start_at(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleProgress:
+    """A rich progress bar on a terminal: step/total, loss, lr, throughput, ETA. Redrawn only
+    when a log point's metrics arrive (no refresh thread taking the interpreter from the loop);
+    messages print above it."""
+
+    def __init__(self, total_steps: int, examples_per_step: int, out: TextIO,
+                 unit: str = "examples"):
+        self.examples_per_step = examples_per_step
+        self.unit = unit
+        self.progress = Progress(
+            TextColumn("step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
+            TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[rate]}"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=Console(file=out), auto_refresh=False, redirect_stdout=False,
+            redirect_stderr=False)
+        self.task = self.progress.add_task("train", total=total_steps, loss="-", lr="-",
+                                           rate="")
+        self.progress.start()
+        atexit.register(self.progress.stop)  # a run that raised still gives the cursor back
+
+    def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float) -> None:
+        rate = f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s"
+        self.progress.update(self.task, completed=step, loss=f"{metrics['loss']:.5g}",
+                             lr=f"{metrics['lr']:.3g}", rate=rate)
+        self.progress.refresh()
+
+    def message(self, text: str) -> None:
+        self.progress.console.print(text, markup=False, highlight=False)
+
+    def start_at(self, step: int) -> None:
+        """A resumed run: the bar and its rate start from ``step``."""
+        self.progress.reset(self.task, completed=step)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def make_console(total_steps: int, examples_per_step: int, out: TextIO,
+                 unit: str = "examples") -> ConsoleLog | ConsoleProgress:
+    """A progress bar when ``out`` is a terminal, plain lines otherwise."""
+    if Console(file=out).is_terminal:
+        return ConsoleProgress(total_steps, examples_per_step, out, unit)
+    return ConsoleLog(total_steps, examples_per_step, out, unit)
+
+
+# ---- the fan-out -----------------------------------------------------------------------------
+
+
+class RunOutput:
+    """Everything a run writes about its metrics: the writers, the console, timing windows.
+
+    Rows come in windows (the loop's reads, or one at a time from a metrics stream on another
+    thread): each goes to every writer, and log steps also to the console. A lock keeps rows
+    from two threads whole.
+    """
+
+    def __init__(self, writers: list[Writer], console: ConsoleLog | ConsoleProgress,
+                 log_every: int, total_steps: int, timing: JsonlWriter | None = None,
+                 start_step: int = 0):
+        self.writers = writers
+        self.console = console
+        self.log_every = log_every
+        self.total = total_steps
+        self.timing = timing
+        self.lock = threading.Lock()
+        self.last_log = (start_step, time.perf_counter())
+
+    def write_rows(self, rows: Rows, split: str = "train") -> None:
+        with self.lock:
+            for step, metrics in rows:
+                for writer in self.writers:
+                    writer.write(step, metrics, split)
+                if split == "train" and (step % self.log_every == 0 or step == self.total):
+                    now = time.perf_counter()
+                    rate = (step - self.last_log[0]) / max(now - self.last_log[1], 1e-9)
+                    self.last_log = (step, now)
+                    self.console.line(step, metrics, rate)
+
+    def reset_rate(self, step: int) -> None:
+        """The console's next rate counts from here (after a compile, which is not a step)."""
+        with self.lock:
+            self.last_log = (step, time.perf_counter())
+
+    def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
+        """One row to every writer (eval rows: the console line is the caller's)."""
+        with self.lock:
+            for writer in self.writers:
+                writer.write(step, metrics, split)
+
+    def write_window(self, step: int, steps: int, step_s: float, examples_per_step: int) -> None:
+        """One timing window (``timing.jsonl`` and the ``perf/`` charts): its last step, its
+        step count and its device time per step."""
+        perf = {"step_time_s": step_s, "steps_per_s": 1.0 / step_s if step_s else 0.0,
+                "examples_per_s": examples_per_step / step_s if step_s else 0.0,
+                "window_steps": float(steps)}
+        with self.lock:
+            if self.timing is not None:
+                self.timing.write(step, perf)
+            for writer in self.writers:
+                if not isinstance(writer, JsonlWriter):
+                    writer.write(step, perf, "perf")
+
+    def message(self, text: str) -> None:
+        with self.lock:
+            self.console.message(text)
+
+    def flush(self) -> None:
+        """Rows written so far reach the files (before a checkpoint: they survive a kill)."""
+        with self.lock:
+            for writer in [*self.writers, self.timing]:
+                if hasattr(writer, "flush"):
+                    writer.flush()
+
+    def close(self) -> None:
+        with self.lock:
+            for writer in self.writers:
+                writer.close()
+            if self.timing is not None:
+                self.timing.close()
+            self.writers, self.timing = [], None
+            self.console.close()
+
+
+def build_output(run_dir: Path, console: ConsoleLog | ConsoleProgress, *, log_every: int,
+                 total_steps: int, primary: bool, start_step: int = 0, tensorboard: bool = True,
+                 wandb: str = "off", wandb_project: str = "trainrun",
+                 config: dict[str, Any] | None = None, name: str = "run") -> RunOutput:
+    """A run's ``RunOutput`` around its ``console`` (made earlier, for start-up messages).
+    ``primary`` is process 0: the others write no files (they would repeat them)."""
+    console.start_at(start_step)
+    if not primary:
+        return RunOutput([], console, log_every, total_steps, start_step=start_step)
+    writers: list[Writer] = [JsonlWriter(run_dir / rundir.METRICS)]
+    if tensorboard:
+        writers.append(TensorBoardWriter(run_dir / TENSORBOARD_DIR, start_step))
+    if wandb != "off":
+        writers.append(WandbWriter(run_dir, config or {}, name, wandb, wandb_project))
+    return RunOutput(writers, console, log_every, total_steps,
+                     JsonlWriter(run_dir / rundir.TIMING), start_step)

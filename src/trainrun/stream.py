@@ -1,0 +1,52 @@
+"""Metrics that leave the device while a fused K-step call is still running.
+
+With ``steps_per_call`` K > 1 the loop otherwise sees a call's K rows of metrics only when the
+whole call is done. ``metrics.stream: true`` adds an ordered ``io_callback`` after each step
+inside the scan: the host receives step ``s``'s metrics as soon as step ``s`` is computed, in
+step order (ordered effects run in program order), each exactly once.
+
+The step stays pure: the host function is passed in. On XLA:CPU a program that calls back to
+the host runs in the dispatching thread, so rows arrive during the call but the call no longer
+overlaps the host's next dispatch; on GPU and TPU the call stays asynchronous and rows arrive
+from the runtime's thread. ``benchmarks/streaming.py`` measures the cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+
+from trainrun.writers import RunOutput
+
+StepFn = Callable[[Any, Any], tuple[Any, dict[str, jax.Array]]]
+Emit = Callable[[np.ndarray, dict[str, np.ndarray]], None]
+
+
+def streamed(step: StepFn, emit: Emit) -> StepFn:
+    """``step`` that also sends ``(new step number, metrics)`` to ``emit`` on the host."""
+
+    def streamed_step(state: Any, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
+        state, metrics = step(state, batch)
+        io_callback(emit, None, state.step, metrics, ordered=True)
+        return state, metrics
+
+    return streamed_step
+
+
+class MetricStream:
+    """The host end: each arriving row goes straight to the run's writers and console."""
+
+    def __init__(self, output: RunOutput):
+        self.output = output
+        self.last_step: int | None = None
+        self.received = 0
+
+    def __call__(self, step: np.ndarray, metrics: dict[str, np.ndarray]) -> None:
+        self.last_step = int(step)
+        self.received += 1
+        row = {name: float(value) for name, value in sorted(metrics.items())}
+        self.output.write_rows([(self.last_step, row)])

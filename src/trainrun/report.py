@@ -1,0 +1,331 @@
+"""What a user looks at after (or during) a run: ``trainrun report``, ``compare`` and ``runs``.
+
+    report RUN_DIR        RUN_DIR/report.html with PNG plots in RUN_DIR/report/: train and eval
+                          loss, lr, grad norm, throughput, step-time histogram, the wall-time
+                          split, plus the summary and provenance tables
+    compare RUN_A RUN_B   their curves overlaid in one PNG and a table of final metrics
+    runs                  every run under runs/: status, last step, best eval metric
+
+Everything is read from the files a run leaves (see ``rundir``); nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from matplotlib.figure import Figure  # the object API: files only, no pyplot state or window
+
+from trainrun import rundir
+from trainrun.errors import UserError
+
+REPORT_HTML = "report.html"
+PLOT_DIR = "report"
+# Eval metrics where higher is better; for any other metric (loss, bits_per_byte) lower is.
+HIGHER_IS_BETTER = ("accuracy",)
+
+
+class ReportError(UserError):
+    """A path that holds no run to report on."""
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """The files of one run directory, parsed."""
+
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any]
+    status: dict[str, Any]
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+    timing: list[dict[str, Any]]
+
+    def series(self, rows: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
+        points = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+        return [s for s, _ in points], [v for _, v in points]
+
+    @property
+    def last_step(self) -> int:
+        return self.train[-1]["step"] if self.train else 0
+
+
+def _read_jsonl(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """A JSONL file's records by ``split`` (train when absent). A torn last line (a killed
+    writer) is skipped; where steps go back (a resumed run appending), the later pass wins."""
+    splits: dict[str, list[dict[str, Any]]] = {}
+    if not path.exists():
+        return splits
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        rows = splits.setdefault(record.get("split", "train"), [])
+        while rows and rows[-1]["step"] >= record["step"]:
+            rows.pop()
+        rows.append(record)
+    return splits
+
+
+def load_run(path: Path | str) -> RunRecord:
+    path = Path(path)
+    if not (path / rundir.CONFIG).exists():
+        raise ReportError(f"{path} holds no trainrun run (no {rundir.CONFIG}); give a run "
+                          "directory such as runs/mlp (`trainrun runs` lists them)")
+    metrics = _read_jsonl(path / rundir.METRICS)
+    return RunRecord(
+        path=path,
+        config=yaml.safe_load((path / rundir.CONFIG).read_text()) or {},
+        summary=rundir.read_summary(path),
+        status=rundir.read_status(path),
+        train=metrics.get("train", []),
+        eval=metrics.get("eval", []),
+        timing=_read_jsonl(path / rundir.TIMING).get("train", []),
+    )
+
+
+def best_eval(run: RunRecord) -> tuple[str, float, int] | None:
+    """(metric, best value, its step) over the eval lines: accuracy if there is one, else
+    bits_per_byte, else loss."""
+    for name in ("accuracy", "bits_per_byte", "loss"):
+        steps, values = run.series(run.eval, name)
+        if values:
+            pick = max if name in HIGHER_IS_BETTER else min
+            value = pick(values)
+            return name, value, steps[values.index(value)]
+    return None
+
+
+# ---- plots -----------------------------------------------------------------------------------
+
+
+def _figure(title: str, xlabel: str = "step", ylabel: str = "") -> tuple[Figure, Any]:
+    fig = Figure(figsize=(7, 3.6), dpi=110, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _log_scale_if_wide(ax: Any, values: list[float]) -> None:
+    positive = [v for v in values if v > 0]
+    if positive and len(positive) == len(values) and max(positive) > 20 * min(positive):
+        ax.set_yscale("log")
+
+
+def _plot_run(run: RunRecord, out_dir: Path) -> list[tuple[str, Path]]:
+    """Each plot the run's files allow, as ``(caption, png path)``."""
+    plots: list[tuple[str, Figure]] = []
+    steps, loss = run.series(run.train, "loss")
+    if loss:
+        fig, ax = _figure("loss", ylabel="loss")
+        ax.plot(steps, loss, lw=1.2, label="train")
+        eval_steps, eval_loss = run.series(run.eval, "loss")
+        if eval_loss:
+            ax.plot(eval_steps, eval_loss, "o-", ms=4, label="eval")
+        _log_scale_if_wide(ax, loss + eval_loss)
+        ax.legend()
+        plots.append(("train and eval loss", fig))
+    for name in ("accuracy", "bits_per_byte"):
+        eval_steps, values = run.series(run.eval, name)
+        if values:
+            fig, ax = _figure(f"eval {name}", ylabel=name)
+            ax.plot(eval_steps, values, "o-", ms=4, color="tab:green")
+            plots.append((f"eval {name}", fig))
+    for name, caption in (("lr", "learning rate"), ("grad_norm", "gradient global norm")):
+        s, values = run.series(run.train, name)
+        if values:
+            fig, ax = _figure(caption, ylabel=name)
+            ax.plot(s, values, lw=1.2, color="tab:purple" if name == "lr" else "tab:red")
+            if name == "grad_norm":
+                _log_scale_if_wide(ax, values)
+            plots.append((caption, fig))
+    if run.timing:
+        s, rate = run.series(run.timing, "examples_per_s")
+        fig, ax = _figure("throughput (device time per timing window)", ylabel="examples/s")
+        ax.plot(s, rate, "o-", ms=3, color="tab:orange")
+        ax.set_ylim(bottom=0)
+        plots.append(("throughput", fig))
+        _, step_s = run.series(run.timing[1:] or run.timing, "step_time_s")  # first: warmup
+        fig, ax = _figure("step time per timing window (after warmup)", xlabel="µs per step",
+                          ylabel="windows")
+        ax.hist([t * 1e6 for t in step_s], bins=min(30, max(5, len(step_s))), color="tab:cyan",
+                edgecolor="black")
+        plots.append(("step-time histogram", fig))
+    split = run.summary.get("wall_time_split_s")
+    if split:
+        parts = [(name, seconds) for name, seconds in split.items() if seconds > 0]
+        fig, ax = _figure("where the wall time went", xlabel="seconds", ylabel="")
+        ax.barh([n for n, _ in parts], [s for _, s in parts], color="tab:blue")
+        ax.invert_yaxis()
+        plots.append(("wall-time split", fig))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for caption, fig in plots:
+        path = out_dir / (caption.replace(" ", "_").replace("-", "_") + ".png")
+        fig.savefig(path)
+        written.append((caption, path))
+    return written
+
+
+# ---- the HTML report -------------------------------------------------------------------------
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items())
+    return "" if value is None else str(value)
+
+
+def _table(rows: list[tuple[str, Any]]) -> str:
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"
+                    for k, v in rows)
+    return f"<table>{cells}</table>"
+
+
+def _summary_rows(run: RunRecord) -> list[tuple[str, Any]]:
+    s = run.summary
+    best = best_eval(run)
+    rows: list[tuple[str, Any]] = [
+        ("status", run.status.get("status")),
+        ("steps", f"{run.last_step} of {run.config.get('steps')}"),
+        ("final train loss", s.get("final_loss")),
+        ("best eval", f"{best[0]} {best[1]:.6g} at step {best[2]}" if best else None),
+    ]
+    if s:
+        rows += [
+            ("median step time (µs)", (s.get("step_time_median_s") or 0) * 1e6),
+            ("steps/s", s.get("steps_per_s")),
+            ("examples/s", s.get("examples_per_s")),
+            ("compile (s)", s.get("compile_s")),
+            ("wall (s)", s.get("wall_s")),
+            ("goodput (step compute / wall)", s.get("goodput")),
+            ("FLOPs per step", s.get("flops_per_step")),
+            ("achieved FLOP/s", s.get("flops_per_s")),
+            ("MFU", s.get("mfu")),
+            ("peak used", (s.get("peak") or {}).get("source") or s.get("mfu_note")),
+        ]
+    return rows
+
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}
+table{border-collapse:collapse;margin:0.5em 0 1.5em}th,td{border:1px solid #ccc;
+padding:3px 10px;text-align:left;font-size:14px}th{background:#f3f3f3;font-weight:600}
+.plots{display:grid;grid-template-columns:1fr 1fr;gap:12px}.plots img{width:100%}
+figure{margin:0}figcaption{font-size:13px;color:#555}pre{background:#f7f7f7;padding:1em;
+font-size:12px;overflow:auto}"""
+
+
+def write_report(run_dir: Path | str) -> Path:
+    """Write ``report.html`` and its PNGs into the run directory; returns the HTML's path."""
+    run = load_run(run_dir)
+    plots = _plot_run(run, run.path / PLOT_DIR)
+    figures = "".join(
+        f'<figure><img src="{PLOT_DIR}/{p.name}" alt="{html.escape(c)}">'
+        f"<figcaption>{html.escape(c)}</figcaption></figure>" for c, p in plots)
+    split = run.summary.get("wall_time_split_s") or {}
+    prov = run.summary.get("provenance") or _read_json(run.path / rundir.PROVENANCE)
+    name = html.escape(str(run.config.get("name", run.path.name)))
+    page = f"""<!doctype html><html><head><meta charset="utf-8">
+<title>trainrun report: {name}</title><style>{STYLE}</style></head><body>
+<h1>{name}</h1><p>{html.escape(str(run.path.resolve()))}</p>
+<h2>Summary</h2>{_table(_summary_rows(run))}
+<h2>Plots</h2><div class="plots">{figures or "<p>no metrics written yet</p>"}</div>
+<h2>Wall time (s)</h2>{_table(list(split.items())) if split else "<p>run not finished</p>"}
+<h2>Provenance</h2>{_table(list(prov.items()))}
+<h2>Config</h2><pre>{html.escape(yaml.safe_dump(run.config, sort_keys=False))}</pre>
+</body></html>
+"""
+    out = run.path / REPORT_HTML
+    out.write_text(page)
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return rundir.read_json(path) if path.exists() else {}
+
+
+# ---- compare and list ------------------------------------------------------------------------
+
+
+def _text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def compare(run_dirs: list[Path | str], out: Path | str = "compare.png") -> tuple[Path, str]:
+    """Overlay the runs' curves (train loss, eval loss, lr, grad norm) in one PNG; return it
+    and a table of their final metrics."""
+    runs = [load_run(p) for p in run_dirs]
+    labels = [r.path.name for r in runs]
+    if len(set(labels)) < len(labels):
+        labels = [str(r.path) for r in runs]
+    fig = Figure(figsize=(12, 7), dpi=100, layout="constrained")
+    axes = fig.subplots(2, 2)
+    panels = [("train loss", "train", "loss"), ("eval loss", "eval", "loss"),
+              ("learning rate", "train", "lr"), ("gradient global norm", "train", "grad_norm")]
+    for ax, (title, split, name) in zip(axes.flat, panels, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        values_seen: list[float] = []
+        for run, label in zip(runs, labels, strict=True):
+            steps, values = run.series(run.train if split == "train" else run.eval, name)
+            if values:
+                ax.plot(steps, values, "o-" if split == "eval" else "-", ms=3, lw=1.2,
+                        label=label)
+                values_seen += values
+        if values_seen:
+            _log_scale_if_wide(ax, values_seen)
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "none of the runs has it", ha="center", transform=ax.transAxes)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    rows = []
+    for run, label in zip(runs, labels, strict=True):
+        s, best = run.summary, best_eval(run)
+        rows.append([
+            label, run.status.get("status", ""), f"{run.last_step}/{run.config.get('steps')}",
+            _fmt(run.train[-1]["loss"]) if run.train else "",
+            f"{best[0]} {best[1]:.6g}" if best else "",
+            _fmt(s.get("steps_per_s")), _fmt(s.get("mfu")), _fmt(s.get("goodput"))])
+    header = ["run", "status", "step", "final loss", "best eval", "steps/s", "mfu", "goodput"]
+    return out, _text_table(header, rows)
+
+
+def list_runs(root: Path | str = "runs") -> str:
+    """A table of the runs under ``root`` (any directory holding a ``config.yaml``)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ReportError(f"no runs directory {root}; train a run first, or pass --root DIR")
+    rows = []
+    configs = [*root.glob(f"*/{rundir.CONFIG}"), *root.glob(f"*/*/{rundir.CONFIG}")]
+    for config_file in sorted(configs):
+        run = load_run(config_file.parent)
+        best = best_eval(run)
+        status = run.status.get("status", "unknown")
+        if run.status.get("note"):
+            status += f" ({run.status['note']})"
+        rows.append([
+            str(run.path.relative_to(root)), status,
+            f"{run.last_step}/{run.config.get('steps')}",
+            _fmt(run.train[-1]["loss"]) if run.train else "",
+            f"{best[0]} {best[1]:.6g} (step {best[2]})" if best else "",
+            str(run.status.get("updated", ""))])
+    if not rows:
+        return f"no runs under {root}"
+    return _text_table(["run", "status", "step", "last loss", "best eval", "updated"], rows)

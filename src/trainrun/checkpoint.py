@@ -1,0 +1,355 @@
+"""Whole-state checkpoints through Orbax: one atomic step directory per checkpoint.
+
+    <checkpoint dir>/<step>/state/   the whole TrainState (params, opt_state, step, typed key, ...)
+                            data/    the data iterator's position (Grain get_state, per process)
+                            meta/    resolved config, provenance, trainrun version (JSON)
+
+Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it once every item is on
+disk, so a kill at any moment leaves either a committed step or a temporary directory that is
+never listed as a step and is removed when the directory is next opened.
+
+Restore goes newest first: a step that cannot be read (a truncated or missing file) is moved
+aside with a warning and the previous committed one is used; a step written by a different model
+is an error that names the differing leaves and changes nothing on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+from trainrun.config import RunConfig
+from trainrun.errors import UserError
+
+DEFAULT_DIR = "checkpoints"
+CORRUPT_DIR = "corrupt"  # unreadable steps are moved here, never deleted
+TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's suffix for a step still being written
+# Fault injection for `trainrun verify-resume`: "STEP:committed" or "STEP:in-save" makes the
+# process SIGKILL itself once the checkpoint at STEP is committed, or right after its
+# asynchronous save has started (the write still in flight).
+KILL_ENV = "TRAINRUN_KILL_AT"
+
+PyTree = Any
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used as asked; the CLI prints it on one line and exits 2."""
+
+
+def checkpoint_dir(config: RunConfig, run_dir: Path) -> Path:
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / DEFAULT_DIR
+
+
+def has_position(iterator: Any) -> bool:
+    """Whether the iterator's position can be saved (Grain's get_state/set_state)."""
+    return hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
+
+
+class DataHandler(grain.checkpoint.CheckpointHandler):
+    """The data position, in Grain's layout (``process_<i>-of-<n>.json``), for any iterator with
+    ``get_state``/``set_state``: Grain's own iterators and trainrun's ``BatchCursor`` (whose
+    state is a dict, which Grain's handler does not take).
+
+    Restoring onto another process count reads the position any process saved when they all
+    agree (trainrun's datasets index global batches, so the position is the same everywhere).
+    """
+
+    def save(self, directory, item=None, args=None):
+        state = (item or args.item).get_state()
+        text = state.decode() if isinstance(state, bytes) else json.dumps(state, indent=1)
+        (directory / _process_file()).write_text(text)
+
+    def restore(self, directory, item=None, args=None):
+        item = item or args.item
+        own = directory / _process_file()
+        saved = ({own.read_text()} if own.exists()
+                 else {p.read_text() for p in directory.glob("process_*-of-*.json")})
+        if len(saved) != 1:
+            raise ValueError(f"{own.name} is missing and the other processes' positions "
+                             "differ" if saved else f"{own.name} is missing")
+        text = saved.pop()
+        item.set_state(text.encode() if isinstance(item, grain.DataLoaderIterator)
+                       else json.loads(text))
+        return item
+
+
+def _process_file() -> str:
+    return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+
+@ocp.args.register_with_handler(DataHandler, for_save=True)
+@dataclasses.dataclass
+class DataSave(ocp.args.CheckpointArgs):
+    item: Any
+
+
+@ocp.args.register_with_handler(DataHandler, for_restore=True)
+@dataclasses.dataclass
+class DataRestore(ocp.args.CheckpointArgs):
+    item: Any
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: PyTree
+    metadata: dict[str, Any]
+    moved: list[tuple[int, str, Path]]  # unreadable newer steps: (step, why, moved to)
+
+
+class Checkpoints:
+    """The run's checkpoint directory: save every ``every`` steps and at the end, keep the
+    latest ``keep``, restore the newest readable one."""
+
+    def __init__(self, directory: Path, config: RunConfig, provenance: dict[str, Any]):
+        self.directory = Path(directory).absolute()
+        self.config = config
+        self.cfg = cfg = config.checkpoint
+        self.provenance = provenance
+        self.partial = sorted(p.name for p in self.directory.glob(f"*{TMP_MARK}*"))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=cfg.async_,
+            preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep),
+            cleanup_tmp_directories=True,  # partial saves of a killed run
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": DataHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
+        self.kill_at = _kill_point()
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def due(self, step: int, total: int) -> bool:
+        return step >= total or (self.cfg.every > 0 and step % self.cfg.every == 0)
+
+    def until_next(self, step: int, total: int) -> int:
+        """Steps from ``step`` to the next checkpoint; calls are cut there so one lands on it."""
+        if self.cfg.every == 0:
+            return total - step
+        return min(total, (step // self.cfg.every + 1) * self.cfg.every) - step
+
+    def save(self, step: int, state: PyTree, iterator: Any, *, wait: bool = False) -> Path:
+        """Checkpoint ``state`` after ``step`` steps. Blocks while the state is copied to host
+        (the caller may donate it afterwards); the write continues in the background unless
+        ``wait`` or ``async: false``."""
+        path = self.directory / str(step)
+        if step not in self.manager.all_steps():
+            items = {"state": ocp.args.StandardSave(state),
+                     "meta": ocp.args.JsonSave(self._metadata(step, state, iterator))}
+            if has_position(iterator):
+                items["data"] = DataSave(iterator)
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if self.kill_at is not None and self.kill_at[0] == step:
+            if self.kill_at[1] == "committed":
+                self.manager.wait_until_finished()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if wait:
+            self.manager.wait_until_finished()
+        return path
+
+    def _metadata(self, step: int, state: PyTree, iterator: Any) -> dict[str, Any]:
+        return {
+            "step": step,
+            "config": self.config.to_dict(),
+            "config_digest": self.config.digest(),
+            "provenance": self.provenance,
+            "key_impls": key_impls(state),
+            "data_position": has_position(iterator),
+            "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+
+    def restore(self, target: PyTree, iterator: Any,
+                check: Callable[[dict[str, Any]], None]) -> Restored | None:
+        """The newest readable checkpoint restored into ``target`` (abstract arrays with the
+        shardings the state must have) and ``iterator``; None when there is none.
+
+        check: called with a step's metadata before its arrays are read; raises to refuse it
+            (a changed config).
+        """
+        unreadable: list[tuple[int, str]] = []
+        for step in reversed(self.steps()):
+            try:
+                meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
+                saved_tree = self.manager.item_metadata(step)["state"].tree
+            except Exception as err:  # any unreadable file means: fall back
+                unreadable.append((step, _reason(err)))
+                continue
+            check(meta)
+            differences = leaf_differences(saved_tree, target, meta.get("key_impls", {}))
+            if differences:
+                raise CheckpointError(
+                    f"checkpoint {self.directory / str(step)} holds a different model: "
+                    f"{'; '.join(differences[:3])}"
+                    f"{f' (and {len(differences) - 3} more)' if len(differences) > 3 else ''}. "
+                    "Train it with the config it was written with, or pass --fresh to move "
+                    "this run aside (or --run-dir for a new one)")
+            items = {"state": ocp.args.StandardRestore(target)}
+            saved_position = has_position(iterator) and meta.get("data_position", True)
+            if saved_position:
+                items["data"] = DataRestore(iterator)
+            try:
+                restored = self._restore(step, **items)
+            except Exception as err:  # a truncated or missing array file
+                unreadable.append((step, _reason(err)))
+                continue
+            if not saved_position:
+                for _ in range(step):  # no saved position: replay the iterator up to it
+                    next(iterator)
+            moved = [(s, why, self._move_aside(s)) for s, why in unreadable]
+            return Restored(step, restored["state"], meta, moved)
+        if unreadable:
+            raise CheckpointError(
+                f"no checkpoint in {self.directory} can be read: "
+                + "; ".join(f"step {s}: {why}" for s, why in unreadable)
+                + ". Pass --fresh to move this run aside and start over")
+        return None
+
+    def _restore(self, step: int, **items: Any) -> Any:
+        return self.manager.restore(step, args=ocp.args.Composite(**items))
+
+    def _move_aside(self, step: int) -> Path:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+        target = self.directory / CORRUPT_DIR / f"{step}-{stamp}"
+        target.parent.mkdir(exist_ok=True)
+        (self.directory / str(step)).rename(target)
+        self.manager.reload()
+        return target
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _reason(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
+
+
+def _kill_point() -> tuple[int, str] | None:
+    raw = os.environ.get(KILL_ENV)
+    if not raw:
+        return None
+    step, _, when = raw.partition(":")
+    return int(step), when or "committed"
+
+
+# ---- what a checkpoint must match ------------------------------------------------------------
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+    return ".".join(parts)
+
+
+def key_impls(state: PyTree) -> dict[str, str]:
+    """{leaf name: key dtype, e.g. ``key<fry>``} for the typed PRNG keys in ``state``: Orbax
+    stores their key data, so the implementation is recorded beside it."""
+    return {_name(path): str(leaf.dtype)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)}
+
+
+def _described(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{leaf name: (shape, dtype)} with typed keys as the key data Orbax stores."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.eval_shape(jax.random.key_data, leaf)
+        out[_name(path)] = (tuple(leaf.shape), str(leaf.dtype))
+    return out
+
+
+def leaf_differences(saved_tree: PyTree, target: PyTree, saved_impls: dict[str, str]) -> list[str]:
+    """How a checkpoint's state differs from what this run builds, leaf by leaf, in the run's
+    leaf order; empty when it can be restored."""
+    saved, wanted = _described(saved_tree), _described(target)
+    out = []
+    for name, (shape, dtype) in wanted.items():
+        if name not in saved:
+            out.append(f"{name} {dtype}{list(shape)} is not in the checkpoint")
+        elif saved[name] != (shape, dtype):
+            have = saved[name]
+            out.append(f"{name} is {have[1]}{list(have[0])} in the checkpoint, "
+                       f"{dtype}{list(shape)} here")
+    out += [f"{name} is in the checkpoint but not in this model" for name in saved
+            if name not in wanted]
+    for name, impl in key_impls(target).items():
+        if saved_impls.get(name, impl) != impl:
+            out.append(f"{name} is a {saved_impls[name]} key in the checkpoint, {impl} here")
+    return out
+
+
+# ---- what may change on resume ---------------------------------------------------------------
+
+# Config keys that do not alter a run's trajectory: ``steps`` extends it, K steps per call does
+# not change a bit (tests/test_parity.py), the rest are bookkeeping. Any other change is refused
+# unless the user asks for it.
+RESUMABLE_KEYS = ("name", "steps", "steps_per_call", "log_every", "checkpoint",
+                  "data.prefetch_threads", "distributed", "metrics", "profile")
+# Provenance fields that, when they differ, void the promise of bitwise equality.
+NUMERIC_PROVENANCE = ("trainrun", "jax", "jaxlib", "backend", "device_kind", "device_count",
+                      "process_count")
+
+
+class ConfigChangedError(UserError):
+    """Resuming with config keys that change the trajectory, without asking for it."""
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for every config key that differs and changes the trajectory."""
+    old, new = _flat(saved), _flat(current)
+    changed = []
+    for key in sorted(old.keys() | new.keys()):
+        if any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS):
+            continue
+        if old.get(key, "(absent)") != new.get(key, "(absent)"):
+            changed.append(f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}")
+    return changed
+
+
+def check_config(saved: dict[str, Any], config: RunConfig, allow: bool, where: Path) -> list[str]:
+    """The trajectory-changing differences between a checkpoint's config and ``config``;
+    raises unless ``allow``."""
+    changes = config_changes(saved, config.to_dict())
+    if changes and not allow:
+        raise ConfigChangedError(
+            f"{where} was trained with a different config ({'; '.join(changes)}); resuming "
+            "with these changes alters the run. Use the saved values, pass "
+            "--allow-config-change to resume anyway, or --fresh to move the run aside")
+    return changes
+
+
+def provenance_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    return [f"{key} {saved.get(key)} -> {current.get(key)}" for key in NUMERIC_PROVENANCE
+            if saved.get(key) != current.get(key)]

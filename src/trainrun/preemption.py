@@ -1,0 +1,93 @@
+"""Preemption: SIGTERM or SIGINT ends a run at the next call boundary, with a checkpoint.
+
+The loop asks ``requested(step)`` after each call. One process: true once a signal arrived.
+Several processes: every host must save the same step, so the answer comes from JAX's
+preemption sync point: JAX's runtime catches SIGTERM on any host (``jax.distributed`` installs
+a handler outside Python, which is left in place), the coordination service picks a step no
+host has passed yet, and each host sees ``True`` at exactly that step. A SIGINT on one host is
+handed to that mechanism as a SIGTERM to itself.
+
+A second SIGINT aborts at once, without a checkpoint (the last committed one stays intact).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import TextIO
+
+import jax
+from jax.experimental import multihost_utils
+
+ABORT_EXIT_CODE = 130  # what a shell reports for a process ended by SIGINT
+
+
+class Preemption:
+    """Signal handling for the duration of a run (a context manager)."""
+
+    def __init__(self, err: TextIO = sys.stderr):
+        self.err = err
+        self.signal_name: str | None = None  # the first signal received, if any
+        # Several processes agree on the step through JAX's service. Decided at the first
+        # check, after jax.distributed has started (asking JAX earlier would start it alone).
+        self.shared: bool | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only
+        self._install(signal.SIGINT)
+        if signal.getsignal(signal.SIGTERM) is not None:  # None: a handler outside Python (JAX's)
+            self._install(signal.SIGTERM)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _install(self, signum: int) -> None:
+        self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            if signum == signal.SIGINT:
+                os.write(self.err.fileno() if _has_fd(self.err) else 2,
+                         b"aborted: second interrupt, exiting without a checkpoint\n")
+                os._exit(ABORT_EXIT_CODE)
+            return
+        self.signal_name = name
+        self.err.write(f"{name} received: finishing the current call, then saving a "
+                       "checkpoint (interrupt again to abort at once)\n")
+        self.err.flush()
+        if self.shared:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def requested(self, step: int) -> bool:
+        """Whether the run must stop after ``step`` (the same answer on every host)."""
+        if self.shared is None:
+            self.shared = jax.process_count() > 1
+        if self.shared:
+            try:
+                return multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError as err:  # the preemption service is off: each host for itself
+                self.shared = False
+                self.err.write(f"warning: hosts cannot agree on a preemption step ({err}); "
+                               "each stops on its own signal\n")
+        return self.signal_name is not None
+
+    @property
+    def reason(self) -> str:
+        return self.signal_name or "a preemption notice"
+
+
+def _has_fd(stream: TextIO) -> bool:
+    try:
+        stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True

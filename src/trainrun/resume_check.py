@@ -1,0 +1,255 @@
+"""``trainrun verify-resume``: a killed and resumed run equals an uninterrupted one, bit for bit.
+
+    uninterrupted         train the config to the end in a fresh process
+    kill at a checkpoint  train it again; the process SIGKILLs itself once the checkpoint at STEP
+                          is committed (or right after the asynchronous save of STEP started,
+                          its files still being written); then a new process resumes it
+    compare               every step's loss and grad norm from metrics.jsonl (float32 bits), and
+                          a sha256 of the final checkpoint's state arrays and data position
+
+The kill is a real ``kill -9`` (no handler runs, no file is closed), sent by the process to
+itself so that the kill point is exact. Exit 0 only if everything matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from trainrun.checkpoint import KILL_ENV, TMP_MARK
+from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
+from trainrun.rundir import METRICS
+from trainrun.writers import read_metrics
+
+COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)
+
+
+@dataclasses.dataclass
+class Chain:
+    """One row of the table: the uninterrupted run, or a kill and its resume."""
+
+    label: str
+    run_dir: Path
+    kill: str | None = None  # "STEP:committed" | "STEP:in-save"
+    problems: list[str] = dataclasses.field(default_factory=list)
+    resumed_from: str = "-"
+    kill_note: str = ""
+    steps: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    digest: str | None = None
+    mismatch: tuple[int, str] | None = None  # (first differing step, what differed)
+
+
+def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
+                  kill_in_save: list[int], work_dir: str | None = None, keep: bool = False,
+                  jobs: int | None = None, out: TextIO = sys.stdout) -> int:
+    config = load_config(config_name, [*overrides, "checkpoint.dir=null"])
+    kills = _kill_points(config, kill_at, kill_in_save)
+    base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
+    base.mkdir(parents=True, exist_ok=True)
+    config_path = base / "config.yaml"
+    config_path.write_text(dump_yaml(config))
+
+    chains = [Chain("uninterrupted", base / "uninterrupted")]
+    for step, when in kills:
+        what = (f"kill -9 after checkpoint {step} committed" if when == "committed"
+                else f"kill -9 during async save of {step}")
+        chains.append(Chain(what, base / f"kill-{when}-{step}", kill=f"{step}:{when}"))
+    ckpt = config.checkpoint
+    out.write(f"verify-resume: {config.name}, {config.steps} steps, checkpoint every "
+              f"{ckpt.every} ({'async' if ckpt.async_ else 'sync'}), runs in {base}\n")
+    out.flush()
+    jobs = jobs or min(len(chains), os.cpu_count() or 1)
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(lambda c: _run_chain(c, config_path, base), chains))
+
+    reference = chains[0]
+    for chain in chains[1:]:
+        _compare(reference, chain, config.steps)
+    ok = all(not c.problems for c in chains)
+    _table(chains, config.steps, out)
+    if ok:
+        out.write(f"PASS: every step's {' and '.join(COMPARED)} and the final state (params, "
+                  "optimizer state, step, key, data position) are bitwise equal\n")
+        if not keep:
+            shutil.rmtree(base)
+    else:
+        for chain in chains:
+            for problem in chain.problems:
+                out.write(f"FAIL {chain.label}: {problem}\n")
+        out.write(f"runs kept in {base}\n")
+    out.flush()
+    return 0 if ok else 1
+
+
+def _kill_points(config: RunConfig, kill_at: list[int],
+                 kill_in_save: list[int]) -> list[tuple[int, str]]:
+    every = config.checkpoint.every
+    saves = list(range(every, config.steps, every)) if every else []
+    if not kill_at and not kill_in_save:
+        if not saves:
+            raise ConfigError(f"no checkpoint before the end to kill at: set checkpoint.every "
+                              f"below steps ({config.steps})")
+        kill_at = saves[:1]
+        kill_in_save = (saves[1:2] or saves[:1]) if config.checkpoint.async_ else []
+    for step in [*kill_at, *kill_in_save]:
+        if step not in saves:
+            raise ConfigError(f"step {step} is not a checkpoint before the end (checkpoint."
+                              f"every={every}, steps={config.steps}); kill at one of "
+                              f"{', '.join(map(str, saves[:8])) or 'none: lower checkpoint.every'}")
+    if kill_in_save and not config.checkpoint.async_:
+        raise ConfigError("--kill-in-save needs checkpoint.async=true (a synchronous save is "
+                          "committed before the run goes on)")
+    return [(s, "committed") for s in kill_at] + [(s, "in-save") for s in kill_in_save]
+
+
+def _train(config_path: Path, run_dir: Path, log: Path,
+           kill: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop(KILL_ENV, None)
+    if kill:
+        env[KILL_ENV] = kill
+    with log.open("a") as f:
+        return subprocess.run(
+            [sys.executable, "-m", "trainrun", "train", "--config", str(config_path),
+             "--run-dir", str(run_dir)], stdout=f, stderr=subprocess.STDOUT, env=env,
+            check=False)
+
+
+def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
+    log = base / f"{chain.run_dir.name}.log"
+    if chain.kill:
+        killed = _train(config_path, chain.run_dir, log, kill=chain.kill)
+        if killed.returncode != -9:
+            chain.problems.append(f"the run was to be killed at {chain.kill} but exited with "
+                                  f"{killed.returncode} (log {log})")
+            return
+        chain.kill_note = _after_kill(chain)
+    before = log.read_text() if log.exists() else ""
+    done = _train(config_path, chain.run_dir, log)
+    if done.returncode != 0:
+        chain.problems.append(f"exit code {done.returncode}; log {log}")
+        return
+    resumed = re.search(r"resumed from step (\d+)", log.read_text()[len(before):])
+    chain.resumed_from = resumed.group(1) if resumed else "0"
+    for record in read_metrics(chain.run_dir / METRICS):
+        if record["step"] in chain.steps:
+            chain.problems.append(f"metrics.jsonl holds step {record['step']} twice")
+            return
+        chain.steps[record["step"]] = record
+    chain.digest = state_digest(chain.run_dir / "checkpoints", _final_step(chain))
+
+
+def _after_kill(chain: Chain) -> str:
+    """What the kill left behind: for a kill during a save, whether it really was in flight."""
+    step, when = chain.kill.split(":")
+    names = os.listdir(chain.run_dir / "checkpoints")
+    committed = step in names
+    partial = any(n.startswith(step + TMP_MARK) for n in names)
+    if when == "committed":
+        if not committed:
+            chain.problems.append(f"checkpoint {step} was not committed at the kill")
+        return "committed"
+    if committed:
+        chain.problems.append(f"the save of {step} had already committed when the kill landed; "
+                              "nothing was in flight")
+        return "not in flight"
+    return "in flight (partial dir left)" if partial else "in flight"
+
+
+def _final_step(chain: Chain) -> int:
+    return max(int(n) for n in os.listdir(chain.run_dir / "checkpoints") if n.isdigit())
+
+
+def state_digest(ckpt_dir: Path, step: int) -> str:
+    """sha256 over a checkpoint's state arrays (name, dtype, shape, bytes) and data position."""
+    import orbax.checkpoint as ocp
+
+    step_dir = (ckpt_dir / str(step)).absolute()
+    handler = ocp.PyTreeCheckpointHandler()
+    meta = handler.metadata(step_dir / "state").tree
+    restore_args = _tree_map_dict(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    tree = handler.restore(step_dir / "state",
+                           args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    handler.close()
+    digest = hashlib.sha256()
+    for name, leaf in sorted(_leaves(tree)):
+        array = np.asarray(leaf)
+        digest.update(f"{name}|{array.dtype}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    for path in sorted((step_dir / "data").glob("*.json")):
+        digest.update(json.dumps(json.loads(path.read_text()), sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def _tree_map_dict(fn, tree):
+    if isinstance(tree, dict):
+        return {k: _tree_map_dict(fn, v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_tree_map_dict(fn, v) for v in tree)
+    return fn(tree)
+
+
+def _leaves(tree, prefix: str = ""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}.{k}")
+    elif isinstance(tree, list | tuple):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{prefix}.{i}")
+    else:
+        yield prefix, tree
+
+
+def _bits(value: float | None) -> int | None:
+    return None if value is None else int(np.float32(value).view(np.uint32))
+
+
+def _compare(reference: Chain, chain: Chain, steps: int) -> None:
+    if chain.problems or reference.problems:
+        return
+    expected = list(range(1, steps + 1))
+    for c in (reference, chain):
+        if sorted(c.steps) != expected:
+            missing = sorted(set(expected) - set(c.steps))
+            c.problems.append(f"metrics.jsonl lacks steps {missing[:5]}" if missing
+                              else "metrics.jsonl holds steps past the end")
+            return
+    for step in expected:
+        for name in COMPARED:
+            a, b = reference.steps[step].get(name), chain.steps[step].get(name)
+            if _bits(a) != _bits(b):
+                chain.mismatch = (step, f"{name} {a!r} vs {b!r}")
+                chain.problems.append(f"first mismatch at step {step}: {name} {a!r} "
+                                      f"(uninterrupted) vs {b!r}")
+                return
+    if chain.digest != reference.digest:
+        chain.problems.append("final state differs (sha256 of the last checkpoint)")
+
+
+def _table(chains: list[Chain], steps: int, out: TextIO) -> None:
+    rows = [("run", "kill", "resumed from", "steps equal", "first mismatch", "final state")]
+    for c in chains:
+        if c.mismatch:
+            equal, mismatch = c.mismatch[0] - 1, f"step {c.mismatch[0]}: {c.mismatch[1]}"
+        else:
+            equal, mismatch = (steps, "none") if c.steps else ("-", "-")
+        state = (c.digest[:12] if c is chains[0] and c.digest
+                 else "equal" if c.digest and c.digest == chains[0].digest
+                 else "differs" if c.digest else "-")
+        rows.append((c.label, c.kill_note or "-", c.resumed_from, str(equal), mismatch, state))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        out.write("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+                  + "\n")

@@ -15,8 +15,17 @@ def _train(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     with session(config.distributed):  # joins the other processes, if any, before JAX starts
-        run(config, args.run_dir, fresh=args.fresh)
+        run(config, args.run_dir, fresh=args.fresh,
+            allow_config_change=args.allow_config_change)
     return 0
+
+
+def _verify_resume(args: argparse.Namespace) -> int:
+    from trainrun.resume_check import verify_resume
+
+    return verify_resume(args.config, args.overrides, kill_at=args.kill_at,
+                         kill_in_save=args.kill_in_save, work_dir=args.work_dir,
+                         keep=args.keep)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -24,6 +33,44 @@ def _launch(args: argparse.Namespace) -> int:
 
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
     return launch(args.n, command, args.devices_per_process, args.grace_s)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from trainrun.report import write_report
+
+    print(f"wrote {write_report(args.run_dir)}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from trainrun.report import compare
+
+    png, table = compare(args.run_dirs, args.out)
+    print(table)
+    print(f"curves: {png}")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from trainrun.report import list_runs
+
+    print(list_runs(args.root))
+    return 0
+
+
+def _bench_ceiling(args: argparse.Namespace) -> int:
+    from trainrun import mfu
+
+    if args.size < 64 or args.repeats < 1:
+        raise UserError(f"bench ceiling needs --size >= 64 and --repeats >= 1 (got --size "
+                        f"{args.size}, --repeats {args.repeats}); the defaults are 2048 and 10")
+    record = mfu.measure_ceiling(args.size, args.repeats)
+    path = mfu.save_ceiling(record)
+    print(f"{record['size']}x{record['size']} float32 matmul on {record['cpu']} "
+          f"({record['cores']} cores, {record['device_kind']}): "
+          f"{record['flops_per_s'] / 1e9:,.1f} GFLOP/s best of {record['repeats']} "
+          f"({record['median_flops_per_s'] / 1e9:,.1f} median); saved to {path}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,8 +88,33 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where the run writes its files (default runs/<config name>)")
     train.add_argument("--fresh", action="store_true",
                        help="move an existing run in --run-dir aside and start over")
+    train.add_argument("--allow-config-change", action="store_true",
+                       help="resume even though config keys that alter the run changed "
+                            "(model, optimizer, data, seed, ...); steps may always change")
     train.add_argument("overrides", nargs="*", metavar="key.path=value")
     train.set_defaults(handler=_train)
+
+    verify = commands.add_parser(
+        "verify-resume", help="prove that a killed and resumed run equals an uninterrupted one",
+        description="Run the config uninterrupted; run it again, SIGKILL it at checkpoint kill "
+                    "points and resume it in a new process; compare every step's loss and the "
+                    "final state bit for bit. Exit 0 only if all match. Without --kill-at and "
+                    "--kill-in-save: one kill after a committed checkpoint and one during an "
+                    "asynchronous save.")
+    verify.add_argument("--config", default="mlp",
+                        help="built-in config name or a path to a YAML file")
+    verify.add_argument("--kill-at", type=int, action="append", default=[], metavar="STEP",
+                        help="kill -9 once the checkpoint at STEP is committed (repeatable)")
+    verify.add_argument("--kill-in-save", type=int, action="append", default=[],
+                        metavar="STEP",
+                        help="kill -9 while the asynchronous save of STEP is still being "
+                             "written (repeatable)")
+    verify.add_argument("--work-dir", default=None,
+                        help="where the runs go (default: a new temporary directory)")
+    verify.add_argument("--keep", action="store_true",
+                        help="keep the runs' directories (kept anyway when a check fails)")
+    verify.add_argument("overrides", nargs="*", metavar="key.path=value")
+    verify.set_defaults(handler=_verify_resume)
 
     launch = commands.add_parser(
         "launch", help="run one training run as N processes on this machine (CPU)",
@@ -58,6 +130,39 @@ def build_parser() -> argparse.ArgumentParser:
                              "themselves before they are terminated")
     launch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- train ...")
     launch.set_defaults(handler=_launch)
+
+    report = commands.add_parser(
+        "report", help="write RUN_DIR/report.html with plots of a run",
+        description="Plots (loss, eval, lr, grad norm, throughput, step-time histogram, "
+                    "wall-time split) as PNGs in RUN_DIR/report/, and report.html with them, "
+                    "the summary and the provenance.")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.set_defaults(handler=_report)
+
+    compare = commands.add_parser(
+        "compare", help="overlay the curves of runs in one PNG; print their final metrics",
+        description="Train loss, eval loss, lr and grad norm of each run, overlaid.")
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    compare.add_argument("--out", default="compare.png", help="the PNG (default compare.png)")
+    compare.set_defaults(handler=_compare)
+
+    runs = commands.add_parser(
+        "runs", help="list runs: status, last step, best eval metric",
+        description="Every run directory under --root with its status (running, finished, "
+                    "preempted, failed), last step and best eval metric.")
+    runs.add_argument("--root", default="runs", help="where runs are (default runs/)")
+    runs.set_defaults(handler=_runs)
+
+    bench = commands.add_parser("bench", help="measure this machine (for MFU on CPU)")
+    bench_kinds = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    ceiling = bench_kinds.add_parser(
+        "ceiling", help="time a large float32 matmul; cache the FLOP/s as the CPU peak",
+        description="The CPU has no datasheet peak: MFU on CPU is measured against the best "
+                    "FLOP/s of a large matmul on this machine, cached per processor model, core "
+                    "count and jax version ($TRAINRUN_CACHE_DIR or ~/.cache/trainrun).")
+    ceiling.add_argument("--size", type=int, default=2048, help="matrix side (default 2048)")
+    ceiling.add_argument("--repeats", type=int, default=10, help="timed runs (default 10)")
+    ceiling.set_defaults(handler=_bench_ceiling)
     return parser
 
 

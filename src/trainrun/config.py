@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib.util
 import json
 import types
 import typing
@@ -102,7 +103,67 @@ class RegressionData(Section):
     prefetch_threads: int = Field(0, ge=0)
 
 
-DataConfig = Annotated[Union[RegressionData], Field(discriminator="kind")]  # noqa: UP007
+class DigitsData(Section):
+    """scikit-learn's 8x8 digits (1,797 images shipped with it): a fixed split of 1,437 train and
+    360 test images, pixels scaled to [0, 1]. Batches: ``x`` [B, 8, 8, 1], ``label`` [B]."""
+
+    kind: Literal["digits"] = "digits"
+    batch_size: int = Field(64, gt=0)
+    shuffle: bool = True
+    prefetch_threads: int = Field(0, ge=0)
+
+
+class TextData(Section):
+    """Text files as a byte-level LM corpus: windows of ``seq_len + 1`` bytes (``tokens``).
+    No paths: the ``.py`` files of this Python's standard library. The last ``eval_fraction``
+    of the bytes is the held-out split."""
+
+    kind: Literal["text"] = "text"
+    paths: tuple[str, ...] = ()
+    seq_len: int = Field(128, gt=0)
+    eval_fraction: float = Field(0.01, gt=0, lt=1)
+    batch_size: int = Field(32, gt=0)
+    shuffle: bool = True
+    prefetch_threads: int = Field(0, ge=0)
+
+
+class ArrayData(Section):
+    """User arrays: a ``.npz`` file (its arrays by name) or ``{name: file.npy}``; every array has
+    one entry per example. ``eval``: the held-out split in the same form (optional)."""
+
+    kind: Literal["arrays"] = "arrays"
+    train: str | dict[str, str] | None = None
+    eval: str | dict[str, str] | None = None
+    batch_size: int = Field(64, gt=0)
+    shuffle: bool = True
+    prefetch_threads: int = Field(0, ge=0)
+
+
+class TokenData(Section):
+    """Pre-tokenized text, nanoGPT-style: a flat binary file of token ids (``.bin``), read
+    through a memory map; windows of ``seq_len + 1`` tokens. ``eval``: a held-out ``.bin``."""
+
+    kind: Literal["tokens"] = "tokens"
+    train: str | None = None
+    eval: str | None = None
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    seq_len: int = Field(128, gt=0)
+    batch_size: int = Field(32, gt=0)
+    shuffle: bool = True
+    prefetch_threads: int = Field(0, ge=0)
+
+
+DataConfig = Annotated[
+    Union[RegressionData, DigitsData, TextData, ArrayData, TokenData],  # noqa: UP007
+    Field(discriminator="kind")]
+
+
+class EvalConfig(Section):
+    """Evaluation on the data's held-out split; it never changes the training trajectory."""
+
+    every: int = Field(0, ge=0)
+    batches: int = Field(0, ge=0)
+    batch_size: int | None = Field(None, gt=0)
 
 
 # ---- optimizer -------------------------------------------------------------------------------
@@ -211,6 +272,28 @@ class PrecisionConfig(Section):
     loss_scale_factor: float = Field(2.0, gt=1)
 
 
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+class CheckpointConfig(Section):
+    """Whole-state checkpoints (state, data position, metadata) through Orbax.
+
+    every: steps between checkpoints; 0 saves only at the end (and on preemption).
+    keep: how many of the latest committed checkpoints are kept.
+    async: write in the background; the loop blocks only while the state is copied out.
+    dir: where step directories go (default ``<run dir>/checkpoints``).
+    """
+
+    # ``async`` is a Python keyword: the field is ``async_``, read and written as ``async``.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              serialize_by_alias=True)
+
+    every: int = Field(100, ge=0)
+    keep: int = Field(3, gt=0)
+    async_: bool = Field(True, alias="async")
+    dir: str | None = None
+
+
 # ---- placement: mesh and processes -----------------------------------------------------------
 
 
@@ -262,6 +345,53 @@ DistributedConfig = Annotated[
     Field(discriminator="kind")]
 
 
+# ---- what the run writes --------------------------------------------------------------------
+
+
+class MetricsConfig(Section):
+    """Where metrics go besides ``metrics.jsonl`` (always written), and how they leave the device.
+
+    stream: with steps_per_call > 1, send each step's metrics to the host from inside the fused
+        call (an ordered io_callback) instead of when the call is done.
+    tensorboard: TensorBoard event files in ``<run dir>/tensorboard``.
+    wandb: Weights & Biases: ``off``, ``offline`` (files under the run dir, no network) or
+        ``online``; needs ``pip install wandb``.
+    """
+
+    stream: bool = False
+    tensorboard: bool = True
+    wandb: Literal["off", "offline", "online"] = "off"
+    wandb_project: str = "trainrun"
+
+    @pydantic.field_validator("wandb", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
+
+    @pydantic.field_validator("wandb")
+    @classmethod
+    def _wandb_installed(cls, value: str) -> str:
+        if value != "off" and importlib.util.find_spec("wandb") is None:
+            raise ValueError(f"{value!r} needs the wandb package, which is not installed; "
+                             "pip install wandb, or set metrics.wandb=off")
+        return value
+
+
+class ProfileConfig(Section):
+    """``steps: [a, b]`` writes a jax.profiler trace of steps a..b to ``<run dir>/profile``;
+    empty (the default) traces nothing."""
+
+    steps: list[int] = Field(default_factory=list)
+
+    @pydantic.field_validator("steps")
+    @classmethod
+    def _window(cls, steps: list[int]) -> list[int]:
+        if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ValueError("give two step numbers [first, last] with 1 <= first <= last, "
+                             "e.g. profile.steps=[10,20]")
+        return steps
+
+
 # ---- the run ---------------------------------------------------------------------------------
 
 
@@ -273,12 +403,16 @@ class RunConfig(Section):
     log_every: int = Field(50, gt=0)
     model: ModelConfig = Field(default_factory=MLPModel)
     data: DataConfig = Field(default_factory=RegressionData)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     accumulate: int = Field(1, gt=0)
     nonfinite: Literal["skip", "halt"] = "skip"
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     distributed: DistributedConfig = Field(default_factory=SingleProcess)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     @pydantic.field_validator("distributed", mode="before")
     @classmethod
@@ -292,8 +426,10 @@ class RunConfig(Section):
         """sha256 of the resolved config: names a trajectory in provenance and on resume.
 
         Placement (mesh, processes) is left out: the same run on another mesh or process count
-        is the same trajectory, and a checkpoint restores across them."""
-        trajectory = {k: v for k, v in self.to_dict().items() if k not in ("mesh", "distributed")}
+        is the same trajectory, and a checkpoint restores across them. So are the metrics
+        destinations and profiling, which change what is written, not what is computed."""
+        trajectory = {k: v for k, v in self.to_dict().items()
+                      if k not in ("mesh", "distributed", "metrics", "profile")}
         blob = json.dumps(trajectory, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -371,6 +507,7 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     except pydantic.ValidationError as err:
         raise ConfigError(describe_validation_error(err, raw)) from None
     _check_optimization(config)
+    _check_model_and_data(config)
     return config
 
 
@@ -417,7 +554,6 @@ def _check_model_and_data(config: RunConfig) -> None:
                           "set eval.every=0 or use data with one (digits, text, arrays, tokens)")
 
 
-
 # ---- error messages --------------------------------------------------------------------------
 
 
@@ -451,7 +587,8 @@ def _walk(loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]
         if cls is None:
             path.append(str(part))
             continue
-        field = cls.model_fields.get(str(part))
+        field = cls.model_fields.get(str(part)) or next(  # a key spelled by its alias
+            (f for f in cls.model_fields.values() if f.alias == str(part)), None)
         path.append(str(part))
         if field is None:
             return path, cls, None
@@ -484,7 +621,7 @@ def describe_validation_error(err: pydantic.ValidationError, raw: dict[str, Any]
     dotted = ".".join(path)
     kind = first["type"]
     if kind == "extra_forbidden" and cls is not None:
-        valid = [name for name in cls.model_fields]
+        valid = [f.alias or name for name, f in cls.model_fields.items()]
         close = difflib.get_close_matches(path[-1], valid, n=3, cutoff=0.5)
         hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
         where = ".".join(path[:-1]) or "the top level"

@@ -10,6 +10,7 @@ call ``i+1`` is queued behind it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -23,17 +24,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun import distributed, rundir, sharding
+from trainrun import distributed, mfu, rundir, sharding
+from trainrun.checkpoint import Checkpoints, check_config, checkpoint_dir, provenance_changes
 from trainrun.config import RunConfig
 from trainrun.data import batch_iterator, build_dataset
 from trainrun.errors import UserError
 from trainrun.models import Model, build_model
 from trainrun.optim import Optimizer, build_optimizer
 from trainrun.precision import Policy, policy_from_config
+from trainrun.preemption import Preemption
+from trainrun.profiling import ProfileWindow
 from trainrun.state import TrainState, create_state
 from trainrun.step import make_multi_step, make_train_step
-from trainrun.timing import StepTimer, Stopwatch, provenance
-from trainrun.writers import ConsoleLog, JsonlWriter
+from trainrun.stream import MetricStream, streamed
+from trainrun.timing import StepTimer, Stopwatch, goodput, provenance, wall_split
+from trainrun.writers import ConsoleLog, ConsoleProgress, RunOutput, build_output, make_console
 
 Batch = Any
 MAX_PENDING_CALLS = 256  # bounds how stale unread metrics get between log points
@@ -105,8 +110,12 @@ class CompiledSteps:
     def __init__(self, model: Model, optimizer: Optimizer, steps_per_call: int,
                  watch: Stopwatch, *, accumulate: int = 1, policy: Policy | None = None,
                  state_sharding: TrainState | None = None,
-                 batch_sharding: jax.sharding.Sharding | None = None):
+                 batch_sharding: jax.sharding.Sharding | None = None,
+                 stream: MetricStream | None = None):
         single = make_train_step(model, optimizer, accumulate=accumulate, policy=policy)
+        self.one_step = single  # what one step computes (FLOPs per step)
+        if stream is not None:  # each step's metrics also leave mid-call (metrics.stream)
+            single = streamed(single, stream)
         step = single if steps_per_call == 1 else make_multi_step(single)
 
         def packed_step(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
@@ -126,12 +135,16 @@ class CompiledSteps:
         self.programs: dict[int, Any] = {}
         self.metric_names: list[str] = []
 
+    def compile(self, k: int, state: TrainState, batch: Batch) -> None:
+        """Compile the program for calls of ``k`` steps (before its call is timed)."""
+        if not self.metric_names:
+            self.metric_names = sorted(jax.eval_shape(self.step, state, batch)[1])
+        with self.watch.phase("compile"):
+            self.programs[k] = self.fn.lower(state, batch).compile()
+
     def __call__(self, k: int, state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
         if k not in self.programs:
-            if not self.metric_names:
-                self.metric_names = sorted(jax.eval_shape(self.step, state, batch)[1])
-            with self.watch.phase("compile"):
-                self.programs[k] = self.fn.lower(state, batch).compile()
+            self.compile(k, state, batch)
         return self.fn(state, batch)
 
 
@@ -187,24 +200,63 @@ class MetricsReader:
 
 def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | None = None,
         data: grain.MapDataset | Iterator[Batch] | None = None, fresh: bool = False,
-        out: TextIO = sys.stdout) -> dict[str, Any]:
+        allow_config_change: bool = False, out: TextIO = sys.stdout) -> dict[str, Any]:
     """Train ``config`` and return its summary (also written to ``summary.json``).
+
+    A run directory with a committed checkpoint resumes from its newest readable one; a run
+    whose last checkpoint is at ``steps`` is finished: nothing runs, its summary is returned.
+    SIGTERM or SIGINT ends the run after the current call with a checkpoint.
 
     model: defaults to the one ``config.model`` names.
     data: a Grain ``MapDataset`` of batches (checkpointable position) or any iterator of host
         NumPy batches; defaults to the one ``config.data`` names. With several processes, each
         process's ``data`` yields its own rows of each global batch.
+    fresh: move an existing run (and its checkpoints) aside and start over.
+    allow_config_change: resume even though config keys that alter the trajectory changed.
     """
+    # `cleanup` closes what _run opened (the checkpoint manager, letting a save in flight
+    # commit) however it ends.
+    with Preemption() as preemption, contextlib.ExitStack() as cleanup:
+        try:
+            return _run(config, run_dir, model, data, fresh, allow_config_change, out,
+                        preemption, cleanup)
+        except BaseException:
+            _mark_failed(Path(run_dir) if run_dir is not None else rundir.default_run_dir(config))
+            raise
+
+
+def _mark_failed(run_dir: Path) -> None:
+    """A run this process started that raised is ``failed`` for ``trainrun runs`` (a refusal
+    before it started leaves the directory's status as it was)."""
+    status = rundir.read_status(run_dir) if run_dir.exists() else {}
+    if status.get("status") == "running" and status.get("pid") == os.getpid():
+        rundir.write_status(run_dir, "failed", status.get("step"))
+
+
+def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, data: Any,
+         fresh: bool, allow_config_change: bool, out: TextIO,
+         preemption: Preemption, cleanup: contextlib.ExitStack) -> dict[str, Any]:
     wall_start = time.perf_counter()
     distributed.initialize(config.distributed)  # before anything asks JAX for devices
     primary = jax.process_index() == 0  # only process 0 writes files and logs
     run_dir = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
     prov = provenance(config.digest())
-    moved = rundir.start_fresh(run_dir, config, prov, fresh) if primary else None
+    ckpt_dir = checkpoint_dir(config, run_dir)
+    moved = rundir.move_runs_aside([run_dir, ckpt_dir]) if fresh and primary else []
     batch_size = _batch_size(config, data)
-    console = ConsoleLog(config.steps, batch_size, out if primary else open(os.devnull, "w"))  # noqa: SIM115
-    if moved is not None:
-        console.message(f"moved the previous run aside to {moved}")
+    unit, per_step = _throughput_unit(config, batch_size)
+    console = make_console(config.steps, per_step,
+                           out if primary else open(os.devnull, "w"), unit)  # noqa: SIM115
+    for old, new in moved:
+        console.message(f"moved the previous run aside: {old} -> {new}")
+    if primary:
+        rundir.check_run_dir(run_dir)
+    checkpoints = cleanup.enter_context(Checkpoints(ckpt_dir, config, prov))
+    latest = checkpoints.latest_step()
+    if latest is not None and latest >= config.steps:
+        checkpoints.close()
+        console.message(rundir.finished_message(run_dir, latest, config.steps))
+        return rundir.read_summary(run_dir)
 
     model = model or build_model(config.model)
     optimizer = build_optimizer(config.optimizer, config.steps)
@@ -221,47 +273,68 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
                if isinstance(data, grain.MapDataset) else iter(data))
     watch = Stopwatch()
     with watch.phase("init"):
-        state = jax.block_until_ready(
-            init_state(model, optimizer, config.seed, policy, state_sharding))
+        state = _restore_or_init(
+            checkpoints, config, prov, run_dir, model, optimizer, policy, state_sharding,
+            batches, allow_config_change, console, primary)
+    output = build_output(
+        run_dir, console, log_every=config.log_every, total_steps=config.steps,
+        primary=primary, start_step=int(state.step), tensorboard=config.metrics.tensorboard,
+        wandb=config.metrics.wandb, wandb_project=config.metrics.wandb_project,
+        config=config.to_dict(), name=config.name)
+    if primary:
+        rundir.write_status(run_dir, "running", int(state.step))
+    stream = MetricStream(output) if config.metrics.stream else None
     programs = CompiledSteps(model, optimizer, config.steps_per_call, watch,
                              accumulate=config.accumulate, policy=policy,
-                             state_sharding=state_sharding, batch_sharding=placement.sharding)
+                             state_sharding=state_sharding, batch_sharding=placement.sharding,
+                             stream=stream)
+    profile = ProfileWindow(config.profile.steps, run_dir, enabled=primary)
     timer = StepTimer()
-    jsonl = JsonlWriter(run_dir / rundir.METRICS if primary else Path(os.devnull))
     console.message(f"training {model.name} for {config.steps} steps, "
                     f"{config.steps_per_call} per call -> {run_dir}")
 
     reader: MetricsReader | None = None
-    last_log = {"step": int(state.step), "time": time.perf_counter()}
     last_metrics: dict[str, float] = {}
     nonfinite_seen = int(state.nonfinite_steps)
 
     def write(rows: list[tuple[int, dict[str, float]]]) -> None:
+        """A read window's rows to the writers and console (streamed rows went already)."""
         nonlocal last_metrics, nonfinite_seen
+        if not rows:
+            return
+        log_start = time.perf_counter()
+        if stream is None:
+            output.write_rows(rows)
+        output.write_window(rows[-1][0], len(rows), timer.per_step_s[-1], batch_size)
         for step, metrics in rows:
-            jsonl.write(step, metrics)
             last_metrics = metrics
             if metrics["nonfinite_steps"] > nonfinite_seen:
                 nonfinite_seen = int(metrics["nonfinite_steps"])
-                _on_nonfinite(config, step, metrics, console, jsonl)
-            if step % config.log_every == 0 or step == config.steps:
-                now = time.perf_counter()
-                rate = (step - last_log["step"]) / max(now - last_log["time"], 1e-9)
-                last_log.update(step=step, time=now)
-                console.line(step, metrics, rate)
+                _on_nonfinite(config, step, metrics, output, checkpoints)
+        watch.add("log", time.perf_counter() - log_start)
 
     done = int(state.step)
     data_wait = 0.0
+    stop = False
+    profiling = bool(config.profile.steps) and primary
+    loop = watch.loop()
+    loop.__enter__()  # the training loop's own time; its phases are taken out of it
     while done < config.steps:
-        k = min(config.steps_per_call, config.steps - done)
+        # Calls end on checkpoint steps, so the state saved is the state at that step.
+        k = min(config.steps_per_call, checkpoints.until_next(done, config.steps))
         data_start = time.perf_counter()
         if config.steps_per_call == 1:
             batch = next(batches)
         else:
             batch = stack_batches([next(batches) for _ in range(k)])
         batch = placement.put(batch)
+        data_wait += time.perf_counter() - data_start
+        if k not in programs.programs:  # compile time stays out of the step-time windows
+            programs.compile(k, state, batch)
+            output.reset_rate(done)
+        if profiling:
+            profile.before_call(done, k)
         dispatched_at = time.perf_counter()
-        data_wait += dispatched_at - data_start
         state, packed = programs(k, state, batch)
         if reader is None:
             reader = MetricsReader(programs.metric_names, timer, config.log_every)
@@ -270,32 +343,101 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
             write(reader.read())
         reader.add(_Call(done, k, packed, dispatched_at))
         done += k
+        if profiling:
+            with watch.phase("profile"):
+                message = profile.after_call(done, state)
+            if message:
+                output.message(message)
+        stop = preemption.requested(done)
+        if stop or checkpoints.due(done, config.steps):
+            write(reader.read())
+            output.flush()  # the metrics up to a checkpoint survive a kill right after it
+            with watch.phase("checkpoint"):
+                saved = checkpoints.save(done, state, batches, wait=stop)
+            if stop:
+                break
     if reader is not None:
         write(reader.read())
-    jsonl.close()
-    watch.totals["data"] = data_wait
+    profile.close()
+    watch.add("data", data_wait)
+    loop.__exit__(None, None, None)
+    if stream is not None:
+        jax.effects_barrier()  # every streamed row has been written
+    output.close()
+    with watch.phase("checkpoint"):
+        checkpoints.wait()  # the final save is committed before the run reports done
+    checkpoints.close()
+    if stop:
+        if primary:
+            rundir.write_status(run_dir, "preempted", done)
+        console.message(f"preempted ({preemption.reason}) after step {done}: checkpoint saved "
+                        f"to {saved}. Run the same command to resume.")
+        return {"preempted_at": done, "checkpoint": str(saved), "provenance": prov}
 
+    flops = mfu.step_flops(programs.programs, programs.one_step, state, batch)
+    peak, why = mfu.find_peak(jax.default_backend(), jax.devices()[0].device_kind,
+                              jax.device_count(), config.precision.compute)
     summary = _summary(config, last_metrics, timer, watch, prov, batch_size,
                        time.perf_counter() - wall_start)
+    summary.update(mfu.utilization(flops, summary["step_time_median_s"], peak, why))
     if primary:
         rundir.write_json(run_dir / rundir.SUMMARY, summary)
+        rundir.write_status(run_dir, "finished", done)
     _print_summary(console, summary)
     return summary
 
 
-def _on_nonfinite(config: RunConfig, step: int, metrics: dict[str, float], console: ConsoleLog,
-                  jsonl: JsonlWriter) -> None:
+def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str, Any],
+                     run_dir: Path, model: Model, optimizer: Optimizer, policy: Policy,
+                     state_sharding: TrainState, batches: Any, allow_config_change: bool,
+                     console: ConsoleLog | ConsoleProgress, primary: bool) -> TrainState:
+    """The newest readable checkpoint's state, placed by ``state_sharding`` (any mesh), with the
+    data iterator set to its position; else a fresh state. Then the run's files are written
+    for the step it starts at (nothing is written before a refusal)."""
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract_state(model, optimizer, config.seed, policy), state_sharding)
+    changes: list[str] = []
+    restored = checkpoints.restore(target, batches, lambda meta: changes.extend(
+        check_config(meta["config"], config, allow_config_change, run_dir)))
+    step = restored.step if restored is not None else 0
+    if primary:
+        rundir.start(run_dir, config, prov, step)
+    for name in checkpoints.partial:
+        console.message(f"removing {name}: a checkpoint whose save never finished")
+    if restored is None:
+        return jax.block_until_ready(
+            init_state(model, optimizer, config.seed, policy, state_sharding))
+    for bad, why, where in restored.moved:
+        console.message(f"warning: checkpoint step {bad} cannot be read ({why}); "
+                        f"moved it to {where}")
+    if changes:
+        console.message("warning: resuming with a changed config (--allow-config-change): "
+                        + "; ".join(changes))
+    drift = provenance_changes(restored.metadata.get("provenance", {}), prov)
+    if drift:
+        console.message(f"warning: the checkpoint was written with other {', '.join(drift)}; "
+                        "bitwise equality with an uninterrupted run is not promised across that")
+    console.message(f"resumed from step {step} ({checkpoints.directory / str(step)})")
+    return restored.state
+
+
+def _on_nonfinite(config: RunConfig, step: int, metrics: dict[str, float], output: RunOutput,
+                  checkpoints: Checkpoints) -> None:
     """The ``nonfinite`` policy. The step already kept params and optimizer state as they were;
-    ``halt`` stops the run here, before anything after this step can be saved."""
+    ``halt`` stops the run here, before anything after this step can be saved. A save still in
+    flight is of an earlier step (saves follow a read of every step before them): it is let
+    finish, so the last good checkpoint is committed, not cut off by the exit."""
     if config.nonfinite == "halt":
-        jsonl.close()
+        output.close()
+        checkpoints.wait()
+        checkpoints.close()
         raise NonFiniteError(
             f"step {step}: loss or gradients are not finite (loss={metrics['loss']}); the run "
             f"halted (nonfinite=halt) with the update not applied and no checkpoint written "
             f"after it. Lower optimizer.lr, set optimizer.clip_norm, check the data, or pass "
             f"nonfinite=skip to skip such steps")
     scale = f"; loss scale was {metrics['loss_scale']:g}" if "loss_scale" in metrics else ""
-    console.message(f"step {step}: loss or gradients not finite; update skipped "
+    output.message(f"step {step}: loss or gradients not finite; update skipped "
                     f"({int(metrics['nonfinite_steps'])} so far{scale})")
 
 
@@ -303,10 +445,17 @@ def _batch_size(config: RunConfig, data: Any) -> int:
     return getattr(data, "batch_size", None) or config.data.batch_size
 
 
+def _throughput_unit(config: RunConfig, batch_size: int) -> tuple[str, int]:
+    """What the console counts per second: tokens for sequence data, else examples."""
+    seq_len = getattr(config.data, "seq_len", None)
+    return ("tokens", batch_size * seq_len) if seq_len else ("examples", batch_size)
+
+
 def _summary(config: RunConfig, last: dict[str, float], timer: StepTimer, watch: Stopwatch,
              prov: dict[str, Any], batch_size: int, wall_s: float) -> dict[str, Any]:
     step_s = timer.median_step_s()
     steps_per_s = 1.0 / step_s if step_s else None
+    split = wall_split(watch, wall_s)
     return {
         "final_loss": last.get("loss"),
         "steps": config.steps,
@@ -320,19 +469,31 @@ def _summary(config: RunConfig, last: dict[str, float], timer: StepTimer, watch:
         "batch_size": batch_size,
         "wall_s": wall_s,
         "time_s": dict(watch.totals),
+        "wall_time_split_s": split,
+        "goodput": goodput(split, wall_s),
         "provenance": prov,
     }
 
 
-def _print_summary(console: ConsoleLog, s: dict[str, Any]) -> None:
+def _print_summary(console: ConsoleLog | ConsoleProgress, s: dict[str, Any]) -> None:
     p = s["provenance"]
     step_s = s["step_time_median_s"]
+    split = "  ".join(f"{name} {seconds:.2f}" for name, seconds in s["wall_time_split_s"].items()
+                      if seconds >= 0.005)
+    if s.get("mfu") is not None:
+        mfu_line = (f"{s['mfu']:.2%} of {s['peak']['flops_per_s'] / 1e9:,.1f} GFLOP/s "
+                    f"({s['peak']['source']}); {s['flops_per_step']:,.0f} FLOPs/step, "
+                    f"{s['flops_per_s'] / 1e9:,.2f} GFLOP/s achieved")
+    else:
+        mfu_line = f"not measured: {s.get('mfu_note')}"
     console.message(
         f"done: {s['steps']} steps, final loss {s['final_loss']:.8g}\n"
         f"  compile      {s['compile_s']:.3f} s (separate from step time)\n"
         f"  step time    {step_s * 1e6:,.1f} µs median over {s['timed_windows']} windows after "
         f"{s['warmup_windows']} warmup (each ended by block_until_ready)\n"
         f"  throughput   {s['steps_per_s']:,.1f} steps/s, {s['examples_per_s']:,.0f} examples/s\n"
+        f"  MFU          {mfu_line}\n"
+        f"  wall time    {s['wall_s']:.2f} s: {split} (goodput {s['goodput']:.1%})\n"
         f"  provenance   trainrun {p['trainrun']}, jax {p['jax']}, jaxlib {p['jaxlib']}, "
         f"{p['backend']} ({p['device_kind']}) x{p['device_count']}, "
         f"{p['process_count']} process(es), Python {p['python']}, "

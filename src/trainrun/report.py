@@ -193,29 +193,40 @@ def _table(rows: list[tuple[str, Any]]) -> str:
     return f"<table>{cells}</table>"
 
 
+def _num(value: Any, spec: str, scale: float = 1.0, suffix: str = "") -> str | None:
+    return None if value is None else f"{value * scale:{spec}}{suffix}"
+
+
 def _summary_rows(run: RunRecord) -> list[tuple[str, Any]]:
     s = run.summary
     best = best_eval(run)
     rows: list[tuple[str, Any]] = [
         ("status", run.status.get("status")),
-        ("steps", f"{run.last_step} of {run.config.get('steps')}"),
+        ("steps", f"{run.last_step:,} of {run.config.get('steps'):,}"),
         ("final train loss", s.get("final_loss")),
-        ("best eval", f"{best[0]} {best[1]:.6g} at step {best[2]}" if best else None),
+        ("best eval", f"{best[0]} {best[1]:.6g} at step {best[2]}" if best else "no eval"),
     ]
     if s:
+        peak = s.get("peak") or {}
         rows += [
-            ("median step time (µs)", (s.get("step_time_median_s") or 0) * 1e6),
-            ("steps/s", s.get("steps_per_s")),
-            ("examples/s", s.get("examples_per_s")),
-            ("compile (s)", s.get("compile_s")),
-            ("wall (s)", s.get("wall_s")),
-            ("goodput (step compute / wall)", s.get("goodput")),
-            ("FLOPs per step", s.get("flops_per_step")),
-            ("achieved FLOP/s", s.get("flops_per_s")),
-            ("MFU", s.get("mfu")),
-            ("peak used", (s.get("peak") or {}).get("source") or s.get("mfu_note")),
+            ("median step time", _num(s.get("step_time_median_s"), ",.1f", 1e6, " µs")),
+            ("throughput", f"{_num(s.get('steps_per_s'), ',.1f')} steps/s, "
+                           f"{_num(s.get('examples_per_s'), ',.0f')} examples/s"),
+            ("compile", _num(s.get("compile_s"), ".2f", suffix=" s")),
+            ("wall time", _num(s.get("wall_s"), ".2f", suffix=" s")),
+            ("goodput (step compute / wall)", _num(s.get("goodput"), ".1%")),
+            ("FLOPs per step", _num(s.get("flops_per_step"), ",.0f")),
+            ("achieved", _num(s.get("flops_per_s"), ",.2f", 1e-9, " GFLOP/s")),
+            ("MFU", _num(s.get("mfu"), ".2%") or s.get("mfu_note")),
+            ("peak used", f"{peak['flops_per_s'] / 1e9:,.1f} GFLOP/s: {peak['source']}"
+             if peak else None),
         ]
     return rows
+
+
+def _split_rows(split: dict[str, float], wall_s: float) -> list[tuple[str, Any]]:
+    return [(name, f"{seconds:.3f} s ({seconds / wall_s:.1%})") for name, seconds in
+            split.items()] if wall_s else []
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}
@@ -241,7 +252,8 @@ def write_report(run_dir: Path | str) -> Path:
 <h1>{name}</h1><p>{html.escape(str(run.path.resolve()))}</p>
 <h2>Summary</h2>{_table(_summary_rows(run))}
 <h2>Plots</h2><div class="plots">{figures or "<p>no metrics written yet</p>"}</div>
-<h2>Wall time (s)</h2>{_table(list(split.items())) if split else "<p>run not finished</p>"}
+<h2>Wall time</h2>{_table(_split_rows(split, run.summary.get("wall_s") or 0))
+                    if split else "<p>run not finished</p>"}
 <h2>Provenance</h2>{_table(list(prov.items()))}
 <h2>Config</h2><pre>{html.escape(yaml.safe_dump(run.config, sort_keys=False))}</pre>
 </body></html>

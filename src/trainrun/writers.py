@@ -11,15 +11,17 @@ from __future__ import annotations
 import atexit
 import json
 import math
+import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from trainrun import rundir
 from trainrun.errors import UserError
@@ -140,7 +142,7 @@ class WandbWriter:
             raise WriterError(f"metrics.wandb is {mode!r} but wandb is not installed; "
                               "pip install wandb, or set metrics.wandb=off") from None
         id_file = run_dir / "wandb-id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=project, name=name, id=run_id, resume="allow",
                               dir=str(run_dir), mode=mode, config=config,
@@ -198,7 +200,7 @@ class ConsoleProgress:
         self.progress = Progress(
             TextColumn("step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
             TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[rate]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            TextColumn("ETA"), TimeRemainingColumn(),
             console=Console(file=out), auto_refresh=False, redirect_stdout=False,
             redirect_stderr=False)
         self.task = self.progress.add_task("train", total=total_steps, loss="-", lr="-",
@@ -213,7 +215,7 @@ class ConsoleProgress:
         self.progress.refresh()
 
     def message(self, text: str) -> None:
-        self.progress.console.print(text, markup=False, highlight=False)
+        self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def start_at(self, step: int) -> None:
         """A resumed run: the bar and its rate start from ``step``."""
@@ -314,10 +316,12 @@ def build_output(run_dir: Path, console: ConsoleLog | ConsoleProgress, *, log_ev
                  wandb: str = "off", wandb_project: str = "trainrun",
                  config: dict[str, Any] | None = None, name: str = "run") -> RunOutput:
     """A run's ``RunOutput`` around its ``console`` (made earlier, for start-up messages).
-    ``primary`` is process 0: the others write no files (they would repeat them)."""
-    console.start_at(start_step)
+    ``primary`` is process 0: the others write no files and print no lines (they would repeat
+    process 0's)."""
     if not primary:
-        return RunOutput([], console, log_every, total_steps, start_step=start_step)
+        silent = ConsoleLog(total_steps, 1, open(os.devnull, "w"))  # noqa: SIM115
+        return RunOutput([], silent, log_every, total_steps, start_step=start_step)
+    console.start_at(start_step)
     writers: list[Writer] = [JsonlWriter(run_dir / rundir.METRICS)]
     if tensorboard:
         writers.append(TensorBoardWriter(run_dir / TENSORBOARD_DIR, start_step))

@@ -1,0 +1,135 @@
+"""Where metrics go: every writer reads back what metrics.jsonl holds; the console draws a bar
+on a terminal and plain lines elsewhere; only process 0 writes."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+from trainrun import rundir
+from trainrun.cli import main
+from trainrun.config import load_config
+from trainrun.loop import run
+from trainrun.writers import TENSORBOARD_DIR, ConsoleLog, build_output, read_metrics
+
+QUICK = ["steps=60", "log_every=20", "checkpoint.every=0"]
+
+
+class Terminal(io.StringIO):
+    """Output that says it is a terminal, as a console window would."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("writers") / "run"
+    out = io.StringIO()
+    run(load_config("mlp", QUICK), run_dir, out=out)
+    return run_dir, out.getvalue()
+
+
+def test_tensorboard_event_file_reads_back_the_jsonl_losses(finished_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _ = finished_run
+    jsonl = read_metrics(run_dir / rundir.METRICS)
+    events = EventAccumulator(str(run_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    events.Reload()
+    for name in ("loss", "lr", "grad_norm"):
+        scalars = events.Scalars(f"train/{name}")
+        assert [s.step for s in scalars] == [r["step"] for r in jsonl] == list(range(1, 61))
+        # TensorBoard stores float32, which is what the device computed: equal bit for bit.
+        assert np.array([s.value for s in scalars], np.float32).tobytes() == \
+            np.array([r[name] for r in jsonl], np.float32).tobytes()
+    timing = events.Scalars("perf/step_time_s")
+    assert [s.step for s in timing] == [20, 40, 60] and all(s.value > 0 for s in timing)
+
+
+def test_plain_lines_when_not_a_terminal(finished_run):
+    _, text = finished_run
+    lines = [line for line in text.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["20/60", "40/60", "60/60"]
+    assert "examples/s" in lines[0]
+    assert "\r" not in text and "\x1b" not in text  # no redraws, no escape codes
+
+
+def test_progress_bar_on_a_terminal(tmp_path):
+    out = Terminal()
+    run(load_config("mlp", QUICK), tmp_path / "run", out=out)
+    text = out.getvalue()
+    assert "━" in text and "ETA" in text and "examples/s" in text  # the bar and its fields
+    frames = text.split("\r")
+    assert "step 60/60" in frames[-1]
+    # Drawn at log points only: a handful of frames, not one per step.
+    assert len(frames) < 12
+    assert "done: 60 steps" in text  # the summary still prints after the bar
+
+
+def test_only_process_zero_writes(tmp_path):
+    console = ConsoleLog(10, 1, io.StringIO())
+    output = build_output(tmp_path, console, log_every=5, total_steps=10, primary=False)
+    output.write_rows([(5, {"loss": 1.0, "lr": 0.1})])
+    output.write_window(5, 5, 1e-3, 1)
+    output.close()
+    assert list(tmp_path.iterdir()) == []
+    assert console.out.getvalue() == ""  # nor does it print: process 0 does
+
+    output = build_output(tmp_path, ConsoleLog(10, 1, io.StringIO()), log_every=5,
+                          total_steps=10, primary=True)
+    output.write_rows([(5, {"loss": 1.0, "lr": 0.1})])
+    output.close()
+    assert read_metrics(tmp_path / rundir.METRICS) == [{"step": 5, "loss": 1.0, "lr": 0.1}]
+
+
+def _wandb_history(path) -> list[dict]:
+    """The logged rows of an offline W&B run file (a LevelDB-style log of Record protos)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    block, pos, pending, rows = 32768, 7, b"", []  # 7: the file header (":W&B", magic, version)
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        pending = payload if kind in (1, 2) else pending + payload
+        if kind in (1, 4):  # full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_wandb_offline_run_holds_the_same_losses(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    run(load_config("mlp", [*QUICK, "metrics.wandb=offline"]), run_dir, out=io.StringIO())
+    [wandb_file] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    rows = [r for r in _wandb_history(wandb_file) if "train/loss" in r]
+    jsonl = read_metrics(run_dir / rundir.METRICS)
+    assert [r["_step"] for r in rows] == list(range(1, 61))
+    assert np.array([r["train/loss"] for r in rows], np.float32).tobytes() == \
+        np.array([r["loss"] for r in jsonl], np.float32).tobytes()
+
+
+def test_wandb_asked_for_but_missing_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
+    code = main(["train", "--run-dir", str(tmp_path / "run"), *QUICK, "metrics.wandb=offline"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: config key 'metrics.wandb'")
+    assert "pip install wandb" in err
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -46,15 +46,15 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
     ``nonfinite_steps`` (so far), ``loss_scale`` (float16 only) and the model's aux metrics.
     """
     policy = policy or Policy()
-    gradients = _gradient_fn(model, policy, accumulate)
+    gradients = make_gradient_fn(model, policy, accumulate)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         loss, aux, grads = gradients(state.params, batch, step_key(state), state.loss_scale)
         grads = policy.unscale_grads(grads, state.loss_scale)
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.global_norm(grads)
-        update_norm = optax.global_norm(updates)
+        grad_norm = global_norm(grads)
+        update_norm = global_norm(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         # A select, not a branch: one program, and a finite step computes the very same bits.
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
@@ -68,7 +68,7 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
             "loss": loss,
             "grad_norm": grad_norm,
             "update_norm": update_norm,
-            "param_norm": optax.global_norm(params),
+            "param_norm": global_norm(params),
             "lr": jnp.asarray(optimizer.schedule(updates_done), jnp.float32),
             "nonfinite_steps": new_state.nonfinite_steps,
             **({"loss_scale": state.loss_scale.scale} if policy.scales_loss else {}),
@@ -79,12 +79,19 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
     return train_step
 
 
+def global_norm(tree: PyTree) -> jax.Array:
+    """The L2 norm of all leaves together, summed in float32 whatever their dtype."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 GradientFn = Callable[[PyTree, Batch, jax.Array, LossScale],
                       tuple[jax.Array, dict[str, jax.Array], PyTree]]
 
 
-def _gradient_fn(model: Model, policy: Policy, accumulate: int) -> GradientFn:
-    """``(params, batch, key, loss_scale) -> (loss, aux, grads)``; grads still scaled."""
+def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> GradientFn:
+    """``(params, batch, key, loss_scale) -> (loss, aux, grads)``: the batch's loss, aux metrics
+    and gradient (still multiplied by the loss scale under float16), accumulated over
+    ``accumulate`` microbatches as ``make_train_step`` describes."""
 
     def objective(params: PyTree, batch: Batch, key: jax.Array, loss_scale: LossScale):
         loss, aux = model.loss(policy.cast_to_compute(params), policy.cast_to_compute(batch), key)

@@ -24,7 +24,12 @@ class Model:
 
     init: ``key -> params`` (a pytree of float arrays).
     loss: ``(params, batch, key) -> (scalar loss, dict of scalar aux metrics)``; ``key`` is the
-        step's randomness (dropout), already folded with the step number.
+        step's randomness (dropout), already folded with the step number. The loss is a mean
+        over the batch's examples, or over its valid tokens when the batch is padded (e.g.
+        ``sum(mask * token_loss) / max(sum(mask), 1)``); then aux ``"weight"`` is that count
+        (``sum(mask)``). Gradient accumulation weighs each microbatch by its ``weight`` (the
+        number of examples when absent), so the accumulated gradient is the full batch's. The
+        step takes ``weight`` out of aux; it is not logged as a metric.
     name: shown in logs and checkpoint metadata.
     logical_axes: optional pytree shaped like params whose leaves are tuples naming each
         dimension of that param (e.g. ``("embed", "mlp")``, ``None`` for an unnamed dim);

@@ -24,14 +24,24 @@ QUICK = ["log_every=10", "checkpoint.every=0"]
 
 @pytest.fixture(scope="module")
 def runs_root(tmp_path_factory):
+    """runs/finished (100 steps), runs/preempted (SIGTERM mid-run), runs/failed (its data
+    raised); returns the root and the preempted run's result."""
     root = tmp_path_factory.mktemp("runs")
     run(load_config("mlp", ["steps=100", *QUICK]), root / "finished", out=io.StringIO())
-    return root
+    watcher = _preempt_when_running(root / "preempted")
+    preempted = run(load_config("mlp", ["steps=1000000", "optimizer.lr=0.003", *QUICK]),
+                    root / "preempted", out=io.StringIO())
+    watcher.join()
+    with pytest.raises(OSError, match="data disk"):
+        run(load_config("mlp", ["steps=50", *QUICK]), root / "failed",
+            data=_failing_batches(20), out=io.StringIO())
+    return root, preempted
 
 
 def test_report_writes_html_and_every_png_it_links(runs_root, capsys):
-    assert main(["report", str(runs_root / "finished")]) == 0
-    html_path = runs_root / "finished" / "report.html"
+    root, _ = runs_root
+    assert main(["report", str(root / "finished")]) == 0
+    html_path = root / "finished" / "report.html"
     assert str(html_path) in capsys.readouterr().out
     page = html_path.read_text()
     linked = re.findall(r'<img src="([^"]+)"', page)
@@ -46,7 +56,7 @@ def test_report_writes_html_and_every_png_it_links(runs_root, capsys):
         with Image.open(png) as image:
             assert image.format == "PNG" and image.width >= 600 and image.height >= 300
             assert len(set(image.convert("L").getdata())) > 16  # lines and text, not one color
-    summary = rundir.read_summary(runs_root / "finished")
+    summary = rundir.read_summary(root / "finished")
     assert f"{summary['final_loss']:.6g}" in page  # the summary table
     assert summary["provenance"]["jaxlib"] in page and "config_digest" in page  # provenance
 
@@ -75,38 +85,29 @@ def _failing_batches(good: int):
 
 
 def test_runs_lists_finished_preempted_and_failed(runs_root, capsys):
-    preempted_dir = runs_root / "preempted"
-    watcher = _preempt_when_running(preempted_dir)
-    result = run(load_config("mlp", ["steps=1000000", *QUICK]), preempted_dir,
-                 out=io.StringIO())
-    watcher.join()
-    with pytest.raises(OSError):
-        run(load_config("mlp", ["steps=50", *QUICK]), runs_root / "failed",
-            data=_failing_batches(20), out=io.StringIO())
-
-    assert main(["runs", "--root", str(runs_root)]) == 0
+    root, preempted = runs_root
+    assert main(["runs", "--root", str(root)]) == 0
     table = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in table[1:]}
     assert table[0].split()[:3] == ["run", "status", "step"]
 
-    finished = read_metrics(runs_root / "finished" / rundir.METRICS)
+    finished = read_metrics(root / "finished" / rundir.METRICS)
     assert rows["finished"][1:4] == ["finished", "100/100", f"{finished[-1]['loss']:.6g}"]
-    stopped_at = result["preempted_at"]
+    stopped_at = preempted["preempted_at"]
     assert 0 < stopped_at < 1_000_000
     assert rows["preempted"][1:3] == ["preempted", f"{stopped_at}/1000000"]
     assert rows["failed"][1] == "failed"
 
 
 def test_compare_overlays_runs_and_tables_final_metrics(runs_root, tmp_path, capsys):
-    other = tmp_path / "lr3e-3"
-    run(load_config("mlp", ["steps=100", "optimizer.lr=0.003", *QUICK]), other,
-        out=io.StringIO())
+    root, _ = runs_root
     png = tmp_path / "both.png"
-    assert main(["compare", str(runs_root / "finished"), str(other), "--out", str(png)]) == 0
+    assert main(["compare", str(root / "finished"), str(root / "preempted"),
+                 "--out", str(png)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    for run_dir in (runs_root / "finished", other):
-        final = read_metrics(run_dir / rundir.METRICS)[-1]["loss"]
-        [row] = [line for line in lines if line.startswith(run_dir.name + " ")]
+    for name in ("finished", "preempted"):
+        final = read_metrics(root / name / rundir.METRICS)[-1]["loss"]
+        [row] = [line for line in lines if line.startswith(name + " ")]
         assert f"{final:.6g}" in row.split()
     with Image.open(png) as image:
         assert image.width >= 1000 and len(set(image.convert("L").getdata())) > 16

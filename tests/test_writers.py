@@ -15,7 +15,14 @@ from trainrun import rundir
 from trainrun.cli import main
 from trainrun.config import load_config
 from trainrun.loop import run
-from trainrun.writers import TENSORBOARD_DIR, ConsoleLog, build_output, read_metrics
+from trainrun.writers import (
+    TENSORBOARD_DIR,
+    ConsoleLog,
+    JsonlWriter,
+    ScalarEventEncoder,
+    build_output,
+    read_metrics,
+)
 
 QUICK = ["steps=60", "log_every=20", "checkpoint.every=0"]
 
@@ -133,3 +140,32 @@ def test_wandb_asked_for_but_missing_is_a_one_line_error(tmp_path, monkeypatch, 
     assert err.count("\n") == 1 and err.startswith("error: config key 'metrics.wandb'")
     assert "pip install wandb" in err
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_scalar_events_are_the_bytes_protobuf_writes():
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    encode = ScalarEventEncoder()
+    for step, split, metrics in [(1, "train", {"loss": 0.25, "lr": 1e-3}),
+                                 (300_000, "eval", {"accuracy": 0.97, "loss": float("nan")}),
+                                 (7, "train", {"loss": -3.4e38, "lr": 1e-3}),
+                                 (8, "train", {"loss": 1e39, "lr": 1e-3})]:
+        expected = Event(wall_time=1.7e9 + step, step=step, summary=Summary(value=[
+            Summary.Value(tag=f"{split}/{name}", simple_value=value)
+            for name, value in metrics.items()]))
+        assert encode(step, 1.7e9 + step, split, metrics) == expected.SerializeToString()
+
+
+def test_jsonl_lines_are_what_json_dumps_writes(tmp_path):
+    writer = JsonlWriter(tmp_path / "m.jsonl")
+    rows = [(1, {"loss": 0.1 + 0.2, "lr": np.float32(1e-3).item(), "count": 3}, "train"),
+            (2, {"loss": float("inf"), "grad_norm": float("nan")}, "train"),
+            (3, {"loss": 1e-300, "accuracy": 0.5}, "eval")]
+    for step, metrics, split in rows:
+        writer.write(step, metrics, split)
+    writer.close()
+    expected = [{"step": 1, "loss": 0.1 + 0.2, "lr": np.float32(1e-3).item(), "count": 3},
+                {"step": 2, "loss": None, "grad_norm": None, "nonfinite": ["loss", "grad_norm"]},
+                {"step": 3, "split": "eval", "loss": 1e-300, "accuracy": 0.5}]
+    assert (tmp_path / "m.jsonl").read_text() == "".join(json.dumps(e) + "\n" for e in expected)

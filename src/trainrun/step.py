@@ -151,3 +151,24 @@ def make_multi_step(train_step: StepFn) -> StepFn:
         return jax.lax.scan(train_step, state, batches)
 
     return multi_step
+
+
+def make_eval_step(model: Model, policy: Policy | None = None) -> Callable[[PyTree, Batch],
+                                                                          Metrics]:
+    """``(params, batch) -> metrics`` on a held-out batch: ``loss`` and the model's aux metrics
+    (accuracy, bits per byte, ...) as float32, and ``weight``: what the batch's means are over
+    (the model's aux ``weight``, else the number of examples), to combine batches. No update
+    and no training randomness: the model's ``eval_loss`` (dropout off), else its ``loss`` with
+    a fixed key. Reads ``params`` only, so evaluating never changes the training trajectory."""
+    policy = policy or Policy()
+
+    def eval_step(params: PyTree, batch: Batch) -> Metrics:
+        params, batch = policy.cast_to_compute(params), policy.cast_to_compute(batch)
+        if model.eval_loss is not None:
+            loss, aux = model.eval_loss(params, batch)
+        else:
+            loss, aux = model.loss(params, batch, jax.random.key(0))
+        metrics = {"loss": loss, "weight": jax.tree.leaves(batch)[0].shape[0], **aux}
+        return {name: jnp.asarray(value, jnp.float32) for name, value in metrics.items()}
+
+    return eval_step

@@ -1,19 +1,68 @@
-"""Data: sources that produce in-memory arrays, and the Grain pipeline that batches them."""
+"""Data: sources that produce arrays (in memory or memory-mapped) with a train and a held-out
+split, and the Grain pipeline that batches them."""
 
 from __future__ import annotations
 
-from trainrun.data.pipeline import ArrayBatches, DataError, batch_iterator
+import functools
+
+import numpy as np
+
+from trainrun.data.pipeline import (
+    ArrayBatches,
+    BatchCursor,
+    DataError,
+    batch_iterator,
+    eval_batches,
+    token_windows,
+)
+
+Splits = dict[str, dict[str, np.ndarray] | None]
+
+
+def _splits(cfg) -> Splits:
+    """``{"train": arrays, "eval": arrays or None}`` for a data section. Loaded once for the
+    train and eval builds of a run: the cache is keyed by the section's JSON (sections with
+    mapping fields are not hashable)."""
+    return _load(type(cfg), cfg.model_dump_json())
+
+
+@functools.lru_cache(maxsize=1)
+def _load(section: type, blob: str) -> Splits:
+    cfg = section.model_validate_json(blob)
+    from trainrun.data.digits import digits_arrays
+    from trainrun.data.files import array_splits, token_splits
+    from trainrun.data.synthetic import regression_arrays
+    from trainrun.data.text import text_arrays
+
+    if cfg.kind == "regression":
+        return {"train": regression_arrays(cfg), "eval": None}
+    sources = {"digits": lambda _: digits_arrays(), "text": text_arrays,
+               "arrays": array_splits, "tokens": token_splits}
+    return sources[cfg.kind](cfg)
 
 
 def build_dataset(cfg, seed: int, process_index: int = 0,
                   process_count: int = 1) -> ArrayBatches:
     """The training dataset a config's ``data`` section names (this process's rows of it)."""
-    from trainrun.data.synthetic import regression_arrays
-
-    sources = {"regression": regression_arrays}
-    arrays = sources[cfg.kind](cfg)
-    return ArrayBatches(arrays, cfg.batch_size, shuffle=cfg.shuffle, seed=seed,
-                        process_index=process_index, process_count=process_count)
+    return ArrayBatches(_splits(cfg)["train"], cfg.batch_size, shuffle=cfg.shuffle,
+                        seed=seed, process_index=process_index, process_count=process_count)
 
 
-__all__ = ["ArrayBatches", "DataError", "batch_iterator", "build_dataset"]
+def build_eval_dataset(cfg, batch_size: int | None = None, process_index: int = 0,
+                       process_count: int = 1) -> ArrayBatches:
+    """The held-out split of ``cfg``, in order, in batches of ``batch_size`` (default: the
+    training batch size)."""
+    arrays = _splits(cfg)["eval"]
+    if arrays is None:
+        hint = {"arrays": "give data.eval (a .npz or name: .npy mapping)",
+                "tokens": "give data.eval (a held-out .bin file)"}.get(
+                    cfg.kind, "use data with a held-out split")
+        raise DataError(f"data.kind={cfg.kind} has no held-out split to evaluate on; {hint}, "
+                        "or set eval.every=0")
+    return ArrayBatches(arrays, batch_size or cfg.batch_size, shuffle=False, seed=0,
+                        process_index=process_index, process_count=process_count,
+                        split="eval")
+
+
+__all__ = ["ArrayBatches", "BatchCursor", "DataError", "batch_iterator", "build_dataset",
+           "build_eval_dataset", "eval_batches", "token_windows"]

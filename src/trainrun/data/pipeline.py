@@ -12,6 +12,7 @@ the host cost of a step in microseconds, which matters when a step is itself ~50
 from __future__ import annotations
 
 import functools
+import mmap
 from collections.abc import Mapping
 
 import grain
@@ -29,27 +30,34 @@ class DataError(UserError):
 class ArrayBatches(grain.MapDataset):
     """Global batch ``i`` (this process's rows of it) over arrays of equal length.
 
-    arrays: name -> array with the examples on axis 0.
+    arrays: name -> array with the examples on axis 0 (in memory, memory-mapped, or a window
+        view from ``token_windows``).
     batch_size: the global batch; each of ``process_count`` processes gets an equal slice.
     shuffle: permute examples each epoch with ``default_rng((seed, epoch))``; else file order.
+    split: named in error messages ("train", "eval").
     Incomplete final batches of an epoch are dropped, so every step sees a full batch.
+    A batch is always a fresh in-memory array or a view of one: reading from a file happens
+    where the batch is loaded (a prefetch thread), not later in the training loop.
     """
 
     def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, *, shuffle: bool,
-                 seed: int, process_index: int = 0, process_count: int = 1):
+                 seed: int, process_index: int = 0, process_count: int = 1,
+                 split: str = "train"):
         super().__init__()
         lengths = {name: len(a) for name, a in arrays.items()}
         if len(set(lengths.values())) != 1:
-            raise DataError(f"data arrays have different lengths {lengths}; every array needs "
-                            "one entry per example")
+            raise DataError(f"{split} data arrays have different lengths {lengths}; every "
+                            "array needs one entry per example")
         self.num_examples = next(iter(lengths.values()))
         if batch_size > self.num_examples:
-            raise DataError(f"batch_size {batch_size} is larger than the data "
-                            f"({self.num_examples} examples); lower data.batch_size")
+            key = "eval.batch_size" if split == "eval" else "data.batch_size"
+            raise DataError(f"batch size {batch_size} is larger than the {split} data "
+                            f"({self.num_examples} examples); lower {key} or add data")
         if batch_size % process_count:
             raise DataError(f"batch_size {batch_size} does not divide over {process_count} "
                             "processes; make it a multiple of the process count")
         self.arrays = dict(arrays)
+        self.copy = {name: _needs_copy(a) for name, a in self.arrays.items()}
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -74,9 +82,45 @@ class ArrayBatches(grain.MapDataset):
         order = self._order(epoch)
         if order is None:
             rows = slice(start + self.rows.start, start + self.rows.stop)
-            return {name: a[rows] for name, a in self.arrays.items()}
+            return {name: np.array(a[rows]) if self.copy[name] else a[rows]
+                    for name, a in self.arrays.items()}
         idx = order[start:start + self.batch_size][self.rows]
         return {name: a[idx] for name, a in self.arrays.items()}
+
+
+def _needs_copy(array: np.ndarray) -> bool:
+    """Whether a slice of ``array`` would be a lazy or strided view (of a file mapping, or of
+    overlapping windows) rather than plain contiguous memory."""
+    base = array
+    while base is not None:
+        if isinstance(base, (np.memmap, mmap.mmap)):
+            return True
+        base = getattr(base, "base", None)
+    return not array.flags.c_contiguous
+
+
+def token_windows(stream: np.ndarray, seq_len: int, what: str,
+                  strict: bool = True) -> np.ndarray:
+    """A 1-D token stream as windows ``[N, seq_len + 1]``; window ``i`` starts at token
+    ``i * seq_len``, so consecutive windows share one token (a target becomes the next input).
+    A strided view: nothing is copied until a batch gathers its windows.
+
+    strict: a stream shorter than one window is an error (else: zero windows).
+    """
+    if stream.size < seq_len + 1:
+        if strict:
+            raise DataError(f"{what} has {stream.size} tokens, fewer than one window of "
+                            f"seq_len + 1 = {seq_len + 1}; lower data.seq_len or add data")
+        return np.zeros((0, seq_len + 1), stream.dtype)
+    view = np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)
+    return view[::seq_len]
+
+
+def eval_batches(dataset: ArrayBatches, max_batches: int = 0) -> list[int]:
+    """Indices of the batches one evaluation reads: the first epoch in order, at most
+    ``max_batches`` of them (0: all)."""
+    count = dataset.batches_per_epoch
+    return list(range(min(count, max_batches) if max_batches else count))
 
 
 class BatchCursor:

@@ -7,8 +7,11 @@ __all__ = ["Model", "bind_params", "build_model", "from_functions", "from_nnx"]
 
 def build_model(cfg) -> Model:
     """The model a config's ``model`` section names."""
+    from trainrun.models.cnn import make_cnn
     from trainrun.models.mlp import make_mlp
+    from trainrun.models.nnx_mlp import make_nnx_mlp
     from trainrun.models.transformer import make_transformer
 
-    builders = {"mlp": make_mlp, "transformer": make_transformer}
+    builders = {"mlp": make_mlp, "nnx_mlp": make_nnx_mlp, "cnn": make_cnn,
+                "transformer": make_transformer}
     return builders[cfg.kind](cfg)

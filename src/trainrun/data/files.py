@@ -1,0 +1,83 @@
+"""User data from files: NumPy arrays (``.npy``, ``.npz``) and nanoGPT-style token files.
+
+A token file is a flat binary array of token ids (uint16 for vocabularies up to 65,536, as
+nanoGPT's ``prepare.py`` writes ``train.bin``/``val.bin``). It is memory-mapped, so a process
+reads from disk only the windows of its own batches.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from trainrun.data.pipeline import DataError, token_windows
+
+Arrays = dict[str, np.ndarray]
+
+
+def _existing(path: str, key: str) -> Path:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DataError(f"{key}: file {path!r} not found; give the path of an existing file")
+    return file
+
+
+def load_arrays(spec: str | dict[str, str], key: str) -> Arrays:
+    """A ``.npz`` path (all its arrays) or ``{name: path.npy}``; ``.npy`` files are mapped."""
+    if isinstance(spec, str):
+        file = _existing(spec, key)
+        if file.suffix != ".npz":
+            raise DataError(f"{key}: {spec!r} is not a .npz file; give a .npz, or a mapping "
+                            "of names to .npy files (e.g. {x: x.npy, label: y.npy})")
+        try:
+            with np.load(file) as npz:
+                arrays = {name: npz[name] for name in npz.files}
+        except (OSError, ValueError, zipfile.BadZipFile) as err:
+            raise DataError(f"{key}: cannot read {spec!r} as .npz ({err})") from None
+    else:
+        arrays = {}
+        for name, path in spec.items():
+            file = _existing(path, f"{key}.{name}")
+            try:
+                arrays[name] = np.load(file, mmap_mode="r")
+            except (OSError, ValueError) as err:
+                raise DataError(f"{key}.{name}: cannot read {path!r} as .npy ({err})") from None
+    if not arrays:
+        raise DataError(f"{key}: {spec!r} holds no arrays")
+    scalars = [name for name, a in arrays.items() if a.ndim == 0]
+    if scalars:
+        raise DataError(f"{key}: arrays {scalars} are scalars; every array needs one entry per "
+                        "example on its first axis")
+    return arrays
+
+
+def array_splits(cfg) -> dict[str, Arrays | None]:
+    if cfg.train is None:
+        raise DataError("data.kind=arrays needs data.train: a .npz file or a mapping of names "
+                        "to .npy files")
+    return {"train": load_arrays(cfg.train, "data.train"),
+            "eval": load_arrays(cfg.eval, "data.eval") if cfg.eval is not None else None}
+
+
+def load_tokens(path: str, dtype: str, key: str) -> np.ndarray:
+    """A memory map of the token ids in ``path``."""
+    file = _existing(path, key)
+    size, itemsize = file.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+        raise DataError(f"{key}: token file {path!r} is empty; write token ids into it")
+    if size % itemsize:
+        raise DataError(f"{key}: {path!r} has {size} bytes, not a whole number of {dtype} "
+                        f"tokens; check data.dtype")
+    return np.memmap(file, dtype=dtype, mode="r")
+
+
+def token_splits(cfg) -> dict[str, Arrays | None]:
+    if cfg.train is None:
+        raise DataError("data.kind=tokens needs data.train: the path of a .bin token file")
+    train = load_tokens(cfg.train, cfg.dtype, "data.train")
+    held = load_tokens(cfg.eval, cfg.dtype, "data.eval") if cfg.eval is not None else None
+    return {"train": {"tokens": token_windows(train, cfg.seq_len, f"data.train {cfg.train!r}")},
+            "eval": None if held is None else
+            {"tokens": token_windows(held, cfg.seq_len, f"data.eval {cfg.eval!r}", strict=False)}}

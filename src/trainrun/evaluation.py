@@ -1,0 +1,66 @@
+"""Evaluation on the held-out split, every ``eval.every`` steps and at the end of the run.
+
+One evaluation reads the same batches each time (the split's first ``eval.batches`` batches, in
+order) and reports the mean of each metric over them: ``loss`` and the model's aux metrics
+(``accuracy``, ``bits_per_byte``). It reads the params only and draws no randomness, so the
+training trajectory is the same with or without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from trainrun.data import ArrayBatches, eval_batches
+from trainrun.models import Model
+from trainrun.precision import Policy
+from trainrun.step import make_eval_step
+
+Batch = Any
+
+
+class Evaluator:
+    """every: steps between evaluations (the last step is always evaluated).
+    dataset: the held-out split, batch ``i`` at index ``i`` (this process's rows of it).
+    max_batches: batches per evaluation (0: the whole split).
+    put: host batch -> device batch, as the training batches are placed."""
+
+    def __init__(self, model: Model, dataset: grain.MapDataset, every: int, *,
+                 max_batches: int = 0, policy: Policy | None = None,
+                 put: Callable[[Batch], Batch] = lambda batch: batch):
+        self.every = every
+        self.dataset = dataset
+        self.indices = (eval_batches(dataset, max_batches) if isinstance(dataset, ArrayBatches)
+                        else list(range(max_batches or len(dataset))))
+        self.put = put
+        self.fn = jax.jit(make_eval_step(model, policy))
+
+    def due(self, step: int, total: int) -> bool:
+        return step % self.every == 0 or step == total
+
+    def steps_to_next(self, done: int, total: int) -> int:
+        """Steps from ``done`` to the next evaluated step: a call ends there."""
+        return min(self.every - done % self.every, total - done)
+
+    def __call__(self, params: Any) -> dict[str, float]:
+        """Each metric's mean over the eval batches, weighted by what each batch's mean is
+        over (examples, or valid tokens), so it is the mean over the whole evaluated split.
+        Every batch is dispatched before the one read of the results."""
+        per_batch = [self.fn(params, self.put(self.dataset[i])) for i in self.indices]
+        rows = jax.device_get(per_batch)
+        weights = np.array([row["weight"] for row in rows], np.float64)
+        names = ["loss", *sorted(name for name in rows[0] if name not in ("loss", "weight"))]
+        return {name: float(np.average([row[name] for row in rows], weights=weights))
+                for name in names}
+
+
+def eval_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """The console line of one evaluation, e.g. ``eval step 500/500  loss 0.0912  accuracy
+    0.9833``."""
+    width = len(str(total))
+    shown = "  ".join(f"{name} {value:.4g}" for name, value in metrics.items())
+    return f"eval step {step:>{width}}/{total}  {shown}"

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -124,7 +125,7 @@ def test_tensor_axis_without_logical_names_is_refused():
 # ---- on simulated devices (subprocesses: each its own device count) --------------------------
 
 MLP2 = ["model.hidden=[32]", "data.examples=512", "data.batch_size=64", "data.shuffle=true",
-        "steps=50", "log_every=50"]
+        "steps=50", "log_every=50", "metrics.tensorboard=false"]
 
 
 def losses(run_dir) -> np.ndarray:
@@ -147,56 +148,88 @@ def test_data_parallel_on_4_devices_matches_1_device(tmp_path):
 
 SHARDED_RUNS = textwrap.dedent("""
     import io, json, sys
+    from pathlib import Path
     import jax
-    from trainrun.config import load_config
-    from trainrun.loop import run, init_state, abstract_state
     from trainrun import sharding
+    from trainrun.config import load_config
+    from trainrun.loop import abstract_state, init_state, run
     from trainrun.models import build_model
     from trainrun.optim import build_optimizer
     from trainrun.writers import read_metrics
-    from pathlib import Path
 
-    base, root = json.loads(sys.argv[1]), Path(sys.argv[2])
+    name, base, root = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    arrays = sys.argv[4] == "arrays"
     meshes = {"dp": [], "fsdp": ["mesh.data=1", "mesh.fsdp=4", "mesh.fsdp_min_size=0"],
               "dp_tp": ["mesh.data=2", "mesh.tensor=2"]}
     out = {}
-    for name, mesh in meshes.items():
-        config = load_config("mlp", base + mesh)
-        run(config, root / name, out=io.StringIO())
-        out[name] = [r["loss"] for r in read_metrics(root / name / "metrics.jsonl")]
-        # The state as the run creates it: is each param really split across devices?
+    for mesh_name, mesh in meshes.items():
+        config = load_config(name, base + mesh)
+        run(config, root / mesh_name, out=io.StringIO())
+        losses = [r["loss"] for r in read_metrics(root / mesh_name / "metrics.jsonl")]
+        # What each device holds of each param: of the state as the run creates it (arrays), or
+        # as its shardings say (cheaper: no second init).
         model, opt = build_model(config.model), build_optimizer(config.optimizer, config.steps)
-        mesh_ = sharding.build_mesh(config.mesh)
-        shardings = sharding.state_shardings(mesh_, abstract_state(model, opt, config.seed),
+        abstract = abstract_state(model, opt, config.seed)
+        shardings = sharding.state_shardings(sharding.build_mesh(config.mesh), abstract,
                                              model.logical_axes, opt.tx, config.mesh)
-        state = init_state(model, opt, config.seed, shardings=shardings)
-        out[name + "_shards"] = {k: [list(v.shape), list(v.addressable_shards[0].data.shape),
-                                     len(v.addressable_shards)]
-                                 for k, v in state.params.items()}
-        out[name + "_mu_shards"] = {k: list(v.addressable_shards[0].data.shape)
-                                    for k, v in state.opt_state[0].mu.items()}
+        if arrays:
+            state = init_state(model, opt, config.seed, shardings=shardings)
+            shard = lambda leaf, _: leaf.addressable_shards[0].data.shape
+        else:
+            state = abstract
+            shard = lambda leaf, where: where.shard_shape(leaf.shape)
+        held = lambda tree, where: {
+            jax.tree_util.keystr(path): [list(leaf.shape), list(shard(leaf, s))]
+            for (path, leaf), s in zip(jax.tree.leaves_with_path(tree), jax.tree.leaves(where))}
+        adam = lambda t: next(s for s in jax.tree.leaves(t, is_leaf=lambda s: hasattr(s, "mu"))
+                              if hasattr(s, "mu")).mu
+        out[mesh_name] = {"losses": losses, "params": held(state.params, shardings.params),
+                          "mu": held(adam(state.opt_state), adam(shardings.opt_state))}
     print(json.dumps(out))
 """)
 
 
-def sharded_runs(tmp_path, base: list[str]) -> dict:
-    done = subprocess.run([sys.executable, "-c", SHARDED_RUNS, json.dumps(base), str(tmp_path)],
+def sharded_runs(tmp_path, config: str, base: list[str], arrays: bool) -> dict:
+    """One process with 4 devices trains ``config`` data parallel, FSDP(4) and data 2 x
+    tensor 2, and reports each run's losses and the shard shapes of its fresh state (from the
+    arrays themselves, or from their shardings)."""
+    done = subprocess.run([sys.executable, "-c", SHARDED_RUNS, config, json.dumps(base),
+                           str(tmp_path), "arrays" if arrays else "shardings"],
                           capture_output=True, text=True, timeout=600, env=cli_env(4))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_fsdp_and_tensor_parallel_match_data_parallel_on_the_mlp(tmp_path):
-    out = sharded_runs(tmp_path, MLP2)
-    dp = np.array(out["dp"])
-    np.testing.assert_allclose(out["fsdp"], dp, rtol=1e-5, atol=0)
-    np.testing.assert_allclose(out["dp_tp"], dp, rtol=1e-5, atol=0)
-    # Really sharded: each device holds a quarter (fsdp) or half (tensor) of the param.
-    assert out["fsdp_shards"]["w1"] == [[8, 32], [8, 8], 4]
-    assert out["fsdp_mu_shards"]["w1"] == [8, 8]  # Adam's moments follow
-    assert out["dp_tp_shards"]["w1"] == [[8, 32], [8, 16], 4]  # column split
-    assert out["dp_tp_shards"]["w2"] == [[32, 1], [16, 1], 4]  # row split
-    assert out["dp_shards"]["w1"] == [[8, 32], [8, 32], 4]  # data parallel: replicated
+    out = sharded_runs(tmp_path, "mlp", MLP2, arrays=True)
+    dp = out["dp"]["losses"]
+    np.testing.assert_allclose(out["fsdp"]["losses"], dp, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(out["dp_tp"]["losses"], dp, rtol=1e-5, atol=0)
+    # Really sharded: each device holds a quarter (fsdp) or half (tensor) of a param.
+    assert out["fsdp"]["params"]["['w1']"] == [[8, 32], [8, 8]]
+    assert out["fsdp"]["mu"]["['w1']"] == [[8, 32], [8, 8]]  # Adam's moments follow
+    assert out["dp_tp"]["params"]["['w1']"] == [[8, 32], [8, 16]]  # column split
+    assert out["dp_tp"]["params"]["['w2']"] == [[32, 1], [16, 1]]  # row split
+    assert out["dp"]["params"]["['w1']"] == [[8, 32], [8, 32]]  # data parallel: replicated
+
+
+def test_fsdp_and_tensor_parallel_match_data_parallel_on_the_transformer(tmp_path):
+    corpus = Path(json.__file__).parent / "*.py"  # the stdlib's json package: ~40 KB of text
+    lm = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.seq_len=16",
+          "data.seq_len=16", "data.batch_size=8", f"data.paths=[{corpus}]",
+          "data.prefetch_threads=0", "steps=10", "steps_per_call=5", "eval.every=0",
+          "optimizer.schedule.warmup_steps=2", "metrics.tensorboard=false"]
+    out = sharded_runs(tmp_path, "lm", lm, arrays=False)
+    dp = out["dp"]["losses"]
+    assert len(dp) == 10 and dp[-1] < dp[0]
+    np.testing.assert_allclose(out["fsdp"]["losses"], dp, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(out["dp_tp"]["losses"], dp, rtol=1e-5, atol=0)
+    q = "['blocks']['0']['attn']['q']['kernel']"
+    o = "['blocks']['0']['attn']['o']['kernel']"
+    assert out["dp_tp"]["params"][q] == [[32, 32], [32, 16]]  # heads split: column
+    assert out["dp_tp"]["params"][o] == [[32, 32], [16, 32]]  # then row
+    assert out["fsdp"]["params"][q] == [[32, 32], [8, 32]]
+    assert out["fsdp"]["mu"][q] == [[32, 32], [8, 32]]
 
 
 def test_bad_mesh_config_exits_2_with_one_line(tmp_path, capsys):

@@ -155,6 +155,22 @@ class PeerWatch:
         with contextlib.suppress(Exception):  # the coordinator may be what failed
             self.client.key_value_set(f"{self.PREFIX}failed/{self.me}", f"{code} {message}",
                                       allow_overwrite=True)
+            # Stay until the others have read it (briefly): if this process hosts the
+            # coordinator, leaving at once would stop them with JAX's "socket closed" instead.
+            deadline = time.monotonic() + 3 * self.period_s
+            while time.monotonic() < deadline:
+                keys = {key for key, _ in self.client.key_value_dir_get(self.PREFIX)}
+                if all(any(f"{self.PREFIX}{kind}/{peer}" in keys for kind in
+                           ("seen", "done", "failed")) for peer in range(self.count)):
+                    break
+                time.sleep(0.05)
+
+    def settle(self) -> None:
+        """Give the watch one timeout to find a lost peer (it exits the process if it does).
+
+        When a peer dies mid-collective this process usually sees a transport error first
+        (gloo: "connection reset by peer"), which does not say who is gone."""
+        self.stopped.wait(self.timeout_s + 2 * self.period_s)
 
     def _run(self) -> None:
         beats = 0
@@ -178,6 +194,9 @@ class PeerWatch:
                 failed = entries.get(f"{self.PREFIX}failed/{peer}")
                 if failed is not None:
                     code, _, message = failed.partition(" ")
+                    with contextlib.suppress(Exception):
+                        self.client.key_value_set(f"{self.PREFIX}seen/{self.me}", "",
+                                                  allow_overwrite=True)
                     self._exit(f"process {peer} of {self.count} failed: {message}", int(code))
                 beat = entries.get(f"{self.PREFIX}beat/{peer}")
                 last_beat, since = seen.get(peer, (None, start))
@@ -210,7 +229,13 @@ def session(cfg: DistributedConfig) -> Iterator[None]:
         if watch is None:
             raise
         code = 2 if isinstance(err, UserError) else 130 if isinstance(err, KeyboardInterrupt) else 1
-        message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+        message = (str(err) if isinstance(err, UserError)
+                   else f"{type(err).__name__}: {_first_line(err)}")
+        if code == 1:  # a runtime error may be the echo of another process's death
+            sys.stderr.write(f"this process failed ({_first_line(err)}); checking for a lost "
+                             f"process before reporting it ({watch.timeout_s:g} s at most)\n")
+            sys.stderr.flush()
+            watch.settle()
         watch.fail(message, code)
         if not isinstance(err, UserError):
             traceback.print_exc()

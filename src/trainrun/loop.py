@@ -27,8 +27,9 @@ import numpy as np
 from trainrun import distributed, mfu, rundir, sharding
 from trainrun.checkpoint import Checkpoints, check_config, checkpoint_dir, provenance_changes
 from trainrun.config import RunConfig
-from trainrun.data import batch_iterator, build_dataset
+from trainrun.data import batch_iterator, build_dataset, build_eval_dataset
 from trainrun.errors import UserError
+from trainrun.evaluation import Evaluator, eval_line
 from trainrun.models import Model, build_model
 from trainrun.optim import Optimizer, build_optimizer
 from trainrun.precision import Policy, policy_from_config
@@ -200,7 +201,8 @@ class MetricsReader:
 
 def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | None = None,
         data: grain.MapDataset | Iterator[Batch] | None = None, fresh: bool = False,
-        allow_config_change: bool = False, out: TextIO = sys.stdout) -> dict[str, Any]:
+        allow_config_change: bool = False, out: TextIO = sys.stdout,
+        eval_data: grain.MapDataset | None = None) -> dict[str, Any]:
     """Train ``config`` and return its summary (also written to ``summary.json``).
 
     A run directory with a committed checkpoint resumes from its newest readable one; a run
@@ -213,13 +215,15 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
         process's ``data`` yields its own rows of each global batch.
     fresh: move an existing run (and its checkpoints) aside and start over.
     allow_config_change: resume even though config keys that alter the trajectory changed.
+    eval_data: the held-out split that ``eval.every`` evaluates, batch ``i`` at index ``i``;
+        defaults to the one ``config.data`` holds out.
     """
     # `cleanup` closes what _run opened (the checkpoint manager, letting a save in flight
     # commit) however it ends.
     with Preemption() as preemption, contextlib.ExitStack() as cleanup:
         try:
             return _run(config, run_dir, model, data, fresh, allow_config_change, out,
-                        preemption, cleanup)
+                        preemption, cleanup, eval_data)
         except BaseException:
             _mark_failed(Path(run_dir) if run_dir is not None else rundir.default_run_dir(config))
             raise
@@ -235,7 +239,8 @@ def _mark_failed(run_dir: Path) -> None:
 
 def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, data: Any,
          fresh: bool, allow_config_change: bool, out: TextIO,
-         preemption: Preemption, cleanup: contextlib.ExitStack) -> dict[str, Any]:
+         preemption: Preemption, cleanup: contextlib.ExitStack,
+         eval_data: grain.MapDataset | None = None) -> dict[str, Any]:
     wall_start = time.perf_counter()
     distributed.initialize(config.distributed)  # before anything asks JAX for devices
     primary = jax.process_index() == 0  # only process 0 writes files and logs
@@ -271,6 +276,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
                              process_count=placement.rows[1])
     batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
                if isinstance(data, grain.MapDataset) else iter(data))
+    evaluator = _evaluator(config, model, policy, mesh, eval_data)
     watch = Stopwatch()
     with watch.phase("init"):
         state = _restore_or_init(
@@ -322,6 +328,8 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
     while done < config.steps:
         # Calls end on checkpoint steps, so the state saved is the state at that step.
         k = min(config.steps_per_call, checkpoints.until_next(done, config.steps))
+        if evaluator is not None:  # and on eval steps, so eval sees the params of that step
+            k = min(k, evaluator.steps_to_next(done, config.steps))
         data_start = time.perf_counter()
         if config.steps_per_call == 1:
             batch = next(batches)
@@ -348,6 +356,12 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
                 message = profile.after_call(done, state)
             if message:
                 output.message(message)
+        if evaluator is not None and evaluator.due(done, config.steps):
+            write(reader.read())  # train rows first: the file stays in step order
+            with watch.phase("eval"):
+                results = evaluator(state.params)  # before the next call donates the state
+            output.write(done, results, "eval")
+            output.message(eval_line(done, config.steps, results))
         stop = preemption.requested(done)
         if stop or checkpoints.due(done, config.steps):
             write(reader.read())
@@ -385,6 +399,21 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
         rundir.write_status(run_dir, "finished", done)
     _print_summary(console, summary)
     return summary
+
+
+def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
+               eval_data: grain.MapDataset | None) -> Evaluator | None:
+    """The eval hook (None when ``eval.every`` is 0): its batches are this process's rows of
+    the held-out split, placed on the mesh as training batches are."""
+    if not config.eval.every:
+        return None
+    size = config.eval.batch_size or config.data.batch_size
+    placement = sharding.batch_placement(mesh, size, stacked=False)
+    if eval_data is None:
+        eval_data = build_eval_dataset(config.data, size, process_index=placement.rows[0],
+                                       process_count=placement.rows[1])
+    return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
+                     policy=policy, put=placement.put)
 
 
 def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str, Any],

@@ -27,6 +27,7 @@ REPORT_HTML = "report.html"
 PLOT_DIR = "report"
 # Eval metrics where higher is better; for any other metric (loss, bits_per_byte) lower is.
 HIGHER_IS_BETTER = ("accuracy",)
+MAX_POINTS = 20_000  # per curve
 
 
 class ReportError(UserError):
@@ -45,8 +46,13 @@ class RunRecord:
     eval: list[dict[str, Any]]
     timing: list[dict[str, Any]]
 
-    def series(self, rows: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
+    def series(self, rows: list[dict[str, Any]], name: str,
+               most: int = MAX_POINTS) -> tuple[list[int], list[float]]:
+        """(steps, values) of one metric, every ``len // most``-th point of a long run (a plot
+        has fewer pixels than that) plus the last."""
         points = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+        if len(points) > most:
+            points = [*points[::len(points) // most], points[-1]]
         return [s for s, _ in points], [v for _, v in points]
 
     @property
@@ -93,7 +99,7 @@ def best_eval(run: RunRecord) -> tuple[str, float, int] | None:
     """(metric, best value, its step) over the eval lines: accuracy if there is one, else
     bits_per_byte, else loss."""
     for name in ("accuracy", "bits_per_byte", "loss"):
-        steps, values = run.series(run.eval, name)
+        steps, values = run.series(run.eval, name, most=len(run.eval))
         if values:
             pick = max if name in HIGHER_IS_BETTER else min
             value = pick(values)

@@ -15,7 +15,7 @@ from PIL import Image
 
 from trainrun import rundir
 from trainrun.cli import main
-from trainrun.config import load_config
+from trainrun.config import config_from_dict, load_config
 from trainrun.loop import run
 from trainrun.writers import read_metrics
 
@@ -27,7 +27,15 @@ def runs_root(tmp_path_factory):
     """runs/finished (100 steps), runs/preempted (SIGTERM mid-run), runs/failed (its data
     raised); returns the root and the preempted run's result."""
     root = tmp_path_factory.mktemp("runs")
-    run(load_config("mlp", ["steps=100", *QUICK]), root / "finished", out=io.StringIO())
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 512), ("eval", 256)):
+        x = rng.normal(size=(n, 8)).astype(np.float32)
+        np.savez(root / f"{split}.npz", x=x, y=x.sum(1, keepdims=True))
+    with_eval = load_config("mlp", ["steps=100", *QUICK]).to_dict()
+    with_eval["data"] = {"kind": "arrays", "train": str(root / "train.npz"),
+                         "eval": str(root / "eval.npz"), "batch_size": 128}
+    with_eval["eval"] = {"every": 25}
+    run(config_from_dict(with_eval), root / "finished", out=io.StringIO())
     watcher = _preempt_when_running(root / "preempted")
     preempted = run(load_config("mlp", ["steps=1000000", "optimizer.lr=0.003", *QUICK]),
                     root / "preempted", out=io.StringIO())
@@ -46,6 +54,7 @@ def test_report_writes_html_and_every_png_it_links(runs_root, capsys):
     page = html_path.read_text()
     linked = re.findall(r'<img src="([^"]+)"', page)
     names = {os.path.basename(src) for src in linked}
+    assert "eval" in page and "best eval" in page
     assert {"train_and_eval_loss.png", "learning_rate.png", "gradient_global_norm.png",
             "throughput.png", "step_time_histogram.png", "wall_time_split.png"} <= names
     for src in linked:
@@ -93,6 +102,10 @@ def test_runs_lists_finished_preempted_and_failed(runs_root, capsys):
 
     finished = read_metrics(root / "finished" / rundir.METRICS)
     assert rows["finished"][1:4] == ["finished", "100/100", f"{finished[-1]['loss']:.6g}"]
+    evals = read_metrics(root / "finished" / rundir.METRICS, split="eval")
+    assert [r["step"] for r in evals] == [25, 50, 75, 100]
+    best = min(evals, key=lambda r: r["loss"])
+    assert rows["finished"][4:8] == ["loss", f"{best['loss']:.6g}", "(step", f"{best['step']})"]
     stopped_at = preempted["preempted_at"]
     assert 0 < stopped_at < 1_000_000
     assert rows["preempted"][1:3] == ["preempted", f"{stopped_at}/1000000"]

@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainrun.writers import ConsoleLog, WandbWriter, _tensorboardx, build_output
+from trainrun.console import ConsoleLog
+from trainrun.writers import WandbWriter, _tensorboardx, build_output
 
 ROW = {"grad_norm": 1.2345678, "loss": 0.123456789, "loss_scale": 1.0, "lr": 0.01,
        "nonfinite_steps": 0.0}

@@ -14,10 +14,10 @@ import pytest
 from trainrun import rundir
 from trainrun.cli import main
 from trainrun.config import load_config
+from trainrun.console import ConsoleLog
 from trainrun.loop import run
 from trainrun.writers import (
     TENSORBOARD_DIR,
-    ConsoleLog,
     JsonlWriter,
     ScalarEventEncoder,
     build_output,

@@ -27,6 +27,7 @@ import numpy as np
 from trainrun import distributed, mfu, rundir, sharding
 from trainrun.checkpoint import Checkpoints, check_config, checkpoint_dir, provenance_changes
 from trainrun.config import RunConfig
+from trainrun.console import Console, make_console
 from trainrun.data import batch_iterator, build_dataset, build_eval_dataset
 from trainrun.errors import UserError
 from trainrun.evaluation import Evaluator, eval_line
@@ -39,7 +40,7 @@ from trainrun.state import TrainState, create_state
 from trainrun.step import make_multi_step, make_train_step
 from trainrun.stream import MetricStream, streamed
 from trainrun.timing import StepTimer, Stopwatch, goodput, provenance, wall_split
-from trainrun.writers import ConsoleLog, ConsoleProgress, RunOutput, build_output, make_console
+from trainrun.writers import RunOutput, build_output
 
 Batch = Any
 MAX_PENDING_CALLS = 256  # bounds how stale unread metrics get between log points
@@ -419,7 +420,7 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
 def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str, Any],
                      run_dir: Path, model: Model, optimizer: Optimizer, policy: Policy,
                      state_sharding: TrainState, batches: Any, allow_config_change: bool,
-                     console: ConsoleLog | ConsoleProgress, primary: bool) -> TrainState:
+                     console: Console, primary: bool) -> TrainState:
     """The newest readable checkpoint's state, placed by ``state_sharding`` (any mesh), with the
     data iterator set to its position; else a fresh state. Then the run's files are written
     for the step it starts at (nothing is written before a refusal)."""
@@ -504,7 +505,7 @@ def _summary(config: RunConfig, last: dict[str, float], timer: StepTimer, watch:
     }
 
 
-def _print_summary(console: ConsoleLog | ConsoleProgress, s: dict[str, Any]) -> None:
+def _print_summary(console: Console, s: dict[str, Any]) -> None:
     p = s["provenance"]
     step_s = s["step_time_median_s"]
     split = "  ".join(f"{name} {seconds:.2f}" for name, seconds in s["wall_time_split_s"].items()

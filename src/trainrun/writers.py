@@ -8,7 +8,6 @@ and to the console; only process 0 of a multi-process run builds any of them.
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
@@ -20,12 +19,10 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, TextIO
-
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from typing import Any, Protocol
 
 from trainrun import rundir
+from trainrun.console import Console, ConsoleLog
 from trainrun.errors import UserError
 
 Rows = list[tuple[int, dict[str, float]]]
@@ -221,96 +218,19 @@ class WandbWriter:
         self.run.finish()
 
 
-# ---- the console -----------------------------------------------------------------------------
-
-
-class ConsoleLog:
-    """Plain log lines every ``log_every`` steps: step, loss, lr, steps/s, examples/s. Used when
-    the output is not a terminal (CI, a file): one line per log point, never a redraw."""
-
-    def __init__(self, total_steps: int, examples_per_step: int, out: TextIO = sys.stdout,
-                 unit: str = "examples"):
-        self.total = total_steps
-        self.examples_per_step = examples_per_step
-        self.out = out
-        self.unit = unit
-
-    def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float) -> None:
-        width = len(str(self.total))
-        self.out.write(
-            f"step {step:>{width}}/{self.total}  loss {metrics['loss']:.6g}  "
-            f"lr {metrics['lr']:.3g}  {steps_per_s:,.1f} steps/s  "
-            f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s\n")
-        self.out.flush()
-
-    def message(self, text: str) -> None:
-        self.out.write(text + "\n")
-        self.out.flush()
-
-    def start_at(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class ConsoleProgress:
-    """A rich progress bar on a terminal: step/total, loss, lr, throughput, ETA. Redrawn only
-    when a log point's metrics arrive (no refresh thread taking the interpreter from the loop);
-    messages print above it."""
-
-    def __init__(self, total_steps: int, examples_per_step: int, out: TextIO,
-                 unit: str = "examples"):
-        self.examples_per_step = examples_per_step
-        self.unit = unit
-        self.progress = Progress(
-            TextColumn("step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
-            TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[rate]}"),
-            TextColumn("ETA"), TimeRemainingColumn(),
-            console=Console(file=out), auto_refresh=False, redirect_stdout=False,
-            redirect_stderr=False)
-        self.task = self.progress.add_task("train", total=total_steps, loss="-", lr="-",
-                                           rate="")
-        self.progress.start()
-        atexit.register(self.progress.stop)  # a run that raised still gives the cursor back
-
-    def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float) -> None:
-        rate = f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s"
-        self.progress.update(self.task, completed=step, loss=f"{metrics['loss']:.5g}",
-                             lr=f"{metrics['lr']:.3g}", rate=rate)
-        self.progress.refresh()
-
-    def message(self, text: str) -> None:
-        self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
-
-    def start_at(self, step: int) -> None:
-        """A resumed run: the bar and its rate start from ``step``."""
-        self.progress.reset(self.task, completed=step)
-
-    def close(self) -> None:
-        self.progress.stop()
-
-
-def make_console(total_steps: int, examples_per_step: int, out: TextIO,
-                 unit: str = "examples") -> ConsoleLog | ConsoleProgress:
-    """A progress bar when ``out`` is a terminal, plain lines otherwise."""
-    if Console(file=out).is_terminal:
-        return ConsoleProgress(total_steps, examples_per_step, out, unit)
-    return ConsoleLog(total_steps, examples_per_step, out, unit)
-
-
 # ---- the fan-out -----------------------------------------------------------------------------
 
 
 class RunOutput:
-    """Everything a run writes about its metrics: the writers, the console, timing windows.
+    """Everything a run writes about its metrics: the writers, the console (``console.py``),
+    timing windows.
 
     Rows come in windows (the loop's reads, or one at a time from a metrics stream on another
     thread): each goes to every writer, and log steps also to the console. A lock keeps rows
     from two threads whole.
     """
 
-    def __init__(self, writers: list[Writer], console: ConsoleLog | ConsoleProgress,
+    def __init__(self, writers: list[Writer], console: Console,
                  log_every: int, total_steps: int, timing: JsonlWriter | None = None,
                  start_step: int = 0):
         self.writers = writers
@@ -377,7 +297,7 @@ class RunOutput:
             self.console.close()
 
 
-def build_output(run_dir: Path, console: ConsoleLog | ConsoleProgress, *, log_every: int,
+def build_output(run_dir: Path, console: Console, *, log_every: int,
                  total_steps: int, primary: bool, start_step: int = 0, tensorboard: bool = True,
                  wandb: str = "off", wandb_project: str = "trainrun",
                  config: dict[str, Any] | None = None, name: str = "run") -> RunOutput:

@@ -127,6 +127,7 @@ class Checkpoints:
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": DataHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
         self.kill_at = _kill_point()
+        self._closed = False
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -234,7 +235,16 @@ class Checkpoints:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.close()
+        """Waits for a save in flight to commit, then releases Orbax's threads. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.manager.close()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _reason(err: Exception) -> str:

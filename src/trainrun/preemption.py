@@ -3,9 +3,9 @@
 The loop asks ``requested(step)`` after each call. One process: true once a signal arrived.
 Several processes: every host must save the same step, so the answer comes from JAX's
 preemption sync point: JAX's runtime catches SIGTERM on any host (``jax.distributed`` installs
-a handler outside Python, which is left in place), the coordination service picks a step no
-host has passed yet, and each host sees ``True`` at exactly that step. A SIGINT on one host is
-handed to that mechanism as a SIGTERM to itself.
+its own handler; Python's is not put over it), the coordination service picks a step no host
+has passed yet, and each host sees ``True`` at exactly that step. A SIGINT on one host is handed
+to that mechanism as a SIGTERM to itself.
 
 A second SIGINT aborts at once, without a checkpoint (the last committed one stays intact).
 """
@@ -40,7 +40,7 @@ class Preemption:
         if threading.current_thread() is not threading.main_thread():
             return self  # Python delivers signals to the main thread only
         self._install(signal.SIGINT)
-        if signal.getsignal(signal.SIGTERM) is not None:  # None: a handler outside Python (JAX's)
+        if not jax.distributed.is_initialized():  # else JAX's preemption notifier has SIGTERM
             self._install(signal.SIGTERM)
         return self
 

@@ -1,0 +1,161 @@
+"""Text from a trained byte-level language model: ``trainrun sample RUN_DIR --prompt "def "``.
+
+Decoding runs as one jitted program: the prompt fills a key/value cache (``prefill``), then a
+``lax.fori_loop`` draws one byte per iteration, attending over the cache, so nothing is
+recompiled per token. The cache holds the model's context (``model.seq_len``); when it is full
+the last half of the text is re-read into a fresh cache and decoding goes on from there.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrun import rundir
+from trainrun.config import ConfigError, RunConfig, TransformerModel, config_from_dict
+from trainrun.errors import UserError
+from trainrun.models.transformer import Transformer, bind_transformer
+
+PyTree = Any
+
+
+class SampleError(UserError):
+    """A run that cannot be sampled as asked; the CLI prints it on one line and exits 2."""
+
+
+def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: int, *,
+             temperature: float = 1.0, seed: int = 0) -> np.ndarray:
+    """``prompt`` (1-D token ids) followed by ``tokens`` sampled ones.
+
+    temperature: logits are divided by it before sampling; 0 takes the most likely token.
+    """
+    if prompt.size == 0:
+        raise SampleError("the prompt is empty; give at least one character (e.g. --prompt "
+                          "'\\n')")
+    if tokens < 0 or temperature < 0:
+        raise SampleError(f"--tokens ({tokens}) and --temperature ({temperature}) must be >= 0")
+    # The prompt's tail that fits the context with room for one generated token.
+    context = np.asarray(prompt[-(cfg.seq_len - 1):], np.int32) if cfg.seq_len > 1 else \
+        np.asarray(prompt[-1:], np.int32)
+    program = _decoder(cfg, int(prompt.size), int(context.size), tokens)
+    out = program(params, jnp.asarray(prompt, jnp.int32), jnp.asarray(context),
+                  jnp.float32(temperature), jax.random.key(seed))
+    return np.asarray(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: int):
+    """The jitted decoder for one prompt length and token count (compiled once for both)."""
+    module_of = bind_transformer(cfg)
+    window = cfg.seq_len
+    keep = max(window // 2, 1)  # tokens carried into a fresh cache when the cache is full
+
+    def pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
+        sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
+        return jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(jnp.int32)
+
+    def decode(params, prompt, context, temperature, key):
+        module: Transformer = module_of(params)
+        seq = jnp.zeros(prompt_len + tokens, jnp.int32).at[:prompt_len].set(prompt)
+        cache = module.empty_cache(1, window)
+        logits, cache = module(context[None], cache=cache, pos=0)
+
+        def refill(seq: jax.Array, end: jax.Array):
+            """A fresh cache holding the ``keep`` tokens before ``end``."""
+            recent = jax.lax.dynamic_slice(seq, (end - keep,), (keep,))
+            _, fresh = module(recent[None], cache=module.empty_cache(1, window), pos=0)
+            return fresh
+
+        def body(i, carry):
+            seq, cache, pos, last = carry
+            token = pick(last, jax.random.fold_in(key, i), temperature)
+            end = prompt_len + i  # the new token's index in seq
+            seq = seq.at[end].set(token)
+            cache, pos = jax.lax.cond(pos >= window,
+                                      lambda: (refill(seq, end), jnp.int32(keep)),
+                                      lambda: (cache, pos))
+            logits, cache = module(token[None, None], cache=cache, pos=pos)
+            return seq, cache, pos + 1, logits[0, -1]
+
+        carry = (seq, cache, jnp.int32(context_len), logits[0, -1])
+        seq, *_ = jax.lax.fori_loop(0, tokens, body, carry)
+        return seq
+
+    return jax.jit(decode)
+
+
+def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: float = 0.8,
+               seed: int = 0) -> str:
+    """The prompt and ``tokens`` bytes sampled from the latest checkpoint of an LM run."""
+    config = _run_config(Path(run_dir))
+    if config.model.kind != "transformer" or config.data.kind != "text":
+        raise SampleError(f"run {run_dir} trains model.kind={config.model.kind} on data.kind="
+                          f"{config.data.kind}; sampling needs a byte-level language model "
+                          "(model.kind=transformer, data.kind=text), e.g. --config lm")
+    _, params = latest_params(Path(run_dir), config)
+    out = generate(config.model, params, np.frombuffer(prompt.encode(), np.uint8), tokens,
+                   temperature=temperature, seed=seed)
+    return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _run_config(run_dir: Path) -> RunConfig:
+    path = run_dir / rundir.CONFIG
+    if not path.is_file():
+        raise SampleError(f"{run_dir} is not a run directory (no {rundir.CONFIG}); give the "
+                          "directory a training run wrote, e.g. runs/lm")
+    import yaml
+
+    try:
+        return config_from_dict(yaml.safe_load(path.read_text()))
+    except ConfigError as err:
+        raise SampleError(f"the config saved in {path} no longer loads: {err}") from None
+
+
+def latest_params(run_dir: Path, config: RunConfig) -> tuple[int, PyTree]:
+    """``(step, params)`` of the run's newest readable checkpoint.
+
+    Read-only: the checkpoint directory is opened without creating, cleaning or deleting
+    anything, so sampling is safe while the run is still training and saving. A newest step
+    that cannot be read is skipped for the one before it, as a resume would.
+    """
+    import orbax.checkpoint as ocp
+
+    from trainrun.checkpoint import checkpoint_dir
+    from trainrun.loop import abstract_state
+    from trainrun.models import build_model
+    from trainrun.optim import build_optimizer
+    from trainrun.precision import policy_from_config
+
+    directory = checkpoint_dir(config, run_dir).absolute()
+    if not directory.is_dir():
+        raise SampleError(f"{run_dir} has no checkpoints ({directory} does not exist); train "
+                          "it first, e.g. trainrun train --config lm")
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                           enable_async_checkpointing=False)
+    with ocp.CheckpointManager(directory, options=options,
+                               item_handlers={"state": ocp.StandardCheckpointHandler()}) as ckpt:
+        steps = sorted(ckpt.all_steps(), reverse=True)
+        if not steps:
+            raise SampleError(f"{directory} holds no committed checkpoint yet; let the run "
+                              "reach its first checkpoint (checkpoint.every) and try again")
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract = abstract_state(build_model(config.model),
+                                  build_optimizer(config.optimizer, config.steps), config.seed,
+                                  policy_from_config(config.precision))
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                              abstract)
+        problems = []
+        for step in steps:
+            try:
+                restored = ckpt.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target)))
+            except Exception as err:  # an unreadable step: fall back to the one before
+                problems.append(f"step {step}: {type(err).__name__}")
+                continue
+            return step, restored["state"].params
+    raise SampleError(f"no checkpoint in {directory} can be read ({'; '.join(problems)})")

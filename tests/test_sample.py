@@ -1,0 +1,81 @@
+"""Sampling: the cached decoder gives what recomputing the whole context would, past the
+context length too; one compile per call; and `trainrun sample` on a trained run."""
+
+from __future__ import annotations
+
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrun import rundir
+from trainrun.cli import main
+from trainrun.config import TransformerModel, dump_yaml, load_config
+from trainrun.loop import run
+from trainrun.models import build_model
+from trainrun.models.transformer import bind_transformer
+from trainrun.sample import _decoder, generate, latest_params
+
+CFG = TransformerModel(d_model=32, layers=2, heads=4, seq_len=16)
+
+
+def recomputed(params, prompt: np.ndarray, tokens: int) -> list[int]:
+    """Greedy decoding by a full forward pass over the visible context for every token: the
+    context is the last seq_len - 1 prompt bytes, and when it is full it keeps its last half."""
+    window, keep = CFG.seq_len, CFG.seq_len // 2
+    module_of = bind_transformer(CFG)
+
+    @jax.jit
+    def logits_at(padded, last):  # causal: the padding after `last` changes nothing before it
+        return module_of(params)(padded[None])[0][0, last]
+
+    context, out = list(prompt[-(window - 1):]), list(prompt)
+    for _ in range(tokens):
+        padded = jnp.asarray(context + [0] * (window - len(context)), jnp.int32)
+        token = int(jnp.argmax(logits_at(padded, len(context) - 1)))
+        out.append(token)
+        if len(context) >= window:
+            context = context[-keep:]
+        context.append(token)
+    return out
+
+
+def test_cached_decoding_equals_recomputing_the_context_in_one_program():
+    params = build_model(CFG).init(jax.random.key(0))
+    prompt = np.frombuffer(b"import os\n", np.uint8)
+    got = generate(CFG, params, prompt, 30, temperature=0.0)  # 10 + 30 > 16: refills twice
+    assert got.tolist() == recomputed(params, prompt, 30)
+    assert bytes(got[:10].astype(np.uint8)) == b"import os\n"
+
+    a, b, c = (generate(CFG, params, prompt, 30, temperature=1.0, seed=s) for s in (1, 1, 2))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert _decoder(CFG, 10, 10, 30)._cache_size() == 1  # every token, seed, temperature
+
+
+def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys):
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    config = load_config("lm", [
+        "steps=40", "steps_per_call=20", "checkpoint.every=0", "eval.every=0",
+        "optimizer.schedule.warmup_steps=5", "optimizer.lr=0.01",
+        "model.d_model=32", "model.layers=1", "model.heads=2", "model.seq_len=32",
+        f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=8"])
+    run(config, tmp_path / "lm", out=io.StringIO())
+
+    assert main(["sample", str(tmp_path / "lm"), "--prompt", "def ", "--tokens", "24",
+                 "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    step, params = latest_params(tmp_path / "lm", config)
+    expected = generate(config.model, params, np.frombuffer(b"def ", np.uint8), 24,
+                        temperature=0.0)
+    assert step == 40 and text == bytes(expected.astype(np.uint8)).decode() + "\n"
+    assert set(text[4:]) - {" ", "\n"}  # more than blanks: it learned some of the corpus
+
+    (tmp_path / "mlp").mkdir()
+    (tmp_path / "mlp" / rundir.CONFIG).write_text(dump_yaml(load_config("mlp")))
+    assert main(["sample", str(tmp_path / "mlp")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "byte-level language model" in err[0]
+    assert main(["sample", str(tmp_path / "nothing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from trainrun.writers import (
     TENSORBOARD_DIR,
     JsonlWriter,
     ScalarEventEncoder,
+    TensorBoardWriter,
     build_output,
     read_metrics,
 )
@@ -172,3 +173,21 @@ def test_jsonl_lines_are_what_json_dumps_writes(tmp_path):
                 {"step": 2, "loss": None, "grad_norm": None, "nonfinite": ["loss", "grad_norm"]},
                 {"step": 3, "split": "eval", "loss": 1e-300, "accuracy": 0.5}]
     assert (tmp_path / "m.jsonl").read_text() == "".join(json.dumps(e) + "\n" for e in expected)
+
+
+def test_a_resumed_run_replaces_the_tensorboard_steps_it_redoes(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = TensorBoardWriter(tmp_path)  # wrote up to step 50, then died; checkpoint at 40
+    for step in range(1, 51):
+        first.write(step, {"loss": 1.0})
+    first.close()
+    resumed = TensorBoardWriter(tmp_path, start_step=40)
+    for step in range(41, 61):
+        resumed.write(step, {"loss": 2.0})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = events.Scalars("train/loss")
+    assert [s.step for s in scalars] == list(range(1, 61))  # each step once
+    assert [s.value for s in scalars] == [1.0] * 40 + [2.0] * 20  # redone steps: the new values

@@ -103,13 +103,16 @@ class TensorBoardWriter:
     def __init__(self, logdir: Path, start_step: int = 0):
         RecordWriter, Event, SessionLog = _tensorboardx()
         logdir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        # TensorBoard reads a directory's files in name order: the time (to the µs) keeps a
+        # resumed run's file after the earlier one's, even within one second and one process.
+        name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
         self.records = RecordWriter(str(logdir / name))
         self.records.write(Event(wall_time=time.time(),
                                  file_version="brain.Event:2").SerializeToString())
-        if start_step:
-            self.records.write(Event(wall_time=time.time(), step=start_step, session_log=SessionLog(
-                status=SessionLog.START)).SerializeToString())
+        if start_step:  # TensorBoard drops earlier events from this step on: the ones redone
+            restart = SessionLog(status=SessionLog.START)
+            self.records.write(Event(wall_time=time.time(), step=start_step + 1,
+                                     session_log=restart).SerializeToString())
         self.encoder = ScalarEventEncoder()
 
     def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:

@@ -324,8 +324,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
     data_wait = 0.0
     stop = False
     profiling = bool(config.profile.steps) and primary
-    loop = watch.loop()
-    loop.__enter__()  # the training loop's own time; its phases are taken out of it
+    watch.start_loop()  # the training loop's own time; its phases are taken out of it
     while done < config.steps:
         # Calls end on checkpoint steps, so the state saved is the state at that step.
         k = min(config.steps_per_call, checkpoints.until_next(done, config.steps))
@@ -375,7 +374,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
         write(reader.read())
     profile.close()
     watch.add("data", data_wait)
-    loop.__exit__(None, None, None)
+    watch.end_loop()
     if stream is not None:
         jax.effects_barrier()  # every streamed row has been written
     output.close()

@@ -3,13 +3,11 @@ through blocking reads, and the provenance that says what the numbers were measu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import platform
 import statistics
 import time
-from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
@@ -69,14 +67,16 @@ class StepTimer:
 class Stopwatch:
     """Accumulates wall time per named phase (compile, data, checkpoint, eval, ...).
 
-    ``loop()`` marks the training loop: phases timed inside it are also kept apart (``in_loop``)
-    so that what remains of the loop's time is the steps themselves (see ``wall_split``).
+    ``start_loop``/``end_loop`` mark the training loop: phases timed inside it are also kept
+    apart (``in_loop``) so that what remains of the loop's time is the steps themselves (see
+    ``wall_split``).
     """
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
         self.in_loop: dict[str, float] = {}
         self.loop_s = 0.0
+        self._loop_start = 0.0
         self._looping = False
 
     def phase(self, name: str) -> _Phase:
@@ -88,15 +88,14 @@ class Stopwatch:
         if self._looping:
             self.in_loop[name] = self.in_loop.get(name, 0.0) + seconds
 
-    @contextlib.contextmanager
-    def loop(self) -> Iterator[None]:
-        start = time.perf_counter()
+    def start_loop(self) -> None:
+        self._loop_start = time.perf_counter()
         self._looping = True
-        try:
-            yield
-        finally:
+
+    def end_loop(self) -> None:
+        if self._looping:
             self._looping = False
-            self.loop_s += time.perf_counter() - start
+            self.loop_s += time.perf_counter() - self._loop_start
 
 
 class _Phase:

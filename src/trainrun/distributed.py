@@ -183,10 +183,9 @@ class PeerWatch:
                                           allow_overwrite=True)
                 entries = dict(self.client.key_value_dir_get(self.PREFIX))
             except Exception as err:
-                if self.stopped.is_set():
-                    return
                 self._exit(f"lost the coordinator (process 0 at {self.coordinator}): "
                            f"{_first_line(err)}", PEER_LOST_EXIT)
+                return  # stopping anyway: the store went away with JAX's shutdown
             now = time.monotonic()
             for peer in range(self.count):
                 if peer == self.me or f"{self.PREFIX}done/{peer}" in entries:

@@ -54,7 +54,9 @@ def test_two_processes_equal_one_process_and_checkpoints_restore_across(tmp_path
     one, two = tmp_path / "one", tmp_path / "two"
     single = run_cli("train", "--run-dir", str(one), *RUN, "steps=20", devices=4)
     assert single.returncode == 0, single.stderr[-3000:]
-    launched = launch("train", "--run-dir", str(two), *RUN, "steps=20", devices=2)
+    # (5 steps per call: each process also feeds its rows of stacked [K, B, ...] batches)
+    launched = launch("train", "--run-dir", str(two), *RUN, "steps=20", "steps_per_call=5",
+                      devices=2)
     assert launched.returncode == 0, launched.stdout[-3000:]
     assert len(losses(one)) == len(losses(two)) == 20  # process 0 wrote each step once
     # Not bitwise: across processes gloo sums the gradients in another order than XLA does

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 
 from trainrun import rundir
 from trainrun.config import ConfigError, RunConfig, TransformerModel, config_from_dict
@@ -39,9 +40,10 @@ def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: 
                           "'\\n')")
     if tokens < 0 or temperature < 0:
         raise SampleError(f"--tokens ({tokens}) and --temperature ({temperature}) must be >= 0")
+    if cfg.seq_len < 2:
+        raise SampleError(f"model.seq_len={cfg.seq_len} leaves no room to generate")
     # The prompt's tail that fits the context with room for one generated token.
-    context = np.asarray(prompt[-(cfg.seq_len - 1):], np.int32) if cfg.seq_len > 1 else \
-        np.asarray(prompt[-1:], np.int32)
+    context = np.asarray(prompt[-(cfg.seq_len - 1):], np.int32)
     program = _decoder(cfg, int(prompt.size), int(context.size), tokens)
     out = program(params, jnp.asarray(prompt, jnp.int32), jnp.asarray(context),
                   jnp.float32(temperature), jax.random.key(seed))
@@ -50,10 +52,11 @@ def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: 
 
 @functools.lru_cache(maxsize=8)
 def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: int):
-    """The jitted decoder for one prompt length and token count (compiled once for both)."""
+    """The jitted decoder for one prompt length and token count: one program, compiled once,
+    for every token, seed and temperature."""
     module_of = bind_transformer(cfg)
     window = cfg.seq_len
-    keep = max(window // 2, 1)  # tokens carried into a fresh cache when the cache is full
+    keep = window // 2  # tokens carried into a fresh cache when the cache is full
 
     def pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
         sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
@@ -108,8 +111,6 @@ def _run_config(run_dir: Path) -> RunConfig:
     if not path.is_file():
         raise SampleError(f"{run_dir} is not a run directory (no {rundir.CONFIG}); give the "
                           "directory a training run wrote, e.g. runs/lm")
-    import yaml
-
     try:
         return config_from_dict(yaml.safe_load(path.read_text()))
     except ConfigError as err:

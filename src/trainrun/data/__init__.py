@@ -20,9 +20,9 @@ Splits = dict[str, dict[str, np.ndarray] | None]
 
 
 def _splits(cfg) -> Splits:
-    """``{"train": arrays, "eval": arrays or None}`` for a data section. Loaded once for the
-    train and eval builds of a run: the cache is keyed by the section's JSON (sections with
-    mapping fields are not hashable)."""
+    """``{"train": arrays, "eval": arrays or None}`` for a data section. The train and eval
+    builds of a run share one load: the last section loaded is cached, keyed by its JSON
+    (sections with mapping fields are not hashable); files are not re-read for it."""
     return _load(type(cfg), cfg.model_dump_json())
 
 

@@ -13,17 +13,12 @@ import numpy as np
 import pytest
 
 from trainrun import rundir
-from trainrun.checkpoint import (
-    TMP_MARK,
-    CheckpointError,
-    Checkpoints,
-    ConfigChangedError,
-    leaf_differences,
-)
+from trainrun.checkpoint import TMP_MARK, CheckpointError, Checkpoints, leaf_differences
 from trainrun.cli import main as cli_main
 from trainrun.config import load_config
 from trainrun.data.pipeline import ArrayBatches, BatchCursor
 from trainrun.loop import run
+from trainrun.resume import ConfigChangedError
 from trainrun.writers import read_metrics
 
 SMALL = ["steps=30", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false"]
@@ -84,40 +79,58 @@ def test_checkpoint_holds_whole_state_data_position_and_metadata(tmp_path):
     ckpts.close()
 
 
-def test_run_checkpoints_every_n_and_at_the_end(tmp_path):
-    train(tmp_path / "run", "steps=25", "steps_per_call=4")  # calls cut at 10 and 20
-    assert Checkpoints(tmp_path / "run" / "checkpoints", load_config("mlp"), {}).steps() == [
-        10, 20, 25]
+def test_async_save_is_a_snapshot_though_the_state_is_donated_next(tmp_path):
+    """The loop donates the state to the next call while the save is still being written."""
+    update = jax.jit(lambda s: jax.tree.map(lambda x: x * 1.5 + 1.0, s), donate_argnums=0)
+    state = update({"w": jnp.ones((1000, 1000)), "v": jnp.arange(100_000, dtype=jnp.float32)})
+    snapshot = jax.tree.map(lambda x: np.array(x, copy=True), state)
+    with Checkpoints(tmp_path, load_config("mlp"), {}) as ckpts:
+        ckpts.save(1, state, None)
+        for _ in range(5):
+            state = update(state)
+        jax.block_until_ready(state)
+        ckpts.wait()
+        restored = ckpts.restore(jax.eval_shape(lambda: snapshot), None, lambda meta: None)
+    for name, value in snapshot.items():
+        assert np.asarray(restored.state[name]).tobytes() == value.tobytes()
 
 
 # ---- resume ----------------------------------------------------------------------------------
 
 
 def test_resume_extends_a_finished_run_bit_for_bit(tmp_path, whole):
-    train(tmp_path / "split", "steps=20")
-    _, out = train(tmp_path / "split", "steps=40")
-    assert "resumed from step 20" in out
+    """Calls are cut at checkpoint steps (K=4 -> 4, 4, 2 up to 10), and K may change."""
+    train(tmp_path / "split", "steps=20", "steps_per_call=4")
+    ckpt_dir = tmp_path / "split" / "checkpoints"
+    assert Checkpoints(ckpt_dir, load_config("mlp"), {}).steps() == [10, 20]
+    _, out = train(tmp_path / "split", "steps=40", "steps_per_call=3")
+    assert "resumed from step 20" in out and "warning" not in out
+    assert Checkpoints(ckpt_dir, load_config("mlp"), {}).steps() == [20, 30, 40]  # keep=3
     assert [r["step"] for r in read_metrics(tmp_path / "split" / rundir.METRICS)] == list(
         range(1, 41))
     assert losses(tmp_path / "split").tobytes() == whole.tobytes()
 
 
+def test_extending_a_schedule_that_spans_the_run_warns(tmp_path):
+    cosine = ["optimizer.schedule.kind=cosine", "optimizer.schedule.warmup_steps=5"]
+    train(tmp_path / "run", "steps=20", *cosine)
+    _, out = train(tmp_path / "run", "steps=30", *cosine)
+    assert "resumed from step 20" in out
+    assert "schedule spans the run's length: with steps=30 (was 20) it differs from step 20" in out
+
+
 def test_finished_run_says_how_to_extend_or_start_over(tmp_path):
     first, _ = train(tmp_path / "run")
-    before = listing(tmp_path / "run" / "checkpoints")
+    before = listing(tmp_path / "run")
     again, out = train(tmp_path / "run")
     assert "is finished" in out and "steps=N" in out and "--fresh" in out
     assert again["final_loss"] == first["final_loss"]
-    assert listing(tmp_path / "run" / "checkpoints") == before
+    assert listing(tmp_path / "run") == before
 
-
-def test_fresh_moves_the_old_run_aside(tmp_path):
-    train(tmp_path / "run")
-    old = listing(tmp_path / "run")
     _, out = train(tmp_path / "run", fresh=True)
     assert "moved the previous run aside" in out and "resumed" not in out
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
-    assert len(aside) == 1 and listing(aside[0]) == old
+    assert len(aside) == 1 and listing(aside[0]) == before  # moved, not deleted
 
 
 def test_changed_trajectory_keys_are_refused_then_allowed(tmp_path):

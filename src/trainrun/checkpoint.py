@@ -27,6 +27,7 @@ from typing import Any
 import grain
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from trainrun.config import RunConfig
 from trainrun.errors import UserError
@@ -208,7 +209,7 @@ class Checkpoints:
             except Exception as err:  # a truncated or missing array file
                 unreadable.append((step, _reason(err)))
                 continue
-            if not saved_position:
+            if not saved_position and iterator is not None:
                 for _ in range(step):  # no saved position: replay the iterator up to it
                     next(iterator)
             moved = [(s, why, self._move_aside(s)) for s, why in unreadable]
@@ -224,10 +225,14 @@ class Checkpoints:
         return self.manager.restore(step, args=ocp.args.Composite(**items))
 
     def _move_aside(self, step: int) -> Path:
+        """An unreadable step goes to ``corrupt/`` (process 0 moves it; all wait for that)."""
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
         target = self.directory / CORRUPT_DIR / f"{step}-{stamp}"
-        target.parent.mkdir(exist_ok=True)
-        (self.directory / str(step)).rename(target)
+        if jax.process_index() == 0:
+            target.parent.mkdir(exist_ok=True)
+            (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"trainrun: moved step {step} aside")
         self.manager.reload()
         return target
 
@@ -309,57 +314,3 @@ def leaf_differences(saved_tree: PyTree, target: PyTree, saved_impls: dict[str, 
         if saved_impls.get(name, impl) != impl:
             out.append(f"{name} is a {saved_impls[name]} key in the checkpoint, {impl} here")
     return out
-
-
-# ---- what may change on resume ---------------------------------------------------------------
-
-# Config keys that do not alter a run's trajectory: ``steps`` extends it, K steps per call does
-# not change a bit (tests/test_parity.py), the rest are bookkeeping. Any other change is refused
-# unless the user asks for it.
-RESUMABLE_KEYS = ("name", "steps", "steps_per_call", "log_every", "checkpoint",
-                  "data.prefetch_threads", "distributed", "metrics", "profile")
-# Provenance fields that, when they differ, void the promise of bitwise equality.
-NUMERIC_PROVENANCE = ("trainrun", "jax", "jaxlib", "backend", "device_kind", "device_count",
-                      "process_count")
-
-
-class ConfigChangedError(UserError):
-    """Resuming with config keys that change the trajectory, without asking for it."""
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
-
-
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key: old -> new`` for every config key that differs and changes the trajectory."""
-    old, new = _flat(saved), _flat(current)
-    changed = []
-    for key in sorted(old.keys() | new.keys()):
-        if any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS):
-            continue
-        if old.get(key, "(absent)") != new.get(key, "(absent)"):
-            changed.append(f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}")
-    return changed
-
-
-def check_config(saved: dict[str, Any], config: RunConfig, allow: bool, where: Path) -> list[str]:
-    """The trajectory-changing differences between a checkpoint's config and ``config``;
-    raises unless ``allow``."""
-    changes = config_changes(saved, config.to_dict())
-    if changes and not allow:
-        raise ConfigChangedError(
-            f"{where} was trained with a different config ({'; '.join(changes)}); resuming "
-            "with these changes alters the run. Use the saved values, pass "
-            "--allow-config-change to resume anyway, or --fresh to move the run aside")
-    return changes
-
-
-def provenance_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    return [f"{key} {saved.get(key)} -> {current.get(key)}" for key in NUMERIC_PROVENANCE
-            if saved.get(key) != current.get(key)]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun import distributed, mfu, rundir, sharding
-from trainrun.checkpoint import Checkpoints, check_config, checkpoint_dir, provenance_changes
+from trainrun.checkpoint import Checkpoints, checkpoint_dir
 from trainrun.config import RunConfig
 from trainrun.console import Console, make_console
 from trainrun.data import batch_iterator, build_dataset, build_eval_dataset
@@ -36,6 +36,7 @@ from trainrun.optim import Optimizer, build_optimizer
 from trainrun.precision import Policy, policy_from_config
 from trainrun.preemption import Preemption
 from trainrun.profiling import ProfileWindow
+from trainrun.resume import check_config, provenance_changes, schedule_shift
 from trainrun.state import TrainState, create_state
 from trainrun.step import make_multi_step, make_train_step
 from trainrun.stream import MetricStream, streamed
@@ -442,6 +443,11 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str
     if changes:
         console.message("warning: resuming with a changed config (--allow-config-change): "
                         + "; ".join(changes))
+    shift = schedule_shift(restored.metadata["config"], config, step)
+    if shift is not None:
+        console.message(f"warning: the learning-rate schedule spans the run's length: with "
+                        f"steps={config.steps} (was {restored.metadata['config']['steps']}) it "
+                        f"differs from step {shift} on, so this run matches no uninterrupted one")
     drift = provenance_changes(restored.metadata.get("provenance", {}), prov)
     if drift:
         console.message(f"warning: the checkpoint was written with other {', '.join(drift)}; "

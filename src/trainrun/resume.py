@@ -1,0 +1,88 @@
+"""What may change when a run resumes, and what a change means for its bits.
+
+A checkpoint's metadata holds the config and provenance it was written with. On resume:
+
+    config keys that alter the trajectory (model, optimizer, data, seed, ...)  refused unless
+                                                                               asked for
+    steps                                    allowed; a schedule spanning the run's length is
+                                             named, since it then changes the learning rate
+    jax / jaxlib / backend / device count    allowed; bitwise equality is not promised
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrun.config import RunConfig
+from trainrun.errors import UserError
+from trainrun.optim import build_schedule
+
+# Config keys that do not alter a run's trajectory: ``steps`` extends it, K steps per call does
+# not change a bit (tests/test_parity.py), the rest are bookkeeping. Any other change is refused
+# unless the user asks for it.
+RESUMABLE_KEYS = ("name", "steps", "steps_per_call", "log_every", "checkpoint",
+                  "data.prefetch_threads", "distributed", "metrics", "profile")
+# Provenance fields that, when they differ, void the promise of bitwise equality.
+NUMERIC_PROVENANCE = ("trainrun", "jax", "jaxlib", "backend", "device_kind", "device_count",
+                      "process_count")
+
+
+class ConfigChangedError(UserError):
+    """Resuming with config keys that change the trajectory, without asking for it."""
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for every config key that differs and changes the trajectory."""
+    old, new = _flat(saved), _flat(current)
+    changed = []
+    for key in sorted(old.keys() | new.keys()):
+        if any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS):
+            continue
+        if old.get(key, "(absent)") != new.get(key, "(absent)"):
+            changed.append(f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}")
+    return changed
+
+
+def check_config(saved: dict[str, Any], config: RunConfig, allow: bool, where: Path) -> list[str]:
+    """The trajectory-changing differences between a checkpoint's config and ``config``;
+    raises unless ``allow``."""
+    changes = config_changes(saved, config.to_dict())
+    if changes and not allow:
+        raise ConfigChangedError(
+            f"{where} was trained with a different config ({'; '.join(changes)}); resuming "
+            "with these changes alters the run. Use the saved values, pass "
+            "--allow-config-change to resume anyway, or --fresh to move the run aside")
+    return changes
+
+
+def schedule_shift(saved: dict[str, Any], config: RunConfig, step: int) -> int | None:
+    """With ``steps`` changed on resume, the first step from ``step`` on whose learning rate
+    differs from the schedule the checkpoint was trained on (a schedule that spans the run's
+    length, e.g. cosine with no total_steps); None if it is the same."""
+    old_steps = saved.get("steps", config.steps)
+    if old_steps == config.steps or step >= config.steps:
+        return None
+    counts = jnp.arange(step, config.steps)
+    old, new = (jax.vmap(build_schedule(config.optimizer, n))(counts)
+                for n in (old_steps, config.steps))
+    differ = np.flatnonzero(np.asarray(old) != np.asarray(new))
+    return step + int(differ[0]) if differ.size else None
+
+
+def provenance_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    return [f"{key} {saved.get(key)} -> {current.get(key)}" for key in NUMERIC_PROVENANCE
+            if saved.get(key) != current.get(key)]

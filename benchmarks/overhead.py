@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_parity import chapter_losses  # noqa: E402,F401  (the same chapter code the test uses)
+from test_parity import chapter_losses  # noqa: F401  (the same chapter code the test uses)
 
-from trainrun.config import load_config  # noqa: E402
-from trainrun.loop import run  # noqa: E402
+from trainrun.config import load_config
+from trainrun.loop import run
 
 
 def hand_loop_step_s(steps: int, window: int) -> float:
@@ -99,7 +99,7 @@ def main() -> None:
     print(f"default MLP (8->32->1, batch 256, adam), {args.steps} steps per contender, "
           f"median of {args.repeats} interleaved repeats; jax {jax.__version__}, "
           f"{jax.devices()[0].device_kind}")
-    print(f"| contender | µs/step | vs hand loop |\n|---|---:|---:|")
+    print("| contender | µs/step | vs hand loop |\n|---|---:|---:|")
     for name, seconds in medians.items():
         print(f"| {name} | {seconds * 1e6:.1f} | {base / seconds:.2f}x speed |")
 

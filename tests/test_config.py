@@ -30,7 +30,7 @@ def test_unknown_key_names_the_key_and_closest_valid_names():
 
 
 def test_unknown_top_level_key_lists_close_matches():
-    with pytest.raises(ConfigError, match="did you mean 'steps'"):
+    with pytest.raises(ConfigError, match=r"did you mean 'steps'\?"):
         load_config("mlp", ["stepz=5"])
 
 
@@ -42,7 +42,7 @@ def test_wrong_type_names_field_expected_type_and_value():
 
 
 def test_unknown_kind_lists_the_known_kinds():
-    with pytest.raises(ConfigError, match="model.kind: unknown kind 'mlpp'"):
+    with pytest.raises(ConfigError, match=r"model\.kind: unknown kind 'mlpp'"):
         load_config("mlp", ["model.kind=mlpp"])
 
 

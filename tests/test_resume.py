@@ -11,6 +11,7 @@ import textwrap
 
 import numpy as np
 
+from trainrun.cli import main as cli_main
 from trainrun.writers import read_metrics
 
 # A model that draws from the step key (dropout) on a shuffled iterator (batch < examples):
@@ -86,12 +87,14 @@ def test_a_planted_fault_makes_verify_resume_fail(cli, tmp_path):
     assert "FAIL" in result.stdout and "runs kept in" in result.stdout
 
 
-def test_bad_kill_point_is_a_one_line_error(cli, tmp_path):
-    result = cli("verify-resume", "steps=60", "checkpoint.every=20", "--kill-at", "30")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
+def test_bad_kill_point_or_used_work_dir_is_a_one_line_error(tmp_path, capsys):
+    assert cli_main(["verify-resume", "steps=60", "checkpoint.every=20", "--kill-at", "30"]) == 2
+    assert capsys.readouterr().err == (
         "error: step 30 is not a checkpoint before the end (checkpoint.every=20, steps=60); "
-        "kill at one of 20, 40")
+        "kill at one of 20, 40\n")
+    (tmp_path / "old").mkdir()
+    assert cli_main(["verify-resume", "--work-dir", str(tmp_path)]) == 2
+    assert "is not empty; its runs would be resumed" in capsys.readouterr().err
 
 
 def test_checkpoint_from_4_devices_resumes_on_2_and_on_1(cli, tmp_path):

@@ -30,6 +30,7 @@ import numpy as np
 
 from trainrun.checkpoint import KILL_ENV, TMP_MARK
 from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
+from trainrun.errors import UserError
 from trainrun.rundir import METRICS
 from trainrun.writers import read_metrics
 
@@ -57,6 +58,9 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
     config = load_config(config_name, [*overrides, "checkpoint.dir=null"])
     kills = _kill_points(config, kill_at, kill_in_save)
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
+    if base.exists() and any(base.iterdir()):
+        raise UserError(f"--work-dir {base} is not empty; its runs would be resumed, not "
+                        "redone. Give a new or empty directory")
     base.mkdir(parents=True, exist_ok=True)
     config_path = base / "config.yaml"
     config_path.write_text(dump_yaml(config))

@@ -70,8 +70,10 @@ def hand_loop_step_s(steps: int, window: int) -> float:
 
 
 def trainrun_step_s(steps: int, window: int, k: int) -> float:
+    # Periodic checkpoints are their own cost (benchmarks/checkpoint.py); everything else a
+    # default run does per step (Grain batches, metrics.jsonl, TensorBoard) is timed here.
     config = load_config("mlp", [f"steps={steps}", f"steps_per_call={k}",
-                                 f"log_every={max(window, k)}"])
+                                 f"log_every={max(window, k)}", "checkpoint.every=0"])
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(config, Path(tmp) / "run", out=io.StringIO())
     return summary["step_time_median_s"]

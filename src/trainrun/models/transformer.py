@@ -4,10 +4,16 @@
            ─► L x [ x + drop(attn(LN(x)))  ;  x + drop(mlp(LN(x))) ]      pre-LayerNorm
            ─► LN ─► logits = x @ embed.T                                   tied embeddings
 
-Attention is causal, through ``jax.nn.dot_product_attention``; positions are rotary (RoPE, on
-queries and keys) or a learned table. Dropout draws from the step key. The same blocks run with
-a key/value cache for decoding (``prefill`` / ``decode``), so sampling shares the maths of
-training.
+Attention is causal, the maths of ``jax.nn.dot_product_attention`` (``causal_attention``:
+that function itself on accelerators, a blocked head-major form on CPU); positions are rotary
+(RoPE, on queries and keys) or a learned table. Dropout draws from the step key. The same
+blocks run with a key/value cache for decoding (``prefill`` / ``decode``), so sampling shares
+the maths of training.
+
+Written for XLA:CPU's speed without changing the maths (each choice measured in BENCHMARKS.md,
+"The LM against PyTorch on CPU"; ``tests/test_fast_transformer.py`` holds the loss and gradients
+to a plain transcription): matmuls on ``[tokens, d_model]`` rows, blocked causal attention, and
+a rotary table that is a constant when positions are static.
 
 Every param names its dimensions (``axes`` metadata: "vocab", "embed", "heads", "mlp"); the
 sharding rules split "heads" and "mlp" over the tensor axis.
@@ -20,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from trainrun.config import TransformerModel
@@ -53,6 +60,35 @@ class Rope(NamedTuple):
         return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
+ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (BENCHMARKS.md)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal self-attention of ``[batch, seq, heads, head_dim]`` queries, keys and values: the
+    maths of ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` (scaled logits in
+    float32, masked to a large negative number, softmax, weighted sum of values).
+
+    On CPU it runs head-major and in blocks of query rows, each block against only the keys up
+    to its own last row: XLA:CPU then skips most of the masked upper triangle (3/8 of the
+    attention work at seq 256) and its batched matmuls need no transposes. Elsewhere it is
+    ``dot_product_attention`` itself, which picks a fused kernel (cuDNN on NVIDIA GPUs).
+    """
+    if jax.default_backend() != "cpu":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    seq, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [batch, heads, seq, head_dim]
+    masked = jnp.asarray(-0.7 * float(jnp.finfo(jnp.float32).max), jnp.float32)
+    blocks = []
+    for lo in range(0, seq, ATTENTION_BLOCK):
+        hi = min(lo + ATTENTION_BLOCK, seq)
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q[:, :, lo:hi], k[:, :, :hi],
+                            preferred_element_type=jnp.float32) * jnp.float32(scale)
+        visible = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
+        probs = jax.nn.softmax(jnp.where(visible, logits, masked), axis=-1)
+        blocks.append(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v[:, :, :hi]))
+    return jnp.concatenate(blocks, axis=2).transpose(0, 2, 1, 3)
+
+
 def _linear(d_in: int, d_out: int, axes: tuple[str, str], std: float,
             rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(d_in, d_out, use_bias=False, rngs=rngs,
@@ -81,18 +117,19 @@ class Attention(nnx.Module):
         attends to itself causally (training); with one, its keys/values are written into the
         cache at ``pos`` and it attends to every cached position up to its own."""
         b, c, d = x.shape
-        q, k, v = (proj(x).reshape(b, c, self.heads, d // self.heads)
+        rows = x.reshape(b * c, d)  # 2-D matmuls: see MLP.__call__
+        q, k, v = (proj(rows).reshape(b, c, self.heads, d // self.heads)
                    for proj in (self.q, self.k, self.v))
         if rope is not None:
             q, k = rope.apply(q), rope.apply(k)
         if cache is None:
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            y = causal_attention(q, k, v)
         else:
             cache = KV(jax.lax.dynamic_update_slice(cache.k, k, (0, pos, 0, 0)),
                        jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
             visible = jnp.arange(cache.k.shape[1])[None, :] <= pos + jnp.arange(c)[:, None]
             y = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=visible[None, None])
-        return self.o(y.reshape(b, c, d)), cache
+        return self.o(y.reshape(b * c, d)).reshape(b, c, d), cache
 
 
 class MLP(nnx.Module):
@@ -103,7 +140,11 @@ class MLP(nnx.Module):
                             cfg.init_std / math.sqrt(2 * cfg.layers), rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.gelu(self.up(x), approximate=True))
+        # On [tokens, d_model] rows rather than [batch, seq, d_model]: the weight gradients are
+        # then plain 2-D matmuls, where XLA:CPU would otherwise write the GELU gradient
+        # transposed for them (a strided pass over the 4 x d_model wide activations).
+        rows = x.reshape(-1, x.shape[-1])
+        return self.down(jax.nn.gelu(self.up(rows), approximate=True)).reshape(x.shape)
 
 
 class Block(nnx.Module):
@@ -149,11 +190,18 @@ class Transformer(nnx.Module):
         """Logits ``[batch, chunk, vocab]`` (float32) for ``tokens`` ``[batch, chunk]`` at
         positions ``pos ..``. ``key``: dropout randomness (None: no dropout). ``cache``: one
         ``KV`` per layer for decoding, returned updated; None for training."""
-        chunk = tokens.shape[1]
+        batch, chunk = tokens.shape
         positions = pos + jnp.arange(chunk)
         x = self.embed(tokens.astype(jnp.int32))
         rope = None
-        if self.positions is None:
+        if self.positions is None and isinstance(pos, int | np.integer):
+            # Static positions (training, a prefill at 0): the table becomes a constant. Left in
+            # the program, XLA:CPU fuses sin and cos into their consumers and evaluates them
+            # again for every element they scale (9% of a training step on CPU).
+            with jax.ensure_compile_time_eval():
+                table = Rope.at(pos + jnp.arange(chunk), self.head_dim)
+            rope = Rope(*(np.asarray(t) for t in table))
+        elif self.positions is None:
             rope = Rope.at(positions, self.head_dim)
         else:
             x = x + jnp.take(self.positions[...], positions, axis=0)[None]
@@ -165,8 +213,8 @@ class Transformer(nnx.Module):
                                          None if cache is None else cache[i], pos)
             if new_cache is not None:
                 new_cache.append(kv)
-        logits = self.embed.attend(self.ln_f(x))
-        return logits.astype(jnp.float32), new_cache
+        logits = self.embed.attend(self.ln_f(x).reshape(batch * chunk, -1))
+        return logits.reshape(batch, chunk, -1).astype(jnp.float32), new_cache
 
     def empty_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> list[KV]:
         shape = (batch, max_len, self.heads, self.head_dim)

@@ -19,7 +19,6 @@ from trainrun.loop import run
 from trainrun.writers import (
     TENSORBOARD_DIR,
     JsonlWriter,
-    ScalarEventEncoder,
     TensorBoardWriter,
     build_output,
     read_metrics,
@@ -144,21 +143,6 @@ def test_wandb_asked_for_but_missing_is_a_one_line_error(tmp_path, monkeypatch, 
     assert err.count("\n") == 1 and err.startswith("error: config key 'metrics.wandb'")
     assert "pip install wandb" in err
     assert not (tmp_path / "run").exists()  # refused before anything was written
-
-
-def test_scalar_events_are_the_bytes_protobuf_writes():
-    from tensorboardX.proto.event_pb2 import Event
-    from tensorboardX.proto.summary_pb2 import Summary
-
-    encode = ScalarEventEncoder()
-    for step, split, metrics in [(1, "train", {"loss": 0.25, "lr": 1e-3}),
-                                 (300_000, "eval", {"accuracy": 0.97, "loss": float("nan")}),
-                                 (7, "train", {"loss": -3.4e38, "lr": 1e-3}),
-                                 (8, "train", {"loss": 1e39, "lr": 1e-3})]:
-        expected = Event(wall_time=1.7e9 + step, step=step, summary=Summary(value=[
-            Summary.Value(tag=f"{split}/{name}", simple_value=value)
-            for name, value in metrics.items()]))
-        assert encode(step, 1.7e9 + step, split, metrics) == expected.SerializeToString()
 
 
 def test_jsonl_lines_are_what_json_dumps_writes(tmp_path):

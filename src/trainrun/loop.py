@@ -363,7 +363,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
                 results = evaluator(state.params)  # before the next call donates the state
             output.write(done, results, "eval")
             output.message(eval_line(done, config.steps, results))
-        stop = preemption.requested(done)
+        stop = preemption.requested(done) and done < config.steps  # at the end: just finish
         if stop or checkpoints.due(done, config.steps):
             write(reader.read())
             output.flush()  # the metrics up to a checkpoint survive a kill right after it

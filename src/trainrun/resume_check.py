@@ -188,10 +188,12 @@ def state_digest(ckpt_dir: Path, step: int) -> str:
                            args=ocp.args.PyTreeRestore(restore_args=restore_args))
     handler.close()
     digest = hashlib.sha256()
-    for name, leaf in sorted(_leaves(tree)):
-        array = np.asarray(leaf)
-        digest.update(f"{name}|{array.dtype}|{array.shape}|".encode())
-        digest.update(array.tobytes())
+    for name, leaf in sorted(_leaves(tree), key=lambda item: item[0]):
+        if not isinstance(leaf, np.ndarray):  # an empty optimizer state: no bytes to compare
+            digest.update(f"{name}|{leaf!r}|".encode())
+            continue
+        digest.update(f"{name}|{leaf.dtype}|{leaf.shape}|".encode())
+        digest.update(np.ascontiguousarray(leaf).tobytes())
     for path in sorted((step_dir / "data").glob("*.json")):
         digest.update(json.dumps(json.loads(path.read_text()), sort_keys=True).encode())
     return digest.hexdigest()
@@ -235,8 +237,12 @@ def _compare(reference: Chain, chain: Chain, steps: int) -> None:
             a, b = reference.steps[step].get(name), chain.steps[step].get(name)
             if _bits(a) != _bits(b):
                 chain.mismatch = (step, f"{name} {a!r} vs {b!r}")
+                before = (" - before the resume, so two processes running the same program "
+                          "disagree: see README, 'What bitwise resume needs from XLA'"
+                          if chain.resumed_from.isdigit() and step <= int(chain.resumed_from)
+                          else "")
                 chain.problems.append(f"first mismatch at step {step}: {name} {a!r} "
-                                      f"(uninterrupted) vs {b!r}")
+                                      f"(uninterrupted) vs {b!r}{before}")
                 return
     if chain.digest != reference.digest:
         chain.problems.append("final state differs (sha256 of the last checkpoint)")

@@ -319,7 +319,7 @@ def main() -> None:
         sides = [TrainrunSide("trainrun")]
         if args.k > 1:
             sides.append(TrainrunSide(f"trainrun, K={args.k} steps per call", k=args.k))
-        sides += [TorchSide(int(n)) for n in args.torch_threads.split(",")]
+        sides += [TorchSide(int(n)) for n in args.torch_threads.split(",") if n]
     k = max(side.k for side in sides)
     data = batches(corpus(), (args.warmup + args.rounds) * k)
     ceiling = Ceiling()

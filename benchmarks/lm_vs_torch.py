@@ -10,8 +10,9 @@ biases in the matmuls; normal init with std 0.02, and 0.02/sqrt(2 x layers) on t
 projections) with the same AdamW (decay on matrices only), on the same batches of Python
 standard-library source bytes. The trainrun column is trainrun's own step: ``make_train_step``
 with its transformer and optimizer, jitted with the state donated, as the loop runs it, with
-the XLA flags ``import trainrun`` sets. PyTorch runs once per thread count asked for (all cores
-is its default; one thread is its better setting when the cores are shared with other work).
+the XLA flags ``trainrun train`` sets for a transformer (``trainrun.xla_flags``). PyTorch
+runs once per thread count asked for (all cores is its default; one thread is its better
+setting when the cores are shared with other work).
 
 ``--ablation`` times trainrun's step against itself with one change undone at a time, and the
 plain transcription of the model (``tests/test_fast_transformer.py``) under XLA's default
@@ -52,9 +53,14 @@ from trainrun.loop import init_state
 from trainrun.models.adapters import Model
 from trainrun.optim import build_optimizer
 from trainrun.step import make_multi_step, make_train_step
+from trainrun.xla_flags import apply_default_flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_fast_transformer import plain_loss  # the plain transcription of the model
+
+# As `trainrun train` does for a transformer run: trainrun's default XLA flags, set before JAX
+# starts its backend (nothing above starts it).
+apply_default_flags()
 
 MODEL = TransformerModel(vocab=256, d_model=256, layers=4, heads=4, seq_len=256,
                          positions="rope", dropout=0.0, init_std=0.02)

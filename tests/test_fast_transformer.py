@@ -126,3 +126,6 @@ def test_default_xla_flags_respect_the_users_choice():
     chosen = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}
     assert apply_default_flags(chosen) == []
     assert chosen["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
+    # This process imported trainrun before computing: XLA:CPU compiles without YNNPACK.
+    x = jnp.ones((64, 64))
+    assert "__ynn_fusion" not in jax.jit(lambda a: a @ a).lower(x).compile().as_text()

@@ -9,6 +9,10 @@ from trainrun.errors import UserError
 from trainrun.loop import run
 from trainrun.models import Model, from_functions, from_nnx
 from trainrun.state import TrainState
+from trainrun.xla_flags import apply_default_flags
+
+# XLA reads its flags once, when JAX's backend starts; nothing above starts it.
+apply_default_flags()
 
 __all__ = [
     "ArrayBatches",

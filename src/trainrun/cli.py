@@ -13,12 +13,9 @@ def _train(args: argparse.Namespace) -> int:
     from trainrun.distributed import session
     from trainrun.loop import run
     from trainrun.resume import gpu_determinism
-    from trainrun.xla_flags import apply_default_flags
 
     config = load_config(args.config, args.overrides)
     gpu_determinism()  # before JAX starts its backend: a resumed run computes the same bits
-    if config.model.kind == "transformer":  # measured faster for it; see xla_flags.py
-        apply_default_flags()
     with session(config.distributed):  # joins the other processes, if any, before JAX starts
         run(config, args.run_dir, fresh=args.fresh,
             allow_config_change=args.allow_config_change)

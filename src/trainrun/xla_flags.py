@@ -1,12 +1,10 @@
 """The XLA flags trainrun sets by default: here and nowhere else, each with its measured effect.
 
 XLA reads ``XLA_FLAGS`` once, when JAX starts its backend (the first computation or device
-query). ``trainrun train`` adds these flags for transformer runs, after reading the config and
-before JAX starts; a program using the library calls ``apply_default_flags()`` before it
-computes. They are not set for every run: the flag changes the rounding of CPU matmuls, and the
-default MLP run must give the very bits of the reference chapter's hand-written loop run on its
-own. A flag already named in ``XLA_FLAGS`` is left as the user set it, and every run records
-the ``XLA_FLAGS`` it ran with in its provenance.
+query). ``import trainrun`` adds these flags to the environment, which is before that in any
+program that imports trainrun before computing; child processes (the CLI, the multi-process
+launcher) inherit them. A flag already named in ``XLA_FLAGS`` is left as the user set it, and
+every run records the ``XLA_FLAGS`` it ran with in its provenance.
 
 ``--xla_cpu_experimental_ynn_fusion_type=`` (empty: no YNNPACK fusions on CPU)
     jaxlib 0.10's XLA:CPU hands dots, with the elementwise ops and reductions around them, to
@@ -16,7 +14,8 @@ the ``XLA_FLAGS`` it ran with in its provenance.
     2-core CPU (BENCHMARKS.md, "The LM against PyTorch on CPU"): the byte LM's training step
     about 10% less CPU time and 10-20% less wall time, ``configs/lm.yaml`` 4% less CPU time,
     the MLP and the digits CNN unchanged. The flag changes the rounding of CPU matmuls, so runs
-    differ in their last bits from runs without it.
+    differ in their last bits from runs without it; a program that imports trainrun before it
+    computes has it on both sides of any comparison.
 """
 
 from __future__ import annotations

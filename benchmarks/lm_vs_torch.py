@@ -58,8 +58,8 @@ from trainrun.xla_flags import apply_default_flags
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_fast_transformer import plain_loss  # the plain transcription of the model
 
-# As `trainrun train` does for a transformer run: trainrun's default XLA flags, set before JAX
-# starts its backend (nothing above starts it).
+# trainrun's default XLA flags, set before JAX starts its backend (nothing above starts it);
+# importing trainrun already applies them, this states it where the timing is done.
 apply_default_flags()
 
 MODEL = TransformerModel(vocab=256, d_model=256, layers=4, heads=4, seq_len=256,

@@ -20,8 +20,9 @@ flags: what each change is worth.
 
 Timing: contenders (and a 2048-square float32 matmul through XLA, the machine's ceiling) run
 interleaved, one step each per round, each ended by a blocking read; the table shows medians
-over the rounds, wall time and the process's CPU time. On a shared machine absolute times move
-with the load; the interleaved ratios hold.
+over the rounds: wall time, the process's CPU time and its minor page faults (memory the
+allocator handed back and took again: each 4 KB page costs a fault and a zeroing). On a
+shared machine absolute times move with the load; the interleaved ratios hold.
 
 FLOPs per step are the model's, the same for every contender: 6 x params x tokens for the
 weights plus 12 x layers x seq x d_model x tokens for attention (the causal mask not discounted,
@@ -35,6 +36,7 @@ import argparse
 import contextlib
 import math
 import os
+import resource
 import statistics
 import sys
 import sysconfig
@@ -331,26 +333,31 @@ def main() -> None:
     ceiling = Ceiling()
     wall: dict[str, list[float]] = {side.name: [] for side in sides}
     cpu: dict[str, list[float]] = {side.name: [] for side in sides}
+    faults: dict[str, list[float]] = {side.name: [] for side in sides}
     losses: dict[str, list[float]] = {side.name: [] for side in sides}
     peak: list[float] = []
     for i in range(args.warmup + args.rounds):
         chunk = data[i * k:(i + 1) * k]
         for side in sides:
             start, start_cpu = time.perf_counter(), time.process_time()
+            start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             for j in range(0, k, side.k):  # every contender trains on the same k batches
                 losses[side.name].append(side.step(chunk[j:j + side.k]))
             if i >= args.warmup:
                 wall[side.name].append((time.perf_counter() - start) / k)
                 cpu[side.name].append((time.process_time() - start_cpu) / k)
+                faults[side.name].append(
+                    (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults) / k)
         if i >= args.warmup:
             peak.append(ceiling.flops_per_s())
         print(f"  round {i:3d}  " + "  ".join(f"{losses[s.name][-1]:.3f}" for s in sides),
               file=sys.stderr)
-    report(sides, wall, cpu, losses, statistics.median(peak), args)
+    report(sides, wall, cpu, faults, losses, statistics.median(peak), args)
 
 
 def report(sides: list[Any], wall: dict[str, list[float]], cpu: dict[str, list[float]],
-           losses: dict[str, list[float]], peak: float, args: argparse.Namespace) -> None:
+           faults: dict[str, list[float]], losses: dict[str, list[float]], peak: float,
+           args: argparse.Namespace) -> None:
     flops = model_flops_per_step()
     tokens = BATCH * MODEL.seq_len
     median = {name: statistics.median(times) for name, times in wall.items()}
@@ -364,14 +371,15 @@ def report(sides: list[Any], wall: dict[str, list[float]], cpu: dict[str, list[f
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {args.rounds} interleaved rounds, "
           f"medians; load average at the end {load} on {os.cpu_count()} CPUs\n")
     print(f"| {'contender':42s} | s/step | tokens/s | {versus} | GFLOP/s | of ceiling | "
-          f"CPU s/step | loss first -> last |")
+          f"CPU s/step | page faults/step | loss first -> last |")
     print(f"|{'-' * 44}|-------:|---------:|{'-' * (len(versus) + 1)}:|--------:|-----------:|"
-          f"-----------:|-------------------:|")
+          f"-----------:|-----------------:|-------------------:|")
     for side in sides:
         t, name = median[side.name], side.name
         print(f"| {name:42s} | {t:6.3f} | {tokens / t:8,.0f} | "
               f"{median[reference] / t:{len(versus) - 1}.2f}x | {flops / t / 1e9:7.1f} | "
               f"{flops / t / peak:9.0%} | {statistics.median(cpu[name]):10.3f} | "
+              f"{statistics.median(faults[name]):16,.0f} | "
               f"{losses[name][0]:.3f} -> {losses[name][-1]:.3f} |")
 
 

@@ -1,7 +1,9 @@
-"""What bitwise resume needs on XLA:CPU, measured: ``trainrun verify-resume`` repeated under
-default threading and with XLA's CPU threading pinned, and what pinning costs in throughput.
+"""What bitwise resume needs on XLA:CPU, measured: fresh runs of one config in separate
+processes (three at a time, next to a process hammering memory bandwidth) compared bit for bit,
+``trainrun verify-resume`` repeated, under default threading and with XLA's CPU threading
+pinned; and what pinning costs in throughput.
 
-    python benchmarks/determinism.py [--repeats 5] [--throughput-steps 300]
+    python benchmarks/determinism.py [--fresh 6] [--repeats 2] [--throughput-steps 200]
 
 Workloads: the default MLP, and the byte-level transformer LM (multi-threaded matmuls,
 attention, an embedding gradient that is a scatter-add) with dropout on shuffled data read
@@ -9,17 +11,20 @@ through Grain's prefetching iterator. Each
 verify-resume runs three processes side by side (uninterrupted, killed after a committed
 checkpoint, killed during an async save) on a machine shared with other jobs, so thread
 scheduling differs from run to run. XLA flags are fixed when a process starts, so each setting
-runs in its own processes (not side by side in one).
+runs in its own processes (not side by side in one). Processes import trainrun from this
+working tree: the script hashes the sources before and after and says if they changed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SETTINGS = {
@@ -33,6 +38,9 @@ WORKLOADS = {
                      "optimizer.schedule.warmup_steps=10",
                      "eval.every=0", "model.dropout=0.1", "metrics.tensorboard=false"],
 }
+
+
+HOG = "import numpy as np\na = np.ones(50_000_000)\nwhile True:\n    a += 1e-9\n"
 
 
 def env_with(flags: str) -> dict[str, str]:
@@ -51,6 +59,23 @@ def verify(workload: list[str], flags: str) -> bool:
     return done.returncode == 0
 
 
+def fresh_run(workload: list[str], flags: str, root: Path) -> str:
+    """sha256 of the per-step losses of one uninterrupted run."""
+    run_dir = Path(tempfile.mkdtemp(dir=root))
+    subprocess.run([sys.executable, "-m", "trainrun", "train", "--run-dir", str(run_dir),
+                    *workload], capture_output=True, text=True, env=env_with(flags), check=True)
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").open()]
+    return hashlib.sha256(json.dumps(losses).encode()).hexdigest()
+
+
+def sources_digest() -> str:
+    src = Path(__file__).resolve().parents[1] / "src" / "trainrun"
+    digest = hashlib.sha256()
+    for path in sorted(src.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def steps_per_s(workload: list[str], flags: str, steps: int, root: Path) -> float:
     run_dir = Path(tempfile.mkdtemp(dir=root))
     args = [a for a in workload if not a.startswith("steps=")] + [f"steps={steps}",
@@ -62,13 +87,27 @@ def steps_per_s(workload: list[str], flags: str, steps: int, root: Path) -> floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--throughput-steps", type=int, default=300)
+    parser.add_argument("--fresh", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--throughput-steps", type=int, default=200)
     args = parser.parse_args()
 
-    passes = {(w, s): 0 for w in WORKLOADS for s in SETTINGS}
-    speed: dict[tuple[str, str], list[float]] = {(w, s): [] for w in WORKLOADS for s in SETTINGS}
+    before = sources_digest()
+    cells = [(w, s) for w in WORKLOADS for s in SETTINGS]
+    passes = {cell: 0 for cell in cells}
+    sequences: dict[tuple[str, str], list[str]] = {cell: [] for cell in cells}
+    speed: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
     with tempfile.TemporaryDirectory() as tmp:
+        hog = subprocess.Popen([sys.executable, "-c", HOG])
+        try:
+            jobs = [cell for _ in range(args.fresh) for cell in cells]
+            with ThreadPoolExecutor(3) as pool:
+                hashes = pool.map(lambda c: fresh_run(WORKLOADS[c[0]], SETTINGS[c[1]],
+                                                      Path(tmp)), jobs)
+                for cell, digest in zip(jobs, hashes, strict=True):
+                    sequences[cell].append(digest)
+        finally:
+            hog.kill()
         for _ in range(args.repeats):  # settings interleaved, so load affects both alike
             for w, workload in WORKLOADS.items():
                 for s, flags in SETTINGS.items():
@@ -79,16 +118,22 @@ def main() -> None:
                     speed[w, s].append(steps_per_s(workload, flags, args.throughput_steps,
                                                    Path(tmp)))
 
-    print(f"verify-resume repeated {args.repeats} times per cell; throughput: best of 2 runs "
-          f"of {args.throughput_steps} steps (steady-state steps/s from summary.json)\n")
-    print("| workload | XLA CPU threading | verify-resume passes | steps/s | vs default |")
-    print("|---|---|---:|---:|---:|")
+    print(f"{args.fresh} fresh runs per cell, 3 processes at a time beside a memory-bandwidth "
+          f"hog; verify-resume {args.repeats} times per cell; throughput: best of 2 runs of "
+          f"{args.throughput_steps} steps (steady-state steps/s from summary.json)\n")
+    print("| workload | XLA CPU threading | distinct loss sequences | verify-resume passes | "
+          "steps/s | vs default |")
+    print("|---|---|---:|---:|---:|---:|")
     for w in WORKLOADS:
         base = max(speed[w, "default threading"])
         for s in SETTINGS:
             best = max(speed[w, s])
-            print(f"| {w} | {s} | {passes[w, s]}/{args.repeats} | {best:,.1f} | "
-                  f"{best / base:.2f}x |")
+            distinct = len(set(sequences[w, s]))
+            print(f"| {w} | {s} | {distinct} of {len(sequences[w, s])} runs | "
+                  f"{passes[w, s]}/{args.repeats} | {best:,.1f} | {best / base:.2f}x |")
+    if sources_digest() != before:
+        print("\nWARNING: trainrun's sources changed during the measurement; processes may "
+              "have run different code")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ biases in the matmuls; normal init with std 0.02, and 0.02/sqrt(2 x layers) on t
 projections) with the same AdamW (decay on matrices only), on the same batches of Python
 standard-library source bytes. The trainrun column is trainrun's own step: ``make_train_step``
 with its transformer and optimizer, jitted with the state donated, as the loop runs it, with
-the XLA flags ``trainrun train`` sets for a transformer (``trainrun.xla_flags``). PyTorch
+the XLA flags and allocator setting importing trainrun sets (``trainrun.xla_flags``). PyTorch
 runs once per thread count asked for (all cores is its default; one thread is its better
 setting when the cores are shared with other work).
 

@@ -1,6 +1,7 @@
 """The transformer's fast CPU formulation computes the plain one's maths: the same loss (to 1e-5)
-and gradients on fixed inputs as a direct transcription of the model. And the default XLA
-flags leave a flag the user chose alone."""
+and gradients on fixed inputs as a direct transcription of the model. The default XLA flags
+leave a flag the user chose alone and are in force in a process that imported trainrun; the
+allocator setting leaves a user's malloc settings alone."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
 from trainrun.models.transformer import causal_attention
-from trainrun.xla_flags import apply_default_flags
+from trainrun.xla_flags import apply_default_flags, reuse_freed_memory
 
 # seq 160 is two full attention blocks and a partial third (blocks of 64 query rows)
 SMALL = TransformerModel(d_model=32, layers=1, heads=2, seq_len=160, init_std=0.1)
@@ -118,7 +119,7 @@ def test_blocked_causal_attention_is_dot_product_attention(seq):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
-def test_default_xla_flags_respect_the_users_choice():
+def test_default_xla_flags_respect_the_users_choice_and_are_in_force():
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     assert apply_default_flags(environ) == ["--xla_cpu_experimental_ynn_fusion_type="]
     assert environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=2 "
@@ -129,3 +130,8 @@ def test_default_xla_flags_respect_the_users_choice():
     # This process imported trainrun before computing: XLA:CPU compiles without YNNPACK.
     x = jnp.ones((64, 64))
     assert "__ynn_fusion" not in jax.jit(lambda a: a @ a).lower(x).compile().as_text()
+
+
+def test_the_allocator_setting_leaves_a_users_malloc_choice_alone():
+    assert reuse_freed_memory({"MALLOC_ARENA_MAX": "4"}) is False
+    assert reuse_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is False

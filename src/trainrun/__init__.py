@@ -9,10 +9,12 @@ from trainrun.errors import UserError
 from trainrun.loop import run
 from trainrun.models import Model, from_functions, from_nnx
 from trainrun.state import TrainState
-from trainrun.xla_flags import apply_default_flags
+from trainrun.xla_flags import apply_default_flags, reuse_freed_memory
 
-# XLA reads its flags once, when JAX's backend starts; nothing above starts it.
+# XLA reads its flags once, when JAX's backend starts, which nothing above does; the allocator
+# setting must also come before the backend starts its threads.
 apply_default_flags()
+reuse_freed_memory()
 
 __all__ = [
     "ArrayBatches",

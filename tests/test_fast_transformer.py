@@ -16,7 +16,7 @@ import pytest
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
 from trainrun.models.transformer import causal_attention
-from trainrun.xla_flags import apply_default_flags, reuse_freed_memory
+from trainrun.xla_flags import apply_default_flags, reuse_freed_memory, run_cpu_calls_inline
 
 # seq 160 is two full attention blocks and a partial third (blocks of 64 query rows)
 SMALL = TransformerModel(d_model=32, layers=1, heads=2, seq_len=160, init_std=0.1)
@@ -135,3 +135,11 @@ def test_default_xla_flags_respect_the_users_choice_and_are_in_force():
 def test_the_allocator_setting_leaves_a_users_malloc_choice_alone():
     assert reuse_freed_memory({"MALLOC_ARENA_MAX": "4"}) is False
     assert reuse_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is False
+
+
+def test_single_device_cpu_calls_run_inline_after_importing_trainrun():
+    from jax._src import xla_bridge
+
+    assert xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value is False
+    jnp.ones(2).block_until_ready()
+    assert run_cpu_calls_inline() is False  # the backend has started: too late to change

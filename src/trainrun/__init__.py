@@ -9,12 +9,13 @@ from trainrun.errors import UserError
 from trainrun.loop import run
 from trainrun.models import Model, from_functions, from_nnx
 from trainrun.state import TrainState
-from trainrun.xla_flags import apply_default_flags, reuse_freed_memory
+from trainrun.xla_flags import apply_default_flags, reuse_freed_memory, run_cpu_calls_inline
 
 # XLA reads its flags once, when JAX's backend starts, which nothing above does; the allocator
-# setting must also come before the backend starts its threads.
+# and dispatch settings must also come before the backend starts its threads.
 apply_default_flags()
 reuse_freed_memory()
+run_cpu_calls_inline()
 
 __all__ = [
     "ArrayBatches",

@@ -252,7 +252,7 @@ class OptimizerConfig(Section):
     clip_norm: float | None = Field(None, gt=0)
     b1: float = 0.9
     b2: float = 0.999
-    eps: float = 1e-8
+    eps: float = Field(1e-8, gt=0)  # Adam divides by sqrt(nu) + eps: 0 gives 0/0 at a zero gradient
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.0, ge=0)
 

@@ -33,6 +33,7 @@ from trainrun.errors import UserError
 from trainrun.evaluation import Evaluator, eval_line
 from trainrun.models import Model, build_model
 from trainrun.optim import Optimizer, build_optimizer
+from trainrun.packing import packing_for
 from trainrun.precision import Policy, policy_from_config
 from trainrun.preemption import Preemption
 from trainrun.profiling import ProfileWindow
@@ -41,7 +42,7 @@ from trainrun.state import TrainState, create_state
 from trainrun.step import make_multi_step, make_train_step
 from trainrun.stream import MetricStream, streamed
 from trainrun.timing import StepTimer, Stopwatch, goodput, provenance, wall_split
-from trainrun.writers import RunOutput, build_output
+from trainrun.writers import RunOutput, Table, build_output
 
 Batch = Any
 MAX_PENDING_CALLS = 256  # bounds how stale unread metrics get between log points
@@ -108,10 +109,15 @@ def pack_metrics(metrics: dict[str, jax.Array]) -> jax.Array:
 class CompiledSteps:
     """The jitted step programs of a run: one for K steps per call, one more for a shorter tail
     call (each compiled once). Compiled ahead of time so compile time is its own figure; the
-    jitted call then finds that executable in JAX's cache and keeps its fast dispatch path."""
+    jitted call then finds that executable in JAX's cache and keeps its fast dispatch path.
+
+    The calls take and return the state as ``carried``: the ``TrainState`` itself, or, for a
+    small state on one device, its flat buffers (``packing.py``). ``carry`` and ``state``
+    convert; the loop converts back only where it needs the state (checkpoints, eval)."""
 
     def __init__(self, model: Model, optimizer: Optimizer, steps_per_call: int,
-                 watch: Stopwatch, *, accumulate: int = 1, policy: Policy | None = None,
+                 watch: Stopwatch, *, abstract: TrainState | None = None,
+                 accumulate: int = 1, policy: Policy | None = None,
                  state_sharding: TrainState | None = None,
                  batch_sharding: jax.sharding.Sharding | None = None,
                  stream: MetricStream | None = None):
@@ -120,13 +126,21 @@ class CompiledSteps:
         if stream is not None:  # each step's metrics also leave mid-call (metrics.stream)
             single = streamed(single, stream)
         step = single if steps_per_call == 1 else make_multi_step(single)
+        self.abstract = abstract
+        # Without the abstract state (a caller holding TrainStates) the calls take TrainStates.
+        self.packing = packing = (packing_for(abstract, jax.device_count())
+                                  if abstract is not None else None)
 
-        def packed_step(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
+        def packed_step(carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
+            state = packing.unpack(carried) if packing else carried
             state, metrics = step(state, batch)
-            return state, pack_metrics(metrics)
+            return packing.pack(state) if packing else state, pack_metrics(metrics)
 
         self.step = step
-        if state_sharding is None:
+        if packing is not None:
+            self._carry, self._state = jax.jit(packing.pack), jax.jit(packing.unpack)
+            self.fn = jax.jit(packed_step, donate_argnums=0)
+        elif state_sharding is None:
             self.fn = jax.jit(packed_step, donate_argnums=0)
         else:  # pinned, so the donated state comes back exactly where it went in
             metrics_sharding = jax.sharding.NamedSharding(batch_sharding.mesh,
@@ -138,17 +152,27 @@ class CompiledSteps:
         self.programs: dict[int, Any] = {}
         self.metric_names: list[str] = []
 
-    def compile(self, k: int, state: TrainState, batch: Batch) -> None:
+    def carry(self, state: TrainState) -> Any:
+        """``state`` as the calls take it."""
+        return self._carry(state) if self.packing else state
+
+    def state(self, carried: Any) -> TrainState:
+        """The ``TrainState`` in ``carried`` (new arrays when packed: the next call may donate
+        ``carried`` while they are still in use)."""
+        return self._state(carried) if self.packing else carried
+
+    def compile(self, k: int, carried: Any, batch: Batch) -> None:
         """Compile the program for calls of ``k`` steps (before its call is timed)."""
         if not self.metric_names:
+            state = self.abstract if self.abstract is not None else carried
             self.metric_names = sorted(jax.eval_shape(self.step, state, batch)[1])
         with self.watch.phase("compile"):
-            self.programs[k] = self.fn.lower(state, batch).compile()
+            self.programs[k] = self.fn.lower(carried, batch).compile()
 
-    def __call__(self, k: int, state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
+    def __call__(self, k: int, carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
         if k not in self.programs:
-            self.compile(k, state, batch)
-        return self.fn(state, batch)
+            self.compile(k, carried, batch)
+        return self.fn(carried, batch)
 
 
 @dataclasses.dataclass
@@ -189,16 +213,14 @@ class MetricsReader:
     def due(self) -> bool:
         return self.log_due or len(self.pending) >= MAX_PENDING_CALLS
 
-    def read(self) -> list[tuple[int, dict[str, float]]]:
-        """Block on the pending calls and return ``(step, metrics)`` for each of their steps."""
+    def read(self) -> Table | None:
+        """Block on the pending calls and return the metrics of their steps."""
         if not self.pending:
-            return []
+            return None
         calls, self.pending, self.log_due = self.pending, [], False
-        rows = np.asarray(jax.block_until_ready(_stack([c.packed for c in calls])))
+        values = np.asarray(jax.block_until_ready(_stack([c.packed for c in calls])))
         self.timer.record(calls[0].dispatched_at, sum(c.steps for c in calls))
-        first = calls[0].first_step
-        return [(first + i + 1, dict(zip(self.names, row.tolist(), strict=True)))
-                for i, row in enumerate(rows)]
+        return Table(calls[0].first_step + 1, self.names, values)
 
 
 def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | None = None,
@@ -269,8 +291,9 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
     optimizer = build_optimizer(config.optimizer, config.steps)
     policy = policy_from_config(config.precision)
     mesh = sharding.build_mesh(config.mesh)
+    abstract = abstract_state(model, optimizer, config.seed, policy)
     state_sharding = sharding.state_shardings(
-        mesh, abstract_state(model, optimizer, config.seed, policy), model.logical_axes,
+        mesh, abstract, model.logical_axes,
         optimizer.tx, config.mesh)
     placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
     if data is None:
@@ -292,7 +315,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
     if primary:
         rundir.write_status(run_dir, "running", int(state.step))
     stream = MetricStream(output) if config.metrics.stream else None
-    programs = CompiledSteps(model, optimizer, config.steps_per_call, watch,
+    programs = CompiledSteps(model, optimizer, config.steps_per_call, watch, abstract=abstract,
                              accumulate=config.accumulate, policy=policy,
                              state_sharding=state_sharding, batch_sharding=placement.sharding,
                              stream=stream)
@@ -305,23 +328,26 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
     last_metrics: dict[str, float] = {}
     nonfinite_seen = int(state.nonfinite_steps)
 
-    def write(rows: list[tuple[int, dict[str, float]]]) -> None:
+    def write(table: Table | None) -> None:
         """A read window's rows to the writers and console (streamed rows went already)."""
         nonlocal last_metrics, nonfinite_seen
-        if not rows:
+        if table is None:
             return
         log_start = time.perf_counter()
         if stream is None:
-            output.write_rows(rows)
-        output.write_window(rows[-1][0], len(rows), timer.per_step_s[-1], batch_size)
-        for step, metrics in rows:
-            last_metrics = metrics
-            if metrics["nonfinite_steps"] > nonfinite_seen:
-                nonfinite_seen = int(metrics["nonfinite_steps"])
-                _on_nonfinite(config, step, metrics, output, checkpoints)
+            output.write_table(table)
+        output.write_window(table.last, len(table.values), timer.per_step_s[-1], batch_size)
+        counts = table.values[:, table.names.index("nonfinite_steps")]
+        for i in np.flatnonzero(counts > nonfinite_seen):  # steps that were skipped
+            if counts[i] > nonfinite_seen:
+                nonfinite_seen = int(counts[i])
+                _on_nonfinite(config, table.first + int(i), table.row(i), output, checkpoints)
+        last_metrics = table.row(len(table.values) - 1)
         watch.add("log", time.perf_counter() - log_start)
 
     done = int(state.step)
+    carried = programs.carry(state)  # the state as the calls take and donate it
+    del state
     data_wait = 0.0
     stop = False
     profiling = bool(config.profile.steps) and primary
@@ -339,12 +365,12 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
         batch = placement.put(batch)
         data_wait += time.perf_counter() - data_start
         if k not in programs.programs:  # compile time stays out of the step-time windows
-            programs.compile(k, state, batch)
+            programs.compile(k, carried, batch)
             output.reset_rate(done)
         if profiling:
             profile.before_call(done, k)
         dispatched_at = time.perf_counter()
-        state, packed = programs(k, state, batch)
+        carried, packed = programs(k, carried, batch)
         if reader is None:
             reader = MetricsReader(programs.metric_names, timer, config.log_every)
         # One call late: the calls before this one are read while this one runs.
@@ -354,13 +380,14 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
         done += k
         if profiling:
             with watch.phase("profile"):
-                message = profile.after_call(done, state)
+                message = profile.after_call(done, carried)
             if message:
                 output.message(message)
         if evaluator is not None and evaluator.due(done, config.steps):
             write(reader.read())  # train rows first: the file stays in step order
             with watch.phase("eval"):
-                results = evaluator(state.params)  # before the next call donates the state
+                # before the next call donates the state
+                results = evaluator(programs.state(carried).params)
             output.write(done, results, "eval")
             output.message(eval_line(done, config.steps, results))
         stop = preemption.requested(done) and done < config.steps  # at the end: just finish
@@ -368,7 +395,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
             write(reader.read())
             output.flush()  # the metrics up to a checkpoint survive a kill right after it
             with watch.phase("checkpoint"):
-                saved = checkpoints.save(done, state, batches, wait=stop)
+                saved = checkpoints.save(done, programs.state(carried), batches, wait=stop)
             if stop:
                 break
     if reader is not None:
@@ -389,7 +416,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
                         f"to {saved}. Run the same command to resume.")
         return {"preempted_at": done, "checkpoint": str(saved), "provenance": prov}
 
-    flops = mfu.step_flops(programs.programs, programs.one_step, state, batch)
+    flops = mfu.step_flops(programs.programs, programs.one_step, abstract, batch)
     peak, why = mfu.find_peak(jax.default_backend(), jax.devices()[0].device_kind,
                               jax.device_count(), config.precision.compute)
     summary = _summary(config, last_metrics, timer, watch, prov, batch_size,

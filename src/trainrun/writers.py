@@ -4,10 +4,16 @@ Every writer takes one step's metrics as plain Python floats through one small p
 (``write`` and ``close``): ``metrics.jsonl`` always, TensorBoard event files (on by default),
 Weights & Biases when installed and asked for. ``RunOutput`` fans a window of rows out to them
 and to the console; only process 0 of a multi-process run builds any of them.
+
+The loop reads metrics as tables, a window of consecutive steps at a time (``Table``). A writer
+that also has ``write_table`` takes the whole table at once: the JSONL and TensorBoard writers
+format it row by row from a template made once per set of names (about 5 µs a step for both,
+against 12 µs through ``write``), which is most of what the loop costs a fast step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +25,8 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from trainrun import rundir
 from trainrun.console import Console, ConsoleLog
@@ -39,6 +47,27 @@ class Writer(Protocol):
     def close(self) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """Consecutive steps' metrics: ``values[i]`` (float32, columns ``names``) is step
+    ``first + i``."""
+
+    first: int
+    names: list[str]
+    values: np.ndarray  # [steps, len(names)]
+
+    @property
+    def last(self) -> int:
+        return self.first + len(self.values) - 1
+
+    def row(self, i: int) -> dict[str, float]:
+        return dict(zip(self.names, self.values[i].tolist(), strict=True))
+
+    def rows(self) -> Rows:
+        return [(self.first + i, dict(zip(self.names, row, strict=True)))
+                for i, row in enumerate(self.values.tolist())]
+
+
 def _number(value: float) -> float | None:
     # float32 -> Python float is exact and json writes the shortest repr that reads back to the
     # same double, so np.float32(loaded) == the value the device produced, bit for bit.
@@ -57,8 +86,27 @@ class JsonlWriter:
     def __init__(self, path: Path):
         self.file = path.open("a", buffering=1 << 16)
         self.keys: dict[str, str] = {}  # metric name -> ', "name": '
+        self.templates: dict[tuple[str, tuple[str, ...]], str] = {}  # (split, names) -> line
 
     def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
+        self.file.write(self._line(step, metrics, split))
+
+    def write_table(self, table: Table, split: str = "train") -> None:
+        """The table's rows; a row of finite values through a ``%`` template: the same text
+        ``write`` gives (``%r`` is ``float.__repr__``)."""
+        names = tuple(table.names)
+        template = self.templates.get((split, names))
+        if template is None:
+            head = '{"step": %d' + (f', "split": {json.dumps(split)}' if split != "train" else "")
+            template = head + "".join(f", {json.dumps(n)}: %r" for n in names) + "}\n"
+            self.templates[split, names] = template
+        finite = np.isfinite(table.values).all(axis=1)
+        self.file.write("".join(
+            template % (table.first + i, *row) if finite[i]
+            else self._line(table.first + i, dict(zip(names, row, strict=True)), split)
+            for i, row in enumerate(table.values.tolist())))
+
+    def _line(self, step: int, metrics: Mapping[str, float], split: str) -> str:
         parts = [f'{{"step": {int(step)}']
         if split != "train":
             parts.append(f', "split": {json.dumps(split)}')
@@ -72,7 +120,7 @@ class JsonlWriter:
         if bad:
             parts.append(f', "nonfinite": {json.dumps(bad)}')
         parts.append("}\n")
-        self.file.write("".join(parts))
+        return "".join(parts)
 
     def flush(self) -> None:
         self.file.flush()
@@ -114,7 +162,13 @@ class TensorBoardWriter:
         self.encoder = ScalarEventEncoder()
 
     def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
-        self.records.write(self.encoder(step, time.time(), split, metrics))
+        self.records.write(self.encoder(step, time.time(), split, list(metrics),
+                                        list(metrics.values())))
+
+    def write_table(self, table: Table, split: str = "train") -> None:
+        now = time.time()  # the rows were read together
+        for i, row in enumerate(table.values.tolist()):
+            self.records.write(self.encoder(table.first + i, now, split, table.names, row))
 
     def flush(self) -> None:
         self.records.flush()
@@ -125,20 +179,28 @@ class TensorBoardWriter:
 
 class ScalarEventEncoder:
     """One step's scalars as a serialized TensorBoard ``Event`` (tensorboardX's protos), tags
-    ``<split>/<metric>``."""
+    ``<split>/<metric>``. One message per (split, names) is built once and refilled for each
+    step: 5x cheaper than building the messages anew."""
 
     def __init__(self) -> None:
         _, self.event, _ = _tensorboardx()
         from tensorboardX.proto.summary_pb2 import Summary
 
         self.summary = Summary
+        self.events: dict[tuple[str, tuple[str, ...]], tuple[Any, list[Any]]] = {}
 
-    def __call__(self, step: int, wall_time: float, split: str,
-                 metrics: Mapping[str, float]) -> bytes:
-        values = [self.summary.Value(tag=f"{split}/{name}", simple_value=value)
-                  for name, value in metrics.items()]
-        return self.event(wall_time=wall_time, step=step,
-                          summary=self.summary(value=values)).SerializeToString()
+    def __call__(self, step: int, wall_time: float, split: str, names: list[str],
+                 values: list[float]) -> bytes:
+        key = (split, tuple(names))
+        if key not in self.events:
+            event = self.event(summary=self.summary(value=[
+                self.summary.Value(tag=f"{split}/{name}", simple_value=0.0) for name in names]))
+            self.events[key] = (event, list(event.summary.value))
+        event, slots = self.events[key]
+        event.step, event.wall_time = step, wall_time
+        for slot, value in zip(slots, values, strict=True):
+            slot.simple_value = value
+        return event.SerializeToString()
 
 
 def _tensorboardx() -> tuple[Any, Any, Any]:
@@ -218,10 +280,29 @@ class RunOutput:
                 for writer in self.writers:
                     writer.write(step, metrics, split)
                 if split == "train" and (step % self.log_every == 0 or step == self.total):
-                    now = time.perf_counter()
-                    rate = (step - self.last_log[0]) / max(now - self.last_log[1], 1e-9)
-                    self.last_log = (step, now)
-                    self.console.line(step, metrics, rate)
+                    self._log_line(step, metrics)
+
+    def write_table(self, table: Table) -> None:
+        """A table of training steps to every writer, and its log steps to the console."""
+        with self.lock:
+            for writer in self.writers:
+                if hasattr(writer, "write_table"):
+                    writer.write_table(table)
+                else:
+                    for step, metrics in table.rows():
+                        writer.write(step, metrics)
+            first_log = -(-table.first // self.log_every) * self.log_every
+            log_steps = list(range(first_log, table.last + 1, self.log_every))
+            if table.first <= self.total <= table.last and self.total not in log_steps:
+                log_steps.append(self.total)
+            for step in log_steps:
+                self._log_line(step, table.row(step - table.first))
+
+    def _log_line(self, step: int, metrics: Mapping[str, float]) -> None:
+        now = time.perf_counter()
+        rate = (step - self.last_log[0]) / max(now - self.last_log[1], 1e-9)
+        self.last_log = (step, now)
+        self.console.line(step, metrics, rate)
 
     def reset_rate(self, step: int) -> None:
         """The console's next rate counts from here (after a compile, which is not a step)."""

@@ -1,4 +1,5 @@
-"""The XLA flags trainrun sets by default: here and nowhere else, each with its measured effect.
+"""The XLA flags and process settings trainrun sets by default: here and nowhere else, each with
+its measured effect.
 
 XLA reads ``XLA_FLAGS`` once, when JAX starts its backend (the first computation or device
 query). ``import trainrun`` adds these flags to the environment, which is before that in any
@@ -21,12 +22,24 @@ And one setting of glibc's allocator, for the same reason and at the same time
 (``reuse_freed_memory``): XLA:CPU allocates each call's temporary buffers as one block (493 MB
 for the byte LM's step) from an XLA thread. glibc serves a block that large from a fresh
 ``mmap`` and unmaps it when the call ends, so every call faults in and zeroes every page again:
-120,000 page faults and about 10% of the step's CPU time at one step per call (a K-step scan
-pays it once per call). With every thread on the main arena (``M_ARENA_MAX`` 1), no ``mmap``
-for large blocks and no trimming below 2 GB, the block is reused from call to call: about 30
-faults per step. It does not change any result. It is set only on glibc Linux, only in a
+120,000 page faults per step. With every thread on the main arena (``M_ARENA_MAX`` 1), no
+``mmap`` for large blocks and no trimming below 2 GB, the block is reused from call to call:
+a few thousand faults per step, and the step took 0.38 s instead of 0.68 s (measured with
+``benchmarks/lm_vs_torch.py``; without the arena limit the faults stay at 120,000). The one
+arena is also why small steps need the dispatch setting below. It does not change any result. It is set only on glibc Linux, only in a
 process without a GPU plugin, and not when the user set glibc's malloc through ``MALLOC_*``
 or ``GLIBC_TUNABLES`` variables. The cost: freed memory stays with the process.
+
+And one JAX setting (``run_cpu_calls_inline``): ``jax_cpu_enable_async_dispatch`` off, so a
+single-device XLA:CPU call runs in the thread that makes it instead of being handed to an XLA
+thread. The hand-off is what a small step pays for: with it, the chapter's MLP loop took
+25-70 µs a step from one process to the next on this 2-core machine (depending on where the
+two threads landed), and about 50 µs with the allocator setting above, whose single arena the
+two threads then share; inline it takes 34-36 µs in every process. Large steps do not notice
+(the byte LM: 0.39 s either way), and calls over several devices stay asynchronous. What it
+gives up: the host no longer prepares the next call while a one-device call runs. To keep
+asynchronous dispatch, call ``jax.config.update("jax_cpu_enable_async_dispatch", True)`` after
+importing trainrun, before the first computation.
 """
 
 from __future__ import annotations
@@ -39,6 +52,8 @@ import platform
 import sys
 from collections.abc import Mapping, MutableMapping
 from importlib import metadata
+
+import jax
 
 # flag -> value. Only for jaxlib releases whose XLA knows the flag: XLA aborts the process at
 # backend start on a flag it does not know.
@@ -88,3 +103,14 @@ def _accelerator_plugin() -> bool:
     import jax_plugins
 
     return any(pkgutil.iter_modules(jax_plugins.__path__))
+
+
+def run_cpu_calls_inline() -> bool:
+    """Turn XLA:CPU's asynchronous dispatch off (see the module docstring) if JAX's backend has
+    not started yet (the setting is read when it starts). Returns whether it was set."""
+    from jax._src import xla_bridge  # no public way to ask whether the backend started
+
+    if xla_bridge.backends_are_initialized():
+        return False
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return True

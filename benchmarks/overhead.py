@@ -1,7 +1,7 @@
 """What the loop costs: the reference chapter's hand-written jitted loop vs trainrun's full run
 (Grain batches, metrics.jsonl, logging) on the default MLP, K = 1, 10, 100 steps per call.
 
-    python benchmarks/overhead.py [--steps 2000] [--repeats 5]
+    python benchmarks/overhead.py [--steps 2000] [--repeats 5] [--async-dispatch]
 
 Every contender is timed the same way: windows of ``--window`` steps, each ended by
 ``block_until_ready``, median over the windows after the first; contenders are interleaved
@@ -26,6 +26,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_parity import chapter_losses  # noqa: F401  (the same chapter code the test uses)
 
+from trainrun import packing
 from trainrun.config import load_config
 from trainrun.loop import run
 
@@ -81,13 +82,19 @@ def hand_loop_step_s(steps: int, window: int, per_call: int = 1) -> float:
     return statistics.median(per_step[1:])
 
 
-def trainrun_step_s(steps: int, window: int, k: int) -> float:
+def trainrun_step_s(steps: int, window: int, k: int, packed: bool = True) -> float:
     # Periodic checkpoints are their own cost (benchmarks/checkpoint.py); everything else a
     # default run does per step (Grain batches, metrics.jsonl, TensorBoard) is timed here.
+    # packed=False: the state crosses the jit boundary leaf by leaf (trainrun.packing off).
     config = load_config("mlp", [f"steps={steps}", f"steps_per_call={k}",
                                  f"log_every={max(window, k)}", "checkpoint.every=0"])
-    with tempfile.TemporaryDirectory() as tmp:
-        summary = run(config, Path(tmp) / "run", out=io.StringIO())
+    default_limit = packing.PACK_MAX_BYTES
+    packing.PACK_MAX_BYTES = default_limit if packed else 0
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            summary = run(config, Path(tmp) / "run", out=io.StringIO())
+    finally:
+        packing.PACK_MAX_BYTES = default_limit
     return summary["step_time_median_s"]
 
 
@@ -96,13 +103,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--async-dispatch", action="store_true",
+                        help="undo trainrun's inline CPU dispatch (trainrun.xla_flags) for "
+                             "every contender")
     args = parser.parse_args()
+    if args.async_dispatch:  # before the first computation starts the backend
+        jax.config.update("jax_cpu_enable_async_dispatch", True)
 
     contenders = {
         "hand-written jitted loop": lambda: hand_loop_step_s(args.steps, args.window),
         "hand-written lax.scan, 10 per call": lambda: hand_loop_step_s(args.steps, args.window,
                                                                       10),
         "trainrun K=1": lambda: trainrun_step_s(args.steps, args.window, 1),
+        "trainrun K=1, state not packed": lambda: trainrun_step_s(args.steps, args.window, 1,
+                                                                  packed=False),
         "trainrun K=10": lambda: trainrun_step_s(args.steps, args.window, 10),
         "trainrun K=100": lambda: trainrun_step_s(args.steps, args.window, 100),
     }
@@ -112,9 +126,10 @@ def main() -> None:
             results[name].append(measure())
     medians = {name: statistics.median(times) for name, times in results.items()}
     base = medians["hand-written jitted loop"]
+    dispatch = "asynchronous" if args.async_dispatch else "inline (trainrun's default)"
     print(f"default MLP (8->32->1, batch 256, adam), {args.steps} steps per contender, "
           f"median of {args.repeats} interleaved repeats; jax {jax.__version__}, "
-          f"{jax.devices()[0].device_kind}")
+          f"{jax.devices()[0].device_kind}, CPU dispatch {dispatch}")
     print("| contender | µs/step | vs hand loop |\n|---|---:|---:|")
     for name, seconds in medians.items():
         print(f"| {name} | {seconds * 1e6:.1f} | {base / seconds:.2f}x speed |")

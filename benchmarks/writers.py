@@ -3,8 +3,10 @@
 
     python benchmarks/writers.py [--rows 20000] [--repeats 3]
 
-Rows are written in windows of 50, as the loop writes them at log points; each contender
-writes the same rows to its own temporary directory, interleaved, median over repeats.
+Rows are written in windows of 50 as the loop writes them at log points: a table (one float32
+array per window, ``RunOutput.write_table``), and for comparison row by row
+(``RunOutput.write_rows``, the path of ``metrics.stream``). Each contender writes the same rows
+to its own temporary directory, interleaved, median over repeats.
 """
 
 from __future__ import annotations
@@ -16,23 +18,30 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from trainrun.console import ConsoleLog
-from trainrun.writers import WandbWriter, _tensorboardx, build_output
+from trainrun.writers import Table, WandbWriter, _tensorboardx, build_output
 
 ROW = {"grad_norm": 1.2345678, "loss": 0.123456789, "loss_scale": 1.0, "lr": 0.01,
        "nonfinite_steps": 0.0}
 
 
-def trainrun_writers(rows: int, tensorboard: bool, wandb: bool) -> float:
+def trainrun_writers(rows: int, tensorboard: bool, wandb: bool, tables: bool = True) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         output = build_output(Path(tmp), ConsoleLog(rows, 256, io.StringIO()), log_every=50,
                               total_steps=rows, primary=True, tensorboard=tensorboard)
         if wandb:
             output.writers.append(WandbWriter(Path(tmp), {}, "bench", "offline", "bench",
                                               every=50, total_steps=rows))
+        names = sorted(ROW)
+        window = np.tile(np.array([ROW[n] for n in names], np.float32), (50, 1))
         start = time.perf_counter()
         for first in range(1, rows + 1, 50):
-            output.write_rows([(step, dict(ROW)) for step in range(first, first + 50)])
+            if tables:  # the loop's path: the window as read from the device
+                output.write_table(Table(first, names, window.copy()))
+            else:
+                output.write_rows([(step, dict(ROW)) for step in range(first, first + 50)])
         elapsed = time.perf_counter() - start
         output.close()
     return elapsed / rows
@@ -61,6 +70,8 @@ def main() -> None:
     contenders = {
         "metrics.jsonl only": lambda: trainrun_writers(args.rows, False, False),
         "jsonl + TensorBoard (default)": lambda: trainrun_writers(args.rows, True, False),
+        "jsonl + TensorBoard, row by row": lambda: trainrun_writers(args.rows, True, False,
+                                                                    tables=False),
         "jsonl + TensorBoard + W&B offline (log points)": lambda: trainrun_writers(
             args.rows // 10, True, True),
         "tensorboardX SummaryWriter.add_scalar": lambda: stock_summary_writer(args.rows // 10),

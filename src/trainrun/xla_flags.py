@@ -9,14 +9,16 @@ every run records the ``XLA_FLAGS`` it ran with in its provenance.
 
 ``--xla_cpu_experimental_ynn_fusion_type=`` (empty: no YNNPACK fusions on CPU)
     jaxlib 0.10's XLA:CPU hands dots, with the elementwise ops and reductions around them, to
-    YNNPACK. To feed those fusions it writes broadcasts out in full (a layer norm's scale, a
-    softmax's normalizer, each a whole activation-sized array), and for the transformer's
-    shapes its dots take more CPU time than XLA's Eigen dots. Measured on this repository's
-    2-core CPU (BENCHMARKS.md, "The LM against PyTorch on CPU"): the byte LM's training step
-    about 10% less CPU time and 10-20% less wall time, ``configs/lm.yaml`` 4% less CPU time,
-    the MLP and the digits CNN unchanged. The flag changes the rounding of CPU matmuls, so runs
-    differ in their last bits from runs without it; a program that imports trainrun before it
-    computes has it on both sides of any comparison.
+    YNNPACK, and fuses them differently in a one-step program and in a K-step scan: with its
+    fusions on, the byte LM's losses at ``steps_per_call`` 2 and 1 differ in their last bits
+    (``tests/test_eval.py`` fails), with them off they are bitwise equal, as trainrun promises.
+    Speed (BENCHMARKS.md, "The byte LM against PyTorch on CPU", ablation): once the transformer
+    ran its matmuls on 2-D operands, the fusions stopped mattering (0.349 vs 0.357 s a step,
+    inside the noise); before that, turning them off saved 10-20% of the LM's step, because
+    YNNPACK wrote broadcasts (a layer norm's scale, a softmax's normalizer) out in full. The
+    flag changes the rounding of CPU matmuls, so runs differ in their last bits from runs
+    without it; a program that imports trainrun before it computes has it on both sides of any
+    comparison.
 
 And one setting of glibc's allocator, for the same reason and at the same time
 (``reuse_freed_memory``): XLA:CPU allocates each call's temporary buffers as one block (493 MB

@@ -24,7 +24,8 @@ import numpy as np
 
 from trainrun.config import RunConfig, load_config
 from trainrun.data import batch_iterator, build_dataset
-from trainrun.loop import init_state, stack_batches
+from trainrun.dispatch import stack_batches
+from trainrun.loop import init_state
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.step import make_multi_step, make_train_step

@@ -11,7 +11,8 @@ import yaml
 
 from trainrun import rundir
 from trainrun.config import load_config
-from trainrun.loop import CompiledSteps, init_state, run
+from trainrun.dispatch import CompiledSteps
+from trainrun.loop import init_state, run
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.timing import Stopwatch

@@ -12,7 +12,8 @@ import numpy as np
 
 from trainrun import loop, rundir
 from trainrun.config import load_config
-from trainrun.loop import CompiledSteps, abstract_state, init_state
+from trainrun.dispatch import CompiledSteps
+from trainrun.loop import abstract_state, init_state
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.stream import MetricStream

@@ -11,7 +11,6 @@ call ``i+1`` is queued behind it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 import time
@@ -21,7 +20,6 @@ from typing import Any, TextIO
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from trainrun import distributed, mfu, rundir, sharding
@@ -29,23 +27,21 @@ from trainrun.checkpoint import Checkpoints, checkpoint_dir
 from trainrun.config import RunConfig
 from trainrun.console import Console, make_console
 from trainrun.data import batch_iterator, build_dataset, build_eval_dataset
+from trainrun.dispatch import CompiledSteps, MetricsReader, PendingCall, stack_batches
 from trainrun.errors import UserError
 from trainrun.evaluation import Evaluator, eval_line
 from trainrun.models import Model, build_model
 from trainrun.optim import Optimizer, build_optimizer
-from trainrun.packing import packing_for
 from trainrun.precision import Policy, policy_from_config
 from trainrun.preemption import Preemption
 from trainrun.profiling import ProfileWindow
 from trainrun.resume import check_config, provenance_changes, schedule_shift
 from trainrun.state import TrainState, create_state
-from trainrun.step import make_multi_step, make_train_step
-from trainrun.stream import MetricStream, streamed
-from trainrun.timing import StepTimer, Stopwatch, goodput, provenance, wall_split
+from trainrun.stream import MetricStream
+from trainrun.timing import StepTimer, Stopwatch, provenance, run_summary, summary_text
 from trainrun.writers import RunOutput, Table, build_output
 
 Batch = Any
-MAX_PENDING_CALLS = 256  # bounds how stale unread metrics get between log points
 
 
 def root_keys(seed: int) -> tuple[jax.Array, jax.Array]:
@@ -92,135 +88,6 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | N
     shards, so a model never has to fit whole on one device."""
     build = jax.jit(_state_builder(model, optimizer, seed, policy), out_shardings=shardings)
     return build.lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
-
-
-def stack_batches(batches: list[Batch]) -> Batch:
-    """K host batches -> one batch whose leaves are ``[K, ...]`` (a single host copy)."""
-    return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)
-
-
-def pack_metrics(metrics: dict[str, jax.Array]) -> jax.Array:
-    """Scalar metrics -> one float32 array ``[..., n]`` (names sorted): one transfer per call
-    instead of one per metric. Counts stay exact below 2**24."""
-    return jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in sorted(metrics)],
-                     axis=-1)
-
-
-class CompiledSteps:
-    """The jitted step programs of a run: one for K steps per call, one more for a shorter tail
-    call (each compiled once). Compiled ahead of time so compile time is its own figure; the
-    jitted call then finds that executable in JAX's cache and keeps its fast dispatch path.
-
-    The calls take and return the state as ``carried``: the ``TrainState`` itself, or, for a
-    small state on one device, its flat buffers (``packing.py``). ``carry`` and ``state``
-    convert; the loop converts back only where it needs the state (checkpoints, eval)."""
-
-    def __init__(self, model: Model, optimizer: Optimizer, steps_per_call: int,
-                 watch: Stopwatch, *, abstract: TrainState | None = None,
-                 accumulate: int = 1, policy: Policy | None = None,
-                 state_sharding: TrainState | None = None,
-                 batch_sharding: jax.sharding.Sharding | None = None,
-                 stream: MetricStream | None = None):
-        single = make_train_step(model, optimizer, accumulate=accumulate, policy=policy)
-        self.one_step = single  # what one step computes (FLOPs per step)
-        if stream is not None:  # each step's metrics also leave mid-call (metrics.stream)
-            single = streamed(single, stream)
-        step = single if steps_per_call == 1 else make_multi_step(single)
-        self.abstract = abstract
-        # Without the abstract state (a caller holding TrainStates) the calls take TrainStates.
-        self.packing = packing = (packing_for(abstract, jax.device_count())
-                                  if abstract is not None else None)
-
-        def packed_step(carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
-            state = packing.unpack(carried) if packing else carried
-            state, metrics = step(state, batch)
-            return packing.pack(state) if packing else state, pack_metrics(metrics)
-
-        self.step = step
-        if packing is not None:
-            self._carry, self._state = jax.jit(packing.pack), jax.jit(packing.unpack)
-            self.fn = jax.jit(packed_step, donate_argnums=0)
-        elif state_sharding is None:
-            self.fn = jax.jit(packed_step, donate_argnums=0)
-        else:  # pinned, so the donated state comes back exactly where it went in
-            metrics_sharding = jax.sharding.NamedSharding(batch_sharding.mesh,
-                                                          jax.sharding.PartitionSpec())
-            self.fn = jax.jit(packed_step, donate_argnums=0,
-                              in_shardings=(state_sharding, batch_sharding),
-                              out_shardings=(state_sharding, metrics_sharding))
-        self.watch = watch
-        self.programs: dict[int, Any] = {}
-        self.metric_names: list[str] = []
-
-    def carry(self, state: TrainState) -> Any:
-        """``state`` as the calls take it."""
-        return self._carry(state) if self.packing else state
-
-    def state(self, carried: Any) -> TrainState:
-        """The ``TrainState`` in ``carried`` (new arrays when packed: the next call may donate
-        ``carried`` while they are still in use)."""
-        return self._state(carried) if self.packing else carried
-
-    def compile(self, k: int, carried: Any, batch: Batch) -> None:
-        """Compile the program for calls of ``k`` steps (before its call is timed)."""
-        if not self.metric_names:
-            state = self.abstract if self.abstract is not None else carried
-            self.metric_names = sorted(jax.eval_shape(self.step, state, batch)[1])
-        with self.watch.phase("compile"):
-            self.programs[k] = self.fn.lower(carried, batch).compile()
-
-    def __call__(self, k: int, carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
-        if k not in self.programs:
-            self.compile(k, carried, batch)
-        return self.fn(carried, batch)
-
-
-@dataclasses.dataclass
-class _Call:
-    """A dispatched call whose metrics have not been read yet."""
-
-    first_step: int  # updates done before this call
-    steps: int
-    packed: jax.Array  # [n_metrics] (K=1) or [steps, n_metrics]
-    dispatched_at: float
-
-
-@jax.jit
-def _stack(packed: list[jax.Array]) -> jax.Array:
-    return jnp.concatenate([p.reshape(-1, p.shape[-1]) for p in packed])
-
-
-class MetricsReader:
-    """Reads the metrics of dispatched calls in batches, at log and sync points only.
-
-    The pending calls' metrics are concatenated on device and fetched in one transfer, after the
-    newest call is already queued, so the device never waits for the host. Each read also
-    closes a timing window (see ``StepTimer``).
-    """
-
-    def __init__(self, names: list[str], timer: StepTimer, log_every: int):
-        self.names = names
-        self.timer = timer
-        self.log_every = log_every
-        self.pending: list[_Call] = []
-        self.log_due = False  # a pending call includes a step to log
-
-    def add(self, call: _Call) -> None:
-        self.pending.append(call)
-        end = call.first_step + call.steps
-        self.log_due |= end // self.log_every > call.first_step // self.log_every
-
-    def due(self) -> bool:
-        return self.log_due or len(self.pending) >= MAX_PENDING_CALLS
-
-    def read(self) -> Table | None:
-        """Block on the pending calls and return the metrics of their steps."""
-        if not self.pending:
-            return None
-        calls, self.pending, self.log_due = self.pending, [], False
-        values = np.asarray(jax.block_until_ready(_stack([c.packed for c in calls])))
-        self.timer.record(calls[0].dispatched_at, sum(c.steps for c in calls))
-        return Table(calls[0].first_step + 1, self.names, values)
 
 
 def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | None = None,
@@ -280,6 +147,9 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
         console.message(f"moved the previous run aside: {old} -> {new}")
     if primary:
         rundir.check_run_dir(run_dir)
+    # The mesh is checked before the checkpoint manager (and its threads) exists.
+    mesh = sharding.build_mesh(config.mesh)
+    placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
     checkpoints = cleanup.enter_context(Checkpoints(ckpt_dir, config, prov))
     latest = checkpoints.latest_step()
     if latest is not None and latest >= config.steps:
@@ -290,12 +160,9 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
     model = model or build_model(config.model)
     optimizer = build_optimizer(config.optimizer, config.steps)
     policy = policy_from_config(config.precision)
-    mesh = sharding.build_mesh(config.mesh)
     abstract = abstract_state(model, optimizer, config.seed, policy)
-    state_sharding = sharding.state_shardings(
-        mesh, abstract, model.logical_axes,
-        optimizer.tx, config.mesh)
-    placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
+    state_sharding = sharding.state_shardings(mesh, abstract, model.logical_axes, optimizer.tx,
+                                              config.mesh)
     if data is None:
         data = build_dataset(config.data, seed=config.seed, process_index=placement.rows[0],
                              process_count=placement.rows[1])
@@ -376,7 +243,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
         # One call late: the calls before this one are read while this one runs.
         if reader.due():
             write(reader.read())
-        reader.add(_Call(done, k, packed, dispatched_at))
+        reader.add(PendingCall(done, k, packed, dispatched_at))
         done += k
         if profiling:
             with watch.phase("profile"):
@@ -419,13 +286,13 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
     flops = mfu.step_flops(programs.programs, programs.one_step, abstract, batch)
     peak, why = mfu.find_peak(jax.default_backend(), jax.devices()[0].device_kind,
                               jax.device_count(), config.precision.compute)
-    summary = _summary(config, last_metrics, timer, watch, prov, batch_size,
+    summary = run_summary(config, last_metrics, timer, watch, prov, batch_size,
                        time.perf_counter() - wall_start)
     summary.update(mfu.utilization(flops, summary["step_time_median_s"], peak, why))
     if primary:
         rundir.write_json(run_dir / rundir.SUMMARY, summary)
         rundir.write_status(run_dir, "finished", done)
-    _print_summary(console, summary)
+    console.message(summary_text(summary))
     return summary
 
 
@@ -511,52 +378,3 @@ def _throughput_unit(config: RunConfig, batch_size: int) -> tuple[str, int]:
     """What the console counts per second: tokens for sequence data, else examples."""
     seq_len = getattr(config.data, "seq_len", None)
     return ("tokens", batch_size * seq_len) if seq_len else ("examples", batch_size)
-
-
-def _summary(config: RunConfig, last: dict[str, float], timer: StepTimer, watch: Stopwatch,
-             prov: dict[str, Any], batch_size: int, wall_s: float) -> dict[str, Any]:
-    step_s = timer.median_step_s()
-    steps_per_s = 1.0 / step_s if step_s else None
-    split = wall_split(watch, wall_s)
-    return {
-        "final_loss": last.get("loss"),
-        "steps": config.steps,
-        "steps_per_call": config.steps_per_call,
-        "compile_s": watch.totals.get("compile", 0.0),
-        "step_time_median_s": step_s,
-        "timed_windows": len(timer.steady()),
-        "warmup_windows": len(timer.per_step_s) - len(timer.steady()),
-        "steps_per_s": steps_per_s,
-        "examples_per_s": steps_per_s * batch_size if steps_per_s else None,
-        "batch_size": batch_size,
-        "wall_s": wall_s,
-        "time_s": dict(watch.totals),
-        "wall_time_split_s": split,
-        "goodput": goodput(split, wall_s),
-        "provenance": prov,
-    }
-
-
-def _print_summary(console: Console, s: dict[str, Any]) -> None:
-    p = s["provenance"]
-    step_s = s["step_time_median_s"]
-    split = "  ".join(f"{name} {seconds:.2f}" for name, seconds in s["wall_time_split_s"].items()
-                      if seconds >= 0.005)
-    if s.get("mfu") is not None:
-        mfu_line = (f"{s['mfu']:.2%} of {s['peak']['flops_per_s'] / 1e9:,.1f} GFLOP/s "
-                    f"({s['peak']['source']}); {s['flops_per_step']:,.0f} FLOPs/step, "
-                    f"{s['flops_per_s'] / 1e9:,.2f} GFLOP/s achieved")
-    else:
-        mfu_line = f"not measured: {s.get('mfu_note')}"
-    console.message(
-        f"done: {s['steps']} steps, final loss {s['final_loss']:.8g}\n"
-        f"  compile      {s['compile_s']:.3f} s (separate from step time)\n"
-        f"  step time    {step_s * 1e6:,.1f} µs median over {s['timed_windows']} windows after "
-        f"{s['warmup_windows']} warmup (each ended by block_until_ready)\n"
-        f"  throughput   {s['steps_per_s']:,.1f} steps/s, {s['examples_per_s']:,.0f} examples/s\n"
-        f"  MFU          {mfu_line}\n"
-        f"  wall time    {s['wall_s']:.2f} s: {split} (goodput {s['goodput']:.1%})\n"
-        f"  provenance   trainrun {p['trainrun']}, jax {p['jax']}, jaxlib {p['jaxlib']}, "
-        f"{p['backend']} ({p['device_kind']}) x{p['device_count']}, "
-        f"{p['process_count']} process(es), Python {p['python']}, "
-        f"XLA_FLAGS={p['xla_flags']!r}, config {p['config_digest']}")

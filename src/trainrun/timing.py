@@ -9,9 +9,12 @@ import platform
 import statistics
 import time
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+
+if TYPE_CHECKING:
+    from trainrun.config import RunConfig
 
 
 def provenance(config_digest: str) -> dict[str, Any]:
@@ -129,3 +132,55 @@ def wall_split(watch: Stopwatch, wall_s: float) -> dict[str, float]:
 def goodput(split: dict[str, float], wall_s: float) -> float | None:
     """The fraction of the run's wall time spent computing steps."""
     return split["step_compute"] / wall_s if wall_s > 0 else None
+
+
+def run_summary(config: RunConfig, last: dict[str, float], timer: StepTimer, watch: Stopwatch,
+             prov: dict[str, Any], batch_size: int, wall_s: float) -> dict[str, Any]:
+    """``summary.json``: the run's figures (steady-state step time, throughput, the wall-time
+    split and goodput) with their provenance. MFU is added by the caller."""
+    step_s = timer.median_step_s()
+    steps_per_s = 1.0 / step_s if step_s else None
+    split = wall_split(watch, wall_s)
+    return {
+        "final_loss": last.get("loss"),
+        "steps": config.steps,
+        "steps_per_call": config.steps_per_call,
+        "compile_s": watch.totals.get("compile", 0.0),
+        "step_time_median_s": step_s,
+        "timed_windows": len(timer.steady()),
+        "warmup_windows": len(timer.per_step_s) - len(timer.steady()),
+        "steps_per_s": steps_per_s,
+        "examples_per_s": steps_per_s * batch_size if steps_per_s else None,
+        "batch_size": batch_size,
+        "wall_s": wall_s,
+        "time_s": dict(watch.totals),
+        "wall_time_split_s": split,
+        "goodput": goodput(split, wall_s),
+        "provenance": prov,
+    }
+
+
+def summary_text(s: dict[str, Any]) -> str:
+    """The end-of-run summary as the console prints it."""
+    p = s["provenance"]
+    step_s = s["step_time_median_s"]
+    split = "  ".join(f"{name} {seconds:.2f}" for name, seconds in s["wall_time_split_s"].items()
+                      if seconds >= 0.005)
+    if s.get("mfu") is not None:
+        mfu_line = (f"{s['mfu']:.2%} of {s['peak']['flops_per_s'] / 1e9:,.1f} GFLOP/s "
+                    f"({s['peak']['source']}); {s['flops_per_step']:,.0f} FLOPs/step, "
+                    f"{s['flops_per_s'] / 1e9:,.2f} GFLOP/s achieved")
+    else:
+        mfu_line = f"not measured: {s.get('mfu_note')}"
+    return (
+        f"done: {s['steps']} steps, final loss {s['final_loss']:.8g}\n"
+        f"  compile      {s['compile_s']:.3f} s (separate from step time)\n"
+        f"  step time    {step_s * 1e6:,.1f} µs median over {s['timed_windows']} windows after "
+        f"{s['warmup_windows']} warmup (each ended by block_until_ready)\n"
+        f"  throughput   {s['steps_per_s']:,.1f} steps/s, {s['examples_per_s']:,.0f} examples/s\n"
+        f"  MFU          {mfu_line}\n"
+        f"  wall time    {s['wall_s']:.2f} s: {split} (goodput {s['goodput']:.1%})\n"
+        f"  provenance   trainrun {p['trainrun']}, jax {p['jax']}, jaxlib {p['jaxlib']}, "
+        f"{p['backend']} ({p['device_kind']}) x{p['device_count']}, "
+        f"{p['process_count']} process(es), Python {p['python']}, "
+        f"XLA_FLAGS={p['xla_flags']!r}, config {p['config_digest']}")

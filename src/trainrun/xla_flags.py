@@ -28,9 +28,10 @@ for the byte LM's step) from an XLA thread. glibc serves a block that large from
 ``mmap`` for large blocks and no trimming below 2 GB, the block is reused from call to call:
 a few thousand faults per step, and the step took 0.38 s instead of 0.68 s (measured with
 ``benchmarks/lm_vs_torch.py``; without the arena limit the faults stay at 120,000). The one
-arena is also why small steps need the dispatch setting below. It does not change any result. It is set only on glibc Linux, only in a
-process without a GPU plugin, and not when the user set glibc's malloc through ``MALLOC_*``
-or ``GLIBC_TUNABLES`` variables. The cost: freed memory stays with the process.
+arena is also why small steps need the dispatch setting below. It does not change any result.
+It is set only on glibc Linux, only in a process without a GPU plugin, and not when the user
+set glibc's malloc through ``MALLOC_*`` or ``GLIBC_TUNABLES`` variables. The cost: freed
+memory stays with the process.
 
 And one JAX setting (``run_cpu_calls_inline``): ``jax_cpu_enable_async_dispatch`` off, so a
 single-device XLA:CPU call runs in the thread that makes it instead of being handed to an XLA

@@ -1,0 +1,155 @@
+"""The jitted step programs of a run and the reading of their metrics: what one call of K steps
+takes (the state, donated, and K stacked host batches) and gives back (the new state and one
+float32 array of every step's metrics), and how the loop reads those arrays a window at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrun.models import Model
+from trainrun.optim import Optimizer
+from trainrun.packing import packing_for
+from trainrun.precision import Policy
+from trainrun.state import TrainState
+from trainrun.step import make_multi_step, make_train_step
+from trainrun.stream import MetricStream, streamed
+from trainrun.timing import StepTimer, Stopwatch
+from trainrun.writers import Table
+
+Batch = Any
+MAX_PENDING_CALLS = 256  # bounds how stale unread metrics get between log points
+
+
+def stack_batches(batches: list[Batch]) -> Batch:
+    """K host batches -> one batch whose leaves are ``[K, ...]`` (a single host copy)."""
+    return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)
+
+
+def pack_metrics(metrics: dict[str, jax.Array]) -> jax.Array:
+    """Scalar metrics -> one float32 array ``[..., n]`` (names sorted): one transfer per call
+    instead of one per metric. Counts stay exact below 2**24."""
+    return jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in sorted(metrics)],
+                     axis=-1)
+
+
+class CompiledSteps:
+    """The jitted step programs of a run: one for K steps per call, one more for a shorter tail
+    call (each compiled once). Compiled ahead of time so compile time is its own figure; the
+    jitted call then finds that executable in JAX's cache and keeps its fast dispatch path.
+
+    The calls take and return the state as ``carried``: the ``TrainState`` itself, or, for a
+    small state on one device, its flat buffers (``packing.py``). ``carry`` and ``state``
+    convert; the loop converts back only where it needs the state (checkpoints, eval)."""
+
+    def __init__(self, model: Model, optimizer: Optimizer, steps_per_call: int,
+                 watch: Stopwatch, *, abstract: TrainState | None = None,
+                 accumulate: int = 1, policy: Policy | None = None,
+                 state_sharding: TrainState | None = None,
+                 batch_sharding: jax.sharding.Sharding | None = None,
+                 stream: MetricStream | None = None):
+        single = make_train_step(model, optimizer, accumulate=accumulate, policy=policy)
+        self.one_step = single  # what one step computes (FLOPs per step)
+        if stream is not None:  # each step's metrics also leave mid-call (metrics.stream)
+            single = streamed(single, stream)
+        step = single if steps_per_call == 1 else make_multi_step(single)
+        self.abstract = abstract
+        # Without the abstract state (a caller holding TrainStates) the calls take TrainStates.
+        self.packing = packing = (packing_for(abstract, jax.device_count())
+                                  if abstract is not None else None)
+
+        def packed_step(carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
+            state = packing.unpack(carried) if packing else carried
+            state, metrics = step(state, batch)
+            return packing.pack(state) if packing else state, pack_metrics(metrics)
+
+        self.step = step
+        if packing is not None:
+            self._carry, self._state = jax.jit(packing.pack), jax.jit(packing.unpack)
+            self.fn = jax.jit(packed_step, donate_argnums=0)
+        elif state_sharding is None:
+            self.fn = jax.jit(packed_step, donate_argnums=0)
+        else:  # pinned, so the donated state comes back exactly where it went in
+            metrics_sharding = jax.sharding.NamedSharding(batch_sharding.mesh,
+                                                          jax.sharding.PartitionSpec())
+            self.fn = jax.jit(packed_step, donate_argnums=0,
+                              in_shardings=(state_sharding, batch_sharding),
+                              out_shardings=(state_sharding, metrics_sharding))
+        self.watch = watch
+        self.programs: dict[int, Any] = {}
+        self.metric_names: list[str] = []
+
+    def carry(self, state: TrainState) -> Any:
+        """``state`` as the calls take it."""
+        return self._carry(state) if self.packing else state
+
+    def state(self, carried: Any) -> TrainState:
+        """The ``TrainState`` in ``carried`` (new arrays when packed: the next call may donate
+        ``carried`` while they are still in use)."""
+        return self._state(carried) if self.packing else carried
+
+    def compile(self, k: int, carried: Any, batch: Batch) -> None:
+        """Compile the program for calls of ``k`` steps (before its call is timed)."""
+        if not self.metric_names:
+            state = self.abstract if self.abstract is not None else carried
+            self.metric_names = sorted(jax.eval_shape(self.step, state, batch)[1])
+        with self.watch.phase("compile"):
+            self.programs[k] = self.fn.lower(carried, batch).compile()
+
+    def __call__(self, k: int, carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
+        if k not in self.programs:
+            self.compile(k, carried, batch)
+        return self.fn(carried, batch)
+
+
+@dataclasses.dataclass
+class PendingCall:
+    """A dispatched call whose metrics have not been read yet."""
+
+    first_step: int  # updates done before this call
+    steps: int
+    packed: jax.Array  # [n_metrics] (K=1) or [steps, n_metrics]
+    dispatched_at: float
+
+
+@jax.jit
+def _stack(packed: list[jax.Array]) -> jax.Array:
+    return jnp.concatenate([p.reshape(-1, p.shape[-1]) for p in packed])
+
+
+class MetricsReader:
+    """Reads the metrics of dispatched calls in batches, at log and sync points only.
+
+    The pending calls' metrics are concatenated on device and fetched in one transfer, after the
+    newest call is already queued, so the device never waits for the host. Each read also
+    closes a timing window (see ``StepTimer``).
+    """
+
+    def __init__(self, names: list[str], timer: StepTimer, log_every: int):
+        self.names = names
+        self.timer = timer
+        self.log_every = log_every
+        self.pending: list[PendingCall] = []
+        self.log_due = False  # a pending call includes a step to log
+
+    def add(self, call: PendingCall) -> None:
+        self.pending.append(call)
+        end = call.first_step + call.steps
+        self.log_due |= end // self.log_every > call.first_step // self.log_every
+
+    def due(self) -> bool:
+        return self.log_due or len(self.pending) >= MAX_PENDING_CALLS
+
+    def read(self) -> Table | None:
+        """Block on the pending calls and return the metrics of their steps."""
+        if not self.pending:
+            return None
+        calls, self.pending, self.log_due = self.pending, [], False
+        values = np.asarray(jax.block_until_ready(_stack([c.packed for c in calls])))
+        self.timer.record(calls[0].dispatched_at, sum(c.steps for c in calls))
+        return Table(calls[0].first_step + 1, self.names, values)

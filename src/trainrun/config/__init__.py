@@ -1,0 +1,61 @@
+"""The run's configuration: a typed, frozen tree loaded from YAML plus ``key.path=value``
+overrides. ``sections.py`` holds the sections, ``run.py`` the whole ``RunConfig``, its loading
+and its one-line errors. Validation is pydantic's (extra keys forbidden, types checked)."""
+
+from trainrun.config.run import (
+    CONFIG_PACKAGE,
+    ConfigError,
+    RunConfig,
+    builtin_config_names,
+    config_from_dict,
+    describe_validation_error,
+    dump_yaml,
+    load_config,
+    merge,
+    parse_overrides,
+    resolve_config_path,
+)
+from trainrun.config.sections import (
+    ArrayData,
+    AutoDistributed,
+    CheckpointConfig,
+    CNNModel,
+    ConstantSchedule,
+    CosineSchedule,
+    DataConfig,
+    DigitsData,
+    DistributedConfig,
+    EvalConfig,
+    ExplicitDistributed,
+    ExponentialSchedule,
+    MeshConfig,
+    MetricsConfig,
+    MLPModel,
+    ModelConfig,
+    NNXMLPModel,
+    OptimizerConfig,
+    PiecewiseSchedule,
+    PrecisionConfig,
+    ProfileConfig,
+    RegressionData,
+    ScheduleConfig,
+    Section,
+    SingleProcess,
+    TextData,
+    TokenData,
+    TransformerModel,
+    WarmupSchedule,
+    WSDSchedule,
+)
+
+__all__ = [
+    "CONFIG_PACKAGE", "ArrayData", "AutoDistributed", "CNNModel", "CheckpointConfig",
+    "ConfigError", "ConstantSchedule", "CosineSchedule", "DataConfig", "DigitsData",
+    "DistributedConfig", "EvalConfig", "ExplicitDistributed", "ExponentialSchedule",
+    "MLPModel", "MeshConfig", "MetricsConfig", "ModelConfig", "NNXMLPModel", "OptimizerConfig",
+    "PiecewiseSchedule", "PrecisionConfig", "ProfileConfig", "RegressionData", "RunConfig",
+    "ScheduleConfig", "Section", "SingleProcess", "TextData", "TokenData", "TransformerModel",
+    "WSDSchedule", "WarmupSchedule", "builtin_config_names", "config_from_dict",
+    "describe_validation_error", "dump_yaml", "load_config", "merge", "parse_overrides",
+    "resolve_config_path",
+]

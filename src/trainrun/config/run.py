@@ -1,0 +1,293 @@
+"""The whole run's configuration (``RunConfig``) and how it is made: a built-in name or a YAML
+file, ``key.path=value`` overrides, pydantic's validation, the checks across sections, and
+pydantic's errors turned into one-line messages that name the bad key and the fix."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import pydantic
+import yaml
+from pydantic import BaseModel, Field
+
+from trainrun.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    DistributedConfig,
+    EvalConfig,
+    MeshConfig,
+    MetricsConfig,
+    MLPModel,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ProfileConfig,
+    RegressionData,
+    Section,
+    SingleProcess,
+)
+from trainrun.errors import UserError
+
+
+class ConfigError(UserError):
+    """A configuration the user must fix; the CLI prints it on one line and exits 2."""
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+class RunConfig(Section):
+    name: str = "run"
+    seed: int = 0
+    steps: int = Field(200, gt=0)
+    steps_per_call: int = Field(1, gt=0)
+    log_every: int = Field(50, gt=0)
+    model: ModelConfig = Field(default_factory=MLPModel)
+    data: DataConfig = Field(default_factory=RegressionData)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    accumulate: int = Field(1, gt=0)
+    nonfinite: Literal["skip", "halt"] = "skip"
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    distributed: DistributedConfig = Field(default_factory=SingleProcess)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+
+    @pydantic.field_validator("distributed", mode="before")
+    @classmethod
+    def _distributed_shorthand(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value  # `distributed: auto`
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def digest(self) -> str:
+        """sha256 of the resolved config: names a trajectory in provenance and on resume.
+
+        Placement (mesh, processes) is left out: the same run on another mesh or process count
+        is the same trajectory, and a checkpoint restores across them. So are the metrics
+        destinations and profiling, which change what is written, not what is computed."""
+        trajectory = {k: v for k, v in self.to_dict().items()
+                      if k not in ("mesh", "distributed", "metrics", "profile")}
+        blob = json.dumps(trajectory, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+CONFIG_PACKAGE = "trainrun.configs"
+
+
+def builtin_config_names() -> list[str]:
+    files = resources.files(CONFIG_PACKAGE)
+    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A path to a YAML file, or the name of a built-in config (``mlp``, ``lm``, ...)."""
+    path = Path(name_or_path)
+    if path.suffix in {".yaml", ".yml"} or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {name_or_path!r} not found; give an existing path or "
+                              f"a built-in name ({', '.join(builtin_config_names())})")
+        return path
+    builtin = resources.files(CONFIG_PACKAGE) / f"{name_or_path}.yaml"
+    if not builtin.is_file():
+        names = builtin_config_names()
+        close = difflib.get_close_matches(name_or_path, names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"no config named {name_or_path!r}; {hint}built-in configs: "
+                          f"{', '.join(names)} (or give a path to a .yaml file)")
+    return Path(str(builtin))
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["optimizer.lr=0.1", "steps=50"]`` -> nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key.path=value (e.g. optimizer.lr=0.01)")
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} sets a key under {part!r}, which is a value")
+        node[parts[-1]] = value
+    return tree
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -> RunConfig:
+    path = resolve_config_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {path} is not valid YAML: {err}".replace("\n", " ")) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path} must be a mapping of keys to values")
+    return config_from_dict(merge(raw, parse_overrides(overrides or [])))
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    try:
+        config = RunConfig.model_validate(raw)
+    except pydantic.ValidationError as err:
+        raise ConfigError(describe_validation_error(err, raw)) from None
+    _check_optimization(config)
+    _check_model_and_data(config)
+    return config
+
+
+def _check_optimization(config: RunConfig) -> None:
+    """Keys that are each valid but do not fit together (accumulation, schedule, precision)."""
+    batch = config.data.batch_size
+    if batch % config.accumulate:
+        raise ConfigError(f"accumulate={config.accumulate} does not divide data.batch_size="
+                          f"{batch}; pick an accumulate that divides the batch")
+    if config.nonfinite == "halt" and config.precision.compute == "float16":
+        raise ConfigError("nonfinite=halt cannot be used with precision.compute=float16: its loss "
+                          "scaling skips overflowing steps by design; use nonfinite=skip")
+    sched = config.optimizer.schedule
+    total = getattr(sched, "total_steps", None) or config.steps
+    warmup = getattr(sched, "warmup_steps", 0)
+    if sched.kind == "cosine" and warmup >= total:
+        raise ConfigError(f"optimizer.schedule.warmup_steps={warmup} leaves no steps to decay in "
+                          f"{total} total steps; lower warmup_steps or raise total_steps")
+    if sched.kind == "wsd" and warmup + round(sched.decay_fraction * total) > total:
+        raise ConfigError(f"optimizer.schedule: warmup_steps={warmup} plus decay_fraction="
+                          f"{sched.decay_fraction} of {total} steps exceeds the total; lower one")
+
+
+def _check_model_and_data(config: RunConfig) -> None:
+    """Model and data keys that are each valid but do not fit together."""
+    model, data = config.model, config.data
+    if model.kind == "transformer":
+        if model.d_model % model.heads:
+            raise ConfigError(f"model.d_model={model.d_model} does not divide into "
+                              f"model.heads={model.heads}; pick heads that divide d_model")
+        if model.positions == "rope" and (model.d_model // model.heads) % 2:
+            raise ConfigError(f"rotary positions need an even head size, got d_model/heads="
+                              f"{model.d_model // model.heads}; change d_model or heads")
+        if data.kind in ("regression", "digits"):
+            raise ConfigError(f"model.kind=transformer needs token data, not data.kind="
+                              f"{data.kind}; use data.kind=text or data.kind=tokens")
+        if data.kind in ("text", "tokens") and data.seq_len > model.seq_len:
+            raise ConfigError(f"data.seq_len={data.seq_len} is longer than the model's context "
+                              f"model.seq_len={model.seq_len}; set them equal")
+        if data.kind == "text" and model.vocab < 256:
+            raise ConfigError(f"byte-level text needs model.vocab >= 256, got {model.vocab}")
+    if config.eval.every and data.kind == "regression":
+        raise ConfigError("eval.every is set but data.kind=regression has no held-out split; "
+                          "set eval.every=0 or use data with one (digits, text, arrays, tokens)")
+
+
+# ---- error messages --------------------------------------------------------------------------
+
+
+def _union_members(annotation: Any) -> dict[str, type[BaseModel]] | None:
+    """For a discriminated union of sections, {kind: section class}; else None."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation)
+                   if isinstance(a, type) and issubclass(a, BaseModel)]
+    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        members = [annotation]  # a union of one collapses to its member
+    else:
+        return None
+    tagged = {m.model_fields["kind"].default: m for m in members if "kind" in m.model_fields}
+    return tagged or None
+
+
+def _walk(loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]:
+    """Follow an error location through the config classes.
+
+    Returns the user-facing path (union tags dropped), the section class holding the last key,
+    and that key's annotation (None for an unknown key).
+    """
+    cls: type[BaseModel] | None = RunConfig
+    path: list[str] = []
+    annotation: Any = None
+    items = list(loc)
+    while items:
+        part = items.pop(0)
+        if cls is None:
+            path.append(str(part))
+            continue
+        field = cls.model_fields.get(str(part)) or next(  # a key spelled by its alias
+            (f for f in cls.model_fields.values() if f.alias == str(part)), None)
+        path.append(str(part))
+        if field is None:
+            return path, cls, None
+        annotation = field.annotation
+        members = _union_members(annotation)
+        if members is not None and items and items[0] in members:
+            cls = members[items.pop(0)]
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            cls = annotation
+        else:
+            cls = None
+    return path, cls, annotation
+
+
+def _type_name(annotation: Any) -> str:
+    if annotation is None:
+        return "a value"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    return str(annotation).replace("typing.", "")
+
+
+def describe_validation_error(err: pydantic.ValidationError, raw: dict[str, Any]) -> str:
+    """The first problem of a pydantic error, as one line that names the key and the fix."""
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    path, cls, annotation = _walk(loc)
+    dotted = ".".join(path)
+    kind = first["type"]
+    if kind == "extra_forbidden" and cls is not None:
+        valid = [f.alias or name for name, f in cls.model_fields.items()]
+        close = difflib.get_close_matches(path[-1], valid, n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        where = ".".join(path[:-1]) or "the top level"
+        return (f"unknown config key {dotted!r}; {hint}valid keys in {where}: "
+                f"{', '.join(valid)}")
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        members = _union_members(annotation) or {}
+        given = first.get("input")
+        tag = given.get("kind") if isinstance(given, dict) else given
+        return (f"config key {dotted}.kind: unknown kind {tag!r}; "
+                f"expected one of {', '.join(members)}")
+    if kind == "value_error":  # a section's own check; its message names the fix
+        return f"config key {dotted!r}: {first['msg'].removeprefix('Value error, ')}"
+    given = first.get("input")
+    expected = _type_name(annotation)
+    return (f"config key {dotted!r} expects {expected}, got {given!r} "
+            f"({type(given).__name__}): {first['msg']}")
+
+
+def dump_yaml(config: RunConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+import textwrap
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import cli_env
 
 from trainrun.config import ConfigError, TokenData, load_config
 from trainrun.data import ArrayBatches, DataError, build_eval_dataset
@@ -78,3 +82,47 @@ def test_eval_without_a_held_out_split_is_refused(tmp_path):
     (tmp_path / "t.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
     with pytest.raises(DataError, match=r"give data\.eval"):
         build_eval_dataset(TokenData(train=str(tmp_path / "t.bin"), seq_len=8))
+
+
+SHARDED_EVAL = textwrap.dedent("""
+    import json
+    import jax
+    from trainrun import sharding
+    from trainrun.config import load_config
+    from trainrun.data import build_eval_dataset
+    from trainrun.evaluation import Evaluator
+    from trainrun.loop import abstract_state, init_state
+    from trainrun.models import build_model
+    from trainrun.optim import build_optimizer
+
+    config = load_config("digits", ["eval.batches=3"])
+    model, opt = build_model(config.model), build_optimizer(config.optimizer, config.steps)
+    mesh = sharding.build_mesh(config.mesh)
+    shardings = sharding.state_shardings(mesh, abstract_state(model, opt, config.seed),
+                                         model.logical_axes, opt.tx, config.mesh)
+    params = init_state(model, opt, config.seed, shardings=shardings).params
+    placement = sharding.batch_placement(mesh, config.eval.batch_size or config.data.batch_size,
+                                         stacked=False)
+    data = build_eval_dataset(config.data, placement.global_size)
+    sharded = Evaluator(model, data, 1, max_batches=3, put=placement.put,
+                        shardings=(shardings.params, placement.sharding))
+    whole = Evaluator(model, data, 1, max_batches=3)
+    batch = data[0]
+    compiled = sharded.fn.lower(params, batch).compile()
+    rows = [list(s.data.shape) for s in jax.device_put(batch["x"], placement.sharding)
+            .addressable_shards]
+    print(json.dumps({"sharded": sharded(params), "whole": whole(params), "rows": rows,
+                      "spec": str(compiled.input_shardings[0][1]["x"].spec)}))
+""")
+
+
+def test_eval_batches_are_split_over_the_devices_like_training_batches(tmp_path):
+    done = subprocess.run([sys.executable, "-c", SHARDED_EVAL], capture_output=True, text=True,
+                          timeout=600, env=cli_env(4))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "data" in out["spec"]  # the compiled eval program takes the batch split by rows
+    assert len(out["rows"]) == 4 and len({tuple(r) for r in out["rows"]}) == 1
+    assert out["sharded"].keys() == out["whole"].keys() >= {"loss", "accuracy"}
+    for name, value in out["whole"].items():
+        assert out["sharded"][name] == pytest.approx(value, rel=1e-6)

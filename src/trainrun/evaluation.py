@@ -27,17 +27,21 @@ class Evaluator:
     """every: steps between evaluations (the last step is always evaluated).
     dataset: the held-out split, batch ``i`` at index ``i`` (this process's rows of it).
     max_batches: batches per evaluation (0: the whole split).
-    put: host batch -> device batch, as the training batches are placed."""
+    put: host batch -> device batch, as the training batches are placed.
+    shardings: ``(params, batch)`` shardings (the state's params and the batch's over the
+        mesh): each device then evaluates its own rows of every batch."""
 
     def __init__(self, model: Model, dataset: grain.MapDataset, every: int, *,
                  max_batches: int = 0, policy: Policy | None = None,
-                 put: Callable[[Batch], Batch] = lambda batch: batch):
+                 put: Callable[[Batch], Batch] = lambda batch: batch,
+                 shardings: tuple[Any, Any] | None = None):
         self.every = every
         self.dataset = dataset
         self.indices = (eval_batches(dataset, max_batches) if isinstance(dataset, ArrayBatches)
                         else list(range(max_batches or len(dataset))))
         self.put = put
-        self.fn = jax.jit(make_eval_step(model, policy))
+        placed = {} if shardings is None else {"in_shardings": shardings}
+        self.fn = jax.jit(make_eval_step(model, policy), **placed)
 
     def due(self, step: int, total: int) -> bool:
         return step % self.every == 0 or step == total

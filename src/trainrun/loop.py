@@ -168,7 +168,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
                              process_count=placement.rows[1])
     batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
                if isinstance(data, grain.MapDataset) else iter(data))
-    evaluator = _evaluator(config, model, policy, mesh, eval_data)
+    evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params)
     watch = Stopwatch()
     with watch.phase("init"):
         state = _restore_or_init(
@@ -297,7 +297,8 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
 
 
 def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
-               eval_data: grain.MapDataset | None) -> Evaluator | None:
+               eval_data: grain.MapDataset | None,
+               params_sharding: Any) -> Evaluator | None:
     """The eval hook (None when ``eval.every`` is 0): its batches are this process's rows of
     the held-out split, placed on the mesh as training batches are."""
     if not config.eval.every:
@@ -308,7 +309,8 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
         eval_data = build_eval_dataset(config.data, size, process_index=placement.rows[0],
                                        process_count=placement.rows[1])
     return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
-                     policy=policy, put=placement.put)
+                     policy=policy, put=placement.put,
+                     shardings=(params_sharding, placement.sharding))
 
 
 def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str, Any],

@@ -71,8 +71,7 @@ class CompiledSteps:
         self.step = step
         if packing is not None:
             self._carry, self._state = jax.jit(packing.pack), jax.jit(packing.unpack)
-            self.fn = jax.jit(packed_step, donate_argnums=0)
-        elif state_sharding is None:
+        if packing is not None or state_sharding is None:  # one device: nothing to pin
             self.fn = jax.jit(packed_step, donate_argnums=0)
         else:  # pinned, so the donated state comes back exactly where it went in
             metrics_sharding = jax.sharding.NamedSharding(batch_sharding.mesh,

@@ -172,8 +172,8 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
     watch = Stopwatch()
     with watch.phase("init"):
         state = _restore_or_init(
-            checkpoints, config, prov, run_dir, model, optimizer, policy, state_sharding,
-            batches, allow_config_change, console, primary)
+            checkpoints, config, prov, run_dir, model, optimizer, policy, abstract,
+            state_sharding, batches, allow_config_change, console, primary)
     output = build_output(
         run_dir, console, log_every=config.log_every, total_steps=config.steps,
         primary=primary, start_step=int(state.step), tensorboard=config.metrics.tensorboard,
@@ -205,10 +205,9 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
             output.write_table(table)
         output.write_window(table.last, len(table.values), timer.per_step_s[-1], batch_size)
         counts = table.values[:, table.names.index("nonfinite_steps")]
-        for i in np.flatnonzero(counts > nonfinite_seen):  # steps that were skipped
-            if counts[i] > nonfinite_seen:
-                nonfinite_seen = int(counts[i])
-                _on_nonfinite(config, table.first + int(i), table.row(i), output, checkpoints)
+        for i in np.flatnonzero(np.diff(counts, prepend=nonfinite_seen) > 0):  # skipped steps
+            nonfinite_seen = int(counts[i])
+            _on_nonfinite(config, table.first + int(i), table.row(i), output, checkpoints)
         last_metrics = table.row(len(table.values) - 1)
         watch.add("log", time.perf_counter() - log_start)
 
@@ -315,13 +314,13 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
 
 def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str, Any],
                      run_dir: Path, model: Model, optimizer: Optimizer, policy: Policy,
-                     state_sharding: TrainState, batches: Any, allow_config_change: bool,
-                     console: Console, primary: bool) -> TrainState:
+                     abstract: TrainState, state_sharding: TrainState, batches: Any,
+                     allow_config_change: bool, console: Console, primary: bool) -> TrainState:
     """The newest readable checkpoint's state, placed by ``state_sharding`` (any mesh), with the
     data iterator set to its position; else a fresh state. Then the run's files are written
     for the step it starts at (nothing is written before a refusal)."""
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract_state(model, optimizer, config.seed, policy), state_sharding)
+                          abstract, state_sharding)
     changes: list[str] = []
     restored = checkpoints.restore(target, batches, lambda meta: changes.extend(
         check_config(meta["config"], config, allow_config_change, run_dir)))

@@ -37,7 +37,7 @@ And one JAX setting (``run_cpu_calls_inline``): ``jax_cpu_enable_async_dispatch`
 single-device XLA:CPU call runs in the thread that makes it instead of being handed to an XLA
 thread. The hand-off is what a small step pays for: with it, the chapter's MLP loop took
 25-70 µs a step from one process to the next on this 2-core machine (depending on where the
-two threads landed), and about 50 µs with the allocator setting above, whose single arena the
+two threads landed), and 50-60 µs with the allocator setting above, whose single arena the
 two threads then share; inline it takes 34-36 µs in every process. Large steps do not notice
 (the byte LM: 0.39 s either way), and calls over several devices stay asynchronous. What it
 gives up: the host no longer prepares the next call while a one-device call runs. To keep

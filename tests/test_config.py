@@ -59,6 +59,8 @@ def test_unknown_config_name_suggests_the_closest():
 @pytest.mark.parametrize(("override", "expected"), [
     ("optimizer.lrr=0.1", "unknown config key 'optimizer.lrr'; did you mean 'lr'?"),
     ("steps=many", "config key 'steps' expects int, got 'many'"),
+    ("optimizer.eps=0", "config key 'optimizer.eps' expects float, got 0 (int): Input should "
+                        "be greater than 0"),
 ])
 def test_cli_config_errors_exit_2_with_one_line_and_no_traceback(tmp_path, cli, override,
                                                                   expected):

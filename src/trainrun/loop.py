@@ -157,6 +157,7 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
         console.message(rundir.finished_message(run_dir, latest, config.steps))
         return rundir.read_summary(run_dir)
 
+    counted = None if model else config.model  # a model passed in has no analytic FLOP count
     model = model or build_model(config.model)
     optimizer = build_optimizer(config.optimizer, config.steps)
     policy = policy_from_config(config.precision)
@@ -282,12 +283,13 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
                         f"to {saved}. Run the same command to resume.")
         return {"preempted_at": done, "checkpoint": str(saved), "provenance": prov}
 
-    flops = mfu.step_flops(programs.programs, programs.one_step, abstract, batch)
+    flops, source = mfu.flops_per_step(programs.programs, programs.one_step, abstract, batch,
+                                       counted, batch_size)
     peak, why = mfu.find_peak(jax.default_backend(), jax.devices()[0].device_kind,
                               jax.device_count(), config.precision.compute)
     summary = run_summary(config, last_metrics, timer, watch, prov, batch_size,
                        time.perf_counter() - wall_start)
-    summary.update(mfu.utilization(flops, summary["step_time_median_s"], peak, why))
+    summary.update(mfu.utilization(flops, summary["step_time_median_s"], peak, why, source))
     if primary:
         rundir.write_json(run_dir / rundir.SUMMARY, summary)
         rundir.write_status(run_dir, "finished", done)

@@ -1,7 +1,9 @@
 """Model FLOPs utilization: how much of the hardware's peak a run's steps used.
 
     FLOPs per step   XLA's cost analysis of the compiled one-step program (per device, times the
-                     devices it runs on)
+                     devices it runs on); where XLA gives no count (some backends answer
+                     nothing), the model's analytic count (``analytic_flops``). The summary's
+                     ``flops_source`` names which.
     achieved FLOP/s  FLOPs per step / median steady-state step time
     MFU              achieved / peak, where the peak is a datasheet figure for known accelerators
                      or, on CPU, a ceiling measured on this machine (``trainrun bench ceiling``)
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -28,6 +31,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from trainrun.config import CNNModel, MLPModel, ModelConfig, NNXMLPModel, TransformerModel
+
+XLA = "xla_cost_analysis"  # flops_source of a count from XLA
 
 # Dense peak FLOP/s per chip. NVIDIA: H100/H200 SXM and H100 PCIe / A100 datasheets (their
 # tensor-core figures halved where printed with sparsity). Google Cloud TPU pages: v4 275,
@@ -112,6 +119,19 @@ def find_peak(platform_name: str, device_kind: str, device_count: int,
 # ---- FLOPs of a compiled program -------------------------------------------------------------
 
 
+def xla_flops(stage: Any) -> float | None:
+    """FLOPs in XLA's cost analysis of a lowered or compiled program; None where it gives none
+    (an empty answer, a count of 0, or a backend that does not implement it)."""
+    try:
+        cost = stage.cost_analysis()
+    except Exception:  # not implemented on some backends: a missing count must not fail a run
+        return None
+    if isinstance(cost, (list, tuple)):  # one dict per partition in some jax versions
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops and flops > 0 else None
+
+
 def program_flops(compiled: Any) -> float | None:
     """FLOPs of one execution of a compiled program, over all devices it runs on.
 
@@ -119,20 +139,17 @@ def program_flops(compiled: Any) -> float | None:
     program's device count. It counts a while loop's body once: pass a one-step program, not a
     K-step ``lax.scan``.
     """
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # one dict per partition in some jax versions
-        cost = cost[0] if cost else None
-    flops = (cost or {}).get("flops")
-    if not flops or flops <= 0:
+    flops = xla_flops(compiled)
+    if flops is None:
         return None
     shardings = [s for s in jax.tree.leaves(compiled.input_shardings) if s is not None]
     devices = len(shardings[0].device_set) if shardings else 1
-    return float(flops) * devices
+    return flops * devices
 
 
 def step_flops(programs: dict[int, Any], one_step: Callable[..., Any], state: Any,
                batch: Any) -> float | None:
-    """FLOPs of one training step of a run.
+    """FLOPs of one training step of a run, by XLA's cost analysis.
 
     programs: the run's compiled calls by steps per call. The one-step program's count is used
         when there is one; otherwise ``one_step`` is lowered on the shapes of ``state`` and one
@@ -145,22 +162,114 @@ def step_flops(programs: dict[int, Any], one_step: Callable[..., Any], state: An
     def shapes(tree: Any, drop: int) -> Any:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[drop:], x.dtype), tree)
 
-    cost = jax.jit(one_step).lower(shapes(state, 0), shapes(batch, 1)).cost_analysis()
-    flops = (cost or {}).get("flops")
-    return float(flops) if flops and flops > 0 else None
+    return xla_flops(jax.jit(one_step).lower(shapes(state, 0), shapes(batch, 1)))
+
+
+def flops_per_step(programs: dict[int, Any], one_step: Callable[..., Any], state: Any,
+                   batch: Any, model: ModelConfig | None,
+                   examples: int) -> tuple[float | None, str | None]:
+    """FLOPs of one training step and where the figure comes from: XLA's cost analysis where it
+    gives a count (``XLA``), else the model's analytic count (``analytic_flops``).
+
+    model: the config section the run built its model from; None for a model passed in, which
+        has no analytic count. examples: sequences or examples per step (the global batch).
+    """
+    flops = step_flops(programs, one_step, state, batch)
+    if flops is not None:
+        return flops, XLA
+    tokens = batch.get("tokens") if isinstance(batch, dict) else None
+    seq_len = tokens.shape[-1] - 1 if tokens is not None else None  # the last is a target only
+    counted = analytic_flops(model, examples, seq_len)
+    return counted if counted is not None else (None, None)
+
+
+# ---- the model's analytic count --------------------------------------------------------------
+#
+# Training FLOPs = 3 x forward (the backward pass computes two products per forward one: the
+# gradient of the activations and of the weights), and a forward multiply-add is 2 FLOPs: hence
+# 6 per multiply-add. Only matmuls and convs are counted: norms, activations, biases, the loss
+# and the optimizer's update are a few FLOPs per element, small beside them at these widths.
+
+
+def transformer_flops(cfg: TransformerModel, examples: int, seq_len: int | None = None) -> float:
+    """Training FLOPs of one step of the transformer on ``examples`` sequences of ``seq_len``
+    input tokens (default: its context, ``cfg.seq_len``).
+
+        6 x N x tokens + 12 x layers x seq_len x d_model x tokens
+
+    N: the weights that take part in matmuls: per layer q, k, v, o (4 d_model²) and the MLP's
+    two (2 x mlp_ratio x d_model²), and the tied embedding once, as the output head (its input
+    lookup is a gather, not a matmul). Attention: QK^T and AV are each 2 x seq_len x d_model
+    FLOPs per token and layer forward, x3 with the backward. The causal mask is not discounted
+    (as in ``benchmarks/gpu_lm.sh`` and PaLM's count): this is the dense attention's work, of
+    which a kernel that skips masked blocks does a little over half.
+    """
+    seq = seq_len or cfg.seq_len
+    tokens = examples * seq
+    d = cfg.d_model
+    matmul_weights = cfg.vocab * d + cfg.layers * (4 + 2 * cfg.mlp_ratio) * d * d
+    return float(6 * matmul_weights * tokens + 12 * cfg.layers * seq * d * tokens)
+
+
+def dense_flops(sizes: list[int], examples: int) -> float:
+    """Training FLOPs of one step of an MLP with layer widths ``sizes``: 6 x weights x examples
+    (each weight is one multiply-add per example; biases are left out, and the first layer's
+    input gradient, which nothing needs, is counted, as in the usual 6 x N)."""
+    return float(6 * sum(a * b for a, b in itertools.pairwise(sizes)) * examples)
+
+
+def cnn_flops(cfg: CNNModel, examples: int) -> float:
+    """Training FLOPs of one step of the CNN: 6 x multiply-adds per example x examples.
+
+    A 3x3 "SAME" conv does 9 x c_in x c_out multiply-adds at each pixel of its output (the
+    input's size; taps on the border's zero padding included, as usual counts do, where XLA's
+    own count leaves them out); the 2x2 pool after it halves the side (skipped once it is 1);
+    then the two dense layers. 6 x params would undercount convs, whose weights are used at
+    every pixel.
+    """
+    side, macs = cfg.image_size, 0
+    widths = [cfg.in_channels, *cfg.channels]
+    for c_in, c_out in itertools.pairwise(widths):
+        macs += side * side * 9 * c_in * c_out
+        side = side // 2 if side >= 2 else side
+    macs += side * side * widths[-1] * cfg.hidden + cfg.hidden * cfg.classes
+    return float(6 * macs * examples)
+
+
+def analytic_flops(model: ModelConfig | None, examples: int,
+                   seq_len: int | None = None) -> tuple[float, str] | None:
+    """``(FLOPs of one training step, its formula)`` for a model trainrun builds from its
+    config (``model``: the config's model section), or None for any other model: a model passed
+    in may share weights or run them per position, and 6 x params x examples would misstate it.
+    """
+    if isinstance(model, TransformerModel):
+        return transformer_flops(model, examples, seq_len), "analytic: 6*N*tokens + attention"
+    if isinstance(model, MLPModel | NNXMLPModel):
+        sizes = [model.features, *model.hidden, model.outputs]
+        return dense_flops(sizes, examples), "analytic: 6*N*examples"
+    if isinstance(model, CNNModel):
+        return cnn_flops(model, examples), "analytic: 6*MACs*examples"
+    return None
 
 
 def utilization(flops_per_step: float | None, step_s: float | None,
-                peak: Peak | None, why_no_peak: str = "") -> dict[str, Any]:
-    """The summary's MFU block: flops_per_step, flops_per_s, mfu, and the peak it used."""
+                peak: Peak | None, why_no_peak: str = "",
+                flops_source: str | None = None) -> dict[str, Any]:
+    """The summary's MFU block: flops_per_step and where it comes from (``flops_source``),
+    flops_per_s, mfu, and the peak it used."""
     flops_per_s = flops_per_step / step_s if flops_per_step and step_s else None
     mfu = flops_per_s / peak.flops_per_s if flops_per_s and peak else None
+    why = [] if flops_per_step else ["no FLOP count for the step: XLA's cost analysis gave "
+                                     "none and the model has no analytic count"]
+    if peak is None:
+        why.append(why_no_peak or "no peak FLOP/s known")
     return {
         "flops_per_step": flops_per_step,
+        "flops_source": flops_source if flops_per_step else None,
         "flops_per_s": flops_per_s,
         "mfu": mfu,
         "peak": peak.to_dict() if peak else None,
-        "mfu_note": "" if mfu is not None else (why_no_peak or "no FLOP count for the step"),
+        "mfu_note": "" if mfu is not None else "; ".join(why) or "no steady-state step time",
     }
 
 

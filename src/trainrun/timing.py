@@ -17,13 +17,22 @@ if TYPE_CHECKING:
     from trainrun.config import RunConfig
 
 
+def package_version(name: str) -> str:
+    """An installed package's version, or "unknown" where it has no metadata (trainrun run from
+    a source checkout on ``PYTHONPATH``)."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def provenance(config_digest: str) -> dict[str, Any]:
     """What a figure was measured on; written to ``provenance.json`` and the summary."""
     devices = jax.devices()
     return {
-        "trainrun": metadata.version("trainrun"),
+        "trainrun": package_version("trainrun"),
         "jax": jax.__version__,
-        "jaxlib": metadata.version("jaxlib"),
+        "jaxlib": package_version("jaxlib"),
         "backend": jax.default_backend(),
         "device_kind": devices[0].device_kind,
         "device_count": jax.device_count(),
@@ -166,12 +175,14 @@ def summary_text(s: dict[str, Any]) -> str:
     step_s = s["step_time_median_s"]
     split = "  ".join(f"{name} {seconds:.2f}" for name, seconds in s["wall_time_split_s"].items()
                       if seconds >= 0.005)
+    flops = (f"{s['flops_per_step']:,.0f} FLOPs/step ({s.get('flops_source')})"
+             if s.get("flops_per_step") else "")
     if s.get("mfu") is not None:
         mfu_line = (f"{s['mfu']:.2%} of {s['peak']['flops_per_s'] / 1e9:,.1f} GFLOP/s "
-                    f"({s['peak']['source']}); {s['flops_per_step']:,.0f} FLOPs/step, "
+                    f"({s['peak']['source']}); {flops}, "
                     f"{s['flops_per_s'] / 1e9:,.2f} GFLOP/s achieved")
     else:
-        mfu_line = f"not measured: {s.get('mfu_note')}"
+        mfu_line = f"not measured: {s.get('mfu_note')}" + (f"; {flops}" if flops else "")
     return (
         f"done: {s['steps']} steps, final loss {s['final_loss']:.8g}\n"
         f"  compile      {s['compile_s']:.3f} s (separate from step time)\n"

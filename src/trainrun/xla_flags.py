@@ -43,6 +43,48 @@ two threads then share; inline it takes 34-36 µs in every process. Large steps 
 gives up: the host no longer prepares the next call while a one-device call runs. To keep
 asynchronous dispatch, call ``jax.config.update("jax_cpu_enable_async_dispatch", True)`` after
 importing trainrun, before the first computation.
+
+And, in a process where JAX has a GPU plugin (CUDA or ROCm), XLA:GPU's deterministic mode, for
+trainrun's promise that a resumed run computes the same bits as an uninterrupted one (and two
+fresh runs of a config the same bits as each other). Without it, two fresh processes training
+the LM with dropout on an H200 differed from step 2 (grad norm 5.572762489 vs 5.572762012):
+the autotuner picks GEMM kernels by timing, so the two processes run different kernels, and an
+embedding gradient is a scatter-add that XLA:GPU does with atomics. The flags
+(``GPU_DETERMINISM_FLAGS``, each what XLA's source says it does):
+
+``--xla_gpu_deterministic_ops=true``
+    Through ``RequireDeterminism`` (``xla/service/gpu/stream_executor_util.cc``, true with it or
+    with ``--xla_gpu_exclude_nondeterministic_ops``): the autotuner takes the first config that
+    compiles instead of the fastest it timed (``select_first_config`` in
+    ``xla/service/gpu/autotuning/autotuner_pass.cc``); scatters are rewritten deterministic
+    (``xla/service/gpu/gpu_compiler.cc``); cuDNN's fused attention runs its backward pass with
+    its deterministic algorithm (``force_deterministic`` in
+    ``xla/service/gpu/transforms/cudnn_custom_call_compiler.cc``: without it the query
+    gradient is accumulated with atomics). Reductions are not among the operations XLA names
+    as non-deterministic on GPUs (scatter, select-and-scatter, GEMMs, convolutions, attention:
+    ``docs/determinism.md``).
+``--xla_gpu_enable_triton_gemm=false``
+    Deterministic mode also drops the Triton backend from the autotuner (``autotuner_pass.cc``),
+    while the GEMM fusion pass still makes Triton GEMM fusions (it runs whenever this flag is
+    on, ``gpu_compiler.cc``). On jaxlib 0.11 with CUDA 13 no backend left could take such a
+    fusion: compiling the LM's step died with "No supported config found for HLO
+    %gemm_fusion_dot... BlasLt is unavailable" (no config compiled, ``ConfigAssigner`` in
+    ``xla/backends/autotuner/``; the message is cuBLASLt's). With it off, dots become cuBLAS calls
+    (``__cublas$gemm``; cuBLASLt is off by default, ``--xla_gpu_enable_cublaslt``), the
+    configuration XLA's own GPU determinism test checks (``CublasDot`` in
+    ``xla/service/gpu/determinism_test.cc``). Its cost: no Triton fusion of a GEMM with the
+    elementwise work around it.
+``--xla_gpu_enable_scatter_determinism_expander=true``
+    How a deterministic scatter is made (``gpu_compiler.cc``): with it, a sort and a prefix
+    scan (``ScatterDeterminismExpander``); without it (its default in recent XLA), a loop with
+    one iteration per index (``ScatterExpander``): 32,768 iterations a step for the embedding
+    gradient of a 32 x 1024-token batch.
+
+A user who sets ``--xla_gpu_deterministic_ops=false`` (or
+``--xla_gpu_exclude_nondeterministic_ops=false``) in ``XLA_FLAGS`` opts out of all of them:
+kernels autotuned by timing (Triton's included) and atomics: no longer reproducible across
+processes (``benchmarks/gpu_lm.sh`` measures what each side costs). A flag the user set is kept
+as set. A process without a GPU plugin does not get them (XLA:CPU would read none of them).
 """
 
 from __future__ import annotations
@@ -62,22 +104,54 @@ import jax
 # backend start on a flag it does not know.
 DEFAULT_FLAGS = {"--xla_cpu_experimental_ynn_fusion_type": ""}
 KNOWN_JAXLIB = ("0.10.",)
+# Where a GPU plugin is installed (see the module docstring). Every name is in jaxlib 0.10.2's
+# and 0.11.2's XLA (tests/test_xla_flags.py starts a backend with them).
+GPU_DETERMINISM_FLAGS = {
+    "--xla_gpu_deterministic_ops": "true",
+    "--xla_gpu_enable_triton_gemm": "false",
+    "--xla_gpu_enable_scatter_determinism_expander": "true",
+}
+KNOWN_GPU_JAXLIB = ("0.10.", "0.11.")
+# Either of these set false in XLA_FLAGS opts out of deterministic GPU execution.
+DETERMINISM_SWITCHES = ("xla_gpu_deterministic_ops", "xla_gpu_exclude_nondeterministic_ops")
 
 
-def apply_default_flags(environ: MutableMapping[str, str] = os.environ) -> list[str]:
-    """Add the default flags the user has not set to ``XLA_FLAGS``; returns those added."""
+def apply_default_flags(environ: MutableMapping[str, str] = os.environ,
+                        gpu: bool | None = None) -> list[str]:
+    """Add the default flags the user has not set to ``XLA_FLAGS``; returns those added.
+    ``gpu``: whether JAX has a GPU plugin (None: look)."""
     try:
         jaxlib = metadata.version("jaxlib")
     except metadata.PackageNotFoundError:
         return []
-    if not jaxlib.startswith(KNOWN_JAXLIB):
-        return []
+    defaults = dict(DEFAULT_FLAGS) if jaxlib.startswith(KNOWN_JAXLIB) else {}
     flags = environ.get("XLA_FLAGS", "")
-    added = [f"{name}={value}" for name, value in DEFAULT_FLAGS.items()
+    if (jaxlib.startswith(KNOWN_GPU_JAXLIB) and not gpu_determinism_declined(flags)
+            and (_gpu_plugin() if gpu is None else gpu)):
+        defaults.update(GPU_DETERMINISM_FLAGS)
+    added = [f"{name}={value}" for name, value in defaults.items()
              if name.lstrip("-") not in flags]
     if added:
         environ["XLA_FLAGS"] = " ".join([flags, *added]).strip()
     return added
+
+
+def gpu_determinism_declined(flags: str) -> bool:
+    """Whether ``XLA_FLAGS`` turns XLA:GPU's deterministic mode off."""
+    for flag in flags.split():
+        name, _, value = flag.lstrip("-").partition("=")
+        if name in DETERMINISM_SWITCHES and value.lower() in ("false", "0"):
+            return True
+    return False
+
+
+def _gpu_plugin() -> bool:
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    import jax_plugins
+
+    return any("cuda" in m.name or "rocm" in m.name
+               for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
 # mallopt parameters (glibc malloc.h)

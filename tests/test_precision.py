@@ -10,15 +10,23 @@ import numpy as np
 import pytest
 
 from trainrun.checkpoint import Checkpoints
-from trainrun.config import MLPModel, OptimizerConfig, RegressionData, load_config
+from trainrun.config import (
+    CNNModel,
+    MLPModel,
+    NNXMLPModel,
+    OptimizerConfig,
+    RegressionData,
+    TransformerModel,
+    load_config,
+)
 from trainrun.data import batch_iterator, build_dataset
 from trainrun.data.synthetic import regression_arrays
 from trainrun.loop import abstract_state, init_state, run
 from trainrun.models import build_model, from_functions
 from trainrun.models.mlp import make_mlp
 from trainrun.optim import build_optimizer
-from trainrun.precision import LossScale, Policy, policy_from_config
-from trainrun.step import global_norm, make_train_step
+from trainrun.precision import LossScale, Policy, matmuls, policy_from_config
+from trainrun.step import global_norm, make_eval_step, make_train_step
 from trainrun.timing import provenance
 from trainrun.writers import read_metrics
 
@@ -160,3 +168,80 @@ def test_dtypes_of_params_optimizer_state_and_loss_scale_survive_a_checkpoint(tm
     # The values read back too: the state gives the run's last metrics.
     assert int(state.nonfinite_steps) == last["nonfinite_steps"]
     assert float(global_norm(state.params)) == pytest.approx(last["param_norm"], rel=1e-6)
+
+
+# ---- the compute dtype, checked on the program ----------------------------------------------
+
+MODELS = {
+    "mlp": (MLPModel(), lambda: regression_arrays(RegressionData())),
+    "nnx_mlp": (NNXMLPModel(features=64, hidden=[32, 32], outputs=10, task="classification",
+                            dropout=0.1),
+                lambda: {"x": np.ones((4, 8, 8, 1), np.float32), "label": np.zeros(4, np.int32)}),
+    "cnn": (CNNModel(channels=[8, 16], hidden=32, dropout=0.1),
+            lambda: {"x": np.ones((4, 8, 8, 1), np.float32), "label": np.zeros(4, np.int32)}),
+    "transformer": (TransformerModel(d_model=32, layers=2, heads=2, seq_len=16, vocab=64,
+                                     dropout=0.1, loss_chunk=24),  # 4 x 16 tokens: 3 chunks
+                    lambda: {"tokens": np.zeros((4, 17), np.int32)}),
+    "transformer_learned_scan_remat": (
+        TransformerModel(d_model=32, layers=2, heads=2, seq_len=16, vocab=64,
+                         positions="learned", scan_layers=True, remat="full"),
+        lambda: {"tokens": np.zeros((4, 17), np.int32)}),
+}
+
+
+def matmul_operand_dtypes(name: str, compute: str) -> tuple[list, list]:
+    """The operand dtypes of every matmul/convolution in the train step's and the eval step's
+    jaxprs for a built-in model under ``compute``."""
+    cfg, batch = MODELS[name]
+    model = build_model(cfg)
+    optimizer = build_optimizer(OptimizerConfig(lr=0.01))
+    policy = Policy(compute=jnp.dtype(compute))
+    state = init_state(model, optimizer, 0, policy)
+    train = matmuls(make_train_step(model, optimizer, policy=policy), state, batch())
+    evaluate = matmuls(make_eval_step(model, policy), state.params, batch())
+    return train, evaluate
+
+
+# Matmuls allowed to take float32 operands under a half-precision policy. None: the loss's
+# log-sum-exp, softmax and layer-norm statistics run in float32, but none of them is a matmul.
+FLOAT32_MATMULS_ALLOWED: set[str] = set()
+
+
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_matmul_and_convolution_takes_the_compute_dtype(name, compute):
+    train, evaluate = matmul_operand_dtypes(name, compute)
+    assert len(train) > len(evaluate) > 0  # the backward pass's matmuls are in train
+    if name == "cnn":
+        assert any(m.primitive == "conv_general_dilated" for m in train)
+    wrong = [m for m in train + evaluate
+             if set(m.operands) != {compute} and m.where not in FLOAT32_MATMULS_ALLOWED]
+    assert not wrong, wrong
+
+
+def test_the_walk_sees_float32_matmuls_under_a_float32_policy_and_a_leaking_constant():
+    train, _ = matmul_operand_dtypes("transformer", "float32")
+    assert {m.operands for m in train} == {("float32", "float32")}
+    # A user's model whose matmul escapes the cast through a float32 constant is caught.
+    table = np.ones((8, 8), np.float32)
+    leaky = from_functions(lambda key: {"w": jnp.ones((8, 1))},
+                           lambda p, b, k: jnp.mean((b["x"] @ table @ p["w"]) ** 2))
+    optimizer = build_optimizer(OptimizerConfig(lr=0.01))
+    policy = Policy(compute=jnp.bfloat16)
+    state = init_state(leaky, optimizer, 0, policy)
+    found = matmuls(make_train_step(leaky, optimizer, policy=policy), state,
+                    {"x": np.ones((4, 8), np.float32)})
+    assert any("float32" in m.operands for m in found)
+    assert all(m.where.startswith(__file__) for m in found)
+
+
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+def test_sampling_runs_the_transformer_in_the_compute_dtype(compute):
+    from trainrun.sample import _decoder
+
+    cfg = MODELS["transformer"][0]
+    params = build_model(cfg).init(jax.random.key(0))
+    decode = _decoder(cfg, 4, 4, 6, compute)
+    found = matmuls(decode, params, jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32),
+                    jnp.float32(1.0), jax.random.key(0))
+    assert found and {m.operands for m in found} == {(compute, compute)}

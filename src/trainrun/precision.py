@@ -13,6 +13,7 @@ normal 6e-5) does. The policy is static (part of the program); the loss scale is
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -34,6 +35,43 @@ def cast_floats(tree: PyTree, dtype: Any) -> PyTree:
         return jnp.asarray(x).astype(dtype)
 
     return jax.tree.map(cast, tree)
+
+
+def float32_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any) -> jax.Array:
+    """``lax.dot_general(a, b, dimension_numbers)`` accumulated and returned in float32, whose
+    backward pass also multiplies in ``a``'s dtype.
+
+    For scores that feed a float32 softmax (attention logits): autodiff of a plain
+    ``preferred_element_type=float32`` matmul would multiply the float32 cotangent by the
+    half-precision operands, which promotes both backward matmuls to float32. Here the
+    cotangent is rounded to ``a``'s dtype first, as it would be had the matmul returned that
+    dtype. For float32 operands it is the plain matmul."""
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+    return _float32_dot(a, b, _hashable(dimension_numbers))
+
+
+def _hashable(dimension_numbers: Any) -> Any:
+    return tuple(tuple(tuple(d) for d in part) for part in dimension_numbers)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _float32_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any) -> jax.Array:
+    return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+
+
+def _float32_dot_fwd(a, b, dimension_numbers):
+    return _float32_dot(a, b, dimension_numbers), (a, b)
+
+
+def _float32_dot_bwd(dimension_numbers, residuals, g):
+    a, b = residuals
+    _, pullback = jax.vjp(lambda a, b: jax.lax.dot_general(
+        a, b, dimension_numbers, preferred_element_type=a.dtype), a, b)
+    return pullback(g.astype(a.dtype))
+
+
+_float32_dot.defvjp(_float32_dot_fwd, _float32_dot_bwd)
 
 
 @jax.tree_util.register_dataclass
@@ -114,3 +152,52 @@ def policy_from_config(cfg: Any) -> Policy:
                   output=DTYPES[cfg.output], loss_scale=cfg.loss_scale,
                   growth_interval=cfg.loss_scale_growth_interval, factor=cfg.loss_scale_factor)
 
+
+
+# ---- what a program really computes in -------------------------------------------------------
+
+MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One matmul or convolution of a traced program: its primitive, its operands' dtypes and
+    the user-code line that made it (as JAX's source info names it)."""
+
+    primitive: str
+    operands: tuple[str, ...]
+    where: str
+
+
+def matmuls(fn: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
+    """Every matmul and convolution that ``fn(*args, **kwargs)`` traces to, gradients and
+    scanned or rematerialized bodies included (the jaxpr is walked through every sub-jaxpr).
+
+    A policy's promise is checked on the program, not on its outputs: under bfloat16 compute
+    every entry should read ``("bfloat16", "bfloat16")``; a float32 operand marks an activation
+    or a param that escaped the cast (for a module of one's own: a layer created with
+    ``dtype=jnp.float32``, a float32 constant table, a ``.astype(jnp.float32)`` before a
+    matmul)."""
+    from jax.extend import core as jax_core
+
+    found: list[Matmul] = []
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in MATMUL_PRIMITIVES:
+                operands = tuple(str(v.aval.dtype) for v in eqn.invars)
+                found.append(Matmul(eqn.primitive.name, operands, _where(eqn)))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple | list) else (param,):
+                    if isinstance(sub, jax_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax_core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+    return found
+
+
+def _where(eqn: Any) -> str:
+    frame = jax._src.source_info_util.user_frame(eqn.source_info.traceback)
+    return f"{frame.file_name}:{frame.start_line}" if frame else "?"

@@ -21,6 +21,7 @@ from trainrun import rundir
 from trainrun.config import ConfigError, RunConfig, TransformerModel, config_from_dict
 from trainrun.errors import UserError
 from trainrun.models.transformer import Transformer, bind_transformer
+from trainrun.precision import DTYPES, cast_floats
 
 PyTree = Any
 
@@ -30,10 +31,12 @@ class SampleError(UserError):
 
 
 def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: int, *,
-             temperature: float = 1.0, seed: int = 0) -> np.ndarray:
+             temperature: float = 1.0, seed: int = 0, compute: str = "float32") -> np.ndarray:
     """``prompt`` (1-D token ids) followed by ``tokens`` sampled ones.
 
     temperature: logits are divided by it before sampling; 0 takes the most likely token.
+    compute: the dtype the model runs in (the run's ``precision.compute``): params and the
+        key/value cache are cast to it; logits are float32.
     """
     if prompt.size == 0:
         raise SampleError("the prompt is empty; give at least one character (e.g. --prompt "
@@ -44,17 +47,19 @@ def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: 
         raise SampleError(f"model.seq_len={cfg.seq_len} leaves no room to generate")
     # The prompt's tail that fits the context with room for one generated token.
     context = np.asarray(prompt[-(cfg.seq_len - 1):], np.int32)
-    program = _decoder(cfg, int(prompt.size), int(context.size), tokens)
+    program = _decoder(cfg, int(prompt.size), int(context.size), tokens, compute)
     out = program(params, jnp.asarray(prompt, jnp.int32), jnp.asarray(context),
                   jnp.float32(temperature), jax.random.key(seed))
     return np.asarray(out)
 
 
 @functools.lru_cache(maxsize=8)
-def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: int):
+def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: int,
+             compute: str = "float32"):
     """The jitted decoder for one prompt length and token count: one program, compiled once,
     for every token, seed and temperature."""
     module_of = bind_transformer(cfg)
+    dtype = DTYPES[compute]
     window = cfg.seq_len
     keep = window // 2  # tokens carried into a fresh cache when the cache is full
 
@@ -63,15 +68,15 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
         return jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(jnp.int32)
 
     def decode(params, prompt, context, temperature, key):
-        module: Transformer = module_of(params)
+        module: Transformer = module_of(cast_floats(params, dtype))
         seq = jnp.zeros(prompt_len + tokens, jnp.int32).at[:prompt_len].set(prompt)
-        cache = module.empty_cache(1, window)
+        cache = module.empty_cache(1, window, dtype)
         logits, cache = module(context[None], cache=cache, pos=0)
 
         def refill(seq: jax.Array, end: jax.Array):
             """A fresh cache holding the ``keep`` tokens before ``end``."""
             recent = jax.lax.dynamic_slice(seq, (end - keep,), (keep,))
-            _, fresh = module(recent[None], cache=module.empty_cache(1, window), pos=0)
+            _, fresh = module(recent[None], cache=module.empty_cache(1, window, dtype), pos=0)
             return fresh
 
         def body(i, carry):
@@ -102,7 +107,7 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
                           "(model.kind=transformer, data.kind=text), e.g. --config lm")
     _, params = latest_params(Path(run_dir), config)
     out = generate(config.model, params, np.frombuffer(prompt.encode(), np.uint8), tokens,
-                   temperature=temperature, seed=seed)
+                   temperature=temperature, seed=seed, compute=config.precision.compute)
     return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 

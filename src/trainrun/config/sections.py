@@ -65,6 +65,11 @@ class TransformerModel(Section):
     positions: Literal["rope", "learned"] = "rope"
     dropout: float = Field(0.0, ge=0, lt=1)
     init_std: float = Field(0.02, gt=0)
+    # How the program is built; the maths and the params' layout stay the same, so a checkpoint
+    # written under one setting restores under any other.
+    scan_layers: bool = False  # one compiled block under lax.scan: compile time flat in depth
+    remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
+    loss_chunk: int = Field(4096, ge=0)  # tokens per chunk of the output head and loss; 0: one
 
 
 ModelConfig = Annotated[

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -32,3 +33,120 @@ def next_token(logits: jax.Array,
     loss, aux = classification(logits, tokens.astype(jnp.int32))
     unit = "bits_per_byte" if tokens.dtype == jnp.uint8 else "bits_per_token"
     return loss, {**aux, unit: loss / LN2}
+
+
+# ---- the output head and its loss, in chunks of tokens ----------------------------------------
+
+
+def next_token_from_features(features: jax.Array, embedding: jax.Array, targets: jax.Array,
+                             chunk: int = 0, unit: str = "bits_per_token",
+                             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The language-model loss of a tied output head: ``logits = features @ embedding.T``, then
+    mean cross-entropy against ``targets``, without ever holding the ``[tokens, vocab]`` logits
+    of the whole batch.
+
+    features: ``[tokens, d_model]`` in the compute dtype; embedding: ``[vocab, d_model]`` in the
+        compute dtype; targets: ``[tokens]`` integer ids.
+    chunk: tokens per chunk of logits (0: all at once). At GPT-2's vocabulary (50304) the logits
+        of 32 x 1024 tokens are 6.6 GB in float32; chunks of 4096 tokens hold 0.8 GB at a time.
+
+    The head's matmuls take their operands in the compute dtype and accumulate in float32
+    (``preferred_element_type``); the log-sum-exp, the loss and the logits' gradient are float32,
+    the gradient is cast to the compute dtype before its two matmuls (as autodiff of a cast
+    would). With more than one chunk the backward pass recomputes each chunk's logits instead
+    of storing them. Same value and gradients as ``next_token`` on the full logits (tested).
+    """
+    tokens = features.shape[0]
+    chunk = tokens if chunk <= 0 else min(chunk, tokens)
+    count = -(-tokens // chunk)
+    loss_sum, hits = _head_cross_entropy(features, embedding, targets.astype(jnp.int32),
+                                         chunk, count)
+    loss = loss_sum / tokens
+    return loss, {"accuracy": hits / tokens, unit: loss / LN2}
+
+
+def _head_logits(features: jax.Array, embedding: jax.Array) -> jax.Array:
+    """``features @ embedding.T`` with float32 accumulation and output."""
+    return jax.lax.dot_general(features, embedding, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _chunks(x: jax.Array, chunk: int, count: int, fill: int | float = 0) -> jax.Array:
+    """``x`` ``[tokens, ...]`` padded to ``count * chunk`` rows, as ``[count, chunk, ...]``."""
+    pad = count * chunk - x.shape[0]
+    if pad:
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+    return x.reshape(count, chunk, *x.shape[1:])
+
+
+def _chunk_forward(features: jax.Array, embedding: jax.Array, targets: jax.Array):
+    """Per token of one chunk: log-sum-exp, loss, whether the argmax is the target; and the
+    chunk's logits. Padded rows (target -1) have loss and hit 0."""
+    logits = _head_logits(features, embedding)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    valid = targets >= 0
+    picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    loss = jnp.where(valid, lse - picked, 0.0)
+    hit = jnp.where(valid, jnp.argmax(logits, axis=-1) == targets, False)
+    return lse, loss, hit, logits
+
+
+def _chunk_logits_grad(logits: jax.Array, lse: jax.Array, targets: jax.Array,
+                       scale: jax.Array) -> jax.Array:
+    """d(loss_sum)/d(logits) of one chunk, times the incoming cotangent ``scale``."""
+    probs = jnp.exp(logits - lse[:, None])
+    onehot = jnp.arange(logits.shape[-1])[None, :] == targets[:, None]
+    grad = probs - onehot.astype(jnp.float32)
+    return jnp.where((targets >= 0)[:, None], grad, 0.0) * scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _head_cross_entropy(features, embedding, targets, chunk, count):
+    return _head_cross_entropy_fwd(features, embedding, targets, chunk, count)[0]
+
+
+def _head_cross_entropy_fwd(features, embedding, targets, chunk, count):
+    if count == 1:  # one chunk: keep its logits for the backward pass, as autodiff would
+        lse, loss, hit, logits = _chunk_forward(features, embedding, targets)
+        out = (jnp.sum(loss), jnp.sum(hit.astype(jnp.float32)))
+        return out, (features, embedding, targets, lse, logits)
+
+    def body(carry, part):
+        lse, loss, hit, _ = _chunk_forward(part[0], embedding, part[1])
+        return (carry[0] + jnp.sum(loss), carry[1] + jnp.sum(hit.astype(jnp.float32))), lse
+
+    zero = jnp.zeros((), jnp.float32)
+    out, lse = jax.lax.scan(body, (zero, zero), (_chunks(features, chunk, count),
+                                                 _chunks(targets, chunk, count, fill=-1)))
+    return out, (features, embedding, targets, lse, None)
+
+
+def _head_cross_entropy_bwd(chunk, count, residuals, cotangents):
+    features, embedding, targets, lse, logits = residuals
+    scale = cotangents[0].astype(jnp.float32)  # the hit count has no gradient
+    dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+
+    def grads(part_features, part_targets, part_lse, part_logits):
+        d_logits = _chunk_logits_grad(part_logits, part_lse, part_targets, scale)
+        d_logits = d_logits.astype(features.dtype)
+        d_features = dot(d_logits, embedding, (((1,), (0,)), ((), ())))
+        d_embedding = dot(d_logits, part_features, (((0,), (0,)), ((), ())))
+        return d_features.astype(features.dtype), d_embedding
+
+    if count == 1:
+        d_features, d_embedding = grads(features, targets, lse, logits)
+    else:
+        def body(total, part):
+            part_features, part_targets, part_lse = part
+            part_logits = _head_logits(part_features, embedding)
+            d_features, d_embedding = grads(part_features, part_targets, part_lse, part_logits)
+            return total + d_embedding, d_features
+
+        d_embedding, d_features = jax.lax.scan(
+            body, jnp.zeros(embedding.shape, jnp.float32),
+            (_chunks(features, chunk, count), _chunks(targets, chunk, count, fill=-1), lse))
+        d_features = d_features.reshape(-1, features.shape[-1])[:features.shape[0]]
+    return d_features, d_embedding.astype(embedding.dtype), None
+
+
+_head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)

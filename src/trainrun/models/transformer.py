@@ -31,7 +31,8 @@ from flax import nnx
 
 from trainrun.config import TransformerModel
 from trainrun.models.adapters import Model, bind_params, from_nnx
-from trainrun.models.losses import next_token
+from trainrun.models.losses import next_token_from_features
+from trainrun.precision import float32_dot
 
 
 class KV(NamedTuple):
@@ -56,7 +57,9 @@ class Rope(NamedTuple):
     def apply(self, x: jax.Array) -> jax.Array:  # x: [batch, chunk, heads, head_dim]
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
-        sin, cos = self.sin[:, None, :], self.cos[:, None, :]
+        # The tables in x's dtype: float32 tables would promote bfloat16 queries and keys, and
+        # with them every matmul downstream, to float32.
+        sin, cos = (jnp.asarray(t, x.dtype)[:, None, :] for t in (self.sin, self.cos))
         return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
@@ -88,8 +91,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     blocks = []
     for lo in range(0, seq, ATTENTION_BLOCK):
         hi = min(lo + ATTENTION_BLOCK, seq)
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q[:, :, lo:hi], k[:, :, :hi],
-                            preferred_element_type=jnp.float32) * jnp.float32(scale)
+        logits = float32_dot(q[:, :, lo:hi], k[:, :, :hi],
+                             (((3,), (3,)), ((0, 1), (0, 1)))) * jnp.float32(scale)
         visible = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
         probs = jax.nn.softmax(jnp.where(visible, logits, masked), axis=-1)
         blocks.append(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v[:, :, :hi]))
@@ -177,10 +180,19 @@ def _dropout(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None, site: int)
     return layer(x, deterministic=False, rngs=jax.random.fold_in(key, site))
 
 
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block: recompute it whole in the backward pass
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable":
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
         self.layers, self.heads = cfg.layers, cfg.heads
         self.head_dim = cfg.d_model // cfg.heads
+        self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs,
                                embedding_init=nnx.initializers.normal(cfg.init_std),
                                embedding_metadata={"axes": ("vocab", "embed")})
@@ -198,46 +210,98 @@ class Transformer(nnx.Module):
         positions ``pos ..``. ``key``: dropout randomness (None: no dropout). ``cache``: one
         ``KV`` per layer for decoding, returned updated; None for training."""
         batch, chunk = tokens.shape
+        x, new_cache = self.features(tokens, key, cache, pos)
+        logits = jax.lax.dot_general(x, self.embed.embedding[...], (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+        return logits.reshape(batch, chunk, -1), new_cache
+
+    def features(self, tokens: jax.Array, key: jax.Array | None = None,
+                 cache: list[KV] | None = None,
+                 pos: jax.Array | int = 0) -> tuple[jax.Array, list[KV] | None]:
+        """The final layer norm's output ``[batch * chunk, d_model]``, in the params' dtype:
+        what the tied output head multiplies by the embedding table."""
+        batch, chunk = tokens.shape
         positions = pos + jnp.arange(chunk)
-        x = self.embed(tokens.astype(jnp.int32))
+        # The table's own dtype: nnx.Embed would promote a bfloat16 table's rows to the float32
+        # it was created in, and the whole residual stream with them.
+        table = self.embed.embedding[...]
+        x = jnp.take(table, tokens.astype(jnp.int32), axis=0)
         rope = None
         if self.positions is None and isinstance(pos, int | np.integer):
             # Static positions (training, a prefill at 0): the table becomes a constant. Left in
             # the program, XLA:CPU fuses sin and cos into their consumers and evaluates them
             # again for every element they scale (9% of a training step on CPU).
             with jax.ensure_compile_time_eval():
-                table = Rope.at(pos + jnp.arange(chunk), self.head_dim)
-            rope = Rope(*(np.asarray(t) for t in table))
+                angles = Rope.at(pos + jnp.arange(chunk), self.head_dim)
+            rope = Rope(*(np.asarray(t) for t in angles))
         elif self.positions is None:
             rope = Rope.at(positions, self.head_dim)
         else:
-            x = x + jnp.take(self.positions[...], positions, axis=0)[None]
+            x = x + jnp.take(self.positions[...], positions, axis=0)[None].astype(x.dtype)
         x = _dropout(self.drop, x, key, 0)
-        new_cache = [] if cache is not None else None
-        for i in range(self.layers):
-            layer_key = None if key is None else jax.random.fold_in(key, i + 1)
-            x, kv = self.blocks[f"{i}"](x, rope, layer_key,
-                                         None if cache is None else cache[i], pos)
-            if new_cache is not None:
+        if cache is not None:
+            new_cache = []
+            for i in range(self.layers):
+                x, kv = self.blocks[f"{i}"](x, rope, None, cache[i], pos)
                 new_cache.append(kv)
-        logits = self.embed.attend(self.ln_f(x).reshape(batch * chunk, -1))
-        return logits.reshape(batch, chunk, -1).astype(jnp.float32), new_cache
+            return self.ln_f(x).reshape(batch * chunk, -1), new_cache
+        return self.ln_f(self._blocks(x, rope, key)).reshape(batch * chunk, -1), None
+
+    def _blocks(self, x: jax.Array, rope: Rope | None, key: jax.Array | None) -> jax.Array:
+        """The layers in training and eval: unrolled, or one block under ``lax.scan`` over the
+        layers' params stacked on the fly; each optionally rematerialized. The params keep one
+        entry per layer either way, so checkpoints do not depend on these settings. Layer
+        ``i``'s dropout key is ``fold_in(key, i + 1)`` in every form."""
+        if not self.scan_layers and self.remat == "none":
+            for i in range(self.layers):
+                layer_key = None if key is None else jax.random.fold_in(key, i + 1)
+                x, _ = self.blocks[f"{i}"](x, rope, layer_key)
+            return x
+        graphdef, _ = nnx.split(self.blocks["0"])
+        states = [nnx.split(self.blocks[f"{i}"])[1] for i in range(self.layers)]
+
+        def block(state: nnx.State, x: jax.Array, index: jax.Array) -> jax.Array:
+            layer_key = None if key is None else jax.random.fold_in(key, index)
+            return nnx.merge(graphdef, state)(x, rope, layer_key)[0]
+
+        if self.remat != "none":
+            # Under scan the loop already keeps the recomputation in the backward pass, so the
+            # barrier against CSE is not needed (JAX's advice for checkpoint inside scan).
+            # Unrolled, XLA:CPU is free to schedule the recomputation early: there remat did
+            # not lower the step's temporaries (BENCHMARKS.md, "Layers under scan").
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat],
+                                   prevent_cse=not self.scan_layers)
+        if not self.scan_layers:
+            for i, state in enumerate(states):
+                x = block(state, x, jnp.uint32(i + 1))
+            return x
+        stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *states)
+        x, _ = jax.lax.scan(lambda x, layer: (block(layer[0], x, layer[1]), None), x,
+                            (stacked, jnp.arange(1, self.layers + 1, dtype=jnp.uint32)))
+        return x
 
     def empty_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> list[KV]:
         shape = (batch, max_len, self.heads, self.head_dim)
         return [KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.layers)]
 
 
-def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None):
-    """``batch["tokens"]``: ``[batch, seq_len + 1]``; predict each next token."""
+def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None,
+             chunk: int = 0):
+    """``batch["tokens"]``: ``[batch, seq_len + 1]``; predict each next token. The head and loss
+    run in chunks of ``chunk`` tokens (``losses.next_token_from_features``)."""
     tokens = batch["tokens"]
-    logits, _ = module(tokens[:, :-1], key)
-    return next_token(logits, tokens[:, 1:])
+    features, _ = module.features(tokens[:, :-1], key)
+    unit = "bits_per_byte" if tokens.dtype == jnp.uint8 else "bits_per_token"
+    return next_token_from_features(features, module.embed.embedding[...],
+                                    tokens[:, 1:].reshape(-1), chunk, unit)
 
 
 def make_transformer(cfg: TransformerModel) -> Model:
-    return from_nnx(lambda rngs: Transformer(cfg, rngs), _lm_loss, name="transformer",
-                    eval_loss=lambda module, batch: _lm_loss(module, batch, None))
+    def loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None):
+        return _lm_loss(module, batch, key, cfg.loss_chunk)
+
+    return from_nnx(lambda rngs: Transformer(cfg, rngs), loss, name="transformer",
+                    eval_loss=lambda module, batch: loss(module, batch, None))
 
 
 def bind_transformer(cfg: TransformerModel):

@@ -271,10 +271,11 @@ def _mlp_3d(self, x):
     return self.down(jax.nn.gelu(self.up(x), approximate=True))
 
 
-def _loss_with_traced_positions(module, batch, key):
+def _loss_with_traced_positions(module, batch, key, chunk=0):
     tokens = batch["tokens"]  # pos as an array: the rotary table is computed in the program
-    logits, _ = module(tokens[:, :-1], key, pos=jnp.zeros((), jnp.int32))
-    return transformer.next_token(logits, tokens[:, 1:])
+    features, _ = module.features(tokens[:, :-1], key, pos=jnp.zeros((), jnp.int32))
+    return transformer.next_token_from_features(features, module.embed.embedding[...],
+                                                tokens[:, 1:].reshape(-1), chunk)
 
 
 @contextlib.contextmanager

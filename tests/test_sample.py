@@ -15,7 +15,7 @@ from trainrun.config import TransformerModel, dump_yaml, load_config
 from trainrun.loop import run
 from trainrun.models import build_model
 from trainrun.models.transformer import bind_transformer
-from trainrun.sample import _decoder, generate, latest_params
+from trainrun.sample import SampleError, _decoder, generate, latest_params
 
 CFG = TransformerModel(d_model=32, layers=2, heads=4, seq_len=16)
 
@@ -50,7 +50,7 @@ def test_cached_decoding_equals_recomputing_the_context_in_one_program():
 
     a, b, c = (generate(CFG, params, prompt, 30, temperature=1.0, seed=s) for s in (1, 1, 2))
     assert np.array_equal(a, b) and not np.array_equal(a, c)
-    assert _decoder(CFG, 10, 10, 30)._cache_size() == 1  # every token, seed, temperature
+    assert _decoder(CFG, 10, 10, 30, "float32")._cache_size() == 1  # any token, seed, temperature
 
 
 def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys):
@@ -79,3 +79,18 @@ def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys)
     assert len(err) == 1 and "byte-level language model" in err[0]
     assert main(["sample", str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_any_token_count_from_one_and_any_prompt_length_decodes_and_zero_is_refused():
+    params = build_model(CFG).init(jax.random.key(0))
+    for prompt, tokens in ((b"def ", 1), (b"def ", 3), (b"x" * 15, 1), (b"x" * 40, 2)):
+        ids = np.frombuffer(prompt, np.uint8)
+        got = generate(CFG, params, ids, tokens, temperature=0.0)
+        assert got.tolist() == recomputed(params, ids, tokens)
+    for tokens in (0, -1):
+        try:
+            generate(CFG, params, np.frombuffer(b"def ", np.uint8), tokens)
+        except SampleError as err:
+            assert "at least 1 token" in str(err)
+        else:
+            raise AssertionError(f"--tokens {tokens} was accepted")

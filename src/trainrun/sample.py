@@ -41,8 +41,11 @@ def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: 
     if prompt.size == 0:
         raise SampleError("the prompt is empty; give at least one character (e.g. --prompt "
                           "'\\n')")
-    if tokens < 0 or temperature < 0:
-        raise SampleError(f"--tokens ({tokens}) and --temperature ({temperature}) must be >= 0")
+    if tokens < 1:
+        raise SampleError(f"--tokens {tokens}: give at least 1 token to generate")
+    if temperature < 0:
+        raise SampleError(f"--temperature {temperature}: give a temperature >= 0 (0: the most "
+                          "likely token each time)")
     if cfg.seq_len < 2:
         raise SampleError(f"model.seq_len={cfg.seq_len} leaves no room to generate")
     # The prompt's tail that fits the context with room for one generated token.
@@ -69,7 +72,10 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
 
     def decode(params, prompt, context, temperature, key):
         module: Transformer = module_of(cast_floats(params, dtype))
-        seq = jnp.zeros(prompt_len + tokens, jnp.int32).at[:prompt_len].set(prompt)
+        # At least ``keep`` long, so the refill's slice is valid even where the text is too
+        # short to ever fill the cache (then the refill is traced but never taken).
+        length = prompt_len + tokens
+        seq = jnp.zeros(max(length, keep), jnp.int32).at[:prompt_len].set(prompt)
         cache = module.empty_cache(1, window, dtype)
         logits, cache = module(context[None], cache=cache, pos=0)
 
@@ -92,7 +98,7 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
 
         carry = (seq, cache, jnp.int32(context_len), logits[0, -1])
         seq, *_ = jax.lax.fori_loop(0, tokens, body, carry)
-        return seq
+        return seq[:length]
 
     return jax.jit(decode)
 

@@ -23,15 +23,17 @@ from trainrun.models import build_model
 POLICIES = ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full")
 
 
-def compile_step(cfg: TransformerModel, batch: int) -> tuple[float, jax.stages.Compiled]:
+def compile_step(cfg: TransformerModel, batch: int) -> tuple[float, int, jax.stages.Compiled]:
+    """(seconds to lower and compile, characters of the lowered program, the executable)."""
     model = build_model(cfg)
     params = jax.eval_shape(model.init, jax.random.key(0))
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), np.int32)
     fn = jax.jit(jax.value_and_grad(
         lambda p, t: model.loss(p, {"tokens": t}, jax.random.key(0))[0]))
     start = time.perf_counter()
-    compiled = fn.lower(params, tokens).compile()
-    return time.perf_counter() - start, compiled
+    lowered = fn.lower(params, tokens)
+    compiled = lowered.compile()
+    return time.perf_counter() - start, len(lowered.as_text()), compiled
 
 
 def main() -> None:
@@ -49,16 +51,17 @@ def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; d_model {args.d_model}, "
           f"seq {args.seq}, batch {args.batch}, float32\n")
 
-    print("Compile time of the step (s), by depth")
-    print("| layers | unrolled | scan_layers | scan / unrolled |")
-    print("|---:|---:|---:|---:|")
+    print("Lowering + compile time of the step (s) and the lowered program's size, by depth")
+    print("| layers | unrolled s | scan_layers s | unrolled program (kB) | scanned program (kB) |")
+    print("|---:|---:|---:|---:|---:|")
     for layers in depths:
-        times = {}
+        times, sizes = {}, {}
         for scan in (False, True):
             cfg = base.model_copy(update={"layers": layers, "scan_layers": scan})
-            times[scan] = min(compile_step(cfg, args.batch)[0] for _ in range(args.repeats))
+            runs = [compile_step(cfg, args.batch) for _ in range(args.repeats)]
+            times[scan], sizes[scan] = min(r[0] for r in runs), runs[0][1]
         print(f"| {layers} | {times[False]:.2f} | {times[True]:.2f} | "
-              f"{times[True] / times[False]:.2f} |")
+              f"{sizes[False] / 1e3:,.0f} | {sizes[True] / 1e3:,.0f} |")
 
     layers = max(depths)
     print(f"\nTemporaries of the step (MB, memory_analysis), {layers} layers, by remat policy")
@@ -68,7 +71,7 @@ def main() -> None:
         temps = []
         for scan in (False, True):
             cfg = base.model_copy(update={"layers": layers, "scan_layers": scan, "remat": remat})
-            temps.append(compile_step(cfg, args.batch)[1].memory_analysis().temp_size_in_bytes)
+            temps.append(compile_step(cfg, args.batch)[2].memory_analysis().temp_size_in_bytes)
         print(f"| {remat} | {temps[0] / 1e6:.1f} | {temps[1] / 1e6:.1f} |")
 
 

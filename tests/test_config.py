@@ -61,6 +61,19 @@ def test_unknown_config_name_suggests_the_closest():
     ("steps=many", "config key 'steps' expects int, got 'many'"),
     ("optimizer.eps=0", "config key 'optimizer.eps' expects float, got 0 (int): Input should "
                         "be greater than 0"),
+    ("model.hidden=[0]", "config key 'model.hidden.0' expects list[int], got 0 (int): Input "
+                         "should be greater than 0"),
+    ("seed=99999999999999999999", "config key 'seed' expects int, got 99999999999999999999 "
+                                  "(int): Input should be less than or equal to 4294967295"),
+    ("seed=-1", "Input should be greater than or equal to 0"),
+    ("optimizer.lr=.inf", "config key 'optimizer.lr' expects float, got inf (float): Input "
+                          "should be a finite number"),
+    ("optimizer.lr=.nan", "Input should be a finite number"),
+    ("model.hidden=[1", "override 'model.hidden=[1': '[1' is not a valid YAML value"),
+    ("name=../x", "config key 'name': a run name is a plain file name"),
+    ("name=/abs/path", "a run name is a plain file name"),
+    ("name=", "a run name is a plain file name"),
+    ("name=..", "a run name is a plain file name"),
 ])
 def test_cli_config_errors_exit_2_with_one_line_and_no_traceback(tmp_path, cli, override,
                                                                   expected):

@@ -44,8 +44,9 @@ class ConfigError(UserError):
 
 
 class RunConfig(Section):
+    # A plain file name: the run directory is runs/<name>; --run-dir is the way to pick a path.
     name: str = "run"
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # jax.random.key's range without wrapping
     steps: int = Field(200, gt=0)
     steps_per_call: int = Field(1, gt=0)
     log_every: int = Field(50, gt=0)
@@ -61,6 +62,14 @@ class RunConfig(Section):
     distributed: DistributedConfig = Field(default_factory=SingleProcess)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _plain_file_name(cls, value: str) -> str:
+        if not value or value in (".", "..") or any(c in value for c in "/\\\0"):
+            raise ValueError("a run name is a plain file name (runs/<name>): no '/', not empty, "
+                             "not '.' or '..'; give --run-dir to choose a path")
+        return value
 
     @pydantic.field_validator("distributed", mode="before")
     @classmethod
@@ -117,7 +126,11 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key.path=value (e.g. optimizer.lr=0.01)")
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: {raw!r} is not a valid YAML value; quote "
+                              "it or close its brackets (e.g. model.hidden=[64,64])") from None
         node = tree
         parts = key.split(".")
         for part in parts[:-1]:
@@ -258,6 +271,10 @@ def _type_name(annotation: Any) -> str:
         return annotation.__name__
     if typing.get_origin(annotation) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is Annotated:  # bounds are said by pydantic's message
+        return _type_name(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) is list:
+        return f"list[{_type_name(typing.get_args(annotation)[0])}]"
     return str(annotation).replace("typing.", "")
 
 

@@ -12,7 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No float in a run's config may be infinite or NaN (an `optimizer.lr=.inf` would be taken
+    # and skip every step as non-finite).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+Width = Annotated[int, Field(gt=0)]  # a layer's size: at least 1
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -23,7 +28,7 @@ class MLPModel(Section):
 
     kind: Literal["mlp"] = "mlp"
     features: int = Field(8, gt=0)
-    hidden: list[int] = Field(default_factory=lambda: [32])
+    hidden: list[Width] = Field(default_factory=lambda: [32])
     outputs: int = Field(1, gt=0)
     init_scale: float = Field(0.1, gt=0)
 
@@ -33,7 +38,7 @@ class NNXMLPModel(Section):
 
     kind: Literal["nnx_mlp"] = "nnx_mlp"
     features: int = Field(8, gt=0)
-    hidden: list[int] = Field(default_factory=lambda: [64])
+    hidden: list[Width] = Field(default_factory=lambda: [64])
     outputs: int = Field(1, gt=0)
     task: Literal["regression", "classification"] = "regression"
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -45,7 +50,7 @@ class CNNModel(Section):
     kind: Literal["cnn"] = "cnn"
     image_size: int = Field(8, gt=0)
     in_channels: int = Field(1, gt=0)
-    channels: list[int] = Field(default_factory=lambda: [32, 64])
+    channels: list[Width] = Field(default_factory=lambda: [32, 64])
     hidden: int = Field(128, gt=0)
     classes: int = Field(10, gt=1)
     dropout: float = Field(0.0, ge=0, lt=1)

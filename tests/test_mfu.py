@@ -85,6 +85,19 @@ def test_mlp_mfu_is_reported_and_between_zero_and_one(tmp_path, monkeypatch, cap
     assert summary["goodput"] == pytest.approx(split["step_compute"] / summary["wall_s"])
 
 
+def test_a_lower_ceiling_measured_later_never_replaces_a_higher_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+    record = mfu.measure_ceiling(256, 2)
+    _, best = mfu.save_ceiling({**record, "flops_per_s": 3.8e11})
+    assert best["flops_per_s"] == 3.8e11
+    # a busy machine measures low: the kept figure stays, so MFU cannot rise because of it
+    _, best = mfu.save_ceiling({**record, "flops_per_s": 1.6e11, "measured_at": "later"})
+    assert best["flops_per_s"] == 3.8e11 and best["measurements"] == 2
+    assert mfu.cached_ceiling()["flops_per_s"] == 3.8e11
+    _, best = mfu.save_ceiling({**record, "flops_per_s": 4.0e11})  # a better one does replace
+    assert mfu.cached_ceiling()["flops_per_s"] == 4.0e11 and best["measurements"] == 3
+
+
 def test_without_a_ceiling_mfu_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "empty"))
     peak, why = mfu.find_peak("cpu", "cpu", 1)

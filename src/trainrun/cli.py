@@ -30,6 +30,13 @@ def _verify_resume(args: argparse.Namespace) -> int:
                          keep=args.keep)
 
 
+def _config_show(args: argparse.Namespace) -> int:
+    from trainrun.config import show_config
+
+    print(show_config(args.config, args.overrides), end="")
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from trainrun.distributed import launch
 
@@ -88,6 +95,10 @@ def _bench_ceiling(args: argparse.Namespace) -> int:
     return 0
 
 
+CONFIG_HELP = ("a built-in config's name (mlp, digits, lm, ...), which wins over a file or "
+               "folder of that name (write ./NAME for the file), or a path to a YAML file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainrun",
@@ -97,8 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="run a training run (resumes one that has a checkpoint)",
         description="Train a config. Overrides are key.path=value, e.g. optimizer.lr=0.003.")
-    train.add_argument("--config", default="mlp",
-                       help="built-in config name (mlp, ...) or a path to a YAML file")
+    train.add_argument("--config", default="mlp", help=CONFIG_HELP)
     train.add_argument("--run-dir", default=None,
                        help="where the run writes its files (default runs/<config name>)")
     train.add_argument("--fresh", action="store_true",
@@ -116,8 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "final state bit for bit. Exit 0 only if all match. Without --kill-at and "
                     "--kill-in-save: one kill after a committed checkpoint and one during an "
                     "asynchronous save.")
-    verify.add_argument("--config", default="mlp",
-                        help="built-in config name or a path to a YAML file")
+    verify.add_argument("--config", default="mlp", help=CONFIG_HELP)
     verify.add_argument("--kill-at", type=int, action="append", default=[], metavar="STEP",
                         help="kill -9 once the checkpoint at STEP is committed (repeatable)")
     verify.add_argument("--kill-in-save", type=int, action="append", default=[],
@@ -130,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep the runs' directories (kept anyway when a check fails)")
     verify.add_argument("overrides", nargs="*", metavar="key.path=value")
     verify.set_defaults(handler=_verify_resume)
+
+    config = commands.add_parser("config", help="inspect a config before running it")
+    config_kinds = config.add_subparsers(dest="config_command", metavar="WHAT", required=True)
+    show = config_kinds.add_parser(
+        "show", help="print the resolved config and where each value comes from",
+        description="Print the config a run would use, as YAML, each value followed by its "
+                    "origin: default, file (the --config file), base (a file it extends "
+                    "through base:) or override (a key.path=value).")
+    show.add_argument("--config", default="mlp", help=CONFIG_HELP)
+    show.add_argument("overrides", nargs="*", metavar="key.path=value")
+    show.set_defaults(handler=_config_show)
 
     launch = commands.add_parser(
         "launch", help="run one training run as N processes on this machine (CPU)",

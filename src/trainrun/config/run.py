@@ -1,6 +1,6 @@
-"""The whole run's configuration (``RunConfig``) and how it is made: a built-in name or a YAML
-file, ``key.path=value`` overrides, pydantic's validation, the checks across sections, and
-pydantic's errors turned into one-line messages that name the bad key and the fix."""
+"""The whole run's configuration (``RunConfig``) and how it is checked: pydantic's validation,
+the checks across sections, and pydantic's errors turned into one-line messages that name the
+bad key and the fix. Where its values come from (files, bases, overrides) is ``files.py``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import hashlib
 import json
 import types
 import typing
-from importlib import resources
-from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
@@ -91,75 +89,7 @@ class RunConfig(Section):
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-# ---- loading ---------------------------------------------------------------------------------
-
-CONFIG_PACKAGE = "trainrun.configs"
-
-
-def builtin_config_names() -> list[str]:
-    files = resources.files(CONFIG_PACKAGE)
-    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
-
-
-def resolve_config_path(name_or_path: str) -> Path:
-    """A path to a YAML file, or the name of a built-in config (``mlp``, ``lm``, ...)."""
-    path = Path(name_or_path)
-    if path.suffix in {".yaml", ".yml"} or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"config file {name_or_path!r} not found; give an existing path or "
-                              f"a built-in name ({', '.join(builtin_config_names())})")
-        return path
-    builtin = resources.files(CONFIG_PACKAGE) / f"{name_or_path}.yaml"
-    if not builtin.is_file():
-        names = builtin_config_names()
-        close = difflib.get_close_matches(name_or_path, names, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"no config named {name_or_path!r}; {hint}built-in configs: "
-                          f"{', '.join(names)} (or give a path to a .yaml file)")
-    return Path(str(builtin))
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """``["optimizer.lr=0.1", "steps=50"]`` -> nested dict; values are parsed as YAML scalars."""
-    tree: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not key.path=value (e.g. optimizer.lr=0.01)")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            raise ConfigError(f"override {item!r}: {raw!r} is not a valid YAML value; quote "
-                              "it or close its brackets (e.g. model.hidden=[64,64])") from None
-        node = tree
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r} sets a key under {part!r}, which is a value")
-        node[parts[-1]] = value
-    return tree
-
-
-def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def load_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -> RunConfig:
-    path = resolve_config_path(name_or_path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config {path} is not valid YAML: {err}".replace("\n", " ")) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config {path} must be a mapping of keys to values")
-    return config_from_dict(merge(raw, parse_overrides(overrides or [])))
+# ---- validation ------------------------------------------------------------------------------
 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:

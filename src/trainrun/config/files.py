@@ -1,0 +1,210 @@
+"""Where a config's values come from: a built-in name or a YAML file, the ``base:`` files it
+extends, and ``key.path=value`` overrides, merged in that order over the defaults.
+
+Each source is kept as a ``Layer`` so that ``trainrun config show`` can say which one set each
+value; ``load_config`` merges the layers and validates the result."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainrun.config.run import ConfigError, RunConfig, config_from_dict
+
+CONFIG_PACKAGE = "trainrun.configs"
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One source of values: ``origin`` says where they came from, ``tree`` holds them."""
+
+    origin: str  # "file: <path or built-in name>", "base: <path or name>" or "override"
+    tree: dict[str, Any]
+
+
+def builtin_config_names() -> list[str]:
+    files = resources.files(CONFIG_PACKAGE)
+    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def _builtin_path(name: str) -> Path | None:
+    """The built-in config ``name`` names, if ``name`` is a bare name (not a path) and one."""
+    if not name or "/" in name or os.sep in name or Path(name).suffix in {".yaml", ".yml"}:
+        return None
+    builtin = resources.files(CONFIG_PACKAGE) / f"{name}.yaml"
+    return Path(str(builtin)) if builtin.is_file() else None
+
+
+def resolve_config_path(name_or_path: str, relative_to: Path | None = None) -> Path:
+    """A built-in config's name (``mlp``, ``digits``, ...) or a path to a YAML file.
+
+    A bare name that is a built-in means the built-in, even where the working directory holds a
+    file or folder of that name (``./digits`` means the local one). A relative path is taken
+    from ``relative_to`` (the folder of the file whose ``base:`` names it), else from the
+    working directory."""
+    builtin = _builtin_path(name_or_path)
+    if builtin is not None:
+        return builtin
+    names = ", ".join(builtin_config_names())
+    path = Path(name_or_path) if relative_to is None else relative_to / name_or_path
+    if path.is_dir():
+        raise ConfigError(f"config {name_or_path!r} is a folder, not a YAML file; give the path "
+                          f"of a .yaml file or a built-in name ({names})")
+    if path.is_file():
+        return path
+    if "/" in name_or_path or os.sep in name_or_path or path.suffix in {".yaml", ".yml"}:
+        where = f" (looked for {os.path.normpath(path)})" if relative_to is not None else ""
+        raise ConfigError(f"config file {name_or_path!r} not found{where}; give an existing "
+                          f"path or a built-in name ({names})")
+    close = difflib.get_close_matches(name_or_path, builtin_config_names(), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(f"no config named {name_or_path!r}; {hint}built-in configs: {names} "
+                      "(or give a path to a .yaml file)")
+
+
+def _read_yaml(path: Path, label: str) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {label} is not valid YAML: {err}".replace("\n", " ")) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {label} must be a mapping of keys to values")
+    return raw
+
+
+def file_layers(name_or_path: str) -> list[Layer]:
+    """The config file ``name_or_path`` and the chain of ``base:`` files below it, base first."""
+    layers: list[Layer] = []
+    seen: list[tuple[Path, str]] = []  # (resolved path, label) from the top file down
+    spec, relative_to, kind = name_or_path, None, "file"
+    while True:
+        try:
+            path = resolve_config_path(spec, relative_to)
+        except ConfigError as err:
+            if kind == "file":
+                raise
+            raise ConfigError(f"config {seen[-1][1]}: base {spec!r}: {err}") from None
+        builtin = _builtin_path(spec) is not None
+        label = spec if builtin else os.path.normpath(path)
+        key = path.resolve()
+        if any(key == p for p, _ in seen):
+            start = next(i for i, (p, _) in enumerate(seen) if p == key)
+            cycle = " -> ".join([*(lbl for _, lbl in seen[start:]), label])
+            raise ConfigError(f"config base cycle: {cycle}; remove the base: key that closes it")
+        seen.append((key, label))
+        tree = _read_yaml(path, label)
+        base = tree.pop("base", None)
+        layers.append(Layer(f"{kind}: {label}{' (built-in)' if builtin else ''}", tree))
+        if base is None:
+            return layers[::-1]
+        if not isinstance(base, str) or not base:
+            raise ConfigError(f"config {label}: base must be a built-in name or a path to a "
+                              f"YAML file, got {base!r}")
+        spec, relative_to, kind = base, path.parent, "base"
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["optimizer.lr=0.1", "steps=50"]`` -> nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key.path=value (e.g. optimizer.lr=0.01)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: {raw!r} is not a valid YAML value; quote "
+                              "it or close its brackets (e.g. model.hidden=[64,64])") from None
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} sets a key under {part!r}, which is a value")
+        node[parts[-1]] = value
+    return tree
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base``: mappings merge key by key; anything else (lists too) replaces."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_layers(name_or_path: str = "mlp", overrides: list[str] | None = None) -> list[Layer]:
+    """Every source of a config's values, lowest first: the bases, the file, the overrides."""
+    layers = file_layers(name_or_path)
+    if overrides:
+        layers.append(Layer("override", parse_overrides(overrides)))
+    return layers
+
+
+def load_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -> RunConfig:
+    """The validated config of a built-in name or YAML file, its bases, and ``key=value``s."""
+    merged: dict[str, Any] = {}
+    for layer in config_layers(name_or_path, overrides):
+        merged = merge(merged, layer.tree)
+    return config_from_dict(merged)
+
+
+# ---- config show -----------------------------------------------------------------------------
+
+
+def _origin(layer: Layer, path: tuple[str, ...]) -> str | None:
+    """Whether ``layer`` set the value at ``path``: its origin, "default" where it replaced
+    the section above with a shorthand (``distributed: auto`` sets only the kind), or None."""
+    node: Any = layer.tree
+    for i, part in enumerate(path):
+        if not isinstance(node, dict):
+            return layer.origin if path[i:] == ("kind",) else "default"
+        if part not in node:
+            return None
+        node = node[part]
+    return layer.origin
+
+
+def _flow(value: Any) -> str:
+    """A value as one line of YAML (``[16, 32]``, ``null``, ``1.0e-08``, ``'off'``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+    return text.removesuffix("...").strip()
+
+
+def show_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -> str:
+    """The resolved config as YAML, each value followed by where it came from.
+
+    The text loads back as the same config: the origins are comments."""
+    layers = config_layers(name_or_path, overrides)
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = merge(merged, layer.tree)
+    resolved = config_from_dict(merged).to_dict()
+
+    rows: list[tuple[str, str]] = []  # (YAML line, origin or "" for a section header)
+
+    def walk(node: dict[str, Any], path: tuple[str, ...]) -> None:
+        for key, value in node.items():
+            indent = "  " * len(path)
+            here = (*path, key)
+            if isinstance(value, dict) and value:
+                rows.append((f"{indent}{key}:", ""))
+                walk(value, here)
+                continue
+            origin = next((o for lr in reversed(layers) if (o := _origin(lr, here))),
+                          "default")
+            rows.append((f"{indent}{key}: {_flow(value)}", origin))
+
+    walk(resolved, ())
+    width = max(len(line) for line, origin in rows if origin) + 2
+    return "".join(f"{line.ljust(width)}# {origin}\n" if origin else f"{line}\n"
+                   for line, origin in rows)

@@ -151,7 +151,22 @@ def config_layers(name_or_path: str = "mlp", overrides: list[str] | None = None)
 
 
 def load_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -> RunConfig:
-    """The validated config of a built-in name or YAML file, its bases, and ``key=value``s."""
+    """The validated config of a built-in name or YAML file, its bases, and overrides.
+
+    Args:
+        name_or_path: a built-in config's name (``mlp``, ``digits``, ``lm``) or a path to a
+            YAML file, which may extend another through ``base:``.
+        overrides: ``key.path=value`` strings applied last; values are parsed as YAML.
+
+    Returns:
+        The ``RunConfig``: defaults, then the bases, the file and the overrides, in that order.
+
+    Raises:
+        ConfigError: one line naming the bad file, key or value and how to fix it.
+
+    Example:
+        ``trainrun.load_config("mlp", ["steps=300", "optimizer.lr=0.003"])``
+    """
     merged: dict[str, Any] = {}
     for layer in config_layers(name_or_path, overrides):
         merged = merge(merged, layer.tree)

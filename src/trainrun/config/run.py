@@ -42,6 +42,12 @@ class ConfigError(UserError):
 
 
 class RunConfig(Section):
+    """The whole run's configuration: a frozen tree of sections, validated as it is made.
+
+    Make one with ``load_config`` (a built-in name or a YAML file, its bases and overrides) or
+    ``RunConfig.model_validate(dict)``; ``to_dict()`` gives it back as plain data, the form
+    saved in the run directory and in each checkpoint."""
+
     # A plain file name: the run directory is runs/<name>; --run-dir is the way to pick a path.
     name: str = "run"
     seed: int = Field(0, ge=0, le=2**32 - 1)  # jax.random.key's range without wrapping

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint bench clean
+.PHONY: train test lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+
+# The site in site/; strict: a broken link, a missing docstring target or any warning fails it.
+$(VENV)/.installed-docs: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) runs

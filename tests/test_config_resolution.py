@@ -125,6 +125,21 @@ def test_config_show_through_the_command_line(tmp_path, cli):
     assert found["checkpoint.keep"] == "default"
 
 
+def test_a_section_of_another_kind_replaces_the_bases(tmp_path):
+    child = write(tmp_path / "mine.yaml", """\
+        base: lm
+        data: {kind: tokens, train: train.bin}
+        model: {layers: 1}
+        """)
+    config = load_config(str(child))
+    assert config.data.kind == "tokens" and config.data.train == "train.bin"
+    assert config.data.batch_size == 32  # token data's default, not lm's 16 for its text
+    assert config.model.layers == 1 and config.model.d_model == 128  # same kind: merged
+    found = origins(show_config(str(child), ["data.kind=text"]))
+    assert found["data.kind"] == "override"
+    assert found["data.batch_size"] == found["data.eval_fraction"] == "default"
+
+
 def test_a_shorthand_replaces_the_section_below_it(tmp_path):
     write(tmp_path / "base.yaml", "base: mlp\ndistributed: {kind: explicit, peer_timeout_s: 5}\n")
     child = write(tmp_path / "child.yaml", "base: base.yaml\ndistributed: auto\n")

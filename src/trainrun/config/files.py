@@ -131,14 +131,20 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return tree
 
 
+def _merges(old: Any, new: Any) -> bool:
+    """Whether ``new`` merges into ``old`` key by key rather than replacing it: both mappings,
+    and not two kinds of a section (another kind has other keys: ``data.kind=tokens`` over
+    text data would keep ``paths``, which token data refuses)."""
+    return (isinstance(old, dict) and isinstance(new, dict)
+            and ("kind" not in old or "kind" not in new or old["kind"] == new["kind"]))
+
+
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """``update`` over ``base``: mappings merge key by key; anything else (lists too) replaces."""
+    """``update`` over ``base``: mappings merge key by key, except a section whose ``kind``
+    changes, which is replaced; anything else (lists too) replaces."""
     out = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
+        out[key] = merge(out[key], value) if _merges(out.get(key), value) else value
     return out
 
 
@@ -176,17 +182,37 @@ def load_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -
 # ---- config show -----------------------------------------------------------------------------
 
 
-def _origin(layer: Layer, path: tuple[str, ...]) -> str | None:
-    """Whether ``layer`` set the value at ``path``: its origin, "default" where it replaced
-    the section above with a shorthand (``distributed: auto`` sets only the kind), or None."""
-    node: Any = layer.tree
-    for i, part in enumerate(path):
-        if not isinstance(node, dict):
-            return layer.origin if path[i:] == ("kind",) else "default"
-        if part not in node:
-            return None
-        node = node[part]
-    return layer.origin
+KeyPath = tuple[str, ...]
+
+
+def _leaves(tree: dict[str, Any], path: KeyPath = ()) -> list[KeyPath]:
+    out: list[KeyPath] = []
+    for key, value in tree.items():
+        here = (*path, key)
+        out += _leaves(value, here) if isinstance(value, dict) and value else [here]
+    return out
+
+
+def _track(old: Any, new: Any, path: KeyPath, origin: str, origins: dict[KeyPath, str]) -> None:
+    """Record in ``origins`` the values ``new`` sets over ``old``, as ``merge`` applies it: a
+    replaced value or section forgets what lower layers had set inside it."""
+    if _merges(old, new):
+        for key, value in new.items():
+            _track(old.get(key), value, (*path, key), origin, origins)
+        return
+    for stale in [p for p in origins if p[:len(path)] == path]:
+        del origins[stale]
+    for leaf in _leaves(new) if isinstance(new, dict) and new else [()]:
+        origins[(*path, *leaf)] = origin
+
+
+def _origin(origins: dict[KeyPath, str], path: KeyPath) -> str:
+    if path in origins:
+        return origins[path]
+    for i in range(len(path) - 1, 0, -1):
+        if path[:i] in origins:  # a section replaced by a value: a shorthand sets its kind
+            return origins[path[:i]] if path[i:] == ("kind",) else "default"
+    return "default"
 
 
 def _flow(value: Any) -> str:
@@ -199,9 +225,10 @@ def show_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -
     """The resolved config as YAML, each value followed by where it came from.
 
     The text loads back as the same config: the origins are comments."""
-    layers = config_layers(name_or_path, overrides)
     merged: dict[str, Any] = {}
-    for layer in layers:
+    origins: dict[KeyPath, str] = {}
+    for layer in config_layers(name_or_path, overrides):
+        _track(merged, layer.tree, (), layer.origin, origins)
         merged = merge(merged, layer.tree)
     resolved = config_from_dict(merged).to_dict()
 
@@ -215,9 +242,7 @@ def show_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -
                 rows.append((f"{indent}{key}:", ""))
                 walk(value, here)
                 continue
-            origin = next((o for lr in reversed(layers) if (o := _origin(lr, here))),
-                          "default")
-            rows.append((f"{indent}{key}: {_flow(value)}", origin))
+            rows.append((f"{indent}{key}: {_flow(value)}", _origin(origins, here)))
 
     walk(resolved, ())
     width = max(len(line) for line, origin in rows if origin) + 2

@@ -24,6 +24,7 @@ from trainrun.loop import init_state
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.precision import policy_from_config
+from trainrun.process import configure_process
 from trainrun.step import make_train_step
 
 PRESETS = {
@@ -51,6 +52,7 @@ def compile_step(config, accumulate: int = 1):
 
 
 def main() -> None:
+    configure_process()  # as `trainrun train` does, before the first computation
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="mlp-wide", choices=sorted(PRESETS))
     parser.add_argument("--ms", default="1,2,4,8", help="accumulate values to compare")

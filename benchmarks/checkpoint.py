@@ -29,6 +29,7 @@ from trainrun.data import batch_iterator, build_dataset
 from trainrun.loop import init_state, run
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
+from trainrun.process import configure_process
 
 
 def config_for(hidden: int, steps: int, *overrides: str):
@@ -87,6 +88,7 @@ def time_runs(hidden: int, steps: int, root: Path, repeats: int) -> dict[str, li
 
 
 def main() -> None:
+    configure_process()  # as `trainrun train` does, before the first computation
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=2900)
     parser.add_argument("--steps", type=int, default=300)

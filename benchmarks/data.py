@@ -28,6 +28,7 @@ from trainrun.dispatch import stack_batches
 from trainrun.loop import init_state
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
+from trainrun.process import configure_process
 from trainrun.step import make_multi_step, make_train_step
 
 
@@ -99,6 +100,7 @@ def table(title: str, result: dict[str, tuple[float, float]]) -> str:
 
 
 def main() -> None:
+    configure_process()  # as `trainrun train` does, before the first computation
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=4, help="calls per timed window")
     parser.add_argument("--repeats", type=int, default=5, help="windows per contender")

@@ -19,6 +19,7 @@ import numpy as np
 
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
+from trainrun.process import configure_process
 
 POLICIES = ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full")
 
@@ -37,6 +38,7 @@ def compile_step(cfg: TransformerModel, batch: int) -> tuple[float, int, jax.sta
 
 
 def main() -> None:
+    configure_process()  # as `trainrun train` does, before the first computation
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", default="2,4,8,16")
     parser.add_argument("--d-model", type=int, default=256)

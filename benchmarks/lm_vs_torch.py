@@ -10,7 +10,7 @@ biases in the matmuls; normal init with std 0.02, and 0.02/sqrt(2 x layers) on t
 projections) with the same AdamW (decay on matrices only), on the same batches of Python
 standard-library source bytes. The trainrun column is trainrun's own step: ``make_train_step``
 with its transformer and optimizer, jitted with the state donated, as the loop runs it, with
-the XLA flags and allocator setting importing trainrun sets (``trainrun.xla_flags``). PyTorch
+the process settings ``trainrun train`` makes (``trainrun.configure_process``). PyTorch
 runs once per thread count asked for (all cores is its default; one thread is its better
 setting when the cores are shared with other work).
 
@@ -54,15 +54,15 @@ from trainrun.config import OptimizerConfig, TransformerModel
 from trainrun.loop import init_state
 from trainrun.models.adapters import Model
 from trainrun.optim import build_optimizer
+from trainrun.process import configure_process
 from trainrun.step import make_multi_step, make_train_step
-from trainrun.xla_flags import apply_default_flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_fast_transformer import plain_loss  # the plain transcription of the model
 
-# trainrun's default XLA flags, set before JAX starts its backend (nothing above starts it);
-# importing trainrun already applies them, this states it where the timing is done.
-apply_default_flags()
+# trainrun's process settings (XLA flags, allocator, CPU dispatch), made before JAX starts its
+# backend (nothing above starts it), as `trainrun train` makes them.
+configure_process()
 
 MODEL = TransformerModel(vocab=256, d_model=256, layers=4, heads=4, seq_len=256,
                          positions="rope", dropout=0.0, init_std=0.02)

@@ -29,6 +29,7 @@ from test_parity import chapter_losses  # noqa: F401  (the same chapter code the
 from trainrun import packing
 from trainrun.config import load_config
 from trainrun.loop import run
+from trainrun.process import configure_process
 
 
 def hand_loop_step_s(steps: int, window: int, per_call: int = 1) -> float:
@@ -104,11 +105,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--async-dispatch", action="store_true",
-                        help="undo trainrun's inline CPU dispatch (trainrun.xla_flags) for "
+                        help="undo trainrun's inline CPU dispatch (trainrun.process) for "
                              "every contender")
     args = parser.parse_args()
-    if args.async_dispatch:  # before the first computation starts the backend
-        jax.config.update("jax_cpu_enable_async_dispatch", True)
+    # trainrun's process settings, as `trainrun train` makes them, before the first computation
+    configure_process(inline_cpu_calls=not args.async_dispatch)
 
     contenders = {
         "hand-written jitted loop": lambda: hand_loop_step_s(args.steps, args.window),

@@ -21,9 +21,11 @@ import jax
 from accumulate import PRESETS, compile_step
 
 from trainrun.config import load_config
+from trainrun.process import configure_process
 
 
 def main() -> None:
+    configure_process()  # as `trainrun train` does, before the first computation
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="mlp-wide", choices=sorted(PRESETS))
     parser.add_argument("--dtypes", default="float32,bfloat16",

@@ -27,6 +27,7 @@ import jax
 
 from trainrun.config import load_config
 from trainrun.loop import run
+from trainrun.process import configure_process
 
 
 def measure(steps: int, k: int, stream: bool) -> tuple[float, float]:
@@ -40,6 +41,7 @@ def measure(steps: int, k: int, stream: bool) -> tuple[float, float]:
 
 
 def main() -> None:
+    configure_process()  # as `trainrun train` does, before the first computation
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=3)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from trainrun.console import ConsoleLog
+from trainrun.process import configure_process
 from trainrun.writers import Table, WandbWriter, _tensorboardx, build_output
 
 ROW = {"grad_norm": 1.2345678, "loss": 0.123456789, "loss_scale": 1.0, "lr": 0.01,
@@ -63,6 +64,7 @@ def stock_summary_writer(rows: int) -> float:
 
 
 def main() -> None:
+    configure_process()  # as `trainrun train` does, before the first computation
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=3)

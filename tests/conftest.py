@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
+import trainrun
+
 REPO = Path(__file__).resolve().parents[1]
+# The settings `trainrun train` makes, before any test starts JAX's backend: in-process runs
+# then run as the CLI's do.
+trainrun.configure_process()
 
 
 def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ import pytest
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
 from trainrun.models.transformer import causal_attention
-from trainrun.xla_flags import apply_default_flags, reuse_freed_memory, run_cpu_calls_inline
+from trainrun.process import apply_default_flags, reuse_freed_memory, run_cpu_calls_inline
 
 # seq 160 is two full attention blocks and a partial third (blocks of 64 query rows)
 SMALL = TransformerModel(d_model=32, layers=1, heads=2, seq_len=160, init_std=0.1)
@@ -137,7 +137,8 @@ def test_the_allocator_setting_leaves_a_users_malloc_choice_alone():
     assert reuse_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is False
 
 
-def test_single_device_cpu_calls_run_inline_after_importing_trainrun():
+def test_single_device_cpu_calls_run_inline_after_configure_process():
+    # conftest.py calls trainrun.configure_process() before any test computes, as the CLI does.
     from jax._src import xla_bridge
 
     assert xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value is False

@@ -1,6 +1,12 @@
 """trainrun: JAX training runs that are fast, sharded and resumable bit for bit.
 
 The public API; everything else is internal and may move.
+
+Importing trainrun changes one thing in the process: it adds trainrun's default XLA flags to
+``XLA_FLAGS`` (the flag that makes a K-step call compute a one-step call's bits, and XLA:GPU's
+deterministic mode where a GPU plugin is installed), because XLA reads them once, when JAX's
+backend starts. The allocator and CPU dispatch settings are made by ``trainrun train``, by
+``run()`` when JAX's backend has not started, or by ``configure_process()`` (``process.py``).
 """
 
 from trainrun.config import ConfigError, RunConfig, load_config
@@ -8,14 +14,10 @@ from trainrun.data import ArrayBatches, DataError
 from trainrun.errors import UserError
 from trainrun.loop import run
 from trainrun.models import Model, from_functions, from_nnx
+from trainrun.process import apply_default_flags, configure_process
 from trainrun.state import TrainState
-from trainrun.xla_flags import apply_default_flags, reuse_freed_memory, run_cpu_calls_inline
 
-# XLA reads its flags once, when JAX's backend starts, which nothing above does; the allocator
-# and dispatch settings must also come before the backend starts its threads.
-apply_default_flags()
-reuse_freed_memory()
-run_cpu_calls_inline()
+apply_default_flags()  # before anything starts JAX's backend (nothing above does)
 
 __all__ = [
     "ArrayBatches",
@@ -25,6 +27,7 @@ __all__ = [
     "RunConfig",
     "TrainState",
     "UserError",
+    "configure_process",
     "from_functions",
     "from_nnx",
     "load_config",

@@ -12,10 +12,10 @@ def _train(args: argparse.Namespace) -> int:
     from trainrun.config import load_config
     from trainrun.distributed import session
     from trainrun.loop import run
-    from trainrun.resume import gpu_determinism
+    from trainrun.process import configure_process
 
+    configure_process()  # before anything starts JAX's backend
     config = load_config(args.config, args.overrides)
-    gpu_determinism()  # before JAX starts its backend: a resumed run computes the same bits
     with session(config.distributed):  # joins the other processes, if any, before JAX starts
         run(config, args.run_dir, fresh=args.fresh,
             allow_config_change=args.allow_config_change)

@@ -27,6 +27,7 @@ import jax
 
 from trainrun.config import AutoDistributed, ExplicitDistributed, SingleProcess
 from trainrun.errors import UserError
+from trainrun.process import with_device_count
 
 DistributedConfig = SingleProcess | AutoDistributed | ExplicitDistributed
 PEER_LOST_EXIT = 3  # exit status of a process stopped because another was lost
@@ -248,9 +249,6 @@ def session(cfg: DistributedConfig) -> Iterator[None]:
 
 # ---- the local launcher ----------------------------------------------------------------------
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -263,8 +261,7 @@ def process_env(devices_per_process: int | None, port: int) -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
     if devices_per_process is not None:
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-        env["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={devices_per_process}"])
+        env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), devices_per_process)
     return env
 
 

@@ -34,6 +34,7 @@ from trainrun.models import Model, build_model
 from trainrun.optim import Optimizer, build_optimizer
 from trainrun.precision import Policy, policy_from_config
 from trainrun.preemption import Preemption
+from trainrun.process import configure_process
 from trainrun.profiling import ProfileWindow
 from trainrun.resume import check_config, provenance_changes, schedule_shift
 from trainrun.state import TrainState, create_state
@@ -109,6 +110,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
     eval_data: the held-out split that ``eval.every`` evaluates, batch ``i`` at index ``i``;
         defaults to the one ``config.data`` holds out.
     """
+    configure_process()  # trainrun's process settings, while JAX's backend has not started
     # `cleanup` closes what _run opened (the checkpoint manager, letting a save in flight
     # commit) however it ends.
     with Preemption() as preemption, contextlib.ExitStack() as cleanup:

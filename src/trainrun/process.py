@@ -1,11 +1,18 @@
-"""The XLA flags and process settings trainrun sets by default: here and nowhere else, each with
-its measured effect.
+"""Every process-wide setting trainrun makes (XLA flags, glibc's allocator, JAX's CPU dispatch):
+here and nowhere else, each with its measured effect, and when each is made.
+
+    import trainrun          only ``apply_default_flags``: the flags a promise needs before JAX's
+                             backend starts (the K-invariance flag below; GPU determinism where a
+                             GPU plugin is installed). Nothing else in the process changes.
+    trainrun train / run()   ``configure_process``: the flags, the allocator and the dispatch
+                             setting, if JAX's backend has not started yet (else a one-line
+                             notice, and the run goes on without them).
+    a library user           ``trainrun.configure_process()`` before the first computation.
 
 XLA reads ``XLA_FLAGS`` once, when JAX starts its backend (the first computation or device
-query). ``import trainrun`` adds these flags to the environment, which is before that in any
-program that imports trainrun before computing; child processes (the CLI, the multi-process
-launcher) inherit them. A flag already named in ``XLA_FLAGS`` is left as the user set it, and
-every run records the ``XLA_FLAGS`` it ran with in its provenance.
+query); child processes (the CLI, the multi-process launcher) inherit them. A flag already named
+in ``XLA_FLAGS`` is left as the user set it, and every run records the ``XLA_FLAGS`` it ran with
+in its provenance.
 
 ``--xla_cpu_experimental_ynn_fusion_type=`` (empty: no YNNPACK fusions on CPU)
     jaxlib 0.10's XLA:CPU hands dots, with the elementwise ops and reductions around them, to
@@ -20,9 +27,9 @@ every run records the ``XLA_FLAGS`` it ran with in its provenance.
     without it; a program that imports trainrun before it computes has it on both sides of any
     comparison.
 
-And one setting of glibc's allocator, for the same reason and at the same time
-(``reuse_freed_memory``): XLA:CPU allocates each call's temporary buffers as one block (493 MB
-for the byte LM's step) from an XLA thread. glibc serves a block that large from a fresh
+And one setting of glibc's allocator (``reuse_freed_memory``), by ``configure_process``: XLA:CPU
+allocates each call's temporary buffers as one block (493 MB for the byte LM's step) from an XLA
+thread. glibc serves a block that large from a fresh
 ``mmap`` and unmaps it when the call ends, so every call faults in and zeroes every page again:
 120,000 page faults per step. With every thread on the main arena (``M_ARENA_MAX`` 1), no
 ``mmap`` for large blocks and no trimming below 2 GB, the block is reused from call to call:
@@ -33,16 +40,16 @@ It is set only on glibc Linux, only in a process without a GPU plugin, and not w
 set glibc's malloc through ``MALLOC_*`` or ``GLIBC_TUNABLES`` variables. The cost: freed
 memory stays with the process.
 
-And one JAX setting (``run_cpu_calls_inline``): ``jax_cpu_enable_async_dispatch`` off, so a
-single-device XLA:CPU call runs in the thread that makes it instead of being handed to an XLA
-thread. The hand-off is what a small step pays for: with it, the chapter's MLP loop took
-25-70 µs a step from one process to the next on this 2-core machine (depending on where the
-two threads landed), and 50-60 µs with the allocator setting above, whose single arena the
-two threads then share; inline it takes 34-36 µs in every process. Large steps do not notice
-(the byte LM: 0.39 s either way), and calls over several devices stay asynchronous. What it
-gives up: the host no longer prepares the next call while a one-device call runs. To keep
-asynchronous dispatch, call ``jax.config.update("jax_cpu_enable_async_dispatch", True)`` after
-importing trainrun, before the first computation.
+And one JAX setting (``run_cpu_calls_inline``), by ``configure_process``:
+``jax_cpu_enable_async_dispatch`` off, so a single-device XLA:CPU call runs in the thread that
+makes it instead of being handed to an XLA thread. The hand-off is what a small step pays for:
+with it, the chapter's MLP loop took 25-70 µs a step from one process to the next on this 2-core
+machine (depending on where the two threads landed), and 50-60 µs with the allocator setting
+above, whose single arena the two threads then share; inline it takes 34-36 µs in every process.
+Large steps do not notice (the byte LM: 0.39 s either way), and calls over several devices stay
+asynchronous. What it gives up: the host no longer prepares the next call while a one-device
+call runs. To keep asynchronous dispatch, call
+``trainrun.configure_process(inline_cpu_calls=False)``.
 
 And, in a process where JAX has a GPU plugin (CUDA or ROCm), XLA:GPU's deterministic mode, for
 trainrun's promise that a resumed run computes the same bits as an uninterrupted one (and two
@@ -90,6 +97,7 @@ as set. A process without a GPU plugin does not get them (XLA:CPU would read non
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import os
 import pkgutil
@@ -182,12 +190,64 @@ def _accelerator_plugin() -> bool:
     return any(pkgutil.iter_modules(jax_plugins.__path__))
 
 
+def backend_started() -> bool:
+    """Whether JAX has started its backend (after which flags, threads and the dispatch mode
+    are fixed for the process)."""
+    from jax._src import xla_bridge  # no public way to ask whether the backend started
+
+    return xla_bridge.backends_are_initialized()
+
+
 def run_cpu_calls_inline() -> bool:
     """Turn XLA:CPU's asynchronous dispatch off (see the module docstring) if JAX's backend has
     not started yet (the setting is read when it starts). Returns whether it was set."""
-    from jax._src import xla_bridge  # no public way to ask whether the backend started
-
-    if xla_bridge.backends_are_initialized():
+    if backend_started():
         return False
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     return True
+
+
+def calls_run_inline() -> bool:
+    """Whether a jitted call on this process's devices runs in the calling thread: one CPU
+    device with asynchronous dispatch off. Then the call's own duration is its compute time."""
+    return (jax.default_backend() == "cpu" and jax.local_device_count() == 1
+            and not jax.config.read("jax_cpu_enable_async_dispatch"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSettings:
+    """What ``configure_process`` did: each setting made, or why not."""
+
+    flags: list[str]  # XLA flags added to XLA_FLAGS
+    allocator: bool  # glibc keeps and reuses freed memory
+    inline_cpu_calls: bool  # one-device CPU calls run in the calling thread
+    notice: str = ""  # one line when the backend had started: nothing could be applied
+
+    def applied(self) -> bool:
+        return not self.notice
+
+
+def configure_process(inline_cpu_calls: bool = True) -> ProcessSettings:
+    """Make trainrun's process settings (module docstring): the default XLA flags, glibc's
+    allocator, one-device CPU calls inline. Call it once, before the first JAX computation;
+    ``trainrun train`` and ``trainrun.run()`` call it themselves when they can. After JAX's
+    backend has started nothing is changed and ``notice`` says so."""
+    if backend_started():
+        return ProcessSettings([], False, False, notice=(
+            "process settings not applied: JAX's backend had already started (call "
+            "trainrun.configure_process() before the first computation for trainrun's "
+            "allocator and CPU dispatch settings; results are the same either way)"))
+    flags = apply_default_flags()
+    allocator = reuse_freed_memory()
+    inline = run_cpu_calls_inline() if inline_cpu_calls else False
+    return ProcessSettings(flags, allocator, inline)
+
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_device_count(flags: str, devices: int) -> str:
+    """``XLA_FLAGS`` for a child process with ``devices`` simulated CPU devices (any count the
+    flags already set is replaced)."""
+    kept = [f for f in flags.split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])

@@ -10,16 +10,12 @@ A checkpoint's metadata holds the config and provenance it was written with. On 
 
 Bitwise resume also needs the program to compute the same bits in a new process. XLA:CPU does by
 default (measured: benchmarks/determinism.py); XLA:GPU does only with deterministic ops (no
-atomic scatter-adds or reductions, deterministic autotuning), which the CLI turns on where a GPU
-plugin is installed.
+atomic scatter-adds or reductions, deterministic autotuning), which ``import trainrun`` turns on
+where a GPU plugin is installed (``process.GPU_DETERMINISM_FLAGS``).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import pkgutil
-from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -95,26 +91,3 @@ def schedule_shift(saved: dict[str, Any], config: RunConfig, step: int) -> int |
 def provenance_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return [f"{key} {saved.get(key)} -> {current.get(key)}" for key in NUMERIC_PROVENANCE
             if saved.get(key) != current.get(key)]
-
-
-GPU_DETERMINISM = "--xla_gpu_deterministic_ops=true"
-
-
-def gpu_determinism(environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Add XLA's deterministic GPU ops to ``XLA_FLAGS`` where JAX has a GPU plugin, unless the
-    flags already choose (``--xla_gpu_deterministic_ops=false`` opts out). XLA reads its flags
-    when the backend starts: call this before. Returns whether the flag was added."""
-    flags = environ.get("XLA_FLAGS", "")
-    if "xla_gpu_deterministic_ops" in flags or not _gpu_plugin():
-        return False
-    environ["XLA_FLAGS"] = f"{flags} {GPU_DETERMINISM}".strip()
-    return True
-
-
-def _gpu_plugin() -> bool:
-    if importlib.util.find_spec("jax_plugins") is None:
-        return False
-    import jax_plugins
-
-    return any("cuda" in m.name or "rocm" in m.name
-               for m in pkgutil.iter_modules(jax_plugins.__path__))

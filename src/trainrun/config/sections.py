@@ -70,6 +70,7 @@ class TransformerModel(Section):
     positions: Literal["rope", "learned"] = "rope"
     dropout: float = Field(0.0, ge=0, lt=1)
     init_std: float = Field(0.02, gt=0)
+    bias: bool = False  # biases on every linear layer (GPT-2's layout)
     # How the program is built; the maths and the params' layout stay the same, so a checkpoint
     # written under one setting restores under any other.
     scan_layers: bool = False  # one compiled block under lax.scan: compile time flat in depth
@@ -270,10 +271,17 @@ class PrecisionConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Whole-state checkpoints (state, data position, metadata) through Orbax.
+    """Whole-state checkpoints (state, data position, metadata) through Orbax, saved every
+    ``every`` steps or every ``every_seconds``, whichever comes first, and always at the end
+    and when the run stops (``checkpoint_policy.py``).
 
-    every: steps between checkpoints; 0 saves only at the end (and on preemption).
+    every: steps between checkpoints; 0: none by steps.
+    every_seconds: seconds between checkpoints; 0: none by time. The default saves a small
+        model only at its end, a large one every five minutes.
     keep: how many of the latest committed checkpoints are kept.
+    keep_best: ``eval/<metric>``: also save at every evaluation and keep the best one by that
+        metric (beside the latest ``keep``); needs ``eval.every``.
+    keep_best_mode: ``min`` (a loss) or ``max`` (an accuracy).
     async: write in the background; the loop blocks only while the state is copied out.
     dir: where step directories go (default ``<run dir>/checkpoints``).
     """
@@ -282,10 +290,20 @@ class CheckpointConfig(Section):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
                               serialize_by_alias=True)
 
-    every: int = Field(100, ge=0)
+    every: int = Field(0, ge=0)
+    every_seconds: float = Field(300.0, ge=0)
     keep: int = Field(3, gt=0)
+    keep_best: str | None = None
+    keep_best_mode: Literal["min", "max"] = "min"
     async_: bool = Field(True, alias="async")
     dir: str | None = None
+
+    @pydantic.field_validator("keep_best")
+    @classmethod
+    def _eval_metric(cls, name: str | None) -> str | None:
+        if name is not None and (not name.startswith("eval/") or name == "eval/"):
+            raise ValueError("keep_best names an eval metric, e.g. eval/loss or eval/accuracy")
+        return name
 
 
 # ---- placement: mesh and processes -----------------------------------------------------------

@@ -99,10 +99,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.concatenate(blocks, axis=2).transpose(0, 2, 1, 3)
 
 
-def _linear(d_in: int, d_out: int, axes: tuple[str, str], std: float,
-            rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(std), kernel_metadata={"axes": axes})
+def _linear(d_in: int, d_out: int, axes: tuple[str, str], std: float, rngs: nnx.Rngs,
+            bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(std), kernel_metadata={"axes": axes},
+                      bias_metadata={"axes": axes[1:]})
 
 
 def _layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -114,12 +115,13 @@ class Attention(nnx.Module):
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
         d, std = cfg.d_model, cfg.init_std
         self.heads = cfg.heads
-        self.q = _linear(d, d, ("embed", "heads"), std, rngs)
-        self.k = _linear(d, d, ("embed", "heads"), std, rngs)
-        self.v = _linear(d, d, ("embed", "heads"), std, rngs)
+        self.q = _linear(d, d, ("embed", "heads"), std, rngs, cfg.bias)
+        self.k = _linear(d, d, ("embed", "heads"), std, rngs, cfg.bias)
+        self.v = _linear(d, d, ("embed", "heads"), std, rngs, cfg.bias)
         # Residual projections start smaller, so the residual stream's variance does not grow
         # with depth (GPT-2).
-        self.o = _linear(d, d, ("heads", "embed"), std / math.sqrt(2 * cfg.layers), rngs)
+        self.o = _linear(d, d, ("heads", "embed"), std / math.sqrt(2 * cfg.layers), rngs,
+                         cfg.bias)
 
     def __call__(self, x: jax.Array, rope: Rope | None, cache: KV | None = None,
                  pos: jax.Array | int = 0) -> tuple[jax.Array, KV | None]:
@@ -145,9 +147,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
         d, hidden = cfg.d_model, cfg.mlp_ratio * cfg.d_model
-        self.up = _linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs)
+        self.up = _linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, cfg.bias)
         self.down = _linear(hidden, d, ("mlp", "embed"),
-                            cfg.init_std / math.sqrt(2 * cfg.layers), rngs)
+                            cfg.init_std / math.sqrt(2 * cfg.layers), rngs, cfg.bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # On [tokens, d_model] rows rather than [batch, seq, d_model]: the weight gradients are

@@ -8,8 +8,10 @@ Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it once eve
 disk, so a kill at any moment leaves either a committed step or a temporary directory that is
 never listed as a step and is removed when the directory is next opened.
 
-Restore goes newest first: a step that cannot be read (a truncated or missing file) is moved
-aside with a warning and the previous committed one is used; a step written by a different model
+Every item directory holds the sha256 of each of its files (``integrity.py``), written before
+the step is committed and compared before it is read. Restore goes newest first: a step that
+cannot be read (a truncated, missing or changed file) is moved aside with a warning and the
+previous committed one is used; a step written by a different model
 is an error that names the differing leaves and changes nothing on disk.
 """
 
@@ -29,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from trainrun import integrity
 from trainrun.config import RunConfig
 from trainrun.errors import UserError
 
@@ -83,6 +86,45 @@ class DataHandler(grain.checkpoint.CheckpointHandler):
                        else json.loads(text))
         return item
 
+    def finalize(self, directory):
+        integrity.write_manifest(directory)
+
+
+class StateHandler(ocp.StandardCheckpointHandler):
+    """Orbax's handler for the state, plus the checksums of its files once they are final
+    (after Orbax merges the processes' OCDBT databases)."""
+
+    def finalize(self, directory):
+        super().finalize(directory)
+        integrity.write_manifest(directory)
+
+
+class MetaHandler(ocp.JsonCheckpointHandler):
+    def finalize(self, directory):
+        super().finalize(directory)
+        integrity.write_manifest(directory)
+
+
+# Orbax finds an item's handler by the type of its args: these name the handlers above.
+@ocp.args.register_with_handler(StateHandler, for_save=True)
+class StateSave(ocp.args.StandardSave):
+    pass
+
+
+@ocp.args.register_with_handler(StateHandler, for_restore=True)
+class StateRestore(ocp.args.StandardRestore):
+    pass
+
+
+@ocp.args.register_with_handler(MetaHandler, for_save=True)
+class MetaSave(ocp.args.JsonSave):
+    pass
+
+
+@ocp.args.register_with_handler(MetaHandler, for_restore=True)
+class MetaRestore(ocp.args.JsonRestore):
+    pass
+
 
 def _process_file() -> str:
     return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
@@ -106,6 +148,7 @@ class Restored:
     state: PyTree
     metadata: dict[str, Any]
     moved: list[tuple[int, str, Path]]  # unreadable newer steps: (step, why, moved to)
+    verified: bool = True  # False: saved without checksums (by an earlier trainrun)
 
 
 class Checkpoints:
@@ -125,8 +168,8 @@ class Checkpoints:
         )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": DataHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+            item_handlers={"state": StateHandler(), "data": DataHandler(),
+                           "meta": MetaHandler()})
         self.kill_at = _kill_point()
         self._closed = False
 
@@ -151,8 +194,8 @@ class Checkpoints:
         ``wait`` or ``async: false``."""
         path = self.directory / str(step)
         if step not in self.manager.all_steps():
-            items = {"state": ocp.args.StandardSave(state),
-                     "meta": ocp.args.JsonSave(self._metadata(step, state, iterator))}
+            items = {"state": StateSave(state),
+                     "meta": MetaSave(self._metadata(step, state, iterator))}
             if has_position(iterator):
                 items["data"] = DataSave(iterator)
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -185,8 +228,12 @@ class Checkpoints:
         """
         unreadable: list[tuple[int, str]] = []
         for step in reversed(self.steps()):
+            verified = integrity.verify_step(self.directory / str(step))
+            if verified.problems:  # a changed or missing file: as unreadable as a torn one
+                unreadable.append((step, "; ".join(verified.problems[:2])))
+                continue
             try:
-                meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
+                meta = self._restore(step, meta=MetaRestore())["meta"]
                 saved_tree = self.manager.item_metadata(step)["state"].tree
             except Exception as err:  # any unreadable file means: fall back
                 unreadable.append((step, _reason(err)))
@@ -200,7 +247,7 @@ class Checkpoints:
                     f"{f' (and {len(differences) - 3} more)' if len(differences) > 3 else ''}. "
                     "Train it with the config it was written with, or pass --fresh to move "
                     "this run aside (or --run-dir for a new one)")
-            items = {"state": ocp.args.StandardRestore(target)}
+            items = {"state": StateRestore(target)}
             saved_position = has_position(iterator) and meta.get("data_position", True)
             if saved_position:
                 items["data"] = DataRestore(iterator)
@@ -213,7 +260,7 @@ class Checkpoints:
                 for _ in range(step):  # no saved position: replay the iterator up to it
                     next(iterator)
             moved = [(s, why, self._move_aside(s)) for s, why in unreadable]
-            return Restored(step, restored["state"], meta, moved)
+            return Restored(step, restored["state"], meta, moved, verified.checked)
         if unreadable:
             raise CheckpointError(
                 f"no checkpoint in {self.directory} can be read: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainrun.errors import UserError
+from trainrun.errors import UserError, WriteFailed
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -35,6 +35,14 @@ def _config_show(args: argparse.Namespace) -> int:
 
     print(show_config(args.config, args.overrides), end="")
     return 0
+
+
+def _verify_checkpoint(args: argparse.Namespace) -> int:
+    from trainrun.integrity import verify_run_checkpoint
+
+    ok, line = verify_run_checkpoint(args.run_dir, args.step)
+    print(line)
+    return 0 if ok else 1
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -140,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("overrides", nargs="*", metavar="key.path=value")
     verify.set_defaults(handler=_verify_resume)
 
+    check = commands.add_parser(
+        "verify-checkpoint", help="check a run's checkpoint against its checksums",
+        description="Read every file of one committed checkpoint of RUN_DIR (default its "
+                    "newest) and compare it with the sha256 saved with it. Exit 0 if all match, "
+                    "1 if a file changed, is missing or has no checksum; nothing is written.")
+    check.add_argument("run_dir", metavar="RUN_DIR")
+    check.add_argument("step", nargs="?", type=int, default=None, metavar="STEP")
+    check.set_defaults(handler=_verify_checkpoint)
+
     config = commands.add_parser("config", help="inspect a config before running it")
     config_kinds = config.add_subparsers(dest="config_command", metavar="WHAT", required=True)
     show = config_kinds.add_parser(
@@ -221,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except WriteFailed as err:  # the disk, not the input: exit 1
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import grain
 import jax
 import numpy as np
 
-from trainrun import distributed, mfu, rundir, sharding
+from trainrun import distributed, mfu, preflight, rundir, sharding, storage
 from trainrun.checkpoint import Checkpoints, checkpoint_dir
 from trainrun.config import RunConfig
 from trainrun.console import Console, make_console
@@ -111,53 +111,51 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Model | 
         defaults to the one ``config.data`` holds out.
     """
     configure_process()  # trainrun's process settings, while JAX's backend has not started
-    # `cleanup` closes what _run opened (the checkpoint manager, letting a save in flight
-    # commit) however it ends.
-    with Preemption() as preemption, contextlib.ExitStack() as cleanup:
+    path = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
+    if fresh:  # `--run-dir . --fresh`: the new run goes where `.` was, not into the old one
+        path = Path(os.path.abspath(path))
+    # The folders' claim: checked, then locked for the run's life (released last, after a
+    # failure is recorded).
+    directory = rundir.RunDirectory(path, checkpoint_dir(config, path), fresh)
+    with Preemption() as preemption:
+        preemption.on_abort = lambda: rundir.mark_failed(path, "aborted by a second interrupt")
         try:
-            return _run(config, run_dir, model, data, fresh, allow_config_change, out,
-                        preemption, cleanup, eval_data)
-        except BaseException:
-            _mark_failed(Path(run_dir) if run_dir is not None else rundir.default_run_dir(config))
-            raise
+            # `cleanup` closes what _run opened (the checkpoint manager, letting a save in
+            # flight commit) however it ends.
+            with contextlib.ExitStack() as cleanup:
+                return _run(config, path, model, data, allow_config_change, out,
+                            preemption, cleanup, eval_data, directory)
+        except BaseException as err:
+            failure = storage.on_failure(err, directory)  # status "failed", with the reason
+            if failure is None:
+                raise
+            raise failure from err
+        finally:
+            directory.release()
 
 
-def _mark_failed(run_dir: Path) -> None:
-    """A run this process started that raised is ``failed`` for ``trainrun runs`` (a refusal
-    before it started leaves the directory's status as it was)."""
-    status = rundir.read_status(run_dir) if run_dir.exists() else {}
-    if status.get("status") == "running" and status.get("pid") == os.getpid():
-        rundir.write_status(run_dir, "failed", status.get("step"))
-
-
-def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, data: Any,
-         fresh: bool, allow_config_change: bool, out: TextIO,
+def _run(config: RunConfig, run_dir: Path, model: Model | None, data: Any,
+         allow_config_change: bool, out: TextIO,
          preemption: Preemption, cleanup: contextlib.ExitStack,
-         eval_data: grain.MapDataset | None = None) -> dict[str, Any]:
+         eval_data: grain.MapDataset | None, directory: rundir.RunDirectory) -> dict[str, Any]:
     wall_start = time.perf_counter()
     distributed.initialize(config.distributed)  # before anything asks JAX for devices
     primary = jax.process_index() == 0  # only process 0 writes files and logs
-    run_dir = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
     prov = provenance(config.digest())
-    ckpt_dir = checkpoint_dir(config, run_dir)
-    moved = rundir.move_runs_aside([run_dir, ckpt_dir]) if fresh and primary else []
+    ckpt_dir = directory.ckpt_dir
+    if primary:  # a folder that is not trainrun's, or is in use, is refused; nothing written
+        directory.check()
     batch_size = _batch_size(config, data)
     unit, per_step = _throughput_unit(config, batch_size)
     console = make_console(config.steps, per_step,
                            out if primary else open(os.devnull, "w"), unit)  # noqa: SIM115
-    for old, new in moved:
-        console.message(f"moved the previous run aside: {old} -> {new}")
-    if primary:
-        rundir.check_run_dir(run_dir)
-    # The mesh is checked before the checkpoint manager (and its threads) exists.
-    mesh = sharding.build_mesh(config.mesh)
-    placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
-    checkpoints = cleanup.enter_context(Checkpoints(ckpt_dir, config, prov))
-    latest = checkpoints.latest_step()
-    if latest is not None and latest >= config.steps:
-        checkpoints.close()
+    latest = (rundir.committed_steps(ckpt_dir) or [None])[-1]
+    if latest is not None and latest >= config.steps and not directory.fresh:
         console.message(rundir.finished_message(run_dir, latest, config.steps))
         return rundir.read_summary(run_dir)
+    # Every input is checked (mesh, model, data) before anything is created.
+    mesh = sharding.build_mesh(config.mesh)
+    placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
 
     counted = None if model else config.model  # a model passed in has no analytic FLOP count
     model = model or build_model(config.model)
@@ -169,9 +167,14 @@ def _run(config: RunConfig, run_dir: Path | str | None, model: Model | None, dat
     if data is None:
         data = build_dataset(config.data, seed=config.seed, process_index=placement.rows[0],
                              process_count=placement.rows[1])
+    preflight.check_batch(model, data, abstract.params, from_config=counted is not None)
     batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
                if isinstance(data, grain.MapDataset) else iter(data))
     evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params)
+    if primary:  # creates, locks and marks the folders (moves an old run aside: --fresh)
+        for notice in directory.claim():
+            console.message(notice)
+    checkpoints = cleanup.enter_context(Checkpoints(ckpt_dir, config, prov))
     watch = Stopwatch()
     with watch.phase("init"):
         state = _restore_or_init(
@@ -339,6 +342,9 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str
     for bad, why, where in restored.moved:
         console.message(f"warning: checkpoint step {bad} cannot be read ({why}); "
                         f"moved it to {where}")
+    if not restored.verified:
+        console.message(f"checkpoint step {step} has no checksums (saved by an earlier "
+                        "trainrun): restored without verifying its files")
     if changes:
         console.message("warning: resuming with a changed config (--allow-config-change): "
                         + "; ".join(changes))

@@ -12,10 +12,12 @@ A second SIGINT aborts at once, without a checkpoint (the last committed one sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import TextIO
 
@@ -35,6 +37,8 @@ class Preemption:
         # check, after jax.distributed has started (asking JAX earlier would start it alone).
         self.shared: bool | None = None
         self._previous: dict[int, object] = {}
+        # Called before a second interrupt ends the process (the run records it as failed).
+        self.on_abort: Callable[[], None] | None = None
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
@@ -58,6 +62,9 @@ class Preemption:
             if signum == signal.SIGINT:
                 os.write(self.err.fileno() if _has_fd(self.err) else 2,
                          b"aborted: second interrupt, exiting without a checkpoint\n")
+                if self.on_abort is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_abort()
                 os._exit(ABORT_EXIT_CODE)
             return
         self.signal_name = name

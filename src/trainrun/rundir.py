@@ -1,6 +1,8 @@
 """The run directory: what a run leaves on disk, and where.
 
-    <run dir>/config.yaml       the resolved config
+    <run dir>/trainrun.json     the marker: this folder is a trainrun run (format version)
+              trainrun.lock     held (flock) by the one process writing the run
+              config.yaml       the resolved config
               provenance.json   what the run was measured on
               metrics.jsonl     one line per training step (and per eval)
               summary.json      written at the end: final loss, timing, throughput
@@ -10,10 +12,18 @@
               checkpoints/      Orbax step directories (see checkpoint.py)
 
 A run directory with a committed checkpoint resumes from it; ``--fresh`` moves the run aside.
+
+trainrun writes only into a folder it can tell is its own: one it creates (the marker is its
+first file, before ``checkpoints/``), an empty one, or one holding the marker. A run directory
+written before the marker existed is recognised by the ``status.json`` or ``provenance.json``
+trainrun wrote beside its ``config.yaml`` (keys no user file is likely to share) and is marked
+when next trained. Any other folder is refused before anything is written, renamed or trimmed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -23,7 +33,10 @@ from typing import Any
 
 from trainrun.config import RunConfig, dump_yaml
 from trainrun.errors import UserError
+from trainrun.rundir_lock import LOCK, RunLock
 
+MARKER = "trainrun.json"
+FORMAT = 1  # the run directory layout this trainrun reads and writes
 CONFIG = "config.yaml"
 PROVENANCE = "provenance.json"
 METRICS = "metrics.jsonl"
@@ -37,11 +50,23 @@ def default_run_dir(config: RunConfig) -> Path:
     return Path("runs") / config.name
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Written to a temporary name and renamed: a reader never sees half a file."""
+def write_text(path: Path, text: str) -> None:
+    """Written to a temporary name and renamed: a reader never sees half a file, and a write
+    that fails (a full disk) leaves the old file and no temporary one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(err, OSError) and err.filename is None:  # a failed write() names none
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    write_text(path, json.dumps(payload, indent=2) + "\n")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -49,28 +74,17 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def move_aside(run_dir: Path) -> Path:
-    """``runs/x`` -> ``runs/x.old-<UTC time>``: a fresh start never deletes a run."""
+    """``runs/x`` -> ``runs/x.old-<UTC time>``: a fresh start never deletes a run. The path is
+    made absolute first, so ``.`` (the working directory) moves too."""
+    run_dir = Path(os.path.abspath(run_dir))
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
     target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    n = 1
+    while target.exists():  # two fresh starts within a second
+        n += 1
+        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
     run_dir.rename(target)
     return target
-
-
-def move_runs_aside(paths: list[Path]) -> list[tuple[Path, Path]]:
-    """``--fresh``: each existing, non-empty path (the run dir; a checkpoint dir kept
-    elsewhere) is renamed aside, never deleted. Returns ``(old, new)`` pairs."""
-    moved = []
-    for path in paths:
-        if path.exists() and any(path.iterdir()):
-            moved.append((path, move_aside(path)))
-    return moved
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """A non-empty directory that holds no run is not ours to write into."""
-    if run_dir.exists() and any(run_dir.iterdir()) and not (run_dir / CONFIG).exists():
-        raise UserError(f"{run_dir} is not empty and holds no trainrun run (no {CONFIG}); "
-                        "give --run-dir an empty or new directory")
 
 
 def start(run_dir: Path, config: RunConfig, provenance: dict[str, Any], step: int) -> None:
@@ -78,7 +92,7 @@ def start(run_dir: Path, config: RunConfig, provenance: dict[str, Any], step: in
     grown), this process's provenance, and ``metrics.jsonl`` cut back to ``step`` so that each
     step is in it once."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG).write_text(dump_yaml(config))
+    write_text(run_dir / CONFIG, dump_yaml(config))
     write_json(run_dir / PROVENANCE, provenance)
     truncate_metrics(run_dir / METRICS, step)
     truncate_metrics(run_dir / TIMING, step)
@@ -93,9 +107,7 @@ def truncate_metrics(path: Path, step: int) -> int:
     kept = [line for line in lines if line.strip() and _line_step(line) <= step]
     if len(kept) == len(lines):
         return 0
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
+    write_text(path, "".join(kept))
     return len(lines) - len(kept)
 
 
@@ -117,9 +129,11 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     return read_json(path) if path.exists() else {}
 
 
-def write_status(run_dir: Path, status: str, step: int | None = None) -> None:
+def write_status(run_dir: Path, status: str, step: int | None = None,
+                 reason: str | None = None) -> None:
     """Record where a run stands (``trainrun runs`` reads it): one of ``STATUSES``, the step if
-    known, and the process that wrote it (so a run whose process died shows as failed)."""
+    known, and the process that wrote it (so a run whose process died shows as failed); a
+    failed run also says why."""
     if status not in STATUSES:
         raise ValueError(f"status {status!r} is not one of {STATUSES}")
     write_json(run_dir / STATUS, {
@@ -128,7 +142,18 @@ def write_status(run_dir: Path, status: str, step: int | None = None) -> None:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **({"reason": reason} if reason else {}),
     })
+
+
+def mark_failed(run_dir: Path, reason: str) -> None:
+    """A run this process started that raised is ``failed`` for ``trainrun runs``, with why (a
+    refusal before it started leaves the directory's status as it was). Best effort: the disk
+    may be the reason."""
+    with contextlib.suppress(OSError):
+        status = read_status(run_dir) if run_dir.exists() else {}
+        if status.get("status") == "running" and status.get("pid") == os.getpid():
+            write_status(run_dir, "failed", status.get("step"), reason)
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
@@ -150,3 +175,171 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         except (PermissionError, KeyError, TypeError, ValueError):
             pass
     return status
+
+
+# ---- whose folder is it ----------------------------------------------------------------------
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What a folder holds, for a run directory (``role`` "run") or a checkpoint directory kept
+    elsewhere ("checkpoints"): absent | empty | marked (its marker says trainrun's) | legacy
+    (trainrun's, from before the marker) | leftover (nothing but an empty ``checkpoints/`` or
+    a lock file: a run that died before its marker) | foreign (``why`` says what is there)."""
+
+    kind: str
+    why: str = ""
+
+
+def committed_steps(ckpt_dir: Path) -> list[int]:
+    """The step directories in a checkpoint directory (Orbax renames a step to its number only
+    once every file is written), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def require_utf8(path: Path, flag: str) -> None:
+    """Orbax and TensorStore take paths as UTF-8 text: refuse any other bytes up front."""
+    raw = os.fsencode(path)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{flag} {raw!r} is not valid UTF-8 (byte {raw[err.start]:#04x}); "
+                        "checkpoints need a UTF-8 path: give one") from None
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _by_trainrun(path: Path) -> bool:
+    """A run directory from before the marker: trainrun's own status or provenance file."""
+    status, prov = _json(path / STATUS), _json(path / PROVENANCE)
+    return ((isinstance(status, dict) and status.get("status") in STATUSES
+             and {"pid", "host", "updated"} <= status.keys())
+            or (isinstance(prov, dict) and {"trainrun", "jax", "config_digest"} <= prov.keys()))
+
+
+def inspect(path: Path, role: str = "run") -> Found:
+    """What ``path`` holds, read without writing anything."""
+    if not path.exists():
+        return Found("absent")
+    if not path.is_dir():
+        return Found("foreign", "it is a file, not a directory")
+    names = {p.name for p in path.iterdir()}
+    if not names:
+        return Found("empty")
+    if MARKER in names:
+        marker = _json(path / MARKER)
+        if not isinstance(marker, dict) or not isinstance(marker.get("format"), int):
+            return Found("foreign", f"its {MARKER} cannot be read")
+        if marker["format"] > FORMAT:
+            raise UserError(f"{path} was written by a newer trainrun (run directory format "
+                            f"{marker['format']}; this one reads {FORMAT}); use that version, "
+                            "or give another directory")
+        if marker.get("holds", "run") != role:
+            return Found("foreign", f"it holds trainrun {marker.get('holds')}, not a {role}")
+        return Found("marked")
+    ckpts = path / CHECKPOINTS
+    if role == "run":
+        if CONFIG in names and _by_trainrun(path):
+            return Found("legacy")
+        if names <= {LOCK, CHECKPOINTS} and (
+                CHECKPOINTS not in names or (ckpts.is_dir() and not any(ckpts.iterdir()))):
+            return Found("leftover")
+    else:  # step directories (each with trainrun's meta/), partial saves and corrupt/ only
+        steps = [p for p in path.iterdir() if p.name.isdigit()]
+        if (steps and all((p / "meta").is_dir() for p in steps)
+                and all(n.isdigit() or ".orbax-checkpoint-tmp" in n or n in ("corrupt", LOCK)
+                        for n in names)):
+            return Found("legacy")
+    shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+    return Found("foreign", f"it holds {shown} and no {MARKER}")
+
+
+class RunDirectory:
+    """The folders one run writes: its run directory and, when ``checkpoint.dir`` puts them
+    elsewhere, its checkpoint directory.
+
+    ``check`` refuses a folder that is not trainrun's (or is in use) before anything is
+    written, and takes the lock of an existing one at once; ``claim``, once the run's inputs
+    are known to be good, moves an old run aside (``--fresh``), creates and locks the folders
+    and writes their markers. ``release`` (or the process ending) frees the locks.
+    """
+
+    def __init__(self, run_dir: Path, ckpt_dir: Path, fresh: bool = False):
+        self.run_dir, self.ckpt_dir, self.fresh = Path(run_dir), Path(ckpt_dir), fresh
+        self.folders = [(self.run_dir, "--run-dir", "run")]
+        if os.path.abspath(ckpt_dir) != os.path.abspath(self.run_dir / CHECKPOINTS):
+            self.folders.append((self.ckpt_dir, "checkpoint.dir", "checkpoints"))
+        self.locks: dict[Path, RunLock] = {}
+
+    def check(self) -> None:
+        for path, flag, role in self.folders:
+            require_utf8(path, flag)
+            found = inspect(path, role)
+            if found.kind == "foreign":
+                raise UserError(_refusal(path, flag, role, found, self.fresh))
+            lock = RunLock(path)
+            if found.kind != "absent" and lock.acquire(create=False, what=_what(role)):
+                self.locks[path] = lock
+
+    def claim(self) -> list[str]:
+        """Create, lock and mark the folders; returns the notices to print (a run moved aside,
+        a folder taken over)."""
+        notices = []
+        existed = {path: inspect(path, role) for path, _, role in self.folders}
+        for path, flag, role in self.folders:
+            found = existed[path]
+            if self.fresh and found.kind in ("marked", "legacy", "leftover"):
+                lock = self.locks.pop(path, None) or RunLock(path)
+                lock.acquire(create=True, what=_what(role))
+                try:
+                    target = move_aside(path)
+                finally:
+                    lock.release()
+                notices.append(f"moved the previous run aside: {path} -> {target}")
+                found = existed[path] = Found("absent")
+            path.mkdir(parents=True, exist_ok=True)
+            lock = self.locks.setdefault(path, RunLock(path))
+            lock.acquire(create=True, what=_what(role))
+            lock.record_holder()
+            now = inspect(path, role)  # again, under the lock: nobody wrote in between
+            if now.kind == "foreign":
+                raise UserError(_refusal(path, flag, role, now, self.fresh))
+            if now.kind != "marked":
+                write_json(path / MARKER, {
+                    "format": FORMAT, "holds": role,
+                    "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+            if found.kind == "legacy":
+                notices.append(f"{path} was written by an earlier trainrun: marked it as "
+                               f"trainrun's ({MARKER})")
+        if (existed[self.run_dir].kind in ("marked", "legacy", "leftover")
+                and not committed_steps(self.ckpt_dir)):
+            notices.append(f"taking over {self.run_dir}: it holds no checkpoint (its run "
+                           "stopped or was refused before the first one); starting at step 0")
+        return notices
+
+    def release(self) -> None:
+        for lock in self.locks.values():
+            lock.release()
+        self.locks.clear()
+
+
+def _what(role: str) -> str:
+    return "run directory" if role == "run" else "checkpoint directory"
+
+
+def _refusal(path: Path, flag: str, role: str, found: Found, fresh: bool) -> str:
+    kind = "a trainrun run directory" if role == "run" else "a trainrun checkpoint directory"
+    if fresh:
+        return (f"--fresh moves only a trainrun run aside, and {flag} {path} is not {kind} "
+                f"({found.why}); nothing was moved. Give {flag} a new or empty directory")
+    return (f"{flag} {path} is not {kind} ({found.why}); trainrun writes only into a new or "
+            f"empty directory or one of its own runs. Give {flag} a new or empty directory")

@@ -70,9 +70,15 @@ def resolve_config_path(name_or_path: str, relative_to: Path | None = None) -> P
 
 def _read_yaml(path: Path, label: str) -> dict[str, Any]:
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config {label} is not UTF-8 text (byte {err.object[err.start]:#04x} "
+                          f"at offset {err.start}); save it as UTF-8") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config {label} is not valid YAML: {err}".replace("\n", " ")) from None
+    if raw is None:  # an empty file would silently train the defaults
+        raise ConfigError(f"config {label} is empty; give it at least one key (e.g. base: mlp "
+                          "to start from a built-in), or pass the built-in's name instead")
     if not isinstance(raw, dict):
         raise ConfigError(f"config {label} must be a mapping of keys to values")
     return raw

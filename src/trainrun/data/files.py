@@ -34,7 +34,7 @@ def load_arrays(spec: str | dict[str, str], key: str) -> Arrays:
         try:
             with np.load(file) as npz:
                 arrays = {name: npz[name] for name in npz.files}
-        except (OSError, ValueError, zipfile.BadZipFile) as err:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:  # EOF: 0 bytes
             raise DataError(f"{key}: cannot read {spec!r} as .npz ({err})") from None
     else:
         arrays = {}
@@ -42,7 +42,7 @@ def load_arrays(spec: str | dict[str, str], key: str) -> Arrays:
             file = _existing(path, f"{key}.{name}")
             try:
                 arrays[name] = np.load(file, mmap_mode="r")
-            except (OSError, ValueError) as err:
+            except (OSError, ValueError, EOFError) as err:
                 raise DataError(f"{key}.{name}: cannot read {path!r} as .npy ({err})") from None
     if not arrays:
         raise DataError(f"{key}: {spec!r} holds no arrays")

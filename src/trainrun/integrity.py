@@ -1,0 +1,132 @@
+"""Checksums of a checkpoint's files: written when a step is saved, verified before it is read.
+
+Orbax stores arrays through TensorStore (zarr chunks in an OCDBT database) without a checksum of
+their data: zarr3's crc32c covers only a shard's index and OCDBT's only its tree nodes, so bytes
+flipped inside an array file read back as other numbers. Each item directory of a step
+(``state/``, ``data/``, ``meta/``) therefore gets ``trainrun-checksums.json``: the sha256 and
+size of every file in it. The item's handler writes it in ``finalize``, which Orbax calls on
+process 0 once every process has written its files and before it renames the step to its
+committed name, so a committed step always has its checksums.
+
+Verification reads every file of a step and compares: a changed, missing or unlisted file makes
+the step unreadable (the caller falls back to the step before). A step without any checksum file
+was written by a trainrun from before them; it is restored unverified, and said so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+MANIFEST = "trainrun-checksums.json"
+ITEMS = ("state", "data", "meta")
+# Orbax's own commit marks, written after the items are finalized (so after the checksums).
+ORBAX_MARKS = frozenset({"commit_success.txt", "_CHECKPOINT_METADATA"})
+
+
+def file_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*")
+                  if p.is_file() and p.name not in ORBAX_MARKS and p.name != MANIFEST)
+
+
+def write_manifest(directory: Path) -> None:
+    """The checksums of every file under ``directory`` (an item being finalized)."""
+    directory = Path(directory)
+    files = {str(p.relative_to(directory)): {"sha256": file_digest(p), "bytes": p.stat().st_size}
+             for p in _files(directory)}
+    (directory / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=1))
+
+
+@dataclasses.dataclass
+class Verified:
+    """One step's verification: ``problems`` empty means every file matches its checksum;
+    ``checked`` is False for a step saved without checksums (nothing to compare)."""
+
+    problems: list[str]
+    checked: bool
+    files: int = 0
+    bytes: int = 0
+
+
+def verify_step(step_dir: Path) -> Verified:
+    """Compare every file of the step at ``step_dir`` with the checksums saved with it."""
+    items = [step_dir / name for name in ITEMS if (step_dir / name).is_dir()]
+    if not any((item / MANIFEST).exists() for item in items):
+        return Verified([], checked=False)
+    result = Verified([], checked=True)
+    for item in items:
+        result.problems += _verify_item(item, step_dir, result)
+    return result
+
+
+def _verify_item(item: Path, step_dir: Path, result: Verified) -> list[str]:
+    try:
+        listed = json.loads((item / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return [f"{item.name}/ has no {MANIFEST}"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [f"{item.name}/{MANIFEST} cannot be read ({type(err).__name__})"]
+    problems = []
+    present = {str(p.relative_to(item)): p for p in _files(item)}
+    for name, saved in listed.items():
+        where = f"{item.relative_to(step_dir)}/{name}"
+        path = present.pop(name, None)
+        if path is None:
+            problems.append(f"{where} is missing")
+            continue
+        size = path.stat().st_size
+        result.files += 1
+        result.bytes += size
+        if size != saved["bytes"]:
+            problems.append(f"{where} has {size} bytes, {saved['bytes']} when saved")
+            continue
+        digest = file_digest(path)
+        if digest != saved["sha256"]:
+            problems.append(f"checksum mismatch in {where} (sha256 {digest[:12]}, saved "
+                            f"{saved['sha256'][:12]})")
+    problems += [f"{item.relative_to(step_dir)}/{name} is not in the saved checksums"
+                 for name in present]
+    return problems
+
+
+def verify_run_checkpoint(run_dir: Path, step: int | None = None) -> tuple[bool, str]:
+    """``trainrun verify-checkpoint``: the checksums of one committed step of a run (default
+    its newest), without training. Returns (every file matches, a line saying what was found)."""
+    import yaml
+
+    from trainrun.errors import UserError
+    from trainrun.rundir import CHECKPOINTS, CONFIG, committed_steps
+
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG).is_file():
+        raise UserError(f"{run_dir} holds no trainrun run (no {CONFIG}); give a run directory")
+    try:
+        saved = yaml.safe_load((run_dir / CONFIG).read_text()) or {}
+        ckpt = (saved.get("checkpoint") or {}).get("dir")
+    except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
+        raise UserError(f"{run_dir / CONFIG} cannot be read as a config") from None
+    ckpt_dir = Path(ckpt) if ckpt else run_dir / CHECKPOINTS
+    steps = committed_steps(ckpt_dir)
+    if not steps:
+        raise UserError(f"{ckpt_dir} holds no committed checkpoint")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise UserError(f"{ckpt_dir} has no checkpoint of step {step}; its steps: "
+                        f"{', '.join(map(str, steps))}")
+    where = ckpt_dir / str(step)
+    result = verify_step(where)
+    if result.problems:
+        return False, f"{where}: " + "; ".join(result.problems)
+    if not result.checked:
+        return False, (f"{where} has no checksums (saved by a trainrun from before them): "
+                       "nothing to verify it against")
+    return True, (f"{where}: {result.files} files, {result.bytes:,} bytes: every checksum "
+                  "matches")

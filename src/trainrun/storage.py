@@ -1,0 +1,88 @@
+"""When the file system refuses a write: a full disk, a read-only or forbidden folder, a quota.
+
+The run stops with one line that names the file and the last committed checkpoint (what a
+resume starts from), exit 1. Before that line, what the failed write left half done is removed:
+temporary files (``*.tmp``) and the step directory of a save that never committed. The files a
+run appends to never hold half a record (``writers.JsonlWriter`` cuts a refused write back to
+its last whole line), and every other file is replaced by a rename, so the run directory is as
+the last good moment left it and the same command resumes it once the disk has room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import re
+import shutil
+from pathlib import Path
+
+from trainrun.errors import WriteFailed
+from trainrun.rundir import RunDirectory, committed_steps, mark_failed
+
+# errno -> how the line says it (strerror's wording, lower case)
+REFUSED = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EFBIG: "file too large",
+}
+# TensorStore and Orbax's threads report the OS error inside their own exception's text.
+_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+         "Read-only file system": errno.EROFS, "Permission denied": errno.EACCES}
+_PATH = re.compile(r"""["'](/[^"']+)["']""")
+TMP_SUFFIX = ".tmp"
+ORBAX_TMP = ".orbax-checkpoint-tmp"
+
+
+def refused_write(err: BaseException) -> tuple[str, str | None] | None:
+    """``(what happened, the file)`` when ``err``, or an error that led to it, is a write the
+    file system refused; else None."""
+    seen: set[int] = set()
+    stack = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in REFUSED:
+            return REFUSED[e.errno], e.filename and str(e.filename)
+        text = str(e)
+        for phrase, code in _TEXT.items():
+            if phrase in text:
+                found = _PATH.search(text)
+                return REFUSED[code], found.group(1) if found else None
+        stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return None
+
+
+def remove_partial(run_dir: Path, ckpt_dir: Path) -> None:
+    """Temporary files and uncommitted step directories: what a refused write left behind.
+    Only the process holding the run directory's lock calls this, so none is another's."""
+    for path in (run_dir.glob(f"*{TMP_SUFFIX}") if run_dir.is_dir() else ()):
+        with contextlib.suppress(OSError):
+            path.unlink()
+    for path in (ckpt_dir.glob(f"*{ORBAX_TMP}*") if ckpt_dir.is_dir() else ()):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def failure_line(what: str, file: str | None, run_dir: Path, ckpt_dir: Path) -> str:
+    steps = committed_steps(ckpt_dir)
+    last = (f"the last committed checkpoint is step {steps[-1]} (the same command resumes "
+            "from it once the write can succeed)" if steps else "no checkpoint was committed")
+    return f"{what} writing {file or f'in {run_dir}'}; {last}"
+
+
+def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
+    """Record a run that raised as ``failed`` with the reason. A refused write becomes the
+    one-line ``WriteFailed`` (returned), after what it left half written is removed."""
+    refused = refused_write(err)
+    if refused is None:
+        mark_failed(directory.run_dir, " ".join(f"{type(err).__name__}: {err}".split())[:300])
+        return None
+    if directory.locks:  # this process holds the folders: what is half written is its own
+        remove_partial(directory.run_dir, directory.ckpt_dir)
+    line = failure_line(*refused, directory.run_dir, directory.ckpt_dir)
+    mark_failed(directory.run_dir, line)
+    return WriteFailed(line)

@@ -1,99 +1,177 @@
 #!/usr/bin/env bash
-# A GPT-2-small-sized LM (12 layers, d_model 768, 12 heads, 1024 context, vocabulary 50304:
-# 124M parameters) trained by trainrun's own step in bfloat16 on one NVIDIA GPU (written for an
-# H200): tokens/s and MFU against the bfloat16 matmul rate measured on the same GPU first.
+# trainrun's GPT-2-small-shaped LM on one NVIDIA GPU (written for an H200), in one go of under
+# six minutes, each part within its own time limit, each printing a markdown table:
 #
-#   bash benchmarks/gpu_lm.sh [BATCH] [STEPS_PER_CALL] [ROUNDS]
+#   1. environment: installs the wheels in .whl/ into /tmp/site if grain or pydantic is missing
+#      (no network needed), prints versions and the XLA flags importing trainrun sets
+#   5. GPU determinism (first, as it decides whether trainrun's GPU defaults hold): `trainrun
+#      verify-resume` on the byte LM with dropout in bfloat16; two fresh `trainrun train`
+#      processes compared step by step (metrics.jsonl, bitwise), with trainrun's GPU defaults
+#      and with --xla_gpu_deterministic_ops=false; the embedding gradient's deterministic
+#      scatter against a float64 reference
+#   2. trainrun's step against PyTorch's (nanoGPT style) at the GPT-2-small shape, interleaved
+#      in one process: ms/step, tokens/s, MFU, the ratio (benchmarks/gpu_lm.py bench)
+#   3. a jax.profiler trace of trainrun's step per kernel, and its HLO: bfloat16 GEMMs, cuDNN
+#      flash attention
+#   4. `trainrun train` at that shape on a token file of random ids: what the loop and the
+#      Grain pipeline add to the bare step
 #
-# Needs jax[cuda] in .venv (pip install "jax[cuda12]==0.10.2"). The step is trainrun's
-# make_train_step (AdamW, float32 master params, bfloat16 compute, the transformer's attention
-# through cuDNN's fused kernel), K steps per call under lax.scan, the state donated; tokens are
-# random ids already on the device (this measures the step, not a data pipeline). MFU counts the
-# model's FLOPs (6 x params x tokens + 12 x layers x seq x d_model x tokens, causal mask not
-# discounted) over the measured rate of a large bfloat16 matmul, and over the datasheet peak.
-# Target: MFU of at least 45% of the measured rate.
-set -euo pipefail
+#   bash benchmarks/gpu_lm.sh            # on the GPU machine, from the repository root
+#   bash benchmarks/gpu_lm.sh --tiny     # every part at toy sizes on a CPU: checks the code
+#
+# Results also go to $OUT (default: a new directory under /tmp): gpu_lm.log, bench.json,
+# scatter.json, the runs' logs and summaries; the runs themselves, the token file and the trace
+# stay in a scratch directory under /tmp. PY (default python3) is the interpreter.
+set -uo pipefail
+cd "$(dirname "$0")/.."
 
-BATCH=${1:-32}
-STEPS=${2:-10}
-ROUNDS=${3:-5}
-PY=${PY:-.venv/bin/python}
-BACKEND=$("$PY" -c "import jax; print(jax.default_backend())")
-if [[ "$BACKEND" != "gpu" ]]; then
-  echo "no GPU backend (JAX sees: $BACKEND); install jax[cuda12] and run on a GPU machine" >&2
-  exit 2
+TINY=0
+[[ "${1:-}" == "--tiny" || "${GPU_LM_TINY:-0}" == "1" ]] && TINY=1
+PY=${PY:-python3}
+OUT=${OUT:-$(mktemp -d /tmp/gpu-lm.XXXXXX)}
+WORK=$(mktemp -d /tmp/gpu-lm-work.XXXXXX)
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_lm.log") 2>&1
+START=$SECONDS
+part() { echo; echo "# $1 (at $((SECONDS - START)) s)"; echo; }
+status() { [[ "$1" == 0 ]] && echo PASS || echo "FAIL (exit $1)"; }
+
+part "Part 1: environment"
+if ! "$PY" -c "import grain, pydantic" 2>/dev/null; then
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl
+  else
+    echo "grain or pydantic is missing and there is no .whl/ to install them from"
+  fi
+fi
+export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
+  --format=csv,noheader
+"$PY" - <<'EOF'
+import importlib, os, sys
+print("| package | version |\n|---|---|")
+print(f"| python | {sys.version.split()[0]} |")
+for name in ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "grain", "pydantic", "torch",
+             "numpy"):
+    try:
+        module = importlib.import_module(name)
+        print(f"| {name} | {getattr(module, '__version__', '?')} |")
+    except Exception as err:
+        print(f"| {name} | missing ({type(err).__name__}: {err}) |")
+import trainrun  # noqa: F401  (sets trainrun's default XLA flags)
+import jax
+print(f"\nbackend {jax.default_backend()}: {jax.devices()}")
+print(f"XLA_FLAGS after importing trainrun: {os.environ.get('XLA_FLAGS', '')!r}")
+EOF
+
+part "Part 5: GPU determinism (fresh processes, verify-resume, the embedding scatter)"
+DET=$WORK/determinism
+mkdir -p "$DET" "$OUT/determinism"
+LM=(--config lm model.dropout=0.1 precision.compute=bfloat16 eval.every=0
+    metrics.tensorboard=false optimizer.schedule.warmup_steps=10 log_every=10)
+if [[ $TINY == 1 ]]; then STEPS=20; EVERY=10; else STEPS=40; EVERY=20; fi
+run_bg() {  # NAME TIMEOUT XLA_FLAGS_OR_EMPTY ARGS...: a background CLI run, its exit code in NAME.rc
+  local name=$1 limit=$2 flags=$3
+  shift 3
+  (
+    [[ -n "$flags" ]] && export XLA_FLAGS=$flags
+    timeout "$limit" "$PY" -m trainrun "$@" > "$DET/$name.log" 2>&1
+    echo $? > "$DET/$name.rc"
+  ) &
+  PIDS+=($!)
+}
+PIDS=()
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several processes share the GPU here
+run_bg verify 110 "" verify-resume "${LM[@]}" "steps=$STEPS" "checkpoint.every=$EVERY" \
+  --work-dir "$DET/verify-runs"
+for tag in a b; do
+  run_bg "fresh-$tag" 100 "" train --run-dir "$DET/fresh-$tag" "${LM[@]}" "steps=$STEPS" \
+    checkpoint.every=0
+  if [[ $TINY == 0 ]]; then
+    run_bg "off-$tag" 100 "--xla_gpu_deterministic_ops=false" train --run-dir "$DET/off-$tag" \
+      "${LM[@]}" "steps=$STEPS" checkpoint.every=0
+  fi
+done
+wait "${PIDS[@]}"  # these runs only: a bare wait would also wait for the tee of the log
+unset XLA_PYTHON_CLIENT_PREALLOCATE
+compare() {  # A B: bitwise comparison of two runs, or why there is none
+  if [[ "$(cat "$DET/$1.rc" 2>/dev/null)" == 0 && "$(cat "$DET/$2.rc" 2>/dev/null)" == 0 ]]; then
+    "$PY" benchmarks/gpu_lm.py same "$DET/$1" "$DET/$2" | tail -1
+  else
+    echo "not compared: a run failed (exit $(cat "$DET/$1.rc" "$DET/$2.rc" 2>/dev/null | xargs))"
+  fi
+}
+rate() { "$PY" -c "import json; print(round(json.load(open('$DET/$1/summary.json'))['steps_per_s'], 1))" 2>/dev/null || echo "n/a"; }
+echo "byte LM (configs/lm.yaml), dropout 0.1, bfloat16 compute, $STEPS steps"
+echo
+echo "| check | result | steps/s |"
+echo "|---|---|---:|"
+echo "| verify-resume: kill -9 after a committed checkpoint and during an async save | $(status "$(cat "$DET/verify.rc" 2>/dev/null || echo none)") | |"
+echo "| two fresh processes, trainrun's GPU defaults | $(compare fresh-a fresh-b) | $(rate fresh-a) |"
+if [[ $TINY == 0 ]]; then
+  echo "| two fresh processes, --xla_gpu_deterministic_ops=false | $(compare off-a off-b) | $(rate off-a) |"
+fi
+echo
+echo "verify-resume's report:"
+grep -E "^\||PASS|FAIL|Error|error" "$DET/verify.log" | tail -12
+for name in fresh-a off-a; do
+  if [[ -f "$DET/$name.rc" && "$(cat "$DET/$name.rc")" != 0 ]]; then
+    echo "--- $name failed; its last lines:"; tail -15 "$DET/$name.log"
+  fi
+done
+cp "$DET"/*.log "$DET"/*.rc "$OUT/determinism/" 2> /dev/null
+for run in fresh-a fresh-b off-a off-b; do
+  [[ -f "$DET/$run/metrics.jsonl" ]] && cp "$DET/$run/metrics.jsonl" "$OUT/determinism/$run.metrics.jsonl"
+done
+SC=()
+[[ $TINY == 1 ]] && SC=(--tiny)
+timeout 60 "$PY" benchmarks/gpu_lm.py scatter "${SC[@]}" --out "$OUT"
+echo "embedding scatter check exit: $?"
+
+part "Parts 2 and 3: trainrun's step vs PyTorch, and where the step goes"
+BENCH=()
+[[ $TINY == 1 ]] && BENCH=(--tiny --torch-eager)
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 200 "$PY" benchmarks/gpu_lm.py bench "${BENCH[@]}" \
+  --budget-s 130 --out "$OUT" --trace-dir "$WORK/trace"
+echo "bench exit: $?"
+
+part "Part 4: trainrun train at the same shape (loop + Grain pipeline vs the bare step)"
+if (( SECONDS - START > 280 )); then
+  echo "skipped: $((SECONDS - START)) s already spent"
+else
+  if [[ $TINY == 1 ]]; then
+    V=512; D=64; L=2; H=2; T=64; B=4; K=2; N=20
+  else
+    V=50304; D=768; L=12; H=12; T=1024; B=32; K=10; N=60
+  fi
+  "$PY" benchmarks/gpu_lm.py tokens "$WORK/tokens/train.bin" $(( (N + 10) * B * (T + 1) )) $V
+  cat > "$OUT/gpt2.yaml" <<EOF
+name: gpt2-shape
+seed: 0
+steps: $N
+steps_per_call: $K
+log_every: $K
+model: {kind: transformer, vocab: $V, d_model: $D, layers: $L, heads: $H, mlp_ratio: 4,
+        seq_len: $T, positions: rope, dropout: 0.0, init_std: 0.02}
+data: {kind: tokens, train: $WORK/tokens/train.bin, dtype: uint16, seq_len: $T, batch_size: $B,
+       shuffle: true, prefetch_threads: 2}
+precision: {compute: bfloat16}
+optimizer: {name: adamw, lr: 0.0006, b1: 0.9, b2: 0.95, weight_decay: 0.1}
+eval: {every: 0}
+checkpoint: {every: 0}
+metrics: {tensorboard: false}
+EOF
+  timeout 100 "$PY" -m trainrun train --config "$OUT/gpt2.yaml" \
+    --run-dir "$WORK/gpt2-run" > "$OUT/gpt2-run.log" 2>&1
+  code=$?
+  tail -4 "$OUT/gpt2-run.log"
+  cp "$WORK/gpt2-run/summary.json" "$OUT/gpt2-run.summary.json" 2> /dev/null
+  if [[ $code == 0 ]]; then
+    "$PY" benchmarks/gpu_lm.py loop "$WORK/gpt2-run" "$OUT/bench.json"
+  else
+    echo "trainrun train failed (exit $code); last lines:"; tail -20 "$OUT/gpt2-run.log"
+  fi
 fi
 
-"$PY" - "$BATCH" "$STEPS" "$ROUNDS" <<'EOF'
-import statistics
-import sys
-import time
-
-import jax
-import jax.numpy as jnp
-
-from trainrun.config import OptimizerConfig, TransformerModel
-from trainrun.loop import init_state
-from trainrun.models.transformer import make_transformer
-from trainrun.optim import build_optimizer
-from trainrun.precision import Policy
-from trainrun.step import make_multi_step, make_train_step
-
-batch, k, rounds = (int(a) for a in sys.argv[1:4])
-device = jax.devices()[0]
-print(f"{device.device_kind} x{jax.device_count()}, jax {jax.__version__}")
-
-
-def bf16_matmul_rate(n: int = 8192, repeats: int = 20) -> float:
-    """FLOP/s of an n-square bfloat16 matmul (float32 accumulation), median of repeats."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)
-                     .astype(jnp.bfloat16))
-    matmul(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times)
-
-
-peak = bf16_matmul_rate()
-cfg = TransformerModel(vocab=50304, d_model=768, layers=12, heads=12, seq_len=1024,
-                       positions="rope", dropout=0.0, init_std=0.02)
-optim = OptimizerConfig(name="adamw", lr=6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
-model, optimizer = make_transformer(cfg), build_optimizer(optim)
-policy = Policy(compute=jnp.bfloat16)
-state = init_state(model, optimizer, seed=0, policy=policy)
-params = sum(x.size for x in jax.tree.leaves(state.params))
-step = jax.jit(make_multi_step(make_train_step(model, optimizer, policy=policy)),
-               donate_argnums=0)
-tokens = jax.random.randint(jax.random.key(2), (k, batch, cfg.seq_len + 1), 0, cfg.vocab,
-                            jnp.int32)
-for _ in range(2):  # compile, then one more call so allocation settles
-    state, metrics = step(state, {"tokens": tokens})
-jax.block_until_ready(metrics)
-
-times = []
-for _ in range(rounds):
-    start = time.perf_counter()
-    state, metrics = step(state, {"tokens": tokens})
-    jax.block_until_ready(metrics)
-    times.append((time.perf_counter() - start) / k)
-step_s = statistics.median(times)
-per_step_tokens = batch * cfg.seq_len
-flops = (6 * params * per_step_tokens
-         + 12 * cfg.layers * cfg.seq_len * cfg.d_model * per_step_tokens)
-achieved = flops / step_s
-datasheet = 989e12 if "H100" in device.device_kind or "H200" in device.device_kind else None
-print(f"\nGPT-2 small shape, {params / 1e6:.1f}M params, batch {batch} x {cfg.seq_len} tokens, "
-      f"bfloat16 compute, K={k} steps per call, median of {rounds} calls")
-print("| step ms | tokens/s | model TFLOP/s | bf16 matmul TFLOP/s (measured) | MFU vs measured "
-      "| MFU vs datasheet | loss |")
-print("|---:|---:|---:|---:|---:|---:|---:|")
-print(f"| {step_s * 1e3:.1f} | {per_step_tokens / step_s:,.0f} | {achieved / 1e12:.1f} | "
-      f"{peak / 1e12:.1f} | {achieved / peak:.1%} | "
-      f"{(f'{achieved / datasheet:.1%}' if datasheet else 'n/a')} | "
-      f"{float(metrics['loss'][-1]):.3f} |")
-EOF
+part "done: $((SECONDS - START)) s in all; results in $OUT, runs and trace in $WORK"

@@ -51,9 +51,13 @@ from trainrun.config import OptimizerConfig, TransformerModel
 from trainrun.models.transformer import make_transformer
 from trainrun.optim import build_optimizer
 from trainrun.precision import Policy
-from trainrun.state import init_state
 from trainrun.step import make_multi_step, make_train_step
 from trainrun.writers import read_metrics
+
+try:
+    from trainrun.state import init_state
+except ImportError:  # a checkout from before init_state moved from trainrun.loop
+    from trainrun.loop import init_state
 
 PEAK_BF16 = 989e12  # H100/H200 SXM datasheet, dense bfloat16
 OPTIM = OptimizerConfig(name="adamw", lr=6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
@@ -188,6 +192,8 @@ def bench(args: argparse.Namespace) -> int:
                 times[side.name].append((time.perf_counter() - start) / side.k)
 
     rounds(2)
+    report(s, base, sides, times, losses, notes, {}, out, "first two rounds; the final table "
+           "follows if the time budget allows")
     profile = profile_step(base, Path(args.trace_dir or out / "trace"))
     optional = [
         ("trainrun, XLA deterministic mode off (autotuned, Triton GEMMs)",
@@ -209,22 +215,27 @@ def bench(args: argparse.Namespace) -> int:
     while done < args.rounds and (done < 3 or deadline - time.monotonic() > round_s):
         rounds(1)
         done += 1
+    report(s, base, sides, times, losses, notes, profile, out, "final")
+    return 0
 
+
+def report(s: dict[str, int], base: TrainrunSide, sides: list[Any],
+           times: dict[str, list[float]], losses: dict[str, float], notes: list[str],
+           profile: dict[str, Any], out: Path, when: str) -> None:
+    """Part 2's table (and bench.json) from the rounds so far."""
     results = []
-    reference = next((x for x in sides if x.framework == "pytorch"), None)
+    flops = model_flops_per_step(base.params, s)  # one count for every contender
     for side in sides:
         t = times[side.name]
         step_s = statistics.median(t) if t else float("nan")
-        flops = model_flops_per_step(base.params, s)  # one count for every contender
         results.append({"name": side.name, "framework": side.framework, "params": side.params,
                         "compile_s": side.compile_s, "step_s": step_s, "rounds": len(t),
                         "step_s_all": t, "tokens_per_s": s["batch"] * s["seq_len"] / step_s,
                         "mfu": flops / step_s / PEAK_BF16, "last_loss": losses.get(side.name)})
-    torch_s = next((r["step_s"] for r in results if reference and r["name"] == reference.name),
-                   None)
+    torch_s = next((r["step_s"] for r in results if r["framework"] == "pytorch"), None)
     say(f"\n## Part 2: trainrun's step vs PyTorch (nanoGPT style), {s['batch']} x "
         f"{s['seq_len']} tokens a step, K={s['k']} steps per call, interleaved, median of "
-        f"{min(r['rounds'] for r in results)}+ rounds\n")
+        f"{min(r['rounds'] for r in results)}+ rounds ({when})\n")
     say("| contender | params | compile+first call s | ms/step | tokens/s | MFU (989 TF/s) | "
         "trainrun/PyTorch time | last loss |")
     say("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -234,14 +245,13 @@ def bench(args: argparse.Namespace) -> int:
         say(f"| {r['name']} | {r['params'] / 1e6:.1f}M | {r['compile_s']:.0f} | "
             f"{r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {ratio} | "
             f"{loss} |")
-    say(f"\nFLOPs per step (both sides): {model_flops_per_step(base.params, s) / 1e12:.2f} T "
-        f"= 6 x {base.params:,} params x tokens + attention; ln(vocab) = "
-        f"{math.log(s['vocab']):.2f} (random tokens: the loss stays near it)")
+    say(f"\nFLOPs per step (both sides): {flops / 1e12:.2f} T = 6 x {base.params:,} params x "
+        f"tokens + attention; ln(vocab) = {math.log(s['vocab']):.2f} (random tokens: the loss "
+        "stays near it)")
     for note in notes:
         say(f"- {note}")
     (out / "bench.json").write_text(json.dumps({"shape": s, "results": results, "notes": notes,
-                                                "profile": profile}, indent=1))
-    return 0
+                                                "profile": profile, "when": when}, indent=1))
 
 
 def profile_step(side: TrainrunSide, trace_dir: Path) -> dict[str, Any]:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from trainrun.config import OptimizerConfig
+from trainrun.config import ConfigError, OptimizerConfig
 
 PyTree = Any
 
@@ -91,4 +93,29 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int | None = None) -> Opt
                         mask=decay_mask)
     if cfg.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+    if cfg.trainable is not None:
+        # Frozen params get a zero update (so they stay bit for bit what they were, weight
+        # decay included) and no optimizer state; clipping sees the trainable gradients only.
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
+                                   functools.partial(trainable_labels, patterns=cfg.trainable))
     return Optimizer(tx=tx, schedule=schedule)
+
+
+def param_name(path: tuple[Any, ...]) -> str:
+    """A param's dotted path in a params tree: ``blocks.0.attn.q.kernel``."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+
+
+def trainable_labels(params: PyTree, patterns: list[str]) -> PyTree:
+    """"train" for each param whose dotted path matches one of ``patterns``, else "frozen"."""
+    compiled = [re.compile(p) for p in patterns]
+    labels = jax.tree_util.tree_map_with_path(
+        lambda path, _: "train" if any(p.search(param_name(path)) for p in compiled)
+        else "frozen", params)
+    # (Optax also calls this on a leafless placeholder to map the state's structure.)
+    if jax.tree.leaves(params) and "train" not in jax.tree.leaves(labels):
+        names = [param_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+        raise ConfigError(f"optimizer.trainable {patterns} matches no param, so nothing would "
+                          f"train; params are named like {', '.join(names[:3])}")
+    return labels

@@ -117,9 +117,11 @@ def state_shardings(mesh: Mesh, abstract_state: Any, logical_axes: PyTree | None
     """Shardings for a whole TrainState: params by the rules, optimizer state following them."""
     params = param_shardings(mesh, abstract_state.params, logical_axes, cfg)
     whole = replicated(mesh)
-    opt_state = optax.tree_map_params(tx, lambda _, sharding: sharding,
-                                      abstract_state.opt_state, params,
-                                      transform_non_params=lambda _: whole)
+    # A frozen param's slot in a masked state (optimizer.trainable) is an empty MaskedNode.
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    opt_state = optax.tree_map_params(
+        tx, lambda value, sharding: value if masked(value) else sharding,
+        abstract_state.opt_state, params, transform_non_params=lambda _: whole, is_leaf=masked)
     return jax.tree.map(lambda _: whole, abstract_state).replace(params=params,
                                                                  opt_state=opt_state)
 

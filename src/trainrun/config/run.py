@@ -41,6 +41,9 @@ class ConfigError(UserError):
 # ---- the run ---------------------------------------------------------------------------------
 
 
+LORA_PARAMS = r"_lora\.(a|b)$"  # the adapters' params: blocks.0.attn.q_lora.a, ...
+
+
 class RunConfig(Section):
     """The whole run's configuration: a frozen tree of sections, validated as it is made.
 
@@ -66,6 +69,20 @@ class RunConfig(Section):
     distributed: DistributedConfig = Field(default_factory=SingleProcess)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _adapters_train_alone(cls, raw: Any) -> Any:
+        """With ``model.lora`` and no ``optimizer.trainable``, only the adapters train (the
+        resolved config says so, and a checkpoint's metadata records it)."""
+        if not isinstance(raw, dict):
+            return raw
+        model, optimizer = raw.get("model"), raw.get("optimizer")
+        if (isinstance(model, dict) and model.get("lora") is not None
+                and (optimizer is None or isinstance(optimizer, dict))
+                and (optimizer or {}).get("trainable") is None):
+            raw = {**raw, "optimizer": {**(optimizer or {}), "trainable": [LORA_PARAMS]}}
+        return raw
 
     @pydantic.field_validator("name")
     @classmethod

@@ -56,6 +56,16 @@ class CNNModel(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
 
 
+class LoraConfig(Section):
+    """Low-rank adapters: ``y = x W + (alpha / rank) x A B`` on each targeted linear layer, with
+    ``A`` ~ N(0, 1/d_in) and ``B`` = 0, so training starts from the base model's outputs."""
+
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    targets: list[Literal["q", "k", "v", "o", "up", "down"]] = Field(
+        default_factory=lambda: ["q", "v"], min_length=1)
+
+
 class TransformerModel(Section):
     """A decoder-only transformer LM: pre-LayerNorm blocks, causal attention, GELU MLP,
     input and output embeddings tied."""
@@ -71,6 +81,7 @@ class TransformerModel(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     init_std: float = Field(0.02, gt=0)
     bias: bool = False  # biases on every linear layer (GPT-2's layout)
+    lora: LoraConfig | None = None  # adapters; with them only the adapters train by default
     # How the program is built; the maths and the params' layout stay the same, so a checkpoint
     # written under one setting restores under any other.
     scan_layers: bool = False  # one compiled block under lax.scan: compile time flat in depth
@@ -108,18 +119,52 @@ class DigitsData(Section):
     prefetch_threads: int = Field(0, ge=0)
 
 
+class MixSource(Section):
+    """One source of a data mixture: files by glob (as ``data.paths``) and its share of the
+    training rows (weights are relative: 3 and 1 give three rows of the first to one of the
+    second)."""
+
+    source: tuple[str, ...]
+    weight: float = Field(1.0, gt=0)
+
+    @pydantic.field_validator("source", mode="before")
+    @classmethod
+    def _one_pattern(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value  # `source: "docs/**/*.md"`
+
+
 class TextData(Section):
-    """Text files as a byte-level LM corpus: windows of ``seq_len + 1`` bytes (``tokens``).
-    No paths: the ``.py`` files of this Python's standard library. The last ``eval_fraction``
-    of the bytes is the held-out split."""
+    """Text files as an LM corpus. No paths: the ``.py`` files of this Python's standard
+    library. The last ``eval_fraction`` of the bytes is the held-out split.
+
+    Without ``tokenizer``: bytes, in windows of ``seq_len + 1`` over the joined files
+    (``tokens``). With it: each file is a document of ``tokenizer.json`` token ids (the file is
+    trained on the training split at first use when missing, with ``vocab_size`` tokens),
+    packed into rows of ``seq_len + 1`` with ``segment_ids`` and ``positions``.
+    ``mix``: instead of ``paths``, sources with weights; each training batch takes its rows
+    from them in proportion to the weights.
+    """
 
     kind: Literal["text"] = "text"
     paths: tuple[str, ...] = ()
+    mix: tuple[MixSource, ...] = ()
+    tokenizer: str | None = None
+    vocab_size: int = Field(4096, gt=0)
     seq_len: int = Field(128, gt=0)
     eval_fraction: float = Field(0.01, gt=0, lt=1)
     batch_size: int = Field(32, gt=0)
     shuffle: bool = True
     prefetch_threads: int = Field(0, ge=0)
+
+    @pydantic.model_validator(mode="after")
+    def _sources(self) -> TextData:
+        if self.paths and self.mix:
+            raise ValueError("give data.paths or data.mix, not both (a mix names its own files "
+                             "in each source)")
+        if self.tokenizer is not None and self.vocab_size < 257:
+            raise ValueError(f"vocab_size={self.vocab_size} is below 257: a byte-level "
+                             "tokenizer holds the 256 bytes and the document token")
+        return self
 
 
 class ArrayData(Section):
@@ -250,6 +295,24 @@ class OptimizerConfig(Section):
     eps: float = Field(1e-8, gt=0)  # Adam divides by sqrt(nu) + eps: 0 gives 0/0 at a zero gradient
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.0, ge=0)
+    # Regexes searched in each param's dotted path (``blocks.0.attn.q.kernel``): only matching
+    # params are updated, the rest frozen with no optimizer state. None: every param (with
+    # model.lora: the adapters only).
+    trainable: list[str] | None = None
+
+    @pydantic.field_validator("trainable")
+    @classmethod
+    def _valid_patterns(cls, value: list[str] | None) -> list[str] | None:
+        import re
+
+        for pattern in value or []:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"{pattern!r} is not a regular expression: {err}") from None
+        if value is not None and not value:
+            raise ValueError("an empty list freezes every param; give at least one pattern")
+        return value
 
 
 # ---- precision -------------------------------------------------------------------------------

@@ -22,17 +22,19 @@ sharding rules split "heads" and "mlp" over the tensor axis.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trainrun.config import TransformerModel
+from trainrun.config import LoraConfig, TransformerModel
 from trainrun.models.adapters import Model, bind_params, from_nnx
 from trainrun.models.losses import next_token_from_features
 from trainrun.precision import float32_dot
+
+PyTree = Any
 
 
 class KV(NamedTuple):
@@ -59,17 +61,23 @@ class Rope(NamedTuple):
         x1, x2 = x[..., :half], x[..., half:]
         # The tables in x's dtype: float32 tables would promote bfloat16 queries and keys, and
         # with them every matmul downstream, to float32.
-        sin, cos = (jnp.asarray(t, x.dtype)[:, None, :] for t in (self.sin, self.cos))
+        # [chunk, half] tables, or [batch, chunk, half] for per-token positions (packed rows).
+        sin, cos = (jnp.asarray(t, x.dtype)[..., None, :] for t in (self.sin, self.cos))
         return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
 ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (BENCHMARKS.md)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     segments: jax.Array | None = None) -> jax.Array:
     """Causal self-attention of ``[batch, seq, heads, head_dim]`` queries, keys and values: the
     maths of ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` (scaled logits in
     float32, masked to a large negative number, softmax, weighted sum of values).
+
+    segments: ``[batch, seq]`` ids of the documents packed in each row: a token then attends
+    only to earlier tokens of its own segment, on every path below (padding, segment 0, attends
+    to padding). None: the plain causal program.
 
     On CPU it runs head-major and in blocks of query rows, each block against only the keys up
     to its own last row: XLA:CPU then skips most of the masked upper triangle (3/8 of the
@@ -78,13 +86,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     itself; elsewhere ``dot_product_attention``'s XLA form.
     """
     backend = jax.default_backend()
+    same = None if segments is None else segments[:, None, :, None] == segments[:, None, None, :]
     if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        # cuDNN takes the segment mask as JAX passes any mask: an additive bias [batch, 1, seq,
+        # seq] on top of its own causal mask. (Its packed layout of segment offsets is reached
+        # only through JAX's private API.) Where it refuses, the XLA form below masks instead.
         try:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True,
+                                                implementation="cudnn")
         except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a shape it lacks
             pass
     if backend != "cpu":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True)
     seq, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [batch, heads, seq, head_dim]
     masked = jnp.asarray(-0.7 * float(jnp.finfo(jnp.float32).max), jnp.float32)
@@ -94,6 +107,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         logits = float32_dot(q[:, :, lo:hi], k[:, :, :hi],
                              (((3,), (3,)), ((0, 1), (0, 1)))) * jnp.float32(scale)
         visible = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
+        if segments is not None:  # [batch, 1, block rows, keys]
+            visible = visible & (segments[:, lo:hi, None] == segments[:, None, :hi])[:, None]
         probs = jax.nn.softmax(jnp.where(visible, logits, masked), axis=-1)
         blocks.append(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v[:, :, :hi]))
     return jnp.concatenate(blocks, axis=2).transpose(0, 2, 1, 3)
@@ -104,6 +119,31 @@ def _linear(d_in: int, d_out: int, axes: tuple[str, str], std: float, rngs: nnx.
     return nnx.Linear(d_in, d_out, use_bias=bias, rngs=rngs,
                       kernel_init=nnx.initializers.normal(std), kernel_metadata={"axes": axes},
                       bias_metadata={"axes": axes[1:]})
+
+
+class LoRA(nnx.Module):
+    """A low-rank adapter beside a linear layer: adds ``(alpha / rank) x A B``. ``B`` starts at
+    zero, so a model with fresh adapters computes what its base computes."""
+
+    def __init__(self, d_in: int, d_out: int, cfg: LoraConfig, axes: tuple[str, str],
+                 rngs: nnx.Rngs):
+        self.a = nnx.Param(nnx.initializers.normal(1.0 / math.sqrt(d_in))(
+            rngs.params(), (d_in, cfg.rank)), axes=(axes[0], None))
+        self.b = nnx.Param(jnp.zeros((cfg.rank, d_out)), axes=(None, axes[1]))
+        self.scale = cfg.alpha / cfg.rank
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return (x @ self.a[...]) @ self.b[...] * jnp.asarray(self.scale, x.dtype)
+
+
+def _adapter(name: str, d_in: int, d_out: int, axes: tuple[str, str], cfg: TransformerModel,
+             rngs: nnx.Rngs) -> LoRA | None:
+    return (LoRA(d_in, d_out, cfg.lora, axes, rngs)
+            if cfg.lora is not None and name in cfg.lora.targets else None)
+
+
+def _project(layer: nnx.Linear, adapter: LoRA | None, x: jax.Array) -> jax.Array:
+    return layer(x) if adapter is None else layer(x) + adapter(x)
 
 
 def _layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -122,6 +162,10 @@ class Attention(nnx.Module):
         # with depth (GPT-2).
         self.o = _linear(d, d, ("heads", "embed"), std / math.sqrt(2 * cfg.layers), rngs,
                          cfg.bias)
+        # Created after the base layers, so a model without adapters draws the same init.
+        self.q_lora, self.k_lora, self.v_lora = (
+            _adapter(name, d, d, ("embed", "heads"), cfg, rngs) for name in "qkv")
+        self.o_lora = _adapter("o", d, d, ("heads", "embed"), cfg, rngs)
 
     def __call__(self, x: jax.Array, rope: Rope | None, cache: KV | None = None,
                  pos: jax.Array | int = 0) -> tuple[jax.Array, KV | None]:
@@ -130,8 +174,9 @@ class Attention(nnx.Module):
         cache at ``pos`` and it attends to every cached position up to its own."""
         b, c, d = x.shape
         rows = x.reshape(b * c, d)  # 2-D matmuls: see MLP.__call__
-        q, k, v = (proj(rows).reshape(b, c, self.heads, d // self.heads)
-                   for proj in (self.q, self.k, self.v))
+        q, k, v = (_project(proj, adapter, rows).reshape(b, c, self.heads, d // self.heads)
+                   for proj, adapter in ((self.q, self.q_lora), (self.k, self.k_lora),
+                                         (self.v, self.v_lora)))
         if rope is not None:
             q, k = rope.apply(q), rope.apply(k)
         if cache is None:
@@ -141,7 +186,7 @@ class Attention(nnx.Module):
                        jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
             visible = jnp.arange(cache.k.shape[1])[None, :] <= pos + jnp.arange(c)[:, None]
             y = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=visible[None, None])
-        return self.o(y.reshape(b * c, d)).reshape(b, c, d), cache
+        return _project(self.o, self.o_lora, y.reshape(b * c, d)).reshape(b, c, d), cache
 
 
 class MLP(nnx.Module):
@@ -150,13 +195,16 @@ class MLP(nnx.Module):
         self.up = _linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, cfg.bias)
         self.down = _linear(hidden, d, ("mlp", "embed"),
                             cfg.init_std / math.sqrt(2 * cfg.layers), rngs, cfg.bias)
+        self.up_lora = _adapter("up", d, hidden, ("embed", "mlp"), cfg, rngs)
+        self.down_lora = _adapter("down", hidden, d, ("mlp", "embed"), cfg, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # On [tokens, d_model] rows rather than [batch, seq, d_model]: the weight gradients are
         # then plain 2-D matmuls, where XLA:CPU would otherwise write the GELU gradient
         # transposed for them (a strided pass over the 4 x d_model wide activations).
         rows = x.reshape(-1, x.shape[-1])
-        return self.down(jax.nn.gelu(self.up(rows), approximate=True)).reshape(x.shape)
+        hidden = jax.nn.gelu(_project(self.up, self.up_lora, rows), approximate=True)
+        return _project(self.down, self.down_lora, hidden).reshape(x.shape)
 
 
 class Block(nnx.Module):
@@ -309,3 +357,31 @@ def make_transformer(cfg: TransformerModel) -> Model:
 def bind_transformer(cfg: TransformerModel):
     """``params -> Transformer`` holding them (for sampling from trained params)."""
     return bind_params(lambda rngs: Transformer(cfg, rngs), name="transformer")
+
+
+def merge_adapters(cfg: TransformerModel, params: PyTree) -> tuple[TransformerModel, PyTree]:
+    """The model without adapters that computes what ``params`` with adapters compute: each
+    targeted kernel becomes ``W + (alpha / rank) A B`` (float32), the adapters are dropped."""
+    if cfg.lora is None:
+        return cfg, params
+    scale = cfg.lora.alpha / cfg.lora.rank
+    blocks = {}
+    for i, block in params["blocks"].items():
+        merged = {}
+        for part, layers in block.items():
+            if part not in ("attn", "mlp"):
+                merged[part] = layers
+                continue
+            merged[part] = {}
+            for name, layer in layers.items():
+                if name.endswith("_lora"):
+                    continue
+                adapter = layers.get(f"{name}_lora")
+                if adapter is not None:
+                    delta = np.asarray(adapter["a"], np.float32) @ np.asarray(adapter["b"],
+                                                                               np.float32)
+                    layer = {**layer, "kernel": np.asarray(layer["kernel"], np.float32)
+                             + np.float32(scale) * delta}
+                merged[part][name] = layer
+        blocks[i] = merged
+    return cfg.model_copy(update={"lora": None}), {**params, "blocks": blocks}

@@ -20,11 +20,11 @@ import jax
 
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset
-from trainrun.loop import init_state
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.precision import policy_from_config
 from trainrun.process import configure_process
+from trainrun.state import init_state
 from trainrun.step import make_train_step
 
 PRESETS = {

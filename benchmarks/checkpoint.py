@@ -26,10 +26,11 @@ import jax
 from trainrun.checkpoint import Checkpoints
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset
-from trainrun.loop import init_state, run
+from trainrun.loop import run
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.process import configure_process
+from trainrun.state import init_state
 
 
 def config_for(hidden: int, steps: int, *overrides: str):
@@ -80,10 +81,10 @@ def time_runs(hidden: int, steps: int, root: Path, repeats: int) -> dict[str, li
         for i, (name, overrides) in enumerate(contenders.items()):
             config = config_for(hidden, steps, *overrides)
             summary = run(config, root / f"run-{r}-{i}", out=io.StringIO())
-            split = summary["wall_time_split_s"]
+            split = summary.wall_time_split_s
             results[name].append({"compute": split["step_compute"],
                                   "blocked": split["checkpoint"],
-                                  "median_step": summary["step_time_median_s"]})
+                                  "median_step": summary.step_time_median_s})
     return results
 
 

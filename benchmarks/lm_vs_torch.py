@@ -51,10 +51,10 @@ import numpy as np
 
 import trainrun.models.transformer as transformer
 from trainrun.config import OptimizerConfig, TransformerModel
-from trainrun.loop import init_state
 from trainrun.models.adapters import Model
 from trainrun.optim import build_optimizer
 from trainrun.process import configure_process
+from trainrun.state import init_state
 from trainrun.step import make_multi_step, make_train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -96,7 +96,7 @@ def trainrun_step_s(steps: int, window: int, k: int, packed: bool = True) -> flo
             summary = run(config, Path(tmp) / "run", out=io.StringIO())
     finally:
         packing.PACK_MAX_BYTES = default_limit
-    return summary["step_time_median_s"]
+    return summary.step_time_median_s
 
 
 def main() -> None:

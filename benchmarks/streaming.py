@@ -35,9 +35,9 @@ def measure(steps: int, k: int, stream: bool) -> tuple[float, float]:
                                  "checkpoint.every=0", f"metrics.stream={str(stream).lower()}"])
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(config, Path(tmp) / "run", out=io.StringIO())
-    split = summary["wall_time_split_s"]
+    split = summary.wall_time_split_s
     loop_s = split["step_compute"] + split["data_wait"] + split["logging"]
-    return loop_s / steps, summary["step_time_median_s"]
+    return loop_s / steps, summary.step_time_median_s
 
 
 def main() -> None:

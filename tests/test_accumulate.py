@@ -12,11 +12,12 @@ import pytest
 from trainrun.cli import main
 from trainrun.config import MLPModel, load_config
 from trainrun.data.synthetic import regression_arrays
-from trainrun.loop import init_state, run
+from trainrun.loop import run
 from trainrun.models import from_functions
 from trainrun.models.mlp import make_mlp
 from trainrun.optim import build_optimizer
 from trainrun.precision import LossScale, Policy
+from trainrun.state import init_state
 from trainrun.step import make_gradient_fn, make_multi_step, make_train_step
 from trainrun.writers import read_metrics
 

@@ -124,7 +124,7 @@ def test_finished_run_says_how_to_extend_or_start_over(tmp_path):
     before = listing(tmp_path / "run")
     again, out = train(tmp_path / "run")
     assert "is finished" in out and "steps=N" in out and "--fresh" in out
-    assert again["final_loss"] == first["final_loss"]
+    assert again.final_loss == first.final_loss
     assert listing(tmp_path / "run") == before
 
     _, out = train(tmp_path / "run", fresh=True)
@@ -251,18 +251,3 @@ def test_metrics_cut_back_to_the_restored_step(tmp_path):
     assert rundir.truncate_metrics(path, 3) == 3
     assert [(r["step"], r.get("split")) for r in map(json.loads, path.read_text().splitlines())
             ] == [(1, None), (2, None), (3, None), (2, "eval")]
-
-
-def test_gpu_determinism_flag_only_where_a_gpu_plugin_is_and_unless_chosen(monkeypatch):
-    from trainrun import resume
-
-    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    monkeypatch.setattr(resume, "_gpu_plugin", lambda: False)
-    assert not resume.gpu_determinism(environ)
-    monkeypatch.setattr(resume, "_gpu_plugin", lambda: True)
-    assert resume.gpu_determinism(environ)
-    assert environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=2 "
-                                    "--xla_gpu_deterministic_ops=true")
-    chosen = {"XLA_FLAGS": "--xla_gpu_deterministic_ops=false"}
-    assert not resume.gpu_determinism(chosen)
-    assert chosen["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=false"

@@ -91,7 +91,7 @@ SHARDED_EVAL = textwrap.dedent("""
     from trainrun.config import load_config
     from trainrun.data import build_eval_dataset
     from trainrun.evaluation import Evaluator
-    from trainrun.loop import abstract_state, init_state
+    from trainrun.state import abstract_state, init_state
     from trainrun.models import build_model
     from trainrun.optim import build_optimizer
 

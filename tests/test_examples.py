@@ -27,7 +27,7 @@ def test_example_trains_and_its_loss_falls(tmp_path, monkeypatch, name):
     losses = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first / 5, (first, last)
-    assert summary["final_loss"] == losses[-1]
+    assert summary.final_loss == losses[-1]
 
 
 def test_nnx_params_are_a_plain_dict_of_arrays():

@@ -12,9 +12,10 @@ import yaml
 from trainrun import rundir
 from trainrun.config import load_config
 from trainrun.dispatch import CompiledSteps
-from trainrun.loop import init_state, run
+from trainrun.loop import run
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
+from trainrun.state import init_state
 from trainrun.timing import Stopwatch
 from trainrun.writers import read_metrics
 
@@ -40,7 +41,7 @@ def test_run_directory_holds_config_provenance_metrics_and_summary(tmp_path):
 
     saved = json.loads((tmp_path / rundir.SUMMARY).read_text())
     assert saved.keys() >= SUMMARY_KEYS
-    assert saved["final_loss"] == records[-1]["loss"] == summary["final_loss"]
+    assert saved["final_loss"] == records[-1]["loss"] == summary.final_loss
     assert saved["steps_per_s"] > 0 and saved["compile_s"] > 0
     assert saved["examples_per_s"] == saved["steps_per_s"] * 256
 

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from trainrun.cli import main
 from trainrun.config import ConfigError, load_config
 from trainrun.loop import run
 from trainrun.models import build_model
@@ -61,7 +62,9 @@ def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path):
 
     with pytest.raises(WeightsError, match="pass --merge"):
         export_run(tmp_path / "run", tmp_path / "export")
-    _, out = export_run(tmp_path / "run", tmp_path / "export", merge=True)
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "export"),
+                 "--merge"]) == 0
+    out = tmp_path / "export"
     from safetensors.numpy import load_file
 
     tensors = load_file(str(out / "model.safetensors"))

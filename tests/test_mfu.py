@@ -57,9 +57,9 @@ def test_matmul_only_flops_equal_the_hand_count(tmp_path, steps_per_call):
                                  "metrics.tensorboard=false"])
     summary = run(config, tmp_path / "run", model=matmul_chain(), data=batches(),
                   out=io.StringIO())
-    assert summary["flops_per_step"] == pytest.approx(HAND_COUNT, rel=0.05)
-    assert summary["flops_source"] == "xla_cost_analysis"
-    assert summary["flops_per_s"] > 0
+    assert summary.flops_per_step == pytest.approx(HAND_COUNT, rel=0.05)
+    assert summary.flops_source == "xla_cost_analysis"
+    assert summary.flops_per_s > 0
 
 
 def test_mlp_mfu_is_reported_and_between_zero_and_one(tmp_path, monkeypatch, capsys):
@@ -71,18 +71,18 @@ def test_mlp_mfu_is_reported_and_between_zero_and_one(tmp_path, monkeypatch, cap
 
     summary = run(load_config("mlp", ["steps=100", "log_every=10", "checkpoint.every=0"]),
                   tmp_path / "run", out=io.StringIO())
-    assert 0 < summary["mfu"] < 1
-    assert summary["mfu"] == pytest.approx(summary["flops_per_s"] / ceiling["flops_per_s"])
-    assert "bench ceiling" in summary["peak"]["source"]
+    assert 0 < summary.mfu < 1
+    assert summary.mfu == pytest.approx(summary.flops_per_s / ceiling["flops_per_s"])
+    assert "bench ceiling" in summary.peak["source"]
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert saved["mfu"] == summary["mfu"] and saved["flops_per_step"] > 0
+    assert saved["mfu"] == summary.mfu and saved["flops_per_step"] > 0
 
     # The same summary splits the wall time into parts that add up, and gives goodput.
-    split = summary["wall_time_split_s"]
+    split = summary.wall_time_split_s
     assert {"compile", "data_wait", "step_compute", "checkpoint", "eval", "logging"} <= set(split)
-    assert sum(split.values()) == pytest.approx(summary["wall_s"], rel=1e-6)
+    assert sum(split.values()) == pytest.approx(summary.wall_s, rel=1e-6)
     assert split["compile"] > 0 and split["step_compute"] > 0 and split["logging"] > 0
-    assert summary["goodput"] == pytest.approx(split["step_compute"] / summary["wall_s"])
+    assert summary.goodput == pytest.approx(split["step_compute"] / summary.wall_s)
 
 
 def test_a_lower_ceiling_measured_later_never_replaces_a_higher_one(tmp_path, monkeypatch):
@@ -172,10 +172,10 @@ def test_lm_without_cost_analysis_reports_the_analytic_count(tmp_path, no_cost_a
 def test_lm_with_cost_analysis_reports_xla_and_agrees_with_the_analytic_count(tmp_path):
     config = tiny_lm(tmp_path, 1)
     summary = run(config, tmp_path / "run", out=io.StringIO())
-    assert summary["flops_source"] == "xla_cost_analysis"
+    assert summary.flops_source == "xla_cost_analysis"
     # XLA's count adds the softmax, norms, loss and optimizer to the matmuls: a little more.
     analytic = lm_count(config.model, config.data.batch_size, config.data.seq_len)
-    assert analytic < summary["flops_per_step"] < 1.5 * analytic
+    assert analytic < summary.flops_per_step < 1.5 * analytic
 
 
 def test_a_model_passed_in_without_cost_analysis_has_no_count(tmp_path, no_cost_analysis):
@@ -185,8 +185,8 @@ def test_a_model_passed_in_without_cost_analysis_has_no_count(tmp_path, no_cost_
                                  "metrics.tensorboard=false"])
     summary = run(config, tmp_path / "run", model=matmul_chain(), data=batches(),
                   out=io.StringIO())
-    assert summary["flops_per_step"] is None and summary["flops_source"] is None
-    assert summary["mfu"] is None and "no FLOP count" in summary["mfu_note"]
+    assert summary.flops_per_step is None and summary.flops_source is None
+    assert summary.mfu is None and "no FLOP count" in summary.mfu_note
 
 
 def test_transformer_count_by_hand():

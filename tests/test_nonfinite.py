@@ -12,9 +12,11 @@ import pytest
 
 from trainrun.config import MLPModel, OptimizerConfig, RegressionData, load_config
 from trainrun.data.synthetic import regression_arrays
-from trainrun.loop import NonFiniteError, init_state, run
+from trainrun.loop import run
 from trainrun.models.mlp import make_mlp
+from trainrun.nonfinite import NonFiniteError
 from trainrun.optim import build_optimizer
+from trainrun.state import init_state
 from trainrun.step import make_train_step
 from trainrun.writers import read_metrics
 

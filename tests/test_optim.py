@@ -15,9 +15,9 @@ from conftest import cli_env
 from trainrun.cli import main
 from trainrun.config import MLPModel, OptimizerConfig, RegressionData
 from trainrun.data.synthetic import regression_arrays
-from trainrun.loop import init_state
 from trainrun.models.mlp import make_mlp
 from trainrun.optim import build_optimizer
+from trainrun.state import init_state
 from trainrun.step import make_multi_step, make_train_step
 from trainrun.writers import read_metrics
 

@@ -9,11 +9,12 @@ import numpy as np
 
 from trainrun import packing
 from trainrun.config import load_config
-from trainrun.loop import abstract_state, init_state, run
+from trainrun.loop import run
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.packing import StatePacking, packing_for
 from trainrun.rundir import METRICS
+from trainrun.state import abstract_state, init_state
 from trainrun.writers import read_metrics
 
 

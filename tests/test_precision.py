@@ -21,11 +21,12 @@ from trainrun.config import (
 )
 from trainrun.data import batch_iterator, build_dataset
 from trainrun.data.synthetic import regression_arrays
-from trainrun.loop import abstract_state, init_state, run
+from trainrun.loop import run
 from trainrun.models import build_model, from_functions
 from trainrun.models.mlp import make_mlp
 from trainrun.optim import build_optimizer
 from trainrun.precision import LossScale, Policy, matmuls, policy_from_config
+from trainrun.state import abstract_state, init_state
 from trainrun.step import global_norm, make_eval_step, make_train_step
 from trainrun.timing import provenance
 from trainrun.writers import read_metrics

@@ -106,7 +106,7 @@ def test_runs_lists_finished_preempted_and_failed(runs_root, capsys):
     assert [r["step"] for r in evals] == [25, 50, 75, 100]
     best = min(evals, key=lambda r: r["loss"])
     assert rows["finished"][4:8] == ["loss", f"{best['loss']:.6g}", "(step", f"{best['step']})"]
-    stopped_at = preempted["preempted_at"]
+    stopped_at = preempted.preempted_at
     assert 0 < stopped_at < 1_000_000
     assert rows["preempted"][1:3] == ["preempted", f"{stopped_at}/1000000"]
     assert rows["failed"][1] == "failed"

@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 from trainrun import sharding
 from trainrun.cli import main
 from trainrun.config import MeshConfig, MLPModel, OptimizerConfig, TransformerModel
-from trainrun.loop import abstract_state
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
+from trainrun.state import abstract_state
 from trainrun.writers import read_metrics
 
 
@@ -152,7 +152,8 @@ SHARDED_RUNS = textwrap.dedent("""
     import jax
     from trainrun import sharding
     from trainrun.config import load_config
-    from trainrun.loop import abstract_state, init_state, run
+    from trainrun.loop import run
+    from trainrun.state import abstract_state, init_state
     from trainrun.models import build_model
     from trainrun.optim import build_optimizer
     from trainrun.writers import read_metrics

@@ -10,12 +10,12 @@ import threading
 import jax
 import numpy as np
 
-from trainrun import loop, rundir
+from trainrun import loop, rundir, setup
 from trainrun.config import load_config
 from trainrun.dispatch import CompiledSteps
-from trainrun.loop import abstract_state, init_state
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
+from trainrun.state import abstract_state, init_state
 from trainrun.stream import MetricStream
 from trainrun.timing import Stopwatch
 from trainrun.writers import read_metrics
@@ -31,7 +31,7 @@ def test_streamed_metrics_arrive_in_order_and_complete(tmp_path, monkeypatch):
             arrived.append(int(step))
             super().__call__(step, metrics)
 
-    monkeypatch.setattr(loop, "MetricStream", Recording)
+    monkeypatch.setattr(setup, "MetricStream", Recording)
     loop.run(load_config("mlp", [*K10, "metrics.stream=true"]), tmp_path / "streamed",
              out=io.StringIO())
     monkeypatch.undo()

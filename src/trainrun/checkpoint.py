@@ -20,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,10 +36,6 @@ from trainrun.errors import UserError
 DEFAULT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt"  # unreadable steps are moved here, never deleted
 TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's suffix for a step still being written
-# Fault injection for `trainrun verify-resume`: "STEP:committed" or "STEP:in-save" makes the
-# process SIGKILL itself once the checkpoint at STEP is committed, or right after its
-# asynchronous save has started (the write still in flight).
-KILL_ENV = "TRAINRUN_KILL_AT"
 
 PyTree = Any
 
@@ -152,8 +146,8 @@ class Restored:
 
 
 class Checkpoints:
-    """The run's checkpoint directory: save every ``every`` steps and at the end, keep the
-    latest ``keep``, restore the newest readable one."""
+    """The run's checkpoint directory: save a step (when: ``checkpoint_policy.py``), keep the
+    latest ``keep`` (and the best by ``keep_best``), restore the newest readable one."""
 
     def __init__(self, directory: Path, config: RunConfig, provenance: dict[str, Any]):
         self.directory = Path(directory).absolute()
@@ -161,16 +155,26 @@ class Checkpoints:
         self.cfg = cfg = config.checkpoint
         self.provenance = provenance
         self.partial = sorted(p.name for p in self.directory.glob(f"*{TMP_MARK}*"))
+        policies = ocp.checkpoint_managers
+        keep = policies.LatestN(cfg.keep)
+        best: dict[str, Any] = {}
+        if cfg.keep_best:  # Orbax ranks the saves that carry the metric (best_fn, best_mode)
+            best = {"best_fn": lambda metrics: metrics[cfg.keep_best],
+                    "best_mode": cfg.keep_best_mode}
+            keep = policies.AnyPreservationPolicy([keep, policies.BestN(
+                get_metric_fn=best["best_fn"], reverse=cfg.keep_best_mode == "min", n=1,
+                keep_checkpoints_without_metrics=False)])
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=cfg.async_,
-            preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep),
+            preservation_policy=keep,  # the latest `keep` always: a resume never goes back
             cleanup_tmp_directories=True,  # partial saves of a killed run
+            **best,
         )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": StateHandler(), "data": DataHandler(),
                            "meta": MetaHandler()})
-        self.kill_at = _kill_point()
+        self._in_flight = False  # a save may still be being written in the background
         self._closed = False
 
     def steps(self) -> list[int]:
@@ -179,30 +183,20 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def due(self, step: int, total: int) -> bool:
-        return step >= total or (self.cfg.every > 0 and step % self.cfg.every == 0)
-
-    def until_next(self, step: int, total: int) -> int:
-        """Steps from ``step`` to the next checkpoint; calls are cut there so one lands on it."""
-        if self.cfg.every == 0:
-            return total - step
-        return min(total, (step // self.cfg.every + 1) * self.cfg.every) - step
-
-    def save(self, step: int, state: PyTree, iterator: Any, *, wait: bool = False) -> Path:
+    def save(self, step: int, state: PyTree, iterator: Any, *, wait: bool = False,
+             metrics: dict[str, float] | None = None) -> Path:
         """Checkpoint ``state`` after ``step`` steps. Blocks while the state is copied to host
         (the caller may donate it afterwards); the write continues in the background unless
-        ``wait`` or ``async: false``."""
+        ``wait`` or ``async: false``. metrics: what ``keep_best`` ranks this step by."""
         path = self.directory / str(step)
         if step not in self.manager.all_steps():
             items = {"state": StateSave(state),
                      "meta": MetaSave(self._metadata(step, state, iterator))}
             if has_position(iterator):
                 items["data"] = DataSave(iterator)
-            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-        if self.kill_at is not None and self.kill_at[0] == step:
-            if self.kill_at[1] == "committed":
-                self.manager.wait_until_finished()
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True,
+                              metrics=metrics)
+            self._in_flight = True
         if wait:
             self.manager.wait_until_finished()
         return path
@@ -286,6 +280,21 @@ class Checkpoints:
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
+    def saving(self) -> bool:
+        """Whether a save is still being written in the background (asked once a call: cheap
+        when none was started)."""
+        if self._in_flight and not self._closed:
+            self._in_flight = self.manager.is_saving_in_progress()
+        return self._in_flight and not self._closed
+
+    def best(self) -> dict[str, Any] | None:
+        """``{"step": s, <keep_best metric>: value}`` of the best checkpoint kept, or None."""
+        if not self.cfg.keep_best:
+            return None
+        step = self.manager.best_step()
+        metrics = self.manager.metrics(step) if step is not None else None
+        return {"step": step, **metrics} if metrics else None
+
     def close(self) -> None:
         """Waits for a save in flight to commit, then releases Orbax's threads. Idempotent."""
         if not self._closed:
@@ -302,14 +311,6 @@ class Checkpoints:
 def _reason(err: Exception) -> str:
     text = " ".join(str(err).split())
     return f"{type(err).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
-
-
-def _kill_point() -> tuple[int, str] | None:
-    raw = os.environ.get(KILL_ENV)
-    if not raw:
-        return None
-    step, _, when = raw.partition(":")
-    return int(step), when or "committed"
 
 
 # ---- what a checkpoint must match ------------------------------------------------------------

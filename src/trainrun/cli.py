@@ -76,6 +76,16 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trainrun.models.huggingface import export_run
+
+    step, out = export_run(Path(args.run_dir), Path(args.to), merge=args.merge)
+    print(f"step {step} of {args.run_dir} written to {out} (config.json, model.safetensors)")
+    return 0
+
+
 def _runs(args: argparse.Namespace) -> int:
     from trainrun.report import list_runs
 
@@ -210,6 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="divide logits by this before sampling; 0 = greedy (default 0.8)")
     sample.add_argument("--seed", type=int, default=0, help="sampling randomness (default 0)")
     sample.set_defaults(handler=_sample)
+
+    export = commands.add_parser(
+        "export", help="write a transformer run as a Hugging Face GPT-2 model directory",
+        description="Writes the newest readable checkpoint of RUN_DIR as config.json and "
+                    "model.safetensors that transformers loads as GPT2LMHeadModel (the model "
+                    "needs GPT-2's layout: model.positions=learned, model.bias=true).")
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("--to", required=True, metavar="DIR", help="directory to write")
+    export.add_argument("--merge", action="store_true",
+                        help="fold LoRA adapters into the weights (required with model.lora)")
+    export.set_defaults(handler=_export)
 
     runs = commands.add_parser(
         "runs", help="list runs: status, last step, best eval metric",

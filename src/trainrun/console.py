@@ -1,6 +1,7 @@
 """What a run prints while it trains: a rich progress bar on a terminal (step/total, loss, lr,
 examples or tokens per second, ETA), plain log lines anywhere else (CI, a file), never a redraw
-there. Both take the loop's log points and messages through the same methods."""
+there. Both take the loop's log points and messages through the same methods. The steps/s
+shown is the step compute of the window a line closes (``timing.StepTimer``)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ class ConsoleLog:
         self.out = out
         self.unit = unit
 
-    def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float) -> None:
+    def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float,
+             note: str = "") -> None:
         width = len(str(self.total))
         self.out.write(
             f"step {step:>{width}}/{self.total}  loss {metrics['loss']:.6g}  "
             f"lr {metrics['lr']:.3g}  {steps_per_s:,.1f} steps/s  "
-            f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s\n")
+            f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s{note}\n")
         self.out.flush()
 
     def message(self, text: str) -> None:
@@ -63,8 +65,9 @@ class ConsoleProgress:
         self.progress.start()
         atexit.register(self.progress.stop)  # a run that raised still gives the cursor back
 
-    def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float) -> None:
-        rate = f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s"
+    def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float,
+             note: str = "") -> None:
+        rate = f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s{note}"
         self.progress.update(self.task, completed=step, loss=f"{metrics['loss']:.5g}",
                              lr=f"{metrics['lr']:.3g}", rate=rate)
         self.progress.refresh()

@@ -114,6 +114,8 @@ class PendingCall:
     steps: int
     packed: jax.Array  # [n_metrics] (K=1) or [steps, n_metrics]
     dispatched_at: float
+    returned_at: float  # when the call returned (inline calls: when it was computed)
+    during_save: bool = False  # a checkpoint was being written in the background
 
 
 @jax.jit
@@ -129,8 +131,8 @@ class MetricsReader:
     closes a timing window (see ``StepTimer``).
     """
 
-    def __init__(self, names: list[str], timer: StepTimer, log_every: int):
-        self.names = names
+    def __init__(self, programs: CompiledSteps, timer: StepTimer, log_every: int):
+        self.programs = programs  # its metric names are known once a program is compiled
         self.timer = timer
         self.log_every = log_every
         self.pending: list[PendingCall] = []
@@ -149,6 +151,9 @@ class MetricsReader:
         if not self.pending:
             return None
         calls, self.pending, self.log_due = self.pending, [], False
-        values = np.asarray(jax.block_until_ready(_stack([c.packed for c in calls])))
-        self.timer.record(calls[0].dispatched_at, sum(c.steps for c in calls))
-        return Table(calls[0].first_step + 1, self.names, values)
+        packed = [c.packed for c in calls]  # one call: no concatenating program to dispatch
+        values = np.asarray(packed[0] if len(packed) == 1 else _stack(packed))
+        last = calls[-1].first_step + calls[-1].steps
+        self.timer.record(last, calls, any(c.during_save for c in calls))
+        names = self.programs.metric_names
+        return Table(calls[0].first_step + 1, names, values.reshape(-1, len(names)))

@@ -68,3 +68,28 @@ def eval_line(step: int, total: int, metrics: dict[str, float]) -> str:
     width = len(str(total))
     shown = "  ".join(f"{name} {value:.4g}" for name, value in metrics.items())
     return f"eval step {step:>{width}}/{total}  {shown}"
+
+
+class EvalHook:
+    """Evaluates at every ``eval.every`` steps and at the run's last step (calls end there, so
+    the params evaluated are those of that step); writes the results and puts them on the
+    boundary for the hooks after it (callbacks, ``checkpoint.keep_best``)."""
+
+    def __init__(self, evaluator: Evaluator, output: Any, watch: Any, total: int):
+        self.evaluator = evaluator
+        self.output = output
+        self.watch = watch
+        self.total = total
+
+    def steps_to_next(self, step: int) -> int:
+        return self.evaluator.steps_to_next(step, self.total)
+
+    def at_boundary(self, boundary: Any) -> None:
+        if not self.evaluator.due(boundary.step, self.total):
+            return
+        boundary.sync()  # train rows first: metrics.jsonl stays in step order
+        with self.watch.phase("eval"):
+            results = self.evaluator(boundary.state().params)
+        self.output.write(boundary.step, results, "eval")
+        self.output.message(eval_line(boundary.step, self.total, results))
+        boundary.eval = results

@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 import jax
 from jax.experimental import multihost_utils
@@ -90,6 +90,16 @@ class Preemption:
     @property
     def reason(self) -> str:
         return self.signal_name or "a preemption notice"
+
+    # As a hook: asked at every boundary (every host at the same steps), it stops the run
+    # there; the checkpoint hook after it saves that step. At the run's end it just finishes.
+
+    def steps_to_next(self, step: int) -> None:
+        return None
+
+    def at_boundary(self, boundary: Any) -> None:
+        if self.requested(boundary.step) and boundary.step < boundary.total:
+            boundary.stop(f"preempted ({self.reason})", preempted=True)
 
 
 def _has_fd(stream: TextIO) -> bool:

@@ -10,6 +10,7 @@ device, host-side dispatch and the Python loop. To open it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,31 @@ def how_to_open(trace_dir: Path) -> str:
 
 
 class ProfileWindow:
-    """Starts and stops the trace around the calls that run steps ``first..last``."""
+    """Starts and stops the trace around the calls that run steps ``first..last`` (a hook:
+    ``before_call`` starts it, the boundary after step ``last`` stops it).
 
-    def __init__(self, steps: list[int], run_dir: Path, enabled: bool = True):
+    say: where the message that the trace is written goes (the run's console)."""
+
+    def __init__(self, steps: list[int], run_dir: Path, enabled: bool = True,
+                 say: Callable[[str], None] = print, watch: Any = None):
         self.first, self.last = (steps[0], steps[1]) if steps else (0, -1)
         self.dir = run_dir / PROFILE_DIR
         self.enabled = enabled and bool(steps)
         self.active = False
         self.done = False
+        self.say = say
+        self.watch = watch
+
+    def steps_to_next(self, step: int) -> None:
+        return None  # whole calls are traced
+
+    def at_boundary(self, boundary: Any) -> None:
+        if not self.active or boundary.step < self.last:
+            return
+        with self.watch.phase("profile"):
+            boundary.sync()  # the traced steps have run
+            message = self.after_call(boundary.step, None)
+        self.say(message)
 
     def before_call(self, done: int, k: int) -> None:
         """Before dispatching a call that runs steps ``done + 1 .. done + k``."""
@@ -47,7 +65,8 @@ class ProfileWindow:
         once the trace is written."""
         if not self.active or done < self.last:
             return None
-        jax.block_until_ready(state)  # the traced steps must have run before the trace ends
+        if state is not None:
+            jax.block_until_ready(state)  # the traced steps must have run before the trace ends
         jax.profiler.stop_trace()
         self.active, self.done = False, True
         return f"profile of steps {self.first}-{self.last} written to {self.dir}; " + \

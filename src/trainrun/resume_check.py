@@ -8,7 +8,11 @@
                           a sha256 of the final checkpoint's state arrays and data position
 
 The kill is a real ``kill -9`` (no handler runs, no file is closed), sent by the process to
-itself so that the kill point is exact. Exit 0 only if everything matches.
+itself so that the kill point is exact: the runs are ``trainrun train`` with one callback more,
+``KillAt``, which hears of each save (``Callback.on_checkpoint``). Kill points are checkpoint
+steps, so the runs save by steps only (``checkpoint.every_seconds=0``); a config that saves by
+time only is checked with a checkpoint at half its steps. Which step a run resumed from is read
+from its ``summary.json`` (``start_step``). Exit 0 only if everything matches.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,10 +32,11 @@ from typing import TextIO
 
 import numpy as np
 
-from trainrun.checkpoint import KILL_ENV, TMP_MARK
+from trainrun.callbacks import Boundary, Callback
+from trainrun.checkpoint import TMP_MARK
 from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
 from trainrun.errors import UserError
-from trainrun.rundir import METRICS
+from trainrun.rundir import METRICS, read_summary
 from trainrun.writers import read_metrics
 
 COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)
@@ -55,7 +60,12 @@ class Chain:
 def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
                   kill_in_save: list[int], work_dir: str | None = None, keep: bool = False,
                   jobs: int | None = None, out: TextIO = sys.stdout) -> int:
-    config = load_config(config_name, [*overrides, "checkpoint.dir=null"])
+    config = load_config(config_name, [*overrides, "checkpoint.dir=null",
+                                       "checkpoint.every_seconds=0"])
+    if not config.checkpoint.every and config.steps >= 2:  # saves by time only: pick a step
+        config = load_config(config_name, [*overrides, "checkpoint.dir=null",
+                                           "checkpoint.every_seconds=0",
+                                           f"checkpoint.every={config.steps // 2}"])
     kills = _kill_points(config, kill_at, kill_in_save)
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
     if base.exists() and any(base.iterdir()):
@@ -120,15 +130,10 @@ def _kill_points(config: RunConfig, kill_at: list[int],
 
 def _train(config_path: Path, run_dir: Path, log: Path,
            kill: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop(KILL_ENV, None)
-    if kill:
-        env[KILL_ENV] = kill
     with log.open("a") as f:
         return subprocess.run(
-            [sys.executable, "-m", "trainrun", "train", "--config", str(config_path),
-             "--run-dir", str(run_dir)], stdout=f, stderr=subprocess.STDOUT, env=env,
-            check=False)
+            [sys.executable, "-m", "trainrun.resume_check", str(config_path), str(run_dir),
+             *([kill] if kill else [])], stdout=f, stderr=subprocess.STDOUT, check=False)
 
 
 def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
@@ -140,13 +145,11 @@ def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
                                   f"{killed.returncode} (log {log})")
             return
         chain.kill_note = _after_kill(chain)
-    before = log.read_text() if log.exists() else ""
     done = _train(config_path, chain.run_dir, log)
     if done.returncode != 0:
         chain.problems.append(f"exit code {done.returncode}; log {log}")
         return
-    resumed = re.search(r"resumed from step (\d+)", log.read_text()[len(before):])
-    chain.resumed_from = resumed.group(1) if resumed else "0"
+    chain.resumed_from = str(read_summary(chain.run_dir).get("start_step", "?"))
     for record in read_metrics(chain.run_dir / METRICS):
         if record["step"] in chain.steps:
             chain.problems.append(f"metrics.jsonl holds step {record['step']} twice")
@@ -263,3 +266,44 @@ def _table(chains: list[Chain], steps: int, out: TextIO) -> None:
     for row in rows:
         out.write("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
                   + "\n")
+
+
+class KillAt(Callback):
+    """Fault injection: SIGKILL this process at the checkpoint of ``step``, once it is
+    committed (``when`` "committed") or right after its asynchronous save started, its files
+    still being written ("in-save")."""
+
+    def __init__(self, step: int, when: str):
+        self.step, self.when = step, when
+
+    def on_checkpoint(self, boundary: Boundary) -> None:
+        if boundary.step != self.step:
+            return
+        if self.when == "committed":
+            boundary.wait_for_checkpoint()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_for_check(config_path: str, run_dir: str, kill: str | None = None) -> int:
+    """One run of a check, as ``trainrun train`` runs it, with ``KillAt`` when asked."""
+    from trainrun.distributed import session
+    from trainrun.loop import run
+    from trainrun.process import configure_process
+
+    configure_process()
+    config = load_config(config_path, [])
+    callbacks = []
+    if kill:
+        step, _, when = kill.partition(":")
+        callbacks.append(KillAt(int(step), when))
+    try:
+        with session(config.distributed):
+            run(config, run_dir, callbacks=callbacks)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(train_for_check(*sys.argv[1:]))

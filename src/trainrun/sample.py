@@ -133,15 +133,17 @@ def latest_params(run_dir: Path, config: RunConfig) -> tuple[int, PyTree]:
 
     Read-only: the checkpoint directory is opened without creating, cleaning or deleting
     anything, so sampling is safe while the run is still training and saving. A newest step
-    that cannot be read is skipped for the one before it, as a resume would.
+    that cannot be read, or whose files do not match their checksums, is skipped for the one
+    before it, as a resume would.
     """
     import orbax.checkpoint as ocp
 
     from trainrun.checkpoint import checkpoint_dir
-    from trainrun.loop import abstract_state
+    from trainrun.integrity import verify_step
     from trainrun.models import build_model
     from trainrun.optim import build_optimizer
     from trainrun.precision import policy_from_config
+    from trainrun.state import abstract_state
 
     directory = checkpoint_dir(config, run_dir).absolute()
     if not directory.is_dir():
@@ -163,6 +165,10 @@ def latest_params(run_dir: Path, config: RunConfig) -> tuple[int, PyTree]:
                               abstract)
         problems = []
         for step in steps:
+            changed = verify_step(directory / str(step)).problems  # its saved checksums
+            if changed:
+                problems.append(f"step {step}: {changed[0]}")
+                continue
             try:
                 restored = ckpt.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target)))

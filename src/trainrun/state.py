@@ -1,15 +1,20 @@
-"""TrainState: everything that decides the future of a run, as one registered pytree. No IO."""
+"""TrainState: everything that decides the future of a run, as one registered pytree, and how a
+run builds it (abstract shapes, a fresh sharded init). No IO."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from trainrun.precision import LossScale
+from trainrun.precision import LossScale, Policy
+
+if TYPE_CHECKING:
+    from trainrun.models import Model
+    from trainrun.optim import Optimizer
 
 PyTree = Any
 
@@ -70,3 +75,48 @@ def create_state(params: PyTree, optimizer: optax.GradientTransformation,
 def step_key(state: TrainState) -> jax.Array:
     """The randomness of the step about to run: ``fold_in(state.key, state.step)``."""
     return jax.random.fold_in(state.key, state.step)
+
+
+# ---- building the state of a run -------------------------------------------------------------
+
+
+def root_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """(init key, base step key) from the run's seed.
+
+    The init key is ``jax.random.key(seed)`` itself, as a hand-written loop would use it; the
+    step key is folded off it so that init and per-step draws never share a stream.
+    """
+    root = jax.random.key(seed)
+    return root, jax.random.fold_in(root, 0x7374)  # "st"
+
+
+# Init runs once, so it is compiled without XLA's algebraic simplifier: that pass would fold a
+# user's `normal(k, shape) * 0.1` into the sampler's own sqrt(2) factor and round differently
+# from the same function run op by op. Without it, a jitted (and sharded) init gives the very
+# bits a hand-written eager `init(key)` gives.
+INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "algsimp"}
+
+
+def _state_builder(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None):
+    policy = policy or Policy()
+
+    def build() -> TrainState:
+        init_key, base_key = root_keys(seed)  # traced: the same bits as eager, on every process
+        return create_state(policy.cast_to_param(model.init(init_key)), optimizer.tx, base_key,
+                            policy.initial_loss_scale())
+
+    return build
+
+
+def abstract_state(model: Model, optimizer: Optimizer, seed: int,
+                   policy: Policy | None = None) -> TrainState:
+    """The state's shapes and dtypes, computed without allocating it."""
+    return jax.eval_shape(_state_builder(model, optimizer, seed, policy))
+
+
+def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None = None,
+               shardings: TrainState | None = None) -> TrainState:
+    """A fresh state, created where ``shardings`` puts it: each device computes only its own
+    shards, so a model never has to fit whole on one device."""
+    build = jax.jit(_state_builder(model, optimizer, seed, policy), out_shardings=shardings)
+    return build.lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()

@@ -1,5 +1,6 @@
-"""How trainrun measures: compile apart from steps, steady state after warmup, device time seen
-through blocking reads, and the provenance that says what the numbers were measured on."""
+"""How trainrun measures: compile apart from steps, steady state after warmup, step compute seen
+through blocking reads, the wall time by phase, and the provenance that says what the numbers
+were measured on. ``summary.py`` puts them together."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ import platform
 import statistics
 import time
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-
-if TYPE_CHECKING:
-    from trainrun.config import RunConfig
 
 
 def package_version(name: str) -> str:
@@ -46,34 +44,81 @@ def provenance(config_digest: str) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class StepTimer:
-    """Device time per step, from blocking reads at the end of windows of calls.
+class Window:
+    """One read of the calls' metrics: ``steps`` steps up to ``last_step``, whose step compute
+    took ``compute_s``. during_save: a checkpoint was being written in the background while
+    they ran (its write competes with the steps for the CPU)."""
 
-    The loop reads a window of calls' outputs (``block_until_ready``) only after the next call
-    is queued, so the device never idles for the host. A window occupied the device from
-    ``max(its first dispatch, the previous window's end)`` to its end; that span over its step
-    count is the time per step. The first ``warmup_windows`` windows are excluded (allocation,
-    caches, thread start-up).
+    last_step: int
+    steps: int
+    compute_s: float
+    during_save: bool = False
+
+    @property
+    def per_step_s(self) -> float:
+        return self.compute_s / self.steps
+
+
+@dataclasses.dataclass
+class StepTimer:
+    """Step compute time, a window of calls at a time (each window ended by a blocking read).
+
+    inline: each call runs in the calling thread (one CPU device, ``process.calls_run_inline``):
+        a window's compute is the sum of its calls' own durations, so the host's work between
+        calls (batches, hooks, logging) is not in it.
+    otherwise (asynchronous calls): a window occupied the device from ``max(its first
+        dispatch, the previous window's end)`` to the end of its read. The loop reads only after
+        the next call is queued, so the device never idles for the host.
+
+    The first ``warmup_windows`` windows are left out of the statistics (allocation, caches,
+    thread start-up), and so are windows that ran while a checkpoint was written in the
+    background: what they lost to it is measured (``background_slowdown_s``) and reported as
+    its own part of the wall time.
     """
 
+    inline: bool = False
     warmup_windows: int = 1
+    windows: list[Window] = dataclasses.field(default_factory=list)
     _last_done: float | None = None
-    per_step_s: list[float] = dataclasses.field(default_factory=list)
 
-    def record(self, dispatched_at: float, steps: int) -> None:
-        """Call right after the window's outputs are known to be ready."""
+    def record(self, last_step: int, calls: list[Any], during_save: bool = False) -> Window:
+        """Call right after the window's outputs are known to be ready; ``calls`` have
+        ``dispatched_at``, ``returned_at`` and ``steps``."""
         done = time.perf_counter()
-        start = dispatched_at if self._last_done is None else max(dispatched_at, self._last_done)
+        if self.inline:
+            compute = sum(c.returned_at - c.dispatched_at for c in calls)
+        else:
+            first = calls[0].dispatched_at
+            compute = done - (first if self._last_done is None else max(first, self._last_done))
         self._last_done = done
-        self.per_step_s.append((done - start) / steps)
+        window = Window(last_step, sum(c.steps for c in calls), compute, during_save)
+        self.windows.append(window)
+        return window
 
-    def steady(self) -> list[float]:
-        """Per-step times of the windows after warmup (all windows if the run had no more)."""
-        return self.per_step_s[self.warmup_windows:] or self.per_step_s
+    def steady(self) -> list[Window]:
+        """Windows after warmup (all windows if the run had no more)."""
+        return self.windows[self.warmup_windows:] or self.windows
+
+    def clean(self) -> list[Window]:
+        """Steady windows without a background save (all steady ones if none is clean)."""
+        steady = self.steady()
+        return [w for w in steady if not w.during_save] or steady
 
     def median_step_s(self) -> float | None:
-        steady = self.steady()
-        return statistics.median(steady) if steady else None
+        clean = self.clean()
+        return statistics.median(w.per_step_s for w in clean) if clean else None
+
+    def compute_s(self) -> float:
+        return sum(w.compute_s for w in self.windows)
+
+    def background_slowdown_s(self) -> float:
+        """What the windows run during a background save took beyond the clean median step
+        time: the steps' own slowdown from the save, measured."""
+        median = self.median_step_s()
+        if median is None or not any(not w.during_save for w in self.steady()):
+            return 0.0
+        return sum(max(w.compute_s - w.steps * median, 0.0) for w in self.windows
+                   if w.during_save)
 
 
 class Stopwatch:
@@ -119,79 +164,3 @@ class _Phase:
 
     def __exit__(self, *exc: object) -> None:
         self.watch.add(self.name, time.perf_counter() - self.start)
-
-
-# Where a run's wall time went: Stopwatch phase -> summary name. Step compute is what is left of
-# the training loop once its other phases are taken out: dispatching the jitted calls and
-# waiting for their results.
-PHASES = {"init": "init", "compile": "compile", "data": "data_wait", "checkpoint": "checkpoint",
-          "eval": "eval", "log": "logging", "profile": "profiling"}
-
-
-def wall_split(watch: Stopwatch, wall_s: float) -> dict[str, float]:
-    """``wall_s`` split into parts that add up to it: the timed phases, ``step_compute`` and
-    ``other`` (set-up before the loop, the summary, phases with names not listed)."""
-    split = {name: watch.totals.get(phase, 0.0) for phase, name in PHASES.items()}
-    inside = sum(watch.in_loop.values())
-    split["step_compute"] = max(watch.loop_s - inside, 0.0)
-    split["other"] = max(wall_s - sum(split.values()), 0.0)
-    return split
-
-
-def goodput(split: dict[str, float], wall_s: float) -> float | None:
-    """The fraction of the run's wall time spent computing steps."""
-    return split["step_compute"] / wall_s if wall_s > 0 else None
-
-
-def run_summary(config: RunConfig, last: dict[str, float], timer: StepTimer, watch: Stopwatch,
-             prov: dict[str, Any], batch_size: int, wall_s: float) -> dict[str, Any]:
-    """``summary.json``: the run's figures (steady-state step time, throughput, the wall-time
-    split and goodput) with their provenance. MFU is added by the caller."""
-    step_s = timer.median_step_s()
-    steps_per_s = 1.0 / step_s if step_s else None
-    split = wall_split(watch, wall_s)
-    return {
-        "final_loss": last.get("loss"),
-        "steps": config.steps,
-        "steps_per_call": config.steps_per_call,
-        "compile_s": watch.totals.get("compile", 0.0),
-        "step_time_median_s": step_s,
-        "timed_windows": len(timer.steady()),
-        "warmup_windows": len(timer.per_step_s) - len(timer.steady()),
-        "steps_per_s": steps_per_s,
-        "examples_per_s": steps_per_s * batch_size if steps_per_s else None,
-        "batch_size": batch_size,
-        "wall_s": wall_s,
-        "time_s": dict(watch.totals),
-        "wall_time_split_s": split,
-        "goodput": goodput(split, wall_s),
-        "provenance": prov,
-    }
-
-
-def summary_text(s: dict[str, Any]) -> str:
-    """The end-of-run summary as the console prints it."""
-    p = s["provenance"]
-    step_s = s["step_time_median_s"]
-    split = "  ".join(f"{name} {seconds:.2f}" for name, seconds in s["wall_time_split_s"].items()
-                      if seconds >= 0.005)
-    flops = (f"{s['flops_per_step']:,.0f} FLOPs/step ({s.get('flops_source')})"
-             if s.get("flops_per_step") else "")
-    if s.get("mfu") is not None:
-        mfu_line = (f"{s['mfu']:.2%} of {s['peak']['flops_per_s'] / 1e9:,.1f} GFLOP/s "
-                    f"({s['peak']['source']}); {flops}, "
-                    f"{s['flops_per_s'] / 1e9:,.2f} GFLOP/s achieved")
-    else:
-        mfu_line = f"not measured: {s.get('mfu_note')}" + (f"; {flops}" if flops else "")
-    return (
-        f"done: {s['steps']} steps, final loss {s['final_loss']:.8g}\n"
-        f"  compile      {s['compile_s']:.3f} s (separate from step time)\n"
-        f"  step time    {step_s * 1e6:,.1f} µs median over {s['timed_windows']} windows after "
-        f"{s['warmup_windows']} warmup (each ended by block_until_ready)\n"
-        f"  throughput   {s['steps_per_s']:,.1f} steps/s, {s['examples_per_s']:,.0f} examples/s\n"
-        f"  MFU          {mfu_line}\n"
-        f"  wall time    {s['wall_s']:.2f} s: {split} (goodput {s['goodput']:.1%})\n"
-        f"  provenance   trainrun {p['trainrun']}, jax {p['jax']}, jaxlib {p['jaxlib']}, "
-        f"{p['backend']} ({p['device_kind']}) x{p['device_count']}, "
-        f"{p['process_count']} process(es), Python {p['python']}, "
-        f"XLA_FLAGS={p['xla_flags']!r}, config {p['config_digest']}")

@@ -1,0 +1,162 @@
+"""What a run does between its jitted calls: hooks, acting at call boundaries.
+
+The loop runs calls of up to K steps. After each call the host has a *boundary* at the step
+count that call reached, and every hook sees every boundary, in the order the run lists them:
+
+    metrics (log lines, files, the non-finite policy) -> profile -> eval -> preemption
+        -> user callbacks -> checkpoint
+
+A hook says how many steps until it next needs a boundary (``steps_to_next``: an eval or a
+checkpoint step), so call sizes come from the hooks: a call ends at the nearest such step and
+K-step calls are otherwise left whole. A hook that acts on time or on a signal (a checkpoint
+every N seconds, SIGTERM) acts at whichever boundary comes first.
+
+Metrics are read one call late: the boundary after call ``i`` reads calls up to ``i - 1``, at log
+points only, so the device is never left idle for the host. A hook that needs this very step
+(eval, a checkpoint, a stop, a callback's own step) calls ``Boundary.sync()``, which reads
+every step's metrics first: rows are published in step order, and a non-finite step halts the
+run before anything after it is saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from trainrun.dispatch import MetricsReader, PendingCall
+from trainrun.state import TrainState
+from trainrun.writers import Table
+
+
+class Hook(Protocol):
+    """The protocol every hook implements. Optional methods, looked up once: ``on_table(table)``
+    (every table of training metrics, in step order, as it is read), ``before_call(step, k)``
+    (before the call that runs steps ``step + 1 .. step + k``) and ``close()``."""
+
+    def steps_to_next(self, step: int) -> int | None:
+        """Steps from ``step`` until this hook needs a boundary; None: none of its own."""
+
+    def at_boundary(self, boundary: Boundary) -> None:
+        """Act at a boundary (most hooks return at once on most boundaries)."""
+
+
+class Boundary:
+    """The host's view of the run between two calls.
+
+    step: steps done; total: the run's ``steps``.
+    table: training metrics read at this boundary (rows of steps up to ``step``), or None.
+    eval: this boundary's evaluation (``{"loss": ...}``), or None.
+    saved: the checkpoint saved at this boundary, or None.
+    """
+
+    def __init__(self, step: int, total: int, runner: HookRunner):
+        self.step = step
+        self.total = total
+        self.table: Table | None = None
+        self.eval: dict[str, float] | None = None
+        self.saved: Any = None
+        self.stop_reason: str | None = None
+        self.preempted = False
+        self._runner = runner
+        self._state: TrainState | None = None
+        self._committed: Callable[[], None] | None = None  # waits for the save to commit
+
+    @property
+    def last(self) -> bool:
+        """The run ends at this boundary: its final step, or a stop was asked for."""
+        return self.step >= self.total or self.stop_reason is not None
+
+    def sync(self) -> None:
+        """Read every dispatched step's metrics (waits for the device)."""
+        self._runner.publish(self, self._runner.reader.read())
+
+    def state(self) -> TrainState:
+        """The state after ``step`` steps (after ``sync``). Its arrays may be donated by the
+        next call: use them within this boundary."""
+        if self._state is None:
+            self.sync()
+            self._state = self._runner.state()
+        return self._state
+
+    def params(self) -> Any:
+        """A copy of the params after ``step`` steps, safe to keep after the boundary."""
+        return self._runner.params_copy(self.state())
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint saved at this boundary (``saved``) is committed."""
+        if self.saved is not None and self._committed is not None:
+            self._committed()
+
+    def stop(self, reason: str, *, preempted: bool = False) -> None:
+        """End the run at this boundary: the checkpoint hook saves this step, and the run
+        finishes (``preempted``: stops to be resumed)."""
+        if self.stop_reason is None:
+            self.stop_reason, self.preempted = reason, preempted
+
+
+class HookRunner:
+    """Runs a list of hooks: call sizes from their ``steps_to_next``, then their boundaries."""
+
+    def __init__(self, hooks: list[Hook], steps_per_call: int, total: int,
+                 reader: MetricsReader, state: Callable[[], TrainState],
+                 params_copy: Callable[[TrainState], Any]):
+        self.hooks = hooks
+        self.steps_per_call = steps_per_call
+        self.total = total
+        self.reader = reader
+        self.state = state
+        self.params_copy = params_copy
+        self.sinks = [h.on_table for h in hooks if hasattr(h, "on_table")]
+        self.before = [h.before_call for h in hooks if hasattr(h, "before_call")]
+        # Rows read after the last user callback ran at a boundary (a checkpoint's read) are
+        # shown to the callbacks at the next one: each row reaches them once, in order.
+        shown = [i for i, h in enumerate(hooks) if getattr(h, "shows_table", False)]
+        self.last_shown = shown[-1] if shown else -1
+        self.carried: Table | None = None
+
+    def call_size(self, step: int) -> int:
+        """Steps in the next call: K, cut at the nearest step a hook needs a boundary."""
+        k = min(self.steps_per_call, self.total - step)
+        for hook in self.hooks:
+            wanted = hook.steps_to_next(step)
+            if wanted and wanted < k:
+                k = wanted
+        return k
+
+    def before_call(self, step: int, k: int) -> None:
+        for before in self.before:
+            before(step, k)
+
+    def after_call(self, call: PendingCall) -> Boundary:
+        """The boundary after ``call``: the previous calls' metrics read if a log point is
+        due (one call late), then every hook in order."""
+        boundary = Boundary(call.first_step + call.steps, self.total, self)
+        boundary.table, self.carried = self.carried, None
+        if self.reader.due():
+            self.publish(boundary, self.reader.read())
+        self.reader.add(call)
+        shown = 0
+        for i, hook in enumerate(self.hooks):
+            hook.at_boundary(boundary)
+            if i == self.last_shown and boundary.table is not None:
+                shown = len(boundary.table.values)
+        table = boundary.table
+        if self.last_shown >= 0 and table is not None and shown < len(table.values):
+            self.carried = Table(table.first + shown, table.names, table.values[shown:])
+        return boundary
+
+    def publish(self, boundary: Boundary, table: Table | None) -> None:
+        if table is None:
+            return
+        for sink in self.sinks:
+            sink(table)
+        boundary.table = table if boundary.table is None else Table(
+            boundary.table.first, table.names, np.concatenate([boundary.table.values,
+                                                               table.values]))
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            if hasattr(hook, "close"):
+                hook.close()

@@ -1,0 +1,275 @@
+"""Set-up: what a run needs, built once before its first step (``setup``), and its hooks.
+
+    mesh, batch placement -> model, optimizer, precision -> abstract state and its shardings
+    -> data -> evaluator -> run directory claimed -> checkpoints -> state (restored or fresh)
+    -> writers -> compiled step programs
+
+Every input is checked (mesh, model, data) before anything is written. ``Run`` then holds the
+carried state and makes the calls; ``build_hooks`` lists what acts between them (``hooks.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import grain
+import jax
+import jax.numpy as jnp
+
+from trainrun import distributed, preflight, rundir, sharding
+from trainrun.callbacks import Callback, CallbackHook
+from trainrun.checkpoint import Checkpoints, checkpoint_dir
+from trainrun.checkpoint_policy import CheckpointHook, CheckpointPolicy
+from trainrun.config import ConfigError, RunConfig
+from trainrun.console import Console, make_console
+from trainrun.data import batch_iterator, build_dataset, build_eval_dataset
+from trainrun.dispatch import CompiledSteps, MetricsReader, PendingCall, stack_batches
+from trainrun.evaluation import EvalHook, Evaluator
+from trainrun.metric_log import MetricLog
+from trainrun.models import Model, build_model
+from trainrun.nonfinite import NonFinitePolicy
+from trainrun.optim import Optimizer, build_optimizer
+from trainrun.precision import Policy, policy_from_config
+from trainrun.preemption import Preemption
+from trainrun.process import calls_run_inline
+from trainrun.profiling import ProfileWindow
+from trainrun.resume import check_config, provenance_changes, schedule_shift
+from trainrun.state import TrainState, abstract_state, init_state
+from trainrun.stream import MetricStream
+from trainrun.summary import RunSummary
+from trainrun.timing import StepTimer, Stopwatch, provenance
+from trainrun.writers import RunOutput, build_output
+
+
+@dataclasses.dataclass
+class Run:
+    """A run, set up: its parts, and the carried state the calls take and donate."""
+
+    config: RunConfig
+    run_dir: Path
+    primary: bool  # process 0: the one that writes files and prints
+    provenance: dict[str, Any]
+    console: Console
+    output: RunOutput
+    model: Model
+    counted: Any  # the config's model (an analytic FLOP count), None for a model passed in
+    abstract: TrainState
+    placement: sharding.BatchPlacement
+    batches: Any  # this process's host batches (checkpointable position when it has one)
+    evaluator: Evaluator | None
+    checkpoints: Checkpoints
+    programs: CompiledSteps
+    carried: Any
+    start_step: int
+    start_nonfinite: int
+    batch_size: int
+    watch: Stopwatch
+    timer: StepTimer
+    stream: MetricStream | None
+    last_batch: Any = None
+    metric_log: MetricLog | None = None  # holds the newest metrics row read
+
+    def reader(self) -> MetricsReader:
+        return MetricsReader(self.programs, self.timer, self.config.log_every)
+
+    def final_metrics(self) -> dict[str, float]:
+        return self.metric_log.last if self.metric_log is not None else {}
+
+    def next_batch(self, k: int) -> Any:
+        """The next ``k`` steps' batch, placed (stacked ``[k, ...]`` when calls run K > 1)."""
+        start = time.perf_counter()
+        if self.config.steps_per_call == 1:
+            batch = next(self.batches)
+        else:
+            batch = stack_batches([next(self.batches) for _ in range(k)])
+        self.last_batch = batch = self.placement.put(batch)
+        self.watch.add("data", time.perf_counter() - start)
+        return batch
+
+    def call(self, step: int, k: int, batch: Any) -> PendingCall:
+        """Runs steps ``step + 1 .. step + k`` in one call (compiled first if its size is new:
+        compile time stays out of step time)."""
+        if k not in self.programs.programs:
+            self.programs.compile(k, self.carried, batch)
+            self.output.reset_rate(step)
+        dispatched = time.perf_counter()
+        self.carried, packed = self.programs(k, self.carried, batch)
+        return PendingCall(step, k, packed, dispatched, time.perf_counter(),
+                           self.checkpoints.saving())
+
+    def state(self) -> TrainState:
+        return self.programs.state(self.carried)
+
+    def params_copy(self, state: TrainState) -> Any:
+        """Params that the next call cannot donate away (packed states unpack to new ones)."""
+        return state.params if self.programs.packing else jax.tree.map(jnp.copy, state.params)
+
+
+def run_directory(config: RunConfig, run_dir: Path, fresh: bool) -> rundir.RunDirectory:
+    """The run's folders (run and checkpoints), to be checked, claimed and locked."""
+    return rundir.RunDirectory(run_dir, checkpoint_dir(config, run_dir), fresh)
+
+
+def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory,
+          model: Model | None, data: Any, allow_config_change: bool, out: TextIO,
+          cleanup: contextlib.ExitStack, eval_data: grain.MapDataset | None) -> Run | RunSummary:
+    """A run ready for its first call; a finished run's summary when there is nothing to do."""
+    distributed.initialize(config.distributed)  # before anything asks JAX for devices
+    primary = jax.process_index() == 0
+    prov = provenance(config.digest())
+    if primary:  # a folder that is not trainrun's, or is in use, is refused; nothing written
+        directory.check()
+    batch_size = getattr(data, "batch_size", None) or config.data.batch_size
+    seq_len = getattr(config.data, "seq_len", None)  # the console counts tokens or examples
+    console = make_console(config.steps, batch_size * (seq_len or 1),
+                           out if primary else open(os.devnull, "w"),  # noqa: SIM115
+                           "tokens" if seq_len else "examples")
+    latest = (rundir.committed_steps(directory.ckpt_dir) or [None])[-1]
+    if latest is not None and latest >= config.steps and not directory.fresh:
+        console.message(rundir.finished_message(run_dir, latest, config.steps))
+        return RunSummary.from_dict(rundir.read_summary(run_dir))
+    if config.checkpoint.keep_best and not config.eval.every:
+        raise ConfigError(f"checkpoint.keep_best={config.checkpoint.keep_best} needs "
+                          "evaluations to rank checkpoints by: set eval.every")
+    mesh = sharding.build_mesh(config.mesh)
+    placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
+    counted = None if model else config.model
+    model = model or build_model(config.model)
+    optimizer = build_optimizer(config.optimizer, config.steps)
+    policy = policy_from_config(config.precision)
+    abstract = abstract_state(model, optimizer, config.seed, policy)
+    state_sharding = sharding.state_shardings(mesh, abstract, model.logical_axes, optimizer.tx,
+                                              config.mesh)
+    if data is None:
+        data = build_dataset(config.data, seed=config.seed, process_index=placement.rows[0],
+                             process_count=placement.rows[1])
+    preflight.check_batch(model, data, abstract.params, from_config=counted is not None)
+    batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
+               if isinstance(data, grain.MapDataset) else iter(data))
+    evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params)
+    if primary:  # creates, locks and marks the folders (moves an old run aside: --fresh)
+        for notice in directory.claim():
+            console.message(notice)
+    checkpoints = cleanup.enter_context(Checkpoints(directory.ckpt_dir, config, prov))
+    watch = Stopwatch()
+    with watch.phase("init"):
+        state = _restore_or_init(checkpoints, config, prov, run_dir, model, optimizer, policy,
+                                 abstract, state_sharding, batches, allow_config_change,
+                                 console, primary)
+    start = int(state.step)
+    output = build_output(
+        run_dir, console, log_every=config.log_every, total_steps=config.steps,
+        primary=primary, start_step=start, tensorboard=config.metrics.tensorboard,
+        wandb=config.metrics.wandb, wandb_project=config.metrics.wandb_project,
+        config=config.to_dict(), name=config.name)
+    if primary:
+        rundir.write_status(run_dir, "running", start)
+    stream = MetricStream(output) if config.metrics.stream else None
+    programs = CompiledSteps(model, optimizer, config.steps_per_call, watch, abstract=abstract,
+                             accumulate=config.accumulate, policy=policy,
+                             state_sharding=state_sharding, batch_sharding=placement.sharding,
+                             stream=stream)
+    console.message(f"training {model.name} for {config.steps} steps, "
+                    f"{config.steps_per_call} per call -> {run_dir}")
+    return Run(config, run_dir, primary, prov, console, output, model, counted, abstract,
+               placement, batches, evaluator, checkpoints, programs, programs.carry(state),
+               start, int(state.nonfinite_steps), batch_size, watch,
+               StepTimer(inline=calls_run_inline()), stream)
+
+
+def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> list[Any]:
+    """The run's hooks, in the order they act at every boundary (``hooks.py``)."""
+    config, output, watch = run.config, run.output, run.watch
+
+    def before_halt() -> None:  # the last good checkpoint commits; the files are closed
+        output.close()
+        run.checkpoints.wait()
+        run.checkpoints.close()
+
+    run.metric_log = MetricLog(output, run.timer, watch, run.batch_size,
+                               streamed=run.stream is not None)
+    hooks: list[Any] = [
+        run.metric_log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite,
+                                        before_halt)]
+    if config.profile.steps and run.primary:
+        hooks.append(ProfileWindow(config.profile.steps, run.run_dir, say=output.message,
+                                   watch=watch))
+    if run.evaluator is not None:
+        hooks.append(EvalHook(run.evaluator, output, watch, config.steps))
+    hooks.append(preemption)
+    for callback in callbacks:
+        hook = CallbackHook(callback, watch)
+        if 0 < hook.every < config.steps_per_call:  # it cuts every call: say so
+            output.message(f"{type(callback).__name__} asks for a boundary every {hook.every} "
+                           f"step(s): calls run {hook.every} step(s), not steps_per_call="
+                           f"{config.steps_per_call}")
+        hooks.append(hook)
+    policy = CheckpointPolicy(config.checkpoint.every, config.checkpoint.every_seconds)
+    hooks.append(CheckpointHook(run.checkpoints, policy, run.batches, output, watch,
+                                keep_best=config.checkpoint.keep_best,
+                                listeners=[c.on_checkpoint for c in callbacks
+                                           if hasattr(c, "on_checkpoint")]))
+    return hooks
+
+
+def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
+               eval_data: grain.MapDataset | None, params_sharding: Any) -> Evaluator | None:
+    """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
+    the held-out split, placed on the mesh as training batches are."""
+    if not config.eval.every:
+        return None
+    size = config.eval.batch_size or config.data.batch_size
+    placement = sharding.batch_placement(mesh, size, stacked=False)
+    if eval_data is None:
+        eval_data = build_eval_dataset(config.data, size, process_index=placement.rows[0],
+                                       process_count=placement.rows[1])
+    return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
+                     policy=policy, put=placement.put,
+                     shardings=(params_sharding, placement.sharding))
+
+
+def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str, Any],
+                     run_dir: Path, model: Model, optimizer: Optimizer, policy: Policy,
+                     abstract: TrainState, state_sharding: TrainState, batches: Any,
+                     allow_config_change: bool, console: Console, primary: bool) -> TrainState:
+    """The newest readable checkpoint's state, placed by ``state_sharding`` (any mesh), with the
+    data iterator set to its position; else a fresh state. Then the run's files are written
+    for the step it starts at (nothing is written before a refusal)."""
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, state_sharding)
+    changes: list[str] = []
+    restored = checkpoints.restore(target, batches, lambda meta: changes.extend(
+        check_config(meta["config"], config, allow_config_change, run_dir)))
+    step = restored.step if restored is not None else 0
+    if primary:
+        rundir.start(run_dir, config, prov, step)
+    for name in checkpoints.partial:
+        console.message(f"removing {name}: a checkpoint whose save never finished")
+    if restored is None:
+        return jax.block_until_ready(
+            init_state(model, optimizer, config.seed, policy, state_sharding))
+    for bad, why, where in restored.moved:
+        console.message(f"warning: checkpoint step {bad} cannot be read ({why}); "
+                        f"moved it to {where}")
+    if not restored.verified:
+        console.message(f"checkpoint step {step} has no checksums (saved by an earlier "
+                        "trainrun): restored without verifying its files")
+    if changes:
+        console.message("warning: resuming with a changed config (--allow-config-change): "
+                        + "; ".join(changes))
+    shift = schedule_shift(restored.metadata["config"], config, step)
+    if shift is not None:
+        console.message(f"warning: the learning-rate schedule spans the run's length: with "
+                        f"steps={config.steps} (was {restored.metadata['config']['steps']}) it "
+                        f"differs from step {shift} on, so this run matches no uninterrupted one")
+    drift = provenance_changes(restored.metadata.get("provenance", {}), prov)
+    if drift:
+        console.message(f"warning: the checkpoint was written with other {', '.join(drift)}; "
+                        "bitwise equality with an uninterrupted run is not promised across that")
+    console.message(f"resumed from step {step} ({checkpoints.directory / str(step)})")
+    return restored.state

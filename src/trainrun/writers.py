@@ -316,8 +316,11 @@ class RunOutput:
                 if split == "train" and (step % self.log_every == 0 or step == self.total):
                     self._log_line(step, metrics)
 
-    def write_table(self, table: Table) -> None:
-        """A table of training steps to every writer, and its log steps to the console."""
+    def write_table(self, table: Table, steps_per_s: float | None = None,
+                    note: str = "") -> None:
+        """A table of training steps to every writer, and its log steps to the console.
+        steps_per_s: the rate its log lines show (the step compute of the window read; else
+        the wall clock since the previous line). note: added to its log lines."""
         with self.lock:
             for writer in self.writers:
                 if hasattr(writer, "write_table"):
@@ -330,13 +333,15 @@ class RunOutput:
             if table.first <= self.total <= table.last and self.total not in log_steps:
                 log_steps.append(self.total)
             for step in log_steps:
-                self._log_line(step, table.row(step - table.first))
+                self._log_line(step, table.row(step - table.first), steps_per_s, note)
 
-    def _log_line(self, step: int, metrics: Mapping[str, float]) -> None:
+    def _log_line(self, step: int, metrics: Mapping[str, float], rate: float | None = None,
+                  note: str = "") -> None:
         now = time.perf_counter()
-        rate = (step - self.last_log[0]) / max(now - self.last_log[1], 1e-9)
+        if rate is None:
+            rate = (step - self.last_log[0]) / max(now - self.last_log[1], 1e-9)
         self.last_log = (step, now)
-        self.console.line(step, metrics, rate)
+        self.console.line(step, metrics, rate, note)
 
     def reset_rate(self, step: int) -> None:
         """The console's next rate counts from here (after a compile, which is not a step)."""

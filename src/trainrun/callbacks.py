@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from trainrun.hooks import Boundary
+from trainrun.hooks import Boundary, joined
 from trainrun.timing import Stopwatch
+from trainrun.writers import Table
 
 __all__ = ["Boundary", "Callback", "CallbackHook", "EarlyStopping", "MetricLogger"]
 
@@ -45,23 +46,32 @@ class Callback:
 
 
 class CallbackHook:
-    """A ``Callback`` as one of the run's hooks."""
-
-    shows_table = True  # boundary.table holds the rows the callbacks have not seen yet
+    """A ``Callback`` as one of the run's hooks. Its ``boundary.table`` holds the rows read
+    since its previous boundary (a hook after it may read more: those come next time), so
+    it sees every row once, in order."""
 
     def __init__(self, callback: Callback, watch: Stopwatch | None = None):
         self.callback = callback
         self.every = int(getattr(callback, "every", 0) or 0)
         self.watch = watch or Stopwatch()
+        self.unseen: list[Table] = []
 
     def steps_to_next(self, step: int) -> int | None:
         return self.every - step % self.every if self.every else None
 
+    def on_table(self, table: Table) -> None:
+        self.unseen.append(table)
+
     def at_boundary(self, boundary: Boundary) -> None:
         if boundary.last or (self.every and boundary.step % self.every == 0):
             boundary.sync()  # the rows of the steps it asked for (or of all) are in the table
-        with self.watch.phase("callbacks"):
-            self.callback.at_boundary(boundary)
+        read, boundary.table = boundary.table, joined(self.unseen)
+        self.unseen = []
+        try:
+            with self.watch.phase("callbacks"):
+                self.callback.at_boundary(boundary)
+        finally:
+            boundary.table = read
 
     def close(self) -> None:
         self.callback.close()

@@ -33,16 +33,21 @@ from trainrun.writers import RunOutput
 Clock = Callable[[], float]
 
 
+def now() -> float:
+    """The policy's clock: monotonic seconds (tests put a clock of their own here)."""
+    return time.monotonic()
+
+
 class CheckpointPolicy:
     """every: steps between checkpoints (0: none by steps). every_seconds: seconds between
     them (0: none by time), counted from the run's start and from each save. clock: seconds,
-    monotonic (injectable for tests)."""
+    monotonic; ``now`` when not given."""
 
-    def __init__(self, every: int, every_seconds: float, clock: Clock = time.monotonic):
+    def __init__(self, every: int, every_seconds: float, clock: Clock | None = None):
         self.every = every
         self.every_seconds = every_seconds
-        self.clock = clock
-        self.last_save = clock()
+        self.clock = clock or now
+        self.last_save = self.clock()
         self.shared = jax.process_count() > 1  # hosts must agree on a time-based step
 
     def steps_to_next(self, step: int) -> int | None:

@@ -110,11 +110,6 @@ class HookRunner:
         self.params_copy = params_copy
         self.sinks = [h.on_table for h in hooks if hasattr(h, "on_table")]
         self.before = [h.before_call for h in hooks if hasattr(h, "before_call")]
-        # Rows read after the last user callback ran at a boundary (a checkpoint's read) are
-        # shown to the callbacks at the next one: each row reaches them once, in order.
-        shown = [i for i, h in enumerate(hooks) if getattr(h, "shows_table", False)]
-        self.last_shown = shown[-1] if shown else -1
-        self.carried: Table | None = None
 
     def call_size(self, step: int) -> int:
         """Steps in the next call: K, cut at the nearest step a hook needs a boundary."""
@@ -133,18 +128,11 @@ class HookRunner:
         """The boundary after ``call``: the previous calls' metrics read if a log point is
         due (one call late), then every hook in order."""
         boundary = Boundary(call.first_step + call.steps, self.total, self)
-        boundary.table, self.carried = self.carried, None
         if self.reader.due():
             self.publish(boundary, self.reader.read())
         self.reader.add(call)
-        shown = 0
-        for i, hook in enumerate(self.hooks):
+        for hook in self.hooks:
             hook.at_boundary(boundary)
-            if i == self.last_shown and boundary.table is not None:
-                shown = len(boundary.table.values)
-        table = boundary.table
-        if self.last_shown >= 0 and table is not None and shown < len(table.values):
-            self.carried = Table(table.first + shown, table.names, table.values[shown:])
         return boundary
 
     def publish(self, boundary: Boundary, table: Table | None) -> None:
@@ -152,11 +140,17 @@ class HookRunner:
             return
         for sink in self.sinks:
             sink(table)
-        boundary.table = table if boundary.table is None else Table(
-            boundary.table.first, table.names, np.concatenate([boundary.table.values,
-                                                               table.values]))
+        boundary.table = joined([boundary.table, table])
 
     def close(self) -> None:
         for hook in self.hooks:
             if hasattr(hook, "close"):
                 hook.close()
+
+
+def joined(tables: list[Table | None]) -> Table | None:
+    """Consecutive tables as one (None when there are none)."""
+    tables = [t for t in tables if t is not None]
+    if len(tables) < 2:
+        return tables[0] if tables else None
+    return Table(tables[0].first, tables[0].names, np.concatenate([t.values for t in tables]))

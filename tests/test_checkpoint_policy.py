@@ -1,0 +1,68 @@
+"""When a run saves: by steps or by time, whichever comes first (time from a fake clock, not a
+sleep), always at the end; the default saves a small run only at its end. And how the step time
+leaves out what a background save costs the steps around it."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+
+import trainrun
+from trainrun import checkpoint_policy, rundir
+from trainrun.config import load_config
+from trainrun.timing import StepTimer
+
+
+class FakeClock(trainrun.Callback):
+    """The policy's clock, moved forward at the boundaries ``jumps`` names."""
+
+    def __init__(self, jumps: dict[int, float]):
+        self.jumps, self.now = jumps, 0.0
+
+    def at_boundary(self, boundary: trainrun.Boundary) -> None:
+        self.now = self.jumps.get(boundary.step, self.now)
+
+
+def saved_steps(tmp_path, monkeypatch, jumps: dict[int, float], *overrides: str) -> list[int]:
+    clock = FakeClock(jumps)
+    monkeypatch.setattr(checkpoint_policy, "now", lambda: clock.now)
+    config = load_config("mlp", ["steps=100", "log_every=10", "checkpoint.keep=10", *overrides])
+    trainrun.run(config, tmp_path, out=io.StringIO(), callbacks=[clock])
+    return rundir.committed_steps(tmp_path / "checkpoints")
+
+
+def test_a_checkpoint_is_saved_at_the_first_boundary_after_every_seconds(tmp_path, monkeypatch):
+    # 301 s at step 30: due. 450 s at step 40: only 149 s after that save. 700 s at step 70: due.
+    jumps = {30: 301.0, 40: 450.0, 70: 700.0}
+    assert saved_steps(tmp_path, monkeypatch, jumps, "checkpoint.every_seconds=300") == [
+        30, 70, 100]
+
+
+def test_steps_or_seconds_whichever_comes_first(tmp_path, monkeypatch):
+    jumps = {10: 301.0, 50: 605.0}  # 50 is also a step checkpoint: one save there
+    assert saved_steps(tmp_path, monkeypatch, jumps, "checkpoint.every=40",
+                       "checkpoint.every_seconds=300") == [10, 40, 50, 80, 100]
+
+
+def test_the_default_policy_saves_a_short_run_at_its_end_only(tmp_path, monkeypatch):
+    config = load_config("mlp")
+    assert (config.checkpoint.every, config.checkpoint.every_seconds) == (0, 300)
+    assert saved_steps(tmp_path, monkeypatch, {}, "steps=2000", "log_every=1000") == [2000]
+
+
+def calls(*spans: tuple[float, float, int]) -> list[SimpleNamespace]:
+    return [SimpleNamespace(dispatched_at=a, returned_at=b, steps=k) for a, b, k in spans]
+
+
+def test_windows_run_during_a_background_save_leave_the_step_time_and_are_measured():
+    timer = StepTimer(inline=True, warmup_windows=1)
+    timer.record(10, calls((0.0, 9.0, 10)))  # warmup
+    for last in (20, 30, 40):  # clean: 1 s a step
+        timer.record(last, calls((0.0, 4.0, 4), (5.0, 11.0, 6)))  # host time between: left out
+    timer.record(50, calls((0.0, 25.0, 10)), during_save=True)  # 2.5 s a step
+    assert timer.median_step_s() == pytest.approx(1.0)
+    assert [w.steps for w in timer.clean()] == [10, 10, 10]
+    assert timer.background_slowdown_s() == pytest.approx(15.0)  # 25 s, where 10 s was due
+    assert timer.compute_s() == pytest.approx(9.0 + 3 * 10.0 + 25.0)

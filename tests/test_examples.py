@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import io
 from pathlib import Path
 
 import pytest
 
+from trainrun import rundir
 from trainrun.writers import read_metrics
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -28,6 +30,21 @@ def test_example_trains_and_its_loss_falls(tmp_path, monkeypatch, name):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first / 5, (first, last)
     assert summary.final_loss == losses[-1]
+
+
+def test_callbacks_example_logs_every_row_and_keeps_the_best_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    run_dir = tmp_path / "callbacks"
+    summary = load_example("callbacks").main(str(run_dir))
+    train = read_metrics(run_dir / "metrics.jsonl")
+    evals = {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
+    with open(run_dir / "metrics.csv") as f:
+        logged = [(int(r["step"]), r["split"], float(r["loss"])) for r in csv.DictReader(f)]
+    assert [s for s, split, _ in logged if split == "train"] == [r["step"] for r in train]
+    assert {s: v for s, split, v in logged if split == "eval"} == evals
+    best = min(evals, key=evals.get)
+    assert summary.best_checkpoint == {"step": best, "eval/loss": evals[best]}
+    assert best in rundir.committed_steps(run_dir / "checkpoints")
 
 
 def test_nnx_params_are_a_plain_dict_of_arrays():

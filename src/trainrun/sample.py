@@ -129,7 +129,13 @@ def _run_config(run_dir: Path) -> RunConfig:
 
 
 def latest_params(run_dir: Path, config: RunConfig) -> tuple[int, PyTree]:
-    """``(step, params)`` of the run's newest readable checkpoint.
+    """``(step, params)`` of the run's newest readable checkpoint (see ``latest_state``)."""
+    step, state = latest_state(run_dir, config)
+    return step, state.params
+
+
+def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
+    """``(step, TrainState)`` of the run's newest readable checkpoint, on one device.
 
     Read-only: the checkpoint directory is opened without creating, cleaning or deleting
     anything, so sampling is safe while the run is still training and saving. A newest step
@@ -175,5 +181,5 @@ def latest_params(run_dir: Path, config: RunConfig) -> tuple[int, PyTree]:
             except Exception as err:  # an unreadable step: fall back to the one before
                 problems.append(f"step {step}: {type(err).__name__}")
                 continue
-            return step, restored["state"].params
+            return step, restored["state"]
     raise SampleError(f"no checkpoint in {directory} can be read ({'; '.join(problems)})")

@@ -21,7 +21,7 @@ import grain
 import jax
 import jax.numpy as jnp
 
-from trainrun import distributed, preflight, rundir, sharding
+from trainrun import distributed, preflight, pretrained, rundir, sharding
 from trainrun.callbacks import Callback, CallbackHook
 from trainrun.checkpoint import Checkpoints, checkpoint_dir
 from trainrun.checkpoint_policy import CheckpointHook, CheckpointPolicy
@@ -149,6 +149,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory,
         data = build_dataset(config.data, seed=config.seed, process_index=placement.rows[0],
                              process_count=placement.rows[1])
     preflight.check_batch(model, data, abstract.params, from_config=counted is not None)
+    if config.init.from_ is not None:  # a source that is not there is refused before claiming
+        pretrained.source_kind(Path(config.init.from_).expanduser())
     batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
                if isinstance(data, grain.MapDataset) else iter(data))
     evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params)
@@ -245,14 +247,23 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str
     changes: list[str] = []
     restored = checkpoints.restore(target, batches, lambda meta: changes.extend(
         check_config(meta["config"], config, allow_config_change, run_dir)))
-    step = restored.step if restored is not None else 0
+    start = None
+    if restored is None:
+        start = jax.block_until_ready(
+            init_state(model, optimizer, config.seed, policy, state_sharding))
+        if config.init.from_ is not None:  # loaded (or refused) before anything is written
+            start = jax.block_until_ready(pretrained.initial_state(
+                config, start, optimizer, policy, state_sharding))
+    step = restored.step if restored is not None else int(start.step)
     if primary:
         rundir.start(run_dir, config, prov, step)
     for name in checkpoints.partial:
         console.message(f"removing {name}: a checkpoint whose save never finished")
     if restored is None:
-        return jax.block_until_ready(
-            init_state(model, optimizer, config.seed, policy, state_sharding))
+        if config.init.from_ is not None:
+            console.message(f"starting from {config.init.load} of {config.init.from_} "
+                            f"(init.from) at step {step}")
+        return start
     for bad, why, where in restored.moved:
         console.message(f"warning: checkpoint step {bad} cannot be read ({why}); "
                         f"moved it to {where}")

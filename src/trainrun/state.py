@@ -120,3 +120,17 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | N
     shards, so a model never has to fit whole on one device."""
     build = jax.jit(_state_builder(model, optimizer, seed, policy), out_shardings=shardings)
     return build.lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
+
+
+def state_from_params(params: PyTree, optimizer: Optimizer, seed: int, policy: Policy | None = None,
+                      shardings: TrainState | None = None) -> TrainState:
+    """A state at step 0 around given params (a fine-tune's start): a fresh optimizer state and
+    the run's keys and loss scale, created where ``shardings`` puts it."""
+    policy = policy or Policy()
+
+    def build(params: PyTree) -> TrainState:
+        _, base_key = root_keys(seed)
+        return create_state(policy.cast_to_param(params), optimizer.tx, base_key,
+                            policy.initial_loss_scale())
+
+    return jax.jit(build, out_shardings=shardings)(params)

@@ -20,6 +20,7 @@ from trainrun.config.sections import (
     DataConfig,
     DistributedConfig,
     EvalConfig,
+    InitConfig,
     MeshConfig,
     MetricsConfig,
     MLPModel,
@@ -64,6 +65,7 @@ class RunConfig(Section):
     accumulate: int = Field(1, gt=0)
     nonfinite: Literal["skip", "halt"] = "skip"
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    init: InitConfig = Field(default_factory=InitConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     distributed: DistributedConfig = Field(default_factory=SingleProcess)

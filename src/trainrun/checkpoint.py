@@ -29,7 +29,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from trainrun import integrity
+from trainrun import integrity, storage
 from trainrun.config import RunConfig
 from trainrun.errors import UserError
 
@@ -170,6 +170,9 @@ class Checkpoints:
             cleanup_tmp_directories=True,  # partial saves of a killed run
             **best,
         )
+        # A refused write (a full disk) is reported by the run on one line, not by Orbax's
+        # threads with a traceback each.
+        self._unquiet = storage.quiet_orbax_errors()
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": StateHandler(), "data": DataHandler(),
@@ -299,7 +302,10 @@ class Checkpoints:
         """Waits for a save in flight to commit, then releases Orbax's threads. Idempotent."""
         if not self._closed:
             self._closed = True
-            self.manager.close()
+            try:
+                self.manager.close()
+            finally:
+                self._unquiet()
 
     def __enter__(self) -> Checkpoints:
         return self

@@ -152,8 +152,15 @@ def mark_failed(run_dir: Path, reason: str) -> None:
     may be the reason."""
     with contextlib.suppress(OSError):
         status = read_status(run_dir) if run_dir.exists() else {}
-        if status.get("status") == "running" and status.get("pid") == os.getpid():
+        if status.get("status") != "running" or status.get("pid") != os.getpid():
+            return
+        try:
             write_status(run_dir, "failed", status.get("step"), reason)
+        except OSError:  # a full disk has no room for a new file: rewrite the old one in place
+            text = json.dumps({**status, "status": "failed", "reason": reason}, indent=2) + "\n"
+            with (run_dir / STATUS).open("r+b") as f:
+                f.write(text.encode())
+                f.truncate()
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
@@ -254,6 +261,8 @@ def inspect(path: Path, role: str = "run") -> Found:
                 CHECKPOINTS not in names or (ckpts.is_dir() and not any(ckpts.iterdir()))):
             return Found("leftover")
     else:  # step directories (each with trainrun's meta/), partial saves and corrupt/ only
+        if names == {LOCK}:
+            return Found("leftover")
         steps = [p for p in path.iterdir() if p.name.isdigit()]
         if (steps and all((p / "meta").is_dir() for p in steps)
                 and all(n.isdigit() or ".orbax-checkpoint-tmp" in n or n in ("corrupt", LOCK)

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import re
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from trainrun.errors import WriteFailed
 from trainrun.rundir import RunDirectory, committed_steps, mark_failed
@@ -68,10 +72,48 @@ def remove_partial(run_dir: Path, ckpt_dir: Path) -> None:
 
 
 def failure_line(what: str, file: str | None, run_dir: Path, ckpt_dir: Path) -> str:
+    """The one line: what was refused, where, and what a resume starts from."""
+    if file is None:  # Orbax's threads do not say which file: name the save in flight
+        partial = sorted(ckpt_dir.glob(f"*{ORBAX_TMP}*")) if ckpt_dir.is_dir() else []
+        file = (f"the checkpoint of step {partial[0].name.split('.')[0]} ({ckpt_dir})"
+                if partial else f"in {run_dir}")
     steps = committed_steps(ckpt_dir)
     last = (f"the last committed checkpoint is step {steps[-1]} (the same command resumes "
             "from it once the write can succeed)" if steps else "no checkpoint was committed")
-    return f"{what} writing {file or f'in {run_dir}'}; {last}"
+    return f"{what} writing {file}; {last}"
+
+
+class QuietRefusedWrites(logging.Filter):
+    """Drops the records Orbax's background threads log, with a traceback each, for a write
+    the file system refused: the run reports that itself, on one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or refused_write(error) is None
+
+
+def quiet_orbax_errors() -> Callable[[], None]:
+    """While a checkpoint directory is open: the filter above on absl's logger (Orbax logs
+    through it), and no report of the callbacks TensorStore still makes, after a failed read
+    or write, into the asyncio loop Orbax has already closed ("Event loop is closed"). Returns
+    what undoes both."""
+    quiet = QuietRefusedWrites()
+    logging.getLogger("absl").addFilter(quiet)
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+    def undo() -> None:
+        logging.getLogger("absl").removeFilter(quiet)
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+    return undo
 
 
 def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
@@ -81,8 +123,8 @@ def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
     if refused is None:
         mark_failed(directory.run_dir, " ".join(f"{type(err).__name__}: {err}".split())[:300])
         return None
+    line = failure_line(*refused, directory.run_dir, directory.ckpt_dir)  # before the removal
     if directory.locks:  # this process holds the folders: what is half written is its own
         remove_partial(directory.run_dir, directory.ckpt_dir)
-    line = failure_line(*refused, directory.run_dir, directory.ckpt_dir)
     mark_failed(directory.run_dir, line)
     return WriteFailed(line)

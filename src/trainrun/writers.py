@@ -186,7 +186,7 @@ class TensorBoardWriter:
         # TensorBoard reads a directory's files in name order: the time (to the µs) keeps a
         # resumed run's file after the earlier one's, even within one second and one process.
         name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
-        self.records = RecordWriter(str(logdir / name))
+        self.records = _Named(RecordWriter(str(logdir / name)), logdir / name)
         self.records.write(Event(wall_time=time.time(),
                                  file_version="brain.Event:2").SerializeToString())
         if start_step:  # TensorBoard drops earlier events from this step on: the ones redone
@@ -209,6 +209,35 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self.records.close()
+
+
+class _Named:
+    """A record writer whose refused writes name its file (``write()`` raises an ``OSError``
+    with no file name; the run's one-line report needs it)."""
+
+    def __init__(self, records: Any, path: Path):
+        self.records, self.path = records, path
+
+    def _named(self, err: OSError) -> OSError:
+        return err if err.filename else OSError(err.errno, err.strerror, str(self.path))
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.records.write(data)
+        except OSError as err:
+            raise self._named(err) from err
+
+    def flush(self) -> None:
+        try:
+            self.records.flush()
+        except OSError as err:
+            raise self._named(err) from err
+
+    def close(self) -> None:
+        try:
+            self.records.close()
+        except OSError as err:
+            raise self._named(err) from err
 
 
 class ScalarEventEncoder:

@@ -9,6 +9,7 @@ the last half of the text is re-read into a fresh cache and decoding goes on fro
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,8 @@ def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
                           "it first, e.g. trainrun train --config lm")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
                                            enable_async_checkpointing=False)
+    # Orbax logs a warning for every read-only manager it opens, which is what this is for.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     with ocp.CheckpointManager(directory, options=options,
                                item_handlers={"state": ocp.StandardCheckpointHandler()}) as ckpt:
         steps = sorted(ckpt.all_steps(), reverse=True)

@@ -332,3 +332,50 @@ def test_inspect_never_takes_a_users_folder_for_a_run(tmp_path):
     assert rundir.inspect(tmp_path).kind == "foreign"
     with pytest.raises(UserError, match="is not a trainrun run directory"):
         rundir.RunDirectory(tmp_path, tmp_path / "checkpoints").check()
+
+
+# ---- what a hostile input cannot do ----------------------------------------------------------
+
+
+class Payload:
+    """Unpickling it would create ``path``: the proof that a pickle was never loaded."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_code_in_yaml_or_a_pickle_in_npz_never_runs(tmp_path, capfd):
+    ran = tmp_path / "ran"
+    tagged = tmp_path / "tagged.yaml"
+    tagged.write_text(f"steps: 5\nname: !!python/object/apply:os.system ['touch {ran}']\n")
+    code, err = cli(capfd, "train", "--config", str(tagged), "--run-dir", str(tmp_path / "a"))
+    assert code == 2 and err.count("\n") == 1 and "is not valid YAML" in err
+
+    np.savez(tmp_path / "pickled.npz", x=np.array([Payload(ran)] * 64, dtype=object),
+             y=np.zeros((64, 1), np.float32))
+    config = write_config(tmp_path / "p.yaml", {"kind": "arrays", "batch_size": 16,
+                                                 "train": str(tmp_path / "pickled.npz")})
+    code, err = cli(capfd, "train", "--config", str(config), "--run-dir", str(tmp_path / "b"))
+    assert code == 2 and err.count("\n") == 1 and "allow_pickle" in err
+    assert not ran.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_no_secret_from_the_environment_reaches_the_run_directory(tmp_path, monkeypatch):
+    secret = "tr-secret-7c1f0e9a"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    run_dir = tmp_path / "run"
+    train(run_dir)
+    assert not [name for name, data in listing(run_dir).items()
+                if data is not None and secret.encode() in data]
+
+
+def test_html_in_a_run_name_is_escaped_in_the_report(tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    train(run_dir, "name=<img src=x onerror=alert(1)>")
+    assert cli(capfd, "report", str(run_dir))[0] == 0
+    page = (run_dir / "report.html").read_text()
+    assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page

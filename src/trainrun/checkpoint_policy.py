@@ -28,7 +28,6 @@ from jax.experimental import multihost_utils
 from trainrun.checkpoint import Checkpoints
 from trainrun.hooks import Boundary
 from trainrun.timing import Stopwatch
-from trainrun.writers import RunOutput
 
 Clock = Callable[[], float]
 
@@ -71,10 +70,11 @@ class CheckpointPolicy:
 class CheckpointHook:
     """Saves at the boundaries the policy names, at every evaluation under ``keep_best``, at
     the run's end and when it stops. Before a save every step's metrics are read and written
-    (a non-finite halt comes first; rows up to the checkpoint survive a kill right after it)."""
+    (a non-finite halt comes first; rows up to the checkpoint survive a kill right after it:
+    ``output.flush()``)."""
 
     def __init__(self, checkpoints: Checkpoints, policy: CheckpointPolicy, batches: Any,
-                 output: RunOutput, watch: Stopwatch, keep_best: str | None = None,
+                 output: Any, watch: Stopwatch, keep_best: str | None = None,
                  listeners: list[Callable[[Boundary], None]] | None = None):
         self.listeners = listeners or []  # told of each save once it has started
         self.checkpoints = checkpoints

@@ -111,7 +111,7 @@ def _finish(run: Run, boundary: Boundary, wall_start: float) -> RunSummary:
     step = boundary.step
     if run.stream is not None:
         jax.effects_barrier()  # every streamed row has been written
-    run.output.close()
+    run.metric_log.finish()  # every row written, the writers closed
     with run.watch.phase("checkpoint"):
         run.checkpoints.wait()  # the final save is committed before the run reports done
     if boundary.preempted:

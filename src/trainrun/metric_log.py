@@ -3,29 +3,48 @@
 ``timing.jsonl``. The console's steps/s at a log line is the step compute of the window that
 line closes (``timing.StepTimer``): what checkpoints, eval and logging cost is in the summary's
 wall-time split, not in the rate.
+
+In the background (``background=True``) the rows are written by a thread of their own while the
+next call runs: a one-device CPU call runs in the calling thread and lets go of Python's lock
+while it computes, so formatting rows (about 6.5 µs a step for the two files) can overlap it.
+Everything else that writes (eval rows, messages) goes through the same queue, so files and
+console keep their order; ``flush`` waits for the queue (before a checkpoint) and is the only
+time counted as logging then.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from trainrun.hooks import Boundary
-from trainrun.timing import StepTimer, Stopwatch
+from trainrun.timing import StepTimer, Stopwatch, Window
 from trainrun.writers import RunOutput, Table
 
 
 class MetricLog:
     """streamed: rows already went out from inside the calls (``metrics.stream``); only the
-    timing windows are written here."""
+    timing windows are written here. background: write on a thread of its own."""
 
     def __init__(self, output: RunOutput, timer: StepTimer, watch: Stopwatch, batch_size: int,
-                 streamed: bool = False):
+                 streamed: bool = False, background: bool = False):
         self.output = output
         self.timer = timer
         self.watch = watch
         self.batch_size = batch_size
         self.streamed = streamed
         self.last: dict[str, float] = {}  # the newest row read (the run's final metrics)
+        self.ordered = OrderedOutput(self)  # eval rows and messages, in order with the rows
+        self.jobs: queue.Queue[Callable[[], None] | None] | None = None
+        self.error: BaseException | None = None
+        if background:
+            self.jobs = queue.Queue()
+            self.thread = threading.Thread(target=self._work, name="trainrun-metrics",
+                                           daemon=True)
+            self.thread.start()
 
     def steps_to_next(self, step: int) -> None:
         return None  # log rows are read one call late: log steps need no boundary of their own
@@ -34,13 +53,80 @@ class MetricLog:
         pass
 
     def on_table(self, table: Table) -> None:
-        start = time.perf_counter()
+        self.last = table.row(len(table.values) - 1)
         window = self.timer.windows[-1]
+        self.submit(lambda: self._write(table, window))
+
+    def _write(self, table: Table, window: Window) -> None:
         rate = 1.0 / window.per_step_s if window.per_step_s > 0 else None
         if not self.streamed:
             self.output.write_table(table, steps_per_s=rate,
                                     note=" (a checkpoint was being written)"
                                     if window.during_save else "")
         self.output.write_window(table.last, window.steps, window.per_step_s, self.batch_size)
-        self.last = table.row(len(table.values) - 1)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (a write) now, or queue it behind the rows already handed over."""
+        if self.jobs is None:
+            start = time.perf_counter()
+            job()
+            self.watch.add("log", time.perf_counter() - start)
+            return
+        self._raise()
+        self.jobs.put(job)
+
+    def flush(self) -> None:
+        """Every row handed over is in its file (before a checkpoint; a kill right after it
+        loses none of them)."""
+        start = time.perf_counter()
+        if self.jobs is not None:
+            self.jobs.join()
+            self._raise()
+        self.output.flush()
         self.watch.add("log", time.perf_counter() - start)
+
+    def finish(self) -> None:
+        """Every row written, the thread stopped, the writers closed (not ``close``: the loop
+        closes hooks before a streamed run's last rows have arrived)."""
+        if self.jobs is not None:
+            start = time.perf_counter()
+            self.jobs.put(None)
+            self.thread.join()
+            self.jobs = None
+            self.watch.add("log", time.perf_counter() - start)
+            self._raise()
+        self.output.close()
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                if self.error is None:
+                    job()
+            except BaseException as err:  # raised in the loop's thread at its next write
+                self.error = err
+            finally:
+                self.jobs.task_done()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+class OrderedOutput:
+    """What the eval hook and others write, through the metric log (in order with its rows)."""
+
+    def __init__(self, log: MetricLog):
+        self.log = log
+
+    def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
+        self.log.submit(lambda: self.log.output.write(step, metrics, split))
+
+    def message(self, text: str) -> None:
+        self.log.submit(lambda: self.log.output.message(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.log.output, name)

@@ -75,7 +75,15 @@ class Run:
     metric_log: MetricLog | None = None  # holds the newest metrics row read
 
     def reader(self) -> MetricsReader:
-        return MetricsReader(self.programs, self.timer, self.config.log_every)
+        return MetricsReader(self.programs, self.timer, self.config.log_every,
+                             every_call=self.background_log)
+
+    @property
+    def background_log(self) -> bool:
+        """Rows written on a thread of their own, each call's as soon as it is read: where a
+        call runs in the calling thread and is long enough to cover them (K > 1)."""
+        return (self.timer.inline and self.config.steps_per_call > 1 and self.primary
+                and self.stream is None)
 
     def final_metrics(self) -> dict[str, float]:
         return self.metric_log.last if self.metric_log is not None else {}
@@ -189,15 +197,16 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
     config, output, watch = run.config, run.output, run.watch
 
     def before_halt() -> None:  # the last good checkpoint commits; the files are closed
-        output.close()
+        log.finish()
         run.checkpoints.wait()
         run.checkpoints.close()
 
-    run.metric_log = MetricLog(output, run.timer, watch, run.batch_size,
-                               streamed=run.stream is not None)
+    run.metric_log = log = MetricLog(output, run.timer, watch, run.batch_size,
+                                     streamed=run.stream is not None,
+                                     background=run.background_log)
+    output = log.ordered  # every later write goes in order with the rows
     hooks: list[Any] = [
-        run.metric_log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite,
-                                        before_halt)]
+        log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite, before_halt)]
     if config.profile.steps and run.primary:
         hooks.append(ProfileWindow(config.profile.steps, run.run_dir, say=output.message,
                                    watch=watch))
@@ -212,7 +221,7 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
                            f"{config.steps_per_call}")
         hooks.append(hook)
     policy = CheckpointPolicy(config.checkpoint.every, config.checkpoint.every_seconds)
-    hooks.append(CheckpointHook(run.checkpoints, policy, run.batches, output, watch,
+    hooks.append(CheckpointHook(run.checkpoints, policy, run.batches, log, watch,
                                 keep_best=config.checkpoint.keep_best,
                                 listeners=[c.on_checkpoint for c in callbacks
                                            if hasattr(c, "on_checkpoint")]))

@@ -72,15 +72,17 @@ def _sample(args: argparse.Namespace) -> int:
     from trainrun.sample import sample_run
 
     print(sample_run(args.run_dir, args.prompt, args.tokens, temperature=args.temperature,
-                     seed=args.seed))
+                     seed=args.seed, ema=args.ema))
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from trainrun import extras
     from trainrun.models.huggingface import export_run
 
+    extras.require("huggingface", "trainrun export")
     step, out = export_run(Path(args.run_dir), Path(args.to), merge=args.merge)
     print(f"step {step} of {args.run_dir} written to {out} (config.json, model.safetensors)")
     return 0
@@ -219,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8,
                         help="divide logits by this before sampling; 0 = greedy (default 0.8)")
     sample.add_argument("--seed", type=int, default=0, help="sampling randomness (default 0)")
+    sample.add_argument("--ema", action="store_true",
+                        help="sample from the params' moving average (runs with optimizer.ema)")
     sample.set_defaults(handler=_sample)
 
     export = commands.add_parser(

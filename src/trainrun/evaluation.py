@@ -75,11 +75,13 @@ class EvalHook:
     the params evaluated are those of that step); writes the results and puts them on the
     boundary for the hooks after it (callbacks, ``checkpoint.keep_best``)."""
 
-    def __init__(self, evaluator: Evaluator, output: Any, watch: Any, total: int):
+    def __init__(self, evaluator: Evaluator, output: Any, watch: Any, total: int,
+                 params: str = "live"):
         self.evaluator = evaluator
         self.output = output
         self.watch = watch
         self.total = total
+        self.params = params  # "live": the state's params; "ema": their moving average
 
     def steps_to_next(self, step: int) -> int:
         return self.evaluator.steps_to_next(step, self.total)
@@ -89,7 +91,8 @@ class EvalHook:
             return
         boundary.sync()  # train rows first: metrics.jsonl stays in step order
         with self.watch.phase("eval"):
-            results = self.evaluator(boundary.state().params)
+            state = boundary.state()
+            results = self.evaluator(state.ema if self.params == "ema" else state.params)
         self.output.write(boundary.step, results, "eval")
         self.output.message(eval_line(boundary.step, self.total, results))
         boundary.eval = results

@@ -24,6 +24,7 @@ class Optimizer:
 
     tx: optax.GradientTransformation
     schedule: optax.Schedule
+    ema: float | None = None  # decay of the params' moving average the state keeps, if any
 
 
 def build_schedule(cfg: OptimizerConfig, total_steps: int | None = None) -> optax.Schedule:
@@ -98,7 +99,7 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int | None = None) -> Opt
         # decay included) and no optimizer state; clipping sees the trainable gradients only.
         tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
                                    functools.partial(trainable_labels, patterns=cfg.trainable))
-    return Optimizer(tx=tx, schedule=schedule)
+    return Optimizer(tx=tx, schedule=schedule, ema=cfg.ema)
 
 
 def param_name(path: tuple[Any, ...]) -> str:

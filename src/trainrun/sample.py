@@ -105,14 +105,28 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
 
 
 def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: float = 0.8,
-               seed: int = 0) -> str:
-    """The prompt and ``tokens`` bytes sampled from the latest checkpoint of an LM run."""
+               seed: int = 0, ema: bool = False) -> str:
+    """The prompt and ``tokens`` bytes sampled from the latest checkpoint of an LM run (with
+    ``ema``: from its params' moving average, ``optimizer.ema``)."""
     config = _run_config(Path(run_dir))
     if config.model.kind != "transformer" or config.data.kind != "text":
         raise SampleError(f"run {run_dir} trains model.kind={config.model.kind} on data.kind="
                           f"{config.data.kind}; sampling needs a byte-level language model "
                           "(model.kind=transformer, data.kind=text), e.g. --config lm")
-    _, params = latest_params(Path(run_dir), config)
+    if ema and config.optimizer.ema is None:
+        raise SampleError(f"run {run_dir} keeps no moving average (optimizer.ema is not set); "
+                          "sample without --ema")
+    _, state = latest_state(Path(run_dir), config)
+    params = state.ema if ema else state.params
+    if config.data.tokenizer is not None:  # a tokenized run: text in and out through its own
+        from trainrun.data.tokenizer import DOCUMENT_TOKEN, load
+
+        tokenizer = load(config.data.tokenizer, config.data.vocab_size)
+        # As in training, a document starts with the document token: the prompt opens one.
+        ids = [tokenizer.token_to_id(DOCUMENT_TOKEN), *tokenizer.encode(prompt).ids]
+        out = generate(config.model, params, np.array(ids, np.int32), tokens,
+                       temperature=temperature, seed=seed, compute=config.precision.compute)
+        return tokenizer.decode(out[1:].tolist())
     out = generate(config.model, params, np.frombuffer(prompt.encode(), np.uint8), tokens,
                    temperature=temperature, seed=seed, compute=config.precision.compute)
     return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
@@ -145,7 +159,7 @@ def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
     """
     import orbax.checkpoint as ocp
 
-    from trainrun.checkpoint import checkpoint_dir
+    from trainrun.checkpoint import Unreadable, checkpoint_dir, newest_readable, readable
     from trainrun.integrity import verify_step
     from trainrun.models import build_model
     from trainrun.optim import build_optimizer
@@ -172,17 +186,16 @@ def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
                                   policy_from_config(config.precision))
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                               abstract)
-        problems = []
-        for step in steps:
+
+        def read(step: int) -> Any:  # a step whose files changed or fail: the one before
             changed = verify_step(directory / str(step)).problems  # its saved checksums
             if changed:
-                problems.append(f"step {step}: {changed[0]}")
-                continue
-            try:
-                restored = ckpt.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target)))
-            except Exception as err:  # an unreadable step: fall back to the one before
-                problems.append(f"step {step}: {type(err).__name__}")
-                continue
-            return step, restored["state"]
-    raise SampleError(f"no checkpoint in {directory} can be read ({'; '.join(problems)})")
+                raise Unreadable(changed[0])
+            return readable(lambda: ckpt.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target))))["state"]
+
+        step, state, problems = newest_readable(steps, read)
+        if state is not None:
+            return step, state
+    raise SampleError(f"no checkpoint in {directory} can be read ("
+                      + "; ".join(f"step {s}: {why}" for s, why in problems) + ")")

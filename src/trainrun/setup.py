@@ -211,7 +211,7 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
         hooks.append(ProfileWindow(config.profile.steps, run.run_dir, say=output.message,
                                    watch=watch))
     if run.evaluator is not None:
-        hooks.append(EvalHook(run.evaluator, output, watch, config.steps))
+        hooks.append(EvalHook(run.evaluator, output, watch, config.steps, config.eval.params))
     hooks.append(preemption)
     for callback in callbacks:
         hook = CallbackHook(callback, watch)

@@ -122,8 +122,9 @@ def state_shardings(mesh: Mesh, abstract_state: Any, logical_axes: PyTree | None
     opt_state = optax.tree_map_params(
         tx, lambda value, sharding: value if masked(value) else sharding,
         abstract_state.opt_state, params, transform_non_params=lambda _: whole, is_leaf=masked)
+    ema = params if abstract_state.ema is not None else None  # the average lies as params do
     return jax.tree.map(lambda _: whole, abstract_state).replace(params=params,
-                                                                 opt_state=opt_state)
+                                                                 opt_state=opt_state, ema=ema)
 
 
 # ---- the batch -------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ class TrainState:
         was skipped (params and opt_state kept), so the optimizer has done
         ``step - nonfinite_steps`` updates and its schedule stands at that count.
     loss_scale: the dynamic loss scale (float16 compute); ``(1.0, 0)`` and unused otherwise.
+    ema: the params' exponential moving average (``optimizer.ema``), shaped and stored like
+        ``params``; None without it.
 
     A new piece of run state is a new field here: then it is donated, checkpointed and covered
     by the resume check with no other change.
@@ -48,6 +50,7 @@ class TrainState:
     key_data: jax.Array
     nonfinite_steps: jax.Array
     loss_scale: LossScale
+    ema: PyTree = None
 
     @property
     def key(self) -> jax.Array:
@@ -60,8 +63,10 @@ class TrainState:
 
 
 def create_state(params: PyTree, optimizer: optax.GradientTransformation,
-                 key: jax.Array, loss_scale: LossScale | None = None) -> TrainState:
-    """A fresh state at step 0. Call under ``jax.jit`` to create it already placed/sharded."""
+                 key: jax.Array, loss_scale: LossScale | None = None,
+                 ema: bool = False) -> TrainState:
+    """A fresh state at step 0 (with ``ema``: the moving average starts at the params). Call
+    under ``jax.jit`` to create it already placed/sharded."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -69,6 +74,7 @@ def create_state(params: PyTree, optimizer: optax.GradientTransformation,
         key_data=jax.random.key_data(key),
         nonfinite_steps=jnp.zeros((), jnp.int32),
         loss_scale=loss_scale if loss_scale is not None else LossScale.create(),
+        ema=jax.tree.map(jnp.copy, params) if ema else None,
     )
 
 
@@ -103,7 +109,7 @@ def _state_builder(model: Model, optimizer: Optimizer, seed: int, policy: Policy
     def build() -> TrainState:
         init_key, base_key = root_keys(seed)  # traced: the same bits as eager, on every process
         return create_state(policy.cast_to_param(model.init(init_key)), optimizer.tx, base_key,
-                            policy.initial_loss_scale())
+                            policy.initial_loss_scale(), ema=optimizer.ema is not None)
 
     return build
 
@@ -131,6 +137,6 @@ def state_from_params(params: PyTree, optimizer: Optimizer, seed: int, policy: P
     def build(params: PyTree) -> TrainState:
         _, base_key = root_keys(seed)
         return create_state(policy.cast_to_param(params), optimizer.tx, base_key,
-                            policy.initial_loss_scale())
+                            policy.initial_loss_scale(), ema=optimizer.ema is not None)
 
     return jax.jit(build, out_shardings=shardings)(params)

@@ -63,7 +63,8 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state,
             nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
-            loss_scale=policy.adjust(state.loss_scale, finite))
+            loss_scale=policy.adjust(state.loss_scale, finite),
+            ema=moving_average(state.ema, params, optimizer.ema, finite))
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -77,6 +78,17 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         return new_state, metrics
 
     return train_step
+
+
+def moving_average(ema: PyTree, params: PyTree, decay: float | None,
+                   applied: jax.Array) -> PyTree:
+    """``decay * ema + (1 - decay) * params`` after an applied update (as ``ema + (1 - decay)
+    (params - ema)``, in the params' dtype); unchanged after a skipped one or without EMA."""
+    if decay is None or ema is None:
+        return ema
+    rate = 1.0 - decay
+    return jax.tree.map(lambda e, p: jnp.where(applied, e + (p - e) * jnp.asarray(rate, e.dtype),
+                                               e), ema, params)
 
 
 def global_norm(tree: PyTree) -> jax.Array:

@@ -59,9 +59,9 @@ from trainrun.config.sections import (
 __all__ = [
     "CONFIG_PACKAGE", "ArrayData", "AutoDistributed", "CNNModel", "CheckpointConfig",
     "ConfigError", "ConstantSchedule", "CosineSchedule", "DataConfig", "DigitsData",
-    "DistributedConfig", "EvalConfig", "ExplicitDistributed", "ExponentialSchedule", "Layer",
-    "InitConfig", "LoraConfig",
-    "MLPModel", "MeshConfig", "MetricsConfig", "ModelConfig", "NNXMLPModel", "OptimizerConfig",
+    "DistributedConfig", "EvalConfig", "ExplicitDistributed", "ExponentialSchedule",
+    "InitConfig", "Layer", "LoraConfig", "MLPModel", "MeshConfig", "MetricsConfig",
+    "ModelConfig", "NNXMLPModel", "OptimizerConfig",
     "PiecewiseSchedule", "PrecisionConfig", "ProfileConfig", "RegressionData", "RunConfig",
     "ScheduleConfig", "Section", "SingleProcess", "TextData", "TokenData", "TransformerModel",
     "WSDSchedule", "WarmupSchedule", "builtin_config_names", "config_from_dict",

@@ -165,6 +165,9 @@ def _check_model_and_data(config: RunConfig) -> None:
                               f"model.seq_len={model.seq_len}; set them equal")
         if data.kind == "text" and model.vocab < 256:
             raise ConfigError(f"byte-level text needs model.vocab >= 256, got {model.vocab}")
+    if config.eval.params == "ema" and config.optimizer.ema is None:
+        raise ConfigError("eval.params=ema needs a moving average to evaluate: set "
+                          "optimizer.ema (e.g. 0.999)")
     if config.eval.every and data.kind == "regression":
         raise ConfigError("eval.every is set but data.kind=regression has no held-out split; "
                           "set eval.every=0 or use data with one (digits, text, arrays, tokens)")

@@ -204,6 +204,7 @@ class EvalConfig(Section):
     every: int = Field(0, ge=0)
     batches: int = Field(0, ge=0)
     batch_size: int | None = Field(None, gt=0)
+    params: Literal["live", "ema"] = "live"  # ema: the moving average (needs optimizer.ema)
 
 
 # ---- optimizer -------------------------------------------------------------------------------
@@ -299,6 +300,9 @@ class OptimizerConfig(Section):
     # params are updated, the rest frozen with no optimizer state. None: every param (with
     # model.lora: the adapters only).
     trainable: list[str] | None = None
+    # Decay of an exponential moving average of the params kept in the state (checkpointed,
+    # resumed bit for bit): ema = decay * ema + (1 - decay) * params after each applied update.
+    ema: float | None = Field(None, gt=0, lt=1)
 
     @pydantic.field_validator("trainable")
     @classmethod

@@ -120,17 +120,26 @@ def trainrun_step_s(steps: int, window: int, k: int, packed: bool = True) -> flo
     return clock.median_step_s()
 
 
+class Saves(trainrun.Callback):
+    """Counts the checkpoints a run saves."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_checkpoint(self, boundary: trainrun.Boundary) -> None:
+        self.count += 1
+
+
 def policy_run(steps: int, overrides: list[str]) -> tuple[float, list[float], int]:
     """The default MLP through run() as `trainrun train steps=N log_every=N/4` runs it:
     (median step time from its summary, the console's steps/s per log line, saves)."""
     config = load_config("mlp", [f"steps={steps}", f"log_every={steps // 4}", *overrides])
-    out = io.StringIO()
+    out, saves = io.StringIO(), Saves()
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(config, Path(tmp) / "run", out=out)
-        saves = len(trainrun.rundir.committed_steps(Path(tmp) / "run" / "checkpoints"))
+        summary = run(config, Path(tmp) / "run", out=out, callbacks=[saves])
     rates = [float(line.split("steps/s")[0].split()[-1].replace(",", ""))
              for line in out.getvalue().splitlines() if line.startswith("step ")]
-    return summary.step_time_median_s, rates, saves
+    return summary.step_time_median_s, rates, saves.count
 
 
 def main() -> None:

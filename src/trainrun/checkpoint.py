@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,33 @@ class Restored:
     verified: bool = True  # False: saved without checksums (by an earlier trainrun)
 
 
+class Unreadable(Exception):
+    """A checkpoint step that cannot be read; the message says why."""
+
+
+def readable(read: Callable[[], Any]) -> Any:
+    """``read()``, with any error from the files (truncated, missing) as ``Unreadable``."""
+    try:
+        return read()
+    except Exception as err:
+        raise Unreadable(_reason(err)) from err
+
+
+def newest_readable(steps: Iterable[int], read: Callable[[int], Any]
+                    ) -> tuple[int | None, Any, list[tuple[int, str]]]:
+    """Newest first, the first step that ``read`` reads: ``(step, what it returned, the newer
+    steps it could not read and why)``; ``(None, None, ...)`` when none can be. ``read`` raises
+    ``Unreadable`` to fall back to the step before; any other error ends the search (a
+    checkpoint of another model is refused, not skipped). Resume and sampling both use it."""
+    unreadable: list[tuple[int, str]] = []
+    for step in sorted(steps, reverse=True):
+        try:
+            return step, read(step), unreadable
+        except Unreadable as err:
+            unreadable.append((step, str(err)))
+    return None, None, unreadable
+
+
 class Checkpoints:
     """The run's checkpoint directory: save a step (when: ``checkpoint_policy.py``), keep the
     latest ``keep`` (and the best by ``keep_best``), restore the newest readable one."""
@@ -223,18 +250,13 @@ class Checkpoints:
         check: called with a step's metadata before its arrays are read; raises to refuse it
             (a changed config).
         """
-        unreadable: list[tuple[int, str]] = []
-        for step in reversed(self.steps()):
+
+        def read(step: int) -> tuple[dict[str, Any], Any, bool, integrity.Verified]:
             verified = integrity.verify_step(self.directory / str(step))
             if verified.problems:  # a changed or missing file: as unreadable as a torn one
-                unreadable.append((step, "; ".join(verified.problems[:2])))
-                continue
-            try:
-                meta = self._restore(step, meta=MetaRestore())["meta"]
-                saved_tree = self.manager.item_metadata(step)["state"].tree
-            except Exception as err:  # any unreadable file means: fall back
-                unreadable.append((step, _reason(err)))
-                continue
+                raise Unreadable("; ".join(verified.problems[:2]))
+            meta = readable(lambda: self._restore(step, meta=MetaRestore())["meta"])
+            saved_tree = readable(lambda: self.manager.item_metadata(step)["state"].tree)
             check(meta)
             differences = leaf_differences(saved_tree, target, meta.get("key_impls", {}))
             if differences:
@@ -248,22 +270,22 @@ class Checkpoints:
             saved_position = has_position(iterator) and meta.get("data_position", True)
             if saved_position:
                 items["data"] = DataRestore(iterator)
-            try:
-                restored = self._restore(step, **items)
-            except Exception as err:  # a truncated or missing array file
-                unreadable.append((step, _reason(err)))
-                continue
-            if not saved_position and iterator is not None:
-                for _ in range(step):  # no saved position: replay the iterator up to it
-                    next(iterator)
-            moved = [(s, why, self._move_aside(s)) for s, why in unreadable]
-            return Restored(step, restored["state"], meta, moved, verified.checked)
-        if unreadable:
-            raise CheckpointError(
-                f"no checkpoint in {self.directory} can be read: "
-                + "; ".join(f"step {s}: {why}" for s, why in unreadable)
-                + ". Pass --fresh to move this run aside and start over")
-        return None
+            return meta, readable(lambda: self._restore(step, **items)), saved_position, verified
+
+        step, found, unreadable = newest_readable(self.steps(), read)
+        if found is None:
+            if unreadable:
+                raise CheckpointError(
+                    f"no checkpoint in {self.directory} can be read: "
+                    + "; ".join(f"step {s}: {why}" for s, why in unreadable)
+                    + ". Pass --fresh to move this run aside and start over")
+            return None
+        meta, restored, saved_position, verified = found
+        if not saved_position and iterator is not None:
+            for _ in range(step):  # no saved position: replay the iterator up to it
+                next(iterator)
+        moved = [(s, why, self._move_aside(s)) for s, why in unreadable]
+        return Restored(step, restored["state"], meta, moved, verified.checked)
 
     def _restore(self, step: int, **items: Any) -> Any:
         return self.manager.restore(step, args=ocp.args.Composite(**items))

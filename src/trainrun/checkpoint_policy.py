@@ -11,8 +11,9 @@ what must land on exact steps (``trainrun verify-resume``'s kill points).
 A step-based checkpoint cuts the call that would pass it (``steps_to_next``), so the state saved
 is the state at that step. A time-based one is taken at the first boundary after the interval;
 with several processes, process 0's clock decides and the others follow, so every host saves
-the same step. ``checkpoint.keep_best: eval/<metric>`` also saves at every evaluation, with
-that metric, and Orbax keeps the best of those beside the latest ``keep``.
+the same step (asked at the first boundary past each ``log_every`` steps: one broadcast there
+instead of one every call). ``checkpoint.keep_best: eval/<metric>`` also saves at every
+evaluation, with that metric, and Orbax keeps the best of those beside the latest ``keep``.
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ def now() -> float:
 class CheckpointPolicy:
     """every: steps between checkpoints (0: none by steps). every_seconds: seconds between
     them (0: none by time), counted from the run's start and from each save. clock: seconds,
-    monotonic; ``now`` when not given."""
+    monotonic; ``now`` when not given. check_every: with several processes, the time is
+    looked at once per this many steps."""
 
-    def __init__(self, every: int, every_seconds: float, clock: Clock | None = None):
+    def __init__(self, every: int, every_seconds: float, clock: Clock | None = None,
+                 check_every: int = 1):
         self.every = every
         self.every_seconds = every_seconds
         self.clock = clock or now
         self.last_save = self.clock()
         self.shared = jax.process_count() > 1  # hosts must agree on a time-based step
+        self.check_every = check_every
+        self.checked = 0
 
     def steps_to_next(self, step: int) -> int | None:
         return self.every - step % self.every if self.every else None
@@ -58,10 +63,13 @@ class CheckpointPolicy:
             return True
         if not self.every_seconds:
             return False
-        late = self.clock() - self.last_save >= self.every_seconds
-        if self.shared:
-            late = bool(multihost_utils.broadcast_one_to_all(np.bool_(late)))
-        return late
+        if self.shared:  # every host passes the same boundaries: they all ask here
+            if step // self.check_every == self.checked // self.check_every:
+                return False
+            self.checked = step
+            late = self.clock() - self.last_save >= self.every_seconds
+            return bool(multihost_utils.broadcast_one_to_all(np.bool_(late)))
+        return self.clock() - self.last_save >= self.every_seconds
 
     def saved(self) -> None:
         self.last_save = self.clock()

@@ -220,7 +220,8 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
                            f"step(s): calls run {hook.every} step(s), not steps_per_call="
                            f"{config.steps_per_call}")
         hooks.append(hook)
-    policy = CheckpointPolicy(config.checkpoint.every, config.checkpoint.every_seconds)
+    policy = CheckpointPolicy(config.checkpoint.every, config.checkpoint.every_seconds,
+                              check_every=config.log_every)
     hooks.append(CheckpointHook(run.checkpoints, policy, run.batches, log, watch,
                                 keep_best=config.checkpoint.keep_best,
                                 listeners=[c.on_checkpoint for c in callbacks

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainrun import rundir
+from trainrun import extras, rundir
 from trainrun.config import RunConfig
 from trainrun.models.huggingface import (
     PREFIX,
@@ -41,8 +41,10 @@ def source_kind(path: Path) -> str:
     if path.is_dir() and (path / rundir.CONFIG).is_file():
         return "run"
     if path.is_dir() and (path / WEIGHTS).is_file():
+        extras.require("huggingface", f"init.from {path}")
         return "huggingface"
     if path.is_file() and path.suffix == ".safetensors":
+        extras.require("huggingface", f"init.from {path}")
         return "safetensors"
     raise WeightsError(f"init.from {path}: not a trainrun run directory, a Hugging Face model "
                        "directory (config.json + model.safetensors) or a .safetensors file")

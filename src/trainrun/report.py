@@ -7,6 +7,7 @@
     runs                  every run under runs/: status, last step, best eval metric
 
 Everything is read from the files a run leaves (see ``rundir``); nothing here imports JAX.
+The plots need the report extra (matplotlib); ``runs`` does not.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import dataclasses
 import html
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from matplotlib.figure import Figure  # the object API: files only, no pyplot state or window
 
-from trainrun import rundir
+from trainrun import extras, rundir
 from trainrun.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 REPORT_HTML = "report.html"
 PLOT_DIR = "report"
@@ -110,8 +113,14 @@ def best_eval(run: RunRecord) -> tuple[str, float, int] | None:
 # ---- plots -----------------------------------------------------------------------------------
 
 
+def _new_figure(**kwargs: Any) -> Figure:
+    from matplotlib.figure import Figure  # the object API: files only, no pyplot state or window
+
+    return Figure(layout="constrained", **kwargs)
+
+
 def _figure(title: str, xlabel: str = "step", ylabel: str = "") -> tuple[Figure, Any]:
-    fig = Figure(figsize=(7, 3.6), dpi=110, layout="constrained")
+    fig = _new_figure(figsize=(7, 3.6), dpi=110)
     ax = fig.add_subplot()
     ax.set_title(title)
     ax.set_xlabel(xlabel)
@@ -245,6 +254,7 @@ font-size:12px;overflow:auto}"""
 
 def write_report(run_dir: Path | str) -> Path:
     """Write ``report.html`` and its PNGs into the run directory; returns the HTML's path."""
+    extras.require("report", "trainrun report")
     run = load_run(run_dir)
     plots = _plot_run(run, run.path / PLOT_DIR)
     figures = "".join(
@@ -286,11 +296,12 @@ def _text_table(header: list[str], rows: list[list[str]]) -> str:
 def compare(run_dirs: list[Path | str], out: Path | str = "compare.png") -> tuple[Path, str]:
     """Overlay the runs' curves (train loss, eval loss, lr, grad norm) in one PNG; return it
     and a table of their final metrics."""
+    extras.require("report", "trainrun compare")
     runs = [load_run(p) for p in run_dirs]
     labels = [r.path.name for r in runs]
     if len(set(labels)) < len(labels):
         labels = [str(r.path) for r in runs]
-    fig = Figure(figsize=(12, 7), dpi=100, layout="constrained")
+    fig = _new_figure(figsize=(12, 7), dpi=100)
     axes = fig.subplots(2, 2)
     panels = [("train loss", "train", "loss"), ("eval loss", "eval", "loss"),
               ("learning rate", "train", "lr"), ("gradient global norm", "train", "grad_norm")]

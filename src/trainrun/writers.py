@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from trainrun import rundir
+from trainrun import extras, rundir
 from trainrun.console import Console, ConsoleLog
 from trainrun.errors import UserError
 
@@ -269,6 +269,7 @@ class ScalarEventEncoder:
 def _tensorboardx() -> tuple[Any, Any, Any]:
     """tensorboardX's record writer and event protos. Importing tensorboardX imports torch when
     it is installed (seconds, for support trainrun never uses), so torch is hidden for that."""
+    extras.require("tensorboard", "metrics.tensorboard=true")
     hide = "torch" not in sys.modules
     if hide:
         sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
@@ -292,11 +293,9 @@ class WandbWriter:
 
     def __init__(self, run_dir: Path, config: dict[str, Any], name: str, mode: str,
                  project: str, every: int = 1, total_steps: int = 0):
-        try:
-            import wandb
-        except ImportError:
-            raise WriterError(f"metrics.wandb is {mode!r} but wandb is not installed; "
-                              "pip install wandb, or set metrics.wandb=off") from None
+        extras.require("wandb", f"metrics.wandb={mode}")
+        import wandb
+
         id_file = run_dir / "wandb-id"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")

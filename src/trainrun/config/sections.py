@@ -4,11 +4,12 @@ every field typed, defaulted and bounded. ``run.py`` puts them together into ``R
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+
+from trainrun import extras
 
 
 class Section(BaseModel):
@@ -450,13 +451,14 @@ class MetricsConfig(Section):
 
     stream: with steps_per_call > 1, send each step's metrics to the host from inside the fused
         call (an ordered io_callback) instead of when the call is done.
-    tensorboard: TensorBoard event files in ``<run dir>/tensorboard``.
+    tensorboard: TensorBoard event files in ``<run dir>/tensorboard``; ``auto`` (the default):
+        where the tensorboard extra is installed (``pip install 'trainrun[tensorboard]'``).
     wandb: Weights & Biases: ``off``, ``offline`` (files under the run dir, no network) or
-        ``online``; needs ``pip install wandb``.
+        ``online``; needs the wandb extra.
     """
 
     stream: bool = False
-    tensorboard: bool = True
+    tensorboard: bool = Field(default_factory=lambda: extras.installed("tensorboard"))
     wandb: Literal["off", "offline", "online"] = "off"
     wandb_project: str = "trainrun"
 
@@ -465,12 +467,23 @@ class MetricsConfig(Section):
     def _yaml_off(cls, value: Any) -> Any:
         return "off" if value is False else value  # YAML reads a bare `off` as false
 
+    @pydantic.field_validator("tensorboard", mode="before")
+    @classmethod
+    def _tensorboard_auto(cls, value: Any) -> Any:
+        return extras.installed("tensorboard") if value == "auto" else value
+
+    @pydantic.field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, value: bool) -> bool:
+        if value and not extras.installed("tensorboard"):
+            raise ValueError(extras.message("tensorboard", "true") + ", or set it false")
+        return value
+
     @pydantic.field_validator("wandb")
     @classmethod
     def _wandb_installed(cls, value: str) -> str:
-        if value != "off" and importlib.util.find_spec("wandb") is None:
-            raise ValueError(f"{value!r} needs the wandb package, which is not installed; "
-                             "pip install wandb, or set metrics.wandb=off")
+        if value != "off" and not extras.installed("wandb"):
+            raise ValueError(extras.message("wandb", repr(value)) + ", or set metrics.wandb=off")
         return value
 
 

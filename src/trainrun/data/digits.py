@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainrun import extras
+
 TEST_IMAGES = 360
 SPLIT_SEED = 0
 
@@ -17,6 +19,7 @@ SPLIT_SEED = 0
 def digits_arrays() -> dict[str, dict[str, np.ndarray]]:
     """``{"train": {"x", "label"}, "eval": {...}}``; ``x`` is ``[N, 8, 8, 1]`` float32 in
     [0, 1], ``label`` int32."""
+    extras.require("datasets", "data.kind=digits")
     from sklearn.datasets import load_digits
 
     digits = load_digits()

@@ -15,7 +15,7 @@ runs once per thread count asked for (all cores is its default; one thread is it
 setting when the cores are shared with other work).
 
 ``--ablation`` times trainrun's step against itself with one change undone at a time, and the
-plain transcription of the model (``tests/test_fast_transformer.py``) under XLA's default
+plain transcription of the model (``trainrun.models.reference``) under XLA's default
 flags: what each change is worth.
 
 Timing: contenders (and a 2048-square float32 matmul through XLA, the machine's ceiling) run
@@ -50,15 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import trainrun.models.transformer as transformer
+from trainrun import extras
 from trainrun.config import OptimizerConfig, TransformerModel
 from trainrun.models.adapters import Model
+from trainrun.models.reference import plain_loss  # the plain transcription of the model
 from trainrun.optim import build_optimizer
 from trainrun.process import configure_process
 from trainrun.state import init_state
 from trainrun.step import make_multi_step, make_train_step
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_fast_transformer import plain_loss  # the plain transcription of the model
 
 # trainrun's process settings (XLA flags, allocator, CPU dispatch), made before JAX starts its
 # backend (nothing above starts it), as `trainrun train` makes them.
@@ -321,6 +320,9 @@ def main() -> None:
     parser.add_argument("--ablation", action="store_true",
                         help="trainrun's step with one change undone at a time (no PyTorch)")
     args = parser.parse_args()
+    if not args.ablation and not extras.installed("bench"):
+        print("error: " + extras.message("bench", "the PyTorch side"), file=sys.stderr)
+        sys.exit(2)
 
     if args.ablation:
         sides: list[Any] = ablation_sides()

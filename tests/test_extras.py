@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from trainrun import extras
 from trainrun.cli import main
 from trainrun.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def hide(monkeypatch, extra: str) -> None:
@@ -97,3 +101,26 @@ print(len(names), "modules")
 """, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[0]) > 20
+
+
+LM_VS_TORCH = "import runpy, sys\nsys.argv[0] = {path!r}\nrunpy.run_path({path!r}, " \
+              "run_name='__main__')\n".format(path=str(REPO / "benchmarks" / "lm_vs_torch.py"))
+
+
+@pytest.mark.parametrize("hidden", [["pytest"], ["pytest", "torch"]])
+def test_lm_vs_torch_runs_without_the_tests_or_pytest(tmp_path, hidden):
+    """Its --help with the package and the bench extra alone (nothing from tests/, no pytest,
+    from another directory); without torch, its PyTorch side is refused on one line."""
+    done = _without(hidden, LM_VS_TORCH, "--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: lm_vs_torch.py")
+    if "torch" in hidden:
+        done = _without(hidden, LM_VS_TORCH, "--rounds", "1", cwd=tmp_path)
+        assert (done.returncode, done.stderr) == (2, refusal("bench", "the PyTorch side"))
+
+
+def test_no_benchmark_reaches_into_the_tests():
+    for script in sorted((REPO / "benchmarks").glob("*.py")):
+        text = script.read_text()
+        assert "sys.path" not in text and "from test_" not in text and "import test_" not in \
+            text, f"{script.name} imports from tests/; benchmarks use the package alone"

@@ -10,61 +10,17 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
+from trainrun.models.reference import plain_loss
 from trainrun.models.transformer import causal_attention
 from trainrun.process import apply_default_flags, reuse_freed_memory, run_cpu_calls_inline
 
 # seq 160 is two full attention blocks and a partial third (blocks of 64 query rows)
 SMALL = TransformerModel(d_model=32, layers=1, heads=2, seq_len=160, init_std=0.1)
 BENCH = TransformerModel(d_model=256, layers=4, heads=4, seq_len=256)  # the benchmark's shape
-
-
-def plain_logits(cfg: TransformerModel, params, tokens: jax.Array) -> jax.Array:
-    """The model written the plain way: [batch, seq, d] activations, two-pass layer norm,
-    rotary angles computed in the program, jax.nn.dot_product_attention."""
-    batch, seq = tokens.shape
-    d, heads = cfg.d_model, cfg.heads
-    head_dim = d // heads
-    embedding = params["embed"]["embedding"]
-
-    def layer_norm(x, p):
-        mean = x.mean(-1, keepdims=True)
-        var = ((x - mean) ** 2).mean(-1, keepdims=True)
-        return (x - mean) / jnp.sqrt(var + 1e-5) * p["scale"] + p["bias"]
-
-    def rotate(x):  # rotary positions on [batch, seq, heads, head_dim], halves convention
-        freqs = 10_000.0 ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-        angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
-        sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
-        x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
-        return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-
-    x = embedding[tokens]
-    if cfg.positions == "learned":
-        x = x + params["positions"][:seq][None]
-    for i in range(cfg.layers):
-        block = params["blocks"][str(i)]
-        attn, mlp = block["attn"], block["mlp"]
-        h = layer_norm(x, block["ln1"])
-        q, k, v = ((h @ attn[name]["kernel"]).reshape(batch, seq, heads, head_dim)
-                   for name in ("q", "k", "v"))
-        if cfg.positions == "rope":
-            q, k = rotate(q), rotate(k)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        x = x + y.reshape(batch, seq, d) @ attn["o"]["kernel"]
-        h = layer_norm(x, block["ln2"])
-        x = x + jax.nn.gelu(h @ mlp["up"]["kernel"], approximate=True) @ mlp["down"]["kernel"]
-    return layer_norm(x, params["ln_f"]) @ embedding.T
-
-
-def plain_loss(cfg: TransformerModel, params, batch: dict[str, jax.Array]) -> jax.Array:
-    tokens = batch["tokens"].astype(jnp.int32)
-    logits = plain_logits(cfg, params, tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
 def fixed_batch(cfg: TransformerModel, batch: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -20,13 +20,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainrun.hooks import Boundary
 from trainrun.timing import StepTimer, Stopwatch, Window
 from trainrun.writers import RunOutput, Table
 
 
 class MetricLog:
-    """streamed: rows already went out from inside the calls (``metrics.stream``); only the
+    """A hook on tables only: log steps need no boundary of their own (rows are read one call
+    late, at the boundary after a log step).
+
+    streamed: rows already went out from inside the calls (``metrics.stream``); only the
     timing windows are written here. background: write on a thread of its own."""
 
     def __init__(self, output: RunOutput, timer: StepTimer, watch: Stopwatch, batch_size: int,
@@ -45,12 +47,6 @@ class MetricLog:
             self.thread = threading.Thread(target=self._work, name="trainrun-metrics",
                                            daemon=True)
             self.thread.start()
-
-    def steps_to_next(self, step: int) -> None:
-        return None  # log rows are read one call late: log steps need no boundary of their own
-
-    def at_boundary(self, boundary: Boundary) -> None:
-        pass
 
     def on_table(self, table: Table) -> None:
         self.last = table.row(len(table.values) - 1)

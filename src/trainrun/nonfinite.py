@@ -14,7 +14,6 @@ from collections.abc import Callable
 import numpy as np
 
 from trainrun.errors import UserError
-from trainrun.hooks import Boundary
 from trainrun.writers import RunOutput, Table
 
 
@@ -32,12 +31,6 @@ class NonFinitePolicy:
         self.output = output
         self.seen = seen
         self.before_halt = before_halt
-
-    def steps_to_next(self, step: int) -> None:
-        return None
-
-    def at_boundary(self, boundary: Boundary) -> None:
-        pass
 
     def on_table(self, table: Table) -> None:
         counts = table.values[:, table.names.index("nonfinite_steps")]

@@ -94,9 +94,6 @@ class Preemption:
     # As a hook: asked at every boundary (every host at the same steps), it stops the run
     # there; the checkpoint hook after it saves that step. At the run's end it just finishes.
 
-    def steps_to_next(self, step: int) -> None:
-        return None
-
     def at_boundary(self, boundary: Any) -> None:
         if self.requested(boundary.step) and boundary.step < boundary.total:
             boundary.stop(f"preempted ({self.reason})", preempted=True)

@@ -41,9 +41,6 @@ class ProfileWindow:
         self.say = say
         self.watch = watch
 
-    def steps_to_next(self, step: int) -> None:
-        return None  # whole calls are traced
-
     def at_boundary(self, boundary: Any) -> None:
         if not self.active or boundary.step < self.last:
             return

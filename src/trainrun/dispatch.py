@@ -116,6 +116,7 @@ class PendingCall:
     dispatched_at: float
     returned_at: float  # when the call returned (inline calls: when it was computed)
     during_save: bool = False  # a checkpoint was being written in the background
+    first_run: bool = False  # the first call of its program (one-time runtime set-up)
 
 
 @jax.jit

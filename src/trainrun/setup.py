@@ -102,13 +102,14 @@ class Run:
     def call(self, step: int, k: int, batch: Any) -> PendingCall:
         """Runs steps ``step + 1 .. step + k`` in one call (compiled first if its size is new:
         compile time stays out of step time)."""
-        if k not in self.programs.programs:
+        first_run = k not in self.programs.programs
+        if first_run:
             self.programs.compile(k, self.carried, batch)
             self.output.reset_rate(step)
         dispatched = time.perf_counter()
         self.carried, packed = self.programs(k, self.carried, batch)
         return PendingCall(step, k, packed, dispatched, time.perf_counter(),
-                           self.checkpoints.saving())
+                           self.checkpoints.saving(), first_run)
 
     def state(self) -> TrainState:
         return self.programs.state(self.carried)

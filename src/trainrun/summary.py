@@ -3,9 +3,10 @@
 Step time is step compute only (``timing.StepTimer``). Where the rest of the wall time went is
 the split, whose parts add up to the wall time:
 
-    init, compile, data_wait, checkpoint (blocking), checkpoint_background (the steps' own
-    slowdown while a save was written, measured), eval, logging, profiling, callbacks,
-    step_compute, other (set-up, the loop's own bookkeeping, the summary)
+    init, compile, first_calls (each program's first run, inline), data_wait, checkpoint
+    (blocking), checkpoint_background (the steps' own slowdown while a save was written,
+    measured), eval, logging, profiling, callbacks, step_compute, other (set-up, the loop's own
+    bookkeeping, the summary)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def wall_split(watch: Stopwatch, timer: StepTimer, wall_s: float) -> dict[str, f
     """``wall_s`` split into parts that add up to it. Step compute overlapping a host phase
     (asynchronous calls run while the host logs) is counted once, in that phase."""
     split = {name: watch.totals.get(phase, 0.0) for phase, name in PHASES.items()}
+    split["first_calls"] = timer.first_calls_s
     split["checkpoint_background"] = timer.background_slowdown_s()
     compute = max(timer.compute_s() - split["checkpoint_background"], 0.0)
     split["step_compute"] = min(compute, max(wall_s - sum(split.values()), 0.0))
@@ -128,7 +130,7 @@ def timing_fields(timer: StepTimer, watch: Stopwatch, batch_size: int,
         "compile_s": watch.totals.get("compile", 0.0),
         "step_time_median_s": step_s,
         "timed_windows": len(timer.clean()),
-        "warmup_windows": len(timer.windows) - len(steady),
+        "warmup_windows": len([w for w in timer.windows if w.steps]) - len(steady),
         "windows_during_save": sum(w.during_save for w in steady) if timer.clean() != steady
         else 0,
         "steps_per_s": steps_per_s,

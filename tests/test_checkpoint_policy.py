@@ -52,12 +52,14 @@ def test_the_default_policy_saves_a_short_run_at_its_end_only(tmp_path, monkeypa
     assert saved_steps(tmp_path, monkeypatch, {}, "steps=2000", "log_every=1000") == [2000]
 
 
-def calls(*spans: tuple[float, float, int]) -> list[SimpleNamespace]:
-    return [SimpleNamespace(dispatched_at=a, returned_at=b, steps=k) for a, b, k in spans]
+def calls(*spans: tuple[float, float, int], first: bool = False) -> list[SimpleNamespace]:
+    return [SimpleNamespace(dispatched_at=a, returned_at=b, steps=k, first_run=first)
+            for a, b, k in spans]
 
 
 def test_windows_run_during_a_background_save_leave_the_step_time_and_are_measured():
     timer = StepTimer(inline=True, warmup_windows=1)
+    timer.record(1, calls((0.0, 34.0, 1), first=True))  # a program's first run: kept apart
     timer.record(10, calls((0.0, 9.0, 10)))  # warmup
     for last in (20, 30, 40):  # clean: 1 s a step
         timer.record(last, calls((0.0, 4.0, 4), (5.0, 11.0, 6)))  # host time between: left out
@@ -66,3 +68,4 @@ def test_windows_run_during_a_background_save_leave_the_step_time_and_are_measur
     assert [w.steps for w in timer.clean()] == [10, 10, 10]
     assert timer.background_slowdown_s() == pytest.approx(15.0)  # 25 s, where 10 s was due
     assert timer.compute_s() == pytest.approx(9.0 + 3 * 10.0 + 25.0)
+    assert timer.first_calls_s == pytest.approx(34.0)

@@ -108,6 +108,8 @@ class Run:
             self.output.reset_rate(step)
         dispatched = time.perf_counter()
         self.carried, packed = self.programs(k, self.carried, batch)
+        if self.timer.inline:  # XLA:CPU may still finish a long call on its own threads
+            packed.block_until_ready()
         return PendingCall(step, k, packed, dispatched, time.perf_counter(),
                            self.checkpoints.saving(), first_run)
 

@@ -65,7 +65,9 @@ class StepTimer:
 
     inline: each call runs in the calling thread (one CPU device, ``process.calls_run_inline``):
         a window's compute is the sum of its calls' own durations, so the host's work between
-        calls (batches, hooks, logging) is not in it.
+        calls (batches, hooks, logging) is not in it. The loop waits for each call's metrics
+        before it takes the time: XLA:CPU returned from some long calls (a scan of 30 steps
+        of the default MLP) before they were done, 2.5 µs a step early where they took 22.
     otherwise (asynchronous calls): a window occupied the device from ``max(its first
         dispatch, the previous window's end)`` to the end of its read. The loop reads only after
         the next call is queued, so the device never idles for the host.

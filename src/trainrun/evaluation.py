@@ -52,13 +52,17 @@ class Evaluator:
 
     def __call__(self, params: Any) -> dict[str, float]:
         """Each metric's mean over the eval batches, weighted by what each batch's mean is
-        over (examples, or valid tokens), so it is the mean over the whole evaluated split.
+        over (examples, valid tokens, or the metric's own ``weight/<name>``), so it is the mean
+        over the whole evaluated split.
         Every batch is dispatched before the one read of the results."""
         per_batch = [self.fn(params, self.put(self.dataset[i])) for i in self.indices]
         rows = jax.device_get(per_batch)
-        weights = np.array([row["weight"] for row in rows], np.float64)
-        names = ["loss", *sorted(name for name in rows[0] if name not in ("loss", "weight"))]
-        return {name: float(np.average([row[name] for row in rows], weights=weights))
+        names = ["loss", *sorted(name for name in rows[0]
+                                 if name not in ("loss", "weight") and "/" not in name)]
+        # A metric with its own weight (``weight/bits_per_byte``: bytes, where the loss is over
+        # tokens) is combined by that one.
+        return {name: float(np.average([row[name] for row in rows], weights=np.array(
+                    [row.get(f"weight/{name}", row["weight"]) for row in rows], np.float64)))
                 for name in names}
 
 

@@ -112,6 +112,8 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> Gradi
         loss, aux = model.loss(policy.cast_to_compute(params), policy.cast_to_compute(batch), key)
         aux = dict(aux)
         weight = aux.pop("weight", None)
+        # A metric's own weight (``weight/<name>``) is for combining eval batches only.
+        aux = {name: value for name, value in aux.items() if not name.startswith("weight/")}
         loss, aux = policy.cast_to_output((loss, aux))
         return policy.scale_loss(loss, loss_scale), (loss, aux, weight)
 

@@ -163,8 +163,12 @@ def _check_model_and_data(config: RunConfig) -> None:
         if data.kind in ("text", "tokens") and data.seq_len > model.seq_len:
             raise ConfigError(f"data.seq_len={data.seq_len} is longer than the model's context "
                               f"model.seq_len={model.seq_len}; set them equal")
-        if data.kind == "text" and model.vocab < 256:
+        if data.kind == "text" and data.tokenizer is None and model.vocab < 256:
             raise ConfigError(f"byte-level text needs model.vocab >= 256, got {model.vocab}")
+        if data.kind == "text" and data.tokenizer is not None and model.vocab < data.vocab_size:
+            raise ConfigError(f"model.vocab={model.vocab} is smaller than the tokenizer's "
+                              f"data.vocab_size={data.vocab_size}; set model.vocab to at least "
+                              "that")
     if config.eval.params == "ema" and config.optimizer.ema is None:
         raise ConfigError("eval.params=ema needs a moving average to evaluate: set "
                           "optimizer.ema (e.g. 0.999)")

@@ -4,9 +4,9 @@ split, and the Grain pipeline that batches them."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
-import numpy as np
-
+from trainrun.data.mixture import MixtureBatches
 from trainrun.data.pipeline import (
     ArrayBatches,
     BatchCursor,
@@ -16,7 +16,7 @@ from trainrun.data.pipeline import (
     token_windows,
 )
 
-Splits = dict[str, dict[str, np.ndarray] | None]
+Splits = dict[str, Any]  # "train", "eval": arrays or None; a mixture: "train" a list, "weights"
 
 
 def _splits(cfg) -> Splits:
@@ -32,19 +32,25 @@ def _load(section: type, blob: str) -> Splits:
     from trainrun.data.digits import digits_arrays
     from trainrun.data.files import array_splits, token_splits
     from trainrun.data.synthetic import regression_arrays
-    from trainrun.data.text import text_arrays
+    from trainrun.data.text import text_splits
 
     if cfg.kind == "regression":
         return {"train": regression_arrays(cfg), "eval": None}
-    sources = {"digits": lambda _: digits_arrays(), "text": text_arrays,
+    sources = {"digits": lambda _: digits_arrays(), "text": text_splits,
                "arrays": array_splits, "tokens": token_splits}
     return sources[cfg.kind](cfg)
 
 
 def build_dataset(cfg, seed: int, process_index: int = 0,
-                  process_count: int = 1) -> ArrayBatches:
-    """The training dataset a config's ``data`` section names (this process's rows of it)."""
-    return ArrayBatches(_splits(cfg)["train"], cfg.batch_size, shuffle=cfg.shuffle,
+                  process_count: int = 1) -> ArrayBatches | MixtureBatches:
+    """The training dataset a config's ``data`` section names (this process's rows of it): a
+    ``MixtureBatches`` of its sources for ``data.mix``."""
+    splits = _splits(cfg)
+    if isinstance(splits["train"], list):
+        return MixtureBatches(splits["train"], splits["weights"], cfg.batch_size,
+                              shuffle=cfg.shuffle, seed=seed, process_index=process_index,
+                              process_count=process_count)
+    return ArrayBatches(splits["train"], cfg.batch_size, shuffle=cfg.shuffle,
                         seed=seed, process_index=process_index, process_count=process_count)
 
 
@@ -64,5 +70,5 @@ def build_eval_dataset(cfg, batch_size: int | None = None, process_index: int = 
                         split="eval")
 
 
-__all__ = ["ArrayBatches", "BatchCursor", "DataError", "batch_iterator", "build_dataset",
-           "build_eval_dataset", "eval_batches", "token_windows"]
+__all__ = ["ArrayBatches", "BatchCursor", "DataError", "MixtureBatches", "batch_iterator",
+           "build_dataset", "build_eval_dataset", "eval_batches", "token_windows"]

@@ -1,8 +1,11 @@
-"""Text files as a byte-level language-model corpus.
+"""Text files as a language-model corpus.
 
 The files a set of glob patterns match are read in sorted order and joined into one byte stream;
-the last ``eval_fraction`` of it is held out. Each example is a window of ``seq_len + 1`` bytes
-(inputs plus the next byte to predict) starting at a multiple of ``seq_len``.
+the last ``eval_fraction`` of it is held out. As bytes, each example is a window of
+``seq_len + 1`` bytes (inputs plus the next byte to predict) starting at a multiple of
+``seq_len``. As documents (``split_documents``), each file is one, tokenized and packed into
+rows (``packed_sources``: ``tokenizer.py``, ``documents.py``); the held-out split is then the
+very same bytes.
 
 The default corpus is the ``.py`` files of the running Python's standard library (installed
 packages excluded): real code present on every machine. It differs between Python versions
@@ -46,9 +49,10 @@ def read_corpus(patterns: Sequence[str]) -> np.ndarray:
     return np.frombuffer(blob, np.uint8)
 
 
-def text_arrays(cfg) -> dict[str, dict[str, np.ndarray]]:
-    """``{"train": {"tokens"}, "eval": {"tokens"}}``: windows ``[N, seq_len + 1]`` uint8."""
-    patterns = cfg.paths or stdlib_patterns()
+def text_arrays(cfg, patterns: Sequence[str] = ()) -> dict[str, dict[str, np.ndarray]]:
+    """``{"train": {"tokens"}, "eval": {"tokens"}}``: windows ``[N, seq_len + 1]`` uint8 of the
+    files ``patterns`` match (default: ``data.paths``, else the standard library)."""
+    patterns = patterns or cfg.paths or stdlib_patterns()
     stream = read_corpus(patterns)
     if stream.size == 0:
         raise DataError(f"the text corpus {list(patterns)} is empty (0 bytes); point data.paths "
@@ -58,3 +62,90 @@ def text_arrays(cfg) -> dict[str, dict[str, np.ndarray]]:
     return {"train": {"tokens": token_windows(train, cfg.seq_len, "the training text")},
             "eval": {"tokens": token_windows(held, cfg.seq_len, "the held-out text",
                                              strict=False)}}
+
+
+def split_documents(patterns: Sequence[str],
+                    eval_fraction: float) -> tuple[list[bytes], list[bytes]]:
+    """The matched files as documents, split as ``text_arrays`` splits their bytes: the last
+    ``eval_fraction`` of the joined bytes is held out, and the file that the cut falls in
+    becomes two documents. Empty documents are left out."""
+    documents = [path.read_bytes() for path in corpus_files(patterns)]
+    total = sum(len(doc) for doc in documents)
+    if total == 0:
+        raise DataError(f"the text corpus {list(patterns)} is empty (0 bytes); point data.paths "
+                        "at files with text in them")
+    cut = total - int(total * eval_fraction)
+    train: list[bytes] = []
+    held: list[bytes] = []
+    start = 0
+    for doc in documents:
+        end = start + len(doc)
+        if end <= cut:
+            train.append(doc)
+        elif start >= cut:
+            held.append(doc)
+        else:
+            train.append(doc[:cut - start])
+            held.append(doc[cut - start:])
+        start = end
+    return [d for d in train if d], [d for d in held if d]
+
+
+def text_splits(cfg) -> dict:
+    """A ``text`` section's data: ``{"train": arrays, "eval": arrays}`` of one source
+    (``data.paths``), or for ``data.mix`` ``{"train": [arrays per source], "weights": [...],
+    "eval": every source's held-out rows}``. Bytes in windows, or with ``data.tokenizer``
+    documents packed into rows (``packed_sources``)."""
+    sources = [source.source for source in cfg.mix] or [cfg.paths or stdlib_patterns()]
+    if cfg.tokenizer is None:
+        parts = [text_arrays(cfg, patterns) for patterns in sources]
+    else:
+        parts = packed_sources(cfg, sources)
+    if not cfg.mix:
+        return parts[0]
+    held = {name: np.concatenate([part["eval"][name] for part in parts])
+            for name in parts[0]["eval"]}
+    return {"train": [part["train"] for part in parts],
+            "weights": [source.weight for source in cfg.mix], "eval": held}
+
+
+def packed_sources(cfg, sources: Sequence[Sequence[str]]) -> list[dict[str, dict]]:
+    """Per source, its training and held-out documents as ``data.tokenizer`` token ids, packed
+    into rows of ``seq_len + 1`` (``documents.pack_documents``), with ``token_bytes``: the bytes
+    of text each token stands for (0 for padding and document tokens), from which eval reports
+    bits per byte. It is left out when the tokenizer does not give back each document's bytes
+    (a tokenizer that normalizes text), as the bytes a token covers are then unknown.
+
+    The tokenizer is trained at first use on every source's training documents; the encoded
+    ids are kept in ``<tokenizer>.cache/`` beside it for the next run."""
+    from trainrun.data import tokenizer as tokenizers
+    from trainrun.data.documents import pack_documents
+
+    texts = []
+    for patterns in sources:
+        train, held = split_documents(patterns, cfg.eval_fraction)
+        texts.append({"train": [doc.decode("utf-8", "replace") for doc in train],
+                      "eval": [doc.decode("utf-8", "replace") for doc in held]})
+    tokenizer = tokenizers.load_or_train(
+        cfg.tokenizer, lambda: [text for split in texts for text in split["train"]],
+        cfg.vocab_size)
+    table = tokenizers.token_bytes(tokenizer)
+    file = Path(cfg.tokenizer).expanduser()
+    cache = file.with_name(file.name + ".cache")
+    parts, lossless = [], True
+    for split in texts:
+        part = {}
+        for name, documents in split.items():
+            ids = tokenizers.encode(tokenizer, documents, cache)
+            lossless = lossless and all(int(table[doc[1:]].sum()) == len(text.encode())
+                                        for doc, text in zip(ids, documents, strict=True))
+            rows = pack_documents(ids, cfg.seq_len + 1)
+            rows["token_bytes"] = np.where(rows["segment_ids"] > 0, table[rows["tokens"]],
+                                           0).astype(np.uint16)
+            part[name] = rows
+        parts.append(part)
+    if not lossless:
+        for part in parts:
+            for rows in part.values():
+                rows.pop("token_bytes")
+    return parts

@@ -29,7 +29,9 @@ class Model:
         ``sum(mask * token_loss) / max(sum(mask), 1)``); then aux ``"weight"`` is that count
         (``sum(mask)``). Gradient accumulation weighs each microbatch by its ``weight`` (the
         number of examples when absent), so the accumulated gradient is the full batch's. The
-        step takes ``weight`` out of aux; it is not logged as a metric.
+        step takes ``weight`` out of aux; it is not logged as a metric. An aux metric over
+        something else (bits per byte: over bytes) may give its own ``weight/<name>``; eval
+        combines batches of that metric by it, training leaves it out.
     name: shown in logs and checkpoint metadata.
     logical_axes: optional pytree shaped like params whose leaves are tuples naming each
         dimension of that param (e.g. ``("embed", "mlp")``, ``None`` for an unnamed dim);

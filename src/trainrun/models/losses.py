@@ -40,6 +40,7 @@ def next_token(logits: jax.Array,
 
 def next_token_from_features(features: jax.Array, embedding: jax.Array, targets: jax.Array,
                              chunk: int = 0, unit: str = "bits_per_token",
+                             weights: jax.Array | None = None,
                              ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The language-model loss of a tied output head: ``logits = features @ embedding.T``, then
     mean cross-entropy against ``targets``, without ever holding the ``[tokens, vocab]`` logits
@@ -49,6 +50,9 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
         compute dtype; targets: ``[tokens]`` integer ids.
     chunk: tokens per chunk of logits (0: all at once). At GPT-2's vocabulary (50304) the logits
         of 32 x 1024 tokens are 6.6 GB in float32; chunks of 4096 tokens hold 0.8 GB at a time.
+    weights: ``[tokens]`` booleans, the targets that count (packed rows: not padding, not across
+        a document boundary). The loss is then the mean over those, and aux ``"weight"`` their
+        number (``Model``); a target left out changes neither the loss nor any gradient.
 
     The head's matmuls take their operands in the compute dtype and accumulate in float32
     (``preferred_element_type``); the log-sum-exp, the loss and the logits' gradient are float32,
@@ -59,10 +63,17 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
     tokens = features.shape[0]
     chunk = tokens if chunk <= 0 else min(chunk, tokens)
     count = -(-tokens // chunk)
-    loss_sum, hits = _head_cross_entropy(features, embedding, targets.astype(jnp.int32),
-                                         chunk, count)
-    loss = loss_sum / tokens
-    return loss, {"accuracy": hits / tokens, unit: loss / LN2}
+    targets = targets.astype(jnp.int32)
+    if weights is not None:
+        targets = jnp.where(weights, targets, -1)  # -1: a row the head's loss skips
+    loss_sum, hits = _head_cross_entropy(features, embedding, targets, chunk, count)
+    if weights is None:
+        loss = loss_sum / tokens
+        return loss, {"accuracy": hits / tokens, unit: loss / LN2}
+    counted = jnp.sum(weights, dtype=jnp.float32)
+    loss = loss_sum / jnp.maximum(counted, 1.0)
+    return loss, {"accuracy": hits / jnp.maximum(counted, 1.0), unit: loss / LN2,
+                  "weight": counted}
 
 
 def _head_logits(features: jax.Array, embedding: jax.Array) -> jax.Array:

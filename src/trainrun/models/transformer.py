@@ -31,7 +31,7 @@ from flax import nnx
 
 from trainrun.config import LoraConfig, TransformerModel
 from trainrun.models.adapters import Model, bind_params, from_nnx
-from trainrun.models.losses import next_token_from_features
+from trainrun.models.losses import LN2, next_token_from_features
 from trainrun.precision import float32_dot
 
 PyTree = Any
@@ -86,17 +86,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     itself; elsewhere ``dot_product_attention``'s XLA form.
     """
     backend = jax.default_backend()
-    same = None if segments is None else segments[:, None, :, None] == segments[:, None, None, :]
-    if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-        # cuDNN takes the segment mask as JAX passes any mask: an additive bias [batch, 1, seq,
-        # seq] on top of its own causal mask. (Its packed layout of segment offsets is reached
-        # only through JAX's private API.) Where it refuses, the XLA form below masks instead.
-        try:
-            return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True,
-                                                implementation="cudnn")
-        except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a shape it lacks
-            pass
     if backend != "cpu":
+        same = (None if segments is None else
+                segments[:, None, :, None] == segments[:, None, None, :])  # [batch, 1, q, k]
+        if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+            # cuDNN takes the segment mask as JAX passes it any mask: an additive bias [batch,
+            # 1, seq, seq] beside its own causal mask. (Its packed layout of segment offsets is
+            # reached only through JAX's private API.) Where it refuses, the XLA form masks.
+            try:
+                return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True,
+                                                    implementation="cudnn")
+            except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a shape
+                pass
         return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True)
     seq, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [batch, heads, seq, head_dim]
@@ -168,10 +169,12 @@ class Attention(nnx.Module):
         self.o_lora = _adapter("o", d, d, ("heads", "embed"), cfg, rngs)
 
     def __call__(self, x: jax.Array, rope: Rope | None, cache: KV | None = None,
-                 pos: jax.Array | int = 0) -> tuple[jax.Array, KV | None]:
+                 pos: jax.Array | int = 0,
+                 segments: jax.Array | None = None) -> tuple[jax.Array, KV | None]:
         """x: ``[batch, chunk, d_model]`` at positions ``pos ..``. Without a cache the chunk
-        attends to itself causally (training); with one, its keys/values are written into the
-        cache at ``pos`` and it attends to every cached position up to its own."""
+        attends to itself causally (training; within each of ``segments`` when given); with
+        one, its keys/values are written into the cache at ``pos`` and it attends to every
+        cached position up to its own."""
         b, c, d = x.shape
         rows = x.reshape(b * c, d)  # 2-D matmuls: see MLP.__call__
         q, k, v = (_project(proj, adapter, rows).reshape(b, c, self.heads, d // self.heads)
@@ -180,7 +183,7 @@ class Attention(nnx.Module):
         if rope is not None:
             q, k = rope.apply(q), rope.apply(k)
         if cache is None:
-            y = causal_attention(q, k, v)
+            y = causal_attention(q, k, v, segments)
         else:
             cache = KV(jax.lax.dynamic_update_slice(cache.k, k, (0, pos, 0, 0)),
                        jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
@@ -216,8 +219,9 @@ class Block(nnx.Module):
         self.drop = nnx.Dropout(cfg.dropout)
 
     def __call__(self, x: jax.Array, rope: Rope | None, key: jax.Array | None,
-                 cache: KV | None = None, pos: jax.Array | int = 0) -> tuple[jax.Array, KV | None]:
-        y, cache = self.attn(self.ln1(x), rope, cache, pos)
+                 cache: KV | None = None, pos: jax.Array | int = 0,
+                 segments: jax.Array | None = None) -> tuple[jax.Array, KV | None]:
+        y, cache = self.attn(self.ln1(x), rope, cache, pos, segments)
         x = x + _dropout(self.drop, y, key, 0)
         x = x + _dropout(self.drop, self.mlp(self.ln2(x)), key, 1)
         return x, cache
@@ -266,10 +270,15 @@ class Transformer(nnx.Module):
         return logits.reshape(batch, chunk, -1), new_cache
 
     def features(self, tokens: jax.Array, key: jax.Array | None = None,
-                 cache: list[KV] | None = None,
-                 pos: jax.Array | int = 0) -> tuple[jax.Array, list[KV] | None]:
+                 cache: list[KV] | None = None, pos: jax.Array | int = 0,
+                 segments: jax.Array | None = None,
+                 segment_positions: jax.Array | None = None,
+                 ) -> tuple[jax.Array, list[KV] | None]:
         """The final layer norm's output ``[batch * chunk, d_model]``, in the params' dtype:
-        what the tied output head multiplies by the embedding table."""
+        what the tied output head multiplies by the embedding table.
+
+        segments, segment_positions: ``[batch, chunk]`` for rows of packed documents: each
+        token's document (attention stays inside it) and its position there (``< chunk``)."""
         batch, chunk = tokens.shape
         positions = pos + jnp.arange(chunk)
         # The table's own dtype: nnx.Embed would promote a bfloat16 table's rows to the float32
@@ -277,7 +286,17 @@ class Transformer(nnx.Module):
         table = self.embed.embedding[...]
         x = jnp.take(table, tokens.astype(jnp.int32), axis=0)
         rope = None
-        if self.positions is None and isinstance(pos, int | np.integer):
+        if segment_positions is not None:
+            # Packed rows: positions restart in each document. The rotary table stays a
+            # constant (see below), gathered per token.
+            if self.positions is None:
+                with jax.ensure_compile_time_eval():
+                    angles = Rope.at(jnp.arange(chunk), self.head_dim)
+                rope = Rope(*(jnp.take(np.asarray(t), segment_positions, axis=0)
+                              for t in angles))
+            else:
+                x = x + jnp.take(self.positions[...], segment_positions, axis=0).astype(x.dtype)
+        elif self.positions is None and isinstance(pos, int | np.integer):
             # Static positions (training, a prefill at 0): the table becomes a constant. Left in
             # the program, XLA:CPU fuses sin and cos into their consumers and evaluates them
             # again for every element they scale (9% of a training step on CPU).
@@ -295,9 +314,11 @@ class Transformer(nnx.Module):
                 x, kv = self.blocks[f"{i}"](x, rope, None, cache[i], pos)
                 new_cache.append(kv)
             return self.ln_f(x).reshape(batch * chunk, -1), new_cache
-        return self.ln_f(self._blocks(x, rope, key)).reshape(batch * chunk, -1), None
+        return (self.ln_f(self._blocks(x, rope, key, segments)).reshape(batch * chunk, -1),
+                None)
 
-    def _blocks(self, x: jax.Array, rope: Rope | None, key: jax.Array | None) -> jax.Array:
+    def _blocks(self, x: jax.Array, rope: Rope | None, key: jax.Array | None,
+                segments: jax.Array | None = None) -> jax.Array:
         """The layers in training and eval: unrolled, or one block under ``lax.scan`` over the
         layers' params stacked on the fly; each optionally rematerialized. The params keep one
         entry per layer either way, so checkpoints do not depend on these settings. Layer
@@ -305,14 +326,14 @@ class Transformer(nnx.Module):
         if not self.scan_layers and self.remat == "none":
             for i in range(self.layers):
                 layer_key = None if key is None else jax.random.fold_in(key, i + 1)
-                x, _ = self.blocks[f"{i}"](x, rope, layer_key)
+                x, _ = self.blocks[f"{i}"](x, rope, layer_key, segments=segments)
             return x
         graphdef, _ = nnx.split(self.blocks["0"])
         states = [nnx.split(self.blocks[f"{i}"])[1] for i in range(self.layers)]
 
         def block(state: nnx.State, x: jax.Array, index: jax.Array) -> jax.Array:
             layer_key = None if key is None else jax.random.fold_in(key, index)
-            return nnx.merge(graphdef, state)(x, rope, layer_key)[0]
+            return nnx.merge(graphdef, state)(x, rope, layer_key, segments=segments)[0]
 
         if self.remat != "none":
             # Under scan the loop already keeps the recomputation in the backward pass, so the
@@ -338,12 +359,33 @@ class Transformer(nnx.Module):
 def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None,
              chunk: int = 0):
     """``batch["tokens"]``: ``[batch, seq_len + 1]``; predict each next token. The head and loss
-    run in chunks of ``chunk`` tokens (``losses.next_token_from_features``)."""
+    run in chunks of ``chunk`` tokens (``losses.next_token_from_features``).
+
+    Rows of packed documents also hold ``segment_ids`` and ``positions`` (``[batch, seq_len +
+    1]``, ``data/documents.py``): attention stays in each document, and the loss is the mean
+    over the targets in the same document as their input (aux ``weight``: their number), so
+    padding and document boundaries count for nothing. With ``token_bytes`` (the bytes each
+    token stands for) aux ``bits_per_byte`` is the targets' nats / ln 2 / their bytes, and
+    ``weight/bits_per_byte`` those bytes, so eval combines batches by bytes."""
     tokens = batch["tokens"]
-    features, _ = module.features(tokens[:, :-1], key)
-    unit = "bits_per_byte" if tokens.dtype == jnp.uint8 else "bits_per_token"
-    return next_token_from_features(features, module.embed.embedding[...],
-                                    tokens[:, 1:].reshape(-1), chunk, unit)
+    if "segment_ids" not in batch:
+        features, _ = module.features(tokens[:, :-1], key)
+        unit = "bits_per_byte" if tokens.dtype == jnp.uint8 else "bits_per_token"
+        return next_token_from_features(features, module.embed.embedding[...],
+                                        tokens[:, 1:].reshape(-1), chunk, unit)
+    segments = batch["segment_ids"].astype(jnp.int32)
+    inputs = segments[:, :-1]
+    features, _ = module.features(tokens[:, :-1], key, segments=inputs,
+                                  segment_positions=batch["positions"][:, :-1].astype(jnp.int32))
+    counted = (segments[:, 1:] == inputs) & (inputs > 0)
+    loss, aux = next_token_from_features(features, module.embed.embedding[...],
+                                         tokens[:, 1:].reshape(-1), chunk, "bits_per_token",
+                                         weights=counted.reshape(-1))
+    if "token_bytes" in batch:
+        covered = jnp.sum(jnp.where(counted, batch["token_bytes"][:, 1:], 0), dtype=jnp.float32)
+        aux["bits_per_byte"] = loss * aux["weight"] / LN2 / jnp.maximum(covered, 1.0)
+        aux["weight/bits_per_byte"] = covered
+    return loss, aux
 
 
 def make_transformer(cfg: TransformerModel) -> Model:

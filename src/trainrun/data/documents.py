@@ -1,0 +1,93 @@
+"""Documents packed into rows of a fixed length, with segment ids and positions.
+
+A document longer than a row is cut into pieces of ``row_len`` tokens that overlap by one: the
+last token of a piece (a target) is the first of the next (an input), so every token after the
+document token is predicted exactly once, as windows of the byte stream do. A full piece is a
+row of its own; the shorter ones (document ends, short documents) are packed first-fit into
+rows, with Grain's ``FirstFitPackIterDataset`` rule: ``bins`` rows are open at a time, a piece
+goes into the first with room, and a piece that fits none closes them all.
+
+In a row, ``segment_ids`` number its pieces 1, 2, ... (0 is padding) and ``positions`` count
+from 0 in each piece. A model attends only within a segment and predicts token ``t + 1`` from
+token ``t`` only where both are in the same one, so nothing crosses a document boundary.
+
+Packing happens once, when the data is loaded: the rows are then arrays like any other, and
+batch ``i`` of them is a pure function of ``i``, so the stream's position is one index that a
+checkpoint saves. (Grain's own packers are iterators, whose position is the packer's buffers.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+PACKING_BINS = 64  # rows open at once for the shorter pieces (Grain's num_packing_bins)
+
+
+def pack_documents(documents: Sequence[np.ndarray], row_len: int,
+                   bins: int = PACKING_BINS) -> dict[str, np.ndarray]:
+    """``tokens``, ``segment_ids`` and ``positions``, each ``[rows, row_len]``.
+
+    documents: 1-D token ids, each starting with its document token; fewer than two tokens
+        leave nothing to predict and are skipped.
+    row_len: tokens per row: ``seq_len + 1`` (the inputs and the last target).
+    Padding is token 0 in segment 0. Full rows come first, in document order, then packed ones.
+    """
+    if row_len < 2:
+        raise ValueError(f"row_len {row_len} leaves nothing to predict; give at least 2")
+    stride = row_len - 1
+    dtype = documents[0].dtype if len(documents) else np.uint16
+    full: list[np.ndarray] = []
+    pieces: list[np.ndarray] = []
+    for doc in documents:
+        if doc.size < 2:
+            continue
+        count, rest = divmod(doc.size - 1, stride)
+        if count:
+            full.append(np.lib.stride_tricks.sliding_window_view(doc, row_len)[::stride][:count])
+        if rest:
+            pieces.append(doc[count * stride:])
+    packed = first_fit([piece.size for piece in pieces], row_len, bins)
+    n_full = sum(len(rows) for rows in full)
+    index_dtype = np.uint16 if row_len <= 2**16 else np.uint32
+    tokens = np.zeros((n_full + len(packed), row_len), dtype)
+    segment_ids = np.zeros(tokens.shape, index_dtype)
+    positions = np.zeros(tokens.shape, index_dtype)
+    if full:
+        tokens[:n_full] = np.concatenate(full)
+        segment_ids[:n_full] = 1
+        positions[:n_full] = np.arange(row_len)
+    for row, members in enumerate(packed, n_full):
+        at = 0
+        for segment, i in enumerate(members, 1):
+            size = pieces[i].size
+            tokens[row, at:at + size] = pieces[i]
+            segment_ids[row, at:at + size] = segment
+            positions[row, at:at + size] = np.arange(size)
+            at += size
+    return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+
+
+def first_fit(lengths: Sequence[int], capacity: int, bins: int) -> list[list[int]]:
+    """Rows of item indices, in the order rows are closed: each item goes into the first of at
+    most ``bins`` open rows with room for it; when none has room and ``bins`` are open, all
+    are closed and the item opens a new one."""
+    closed: list[list[int]] = []
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i, length in enumerate(lengths):
+        if length > capacity:
+            raise ValueError(f"item {i} of length {length} does not fit a row of {capacity}")
+        for row, room in enumerate(free):
+            if room >= length:
+                rows[row].append(i)
+                free[row] -= length
+                break
+        else:
+            if len(rows) == bins:
+                closed.extend(rows)
+                rows, free = [], []
+            rows.append([i])
+            free.append(capacity - length)
+    return closed + rows

@@ -4,12 +4,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint bench docs clean
+.PHONY: train test lint bench docs lock clean
 
-$(STAMP): pyproject.toml
+# The exact tested set with every extra (requirements.lock, hashes checked), torch for the
+# benchmarks (requirements-bench.lock), then trainrun from this checkout, resolving nothing anew.
+$(STAMP): pyproject.toml requirements.lock requirements-bench.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --require-hashes -r requirements.lock
+	$(BIN)/python -m pip install --quiet -r requirements-bench.lock
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	$(BIN)/python -m pip check
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -32,6 +37,18 @@ $(VENV)/.installed-docs: $(STAMP)
 
 docs: $(VENV)/.installed-docs
 	$(BIN)/mkdocs build --strict
+
+# requirements.lock from pyproject.toml's ranges (all extras but bench, and the test tools) for
+# CPython 3.11 on Linux x86_64, with pip-tools in a venv of its own, against PyPI alone. It keeps
+# the pins the ranges still allow; make lock LOCK_ARGS=--upgrade takes the newest. Then make test.
+LOCK_EXTRAS := report datasets tensorboard wandb huggingface test
+lock:
+	test -x build/lock/bin/pip-compile || ($(PYTHON) -m venv build/lock && \
+	  build/lock/bin/python -m pip install --quiet pip-tools==7.6.2)
+	CUSTOM_COMPILE_COMMAND="make lock" build/lock/bin/pip-compile --quiet --generate-hashes \
+	  --allow-unsafe --strip-extras --no-emit-find-links --no-emit-index-url \
+	  --pip-args=--isolated $(LOCK_EXTRAS:%=--extra %) $(LOCK_ARGS) \
+	  --output-file requirements.lock pyproject.toml
 
 clean:
 	rm -rf $(VENV) runs

@@ -6,7 +6,8 @@ A checkpoint's metadata holds the config and provenance it was written with. On 
                                                                                asked for
     steps                                    allowed; a schedule spanning the run's length is
                                              named, since it then changes the learning rate
-    jax / jaxlib / backend / device count    allowed; bitwise equality is not promised
+    jax / jaxlib / the lock's digest /       allowed; bitwise equality is not promised
+    backend / device count
 
 Bitwise resume also needs the program to compute the same bits in a new process. XLA:CPU does by
 default (measured: benchmarks/determinism.py); XLA:GPU does only with deterministic ops (no
@@ -32,9 +33,10 @@ from trainrun.optim import build_schedule
 # are bookkeeping. Any other change is refused unless the user asks for it.
 RESUMABLE_KEYS = ("name", "steps", "steps_per_call", "log_every", "checkpoint", "eval",
                   "data.prefetch_threads", "distributed", "metrics", "profile")
-# Provenance fields that, when they differ, void the promise of bitwise equality.
-NUMERIC_PROVENANCE = ("trainrun", "jax", "jaxlib", "backend", "device_kind", "device_count",
-                      "process_count")
+# Provenance fields that, when they differ, void the promise of bitwise equality ("lock": the
+# digest of requirements.lock, the whole tested set of packages).
+NUMERIC_PROVENANCE = ("trainrun", "jax", "jaxlib", "lock", "backend", "device_kind",
+                      "device_count", "process_count")
 
 
 class ConfigChangedError(UserError):

@@ -5,11 +5,14 @@ were measured on. ``summary.py`` puts them together."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import os
 import platform
 import statistics
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,6 +27,22 @@ def package_version(name: str) -> str:
         return "unknown"
 
 
+# The exact set of packages trainrun is tested with; a source checkout holds it beside src/.
+LOCK_FILE = Path(__file__).resolve().parents[2] / "requirements.lock"
+
+
+@functools.cache
+def lock_digest(path: Path = LOCK_FILE) -> str:
+    """sha256 of ``requirements.lock`` beside the source checkout trainrun runs from (the one
+    holding ``src/trainrun``); "unknown" for an installed wheel, which carries no lock."""
+    try:
+        if (path.parent / "src" / "trainrun").is_dir():
+            return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:  # unreadable or missing: the provenance says so rather than fail the run
+        pass
+    return "unknown"
+
+
 def provenance(config_digest: str) -> dict[str, Any]:
     """What a figure was measured on; written to ``provenance.json`` and the summary."""
     devices = jax.devices()
@@ -31,6 +50,7 @@ def provenance(config_digest: str) -> dict[str, Any]:
         "trainrun": package_version("trainrun"),
         "jax": jax.__version__,
         "jaxlib": package_version("jaxlib"),
+        "lock": lock_digest(),  # requirements.lock's sha256: the tested set of packages
         "backend": jax.default_backend(),
         "device_kind": devices[0].device_kind,
         "device_count": jax.device_count(),

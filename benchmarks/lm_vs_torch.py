@@ -1,5 +1,4 @@
-"""The byte-level GPT of the performance issue, trained by trainrun and by PyTorch eager, side by
-side in one process.
+"""A byte-level GPT trained by trainrun and by PyTorch eager, side by side in one process.
 
     python benchmarks/lm_vs_torch.py [--rounds 10] [--k 4] [--torch-threads 2,1]
     python benchmarks/lm_vs_torch.py --ablation [--rounds 8]

@@ -36,8 +36,8 @@ def test_mlp_gradient_of_4_microbatches_equals_the_full_batch():
     x = jax.random.normal(jax.random.key(1), (64, 8))
     batch = {"x": x, "y": jnp.sum(x, axis=1, keepdims=True)}
     key = jax.random.key(2)
-    loss1, _, full = jax.jit(make_gradient_fn(model, Policy(), 1))(params, batch, key, ONE)
-    loss4, _, acc = jax.jit(make_gradient_fn(model, Policy(), 4))(params, batch, key, ONE)
+    loss1, _, full, _ = jax.jit(make_gradient_fn(model, Policy(), 1))(params, batch, key, ONE)
+    loss4, _, acc, _ = jax.jit(make_gradient_fn(model, Policy(), 4))(params, batch, key, ONE)
     assert relative_error(acc, full) < 1e-6
     assert abs(float(loss4 - loss1)) <= 1e-6 * abs(float(loss1))
 
@@ -74,8 +74,8 @@ def test_unequal_valid_tokens_per_microbatch_still_give_the_full_batch_gradient(
     assert len(set(counts)) == m  # really unequal
     batch = {"x": x, "y": y, "mask": jnp.asarray(mask)}
     key = jax.random.key(3)
-    _, _, full = jax.jit(make_gradient_fn(model, Policy(), 1))(params, batch, key, ONE)
-    _, _, acc = jax.jit(make_gradient_fn(model, Policy(), m))(params, batch, key, ONE)
+    _, _, full, _ = jax.jit(make_gradient_fn(model, Policy(), 1))(params, batch, key, ONE)
+    _, _, acc, _ = jax.jit(make_gradient_fn(model, Policy(), m))(params, batch, key, ONE)
     assert relative_error(acc, full) < 1e-6
 
     # The check can fail: the plain mean of the microbatch gradients is not the full gradient.
@@ -98,8 +98,8 @@ def test_a_microbatch_with_no_valid_tokens_adds_nothing():
     mask[1::2] = 0.0  # microbatch 1 of 2: all padding (its mean is 0/0 in a careless model)
     batch = {"x": x, "y": y, "mask": jnp.asarray(mask)}
     key = jax.random.key(3)
-    _, _, full = jax.jit(make_gradient_fn(model, Policy(), 1))(params, batch, key, ONE)
-    loss, _, acc = jax.jit(make_gradient_fn(model, Policy(), 2))(params, batch, key, ONE)
+    _, _, full, _ = jax.jit(make_gradient_fn(model, Policy(), 1))(params, batch, key, ONE)
+    loss, _, acc, _ = jax.jit(make_gradient_fn(model, Policy(), 2))(params, batch, key, ONE)
     assert np.isfinite(float(loss))
     assert relative_error(acc, full) < 1e-6
 
@@ -115,7 +115,7 @@ def test_microbatch_i_draws_from_fold_in_of_the_step_key():
     params = model.init(jax.random.key(0))
     key = jax.random.key(7)
     grad_fn = jax.jit(make_gradient_fn(model, Policy(), 4))
-    _, _, grads = grad_fn(params, {"x": jnp.ones((8, 2))}, key, ONE)
+    _, _, grads, _ = grad_fn(params, {"x": jnp.ones((8, 2))}, key, ONE)
     want = sum(jax.random.normal(jax.random.fold_in(key, i), (3,)) for i in range(4)) / 4
     np.testing.assert_allclose(grads["w"], want, rtol=1e-6, atol=1e-7)
 

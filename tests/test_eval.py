@@ -108,7 +108,7 @@ SHARDED_EVAL = textwrap.dedent("""
                         shardings=(shardings.params, placement.sharding))
     whole = Evaluator(model, data, 1, max_batches=3)
     batch = data[0]
-    compiled = sharded.fn.lower(params, batch).compile()
+    compiled = sharded.fn.lower(params, batch, None).compile()  # no model state
     rows = [list(s.data.shape) for s in jax.device_put(batch["x"], placement.sharding)
             .addressable_shards]
     print(json.dumps({"sharded": sharded(params), "whole": whole(params), "rows": rows,

@@ -28,19 +28,20 @@ class Evaluator:
     dataset: the held-out split, batch ``i`` at index ``i`` (this process's rows of it).
     max_batches: batches per evaluation (0: the whole split).
     put: host batch -> device batch, as the training batches are placed.
-    shardings: ``(params, batch)`` shardings (the state's params and the batch's over the
-        mesh): each device then evaluates its own rows of every batch."""
+    shardings: ``(params, batch, model_state)`` shardings (the state's params and model state,
+        the batch's over the mesh): each device then evaluates its own rows of every batch."""
 
     def __init__(self, model: Model, dataset: grain.MapDataset, every: int, *,
                  max_batches: int = 0, policy: Policy | None = None,
                  put: Callable[[Batch], Batch] = lambda batch: batch,
-                 shardings: tuple[Any, Any] | None = None):
+                 shardings: tuple[Any, ...] | None = None):
         self.every = every
         self.dataset = dataset
         self.indices = (eval_batches(dataset, max_batches) if isinstance(dataset, ArrayBatches)
                         else list(range(max_batches or len(dataset))))
         self.put = put
-        placed = {} if shardings is None else {"in_shardings": shardings}
+        # (params, batch) shardings leave the model state (if any) replicated
+        placed = {} if shardings is None else {"in_shardings": (*shardings, None)[:3]}
         self.fn = jax.jit(make_eval_step(model, policy), **placed)
 
     def due(self, step: int, total: int) -> bool:
@@ -50,12 +51,13 @@ class Evaluator:
         """Steps from ``done`` to the next evaluated step: a call ends there."""
         return min(self.every - done % self.every, total - done)
 
-    def __call__(self, params: Any) -> dict[str, float]:
+    def __call__(self, params: Any, model_state: Any = None) -> dict[str, float]:
         """Each metric's mean over the eval batches, weighted by what each batch's mean is
         over (examples, valid tokens, or the metric's own ``weight/<name>``), so it is the mean
         over the whole evaluated split.
         Every batch is dispatched before the one read of the results."""
-        per_batch = [self.fn(params, self.put(self.dataset[i])) for i in self.indices]
+        per_batch = [self.fn(params, self.put(self.dataset[i]), model_state)
+                     for i in self.indices]
         rows = jax.device_get(per_batch)
         names = ["loss", *sorted(name for name in rows[0]
                                  if name not in ("loss", "weight") and "/" not in name)]
@@ -96,7 +98,8 @@ class EvalHook:
         boundary.sync()  # train rows first: metrics.jsonl stays in step order
         with self.watch.phase("eval"):
             state = boundary.state()
-            results = self.evaluator(state.ema if self.params == "ema" else state.params)
+            results = self.evaluator(state.ema if self.params == "ema" else state.params,
+                                     state.model_state)
         self.output.write(boundary.step, results, "eval")
         self.output.message(eval_line(boundary.step, self.total, results))
         boundary.eval = results

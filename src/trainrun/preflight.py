@@ -31,7 +31,12 @@ def check_batch(model: Model, data: Any, params: Any, from_config: bool) -> None
     shapes = {name: jax.ShapeDtypeStruct(a.shape, a.dtype) for name, a in batch.items()}
     described = ", ".join(f"{name} {a.dtype}{list(a.shape)}" for name, a in shapes.items())
     try:
-        jax.eval_shape(lambda p, b: model.loss(p, b, jax.random.key(0)), params, shapes)
+        if model.init_model_state is None:
+            jax.eval_shape(lambda p, b: model.loss(p, b, jax.random.key(0)), params, shapes)
+        else:
+            jax.eval_shape(lambda p, b: model.loss(
+                p, b, jax.random.key(0), model.init_model_state(jax.random.key(0))),
+                params, shapes)
     except KeyError as err:
         raise DataError(f"the model ({model.name}) reads batch key {err.args[0]!r}, which the "
                         f"data does not have (its arrays: {described}); name the arrays as the "

@@ -124,7 +124,8 @@ def initial_state(config: RunConfig, fresh: Any, optimizer: Any, policy: Any,
     source = config.init.from_
     if config.init.load == "params":
         params = load_params(source, config, jax.device_get(fresh.params))
-        return state_from_params(params, optimizer, config.seed, policy, shardings)
+        return state_from_params(params, optimizer, config.seed, policy, shardings,
+                                 fresh.model_state)
     path = Path(source).expanduser()
     if source_kind(path) != "run":
         raise WeightsError(f"init.load=state needs a trainrun run directory; {path} holds "

@@ -164,7 +164,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory,
         pretrained.source_kind(Path(config.init.from_).expanduser())
     batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
                if isinstance(data, grain.MapDataset) else iter(data))
-    evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params)
+    evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params,
+                           state_sharding.model_state)
     if primary:  # creates, locks and marks the folders (moves an old run aside: --fresh)
         for notice in directory.claim():
             console.message(notice)
@@ -233,7 +234,8 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
 
 
 def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
-               eval_data: grain.MapDataset | None, params_sharding: Any) -> Evaluator | None:
+               eval_data: grain.MapDataset | None, params_sharding: Any,
+               model_state_sharding: Any = None) -> Evaluator | None:
     """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
     the held-out split, placed on the mesh as training batches are."""
     if not config.eval.every:
@@ -245,7 +247,7 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
                                        process_count=placement.rows[1])
     return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
                      policy=policy, put=placement.put,
-                     shardings=(params_sharding, placement.sharding))
+                     shardings=(params_sharding, placement.sharding, model_state_sharding))
 
 
 def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str, Any],

@@ -37,6 +37,8 @@ class TrainState:
         was skipped (params and opt_state kept), so the optimizer has done
         ``step - nonfinite_steps`` updates and its schedule stands at that count.
     loss_scale: the dynamic loss scale (float16 compute); ``(1.0, 0)`` and unused otherwise.
+    model_state: the model's non-trainable variables (BatchNorm's running statistics: see
+        ``Model.init_model_state``); updated by the step, never by the optimizer; None without.
     ema: the params' exponential moving average (``optimizer.ema``), shaped and stored like
         ``params``; None without it.
 
@@ -50,6 +52,7 @@ class TrainState:
     key_data: jax.Array
     nonfinite_steps: jax.Array
     loss_scale: LossScale
+    model_state: PyTree = None
     ema: PyTree = None
 
     @property
@@ -64,7 +67,7 @@ class TrainState:
 
 def create_state(params: PyTree, optimizer: optax.GradientTransformation,
                  key: jax.Array, loss_scale: LossScale | None = None,
-                 ema: bool = False) -> TrainState:
+                 ema: bool = False, model_state: PyTree = None) -> TrainState:
     """A fresh state at step 0 (with ``ema``: the moving average starts at the params). Call
     under ``jax.jit`` to create it already placed/sharded."""
     return TrainState(
@@ -74,6 +77,7 @@ def create_state(params: PyTree, optimizer: optax.GradientTransformation,
         key_data=jax.random.key_data(key),
         nonfinite_steps=jnp.zeros((), jnp.int32),
         loss_scale=loss_scale if loss_scale is not None else LossScale.create(),
+        model_state=model_state,
         ema=jax.tree.map(jnp.copy, params) if ema else None,
     )
 
@@ -108,8 +112,11 @@ def _state_builder(model: Model, optimizer: Optimizer, seed: int, policy: Policy
 
     def build() -> TrainState:
         init_key, base_key = root_keys(seed)  # traced: the same bits as eager, on every process
+        model_state = (model.init_model_state(init_key) if model.init_model_state is not None
+                       else None)
         return create_state(policy.cast_to_param(model.init(init_key)), optimizer.tx, base_key,
-                            policy.initial_loss_scale(), ema=optimizer.ema is not None)
+                            policy.initial_loss_scale(), ema=optimizer.ema is not None,
+                            model_state=model_state)
 
     return build
 
@@ -128,15 +135,17 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | N
     return build.lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
 
 
-def state_from_params(params: PyTree, optimizer: Optimizer, seed: int, policy: Policy | None = None,
-                      shardings: TrainState | None = None) -> TrainState:
+def state_from_params(params: PyTree, optimizer: Optimizer, seed: int,
+                      policy: Policy | None = None, shardings: TrainState | None = None,
+                      model_state: PyTree = None) -> TrainState:
     """A state at step 0 around given params (a fine-tune's start): a fresh optimizer state and
     the run's keys and loss scale, created where ``shardings`` puts it."""
     policy = policy or Policy()
 
-    def build(params: PyTree) -> TrainState:
+    def build(params: PyTree, model_state: PyTree) -> TrainState:
         _, base_key = root_keys(seed)
         return create_state(policy.cast_to_param(params), optimizer.tx, base_key,
-                            policy.initial_loss_scale(), ema=optimizer.ema is not None)
+                            policy.initial_loss_scale(), ema=optimizer.ema is not None,
+                            model_state=model_state)
 
-    return jax.jit(build, out_shardings=shardings)(params)
+    return jax.jit(build, out_shardings=shardings)(params, model_state)

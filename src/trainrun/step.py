@@ -49,7 +49,8 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
     gradients = make_gradient_fn(model, policy, accumulate)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        loss, aux, grads = gradients(state.params, batch, step_key(state), state.loss_scale)
+        loss, aux, grads, model_state = gradients(state.params, batch, step_key(state),
+                                                  state.loss_scale, state.model_state)
         grads = policy.unscale_grads(grads, state.loss_scale)
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -57,11 +58,12 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         update_norm = global_norm(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         # A select, not a branch: one program, and a finite step computes the very same bits.
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+        params, opt_state, model_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old), (params, opt_state, model_state),
+            (state.params, state.opt_state, state.model_state))
         updates_done = state.step - state.nonfinite_steps
         new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state,
+            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
             nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
             loss_scale=policy.adjust(state.loss_scale, finite),
             ema=moving_average(state.ema, params, optimizer.ema, finite))
@@ -99,8 +101,7 @@ def global_norm(tree: PyTree) -> jax.Array:
     return jnp.sqrt(jnp.sum(jnp.square(flat)))
 
 
-GradientFn = Callable[[PyTree, Batch, jax.Array, LossScale],
-                      tuple[jax.Array, dict[str, jax.Array], PyTree]]
+GradientFn = Callable[..., tuple[jax.Array, dict[str, jax.Array], PyTree, PyTree]]
 
 
 def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> GradientFn:
@@ -108,25 +109,31 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> Gradi
     and gradient (still multiplied by the loss scale under float16), accumulated over
     ``accumulate`` microbatches as ``make_train_step`` describes."""
 
-    def objective(params: PyTree, batch: Batch, key: jax.Array, loss_scale: LossScale):
-        loss, aux = model.loss(policy.cast_to_compute(params), policy.cast_to_compute(batch), key)
+    def objective(params: PyTree, batch: Batch, key: jax.Array, loss_scale: LossScale,
+                  model_state: PyTree = None):
+        args = (policy.cast_to_compute(params), policy.cast_to_compute(batch), key)
+        if model.init_model_state is None:
+            (loss, aux), model_state = model.loss(*args), None
+        else:  # the model state stays in its own dtype (running statistics in float32)
+            loss, aux, model_state = model.loss(*args, model_state)
         aux = dict(aux)
         weight = aux.pop("weight", None)
         # A metric's own weight (``weight/<name>``) is for combining eval batches only.
         aux = {name: value for name, value in aux.items() if not name.startswith("weight/")}
         loss, aux = policy.cast_to_output((loss, aux))
-        return policy.scale_loss(loss, loss_scale), (loss, aux, weight)
+        return policy.scale_loss(loss, loss_scale), (loss, aux, weight, model_state)
 
     grad = jax.value_and_grad(objective, has_aux=True)
 
-    def whole(params, batch, key, loss_scale):
-        (_, (loss, aux, _)), grads = grad(params, batch, key, loss_scale)
-        return loss, aux, grads
+    def whole(params, batch, key, loss_scale, model_state=None):
+        (_, (loss, aux, _, model_state)), grads = grad(params, batch, key, loss_scale,
+                                                       model_state)
+        return loss, aux, grads, model_state
 
     if accumulate == 1:
         return whole
 
-    def accumulated(params, batch, key, loss_scale):
+    def accumulated(params, batch, key, loss_scale, model_state=None):
         size = jax.tree.leaves(batch)[0].shape[0]
         if size % accumulate:
             raise ConfigError(f"accumulate={accumulate} does not divide the batch of {size} "
@@ -139,24 +146,26 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> Gradi
         def part(i):
             return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, False), strided)
 
-        def one(i):
-            (_, (loss, aux, weight)), grads = grad(params, part(i), jax.random.fold_in(key, i),
-                                                   loss_scale)
+        def one(i, model_state):
+            (_, (loss, aux, weight, model_state)), grads = grad(
+                params, part(i), jax.random.fold_in(key, i), loss_scale, model_state)
             weight = jnp.asarray(micro if weight is None else weight, jnp.float32)
-            return weight, (loss, aux, grads)
+            return weight, (loss, aux, grads), model_state
 
-        def body(totals, i):
-            weight, values = one(i)
+        def body(carry, i):
+            totals, model_state = carry  # the model state goes from microbatch to microbatch
+            weight, values, model_state = one(i, model_state)
             # A microbatch without valid tokens adds nothing, even if its mean came out 0/0.
             add = lambda t, v: t + jnp.where(weight > 0, weight * v.astype(jnp.float32), 0.0)
-            return (totals[0] + weight, jax.tree.map(add, totals[1], values)), None
+            return ((totals[0] + weight, jax.tree.map(add, totals[1], values)),
+                    model_state), None
 
-        shapes = jax.eval_shape(one, 0)[1]
+        shapes = jax.eval_shape(one, 0, model_state)[1]
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
-        (total, sums), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                        jnp.arange(accumulate))
+        ((total, sums), model_state), _ = jax.lax.scan(
+            body, ((jnp.zeros((), jnp.float32), zeros), model_state), jnp.arange(accumulate))
         loss, aux, grads = jax.tree.map(lambda t, s: (t / total).astype(s.dtype), sums, shapes)
-        return loss, aux, grads
+        return loss, aux, grads, model_state
 
     return accumulated
 
@@ -172,16 +181,19 @@ def make_multi_step(train_step: StepFn) -> StepFn:
 
 def make_eval_step(model: Model, policy: Policy | None = None) -> Callable[[PyTree, Batch],
                                                                           Metrics]:
-    """``(params, batch) -> metrics`` on a held-out batch: ``loss`` and the model's aux metrics
-    (accuracy, bits per byte, ...) as float32, and ``weight``: what the batch's means are over
-    (the model's aux ``weight``, else the number of examples), to combine batches. No update
+    """``(params, batch[, model_state]) -> metrics`` on a held-out batch: ``loss`` and the
+    model's aux metrics (accuracy, bits per byte, ...) as float32, and ``weight``: what the
+    batch's means are over (the model's aux ``weight``, else the number of examples), to
+    combine batches. No update
     and no training randomness: the model's ``eval_loss`` (dropout off), else its ``loss`` with
     a fixed key. Reads ``params`` only, so evaluating never changes the training trajectory."""
     policy = policy or Policy()
 
-    def eval_step(params: PyTree, batch: Batch) -> Metrics:
+    def eval_step(params: PyTree, batch: Batch, model_state: PyTree = None) -> Metrics:
         params, batch = policy.cast_to_compute(params), policy.cast_to_compute(batch)
-        if model.eval_loss is not None:
+        if model.init_model_state is not None:  # running statistics used, not updated
+            loss, aux = model.eval_loss(params, batch, model_state)
+        elif model.eval_loss is not None:
             loss, aux = model.eval_loss(params, batch)
         else:
             loss, aux = model.loss(params, batch, jax.random.key(0))

@@ -57,6 +57,19 @@ class CNNModel(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
 
 
+class ResNetModel(Section):
+    """A small residual network with batch normalization (running statistics are the model
+    state): 3x3 conv stem, ``blocks`` residual blocks of two conv-BN layers, average pool."""
+
+    kind: Literal["resnet"] = "resnet"
+    image_size: int = Field(8, gt=0)
+    in_channels: int = Field(1, gt=0)
+    width: int = Field(32, gt=0)
+    blocks: int = Field(2, ge=0)
+    classes: int = Field(10, gt=1)
+    bn_momentum: float = Field(0.9, gt=0, lt=1)  # running = momentum * running + (1 - m) * batch
+
+
 class LoraConfig(Section):
     """Low-rank adapters: ``y = x W + (alpha / rank) x A B`` on each targeted linear layer, with
     ``A`` ~ N(0, 1/d_in) and ``B`` = 0, so training starts from the base model's outputs."""
@@ -91,7 +104,7 @@ class TransformerModel(Section):
 
 
 ModelConfig = Annotated[
-    Union[MLPModel, NNXMLPModel, CNNModel, TransformerModel],  # noqa: UP007
+    Union[MLPModel, NNXMLPModel, CNNModel, ResNetModel, TransformerModel],  # noqa: UP007
     Field(discriminator="kind")]
 
 

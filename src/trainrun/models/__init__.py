@@ -10,8 +10,9 @@ def build_model(cfg) -> Model:
     from trainrun.models.cnn import make_cnn
     from trainrun.models.mlp import make_mlp
     from trainrun.models.nnx_mlp import make_nnx_mlp
+    from trainrun.models.resnet import make_resnet
     from trainrun.models.transformer import make_transformer
 
     builders = {"mlp": make_mlp, "nnx_mlp": make_nnx_mlp, "cnn": make_cnn,
-                "transformer": make_transformer}
+                "resnet": make_resnet, "transformer": make_transformer}
     return builders[cfg.kind](cfg)

@@ -39,13 +39,20 @@ class Model:
     eval_loss: optional ``(params, batch) -> (loss, aux)`` without training randomness
         (dropout off), used on the held-out split; without it eval calls ``loss`` with a fixed
         key.
+    init_model_state: optional ``key -> model_state``: variables the model updates as it
+        trains but no optimizer touches (BatchNorm's running statistics). With it, ``loss`` is
+        ``(params, batch, key, model_state) -> (loss, aux, new_model_state)`` and ``eval_loss``
+        ``(params, batch, model_state) -> (loss, aux)`` (the statistics used, not updated). The
+        state keeps it beside the params (``TrainState.model_state``): checkpointed, restored,
+        kept as it was by a skipped step.
     """
 
     init: Callable[[jax.Array], PyTree]
     loss: LossFn
     name: str = "model"
     logical_axes: PyTree | None = None
-    eval_loss: Callable[[PyTree, Batch], tuple[jax.Array, dict[str, jax.Array]]] | None = None
+    eval_loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] | None = None
+    init_model_state: Callable[[jax.Array], PyTree] | None = None
 
 
 def from_functions(init: Callable[[jax.Array], PyTree], loss: Callable[..., Any],
@@ -72,50 +79,83 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module],
     A param created with ``axes=(...)`` metadata (``nnx.Param(value, axes=("embed", "mlp"))``
     or a layer's ``kernel_metadata={"axes": ...}``) gives the model's ``logical_axes``.
 
-    The trained state is the module's ``nnx.Param`` variables as a plain dict; other variable
-    kinds (batch statistics, stored RNG counters) would be silently frozen, so they are refused.
+    The trained state is the module's ``nnx.Param`` variables as a plain dict. Other variables
+    (``nnx.BatchStat`` and kinds of one's own) are the model state: the module runs in training
+    mode (``module.train()``) in ``loss``, which returns their new values, and in eval mode
+    (``module.eval()``: running averages used, not updated) in ``eval_loss``. Stored RNG
+    counters (``nnx.Rngs`` kept in the module) are refused: pass rngs at call time instead.
     """
-    module, param_state = _binder(make_module, name)
+    module, param_state, rest = _binder(make_module, name)
+    axes = _axes(param_state)
 
     def init(key: jax.Array) -> PyTree:
         built = make_module(nnx.Rngs(params=key))
         return nnx.to_pure_dict(nnx.state(built, nnx.Param))
 
-    def module_loss(params: PyTree, batch: Batch, key: jax.Array):
-        out = loss(module(params), batch, key)
+    if not jax.tree.leaves(rest):
+        def module_loss(params: PyTree, batch: Batch, key: jax.Array):
+            out = loss(module(params), batch, key)
+            return out if isinstance(out, tuple) else (out, {})
+
+        def module_eval_loss(params: PyTree, batch: Batch):
+            out = eval_loss(module(params), batch)
+            return out if isinstance(out, tuple) else (out, {})
+
+        return Model(init=init, loss=module_loss, name=name, logical_axes=axes,
+                     eval_loss=module_eval_loss if eval_loss is not None else None)
+
+    def init_model_state(key: jax.Array) -> PyTree:
+        built = make_module(nnx.Rngs(params=key))
+        return nnx.to_pure_dict(nnx.state(built, nnx.Not(nnx.Param)))
+
+    def stateful_loss(params: PyTree, batch: Batch, key: jax.Array, model_state: PyTree):
+        bound = module(params, model_state)
+        bound.train()
+        out = loss(bound, batch, key)
+        loss_value, aux = out if isinstance(out, tuple) else (out, {})
+        return loss_value, aux, nnx.to_pure_dict(nnx.state(bound, nnx.Not(nnx.Param)))
+
+    def stateful_eval_loss(params: PyTree, batch: Batch, model_state: PyTree):
+        bound = module(params, model_state)
+        bound.eval()
+        out = (eval_loss or (lambda m, b: loss(m, b, None)))(bound, batch)
         return out if isinstance(out, tuple) else (out, {})
 
-    def module_eval_loss(params: PyTree, batch: Batch):
-        out = eval_loss(module(params), batch)
-        return out if isinstance(out, tuple) else (out, {})
-
-    return Model(init=init, loss=module_loss, name=name, logical_axes=_axes(param_state),
-                 eval_loss=module_eval_loss if eval_loss is not None else None)
+    return Model(init=init, loss=stateful_loss, name=name, logical_axes=axes,
+                 eval_loss=stateful_eval_loss, init_model_state=init_model_state)
 
 
 def bind_params(make_module: Callable[[nnx.Rngs], nnx.Module],
-                name: str = "model") -> Callable[[PyTree], nnx.Module]:
-    """``params -> module``: the module ``make_module`` builds, holding ``params`` (a pure dict,
-    e.g. restored from a checkpoint). Traceable: use it inside jitted functions."""
+                name: str = "model") -> Callable[..., nnx.Module]:
+    """``(params[, model_state]) -> module``: the module ``make_module`` builds, holding
+    ``params`` (a pure dict, e.g. restored from a checkpoint). Traceable: use it inside jitted
+    functions."""
     return _binder(make_module, name)[0]
 
 
 def _binder(make_module: Callable[[nnx.Rngs], nnx.Module],
-            name: str) -> tuple[Callable[[PyTree], nnx.Module], nnx.State]:
+            name: str) -> tuple[Callable[..., nnx.Module], nnx.State, nnx.State]:
     abstract = nnx.eval_shape(lambda: make_module(nnx.Rngs(params=0)))
     graphdef, param_state, rest = nnx.split(abstract, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        kinds = sorted({type(v).__name__ for v in jax.tree.leaves(
-            rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
-        raise ValueError(f"module {name!r} holds non-parameter state ({', '.join(kinds)}); "
-                         "trainrun trains nnx.Param only: pass rngs at call time instead")
+    rng = [v for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+           if isinstance(v, nnx.RngState)]
+    if rng:
+        kinds = sorted({type(v).__name__ for v in rng})
+        raise ValueError(f"module {name!r} keeps random-number state ({', '.join(kinds)}); "
+                         "trainrun draws randomness from the step key: pass rngs at call time "
+                         "instead of storing nnx.Rngs in the module")
 
-    def module(params: PyTree) -> nnx.Module:
+    def module(params: PyTree, model_state: PyTree | None = None) -> nnx.Module:
         state = jax.tree.map(lambda leaf: leaf, param_state)  # a fresh copy to fill per trace
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(graphdef, state)
+        if not jax.tree.leaves(rest):
+            return nnx.merge(graphdef, state)
+        others = jax.tree.map(lambda leaf: leaf, rest)
+        if model_state is not None:
+            nnx.replace_by_pure_dict(others, model_state)
+        return nnx.merge(graphdef, state, others)
 
-    return module, param_state
+    return module, param_state, rest
 
 
 def _axes(param_state: nnx.State) -> PyTree | None:

@@ -80,6 +80,12 @@ def test_init_from_a_gpt2_directory_has_its_logits_and_trains_from_them(gpt2_dir
     logits = np.asarray(bind_transformer(config.model)(start.params)(jnp.asarray(TOKENS))[0])
     np.testing.assert_allclose(logits, hf_logits(gpt2_dir), rtol=0, atol=1e-4)
 
+    # The checkpoint file alone (GPT-2's tensor names, no config.json) loads the same.
+    from_file = finetune(tmp_path, gpt2_dir / "model.safetensors")
+    same = initial_state(from_file, fresh, optimizer, policy, None)
+    for a, b in zip(jax.tree.leaves(same.params), jax.tree.leaves(start.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
     # Through the run: its first logged loss is the loaded model's loss on the first batch.
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     batch = build_dataset(config.data, seed=config.seed)[0]

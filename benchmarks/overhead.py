@@ -31,8 +31,14 @@ import optax
 import trainrun
 from trainrun import packing
 from trainrun.config import load_config
+from trainrun.data import batch_iterator, build_dataset
+from trainrun.dispatch import CompiledSteps, stack_batches
 from trainrun.loop import run
+from trainrun.models import build_model
+from trainrun.optim import build_optimizer
 from trainrun.process import configure_process
+from trainrun.state import abstract_state, init_state
+from trainrun.timing import Stopwatch
 
 
 def hand_loop_step_s(steps: int, window: int, per_call: int = 1) -> float:
@@ -80,6 +86,30 @@ def hand_loop_step_s(steps: int, window: int, per_call: int = 1) -> float:
         params, opt_state, loss = call(params, opt_state, batch)
         if i * per_call % window == 0:
             jax.block_until_ready(loss)
+            now = time.perf_counter()
+            per_step.append((now - last) / window)
+            last = now
+    return statistics.median(per_step[1:])
+
+
+def program_step_s(steps: int, window: int, k: int) -> float:
+    """trainrun's own K-step program (its step: the non-finite guard, three norms, the lr and
+    every metric), called in a bare loop like the chapter's scan: one stacked batch on the
+    device, no data loading, metrics never read. What the program costs apart from the loop."""
+    config = load_config("mlp")
+    model, optimizer = build_model(config.model), build_optimizer(config.optimizer, steps)
+    programs = CompiledSteps(model, optimizer, k, Stopwatch(),
+                             abstract=abstract_state(model, optimizer, config.seed))
+    carried = programs.carry(init_state(model, optimizer, config.seed))
+    batches = batch_iterator(build_dataset(config.data, seed=config.seed))
+    batch = jax.device_put(stack_batches([next(batches) for _ in range(k)]))
+    carried, packed = programs(k, carried, batch)  # compile
+    packed.block_until_ready()
+    per_step, last = [], time.perf_counter()
+    for i in range(1, steps // k + 1):
+        carried, packed = programs(k, carried, batch)
+        if i * k % window == 0:
+            packed.block_until_ready()
             now = time.perf_counter()
             per_step.append((now - last) / window)
             last = now
@@ -159,6 +189,8 @@ def main() -> None:
         "hand-written jitted loop": lambda: hand_loop_step_s(s, w),
         "hand-written lax.scan, 10 per call": lambda: hand_loop_step_s(s, w, 10),
         "hand-written lax.scan, 100 per call": lambda: hand_loop_step_s(s, w, 100),
+        "trainrun's step program alone, 10 per call": lambda: program_step_s(s, w, 10),
+        "trainrun's step program alone, 100 per call": lambda: program_step_s(s, w, 100),
         "trainrun K=1": lambda: trainrun_step_s(s, w, 1),
         "trainrun K=1, state not packed": lambda: trainrun_step_s(s, w, 1, packed=False),
         "trainrun K=10": lambda: trainrun_step_s(s, w, 10),

@@ -53,8 +53,8 @@ def test_the_default_policy_saves_a_short_run_at_its_end_only(tmp_path, monkeypa
 
 
 def calls(*spans: tuple[float, float, int], first: bool = False) -> list[SimpleNamespace]:
-    return [SimpleNamespace(dispatched_at=a, returned_at=b, steps=k, first_run=first)
-            for a, b, k in spans]
+    return [SimpleNamespace(dispatched_at=a, returned_at=b, steps=k, first_run=first,
+                            first_step=0) for a, b, k in spans]
 
 
 def test_windows_run_during_a_background_save_leave_the_step_time_and_are_measured():

@@ -105,6 +105,7 @@ class StepTimer:
     warmup_windows: int = 1
     windows: list[Window] = dataclasses.field(default_factory=list)
     first_calls_s: float = 0.0
+    first_calls: list[Window] = dataclasses.field(default_factory=list)  # a run of one call
     _last_done: float | None = None
 
     def record(self, last_step: int, calls: list[Any], during_save: bool = False) -> Window:
@@ -117,6 +118,8 @@ class StepTimer:
             for c in calls:
                 if c.first_run:
                     self.first_calls_s += c.returned_at - c.dispatched_at
+                    self.first_calls.append(Window(c.first_step + c.steps, c.steps,
+                                                   c.returned_at - c.dispatched_at))
                     steps -= c.steps
                 else:
                     compute += c.returned_at - c.dispatched_at
@@ -129,8 +132,9 @@ class StepTimer:
         return window
 
     def steady(self) -> list[Window]:
-        """Windows after warmup (all windows if the run had no more), with steps timed."""
-        timed = [w for w in self.windows if w.steps]
+        """Windows after warmup (all windows if the run had no more), with steps timed; a run
+        whose every call was a program's first has only those."""
+        timed = [w for w in self.windows if w.steps] or self.first_calls
         return timed[self.warmup_windows:] or timed
 
     def clean(self) -> list[Window]:

@@ -92,6 +92,9 @@ class QuietRefusedWrites(logging.Filter):
         return error is None or refused_write(error) is None
 
 
+_ASYNCIO_QUIET = QuietRefusedWrites()
+
+
 def quiet_orbax_errors() -> Callable[[], None]:
     """While a checkpoint directory is open: the filter above on absl's logger (Orbax logs
     through it), and no report of the callbacks TensorStore still makes, after a failed read
@@ -99,6 +102,9 @@ def quiet_orbax_errors() -> Callable[[], None]:
     what undoes both."""
     quiet = QuietRefusedWrites()
     logging.getLogger("absl").addFilter(quiet)
+    # asyncio reports a refused write's never-retrieved future when it is collected, which can
+    # be after the directory is closed (at exit): that filter stays.
+    logging.getLogger("asyncio").addFilter(_ASYNCIO_QUIET)
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:

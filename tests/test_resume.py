@@ -61,6 +61,17 @@ def test_dropout_and_shuffled_data_resume_bitwise(cli, tmp_path):
     assert json.loads((position / "process_0-of-1.json").read_text()) == {"next_index": 30}
 
 
+def test_k_step_calls_with_batches_made_ahead_resume_bitwise(cli, tmp_path):
+    # K = 10 on shuffled data: each call's batch is stacked on the host worker during the call
+    # before it; the position a checkpoint saves must still be that of the steps done.
+    result = verify(cli, tmp_path, "steps=60", "steps_per_call=10", "checkpoint.every=20",
+                    "data.shuffle=true", "data.batch_size=64", "metrics.tensorboard=false")
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    assert "in flight" in table_row(result.stdout, "kill -9 during async save of 40")
+    assert table_row(result.stdout, "kill -9 after checkpoint 20 committed").split()[-4:] == [
+        "20", "60", "none", "equal"]
+
+
 PLANT = """\
 # Planted fault: checkpoints record the data position as 0, so a resumed run re-reads the
 # shuffled data from its first batch.

@@ -4,22 +4,19 @@
 line closes (``timing.StepTimer``): what checkpoints, eval and logging cost is in the summary's
 wall-time split, not in the rate.
 
-In the background (``background=True``) the rows are written by a thread of their own while the
-next call runs: a one-device CPU call runs in the calling thread and lets go of Python's lock
-while it computes, so formatting rows (about 6.5 µs a step for the two files) can overlap it.
-Everything else that writes (eval rows, messages) goes through the same queue, so files and
-console keep their order; ``flush`` waits for the queue (before a checkpoint) and is the only
-time counted as logging then.
+With a ``worker`` (``host_worker.py``) the rows are written on its thread while the next call
+computes (about 6.5 µs a step for the two files on the default MLP). Everything else that writes
+(eval rows, messages) goes through the same queue, so files and console keep their order;
+``flush`` waits for the queue (before a checkpoint) and is what counts as logging then.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trainrun.host_worker import HostWorker
 from trainrun.timing import StepTimer, Stopwatch, Window
 from trainrun.writers import RunOutput, Table
 
@@ -29,10 +26,10 @@ class MetricLog:
     late, at the boundary after a log step).
 
     streamed: rows already went out from inside the calls (``metrics.stream``); only the
-    timing windows are written here. background: write on a thread of its own."""
+    timing windows are written here. worker: write on its thread (``finish`` stops it)."""
 
     def __init__(self, output: RunOutput, timer: StepTimer, watch: Stopwatch, batch_size: int,
-                 streamed: bool = False, background: bool = False):
+                 streamed: bool = False, worker: HostWorker | None = None):
         self.output = output
         self.timer = timer
         self.watch = watch
@@ -40,13 +37,7 @@ class MetricLog:
         self.streamed = streamed
         self.last: dict[str, float] = {}  # the newest row read (the run's final metrics)
         self.ordered = OrderedOutput(self)  # eval rows and messages, in order with the rows
-        self.jobs: queue.Queue[Callable[[], None] | None] | None = None
-        self.error: BaseException | None = None
-        if background:
-            self.jobs = queue.Queue()
-            self.thread = threading.Thread(target=self._work, name="trainrun-metrics",
-                                           daemon=True)
-            self.thread.start()
+        self.worker = worker
 
     def on_table(self, table: Table) -> None:
         self.last = table.row(len(table.values) - 1)
@@ -63,53 +54,31 @@ class MetricLog:
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` (a write) now, or queue it behind the rows already handed over."""
-        if self.jobs is None:
+        if self.worker is None:
             start = time.perf_counter()
             job()
             self.watch.add("log", time.perf_counter() - start)
             return
-        self._raise()
-        self.jobs.put(job)
+        self.worker.submit(job)
 
     def flush(self) -> None:
         """Every row handed over is in its file (before a checkpoint; a kill right after it
         loses none of them)."""
         start = time.perf_counter()
-        if self.jobs is not None:
-            self.jobs.join()
-            self._raise()
+        if self.worker is not None:
+            self.worker.wait()
         self.output.flush()
         self.watch.add("log", time.perf_counter() - start)
 
     def finish(self) -> None:
         """Every row written, the thread stopped, the writers closed (not ``close``: the loop
         closes hooks before a streamed run's last rows have arrived)."""
-        if self.jobs is not None:
+        if self.worker is not None:
             start = time.perf_counter()
-            self.jobs.put(None)
-            self.thread.join()
-            self.jobs = None
+            worker, self.worker = self.worker, None
+            worker.stop()
             self.watch.add("log", time.perf_counter() - start)
-            self._raise()
         self.output.close()
-
-    def _work(self) -> None:
-        while True:
-            job = self.jobs.get()
-            try:
-                if job is None:
-                    return
-                if self.error is None:
-                    job()
-            except BaseException as err:  # raised in the loop's thread at its next write
-                self.error = err
-            finally:
-                self.jobs.task_done()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
 
 
 class OrderedOutput:

@@ -27,9 +27,10 @@ from trainrun.checkpoint import Checkpoints, checkpoint_dir
 from trainrun.checkpoint_policy import CheckpointHook, CheckpointPolicy
 from trainrun.config import ConfigError, RunConfig
 from trainrun.console import Console, make_console
-from trainrun.data import batch_iterator, build_dataset, build_eval_dataset
+from trainrun.data import BatchCursor, batch_iterator, build_dataset, build_eval_dataset
 from trainrun.dispatch import CompiledSteps, MetricsReader, PendingCall, stack_batches
 from trainrun.evaluation import EvalHook, Evaluator
+from trainrun.host_worker import BatchPrefetch, HostWorker
 from trainrun.metric_log import MetricLog
 from trainrun.models import Model, build_model
 from trainrun.nonfinite import NonFinitePolicy
@@ -73,6 +74,8 @@ class Run:
     stream: MetricStream | None
     last_batch: Any = None
     metric_log: MetricLog | None = None  # holds the newest metrics row read
+    worker: HostWorker | None = None  # rows and the next batch, beside the calls
+    prefetch: BatchPrefetch | None = None
 
     def reader(self) -> MetricsReader:
         return MetricsReader(self.programs, self.timer, self.config.log_every,
@@ -80,8 +83,8 @@ class Run:
 
     @property
     def background_log(self) -> bool:
-        """Rows written on a thread of their own, each call's as soon as it is read: where a
-        call runs in the calling thread and is long enough to cover them (K > 1)."""
+        """Host work on a worker beside the calls (``host_worker.py``): where a call runs in the
+        calling thread and is long enough to cover it (K > 1)."""
         return (self.timer.inline and self.config.steps_per_call > 1 and self.primary
                 and self.stream is None)
 
@@ -93,6 +96,8 @@ class Run:
         start = time.perf_counter()
         if self.config.steps_per_call == 1:
             batch = next(self.batches)
+        elif self.prefetch is not None:  # made on the worker during the previous call
+            batch = self.prefetch.take(k)
         else:
             batch = stack_batches([next(self.batches) for _ in range(k)])
         self.last_batch = batch = self.placement.put(batch)
@@ -106,6 +111,9 @@ class Run:
         if first_run:
             self.programs.compile(k, self.carried, batch)
             self.output.reset_rate(step)
+        after = min(self.config.steps_per_call, self.config.steps - step - k)
+        if self.prefetch is not None and after > 0:  # the next batch, while this call computes
+            self.prefetch.prepare(after)
         dispatched = time.perf_counter()
         self.carried, packed = self.programs(k, self.carried, batch)
         if self.timer.inline:  # XLA:CPU may still finish a long call on its own threads
@@ -205,9 +213,12 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
         run.checkpoints.wait()
         run.checkpoints.close()
 
+    if run.background_log:
+        run.worker = HostWorker()
+        if isinstance(run.batches, BatchCursor):  # batch i is a function of i: made ahead
+            run.prefetch = BatchPrefetch(run.batches, run.worker)
     run.metric_log = log = MetricLog(output, run.timer, watch, run.batch_size,
-                                     streamed=run.stream is not None,
-                                     background=run.background_log)
+                                     streamed=run.stream is not None, worker=run.worker)
     output = log.ordered  # every later write goes in order with the rows
     hooks: list[Any] = [
         log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite, before_halt)]

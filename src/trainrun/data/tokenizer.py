@@ -27,7 +27,7 @@ import numpy as np
 from trainrun.data.pipeline import DataError
 
 DOCUMENT_TOKEN = "<|endoftext|>"  # before each document (GPT-2's separator)
-INSTALL = "pip install tokenizers"
+INSTALL = "pip install 'trainrun[text]'"
 
 
 def _library() -> Any:

@@ -111,13 +111,13 @@ class CompiledSteps:
         return self.fn(carried, batch)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class PendingCall:
     """A dispatched call whose metrics have not been read yet."""
 
     first_step: int  # updates done before this call
     steps: int
-    packed: jax.Array  # [n_metrics] (K=1) or [steps, n_metrics]
+    packed: jax.Array | np.ndarray  # [n_metrics] (K=1) or [steps, n_metrics]
     dispatched_at: float
     returned_at: float  # when the call returned (inline calls: when it was computed)
     during_save: bool = False  # a checkpoint was being written in the background
@@ -133,8 +133,10 @@ class MetricsReader:
     """Reads the metrics of dispatched calls in batches, at log and sync points only.
 
     The pending calls' metrics are concatenated on device and fetched in one transfer, after the
-    newest call is already queued, so the device never waits for the host. Each read also
-    closes a timing window (see ``StepTimer``).
+    newest call is already queued, so the device never waits for the host. Calls that ran
+    inline bring their metrics as host arrays already (``packed`` is NumPy): those are joined on
+    the host (a jitted concatenation of 100 one-step rows took 130-230 µs a read). Each read
+    also closes a timing window (see ``StepTimer``).
     """
 
     def __init__(self, programs: CompiledSteps, timer: StepTimer, log_every: int,
@@ -160,8 +162,11 @@ class MetricsReader:
         if not self.pending:
             return None
         calls, self.pending, self.log_due = self.pending, [], False
-        packed = [c.packed for c in calls]  # one call: no concatenating program to dispatch
-        values = np.asarray(packed[0] if len(packed) == 1 else _stack(packed))
+        packed = [c.packed for c in calls]
+        if len(packed) == 1 or isinstance(packed[0], np.ndarray):  # no program to dispatch
+            values = (np.stack(packed) if packed[0].ndim == 1 else np.concatenate(packed))
+        else:
+            values = np.asarray(_stack(packed))
         last = calls[-1].first_step + calls[-1].steps
         self.timer.record(last, calls, any(c.during_save for c in calls))
         names = self.programs.metric_names

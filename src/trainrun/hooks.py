@@ -53,20 +53,20 @@ class Boundary:
     saved: the checkpoint saved at this boundary, or None.
     """
 
-    __slots__ = ("_committed", "_runner", "_state", "eval", "preempted", "saved", "step",
-                 "stop_reason", "table", "total")
+    # One is made per call: the fields most boundaries leave alone are class defaults, set on
+    # the instance only when a hook sets them.
+    table: Table | None = None
+    eval: dict[str, float] | None = None
+    saved: Any = None
+    stop_reason: str | None = None
+    preempted: bool = False
+    _state: TrainState | None = None
+    _committed: Callable[[], None] | None = None  # waits for the save to commit
 
     def __init__(self, step: int, total: int, runner: HookRunner):
         self.step = step
         self.total = total
-        self.table: Table | None = None
-        self.eval: dict[str, float] | None = None
-        self.saved: Any = None
-        self.stop_reason: str | None = None
-        self.preempted = False
         self._runner = runner
-        self._state: TrainState | None = None
-        self._committed: Callable[[], None] | None = None  # waits for the save to commit
 
     @property
     def last(self) -> bool:
@@ -157,6 +157,8 @@ class HookRunner:
 
 def joined(tables: list[Table | None]) -> Table | None:
     """Consecutive tables as one (None when there are none)."""
+    if not tables:
+        return None
     tables = [t for t in tables if t is not None]
     if len(tables) < 2:
         return tables[0] if tables else None

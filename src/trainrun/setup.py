@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trainrun import distributed, preflight, pretrained, rundir, sharding
 from trainrun.callbacks import Callback, CallbackHook
@@ -116,8 +117,8 @@ class Run:
             self.prefetch.prepare(after)
         dispatched = time.perf_counter()
         self.carried, packed = self.programs(k, self.carried, batch)
-        if self.timer.inline:  # XLA:CPU may still finish a long call on its own threads
-            packed.block_until_ready()
+        if self.timer.inline:  # the call's end, its metrics read: XLA:CPU may still finish a
+            packed = np.asarray(packed)  # long call on its own threads after returning
         return PendingCall(step, k, packed, dispatched, time.perf_counter(),
                            self.checkpoints.saving(), first_run)
 

@@ -4,12 +4,17 @@ taken."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
+from trainrun import setup
+from trainrun.config import load_config
 from trainrun.data.pipeline import ArrayBatches, BatchCursor
 from trainrun.dispatch import stack_batches
 from trainrun.host_worker import BatchPrefetch, HostWorker
+from trainrun.loop import run
 
 
 def test_jobs_run_in_order_and_an_error_comes_back_to_the_caller():
@@ -39,3 +44,21 @@ def test_a_batch_made_ahead_is_the_next_one_and_the_position_moves_only_when_tak
         assert all(got[n].tobytes() == want[n].tobytes() for n in want)
     assert cursor.get_state() == {"next_index": 18}
     worker.stop()
+
+
+def test_a_run_of_long_calls_takes_each_batch_but_the_first_from_the_worker(tmp_path,
+                                                                            monkeypatch):
+    made: list[BatchPrefetch] = []
+    original = setup.build_hooks
+
+    def spy(built, *args):
+        hooks = original(built, *args)
+        made.append(built.prefetch)
+        return hooks
+
+    monkeypatch.setattr(setup, "build_hooks", spy)
+    monkeypatch.setattr("trainrun.loop.build_hooks", spy)
+    config = load_config("mlp", ["steps=300", "steps_per_call=100", "checkpoint.every=50",
+                                 "checkpoint.every_seconds=0", "metrics.tensorboard=false"])
+    run(config, tmp_path, out=io.StringIO())
+    assert made[0] is not None and made[0].hits == 300 // 50 - 1  # calls cut at checkpoints

@@ -62,14 +62,15 @@ def test_dropout_and_shuffled_data_resume_bitwise(cli, tmp_path):
 
 
 def test_k_step_calls_with_batches_made_ahead_resume_bitwise(cli, tmp_path):
-    # K = 10 on shuffled data: each call's batch is stacked on the host worker during the call
-    # before it; the position a checkpoint saves must still be that of the steps done.
-    result = verify(cli, tmp_path, "steps=60", "steps_per_call=10", "checkpoint.every=20",
+    # K = 100 on shuffled data: each call's batch is stacked on the host worker during the call
+    # before it (calls of 50, cut at the checkpoints); the position a checkpoint saves must
+    # still be that of the steps done.
+    result = verify(cli, tmp_path, "steps=300", "steps_per_call=100", "checkpoint.every=50",
                     "data.shuffle=true", "data.batch_size=64", "metrics.tensorboard=false")
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    assert "in flight" in table_row(result.stdout, "kill -9 during async save of 40")
-    assert table_row(result.stdout, "kill -9 after checkpoint 20 committed").split()[-4:] == [
-        "20", "60", "none", "equal"]
+    assert "in flight" in table_row(result.stdout, "kill -9 during async save of 100")
+    assert table_row(result.stdout, "kill -9 after checkpoint 50 committed").split()[-4:] == [
+        "50", "300", "none", "equal"]
 
 
 PLANT = """\

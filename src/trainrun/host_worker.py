@@ -82,6 +82,7 @@ class BatchPrefetch:
         self.cursor = cursor
         self.worker = worker
         self.ahead: tuple[int, int, Future] | None = None
+        self.hits = 0  # batches taken that were made ahead
 
     def _stack(self, start: int, k: int) -> Batch:
         dataset = self.cursor.dataset
@@ -92,6 +93,7 @@ class BatchPrefetch:
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead[:2] == (start, k):
             batch = ahead[2].result()
+            self.hits += 1
         else:
             batch = self._stack(start, k)
         self.cursor.next_index = start + k

@@ -99,7 +99,8 @@ def _train(run: Run, hooks: HookRunner) -> Boundary:
             k = hooks.call_size(step)
             batch = run.next_batch(k)
             hooks.before_call(step, k)
-            boundary = hooks.after_call(run.call(step, k, batch))
+            after = hooks.call_size(step + k) if run.prefetch and step + k < run.config.steps else 0
+            boundary = hooks.after_call(run.call(step, k, batch, after))
             step += k
     finally:
         hooks.close()  # a profile trace stops, callbacks are told, however the loop ended

@@ -47,6 +47,8 @@ from trainrun.summary import RunSummary
 from trainrun.timing import StepTimer, Stopwatch, provenance
 from trainrun.writers import RunOutput, build_output
 
+WORKER_MIN_STEPS = 100  # steps per call from which host work goes on a worker (measured)
+
 
 @dataclasses.dataclass
 class Run:
@@ -84,10 +86,13 @@ class Run:
 
     @property
     def background_log(self) -> bool:
-        """Host work on a worker beside the calls (``host_worker.py``): where a call runs in the
-        calling thread and is long enough to cover it (K > 1)."""
-        return (self.timer.inline and self.config.steps_per_call > 1 and self.primary
-                and self.stream is None)
+        """Host work on a worker beside the calls (``host_worker.py``), where it paid when
+        measured on a 2-core CPU (BENCHMARKS.md, "Loop overhead"): calls of 100 steps and more
+        (default MLP, K=100: 34.1 µs a step with it, 35.2 without; medians 37.0 and 48.8). At
+        K=10 it cost more than it saved (72.6 against 47.9 µs): XLA computes on both cores and
+        the worker takes one from it."""
+        return (self.timer.inline and self.config.steps_per_call >= WORKER_MIN_STEPS
+                and self.primary and self.stream is None)
 
     def final_metrics(self) -> dict[str, float]:
         return self.metric_log.last if self.metric_log is not None else {}
@@ -105,14 +110,14 @@ class Run:
         self.watch.add("data", time.perf_counter() - start)
         return batch
 
-    def call(self, step: int, k: int, batch: Any) -> PendingCall:
+    def call(self, step: int, k: int, batch: Any, after: int = 0) -> PendingCall:
         """Runs steps ``step + 1 .. step + k`` in one call (compiled first if its size is new:
-        compile time stays out of step time)."""
+        compile time stays out of step time). after: the next call's size, when known: its
+        batch is made on the worker meanwhile."""
         first_run = k not in self.programs.programs
         if first_run:
             self.programs.compile(k, self.carried, batch)
             self.output.reset_rate(step)
-        after = min(self.config.steps_per_call, self.config.steps - step - k)
         if self.prefetch is not None and after > 0:  # the next batch, while this call computes
             self.prefetch.prepare(after)
         dispatched = time.perf_counter()

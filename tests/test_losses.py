@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jax_core
 
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
 from trainrun.models.losses import next_token, next_token_from_features
+from trainrun.precision import equations
 
 TOKENS, D, VOCAB = 50, 16, 97
 
@@ -54,24 +54,9 @@ def test_chunked_head_and_loss_equal_the_plain_form(chunk):
 
 def largest_float32(fn, *args) -> int:
     """The element count of the largest float32 value anywhere in ``fn``'s jaxpr."""
-    largest = 0
-
-    def walk(jaxpr):
-        nonlocal largest
-        for eqn in jaxpr.eqns:
-            for var in eqn.outvars:
-                aval = var.aval
-                if getattr(aval, "dtype", None) == jnp.float32:
-                    largest = max(largest, int(np.prod(aval.shape)))
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, tuple | list) else (param,):
-                    if isinstance(sub, jax_core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax_core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return largest
+    return max((int(np.prod(var.aval.shape)) for eqn in equations(fn, *args)
+                for var in eqn.outvars if getattr(var.aval, "dtype", None) == jnp.float32),
+               default=0)
 
 
 def test_the_whole_batchs_logits_never_exist_in_the_chunked_step():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -169,6 +170,24 @@ class Matmul:
     where: str
 
 
+def equations(fn: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+    """Every equation of the jaxpr ``fn(*args, **kwargs)`` traces to, those of its sub-jaxprs
+    (scan and while bodies, rematerialized and custom-derivative calls, gradients) included."""
+    from jax.extend import core as jax_core
+
+    def walk(jaxpr: Any) -> Iterator[Any]:
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple | list) else (param,):
+                    if isinstance(sub, jax_core.ClosedJaxpr):
+                        yield from walk(sub.jaxpr)
+                    elif isinstance(sub, jax_core.Jaxpr):
+                        yield from walk(sub)
+
+    return walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+
+
 def matmuls(fn: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
     """Every matmul and convolution that ``fn(*args, **kwargs)`` traces to, gradients and
     scanned or rematerialized bodies included (the jaxpr is walked through every sub-jaxpr).
@@ -178,24 +197,8 @@ def matmuls(fn: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
     or a param that escaped the cast (for a module of one's own: a layer created with
     ``dtype=jnp.float32``, a float32 constant table, a ``.astype(jnp.float32)`` before a
     matmul)."""
-    from jax.extend import core as jax_core
-
-    found: list[Matmul] = []
-
-    def walk(jaxpr: Any) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in MATMUL_PRIMITIVES:
-                operands = tuple(str(v.aval.dtype) for v in eqn.invars)
-                found.append(Matmul(eqn.primitive.name, operands, _where(eqn)))
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, tuple | list) else (param,):
-                    if isinstance(sub, jax_core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax_core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
-    return found
+    return [Matmul(eqn.primitive.name, tuple(str(v.aval.dtype) for v in eqn.invars), _where(eqn))
+            for eqn in equations(fn, *args, **kwargs) if eqn.primitive.name in MATMUL_PRIMITIVES]
 
 
 def _where(eqn: Any) -> str:

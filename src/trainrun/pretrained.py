@@ -56,9 +56,9 @@ def load_params(source: str, config: RunConfig, fresh: PyTree) -> PyTree:
     path = Path(source).expanduser()
     kind = source_kind(path)
     if kind == "run":
-        from trainrun.sample import _run_config, latest_params
+        from trainrun.sample import latest_params, saved_config
 
-        _, params = latest_params(path, _run_config(path))
+        _, params = latest_params(path, saved_config(path))
         found = {param_name(p): np.asarray(x)
                  for p, x in jax.tree_util.tree_leaves_with_path(params)}
         return _laid_into(fresh, found, str(path))
@@ -130,9 +130,9 @@ def initial_state(config: RunConfig, fresh: Any, optimizer: Any, policy: Any,
     if source_kind(path) != "run":
         raise WeightsError(f"init.load=state needs a trainrun run directory; {path} holds "
                            "weights only (use init.load=params)")
-    from trainrun.sample import _run_config, latest_state
+    from trainrun.sample import latest_state, saved_config
 
-    _, state = latest_state(path, _run_config(path))
+    _, state = latest_state(path, saved_config(path))
     have = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), state)
     want = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), fresh)
     if jax.tree.structure(have) != jax.tree.structure(want) or have != want:

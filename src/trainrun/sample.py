@@ -108,7 +108,7 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
                seed: int = 0, ema: bool = False) -> str:
     """The prompt and ``tokens`` bytes sampled from the latest checkpoint of an LM run (with
     ``ema``: from its params' moving average, ``optimizer.ema``)."""
-    config = _run_config(Path(run_dir))
+    config = saved_config(Path(run_dir))
     if config.model.kind != "transformer" or config.data.kind != "text":
         raise SampleError(f"run {run_dir} trains model.kind={config.model.kind} on data.kind="
                           f"{config.data.kind}; sampling needs a byte-level language model "
@@ -132,7 +132,9 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-def _run_config(run_dir: Path) -> RunConfig:
+def saved_config(run_dir: Path) -> RunConfig:
+    """The resolved config a run directory was trained with (its ``config.yaml``); read by
+    sampling, export and ``init.from``."""
     path = run_dir / rundir.CONFIG
     if not path.is_file():
         raise SampleError(f"{run_dir} is not a run directory (no {rundir.CONFIG}); give the "

@@ -190,9 +190,9 @@ def export_run(run_dir: Path, to: Path, *, merge: bool = False) -> tuple[int, Pa
     """A run's newest readable checkpoint as a GPT-2 model directory: ``(step, to)``. A model
     with LoRA adapters needs ``merge`` (GPT-2's layout has no place for them)."""
     from trainrun.models.transformer import merge_adapters
-    from trainrun.sample import _run_config, latest_params
+    from trainrun.sample import latest_params, saved_config
 
-    config = _run_config(run_dir)
+    config = saved_config(run_dir)
     cfg = config.model
     if cfg.kind != "transformer":
         raise WeightsError(f"run {run_dir} trains model.kind={cfg.kind}; export writes the "

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import trainrun
+from trainrun import rundir
+from trainrun.writers import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 # The settings `trainrun train` makes, before any test starts JAX's backend: in-process runs
@@ -37,3 +40,35 @@ def run_cli(*args: str, devices: int | None = None, timeout: float = 300,
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def losses(run_dir: Path) -> np.ndarray:
+    """A run's training losses in step order, as the float32 values it computed."""
+    return np.array([r["loss"] for r in read_metrics(run_dir / rundir.METRICS)], np.float32)
+
+
+# ---- a tiny GPT-2 from `transformers` (the tests' extra), made here: nothing is downloaded ----
+
+
+def save_tiny_gpt2(path: Path, vocab: int) -> Path:
+    """A random 2-layer, 32-wide GPT-2 with ``vocab`` tokens and 32 positions, written by
+    ``save_pretrained`` to ``path`` (config.json + model.safetensors)."""
+    transformers, torch = _hf()
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=vocab,
+                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def gpt2_logits(path: Path, tokens: np.ndarray) -> np.ndarray:
+    """The logits ``transformers`` computes for ``tokens`` with the model saved at ``path``."""
+    transformers, torch = _hf()
+    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens)).logits.numpy()
+
+
+def _hf():
+    return (pytest.importorskip("transformers", reason="the tests' extra holds transformers"),
+            pytest.importorskip("torch"))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import losses
 
 from trainrun import integrity, rundir
 from trainrun.checkpoint import TMP_MARK, CheckpointError, Checkpoints, leaf_differences
@@ -33,10 +34,6 @@ def train(run_dir: Path, *overrides: str, **kwargs) -> tuple[dict, str]:
 def listing(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
             if p.is_file()}
-
-
-def losses(run_dir: Path) -> np.ndarray:
-    return np.array([r["loss"] for r in read_metrics(run_dir / rundir.METRICS)], np.float32)
 
 
 @pytest.fixture(scope="module")

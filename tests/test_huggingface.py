@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gpt2_logits, save_tiny_gpt2
 
 from trainrun.models import build_model
 from trainrun.models.huggingface import (
@@ -18,27 +19,18 @@ from trainrun.models.huggingface import (
 )
 from trainrun.models.transformer import bind_transformer
 
-transformers = pytest.importorskip("transformers", reason="the tests' extra holds transformers")
-torch = pytest.importorskip("torch")
+pytest.importorskip("transformers", reason="the tests' extra holds transformers")
 
 TOKENS = np.random.default_rng(0).integers(0, 100, (2, 20))
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
-                                     n_positions=32, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    path = tmp_path_factory.mktemp("gpt2")
-    model.save_pretrained(path)
-    return path
+    return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2"), vocab=100)
 
 
 def torch_logits(path) -> np.ndarray:
-    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
-    with torch.no_grad():
-        return model(torch.from_numpy(TOKENS)).logits.numpy()
+    return gpt2_logits(path, TOKENS)
 
 
 def load(path):

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import losses
 
-from trainrun import integrity, rundir
+from trainrun import integrity
 from trainrun.cli import main as cli_main
 from trainrun.config import load_config
 from trainrun.loop import run
-from trainrun.writers import read_metrics
 
 SMALL = ["steps=30", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false"]
 
@@ -23,10 +23,6 @@ def train(run_dir: Path, *overrides: str) -> str:
     out = io.StringIO()
     run(load_config("mlp", [*SMALL, *overrides]), run_dir, out=out)
     return out.getvalue()
-
-
-def losses(run_dir: Path) -> np.ndarray:
-    return np.array([r["loss"] for r in read_metrics(run_dir / rundir.METRICS)], np.float32)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gpt2_logits, save_tiny_gpt2
 
 from trainrun.cli import main
 from trainrun.config import load_config
@@ -23,26 +24,18 @@ from trainrun.precision import policy_from_config
 from trainrun.pretrained import initial_state
 from trainrun.state import init_state
 
-transformers = pytest.importorskip("transformers", reason="the tests' extra holds transformers")
-torch = pytest.importorskip("torch")
+pytest.importorskip("transformers", reason="the tests' extra holds transformers")
 
 TOKENS = np.random.default_rng(1).integers(0, 256, (2, 24))
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256,
-                                     n_positions=32, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("gpt2")
-    transformers.GPT2LMHeadModel(config).save_pretrained(path)
-    return path
+    return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2"), vocab=256)
 
 
 def hf_logits(path) -> np.ndarray:
-    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
-    with torch.no_grad():
-        return model(torch.from_numpy(TOKENS)).logits.numpy()
+    return gpt2_logits(path, TOKENS)
 
 
 def finetune(tmp_path, source, *extra: str):

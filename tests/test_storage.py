@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli_env
+from conftest import cli_env, losses
 
 from trainrun import rundir, storage, writers
 from trainrun.config import load_config
@@ -23,10 +23,6 @@ from trainrun.loop import run
 from trainrun.writers import JsonlWriter, read_metrics
 
 RUN = ["steps=1000", "checkpoint.every=100", "log_every=500"]
-
-
-def losses(run_dir: Path) -> np.ndarray:
-    return np.array([r["loss"] for r in read_metrics(run_dir / rundir.METRICS)], np.float32)
 
 
 def trainrun(*args: str) -> subprocess.CompletedProcess[str]:

@@ -8,8 +8,10 @@ the last half of the text is re-read into a fresh cache and decoding goes on fro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,10 +176,9 @@ def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
                           "it first, e.g. trainrun train --config lm")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
                                            enable_async_checkpointing=False)
-    # Orbax logs a warning for every read-only manager it opens, which is what this is for.
-    logging.getLogger("absl").setLevel(logging.ERROR)
-    with ocp.CheckpointManager(directory, options=options,
-                               item_handlers={"state": ocp.StandardCheckpointHandler()}) as ckpt:
+    with _without_read_only_notice(), ocp.CheckpointManager(
+            directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler()}) as ckpt:
         steps = sorted(ckpt.all_steps(), reverse=True)
         if not steps:
             raise SampleError(f"{directory} holds no committed checkpoint yet; let the run "
@@ -201,3 +202,19 @@ def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
             return step, state
     raise SampleError(f"no checkpoint in {directory} can be read ("
                       + "; ".join(f"step {s}: {why}" for s, why in problems) + ")")
+
+
+@contextlib.contextmanager
+def _without_read_only_notice() -> Iterator[None]:
+    """Orbax logs a warning for every read-only manager it opens, which is what reading a run's
+    checkpoint is: that record is dropped while it is open, the process's logging left as is."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "is read only" not in record.getMessage()
+
+    absl = logging.getLogger("absl")
+    absl.addFilter(keep)
+    try:
+        yield
+    finally:
+        absl.removeFilter(keep)

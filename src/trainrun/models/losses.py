@@ -76,8 +76,9 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
                   "weight": counted}
 
 
-def _head_logits(features: jax.Array, embedding: jax.Array) -> jax.Array:
-    """``features @ embedding.T`` with float32 accumulation and output."""
+def tied_head_logits(features: jax.Array, embedding: jax.Array) -> jax.Array:
+    """``features @ embedding.T`` with float32 accumulation and output: a tied output head's
+    logits (operands in the compute dtype)."""
     return jax.lax.dot_general(features, embedding, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
@@ -93,7 +94,7 @@ def _chunks(x: jax.Array, chunk: int, count: int, fill: int | float = 0) -> jax.
 def _chunk_forward(features: jax.Array, embedding: jax.Array, targets: jax.Array):
     """Per token of one chunk: log-sum-exp, loss, whether the argmax is the target; and the
     chunk's logits. Padded rows (target -1) have loss and hit 0."""
-    logits = _head_logits(features, embedding)
+    logits = tied_head_logits(features, embedding)
     lse = jax.nn.logsumexp(logits, axis=-1)
     valid = targets >= 0
     picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
@@ -149,7 +150,7 @@ def _head_cross_entropy_bwd(chunk, count, residuals, cotangents):
     else:
         def body(total, part):
             part_features, part_targets, part_lse = part
-            part_logits = _head_logits(part_features, embedding)
+            part_logits = tied_head_logits(part_features, embedding)
             d_features, d_embedding = grads(part_features, part_targets, part_lse, part_logits)
             return total + d_embedding, d_features
 

@@ -31,7 +31,7 @@ from flax import nnx
 
 from trainrun.config import LoraConfig, TransformerModel
 from trainrun.models.adapters import Model, bind_params, from_nnx
-from trainrun.models.losses import LN2, next_token_from_features
+from trainrun.models.losses import LN2, next_token_from_features, tied_head_logits
 from trainrun.precision import float32_dot
 
 PyTree = Any
@@ -265,8 +265,7 @@ class Transformer(nnx.Module):
         ``KV`` per layer for decoding, returned updated; None for training."""
         batch, chunk = tokens.shape
         x, new_cache = self.features(tokens, key, cache, pos)
-        logits = jax.lax.dot_general(x, self.embed.embedding[...], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+        logits = tied_head_logits(x, self.embed.embedding[...])
         return logits.reshape(batch, chunk, -1), new_cache
 
     def features(self, tokens: jax.Array, key: jax.Array | None = None,

@@ -20,9 +20,12 @@ $(STAMP): pyproject.toml requirements.lock requirements-bench.lock
 train: $(STAMP)
 	$(BIN)/trainrun train $(ARGS)
 
+# One pytest worker per core (pytest-xdist), four at most: most tests wait on a compile or a
+# subprocess, so two workers on a 2-core machine took the suite from 862 s to 583 s.
+TEST_WORKERS ?= -n auto --maxprocesses 4
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks

@@ -23,8 +23,7 @@ import jax
 import numpy as np
 
 from trainrun.config import RunConfig, load_config
-from trainrun.data import batch_iterator, build_dataset
-from trainrun.dispatch import stack_batches
+from trainrun.data import batch_iterator, build_dataset, stack_batches
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.process import configure_process

@@ -33,8 +33,8 @@ import optax
 import trainrun
 from trainrun import packing
 from trainrun.config import load_config
-from trainrun.data import batch_iterator, build_dataset
-from trainrun.dispatch import CompiledSteps, stack_batches
+from trainrun.data import batch_iterator, build_dataset, stack_batches
+from trainrun.dispatch import CompiledSteps
 from trainrun.loop import run
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer

@@ -13,10 +13,12 @@ import pytest
 from trainrun.config import ArrayData, DigitsData, TextData, TokenData, load_config
 from trainrun.data import (
     ArrayBatches,
+    BatchCursor,
     DataError,
     batch_iterator,
     build_dataset,
     build_eval_dataset,
+    stack_batches,
     token_windows,
 )
 from trainrun.data.text import corpus_files, stdlib_patterns
@@ -81,6 +83,43 @@ def test_two_processes_read_disjoint_halves_that_make_the_global_batch(shuffle, 
               for i in range(2)]
     assert np.array_equal(np.concatenate(halves), whole[5]["tokens"])
     assert halves[0].shape == (4, 17)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_k_batches_in_one_gather_are_the_k_batches_read_one_by_one(shuffle, tmp_path):
+    tokens = tmp_path / "t.bin"
+    np.arange(3000, dtype=np.uint16).tofile(tokens)
+    memmapped = build_dataset(TokenData(train=str(tokens), seq_len=16, batch_size=8,
+                                        shuffle=shuffle), seed=2, process_index=1,
+                              process_count=2)
+    n = 50
+    in_memory = ArrayBatches({"id": np.arange(n), "x": np.arange(n * 3.0).reshape(n, 3)}, 8,
+                             shuffle=shuffle, seed=7)
+    for data in (in_memory, memmapped):
+        cursor, one_by_one = BatchCursor(data), BatchCursor(data)
+        assert cursor.stacked is not None  # the gather is what is tested, not the fallback
+        for k in (1, 4, 13, 7):  # 6 batches an epoch: calls within and across epochs
+            got, want = cursor.take(k), stack_batches([next(one_by_one) for _ in range(k)])
+            assert got.keys() == want.keys()
+            for name in want:
+                assert got[name].dtype == want[name].dtype
+                assert got[name].shape == want[name].shape and got[name].shape[0] == k
+                assert got[name].tobytes() == want[name].tobytes()
+                assert type(got[name]) is np.ndarray  # read from the file here, not later
+        assert cursor.get_state() == one_by_one.get_state() == {"next_index": 25}
+
+
+def test_a_subclass_reading_its_own_batches_is_read_through_its_getitem():
+    class Doubled(ArrayBatches):
+        def __getitem__(self, index):
+            return {k: 2 * v for k, v in super().__getitem__(index).items()}
+
+    arrays = {"id": np.arange(40)}
+    plain = ArrayBatches(arrays, 4, shuffle=True, seed=0)
+    cursor = BatchCursor(Doubled(arrays, 4, shuffle=True, seed=0))
+    assert cursor.stacked is None
+    got = cursor.take(3)["id"]
+    assert np.array_equal(got, 2 * np.stack([plain[i]["id"] for i in range(3)]))
 
 
 def test_token_file_windows_are_consecutive_spans(tmp_path):

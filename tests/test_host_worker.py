@@ -11,8 +11,8 @@ import pytest
 
 from trainrun import setup
 from trainrun.config import load_config
+from trainrun.data import stack_batches
 from trainrun.data.pipeline import ArrayBatches, BatchCursor
-from trainrun.dispatch import stack_batches
 from trainrun.host_worker import BatchPrefetch, HostWorker
 from trainrun.loop import run
 

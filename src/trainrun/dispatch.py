@@ -26,16 +26,6 @@ Batch = Any
 MAX_PENDING_CALLS = 256  # bounds how stale unread metrics get between log points
 
 
-def stack_batches(batches: list[Batch]) -> Batch:
-    """K host batches -> one batch whose leaves are ``[K, ...]`` (a single host copy). A dict
-    of arrays (every built-in source) is stacked directly: ``jax.tree.map`` over K trees cost
-    more than the copy on the default MLP."""
-    first = batches[0]
-    if type(first) is dict and all(isinstance(v, np.ndarray) for v in first.values()):
-        return {name: np.stack([b[name] for b in batches]) for name in first}
-    return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)
-
-
 def pack_metrics(metrics: dict[str, jax.Array]) -> jax.Array:
     """Scalar metrics -> one float32 array ``[..., n]`` (names sorted): one transfer per call
     instead of one per metric. Counts stay exact below 2**24."""

@@ -16,8 +16,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from trainrun.dispatch import stack_batches
-
 Batch = Any
 
 
@@ -84,10 +82,6 @@ class BatchPrefetch:
         self.ahead: tuple[int, int, Future] | None = None
         self.hits = 0  # batches taken that were made ahead
 
-    def _stack(self, start: int, k: int) -> Batch:
-        dataset = self.cursor.dataset
-        return stack_batches([dataset[i] for i in range(start, start + k)])
-
     def take(self, k: int) -> Batch:
         start = self.cursor.next_index
         ahead, self.ahead = self.ahead, None
@@ -95,11 +89,11 @@ class BatchPrefetch:
             batch = ahead[2].result()
             self.hits += 1
         else:
-            batch = self._stack(start, k)
+            batch = self.cursor.read(start, k)
         self.cursor.next_index = start + k
         return batch
 
     def prepare(self, k: int) -> None:
         """Start making the ``k`` batches after those already taken."""
         start = self.cursor.next_index
-        self.ahead = (start, k, self.worker.submit(lambda: self._stack(start, k)))
+        self.ahead = (start, k, self.worker.submit(lambda: self.cursor.read(start, k)))

@@ -28,8 +28,14 @@ from trainrun.checkpoint import Checkpoints, checkpoint_dir
 from trainrun.checkpoint_policy import CheckpointHook, CheckpointPolicy
 from trainrun.config import ConfigError, RunConfig
 from trainrun.console import Console, make_console
-from trainrun.data import BatchCursor, batch_iterator, build_dataset, build_eval_dataset
-from trainrun.dispatch import CompiledSteps, MetricsReader, PendingCall, stack_batches
+from trainrun.data import (
+    BatchCursor,
+    batch_iterator,
+    build_dataset,
+    build_eval_dataset,
+    stack_batches,
+)
+from trainrun.dispatch import CompiledSteps, MetricsReader, PendingCall
 from trainrun.evaluation import EvalHook, Evaluator
 from trainrun.host_worker import BatchPrefetch, HostWorker
 from trainrun.metric_log import MetricLog
@@ -104,6 +110,8 @@ class Run:
             batch = next(self.batches)
         elif self.prefetch is not None:  # made on the worker during the previous call
             batch = self.prefetch.take(k)
+        elif isinstance(self.batches, BatchCursor):  # k batches in one gather
+            batch = self.batches.take(k)
         else:
             batch = stack_batches([next(self.batches) for _ in range(k)])
         self.last_batch = batch = self.placement.put(batch)

@@ -13,6 +13,7 @@ from trainrun.data.pipeline import (
     DataError,
     batch_iterator,
     eval_batches,
+    stack_batches,
     token_windows,
 )
 
@@ -71,4 +72,4 @@ def build_eval_dataset(cfg, batch_size: int | None = None, process_index: int = 
 
 
 __all__ = ["ArrayBatches", "BatchCursor", "DataError", "MixtureBatches", "batch_iterator",
-           "build_dataset", "build_eval_dataset", "eval_batches", "token_windows"]
+           "build_dataset", "build_eval_dataset", "eval_batches", "stack_batches", "token_windows"]

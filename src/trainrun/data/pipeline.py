@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 import mmap
 from collections.abc import Mapping
+from typing import Any
 
 import grain
+import jax
 import numpy as np
 
 from trainrun.errors import UserError
@@ -85,7 +87,26 @@ class ArrayBatches(grain.MapDataset):
             return {name: np.array(a[rows]) if self.copy[name] else a[rows]
                     for name, a in self.arrays.items()}
         idx = order[start:start + self.batch_size][self.rows]
-        return {name: a[idx] for name, a in self.arrays.items()}
+        return {name: _gather(a, idx) for name, a in self.arrays.items()}
+
+    def stacked(self, start: int, k: int) -> Batch:
+        """Batches ``start .. start + k - 1`` stacked ``[k, rows, ...]``: what
+        ``stack_batches`` of them gives, with one gather per array."""
+        epochs, positions = np.divmod(np.arange(start, start + k), self.batches_per_epoch)
+        idx = (positions[:, None] * self.batch_size
+               + np.arange(self.rows.start, self.rows.stop)[None, :])
+        if self.shuffle:
+            for epoch in np.unique(epochs).tolist():
+                in_epoch = epochs == epoch
+                idx[in_epoch] = self._order(epoch)[idx[in_epoch]]
+        return {name: _gather(a, idx) for name, a in self.arrays.items()}
+
+
+def _gather(array: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``array[idx]`` (rows of axis 0) as a plain in-memory array. ``np.take`` gathers whole
+    rows: ten default-MLP batches (2,560 rows of 8 float32) in 3.4 µs where ``array[idx]`` took
+    27 µs."""
+    return np.asarray(np.take(array, idx, axis=0))
 
 
 def _needs_copy(array: np.ndarray) -> bool:
@@ -135,6 +156,9 @@ class BatchCursor:
     def __init__(self, dataset: grain.MapDataset):
         self.dataset = dataset
         self.next_index = 0
+        # K batches in one gather, unless a subclass reads its batches its own way
+        self.stacked = (dataset.stacked if isinstance(dataset, ArrayBatches)
+                        and type(dataset).__getitem__ is ArrayBatches.__getitem__ else None)
 
     def __iter__(self) -> BatchCursor:
         return self
@@ -144,11 +168,35 @@ class BatchCursor:
         self.next_index = index + 1
         return self.dataset[index]
 
+    def read(self, start: int, k: int) -> Batch:
+        """Batches ``start .. start + k - 1`` stacked ``[k, ...]``, the position left where it
+        is (a batch is a function of its index: it can be made ahead)."""
+        if self.stacked is not None:
+            return self.stacked(start, k)
+        return stack_batches([self.dataset[i] for i in range(start, start + k)])
+
+    def take(self, k: int) -> Batch:
+        """The next ``k`` batches, stacked ``[k, ...]``."""
+        batch = self.read(self.next_index, k)
+        self.next_index += k
+        return batch
+
     def get_state(self) -> dict[str, int]:
         return {"next_index": self.next_index}
 
     def set_state(self, state: Mapping[str, int]) -> None:
         self.next_index = int(state["next_index"])
+
+
+def stack_batches(batches: list[Any]) -> Any:
+    """K host batches -> one batch whose leaves are ``[K, ...]`` (a single host copy). A dict
+    of arrays (every built-in source) is stacked directly: ``jax.tree.map`` over K trees cost
+    more than the copy on the default MLP."""
+    first = batches[0]
+    if type(first) is dict and all(isinstance(v, np.ndarray) for v in first.values()):
+        return {name: np.stack([b[name] for b in batches]) for name in first}
+    return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)
+
 
 
 def batch_iterator(dataset: grain.MapDataset,

@@ -198,7 +198,6 @@ def stack_batches(batches: list[Any]) -> Any:
     return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)
 
 
-
 def batch_iterator(dataset: grain.MapDataset,
                    prefetch_threads: int = 0) -> grain.DatasetIterator | BatchCursor:
     """A checkpointable iterator (``get_state``/``set_state``) over ``dataset``.

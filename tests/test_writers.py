@@ -19,6 +19,7 @@ from trainrun.loop import run
 from trainrun.writers import (
     TENSORBOARD_DIR,
     JsonlWriter,
+    Table,
     TensorBoardWriter,
     build_output,
     read_metrics,
@@ -82,7 +83,8 @@ def test_progress_bar_on_a_terminal(tmp_path):
 def test_only_process_zero_writes(tmp_path):
     console = ConsoleLog(10, 1, io.StringIO())
     output = build_output(tmp_path, console, log_every=5, total_steps=10, primary=False)
-    output.write_rows([(5, {"loss": 1.0, "lr": 0.1})])
+    row = Table(5, ["loss", "lr"], np.float32([[1.0, 0.1]]))
+    output.write_table(row)
     output.write_window(5, 5, 1e-3, 1)
     output.close()
     assert list(tmp_path.iterdir()) == []
@@ -90,9 +92,11 @@ def test_only_process_zero_writes(tmp_path):
 
     output = build_output(tmp_path, ConsoleLog(10, 1, io.StringIO()), log_every=5,
                           total_steps=10, primary=True)
-    output.write_rows([(5, {"loss": 1.0, "lr": 0.1})])
+    output.write_table(row)
     output.close()
-    assert read_metrics(tmp_path / rundir.METRICS) == [{"step": 5, "loss": 1.0, "lr": 0.1}]
+    [record] = read_metrics(tmp_path / rundir.METRICS)
+    assert record == {"step": 5, "loss": 1, "lr": 0.100000001}  # float32 0.1 to 9 digits
+    assert np.float32(record["lr"]) == np.float32(0.1)
 
 
 def _wandb_history(path) -> list[dict]:
@@ -157,6 +161,29 @@ def test_jsonl_lines_are_what_json_dumps_writes(tmp_path):
                 {"step": 2, "loss": None, "grad_norm": None, "nonfinite": ["loss", "grad_norm"]},
                 {"step": 3, "split": "eval", "loss": 1e-300, "accuracy": 0.5}]
     assert (tmp_path / "m.jsonl").read_text() == "".join(json.dumps(e) + "\n" for e in expected)
+
+
+def test_a_table_of_float32_rows_reads_back_bit_for_bit(tmp_path):
+    # Random bit patterns: every exponent, denormals, both zeros, NaN and inf; the short text
+    # of write_table (9 digits) must read back to the very float32 the device produced.
+    bits = np.random.default_rng(0).integers(0, 2**32, (2000, 5), dtype=np.uint64)
+    values = bits.astype(np.uint32).view(np.float32)
+    values[0] = [-0.0, 0.0, 1.0, np.finfo(np.float32).max, np.finfo(np.float32).smallest_subnormal]
+    values[1, :3] = [np.nan, np.inf, -np.inf]
+    names = ["a", "b", "c", "d", "e"]
+    writer = JsonlWriter(tmp_path / "m.jsonl")
+    writer.write_table(Table(7, names, values))
+    writer.close()
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in records] == list(range(7, 7 + len(values)))
+    read = np.array([[np.nan if r[n] is None else r[n] for n in names] for r in records],
+                    np.float32)
+    finite = np.isfinite(values)
+    assert (read[finite].view(np.uint32) == values[finite].view(np.uint32)).all()
+    assert np.isnan(read[~finite]).all()  # written as null and named
+    assert records[1]["nonfinite"] == ["a", "b", "c"]
+    assert str(records[0]["a"]) == "-0.0" and np.signbit(read[0, 0])
+    assert sum(np.isfinite(values).all(axis=1)) > 1500  # most rows took the template
 
 
 def test_a_resumed_run_replaces_the_tensorboard_steps_it_redoes(tmp_path):

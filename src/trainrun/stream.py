@@ -21,14 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from trainrun.writers import RunOutput
+from trainrun.writers import RunOutput, Table
 
 StepFn = Callable[[Any, Any], tuple[Any, dict[str, jax.Array]]]
-Emit = Callable[[int, dict[str, float]], None]
+Emit = Callable[[Table], None]
 
 
 def streamed(step: StepFn, emit: Emit) -> StepFn:
-    """``step`` that also sends ``(new step number, metrics)`` to ``emit`` on the host.
+    """``step`` that also sends each step's metrics to ``emit`` on the host, as a one-row
+    ``Table`` (the new step number, the float32 row).
 
     The metrics travel as one float32 row (names sorted), as the loop's reads pack them: one
     host transfer per step instead of one per metric (about 2.5x cheaper on CPU), and the
@@ -41,7 +42,7 @@ def streamed(step: StepFn, emit: Emit) -> StepFn:
         row = jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in names])
 
         def to_host(step_number: np.ndarray, values: np.ndarray) -> None:
-            emit(int(step_number), dict(zip(names, values.tolist(), strict=True)))
+            emit(Table(int(step_number), names, values.reshape(1, -1)))
 
         io_callback(to_host, None, state.step, row, ordered=True)
         return state, metrics
@@ -57,7 +58,7 @@ class MetricStream:
         self.last_step: int | None = None
         self.received = 0
 
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        self.last_step = step
+    def __call__(self, row: Table) -> None:
+        self.last_step = row.first
         self.received += 1
-        self.output.write_rows([(step, metrics)])
+        self.output.write_table(row)  # the very text the loop's reads write

@@ -70,18 +70,27 @@ class Table:
 
 
 def _number(value: float) -> float | None:
-    # float32 -> Python float is exact and json writes the shortest repr that reads back to the
-    # same double, so np.float32(loaded) == the value the device produced, bit for bit.
     # JSON has no NaN/inf: they are written as null (and named in the line's "nonfinite").
     return value if math.isfinite(value) else None
+
+
+def float32_text(value: float) -> str:
+    """A float32 value as text that reads back to it: 9 significant digits always suffice
+    (IEEE 754's round-trip figure for binary32), so np.float32(loaded) == the value the device
+    produced, bit for bit (a negative zero keeps its sign: "-0.0", not the integer "-0")."""
+    text = f"{value:.9g}"
+    return "-0.0" if text == "-0" else text
 
 
 class JsonlWriter:
     """``metrics.jsonl``: one JSON object per step (and per eval), appended.
 
-    A line is what ``json.dumps`` writes for ``{"step": ..., "split": ..., **metrics}``, put
-    together from cached key strings and ``float.__repr__`` (json's own float format): about 4x
-    cheaper per step, which matters when a step is ~50 µs.
+    A line written by ``write`` is what ``json.dumps`` writes for ``{"step": ..., "split": ...,
+    **metrics}``, put together from cached key strings and ``float.__repr__`` (json's own float
+    format): about 4x cheaper per step, which matters when a step is ~50 µs. The training rows
+    of ``write_table`` hold float32 values, written with 9 significant digits (``%.9g``): the
+    fewest that always read back to the same float32, and 2.6x cheaper than ``repr`` of the
+    value as a double (1.4 against 3.5 µs a row of six metrics), whose 17 digits say no more.
 
     Whole lines are buffered (64 KiB) and written with ``os.write``; a write the file system
     refuses part way (a full disk) is cut back to where it began, so the file never ends inside
@@ -109,21 +118,24 @@ class JsonlWriter:
         self._add(self._line(step, metrics, split))
 
     def write_table(self, table: Table, split: str = "train") -> None:
-        """The table's rows; a row of finite values through a ``%`` template: the same text
-        ``write`` gives (``%r`` is ``float.__repr__``)."""
+        """The table's rows (float32 values, ``%.9g``), each through a ``%`` template made once
+        per set of names; a row with a non-finite value (or a negative zero) through ``_line``."""
         names = tuple(table.names)
         template = self.templates.get((split, names))
         if template is None:
             head = '{"step": %d' + (f', "split": {json.dumps(split)}' if split != "train" else "")
-            template = head + "".join(f", {json.dumps(n)}: %r" for n in names) + "}\n"
+            template = head + "".join(f", {json.dumps(n)}: %.9g" for n in names) + "}\n"
             self.templates[split, names] = template
-        finite = np.isfinite(table.values).all(axis=1)
+        values = table.values
+        plain = np.isfinite(values).all(axis=1) & ~(np.signbit(values) & (values == 0)).any(axis=1)
         self._add("".join(
-            template % (table.first + i, *row) if finite[i]
-            else self._line(table.first + i, dict(zip(names, row, strict=True)), split)
+            template % (table.first + i, *row) if plain[i]
+            else self._line(table.first + i, dict(zip(names, row, strict=True)), split,
+                            float32_text)
             for i, row in enumerate(table.values.tolist())))
 
-    def _line(self, step: int, metrics: Mapping[str, float], split: str) -> str:
+    def _line(self, step: int, metrics: Mapping[str, float], split: str,
+              number_format: Any = repr) -> str:
         parts = [f'{{"step": {int(step)}']
         if split != "train":
             parts.append(f', "split": {json.dumps(split)}')
@@ -133,7 +145,7 @@ class JsonlWriter:
             number = _number(value if type(value) is int else float(value))
             if number is None:
                 bad.append(name)
-            parts.append(key + ("null" if number is None else repr(number)))
+            parts.append(key + ("null" if number is None else number_format(number)))
         if bad:
             parts.append(f', "nonfinite": {json.dumps(bad)}')
         parts.append("}\n")
@@ -335,14 +347,6 @@ class RunOutput:
         self.timing = timing
         self.lock = threading.Lock()
         self.last_log = (start_step, time.perf_counter())
-
-    def write_rows(self, rows: Rows, split: str = "train") -> None:
-        with self.lock:
-            for step, metrics in rows:
-                for writer in self.writers:
-                    writer.write(step, metrics, split)
-                if split == "train" and (step % self.log_every == 0 or step == self.total):
-                    self._log_line(step, metrics)
 
     def write_table(self, table: Table, steps_per_s: float | None = None,
                     note: str = "") -> None:

@@ -186,6 +186,39 @@ def test_a_table_of_float32_rows_reads_back_bit_for_bit(tmp_path):
     assert sum(np.isfinite(values).all(axis=1)) > 1500  # most rows took the template
 
 
+def test_event_file_frames_records_as_tensorboardx_does(tmp_path):
+    from tensorboardX.record_writer import RecordWriter, masked_crc32c
+
+    from trainrun.writers import EventFile
+
+    records = [b"", b"x", bytes(range(256)) * 3, b"event" * 1000]
+    ours = EventFile(tmp_path / "ours", masked_crc32c)
+    ours.write(records[:1])
+    ours.write(records[1:])  # several records framed together in one write
+    ours.close()
+    theirs = RecordWriter(str(tmp_path / "theirs"))
+    for data in records:
+        theirs.write(data)
+    theirs.close()
+    assert (tmp_path / "ours").read_bytes() == (tmp_path / "theirs").read_bytes()
+
+
+def test_a_table_reads_back_from_tensorboard_as_float32(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = np.random.default_rng(1).normal(size=(300, 2)).astype(np.float32)
+    writer = TensorBoardWriter(tmp_path)
+    writer.write_table(Table(11, ["a", "b"], values[:100]))
+    writer.write_table(Table(111, ["a", "b"], values[100:]))
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events.Reload()
+    for column, name in enumerate(["a", "b"]):
+        scalars = events.Scalars(f"train/{name}")
+        assert [s.step for s in scalars] == list(range(11, 311))
+        assert np.float32([s.value for s in scalars]).tobytes() == values[:, column].tobytes()
+
+
 def test_a_resumed_run_replaces_the_tensorboard_steps_it_redoes(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -19,11 +19,12 @@ import json
 import math
 import os
 import socket
+import struct
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -185,36 +186,35 @@ def read_metrics(path: Path, split: str = "train") -> list[dict]:
 class TensorBoardWriter:
     """TensorBoard event files in ``logdir``, tags ``<split>/<metric>``: one event per step.
 
-    Events go synchronously through tensorboardX's ``RecordWriter`` (TFRecord framing with
-    checksums), not its ``SummaryWriter``, whose bounded queue hands every scalar to another
-    thread (~100 µs per step); each step's scalars are one serialized ``Event``. A run resumed
-    at step ``s`` starts its file with TensorBoard's restart marker, so steps after ``s`` that
-    an earlier process wrote are dropped from the charts instead of drawn twice.
+    Events are written synchronously (``EventFile``), not through tensorboardX's
+    ``SummaryWriter``, whose bounded queue hands every scalar to another thread (~100 µs per
+    step); each step's scalars are one serialized ``Event``, a table's events one write. A run
+    resumed at step ``s`` starts its file with TensorBoard's restart marker, so steps after
+    ``s`` that an earlier process wrote are dropped from the charts instead of drawn twice.
     """
 
     def __init__(self, logdir: Path, start_step: int = 0):
-        RecordWriter, Event, SessionLog = _tensorboardx()
+        masked_crc32c, Event, SessionLog = _tensorboardx()
         logdir.mkdir(parents=True, exist_ok=True)
         # TensorBoard reads a directory's files in name order: the time (to the µs) keeps a
         # resumed run's file after the earlier one's, even within one second and one process.
         name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
-        self.records = _Named(RecordWriter(str(logdir / name)), logdir / name)
-        self.records.write(Event(wall_time=time.time(),
-                                 file_version="brain.Event:2").SerializeToString())
+        self.records = EventFile(logdir / name, masked_crc32c)
+        first = [Event(wall_time=time.time(), file_version="brain.Event:2")]
         if start_step:  # TensorBoard drops earlier events from this step on: the ones redone
-            restart = SessionLog(status=SessionLog.START)
-            self.records.write(Event(wall_time=time.time(), step=start_step + 1,
-                                     session_log=restart).SerializeToString())
+            first.append(Event(wall_time=time.time(), step=start_step + 1,
+                               session_log=SessionLog(status=SessionLog.START)))
+        self.records.write([event.SerializeToString() for event in first])
         self.encoder = ScalarEventEncoder()
 
     def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
-        self.records.write(self.encoder(step, time.time(), split, list(metrics),
-                                        list(metrics.values())))
+        self.records.write(self.encoder.encode(step, time.time(), split, list(metrics),
+                                               [list(metrics.values())]))
 
     def write_table(self, table: Table, split: str = "train") -> None:
-        now = time.time()  # the rows were read together
-        for i, row in enumerate(table.values.tolist()):
-            self.records.write(self.encoder(table.first + i, now, split, table.names, row))
+        # one wall time: the rows were read together
+        self.records.write(self.encoder.encode(table.first, time.time(), split, table.names,
+                                               table.values.tolist()))
 
     def flush(self) -> None:
         self.records.flush()
@@ -223,37 +223,47 @@ class TensorBoardWriter:
         self.records.close()
 
 
-class _Named:
-    """A record writer whose refused writes name its file (``write()`` raises an ``OSError``
-    with no file name; the run's one-line report needs it)."""
+class EventFile:
+    """An event file as TensorBoard reads it: TFRecords (the length, its masked CRC-32C, the
+    serialized ``Event``, its masked CRC-32C), appended. The checksum is tensorboardX's; the
+    framing is its ``RecordWriter``'s, byte for byte (tests/test_writers.py), with a batch of
+    records framed together and written in one call: 0.5 µs a record against 1.4 through
+    ``RecordWriter.write``, four writes and two Python checksum calls each. Refused writes name
+    the file (the run's one-line report needs it)."""
 
-    def __init__(self, records: Any, path: Path):
-        self.records, self.path = records, path
+    def __init__(self, path: Path, masked_crc32c: Callable[[bytes], int]):
+        self.path = path
+        self.crc = masked_crc32c
+        self.file = open(path, "wb")  # noqa: SIM115  # open for the run's life; close() closes
 
-    def _named(self, err: OSError) -> OSError:
-        return err if err.filename else OSError(err.errno, err.strerror, str(self.path))
-
-    def write(self, data: bytes) -> None:
-        try:
-            self.records.write(data)
-        except OSError as err:
-            raise self._named(err) from err
+    def write(self, records: list[bytes]) -> None:
+        crc, pack = self.crc, struct.pack
+        frames: list[bytes] = []
+        for data in records:
+            length = pack("<Q", len(data))
+            frames += (length, pack("<I", crc(length)), data, pack("<I", crc(data)))
+        self._named(self.file.write, b"".join(frames))
 
     def flush(self) -> None:
-        try:
-            self.records.flush()
-        except OSError as err:
-            raise self._named(err) from err
+        """Written through to the disk (rows before a checkpoint survive a kill)."""
+        self._named(self.file.flush)
+        self._named(os.fsync, self.file.fileno())
 
     def close(self) -> None:
+        if not self.file.closed:
+            self._named(self.file.close)
+
+    def _named(self, operation: Callable[..., Any], *args: Any) -> None:
         try:
-            self.records.close()
+            operation(*args)
         except OSError as err:
-            raise self._named(err) from err
+            if err.filename:
+                raise
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
 
 
 class ScalarEventEncoder:
-    """One step's scalars as a serialized TensorBoard ``Event`` (tensorboardX's protos), tags
+    """Steps' scalars as serialized TensorBoard ``Event``s (tensorboardX's protos), tags
     ``<split>/<metric>``. One message per (split, names) is built once and refilled for each
     step: 5x cheaper than building the messages anew."""
 
@@ -264,34 +274,40 @@ class ScalarEventEncoder:
         self.summary = Summary
         self.events: dict[tuple[str, tuple[str, ...]], tuple[Any, list[Any]]] = {}
 
-    def __call__(self, step: int, wall_time: float, split: str, names: list[str],
-                 values: list[float]) -> bytes:
+    def encode(self, first: int, wall_time: float, split: str, names: list[str],
+               rows: list[list[float]]) -> list[bytes]:
+        """One event per row, steps ``first``, ``first + 1``, ..."""
         key = (split, tuple(names))
         if key not in self.events:
             event = self.event(summary=self.summary(value=[
                 self.summary.Value(tag=f"{split}/{name}", simple_value=0.0) for name in names]))
             self.events[key] = (event, list(event.summary.value))
         event, slots = self.events[key]
-        event.step, event.wall_time = step, wall_time
-        for slot, value in zip(slots, values, strict=True):
-            slot.simple_value = value
-        return event.SerializeToString()
+        event.wall_time = wall_time
+        encoded = []
+        for step, row in enumerate(rows, first):
+            event.step = step
+            for slot, value in zip(slots, row, strict=True):
+                slot.simple_value = value
+            encoded.append(event.SerializeToString())
+        return encoded
 
 
-def _tensorboardx() -> tuple[Any, Any, Any]:
-    """tensorboardX's record writer and event protos. Importing tensorboardX imports torch when
-    it is installed (seconds, for support trainrun never uses), so torch is hidden for that."""
+def _tensorboardx() -> tuple[Callable[[bytes], int], Any, Any]:
+    """tensorboardX's record checksum and event protos. Importing tensorboardX imports torch
+    when it is installed (seconds, for support trainrun never uses), so torch is hidden for
+    that."""
     extras.require("tensorboard", "metrics.tensorboard=true")
     hide = "torch" not in sys.modules
     if hide:
         sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
     try:
         from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.record_writer import RecordWriter
+        from tensorboardX.record_writer import masked_crc32c
     finally:
         if hide:
             del sys.modules["torch"]
-    return RecordWriter, Event, SessionLog
+    return masked_crc32c, Event, SessionLog
 
 
 class WandbWriter:

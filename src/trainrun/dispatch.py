@@ -52,7 +52,16 @@ class CompiledSteps:
         self.one_step = single  # what one step computes (FLOPs per step)
         if stream is not None:  # each step's metrics also leave mid-call (metrics.stream)
             single = streamed(single, stream)
-        step = single if steps_per_call == 1 else make_multi_step(single)
+        self.step = single if steps_per_call == 1 else make_multi_step(single)
+
+        def one_row(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
+            state, metrics = single(state, batch)
+            return state, pack_metrics(metrics)
+
+        # Each step's metrics packed inside the scan's body: the scan then writes one row a
+        # step instead of one value per metric (the default MLP at K=100: 15.8 against 17.6 µs
+        # a step, a scan output costing about 0.4 µs a step).
+        step = one_row if steps_per_call == 1 else make_multi_step(one_row)
         self.abstract = abstract
         # Without the abstract state (a caller holding TrainStates) the calls take TrainStates.
         self.packing = packing = (packing_for(abstract, jax.device_count())
@@ -60,10 +69,9 @@ class CompiledSteps:
 
         def packed_step(carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
             state = packing.unpack(carried) if packing else carried
-            state, metrics = step(state, batch)
-            return packing.pack(state) if packing else state, pack_metrics(metrics)
+            state, rows = step(state, batch)
+            return packing.pack(state) if packing else state, rows
 
-        self.step = step
         if packing is not None:
             self._carry, self._state = jax.jit(packing.pack), jax.jit(packing.unpack)
         if packing is not None or state_sharding is None:  # one device: nothing to pin

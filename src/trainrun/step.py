@@ -171,7 +171,8 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> Gradi
 
 
 def make_multi_step(train_step: StepFn) -> StepFn:
-    """K steps in one call: ``batches`` leaves are ``[K, ...]``; metrics come back ``[K]``."""
+    """K steps in one call: ``batches`` leaves are ``[K, ...]``; each step's metrics come back
+    stacked along a new first axis (``[K]`` per metric, or ``[K, n]`` for a packed row)."""
 
     def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
         return jax.lax.scan(train_step, state, batches)

@@ -62,9 +62,8 @@ def test_dropout_and_shuffled_data_resume_bitwise(cli, tmp_path):
 
 
 def test_k_step_calls_with_batches_made_ahead_resume_bitwise(cli, tmp_path):
-    # K = 100 on shuffled data: each call's batch is stacked on the host worker during the call
-    # before it (calls of 50, cut at the checkpoints); the position a checkpoint saves must
-    # still be that of the steps done.
+    # K = 100 on shuffled data: each call's batches gathered at once (calls of 50, cut at the
+    # checkpoints); the position a checkpoint saves must be that of the steps done.
     result = verify(cli, tmp_path, "steps=300", "steps_per_call=100", "checkpoint.every=50",
                     "data.shuffle=true", "data.batch_size=64", "metrics.tensorboard=false")
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]

@@ -137,10 +137,8 @@ class MetricsReader:
     also closes a timing window (see ``StepTimer``).
     """
 
-    def __init__(self, programs: CompiledSteps, timer: StepTimer, log_every: int,
-                 every_call: bool = False):
+    def __init__(self, programs: CompiledSteps, timer: StepTimer, log_every: int):
         self.programs = programs  # its metric names are known once a program is compiled
-        self.every_call = every_call  # read at every boundary (calls that ran inline)
         self.timer = timer
         self.log_every = log_every
         self.pending: list[PendingCall] = []
@@ -152,8 +150,7 @@ class MetricsReader:
         self.log_due |= end // self.log_every > call.first_step // self.log_every
 
     def due(self) -> bool:
-        return (self.log_due or len(self.pending) >= MAX_PENDING_CALLS
-                or (self.every_call and bool(self.pending)))
+        return self.log_due or len(self.pending) >= MAX_PENDING_CALLS
 
     def read(self) -> Table | None:
         """Block on the pending calls and return the metrics of their steps."""

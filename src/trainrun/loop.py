@@ -99,8 +99,7 @@ def _train(run: Run, hooks: HookRunner) -> Boundary:
             k = hooks.call_size(step)
             batch = run.next_batch(k)
             hooks.before_call(step, k)
-            after = hooks.call_size(step + k) if run.prefetch and step + k < run.config.steps else 0
-            boundary = hooks.after_call(run.call(step, k, batch, after))
+            boundary = hooks.after_call(run.call(step, k, batch))
             step += k
     finally:
         hooks.close()  # a profile trace stops, callbacks are told, however the loop ended

@@ -2,12 +2,9 @@
 (``metrics.jsonl``, TensorBoard, W&B) and its log steps to the console; every timing window to
 ``timing.jsonl``. The console's steps/s at a log line is the step compute of the window that
 line closes (``timing.StepTimer``): what checkpoints, eval and logging cost is in the summary's
-wall-time split, not in the rate.
-
-With a ``worker`` (``host_worker.py``) the rows are written on its thread while the next call
-computes (about 6.5 µs a step for the two files on the default MLP). Everything else that writes
-(eval rows, messages) goes through the same queue, so files and console keep their order;
-``flush`` waits for the queue (before a checkpoint) and is what counts as logging then.
+wall-time split, not in the rate. Rows are written in the loop's thread: on a 2-core CPU a
+second thread for them cost more than it saved at every K measured (BENCHMARKS.md, "Loop
+overhead").
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainrun.host_worker import HostWorker
 from trainrun.timing import StepTimer, Stopwatch, Window
 from trainrun.writers import RunOutput, Table
 
@@ -26,18 +22,17 @@ class MetricLog:
     late, at the boundary after a log step).
 
     streamed: rows already went out from inside the calls (``metrics.stream``); only the
-    timing windows are written here. worker: write on its thread (``finish`` stops it)."""
+    timing windows are written here."""
 
     def __init__(self, output: RunOutput, timer: StepTimer, watch: Stopwatch, batch_size: int,
-                 streamed: bool = False, worker: HostWorker | None = None):
+                 streamed: bool = False):
         self.output = output
         self.timer = timer
         self.watch = watch
         self.batch_size = batch_size
         self.streamed = streamed
         self.last: dict[str, float] = {}  # the newest row read (the run's final metrics)
-        self.ordered = OrderedOutput(self)  # eval rows and messages, in order with the rows
-        self.worker = worker
+        self.ordered = OrderedOutput(self)  # eval rows and messages, timed as logging
 
     def on_table(self, table: Table) -> None:
         self.last = table.row(len(table.values) - 1)
@@ -53,31 +48,19 @@ class MetricLog:
         self.output.write_window(table.last, window.steps, window.per_step_s, self.batch_size)
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` (a write) now, or queue it behind the rows already handed over."""
-        if self.worker is None:
-            start = time.perf_counter()
-            job()
-            self.watch.add("log", time.perf_counter() - start)
-            return
-        self.worker.submit(job)
-
-    def flush(self) -> None:
-        """Every row handed over is in its file (before a checkpoint; a kill right after it
-        loses none of them)."""
+        """Run ``job`` (a write), its time counted as logging."""
         start = time.perf_counter()
-        if self.worker is not None:
-            self.worker.wait()
-        self.output.flush()
+        job()
         self.watch.add("log", time.perf_counter() - start)
 
+    def flush(self) -> None:
+        """Every row written is in its file (before a checkpoint; a kill right after it loses
+        none of them)."""
+        self.submit(self.output.flush)
+
     def finish(self) -> None:
-        """Every row written, the thread stopped, the writers closed (not ``close``: the loop
-        closes hooks before a streamed run's last rows have arrived)."""
-        if self.worker is not None:
-            start = time.perf_counter()
-            worker, self.worker = self.worker, None
-            worker.stop()
-            self.watch.add("log", time.perf_counter() - start)
+        """Every row written, the writers closed (not ``close``: the loop closes hooks before
+        a streamed run's last rows have arrived)."""
         self.output.close()
 
 

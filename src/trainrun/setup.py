@@ -37,7 +37,6 @@ from trainrun.data import (
 )
 from trainrun.dispatch import CompiledSteps, MetricsReader, PendingCall
 from trainrun.evaluation import EvalHook, Evaluator
-from trainrun.host_worker import BatchPrefetch, HostWorker
 from trainrun.metric_log import MetricLog
 from trainrun.models import Model, build_model
 from trainrun.nonfinite import NonFinitePolicy
@@ -52,8 +51,6 @@ from trainrun.stream import MetricStream
 from trainrun.summary import RunSummary
 from trainrun.timing import StepTimer, Stopwatch, provenance
 from trainrun.writers import RunOutput, build_output
-
-WORKER_MIN_STEPS = 100  # steps per call from which host work goes on a worker (measured)
 
 
 @dataclasses.dataclass
@@ -83,22 +80,9 @@ class Run:
     stream: MetricStream | None
     last_batch: Any = None
     metric_log: MetricLog | None = None  # holds the newest metrics row read
-    worker: HostWorker | None = None  # rows and the next batch, beside the calls
-    prefetch: BatchPrefetch | None = None
 
     def reader(self) -> MetricsReader:
-        return MetricsReader(self.programs, self.timer, self.config.log_every,
-                             every_call=self.background_log)
-
-    @property
-    def background_log(self) -> bool:
-        """Host work on a worker beside the calls (``host_worker.py``), where it paid when
-        measured on a 2-core CPU (BENCHMARKS.md, "Loop overhead"): calls of 100 steps and more
-        (default MLP, K=100: 34.1 µs a step with it, 35.2 without; medians 37.0 and 48.8). At
-        K=10 it cost more than it saved (72.6 against 47.9 µs): XLA computes on both cores and
-        the worker takes one from it."""
-        return (self.timer.inline and self.config.steps_per_call >= WORKER_MIN_STEPS
-                and self.primary and self.stream is None)
+        return MetricsReader(self.programs, self.timer, self.config.log_every)
 
     def final_metrics(self) -> dict[str, float]:
         return self.metric_log.last if self.metric_log is not None else {}
@@ -108,8 +92,6 @@ class Run:
         start = time.perf_counter()
         if self.config.steps_per_call == 1:
             batch = next(self.batches)
-        elif self.prefetch is not None:  # made on the worker during the previous call
-            batch = self.prefetch.take(k)
         elif isinstance(self.batches, BatchCursor):  # k batches in one gather
             batch = self.batches.take(k)
         else:
@@ -118,16 +100,13 @@ class Run:
         self.watch.add("data", time.perf_counter() - start)
         return batch
 
-    def call(self, step: int, k: int, batch: Any, after: int = 0) -> PendingCall:
+    def call(self, step: int, k: int, batch: Any) -> PendingCall:
         """Runs steps ``step + 1 .. step + k`` in one call (compiled first if its size is new:
-        compile time stays out of step time). after: the next call's size, when known: its
-        batch is made on the worker meanwhile."""
+        compile time stays out of step time)."""
         first_run = k not in self.programs.programs
         if first_run:
             self.programs.compile(k, self.carried, batch)
             self.output.reset_rate(step)
-        if self.prefetch is not None and after > 0:  # the next batch, while this call computes
-            self.prefetch.prepare(after)
         dispatched = time.perf_counter()
         self.carried, packed = self.programs(k, self.carried, batch)
         if self.timer.inline:  # the call's end, its metrics read: XLA:CPU may still finish a
@@ -227,12 +206,8 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
         run.checkpoints.wait()
         run.checkpoints.close()
 
-    if run.background_log:
-        run.worker = HostWorker()
-        if isinstance(run.batches, BatchCursor):  # batch i is a function of i: made ahead
-            run.prefetch = BatchPrefetch(run.batches, run.worker)
     run.metric_log = log = MetricLog(output, run.timer, watch, run.batch_size,
-                                     streamed=run.stream is not None, worker=run.worker)
+                                     streamed=run.stream is not None)
     output = log.ordered  # every later write goes in order with the rows
     hooks: list[Any] = [
         log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite, before_halt)]

@@ -184,6 +184,13 @@ def test_a_table_of_float32_rows_reads_back_bit_for_bit(tmp_path):
     assert records[1]["nonfinite"] == ["a", "b", "c"]
     assert str(records[0]["a"]) == "-0.0" and np.signbit(read[0, 0])
     assert sum(np.isfinite(values).all(axis=1)) > 1500  # most rows took the template
+    # A row at a time (metrics.stream's path, checked in Python, not numpy): the same text.
+    rows = JsonlWriter(tmp_path / "rows.jsonl")
+    for i in range(40):
+        rows.write_table(Table(7 + i, names, values[i:i + 1]))
+    rows.close()
+    assert (tmp_path / "rows.jsonl").read_text().splitlines() == \
+        (tmp_path / "m.jsonl").read_text().splitlines()[:40]
 
 
 def test_event_file_frames_records_as_tensorboardx_does(tmp_path):

@@ -83,6 +83,15 @@ def float32_text(value: float) -> str:
     return "-0.0" if text == "-0" else text
 
 
+def _templatable(row: list[float]) -> bool:
+    """Whether the ``%.9g`` template writes ``row`` as JSON that reads back exactly: every value
+    finite (a non-finite sum says one is not, or that the sum overflowed: the slow path then)
+    and no negative zero."""
+    if not math.isfinite(sum(row)):
+        return False
+    return 0.0 not in row or all(math.copysign(1.0, x) > 0 for x in row if x == 0)
+
+
 class JsonlWriter:
     """``metrics.jsonl``: one JSON object per step (and per eval), appended.
 
@@ -128,12 +137,17 @@ class JsonlWriter:
             template = head + "".join(f", {json.dumps(n)}: %.9g" for n in names) + "}\n"
             self.templates[split, names] = template
         values = table.values
-        plain = np.isfinite(values).all(axis=1) & ~(np.signbit(values) & (values == 0)).any(axis=1)
+        rows = values.tolist()
+        if len(rows) >= 16:  # vectorized; a row at a time (metrics.stream) in Python: 7.7 -> 2 µs
+            plain = (np.isfinite(values).all(axis=1)
+                     & ~(np.signbit(values) & (values == 0)).any(axis=1)).tolist()
+        else:
+            plain = [_templatable(row) for row in rows]
         self._add("".join(
             template % (table.first + i, *row) if plain[i]
             else self._line(table.first + i, dict(zip(names, row, strict=True)), split,
                             float32_text)
-            for i, row in enumerate(table.values.tolist())))
+            for i, row in enumerate(rows)))
 
     def _line(self, step: int, metrics: Mapping[str, float], split: str,
               number_format: Any = repr) -> str:

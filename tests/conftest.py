@@ -25,7 +25,11 @@ def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        # Simulated devices' collectives rendezvous in threads; on 2 busy cores a thread came
+        # late past XLA:CPU's 40 s default and the process aborted (5 of 20 runs of the sharded
+        # MLP test, 4 at a time; 0 of 12 with this).
+        env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
+                            "--xla_cpu_collective_call_terminate_timeout_seconds=600")
     env.update(extra)
     return env
 

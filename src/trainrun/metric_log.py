@@ -65,7 +65,8 @@ class MetricLog:
 
 
 class OrderedOutput:
-    """What the eval hook and others write, through the metric log (in order with its rows)."""
+    """What the eval hook and others write, through the metric log (its time counted as
+    logging in the wall-time split)."""
 
     def __init__(self, log: MetricLog):
         self.log = log

@@ -208,7 +208,7 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
 
     run.metric_log = log = MetricLog(output, run.timer, watch, run.batch_size,
                                      streamed=run.stream is not None)
-    output = log.ordered  # every later write goes in order with the rows
+    output = log.ordered  # every later write is timed as logging
     hooks: list[Any] = [
         log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite, before_halt)]
     if config.profile.steps and run.primary:

@@ -7,8 +7,9 @@ and to the console; only process 0 of a multi-process run builds any of them.
 
 The loop reads metrics as tables, a window of consecutive steps at a time (``Table``). A writer
 that also has ``write_table`` takes the whole table at once: the JSONL and TensorBoard writers
-format it row by row from a template made once per set of names (about 5 µs a step for both,
-against 12 µs through ``write``), which is most of what the loop costs a fast step.
+format it from a template made once per set of names (about 4.3 µs a step for both, measured
+in one process against 7.4 before; BENCHMARKS.md "Writing metrics"), which is most of what the
+loop costs a fast step.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class JsonlWriter:
             for i, row in enumerate(rows)))
 
     def _line(self, step: int, metrics: Mapping[str, float], split: str,
-              number_format: Any = repr) -> str:
+              number_format: Callable[[float], str] = repr) -> str:
         parts = [f'{{"step": {int(step)}']
         if split != "train":
             parts.append(f', "split": {json.dumps(split)}')

@@ -168,17 +168,14 @@ class BatchCursor:
         self.next_index = index + 1
         return self.dataset[index]
 
-    def read(self, start: int, k: int) -> Batch:
-        """Batches ``start .. start + k - 1`` stacked ``[k, ...]``, the position left where it
-        is (a batch is a function of its index: it can be made ahead)."""
-        if self.stacked is not None:
-            return self.stacked(start, k)
-        return stack_batches([self.dataset[i] for i in range(start, start + k)])
-
     def take(self, k: int) -> Batch:
         """The next ``k`` batches, stacked ``[k, ...]``."""
-        batch = self.read(self.next_index, k)
-        self.next_index += k
+        start = self.next_index
+        if self.stacked is not None:
+            batch = self.stacked(start, k)
+        else:
+            batch = stack_batches([self.dataset[i] for i in range(start, start + k)])
+        self.next_index = start + k  # moved only once the batches are read
         return batch
 
     def get_state(self) -> dict[str, int]:

@@ -194,14 +194,16 @@ def test_a_table_of_float32_rows_reads_back_bit_for_bit(tmp_path):
 
 
 def test_event_file_frames_records_as_tensorboardx_does(tmp_path):
-    from tensorboardX.record_writer import RecordWriter, masked_crc32c
+    from tensorboardX.crc32c import crc32c
+    from tensorboardX.record_writer import RecordWriter
 
     from trainrun.writers import EventFile
 
-    records = [b"", b"x", bytes(range(256)) * 3, b"event" * 1000]
-    ours = EventFile(tmp_path / "ours", masked_crc32c)
+    records = [b"", b"x", bytes(range(256)) * 3, b"event" * 1000, b"y", b"z"]
+    ours = EventFile(tmp_path / "ours", crc32c)
     ours.write(records[:1])
-    ours.write(records[1:])  # several records framed together in one write
+    ours.write(records[1:4])  # several records framed together in one write
+    ours.write_batches([np.frombuffer(b"yz", np.uint8).reshape(2, 1)])  # two of one length
     ours.close()
     theirs = RecordWriter(str(tmp_path / "theirs"))
     for data in records:
@@ -210,13 +212,42 @@ def test_event_file_frames_records_as_tensorboardx_does(tmp_path):
     assert (tmp_path / "ours").read_bytes() == (tmp_path / "theirs").read_bytes()
 
 
+def test_scalar_events_are_the_bytes_protobuf_writes():
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    from trainrun.writers import ScalarEventEncoder
+
+    def protobuf(step, wall, split, names, row):
+        value = [Summary.Value(tag=f"{split}/{n}", simple_value=v)
+                 for n, v in zip(names, row, strict=True)]
+        return Event(wall_time=wall, step=step, summary=Summary(value=value)).SerializeToString()
+
+    bits = np.random.default_rng(2).integers(0, 2**32, (300, 3), dtype=np.uint64)
+    values = bits.astype(np.uint32).view(np.float32)  # NaNs, infs, denormals, both zeros
+    values[0] = [-0.0, np.inf, np.nan]
+    names = ["loss", "n" * 130, "lr"]  # a tag over 127 bytes: a two-byte length
+    encoder = ScalarEventEncoder()
+    # steps whose varint is 0 (step 0 is not written), 1, 2, 3 and 6 bytes long, and tables
+    # that cross from one length to the next
+    for first in [0, 1, 100, 16300, 2**21 - 5, 2**40]:
+        batches = encoder.encode(first, 1764567890.25, "train", names, values)
+        ours = [bytes(record) for batch in batches for record in batch]
+        assert ours == [protobuf(first + i, 1764567890.25, "train", names, row)
+                        for i, row in enumerate(values.tolist())]
+    row = {"step_time_s": 1e-300, "big": 1e300, "count": 3}  # Python numbers: rounded as protobuf
+    [batch] = encoder.encode(7, 2.5, "perf", list(row), [list(row.values())])
+    assert bytes(batch[0]) == protobuf(7, 2.5, "perf", list(row), list(row.values()))
+
+
 def test_a_table_reads_back_from_tensorboard_as_float32(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     values = np.random.default_rng(1).normal(size=(300, 2)).astype(np.float32)
     writer = TensorBoardWriter(tmp_path)
     writer.write_table(Table(11, ["a", "b"], values[:100]))
-    writer.write_table(Table(111, ["a", "b"], values[100:]))
+    writer.write_table(Table(111, ["a", "b"], values[100:105]))  # small: through protobuf
+    writer.write_table(Table(116, ["a", "b"], values[105:]))
     writer.close()
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     events.Reload()

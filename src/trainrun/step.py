@@ -57,9 +57,8 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         grad_norm = global_norm(grads)
         update_norm = global_norm(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
-        # A select, not a branch: one program, and a finite step computes the very same bits.
-        params, opt_state, model_state = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old), (params, opt_state, model_state),
+        params, opt_state, model_state = keep_if_not(
+            finite, (params, opt_state, model_state),
             (state.params, state.opt_state, state.model_state))
         updates_done = state.step - state.nonfinite_steps
         new_state = state.replace(
@@ -168,6 +167,21 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> Gradi
         return loss, aux, grads, model_state
 
     return accumulated
+
+
+def keep_if_not(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` where ``finite``, else ``old``: the same bits either way. On accelerators a
+    select of every leaf (a branch there would wait for the predicate on the host); on CPU a
+    branch, cheaper than a select per leaf when the leaves are small and many (the default MLP
+    at K=100: 16.4 against 17.9 µs a step, 12.8 without a guard)."""
+
+    def select() -> PyTree:
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    def branch() -> PyTree:
+        return jax.lax.cond(finite, lambda: new, lambda: old)
+
+    return jax.lax.platform_dependent(cpu=branch, default=select)
 
 
 def make_multi_step(train_step: StepFn) -> StepFn:

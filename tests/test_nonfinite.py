@@ -36,11 +36,12 @@ def poisoned(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {**batch, "x": x}
 
 
-def test_a_nan_batch_is_skipped_leaving_params_and_optimizer_state_bitwise_unchanged():
+@pytest.mark.parametrize("scanned", [False, True])  # a select of each leaf; a branch on CPU
+def test_a_nan_batch_is_skipped_leaving_params_and_optimizer_state_bitwise_unchanged(scanned):
     model = make_mlp(MLPModel())
     warmup = OptimizerConfig(lr=0.01, schedule={"kind": "warmup", "warmup_steps": 10})
     optimizer = build_optimizer(warmup, total_steps=20)
-    step = jax.jit(make_train_step(model, optimizer))
+    step = jax.jit(make_train_step(model, optimizer, scanned=scanned))
     good, bad = full_batch(), poisoned(full_batch())
 
     s1, _ = step(init_state(model, optimizer, seed=0), good)
@@ -67,8 +68,9 @@ def batches_with_nan_at(step: int, total: int):
         yield poisoned(full_batch()) if s == step else full_batch()
 
 
-def test_skip_counts_the_step_in_the_metrics_and_training_goes_on(tmp_path):
-    config = load_config("mlp", ["steps=20", "log_every=5"])
+@pytest.mark.parametrize("k", [1, 5])
+def test_skip_counts_the_step_in_the_metrics_and_training_goes_on(tmp_path, k):
+    config = load_config("mlp", ["steps=20", "log_every=5", f"steps_per_call={k}"])
     out = io.StringIO()
     run(config, tmp_path / "nan", data=batches_with_nan_at(3, 20), out=out)
     records = read_metrics(tmp_path / "nan" / "metrics.jsonl")
@@ -78,7 +80,8 @@ def test_skip_counts_the_step_in_the_metrics_and_training_goes_on(tmp_path):
 
     # With full batches and a deterministic model, skipping step 3 is exactly a run one step
     # shorter: steps 4..20 reproduce steps 3..19 of a clean run, bit for bit.
-    run(load_config("mlp", ["steps=19"]), tmp_path / "clean", out=io.StringIO())
+    run(load_config("mlp", ["steps=19", f"steps_per_call={k}"]), tmp_path / "clean",
+        out=io.StringIO())
     clean = [r["loss"] for r in read_metrics(tmp_path / "clean" / "metrics.jsonl")]
     assert [r["loss"] for r in records[3:]] == clean[2:]
 

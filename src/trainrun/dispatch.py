@@ -48,7 +48,8 @@ class CompiledSteps:
                  state_sharding: TrainState | None = None,
                  batch_sharding: jax.sharding.Sharding | None = None,
                  stream: MetricStream | None = None):
-        single = make_train_step(model, optimizer, accumulate=accumulate, policy=policy)
+        single = make_train_step(model, optimizer, accumulate=accumulate, policy=policy,
+                                 scanned=steps_per_call > 1)
         self.one_step = single  # what one step computes (FLOPs per step)
         if stream is not None:  # each step's metrics also leave mid-call (metrics.stream)
             single = streamed(single, stream)

@@ -19,8 +19,9 @@ from trainrun.writers import read_metrics
 
 
 class Recorder(trainrun.Callback):
-    def __init__(self, every: int = 0):
+    def __init__(self, every: int = 0, every_boundary: bool = True):
         self.every = every
+        self.every_boundary = every_boundary
         self.steps: list[int] = []
         self.rows: list[int] = []
         self.read_through: list[int] = []  # the newest row seen at each boundary
@@ -60,6 +61,21 @@ def test_a_callback_sees_every_boundary_in_order_and_every_row_once(tmp_path, mo
     assert every_call.rows == every_seventh.rows == list(range(1, 26))  # in order, once each
     assert every_seventh.read_through == ends  # at its steps, the rows up to that very step
     assert every_call.closed and every_seventh.closed
+
+
+def test_calls_run_back_to_back_between_the_boundaries_the_hooks_need(tmp_path, monkeypatch):
+    # K=1, log_every=10: rows are read one call late, so with no hook asking for every call
+    # the host stops after steps 11, 21, 31 (the reads) and 35 (the end) only.
+    sizes = call_sizes(monkeypatch)
+    quiet, every_call = Recorder(every_boundary=False), Recorder()
+    config = load_config("mlp", ["steps=35", "log_every=10"])
+    trainrun.run(config, tmp_path / "quiet", out=io.StringIO(), callbacks=[quiet])
+    assert sizes == [1] * 35
+    assert quiet.steps == [11, 21, 31, 35]
+    assert quiet.rows == list(range(1, 36))  # every row once, in order
+    trainrun.run(config, tmp_path / "every", out=io.StringIO(), callbacks=[every_call])
+    assert every_call.steps == list(range(1, 36))
+    assert every_call.rows == quiet.rows
 
 
 def test_a_callback_that_asks_for_every_step_makes_calls_of_one_step_and_says_so(

@@ -12,6 +12,7 @@ import pytest
 import trainrun
 from trainrun import checkpoint_policy, rundir
 from trainrun.config import load_config
+from trainrun.dispatch import CompiledSteps
 from trainrun.timing import StepTimer
 
 
@@ -44,6 +45,24 @@ def test_steps_or_seconds_whichever_comes_first(tmp_path, monkeypatch):
     jumps = {10: 301.0, 50: 605.0}  # 50 is also a step checkpoint: one save there
     assert saved_steps(tmp_path, monkeypatch, jumps, "checkpoint.every=40",
                        "checkpoint.every_seconds=300") == [10, 40, 50, 80, 100]
+
+
+def test_the_time_is_looked_at_after_every_call_between_boundaries(tmp_path, monkeypatch):
+    # No callback asks for boundaries, so calls run back to back between the reads after log
+    # steps (11, 21, ...); each call takes 10 s of a fake clock: the save lands on step 30.
+    dispatched = []
+    original = CompiledSteps.__call__
+
+    def counted(self, k, carried, batch):
+        dispatched.append(k)
+        return original(self, k, carried, batch)
+
+    monkeypatch.setattr(CompiledSteps, "__call__", counted)
+    monkeypatch.setattr(checkpoint_policy, "now", lambda: 10.0 * sum(dispatched))
+    config = load_config("mlp", ["steps=100", "log_every=10", "checkpoint.keep=10",
+                                 "checkpoint.every_seconds=300"])
+    trainrun.run(config, tmp_path, out=io.StringIO())
+    assert rundir.committed_steps(tmp_path / "checkpoints") == [30, 60, 90, 100]
 
 
 def test_the_default_policy_saves_a_short_run_at_its_end_only(tmp_path, monkeypatch):

@@ -9,6 +9,11 @@ Callbacks run only between calls, so
 K-step calls stay whole; ``every`` asks for boundaries at multiples of a step count (calls are
 cut there), and ``every=1`` makes every call a single step (the run says so).
 
+A callback with ``every`` or with ``every_boundary = False`` asks for no other boundary: it is
+called at the boundaries the run has anyway (its ``every``, metrics reads after log steps,
+evaluations, checkpoints, the end), and the calls between them run back to back, with no host
+work between them (``hooks.py``). The ready ones are such callbacks.
+
 Ready ones: ``EarlyStopping`` on an eval metric and ``MetricLogger`` (every row to a function of
 yours). Keeping the best checkpoint is a config key, ``checkpoint.keep_best``.
 """
@@ -30,10 +35,13 @@ class Callback:
     """Subclass and override ``at_boundary``.
 
     every: boundaries at every multiple of this many steps (calls end there, and the metrics
-        of those steps are read before the callback runs); 0: the boundaries the run has.
+        of those steps are read before the callback runs); 0: none of its own.
+    every_boundary: with ``every`` 0, a boundary after every call (True), or only the ones the
+        run has anyway (False). Every row still reaches ``boundary.table`` once, in order.
     """
 
     every: int = 0
+    every_boundary: bool = True
 
     def at_boundary(self, boundary: Boundary) -> None:
         """Called at every boundary, in step order."""
@@ -54,6 +62,7 @@ class CallbackHook:
     def __init__(self, callback: Callback, watch: Stopwatch | None = None):
         self.callback = callback
         self.every = int(getattr(callback, "every", 0) or 0)
+        self.every_boundary = not self.every and getattr(callback, "every_boundary", True)
         self.watch = watch or Stopwatch()
         self.unseen: list[Table] = []
 
@@ -87,6 +96,8 @@ class EarlyStopping(Callback):
     min_delta: an improvement smaller than this does not count.
     """
 
+    every_boundary = False  # acts at evaluations only, which are boundaries anyway
+
     def __init__(self, metric: str = "eval/loss", patience: int = 3, *, mode: str = "min",
                  min_delta: float = 0.0):
         split, _, self.name = metric.partition("/")
@@ -116,6 +127,8 @@ class MetricLogger(Callback):
     """Every metrics row the run reads, handed to ``write(step, split, metrics)``: training rows
     (``split`` "train") as they are read, in step order, each once, and evaluations ("eval").
     For a tracker of your own; ``names`` limits the metrics passed."""
+
+    every_boundary = False  # rows come at the reads, which are boundaries anyway
 
     def __init__(self, write: Callable[[int, str, dict[str, float]], None],
                  names: list[str] | None = None):

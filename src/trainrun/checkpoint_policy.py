@@ -71,6 +71,15 @@ class CheckpointPolicy:
             return bool(multihost_utils.broadcast_one_to_all(np.bool_(late)))
         return self.clock() - self.last_save >= self.every_seconds
 
+    def poll(self, step: int) -> bool:
+        """Whether the boundary at ``step`` must ask ``due`` for the time: past the interval
+        (one process), or at the next look at the time (several: the same steps on all)."""
+        if not self.every_seconds:
+            return False
+        if self.shared:
+            return step // self.check_every != self.checked // self.check_every
+        return self.clock() - self.last_save >= self.every_seconds
+
     def saved(self) -> None:
         self.last_save = self.clock()
 
@@ -92,8 +101,13 @@ class CheckpointHook:
         self.watch = watch
         self.best_name = keep_best.partition("/")[2] if keep_best else None
 
+    every_boundary = False  # its steps, its clock (poll), evaluations and the end
+
     def steps_to_next(self, step: int) -> int | None:
         return self.policy.steps_to_next(step)
+
+    def poll(self, step: int) -> bool:
+        return self.policy.poll(step)
 
     def at_boundary(self, boundary: Boundary) -> None:
         scored = self.best_name is not None and boundary.eval is not None

@@ -153,6 +153,14 @@ class MetricsReader:
     def due(self) -> bool:
         return self.log_due or len(self.pending) >= MAX_PENDING_CALLS
 
+    def calls_to_read(self, step: int, k: int) -> int:
+        """Calls of ``k`` steps from ``step`` until the boundary that reads: the one after the
+        call that passes the next log step (one call late), or after the pending limit."""
+        if self.due():
+            return 1
+        next_log = (step // self.log_every + 1) * self.log_every
+        return min(-(-(next_log - step) // k) + 1, MAX_PENDING_CALLS - len(self.pending))
+
     def read(self) -> Table | None:
         """Block on the pending calls and return the metrics of their steps."""
         if not self.pending:

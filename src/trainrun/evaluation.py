@@ -89,6 +89,8 @@ class EvalHook:
         self.total = total
         self.params = params  # "live": the state's params; "ema": their moving average
 
+    every_boundary = False  # its steps (steps_to_next) only
+
     def steps_to_next(self, step: int) -> int:
         return self.evaluator.steps_to_next(step, self.total)
 

@@ -9,7 +9,14 @@ count that call reached, and every hook sees every boundary, in the order the ru
 A hook says how many steps until it next needs a boundary (``steps_to_next``: an eval or a
 checkpoint step), so call sizes come from the hooks: a call ends at the nearest such step and
 K-step calls are otherwise left whole. A hook that acts on time or on a signal (a checkpoint
-every N seconds, SIGTERM) acts at whichever boundary comes first.
+every N seconds, SIGTERM) says so through ``poll``, asked after every call.
+
+When every hook that acts at boundaries says when it needs one (``every_boundary = False``,
+with ``steps_to_next`` and ``poll``), the calls between those boundaries run back to back
+(``Run.calls``) and the hooks act only where one is needed: at a hook's step, at the read after
+a log step, when a poll asks, at the end. A hook without that promise (a callback with no
+``every`` that keeps ``every_boundary``) gets a boundary after every call. On the default MLP
+at K=1 the boundaries cost about a quarter of the step (BENCHMARKS.md, "Loop overhead").
 
 Metrics are read one call late: the boundary after call ``i`` reads calls up to ``i - 1``, at log
 points only, so the device is never left idle for the host. A hook that needs this very step
@@ -34,8 +41,12 @@ class Hook(Protocol):
     """What a hook may implement; each method is optional and looked up once, so a hook pays
     only for what it does (a step is ~40 µs on the default MLP; every method call counts).
     Also: ``on_table(table)`` (every table of training metrics, in step order, as it is read),
-    ``before_call(step, k)`` (before the call that runs steps ``step + 1 .. step + k``) and
-    ``close()`` (once, however the run ends)."""
+    ``before_call(step, k)`` (before the call that runs steps ``step + 1 .. step + k``),
+    ``poll(step)`` (after each call: whether the hook needs a boundary at ``step`` for a
+    reason ``steps_to_next`` could not foresee; the same answer on every host),
+    ``every_boundary`` (False: ``at_boundary`` needs only the boundaries its ``steps_to_next``
+    and ``poll`` ask for, and the run's last; a hook with ``at_boundary`` or ``before_call``
+    and without it gets every call's) and ``close()`` (once, however the run ends)."""
 
     def steps_to_next(self, step: int) -> int | None:
         """Steps from ``step`` until this hook needs a boundary; None: none of its own."""
@@ -117,6 +128,9 @@ class HookRunner:
         self.before = [h.before_call for h in hooks if hasattr(h, "before_call")]
         self.schedules = [h.steps_to_next for h in hooks if hasattr(h, "steps_to_next")]
         self.acting = [h.at_boundary for h in hooks if hasattr(h, "at_boundary")]
+        self.polls = [h.poll for h in hooks if hasattr(h, "poll")]
+        self.every_call = any(getattr(h, "every_boundary", True) for h in hooks
+                              if hasattr(h, "at_boundary") or hasattr(h, "before_call"))
 
     def call_size(self, step: int) -> int:
         """Steps in the next call: K, cut at the nearest step a hook needs a boundary."""
@@ -127,17 +141,40 @@ class HookRunner:
                 k = wanted
         return k
 
+    def calls_to_boundary(self, step: int, k: int) -> int:
+        """Calls of ``k`` steps from ``step`` before the next boundary a hook or a read needs:
+        1 when some hook needs every call's; else up to the nearest step a hook named and to
+        the read after the next log step (``MetricsReader.calls_to_read``)."""
+        if self.every_call:
+            return 1
+        calls = (self.total - step) // k
+        for steps_to_next in self.schedules:
+            wanted = steps_to_next(step)
+            if wanted:
+                calls = min(calls, wanted // k)
+        return max(1, min(calls, self.reader.calls_to_read(step, k)))
+
+    def poll(self, step: int) -> bool:
+        """Whether a hook needs a boundary at ``step`` (a signal, a clock)."""
+        for poll in self.polls:  # noqa: SIM110  # asked after every call: no generator
+            if poll(step):
+                return True
+        return False
+
     def before_call(self, step: int, k: int) -> None:
         for before in self.before:
             before(step, k)
 
-    def after_call(self, call: PendingCall) -> Boundary:
-        """The boundary after ``call``: the previous calls' metrics read if a log point is
-        due (one call late), then every hook in order."""
-        boundary = Boundary(call.first_step + call.steps, self.total, self)
+    def after_calls(self, calls: list[PendingCall]) -> Boundary:
+        """The boundary after ``calls`` (run back to back): the metrics of the calls before the
+        last read if a log point is due (one call late), then every hook in order."""
+        last = calls[-1]
+        boundary = Boundary(last.first_step + last.steps, self.total, self)
+        for call in calls[:-1]:
+            self.reader.add(call)
         if self.reader.due():
             self.publish(boundary, self.reader.read())
-        self.reader.add(call)
+        self.reader.add(last)
         for at_boundary in self.acting:
             at_boundary(boundary)
         return boundary

@@ -3,7 +3,8 @@
     setup (setup.py): mesh, placement, state, compiled programs, writers, checkpoints, evaluator
     while steps remain and no hook stopped the run:
         k = the nearest step any hook needs a boundary at, at most K       (hooks.py)
-        one jitted call of k steps on the next k batches (state donated)
+        jitted calls of k steps on the next k batches (state donated), back to back until
+            a hook or a metrics read needs the host (often one call)
         every hook at the boundary: metrics, profile, eval, preemption, callbacks, checkpoint
     summary (summary.py)
 
@@ -97,10 +98,10 @@ def _train(run: Run, hooks: HookRunner) -> Boundary:
     try:
         while boundary is None or not boundary.last:
             k = hooks.call_size(step)
-            batch = run.next_batch(k)
             hooks.before_call(step, k)
-            boundary = hooks.after_call(run.call(step, k, batch))
-            step += k
+            calls = run.calls(step, k, hooks.calls_to_boundary(step, k), hooks.poll)
+            boundary = hooks.after_calls(calls)
+            step = boundary.step
     finally:
         hooks.close()  # a profile trace stops, callbacks are told, however the loop ended
     return boundary

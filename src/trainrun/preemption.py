@@ -39,6 +39,7 @@ class Preemption:
         self._previous: dict[int, object] = {}
         # Called before a second interrupt ends the process (the run records it as failed).
         self.on_abort: Callable[[], None] | None = None
+        self.asked: tuple[int, bool] = (-1, False)  # the last step asked about, the answer
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
@@ -75,24 +76,33 @@ class Preemption:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def requested(self, step: int) -> bool:
-        """Whether the run must stop after ``step`` (the same answer on every host)."""
+        """Whether the run must stop after ``step`` (the same answer on every host; with
+        several, JAX's sync point is asked once per step)."""
         if self.shared is None:
             self.shared = jax.process_count() > 1
-        if self.shared:
+        if not self.shared:
+            return self.signal_name is not None
+        if self.asked[0] != step:
             try:
-                return multihost_utils.reached_preemption_sync_point(step)
+                self.asked = (step, multihost_utils.reached_preemption_sync_point(step))
             except RuntimeError as err:  # the preemption service is off: each host for itself
                 self.shared = False
                 self.err.write(f"warning: hosts cannot agree on a preemption step ({err}); "
                                "each stops on its own signal\n")
-        return self.signal_name is not None
+                return self.signal_name is not None
+        return self.asked[1]
 
     @property
     def reason(self) -> str:
         return self.signal_name or "a preemption notice"
 
-    # As a hook: asked at every boundary (every host at the same steps), it stops the run
-    # there; the checkpoint hook after it saves that step. At the run's end it just finishes.
+    # As a hook: asked after every call (every host at the same steps), it stops the run at
+    # that call's boundary; the checkpoint hook after it saves that step. At the run's end it
+    # just finishes.
+    every_boundary = False
+
+    def poll(self, step: int) -> bool:
+        return self.requested(step)
 
     def at_boundary(self, boundary: Any) -> None:
         if self.requested(boundary.step) and boundary.step < boundary.total:

@@ -41,6 +41,16 @@ class ProfileWindow:
         self.say = say
         self.watch = watch
 
+    every_boundary = False  # a boundary before step ``first`` and at ``last`` (steps_to_next)
+
+    def steps_to_next(self, step: int) -> int | None:
+        """Calls end before step ``first`` (the trace starts with it) and at ``last``."""
+        if not self.enabled or self.done:
+            return None
+        if not self.active:
+            return self.first - 1 - step if step < self.first - 1 else None
+        return self.last - step if step < self.last else None
+
     def at_boundary(self, boundary: Any) -> None:
         if not self.active or boundary.step < self.last:
             return

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -89,30 +90,44 @@ class Run:
 
     def next_batch(self, k: int) -> Any:
         """The next ``k`` steps' batch, placed (stacked ``[k, ...]`` when calls run K > 1)."""
-        start = time.perf_counter()
         if self.config.steps_per_call == 1:
             batch = next(self.batches)
         elif isinstance(self.batches, BatchCursor):  # k batches in one gather
             batch = self.batches.take(k)
         else:
             batch = stack_batches([next(self.batches) for _ in range(k)])
-        self.last_batch = batch = self.placement.put(batch)
-        self.watch.add("data", time.perf_counter() - start)
-        return batch
+        return self.placement.put(batch)
 
-    def call(self, step: int, k: int, batch: Any) -> PendingCall:
-        """Runs steps ``step + 1 .. step + k`` in one call (compiled first if its size is new:
-        compile time stays out of step time)."""
-        first_run = k not in self.programs.programs
-        if first_run:
-            self.programs.compile(k, self.carried, batch)
-            self.output.reset_rate(step)
-        dispatched = time.perf_counter()
-        self.carried, packed = self.programs(k, self.carried, batch)
-        if self.timer.inline:  # the call's end, its metrics read: XLA:CPU may still finish a
-            packed = np.asarray(packed)  # long call on its own threads after returning
-        return PendingCall(step, k, packed, dispatched, time.perf_counter(),
-                           self.checkpoints.saving(), first_run)
+    def calls(self, step: int, k: int, count: int,
+              poll: Callable[[int], bool]) -> list[PendingCall]:
+        """Runs ``count`` calls of ``k`` steps from ``step``, back to back, each on the next
+        batch (the state donated); fewer when ``poll(steps done)`` asks for the host. The
+        first call of a new size compiles first: compile time stays out of step time."""
+        calls: list[PendingCall] = []
+        programs, clock = self.programs, time.perf_counter
+        saving = self.checkpoints.saving()  # asked again only while a save is in flight
+        loading = 0.0
+        for _ in range(count):
+            start = clock()
+            self.last_batch = batch = self.next_batch(k)
+            dispatched = clock()
+            loading += dispatched - start
+            first_run = k not in programs.programs
+            if first_run:
+                programs.compile(k, self.carried, batch)
+                self.output.reset_rate(step)
+                dispatched = clock()
+            self.carried, packed = programs(k, self.carried, batch)
+            if self.timer.inline:  # the call's end, its metrics read: XLA:CPU may still
+                packed = np.asarray(packed)  # finish a long call on its threads after returning
+            calls.append(PendingCall(step, k, packed, dispatched, clock(), saving, first_run))
+            step += k
+            if saving:
+                saving = self.checkpoints.saving()
+            if poll(step):
+                break
+        self.watch.add("data", loading)
+        return calls
 
     def state(self) -> TrainState:
         return self.programs.state(self.carried)

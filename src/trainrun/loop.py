@@ -57,7 +57,8 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
     allow_config_change: resume even though config keys that alter the trajectory changed.
     eval_data: the held-out split that ``eval.every`` evaluates, batch ``i`` at index ``i``;
         defaults to the one ``config.data`` holds out.
-    callbacks: ``trainrun.Callback`` objects, called at every call boundary (``callbacks.py``).
+    callbacks: ``trainrun.Callback`` objects, called at every call boundary, or with
+        ``every_boundary = False`` at the boundaries the run has anyway (``callbacks.py``).
     """
     settings = configure_process()  # while JAX's backend has not started; else a notice
     path = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)

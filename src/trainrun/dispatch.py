@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainrun.data.resident import ResidentBatches
 from trainrun.models import Model
 from trainrun.optim import Optimizer
 from trainrun.packing import packing_for
@@ -47,7 +48,7 @@ class CompiledSteps:
                  accumulate: int = 1, policy: Policy | None = None,
                  state_sharding: TrainState | None = None,
                  batch_sharding: jax.sharding.Sharding | None = None,
-                 stream: MetricStream | None = None):
+                 stream: MetricStream | None = None, resident: ResidentBatches | None = None):
         single = make_train_step(model, optimizer, accumulate=accumulate, policy=policy,
                                  scanned=steps_per_call > 1)
         self.one_step = single  # what one step computes (FLOPs per step)
@@ -63,6 +64,9 @@ class CompiledSteps:
         # step instead of one value per metric (the default MLP at K=100: 15.8 against 17.6 µs
         # a step, a scan output costing about 0.4 µs a step).
         step = one_row if steps_per_call == 1 else make_multi_step(one_row)
+        self.resident = resident
+        if resident is not None:  # the calls take ``resident.args``: batches cut on the device
+            step = _cut_on_device(one_row, resident, steps_per_call > 1)
         self.abstract = abstract
         # Without the abstract state (a caller holding TrainStates) the calls take TrainStates.
         self.packing = packing = (packing_for(abstract, jax.device_count())
@@ -80,8 +84,10 @@ class CompiledSteps:
         else:  # pinned, so the donated state comes back exactly where it went in
             metrics_sharding = jax.sharding.NamedSharding(batch_sharding.mesh,
                                                           jax.sharding.PartitionSpec())
+            # resident arrays: on the run's one device, as the replicated sharding says
+            inputs = metrics_sharding if resident is not None else batch_sharding
             self.fn = jax.jit(packed_step, donate_argnums=0,
-                              in_shardings=(state_sharding, batch_sharding),
+                              in_shardings=(state_sharding, inputs),
                               out_shardings=(state_sharding, metrics_sharding))
         self.watch = watch
         self.programs: dict[int, Any] = {}
@@ -100,7 +106,9 @@ class CompiledSteps:
         """Compile the program for calls of ``k`` steps (before its call is timed)."""
         if not self.metric_names:
             state = self.abstract if self.abstract is not None else carried
-            self.metric_names = sorted(jax.eval_shape(self.step, state, batch)[1])
+            step, example = ((self.one_step, self.resident.example(1)) if self.resident
+                             else (self.step, batch))
+            self.metric_names = sorted(jax.eval_shape(step, state, example)[1])
         with self.watch.phase("compile"):
             self.programs[k] = self.fn.lower(carried, batch).compile()
 
@@ -108,6 +116,23 @@ class CompiledSteps:
         if k not in self.programs:
             self.compile(k, carried, batch)
         return self.fn(carried, batch)
+
+
+def _cut_on_device(one_row: Any, resident: ResidentBatches, scanned: bool) -> Any:
+    """``one_row`` on batches gathered from ``resident``'s arrays by the step counter: a call
+    ``(state, resident.args(...)) -> (state, rows)`` of one step, or of as many as the args'
+    length vector under a scan, as the host path's program scans its stacked batch."""
+    multi = make_multi_step(one_row)
+
+    def call(state: TrainState, args: Any) -> tuple[TrainState, jax.Array]:
+        if not scanned:
+            return one_row(state, resident.batches(state.step, args, stacked=False))
+        if args[1].shape[0] == 1:  # a one-step tail: as XLA computes the host path's scan of
+            state, row = one_row(state, resident.batches(state.step, args, stacked=False))
+            return state, row[None]  # one (it drops the loop), not as a scan of one buffer
+        return multi(state, resident.batches(state.step, args, stacked=True))
+
+    return call
 
 
 @dataclasses.dataclass(slots=True)

@@ -36,6 +36,7 @@ from trainrun.data import (
     build_eval_dataset,
     stack_batches,
 )
+from trainrun.data.resident import ResidentBatches, resident_batches
 from trainrun.dispatch import CompiledSteps, MetricsReader, PendingCall
 from trainrun.evaluation import EvalHook, Evaluator
 from trainrun.metric_log import MetricLog
@@ -81,6 +82,7 @@ class Run:
     stream: MetricStream | None
     last_batch: Any = None
     metric_log: MetricLog | None = None  # holds the newest metrics row read
+    resident: ResidentBatches | None = None  # batches cut on the device (data/resident.py)
 
     def reader(self) -> MetricsReader:
         return MetricsReader(self.programs, self.timer, self.config.log_every)
@@ -107,9 +109,14 @@ class Run:
         programs, clock = self.programs, time.perf_counter
         saving = self.checkpoints.saving()  # asked again only while a save is in flight
         loading = 0.0
+        resident = self.resident
         for _ in range(count):
             start = clock()
-            self.last_batch = batch = self.next_batch(k)
+            if resident is not None:  # no host batch: the call cuts it from the device's copy
+                batch = resident.args(k)
+                self.batches.skip(k)
+            else:
+                self.last_batch = batch = self.next_batch(k)
             dispatched = clock()
             loading += dispatched - start
             first_run = k not in programs.programs
@@ -200,16 +207,19 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory,
     if primary:
         rundir.write_status(run_dir, "running", start)
     stream = MetricStream(output) if config.metrics.stream else None
+    resident = resident_batches(batches, mesh.size == 1, getattr(batches, "next_index", 0),
+                                start)
     programs = CompiledSteps(model, optimizer, config.steps_per_call, watch, abstract=abstract,
                              accumulate=config.accumulate, policy=policy,
                              state_sharding=state_sharding, batch_sharding=placement.sharding,
-                             stream=stream)
+                             stream=stream, resident=resident)
     console.message(f"training {model.name} for {config.steps} steps, "
                     f"{config.steps_per_call} per call -> {run_dir}")
     return Run(config, run_dir, primary, prov, console, output, model, counted, abstract,
                placement, batches, evaluator, checkpoints, programs, programs.carry(state),
                start, int(state.nonfinite_steps), batch_size, watch,
-               StepTimer(inline=calls_run_inline()), stream)
+               StepTimer(inline=calls_run_inline()), stream, resident=resident,
+               last_batch=resident.example(config.steps_per_call) if resident else None)
 
 
 def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> list[Any]:

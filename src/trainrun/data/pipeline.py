@@ -178,6 +178,11 @@ class BatchCursor:
         self.next_index = start + k  # moved only once the batches are read
         return batch
 
+    def skip(self, k: int) -> None:
+        """Move on ``k`` batches without reading them (a call cut them on the device:
+        ``resident.py``)."""
+        self.next_index += k
+
     def get_state(self) -> dict[str, int]:
         return {"next_index": self.next_index}
 

@@ -1,0 +1,91 @@
+"""Batches gathered on the device: a small in-memory dataset placed there once, each step's
+batch cut from it inside the jitted call.
+
+A host batch passed to every call costs more than copying it: on the default MLP at K=10 the
+step program took 38.4 µs a step fed the next 10 batches from the host against 24.4 with its
+batch rows gathered on the device from the step counter (the chapter's bare scan of 10: 22.1;
+best of 5, one process, AMD EPYC; BENCHMARKS.md, "Loop overhead"). So when a run's data is an
+``ArrayBatches`` of plain arrays read in order (``shuffle: false``), on one device and one
+process, and small enough (``RESIDENT_MAX_BYTES``), its arrays go to the device at set-up and a
+call takes no host array: step ``s`` reads global batch ``s + offset`` (``offset``: the data
+position minus the state's step, fixed for a run), its rows exactly those
+``ArrayBatches.__getitem__`` gives. The cursor still moves ``k`` batches a call, so a
+checkpoint's data position is the same as without.
+
+Shuffled data stays on the host: gathering its permuted rows on the device gave the same
+batches, but XLA then computed some steps 1 ulp apart from the host path's program (a shuffled
+regression run, batch 32, from step 2), and the host path is the one every bitwise promise
+was made on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrun.data.pipeline import ArrayBatches, BatchCursor
+
+Batch = dict[str, jax.Array]
+
+RESIDENT_MAX_BYTES = 1 << 28  # the dataset's arrays on the device; larger ones stay on the host
+
+
+class ResidentBatches:
+    """``dataset``'s arrays on the device, and how a call's batches are cut from them.
+
+    The calls take ``args(k)``: the arrays and a length-``k`` vector that gives the call its
+    length. Inside, the program gathers the call's ``batches`` from the state's step counter,
+    then scans them as it scans a stacked host batch."""
+
+    def __init__(self, dataset: ArrayBatches, offset: int):
+        self.dataset = dataset
+        self.offset = offset
+        self.arrays = {name: jax.device_put(np.ascontiguousarray(array))
+                       for name, array in dataset.arrays.items()}
+        self._lengths: dict[int, jax.Array] = {}
+
+    def args(self, k: int) -> tuple[Batch, jax.Array]:
+        """What a call of ``k`` steps takes: device arrays made once and reused, so no host
+        array crosses into the call."""
+        if k not in self._lengths:
+            self._lengths[k] = jnp.zeros(k, jnp.int32)
+        return self.arrays, self._lengths[k]
+
+    def batches(self, first_step: jax.Array, args: tuple[Batch, jax.Array],
+                stacked: bool) -> Batch:
+        """The call's batches (traced), for the steps after ``first_step``: ``[k, rows, ...]``
+        (``stacked``) as the host path stacks them, or one batch for a one-step program."""
+        arrays, length = args
+        data = self.dataset
+        index = first_step + self.offset + jnp.arange(length.shape[0], dtype=jnp.int32)
+        start = (index % data.batches_per_epoch) * data.batch_size + data.rows.start
+        rows = start[:, None] + jnp.arange(data.rows.stop - data.rows.start, dtype=jnp.int32)
+        batch = {name: jnp.take(array, rows if stacked else rows[0], axis=0)
+                 for name, array in arrays.items()}
+        # A buffer of its own, as a host batch arrives, before any step reads it.
+        return jax.lax.optimization_barrier(batch)
+
+    def example(self, k: int) -> dict[str, np.ndarray]:
+        """A host batch shaped as the host path's calls take (``[k, ...]`` stacked when calls
+        run K > 1): FLOP counts lower the step on its shapes."""
+        return self.dataset.stacked(0, k) if k > 1 else self.dataset[0]
+
+
+def resident_batches(batches: Any, single_device: bool, data_index: int,
+                     step: int) -> ResidentBatches | None:
+    """The run's batches on the device when they qualify (module docstring); else None.
+    data_index: the data position the run starts at; step: the state's step there."""
+    if not (single_device and jax.process_count() == 1 and isinstance(batches, BatchCursor)
+            and batches.stacked is not None):
+        return None
+    dataset = batches.dataset
+    size = sum(math.prod(a.shape) * a.dtype.itemsize for a in dataset.arrays.values())
+    if size > RESIDENT_MAX_BYTES:
+        return None
+    if dataset.shuffle:
+        return None  # module docstring
+    return ResidentBatches(dataset, data_index - step)

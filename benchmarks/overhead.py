@@ -1,6 +1,7 @@
 """What the loop costs: the reference chapter's hand-written jitted loop, and its bare
-``lax.scan`` of 10 and of 100 steps, against trainrun's whole run (Grain batches, every step's
-metrics read back and written to metrics.jsonl and TensorBoard, log lines, hooks) on the default
+``lax.scan`` of 10 and of 100 steps, against trainrun's whole run (a batch a step from the
+dataset, every step's metrics read back and written to metrics.jsonl and TensorBoard, log
+lines, hooks) on the default
 MLP, at K = 1, 10, 100 steps per call; then the default MLP run with the default checkpoint
 policy against the same run without checkpoints.
 

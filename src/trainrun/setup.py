@@ -10,6 +10,7 @@ carried state and makes the calls; ``build_hooks`` lists what acts between them 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -54,6 +55,8 @@ from trainrun.summary import RunSummary
 from trainrun.timing import StepTimer, Stopwatch, provenance
 from trainrun.writers import RunOutput, build_output
 
+MAX_IN_FLIGHT = 2  # calls queued on a device when dispatch is asynchronous (Run.calls)
+
 
 @dataclasses.dataclass
 class Run:
@@ -83,6 +86,7 @@ class Run:
     last_batch: Any = None
     metric_log: MetricLog | None = None  # holds the newest metrics row read
     resident: ResidentBatches | None = None  # batches cut on the device (data/resident.py)
+    in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)
 
     def reader(self) -> MetricsReader:
         return MetricsReader(self.programs, self.timer, self.config.log_every)
@@ -127,6 +131,8 @@ class Run:
             self.carried, packed = programs(k, self.carried, batch)
             if self.timer.inline:  # the call's end, its metrics read: XLA:CPU may still
                 packed = np.asarray(packed)  # finish a long call on its threads after returning
+            else:
+                self._bound_in_flight(packed)
             calls.append(PendingCall(step, k, packed, dispatched, clock(), saving, first_run))
             step += k
             if saving:
@@ -135,6 +141,15 @@ class Run:
                 break
         self.watch.add("data", loading)
         return calls
+
+    def _bound_in_flight(self, packed: jax.Array) -> None:
+        """At most ``MAX_IN_FLIGHT`` calls queued: the host waits for the oldest. Enough to keep
+        a device fed; without a bound, four simulated CPU devices deadlocked in XLA's
+        collectives with calls dispatched back to back (three devices' executions waiting in
+        an all-reduce for a fourth held at XLA:CPU's limit on computations in flight)."""
+        self.in_flight.append(packed)
+        if len(self.in_flight) > MAX_IN_FLIGHT:
+            self.in_flight.popleft().block_until_ready()
 
     def state(self) -> TrainState:
         return self.programs.state(self.carried)

@@ -61,15 +61,12 @@ class CheckpointPolicy:
         """Whether the boundary at ``step`` saves (the run's end and stops are the hook's)."""
         if self.every and step % self.every == 0:
             return True
-        if not self.every_seconds:
+        if not self.poll(step):
             return False
         if self.shared:  # every host passes the same boundaries: they all ask here
-            if step // self.check_every == self.checked // self.check_every:
-                return False
             self.checked = step
-            late = self.clock() - self.last_save >= self.every_seconds
-            return bool(multihost_utils.broadcast_one_to_all(np.bool_(late)))
-        return self.clock() - self.last_save >= self.every_seconds
+            return bool(multihost_utils.broadcast_one_to_all(np.bool_(self._late())))
+        return True
 
     def poll(self, step: int) -> bool:
         """Whether the boundary at ``step`` must ask ``due`` for the time: past the interval
@@ -78,6 +75,9 @@ class CheckpointPolicy:
             return False
         if self.shared:
             return step // self.check_every != self.checked // self.check_every
+        return self._late()
+
+    def _late(self) -> bool:
         return self.clock() - self.last_save >= self.every_seconds
 
     def saved(self) -> None:

@@ -159,3 +159,13 @@ def test_refused_writes_are_found_through_orbax_and_tensorstore_errors():
     assert storage.refused_write(OSError(errno.EROFS, "x", "/a")) == ("read-only file system",
                                                                       "/a")
     assert storage.refused_write(ValueError("something else")) is None
+
+
+def test_a_path_in_an_errors_text_is_taken_from_one_line():
+    # An error whose text holds a traceback: quotes on different lines are not a path.
+    text = ("  File '/venv/orbax/x.py', line 9\n    await ts.open(\nValueError: Error writing "
+            "local file \"/mnt/run/ckpt/manifest.ocdbt\": No space left on device")
+    what, path = storage.refused_write(ValueError(text))
+    assert what == "no space left on device" and "\n" not in path
+    stray = "opened '/mnt/a\nline two' then \"/mnt/run/f\": No space left on device"
+    assert storage.refused_write(ValueError(stray))[1] == "/mnt/run/f"

@@ -36,7 +36,9 @@ REFUSED = {
 # TensorStore and Orbax's threads report the OS error inside their own exception's text.
 _TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
          "Read-only file system": errno.EROFS, "Permission denied": errno.EACCES}
-_PATH = re.compile(r"""["'](/[^"']+)["']""")
+# A quoted absolute path on one line: the text can hold a whole traceback, whose quotes around
+# other lines must not make a "path" of several lines (the report is one line).
+_PATH = re.compile(r"""["'](/[^"'\n]+)["']""")
 TMP_SUFFIX = ".tmp"
 ORBAX_TMP = ".orbax-checkpoint-tmp"
 

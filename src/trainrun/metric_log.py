@@ -40,12 +40,17 @@ class MetricLog:
         self.submit(lambda: self._write(table, window))
 
     def _write(self, table: Table, window: Window) -> None:
-        rate = 1.0 / window.per_step_s if window.per_step_s > 0 else None
+        rate, note = None, " (a checkpoint was being written)" if window.during_save else ""
+        if window.per_step_s > 0:
+            rate = 1.0 / window.per_step_s
+        elif window.first_run_s > 0:  # only first runs read: their rate, said to be that
+            rate = window.first_run_steps / window.first_run_s
+            note += " (first run of its program: one-time set-up included)"
         if not self.streamed:
-            self.output.write_table(table, steps_per_s=rate,
-                                    note=" (a checkpoint was being written)"
-                                    if window.during_save else "")
-        self.output.write_window(table.last, window.steps, window.per_step_s, self.batch_size)
+            self.output.write_table(table, steps_per_s=rate, note=note)
+        if window.steps:  # timing.jsonl holds timed windows only
+            self.output.write_window(table.last, window.steps, window.per_step_s,
+                                     self.batch_size)
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` (a write), its time counted as logging."""

@@ -55,6 +55,7 @@ class RunSummary:
     step_time_median_s: float | None = None
     timed_windows: int = 0
     warmup_windows: int = 0
+    step_time_from_first_runs: bool = False  # every call was its program's first (short run)
     windows_during_save: int = 0
     steps_per_s: float | None = None
     examples_per_s: float | None = None
@@ -100,6 +101,8 @@ class RunSummary:
         skipped = (f", {self.windows_during_save} during a background save left out"
                    if self.windows_during_save else "")
         stopped = f" ({self.stopped_by})" if self.stopped_by else ""
+        first = ("; first runs of the programs only, one-time set-up included"
+                 if self.step_time_from_first_runs else "")
         best = (f"\n  best         checkpoint {self.best_checkpoint['step']}: " + ", ".join(
             f"{k} {v:.6g}" for k, v in self.best_checkpoint.items() if k != "step")
                 if self.best_checkpoint else "")
@@ -107,7 +110,7 @@ class RunSummary:
             f"done: {self.steps_done} steps{stopped}, final loss {self.final_loss:.8g}\n"
             f"  compile      {self.compile_s:.3f} s (separate from step time)\n"
             f"  step time    {step_s * 1e6:,.1f} µs median over {self.timed_windows} windows "
-            f"after {self.warmup_windows} warmup{skipped} (step compute only)\n"
+            f"after {self.warmup_windows} warmup{skipped} (step compute only{first})\n"
             f"  throughput   {self.steps_per_s or 0:,.1f} steps/s, "
             f"{self.examples_per_s or 0:,.0f} examples/s\n"
             f"  MFU          {mfu_line}\n"
@@ -130,7 +133,8 @@ def timing_fields(timer: StepTimer, watch: Stopwatch, batch_size: int,
         "compile_s": watch.totals.get("compile", 0.0),
         "step_time_median_s": step_s,
         "timed_windows": len(timer.clean()),
-        "warmup_windows": len([w for w in timer.windows if w.steps]) - len(steady),
+        "warmup_windows": timer.warmup_count(),
+        "step_time_from_first_runs": timer.only_first_runs(),
         "windows_during_save": sum(w.during_save for w in steady) if timer.clean() != steady
         else 0,
         "steps_per_s": steps_per_s,

@@ -67,12 +67,15 @@ def provenance(config_digest: str) -> dict[str, Any]:
 class Window:
     """One read of the calls' metrics: ``steps`` steps up to ``last_step``, whose step compute
     took ``compute_s``. during_save: a checkpoint was being written in the background while
-    they ran (its write competes with the steps for the CPU)."""
+    they ran (its write competes with the steps for the CPU). first_run_steps, first_run_s:
+    the window's calls that were their program's first run (inline), kept out of ``steps``."""
 
     last_step: int
     steps: int
     compute_s: float
     during_save: bool = False
+    first_run_steps: int = 0
+    first_run_s: float = 0.0
 
     @property
     def per_step_s(self) -> float:
@@ -113,29 +116,45 @@ class StepTimer:
         ``dispatched_at``, ``returned_at`` and ``steps``."""
         done = time.perf_counter()
         steps = sum(c.steps for c in calls)
+        first_steps, first_s = 0, 0.0
         if self.inline:
             compute = 0.0
             for c in calls:
                 if c.first_run:
-                    self.first_calls_s += c.returned_at - c.dispatched_at
+                    first_steps += c.steps
+                    first_s += c.returned_at - c.dispatched_at
                     self.first_calls.append(Window(c.first_step + c.steps, c.steps,
                                                    c.returned_at - c.dispatched_at))
-                    steps -= c.steps
                 else:
                     compute += c.returned_at - c.dispatched_at
+            self.first_calls_s += first_s
+            steps -= first_steps
         else:
             first = calls[0].dispatched_at
             compute = done - (first if self._last_done is None else max(first, self._last_done))
         self._last_done = done
-        window = Window(last_step, steps, compute, during_save)
+        window = Window(last_step, steps, compute, during_save, first_steps, first_s)
         self.windows.append(window)
         return window
 
+    def timed(self) -> list[Window]:
+        """Windows with steps timed; a run whose every call was a program's first has only
+        those calls (``only_first_runs``)."""
+        return [w for w in self.windows if w.steps] or self.first_calls
+
+    def only_first_runs(self) -> bool:
+        """Every timed step was in a program's first run (a short run): its one-time set-up is
+        in the step time."""
+        return bool(self.first_calls) and not any(w.steps for w in self.windows)
+
     def steady(self) -> list[Window]:
-        """Windows after warmup (all windows if the run had no more), with steps timed; a run
-        whose every call was a program's first has only those."""
-        timed = [w for w in self.windows if w.steps] or self.first_calls
+        """Timed windows after warmup (all of them if the run had no more)."""
+        timed = self.timed()
         return timed[self.warmup_windows:] or timed
+
+    def warmup_count(self) -> int:
+        """Timed windows left out as warmup."""
+        return len(self.timed()) - len(self.steady())
 
     def clean(self) -> list[Window]:
         """Steady windows without a background save (all steady ones if none is clean)."""

@@ -140,7 +140,9 @@ class StepTimer:
     def timed(self) -> list[Window]:
         """Windows with steps timed; a run whose every call was a program's first has only
         those calls (``only_first_runs``)."""
-        return [w for w in self.windows if w.steps] or self.first_calls
+        if self.only_first_runs():
+            return self.first_calls
+        return [w for w in self.windows if w.steps]
 
     def only_first_runs(self) -> bool:
         """Every timed step was in a program's first run (a short run): its one-time set-up is

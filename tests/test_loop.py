@@ -142,6 +142,7 @@ def test_a_run_of_first_calls_only_reports_their_rate_and_says_so(tmp_path):
     assert rates[0] == rates[1]  # steps 4 and 8: the same call of 10 steps
     first_calls_s = summary.wall_time_split_s["first_calls"]
     assert 10 / rates[0] + 2 / rates[2] == pytest.approx(first_calls_s, rel=0.01)
-    assert summary.step_time_from_first_runs and summary.warmup_windows >= 0
+    assert summary.step_time_from_first_runs
+    assert (summary.warmup_windows, summary.timed_windows) == (1, 1)  # of the two first calls
     assert "first runs of the programs only" in out.getvalue()
     assert (tmp_path / "run" / "timing.jsonl").read_text() == ""

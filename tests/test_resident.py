@@ -57,7 +57,7 @@ def test_a_run_on_device_batches_matches_the_host_path_bit_for_bit(tmp_path, mon
     assert (tmp_path / "device" / "checkpoints").exists()
 
 
-def test_a_call_gathers_what_the_host_path_stacks_from_the_restored_position():
+def test_each_step_gathers_what_the_host_path_feeds_it_from_the_restored_position():
     # 8 batches an epoch: steps 11..14 of a run resumed at step 10 with the data position at
     # 13 read global batches 13..16, across an epoch boundary.
     config = load_config("mlp", ["data.batch_size=32"])
@@ -67,9 +67,11 @@ def test_a_call_gathers_what_the_host_path_stacks_from_the_restored_position():
     batches = resident.resident_batches(cursor, True, cursor.next_index, step=10)
     assert batches is not None and batches.offset == 3
     args = batches.args(4)
-    got = jax.jit(lambda first: batches.batches(first, args, stacked=True))(np.int32(10))
-    assert {name: np.asarray(a).tobytes() for name, a in got.items()} == \
-        {name: a.tobytes() for name, a in dataset.stacked(13, 4).items()}
+    cut = jax.jit(lambda step: batches.batch(step, args))
+    for i in range(4):
+        got = cut(np.int32(10 + i))
+        assert {name: np.asarray(a).tobytes() for name, a in got.items()} == \
+            {name: a.tobytes() for name, a in dataset[13 + i].items()}
 
 
 def test_what_stays_on_the_host():

@@ -121,16 +121,19 @@ class CompiledSteps:
 def _cut_on_device(one_row: Any, resident: ResidentBatches, scanned: bool) -> Any:
     """``one_row`` on batches gathered from ``resident``'s arrays by the step counter: a call
     ``(state, resident.args(...)) -> (state, rows)`` of one step, or of as many as the args'
-    length vector under a scan, as the host path's program scans its stacked batch."""
-    multi = make_multi_step(one_row)
+    length vector under a scan, each step cutting its own batch (``ResidentBatches``)."""
 
     def call(state: TrainState, args: Any) -> tuple[TrainState, jax.Array]:
+        def step(state: TrainState, _: Any) -> tuple[TrainState, jax.Array]:
+            return one_row(state, resident.batch(state.step, args))
+
+        k = args[1].shape[0]
         if not scanned:
-            return one_row(state, resident.batches(state.step, args, stacked=False))
-        if args[1].shape[0] == 1:  # a one-step tail: as XLA computes the host path's scan of
-            state, row = one_row(state, resident.batches(state.step, args, stacked=False))
-            return state, row[None]  # one (it drops the loop), not as a scan of one buffer
-        return multi(state, resident.batches(state.step, args, stacked=True))
+            return step(state, None)
+        if k == 1:  # a one-step tail: as XLA computes the host path's scan of one (it drops
+            state, row = step(state, None)  # the loop), not as a scan of one buffer
+            return state, row[None]
+        return jax.lax.scan(step, state, None, length=k)
 
     return call
 

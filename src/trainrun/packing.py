@@ -8,6 +8,14 @@ step instead of 125.4 µs (BENCHMARKS.md, "Loop overhead"). Inside the call the 
 sliced back into the ``TrainState`` and the new state is concatenated into new buffers; the
 step computes the same bits either way. Only for one device (a sharded state keeps its own
 layout per array) and a state small enough that the extra concatenation is noise.
+
+On CPU the slices are cut one after another. XLA:CPU's thunk executor runs a program's kernels
+in the calling thread until more than 8 of them are ready at once; then it hands half of them
+to its thread pool, and the call ends on a pool thread with the caller asleep. The default
+MLP's 18 slices were all ready at a program's start, so every call woke the pool (about 2
+voluntary context switches a call) and paid for it, most after the host had been busy: its
+step program at K=10, 22.4 against 31.8 µs a step called back to back, and 25.2 against 51.0
+after 2 ms of host work (Intel Xeon, 2 CPUs; BENCHMARKS.md, "Loop overhead").
 """
 
 from __future__ import annotations
@@ -41,14 +49,43 @@ class StatePacking:
                 for dtype, indices in self.groups.items()}
 
     def unpack(self, packed: Packed) -> PyTree:
+        """The tree; on CPU each leaf's slice is ordered after the previous one (module
+        docstring), elsewhere they are independent."""
+        return jax.lax.platform_dependent(packed, cpu=lambda p: self._unpack(p, in_order=True),
+                                          default=lambda p: self._unpack(p, in_order=False))
+
+    def _unpack(self, packed: Packed, in_order: bool) -> PyTree:
         leaves: list[Any] = [None] * len(self.shapes)
+        previous = None
         for dtype, indices in self.groups.items():
             offset = 0
             for i in indices:
                 size = math.prod(self.shapes[i])
-                leaves[i] = packed[dtype][offset:offset + size].reshape(self.shapes[i])
+                if previous is None:
+                    leaf = packed[dtype][offset:offset + size]
+                else:
+                    leaf = jax.lax.dynamic_slice_in_dim(packed[dtype],
+                                                        offset + zero_after(previous), size)
+                leaves[i] = leaf.reshape(self.shapes[i])
+                if in_order and size and not jnp.issubdtype(dtype, jnp.complexfloating):
+                    previous = leaves[i]
                 offset += size
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+_BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}  # integer of each width
+
+
+def zero_after(previous: jax.Array) -> jax.Array:
+    """An int32 0 computed from the bits of ``previous``'s first element and a mask XLA cannot
+    see is 0 (behind an optimization barrier), so it cannot fold it away: a kernel that uses
+    it reads ``previous``'s buffer, and the thunk executor runs it after the kernel that wrote
+    ``previous``. Bits, not a conversion: a float's NaN or infinity converts to no defined
+    integer."""
+    first = jnp.ravel(previous)[0]
+    bits = (first.astype(jnp.int32) if first.dtype == jnp.bool_ else
+            jax.lax.bitcast_convert_type(first, _BITS[first.dtype.itemsize]).astype(jnp.int32))
+    return bits & jax.lax.optimization_barrier(jnp.zeros((), jnp.int32))
 
 
 def packing_for(abstract: PyTree, device_count: int) -> StatePacking | None:

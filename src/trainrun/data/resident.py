@@ -38,8 +38,11 @@ class ResidentBatches:
     """``dataset``'s arrays on the device, and how a call's batches are cut from them.
 
     The calls take ``args(k)``: the arrays and a length-``k`` vector that gives the call its
-    length. Inside, the program gathers the call's ``batches`` from the state's step counter,
-    then scans them as it scans a stacked host batch."""
+    length. Inside, each step gathers its own batch from the state's step counter. Not the
+    call's K batches at its start: at K=100 that gather was one kernel large enough (800 KB on
+    the default MLP) for XLA:CPU to split it across its thread pool, which woke the pool every
+    call (the step program: 19.9 against 22.6 µs a step cut step by step, best of 3, Intel
+    Xeon; BENCHMARKS.md, "Loop overhead")."""
 
     def __init__(self, dataset: ArrayBatches, offset: int):
         self.dataset = dataset
@@ -55,17 +58,14 @@ class ResidentBatches:
             self._lengths[k] = jnp.zeros(k, jnp.int32)
         return self.arrays, self._lengths[k]
 
-    def batches(self, first_step: jax.Array, args: tuple[Batch, jax.Array],
-                stacked: bool) -> Batch:
-        """The call's batches (traced), for the steps after ``first_step``: ``[k, rows, ...]``
-        (``stacked``) as the host path stacks them, or one batch for a one-step program."""
-        arrays, length = args
+    def batch(self, step: jax.Array, args: tuple[Batch, jax.Array]) -> Batch:
+        """The batch of the step after ``step`` (traced), as the host path feeds it."""
+        arrays, _ = args
         data = self.dataset
-        index = first_step + self.offset + jnp.arange(length.shape[0], dtype=jnp.int32)
-        start = (index % data.batches_per_epoch) * data.batch_size + data.rows.start
-        rows = start[:, None] + jnp.arange(data.rows.stop - data.rows.start, dtype=jnp.int32)
-        batch = {name: jnp.take(array, rows if stacked else rows[0], axis=0)
-                 for name, array in arrays.items()}
+        start = (((step + self.offset) % data.batches_per_epoch) * data.batch_size
+                 + data.rows.start)
+        rows = start + jnp.arange(data.rows.stop - data.rows.start, dtype=jnp.int32)
+        batch = {name: jnp.take(array, rows, axis=0) for name, array in arrays.items()}
         # A buffer of its own, as a host batch arrives, before any step reads it.
         return jax.lax.optimization_barrier(batch)
 

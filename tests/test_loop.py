@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import threading
+import time
 
 import jax
 import numpy as np
@@ -13,12 +15,13 @@ import yaml
 from trainrun import rundir
 from trainrun.config import load_config
 from trainrun.dispatch import CompiledSteps
+from trainrun.errors import WriteFailed
 from trainrun.loop import run
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.state import init_state
 from trainrun.timing import Stopwatch
-from trainrun.writers import read_metrics
+from trainrun.writers import JsonlWriter, read_metrics
 
 SUMMARY_KEYS = {"final_loss", "steps", "compile_s", "step_time_median_s", "steps_per_s",
                 "examples_per_s", "provenance"}
@@ -146,3 +149,46 @@ def test_a_run_of_first_calls_only_reports_their_rate_and_says_so(tmp_path):
     assert (summary.warmup_windows, summary.timed_windows) == (1, 1)  # of the two first calls
     assert "first runs of the programs only" in out.getvalue()
     assert (tmp_path / "run" / "timing.jsonl").read_text() == ""
+
+
+def test_rows_are_written_by_a_writer_thread_while_the_loop_goes_on(tmp_path, monkeypatch):
+    # Each table's JSONL write made slow: the loop still dispatches calls while one is being
+    # written, and every row ends up in the file, in step order.
+    writes: list[tuple[str, float, float]] = []
+    dispatches: list[float] = []
+    write_table, call = JsonlWriter.write_table, CompiledSteps.__call__
+
+    def slow_write_table(self, table, split="train"):
+        start = time.perf_counter()
+        time.sleep(0.02)
+        write_table(self, table, split)
+        writes.append((threading.current_thread().name, start, time.perf_counter()))
+
+    def timed_call(self, k, carried, batch):
+        dispatches.append(time.perf_counter())
+        return call(self, k, carried, batch)
+
+    monkeypatch.setattr(JsonlWriter, "write_table", slow_write_table)
+    monkeypatch.setattr(CompiledSteps, "__call__", timed_call)
+    config = load_config("mlp", ["steps=400", "steps_per_call=10", "log_every=20",
+                                 "checkpoint.every=0", "checkpoint.every_seconds=0"])
+    run(config, tmp_path, out=io.StringIO())
+    assert writes and all(name.startswith("trainrun-metrics") for name, _, _ in writes)
+    assert any(start < t < end for _, start, end in writes for t in dispatches)
+    assert [r["step"] for r in read_metrics(tmp_path / rundir.METRICS)] == list(range(1, 401))
+
+
+def test_a_write_that_fails_on_the_writer_thread_fails_the_run(tmp_path, monkeypatch):
+    # The failure is raised in the loop's thread and becomes the run's one-line error.
+    tables = []
+
+    def failing_write_table(self, table, split="train"):
+        tables.append(table.first)
+        if len(tables) == 2:
+            raise OSError(28, "No space left on device", "metrics.jsonl")
+
+    monkeypatch.setattr(JsonlWriter, "write_table", failing_write_table)
+    config = load_config("mlp", ["steps=400", "steps_per_call=10", "log_every=20"])
+    with pytest.raises(WriteFailed, match=r"no space left on device writing metrics\.jsonl"):
+        run(config, tmp_path, out=io.StringIO())
+    assert rundir.read_status(tmp_path)["status"] == "failed"

@@ -2,8 +2,9 @@
 ``lax.scan`` of 10 and of 100 steps, against trainrun's whole run (a batch a step from the
 dataset, every step's metrics read back and written to metrics.jsonl and TensorBoard, log
 lines, hooks) on the default
-MLP, at K = 1, 10, 100 steps per call; then the default MLP run with the default checkpoint
-policy against the same run without checkpoints.
+MLP, at K = 1, 10, 100 steps per call (at K=10 and 100 also with the rows written in the
+loop's thread, as before the writer thread); then the default MLP run with the default
+checkpoint policy against the same run without checkpoints.
 
     python benchmarks/overhead.py [--steps 2000] [--repeats 5] [--async-dispatch]
 
@@ -25,6 +26,7 @@ import io
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -37,6 +39,7 @@ from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset, stack_batches
 from trainrun.dispatch import CompiledSteps
 from trainrun.loop import run
+from trainrun.metric_log import MetricLog
 from trainrun.models import build_model
 from trainrun.optim import build_optimizer
 from trainrun.process import configure_process
@@ -151,18 +154,28 @@ class CallClock:
         return statistics.median(spans[1:])  # the first window after compile: warmup
 
 
-def trainrun_step_s(steps: int, window: int, k: int, packed: bool = True) -> float:
+def write_inline(log: MetricLog, job: Callable[[], None]) -> None:
+    """``MetricLog.submit`` as it was before the writer thread: the job run in the loop."""
+    start = time.perf_counter()
+    job()
+    log.watch.add("log", time.perf_counter() - start)
+
+
+def trainrun_step_s(steps: int, window: int, k: int, packed: bool = True,
+                    rows_inline: bool = False) -> float:
     # packed=False: the state crosses the jit boundary leaf by leaf (trainrun.packing off).
+    # rows_inline: metric rows written in the loop's thread instead of the writer thread.
     config = load_config("mlp", [f"steps={steps}", f"steps_per_call={k}",
                                  f"log_every={max(window, k)}", "checkpoint.every=0",
                                  "checkpoint.every_seconds=0"])
-    default_limit = packing.PACK_MAX_BYTES
+    default_limit, submit = packing.PACK_MAX_BYTES, MetricLog.submit
     packing.PACK_MAX_BYTES = default_limit if packed else 0
+    MetricLog.submit = write_inline if rows_inline else submit
     try:
         with tempfile.TemporaryDirectory() as tmp, CallClock(max(window, k)) as clock:
             run(config, Path(tmp) / "run", out=io.StringIO())
     finally:
-        packing.PACK_MAX_BYTES = default_limit
+        packing.PACK_MAX_BYTES, MetricLog.submit = default_limit, submit
     return clock.median_step_s()
 
 
@@ -210,7 +223,10 @@ def main() -> None:
         "trainrun K=1": lambda: trainrun_step_s(s, w, 1),
         "trainrun K=1, state not packed": lambda: trainrun_step_s(s, w, 1, packed=False),
         "trainrun K=10": lambda: trainrun_step_s(s, w, 10),
+        "trainrun K=10, rows written inline": lambda: trainrun_step_s(s, w, 10, rows_inline=True),
         "trainrun K=100": lambda: trainrun_step_s(s, w, 100),
+        "trainrun K=100, rows written inline": lambda: trainrun_step_s(s, w, 100,
+                                                                      rows_inline=True),
     }
     results: dict[str, list[float]] = {name: [] for name in contenders}
     policies = {"no checkpoints (every=0, every_seconds=0)":

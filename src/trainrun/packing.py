@@ -12,10 +12,10 @@ layout per array) and a state small enough that the extra concatenation is noise
 On CPU the slices are cut one after another. XLA:CPU's thunk executor runs a program's kernels
 in the calling thread until more than 8 of them are ready at once; then it hands half of them
 to its thread pool, and the call ends on a pool thread with the caller asleep. The default
-MLP's 18 slices were all ready at a program's start, so every call woke the pool (about 2
+MLP's slices were all ready at a program's start, so every call woke the pool (about 2
 voluntary context switches a call) and paid for it, most after the host had been busy: its
-step program at K=10, 22.4 against 31.8 µs a step called back to back, and 25.2 against 51.0
-after 2 ms of host work (Intel Xeon, 2 CPUs; BENCHMARKS.md, "Loop overhead").
+step program at K=10, 23.1 against 33.5 µs a step called back to back, and 27.8 against 53.5
+after 1 ms of host work (Intel Xeon, 2 CPUs, best of 5; ``benchmarks/host_gap.py``).
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ class ResidentBatches:
     The calls take ``args(k)``: the arrays and a length-``k`` vector that gives the call its
     length. Inside, each step gathers its own batch from the state's step counter. Not the
     call's K batches at its start: at K=100 that gather was one kernel large enough (800 KB on
-    the default MLP) for XLA:CPU to split it across its thread pool, which woke the pool every
-    call (the step program: 19.9 against 22.6 µs a step cut step by step, best of 3, Intel
-    Xeon; BENCHMARKS.md, "Loop overhead")."""
+    the default MLP) for XLA:CPU to split it across its thread pool, which then woke about
+    twice a call even with the state's slices ordered (``packing.py``); the program with both
+    changes: 19.9 against 25.2 µs a step (Intel Xeon, best of 5; ``benchmarks/host_gap.py``)."""
 
     def __init__(self, dataset: ArrayBatches, offset: int):
         self.dataset = dataset

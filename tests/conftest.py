@@ -23,14 +23,15 @@ REPO = Path(__file__).resolve().parents[1]
 # then run as the CLI's do.
 trainrun.configure_process()
 
-# One XLA compilation cache for the session, shared by the test workers and every CLI
-# subprocess they start (through the environment): many tests compile the same programs, and
-# verify-resume compiles each of its runs' programs again (the resnet's: 57 s without the cache,
-# 45 s filling it, 26 s from it). The key holds XLA_FLAGS and the versions, so a program
-# compiled under other flags is compiled again; a hit is the same executable, the same bits.
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """One XLA compilation cache for the session, shared by the test workers and every CLI
+    subprocess they start (through the environment): many tests compile the same programs, and
+    verify-resume compiles each of its runs' programs again (the resnet's: 57 s without the
+    cache, 45 s filling it, 26 s from it; the suite 903 -> 595 s). The key holds XLA_FLAGS and
+    the versions, so a program compiled under other flags is compiled again; a hit is the same
+    executable, the same bits."""
     if not hasattr(config, "workerinput"):  # the controlling process: before any worker starts
         config.xla_cache = tempfile.mkdtemp(prefix="trainrun-tests-xla-cache-")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = config.xla_cache

@@ -7,10 +7,11 @@ wall-time split, not in the rate.
 Rows are written by one writer thread, in the order they were handed to it, while the loop's
 thread goes on with the next calls: XLA:CPU runs a small step program in the calling thread
 (``packing.py``), so on a 2-core CPU the other core is free for the writing (the default MLP's
-whole loop at K=100, best of 5: 25.0 against 30.7 µs a step written inline; BENCHMARKS.md,
-"Loop overhead"). The loop waits for the writer before a checkpoint (``flush``: rows up to it
-survive a kill), at the end (``finish``), and when the loop ends however it ends (``close``);
-a failed write is raised in the loop's thread at the next hand-over or wait.
+whole loop at K=100: 22.2 against 26.1 µs a step with the rows written inline, best of 7,
+Intel Xeon; BENCHMARKS.md, "Loop overhead"). The loop waits for the writer before a
+checkpoint (``flush``: rows up to it survive a kill), at the end (``finish``), and when the
+loop ends however it ends (``close``); a failed write is raised in the loop's thread at the
+next hand-over or wait.
 """
 
 from __future__ import annotations

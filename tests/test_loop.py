@@ -172,10 +172,13 @@ def test_rows_are_written_by_a_writer_thread_while_the_loop_goes_on(tmp_path, mo
     monkeypatch.setattr(CompiledSteps, "__call__", timed_call)
     config = load_config("mlp", ["steps=400", "steps_per_call=10", "log_every=20",
                                  "checkpoint.every=0", "checkpoint.every_seconds=0"])
-    run(config, tmp_path, out=io.StringIO())
+    summary = run(config, tmp_path, out=io.StringIO())
     assert writes and all(name.startswith("trainrun-metrics") for name, _, _ in writes)
     assert any(start < t < end for _, start, end in writes for t in dispatches)
     assert [r["step"] for r in read_metrics(tmp_path / rundir.METRICS)] == list(range(1, 401))
+    # 20 writes of 20 ms outlast 40 calls: the wait for them (the final checkpoint flushes the
+    # rows first) is logging in the wall-time split
+    assert summary.wall_time_split_s["logging"] > 0.2
 
 
 def test_a_write_that_fails_on_the_writer_thread_fails_the_run(tmp_path, monkeypatch):

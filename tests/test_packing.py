@@ -83,7 +83,7 @@ def pool_thread_sleeps() -> list[int]:
                     reason="XLA:CPU's thread pool, seen through Linux /proc")
 @pytest.mark.parametrize("k", [1, 10, 100])
 def test_a_call_of_the_step_program_runs_in_the_calling_thread(k):
-    # A pool thread woken by a call sleeps again after it: with the 18 slices of the state
+    # A pool thread woken by a call sleeps again after it: with the state's slices
     # independent at the program's start (or K batches gathered in one large kernel), each
     # call woke one or both pool threads (about 2 switches a call at K=10 and K=100).
     config = load_config("mlp")

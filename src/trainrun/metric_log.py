@@ -90,8 +90,10 @@ class MetricLog:
     def close(self) -> None:
         """The loop has ended, however it ended: the jobs handed over run to their end and the
         writer thread stops. Raises nothing (an error ending the loop is the one reported);
-        ``finish`` raises a failed write."""
+        ``finish`` raises a failed write. Waiting for those jobs is logging."""
+        start = time.perf_counter()
         self.writer.shutdown(wait=True)
+        self.watch.add("log", time.perf_counter() - start)
 
     def finish(self) -> None:
         """Every row written, the writers closed (the metrics stream's too: the loop closes

@@ -21,11 +21,11 @@ import jax
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.precision import policy_from_config
-from trainrun.process import configure_process
-from trainrun.state import init_state
-from trainrun.step import make_train_step
+from trainrun.platform.process import configure_process
+from trainrun.program.optim import build_optimizer
+from trainrun.program.precision import policy_from_config
+from trainrun.program.state import init_state
+from trainrun.program.step import make_train_step
 
 PRESETS = {
     # An MLP whose activations outweigh its params, the case accumulation is for:

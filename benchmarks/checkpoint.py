@@ -7,9 +7,9 @@ compute; the final checkpoint, which every run writes, is the baseline).
 
 The state is the MLP ``8 -> hidden -> hidden -> 1`` with Adam: params plus two moments, about
 ``3 * 4 * hidden**2`` bytes (100 MB at hidden 2900). Save and restore go through
-``trainrun.checkpoint.Checkpoints`` (Orbax), the run through ``trainrun.run``; contenders are
-interleaved and medians over ``--repeats`` reported. Target: an async save blocks the loop for at
-most 25% of a synchronous save.
+``trainrun.checkpointing.checkpoints.Checkpoints`` (Orbax), the run through ``trainrun.run``;
+contenders are interleaved and medians over ``--repeats`` reported. Target: an async save
+blocks the loop for at most 25% of a synchronous save.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import jax
 
-from trainrun.checkpoint import Checkpoints
+from trainrun.checkpointing.checkpoints import Checkpoints
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset
-from trainrun.loop import run
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.process import configure_process
-from trainrun.state import init_state
+from trainrun.platform.process import configure_process
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import init_state
+from trainrun.training.loop import run
 
 
 def config_for(hidden: int, steps: int, *overrides: str):

@@ -25,10 +25,10 @@ import numpy as np
 from trainrun.config import RunConfig, load_config
 from trainrun.data import batch_iterator, build_dataset, stack_batches
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.process import configure_process
-from trainrun.state import init_state
-from trainrun.step import make_multi_step, make_train_step
+from trainrun.platform.process import configure_process
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import init_state
+from trainrun.program.step import make_multi_step, make_train_step
 
 
 def program(config: RunConfig):

@@ -49,19 +49,19 @@ import numpy as np
 
 from trainrun.config import OptimizerConfig, TransformerModel
 from trainrun.models.transformer import make_transformer
-from trainrun.optim import build_optimizer
-from trainrun.precision import Policy
-from trainrun.step import make_multi_step, make_train_step
-from trainrun.writers import read_metrics
+from trainrun.program.optim import build_optimizer
+from trainrun.program.precision import Policy
+from trainrun.program.step import make_multi_step, make_train_step
+from trainrun.reporting.writers import read_metrics
 
 try:
-    from trainrun.state import init_state
-except ImportError:  # a checkout from before init_state moved from trainrun.loop
-    from trainrun.loop import init_state
+    from trainrun.program.state import init_state
+except ImportError:  # a checkout from before init_state moved from trainrun.training.loop
+    from trainrun.training.loop import init_state
 
 PEAK_BF16 = 989e12  # H100/H200 SXM datasheet, dense bfloat16
 OPTIM = OptimizerConfig(name="adamw", lr=6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
-# trainrun's GPU determinism defaults undone for one compilation (trainrun.process)
+# trainrun's GPU determinism defaults undone for one compilation (trainrun.platform.process)
 DETERMINISM_OFF = {"xla_gpu_deterministic_ops": False, "xla_gpu_enable_triton_gemm": True,
                    "xla_gpu_enable_scatter_determinism_expander": False}
 

@@ -31,17 +31,18 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from trainrun import dispatch, packing
 from trainrun.config import load_config
 from trainrun.data import build_dataset
-from trainrun.data.resident import ResidentBatches
-from trainrun.dispatch import CompiledSteps
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.process import configure_process
-from trainrun.state import abstract_state, init_state
-from trainrun.step import make_multi_step
-from trainrun.timing import Stopwatch
+from trainrun.platform.process import configure_process
+from trainrun.program import compiled as dispatch
+from trainrun.program import packing
+from trainrun.program.compiled import CompiledSteps
+from trainrun.program.optim import build_optimizer
+from trainrun.program.resident import ResidentBatches
+from trainrun.program.state import abstract_state, init_state
+from trainrun.program.step import make_multi_step
+from trainrun.reporting.timing import Stopwatch
 
 
 def busy(microseconds: float) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
-from trainrun.process import configure_process
+from trainrun.platform.process import configure_process
 
 POLICIES = ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full")
 

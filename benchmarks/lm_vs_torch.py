@@ -53,10 +53,10 @@ from trainrun import extras
 from trainrun.config import OptimizerConfig, TransformerModel
 from trainrun.models.adapters import Model
 from trainrun.models.reference import plain_loss  # the plain transcription of the model
-from trainrun.optim import build_optimizer
-from trainrun.process import configure_process
-from trainrun.state import init_state
-from trainrun.step import make_multi_step, make_train_step
+from trainrun.platform.process import configure_process
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import init_state
+from trainrun.program.step import make_multi_step, make_train_step
 
 # trainrun's process settings (XLA flags, allocator, CPU dispatch), made before JAX starts its
 # backend (nothing above starts it), as `trainrun train` makes them.

@@ -34,17 +34,17 @@ import jax.numpy as jnp
 import optax
 
 import trainrun
-from trainrun import packing
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset, stack_batches
-from trainrun.dispatch import CompiledSteps
-from trainrun.loop import run
-from trainrun.metric_log import MetricLog
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.process import configure_process
-from trainrun.state import abstract_state, init_state
-from trainrun.timing import Stopwatch
+from trainrun.platform.process import configure_process
+from trainrun.program import packing
+from trainrun.program.compiled import CompiledSteps
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import abstract_state, init_state
+from trainrun.reporting.metric_log import MetricLog
+from trainrun.reporting.timing import Stopwatch
+from trainrun.training.loop import run
 
 
 def hand_loop_step_s(steps: int, window: int, per_call: int = 1) -> float:
@@ -163,7 +163,7 @@ def write_inline(log: MetricLog, job: Callable[[], None]) -> None:
 
 def trainrun_step_s(steps: int, window: int, k: int, packed: bool = True,
                     rows_inline: bool = False) -> float:
-    # packed=False: the state crosses the jit boundary leaf by leaf (trainrun.packing off).
+    # packed=False: the state crosses the jit boundary leaf by leaf (trainrun.program.packing off).
     # rows_inline: metric rows written in the loop's thread instead of the writer thread.
     config = load_config("mlp", [f"steps={steps}", f"steps_per_call={k}",
                                  f"log_every={max(window, k)}", "checkpoint.every=0",
@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--async-dispatch", action="store_true",
-                        help="keep XLA:CPU's asynchronous dispatch (trainrun.process) for "
+                        help="keep XLA:CPU's asynchronous dispatch (trainrun.platform.process) for "
                              "every contender")
     args = parser.parse_args()
     # trainrun's process settings, as `trainrun train` makes them, before the first computation

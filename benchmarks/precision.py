@@ -21,7 +21,7 @@ import jax
 from accumulate import PRESETS, compile_step
 
 from trainrun.config import load_config
-from trainrun.process import configure_process
+from trainrun.platform.process import configure_process
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from pathlib import Path
 import jax
 
 from trainrun.config import load_config
-from trainrun.loop import run
-from trainrun.process import configure_process
+from trainrun.platform.process import configure_process
+from trainrun.training.loop import run
 
 
 def measure(steps: int, k: int, stream: bool) -> tuple[float, float]:

@@ -12,14 +12,14 @@ import pytest
 from trainrun.cli import main
 from trainrun.config import MLPModel, load_config
 from trainrun.data.synthetic import regression_arrays
-from trainrun.loop import run
 from trainrun.models import from_functions
 from trainrun.models.mlp import make_mlp
-from trainrun.optim import build_optimizer
-from trainrun.precision import LossScale, Policy
-from trainrun.state import init_state
-from trainrun.step import make_gradient_fn, make_multi_step, make_train_step
-from trainrun.writers import read_metrics
+from trainrun.program.optim import build_optimizer
+from trainrun.program.precision import LossScale, Policy
+from trainrun.program.state import init_state
+from trainrun.program.step import make_gradient_fn, make_multi_step, make_train_step
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.loop import run
 
 ONE = LossScale.create()
 

@@ -14,8 +14,8 @@ from conftest import cli_env
 import trainrun
 from trainrun import rundir
 from trainrun.config import load_config
-from trainrun.dispatch import CompiledSteps
-from trainrun.writers import read_metrics
+from trainrun.program.compiled import CompiledSteps
+from trainrun.reporting.writers import read_metrics
 
 
 class Recorder(trainrun.Callback):

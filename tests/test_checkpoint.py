@@ -13,14 +13,20 @@ import numpy as np
 import pytest
 from conftest import losses
 
-from trainrun import integrity, rundir
-from trainrun.checkpoint import TMP_MARK, CheckpointError, Checkpoints, leaf_differences
+from trainrun import rundir
+from trainrun.checkpointing import integrity
+from trainrun.checkpointing.checkpoints import (
+    TMP_MARK,
+    CheckpointError,
+    Checkpoints,
+    leaf_differences,
+)
+from trainrun.checkpointing.resume import ConfigChangedError
 from trainrun.cli import main as cli_main
 from trainrun.config import load_config
 from trainrun.data.pipeline import ArrayBatches, BatchCursor
-from trainrun.loop import run
-from trainrun.resume import ConfigChangedError
-from trainrun.writers import read_metrics
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.loop import run
 
 SMALL = ["steps=30", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false"]
 

@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 import trainrun
-from trainrun import checkpoint_policy, rundir
+from trainrun import rundir
+from trainrun.checkpointing import policy as checkpoint_policy
 from trainrun.config import load_config
-from trainrun.dispatch import CompiledSteps
-from trainrun.timing import StepTimer
+from trainrun.program.compiled import CompiledSteps
+from trainrun.reporting.timing import StepTimer
 
 
 class FakeClock(trainrun.Callback):

@@ -22,7 +22,7 @@ from trainrun.data import (
     token_windows,
 )
 from trainrun.data.text import corpus_files, stdlib_patterns
-from trainrun.loop import run
+from trainrun.training.loop import run
 
 
 def ids_dataset(n: int = 50, batch: int = 8, **kw) -> ArrayBatches:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import cli_env, run_cli
 
-from trainrun import distributed
 from trainrun.config import ExplicitDistributed
-from trainrun.writers import read_metrics
+from trainrun.platform import distributed
+from trainrun.reporting.writers import read_metrics
 
 RUN = ["model.hidden=[32]", "data.examples=512", "data.batch_size=64", "data.shuffle=true",
        "log_every=10", "metrics.tensorboard=false"]

@@ -12,11 +12,11 @@ import pytest
 
 from trainrun.config import ConfigError, load_config
 from trainrun.data.synthetic import regression_arrays
-from trainrun.loop import run
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.state import init_state
-from trainrun.step import make_train_step
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import init_state
+from trainrun.program.step import make_train_step
+from trainrun.training.loop import run
 
 
 def test_the_average_follows_its_formula_and_skips_a_skipped_step():
@@ -46,7 +46,7 @@ def test_ema_resumes_bitwise(tmp_path):
         for n in steps:  # stop at the first, resume to the last
             run(load_config("mlp", [f"steps={n}", "checkpoint.every=5", "optimizer.ema=0.95",
                                     "metrics.tensorboard=false"]), run_dir, out=io.StringIO())
-        from trainrun.sample import latest_state
+        from trainrun.checkpointing.reader import latest_state
 
         config = load_config("mlp", [f"steps={steps[-1]}", "optimizer.ema=0.95"])
         return latest_state(run_dir, config)[1].ema

@@ -16,10 +16,10 @@ from conftest import cli_env
 
 from trainrun.config import ConfigError, TokenData, load_config
 from trainrun.data import ArrayBatches, DataError, build_eval_dataset
-from trainrun.evaluation import Evaluator
-from trainrun.loop import run
 from trainrun.models import from_functions
-from trainrun.writers import read_metrics
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.evaluation import Evaluator
+from trainrun.training.loop import run
 
 
 def tiny_lm(corpus, *overrides: str):
@@ -87,13 +87,13 @@ def test_eval_without_a_held_out_split_is_refused(tmp_path):
 SHARDED_EVAL = textwrap.dedent("""
     import json
     import jax
-    from trainrun import sharding
+    from trainrun.program import sharding
     from trainrun.config import load_config
     from trainrun.data import build_eval_dataset
-    from trainrun.evaluation import Evaluator
-    from trainrun.state import abstract_state, init_state
+    from trainrun.training.evaluation import Evaluator
+    from trainrun.program.state import abstract_state, init_state
     from trainrun.models import build_model
-    from trainrun.optim import build_optimizer
+    from trainrun.program.optim import build_optimizer
 
     config = load_config("digits", ["eval.batches=3"])
     model, opt = build_model(config.model), build_optimizer(config.optimizer, config.steps)

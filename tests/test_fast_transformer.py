@@ -16,7 +16,7 @@ from trainrun.config import TransformerModel
 from trainrun.models import build_model
 from trainrun.models.reference import plain_loss
 from trainrun.models.transformer import causal_attention
-from trainrun.process import apply_default_flags, reuse_freed_memory, run_cpu_calls_inline
+from trainrun.platform.process import apply_default_flags, reuse_freed_memory, run_cpu_calls_inline
 
 # seq 160 is two full attention blocks and a partial third (blocks of 64 query rows)
 SMALL = TransformerModel(d_model=32, layers=1, heads=2, seq_len=160, init_std=0.1)

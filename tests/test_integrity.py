@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from conftest import losses
 
-from trainrun import integrity
+from trainrun.checkpointing import integrity
 from trainrun.cli import main as cli_main
 from trainrun.config import load_config
-from trainrun.loop import run
+from trainrun.training.loop import run
 
 SMALL = ["steps=30", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false"]
 

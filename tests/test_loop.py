@@ -14,14 +14,14 @@ import yaml
 
 from trainrun import rundir
 from trainrun.config import load_config
-from trainrun.dispatch import CompiledSteps
 from trainrun.errors import WriteFailed
-from trainrun.loop import run
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.state import init_state
-from trainrun.timing import Stopwatch
-from trainrun.writers import JsonlWriter, read_metrics
+from trainrun.program.compiled import CompiledSteps
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import init_state
+from trainrun.reporting.timing import Stopwatch
+from trainrun.reporting.writers import JsonlWriter, read_metrics
+from trainrun.training.loop import run
 
 SUMMARY_KEYS = {"final_loss", "steps", "compile_s", "step_time_median_s", "steps_per_s",
                 "examples_per_s", "provenance"}

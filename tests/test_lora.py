@@ -9,15 +9,16 @@ import jax
 import numpy as np
 import pytest
 
+from trainrun.checkpointing.reader import latest_params
 from trainrun.cli import main
 from trainrun.config import ConfigError, load_config
-from trainrun.loop import run
+from trainrun.export import export_run
 from trainrun.models import build_model
-from trainrun.models.huggingface import WeightsError, export_run
-from trainrun.optim import build_optimizer, param_name
-from trainrun.precision import policy_from_config
-from trainrun.sample import latest_params
-from trainrun.state import init_state
+from trainrun.models.huggingface import WeightsError
+from trainrun.program.optim import build_optimizer, param_name
+from trainrun.program.precision import policy_from_config
+from trainrun.program.state import init_state
+from trainrun.training.loop import run
 
 
 def lora_config(tmp_path, *extra: str):

@@ -11,7 +11,7 @@ import pytest
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
 from trainrun.models.losses import next_token, next_token_from_features
-from trainrun.precision import equations
+from trainrun.program.precision import equations
 
 TOKENS, D, VOCAB = 50, 16, 97
 

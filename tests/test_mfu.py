@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainrun import mfu
 from trainrun.cli import main
 from trainrun.config import load_config
-from trainrun.loop import run
 from trainrun.models import from_functions
 from trainrun.models.transformer import make_transformer
-from trainrun.timing import provenance
+from trainrun.reporting import mfu
+from trainrun.reporting.provenance import provenance
+from trainrun.training.loop import run
 
 M, K, P, N = 256, 192, 160, 128  # (a @ b) @ c with a [M, K], b [K, P], c [P, N]
 

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 
 from trainrun.config import load_config
-from trainrun.loop import run
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.state import init_state
-from trainrun.step import make_eval_step, make_train_step
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import init_state
+from trainrun.program.step import make_eval_step, make_train_step
+from trainrun.training.loop import run
 
 SMALL = ["model.width=16", "optimizer.schedule.warmup_steps=20", "metrics.tensorboard=false"]
 

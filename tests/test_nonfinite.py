@@ -13,13 +13,13 @@ import pytest
 
 from trainrun.config import MLPModel, OptimizerConfig, RegressionData, load_config
 from trainrun.data.synthetic import regression_arrays
-from trainrun.loop import run
 from trainrun.models.mlp import make_mlp
-from trainrun.nonfinite import NonFiniteError
-from trainrun.optim import build_optimizer
-from trainrun.state import init_state
-from trainrun.step import BRANCH_LEAVES, make_multi_step, make_train_step
-from trainrun.writers import read_metrics
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import init_state
+from trainrun.program.step import BRANCH_LEAVES, make_multi_step, make_train_step
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.loop import run
+from trainrun.training.nonfinite import NonFiniteError
 
 
 def same_bits(a, b) -> bool:

@@ -16,10 +16,10 @@ from trainrun.cli import main
 from trainrun.config import MLPModel, OptimizerConfig, RegressionData
 from trainrun.data.synthetic import regression_arrays
 from trainrun.models.mlp import make_mlp
-from trainrun.optim import build_optimizer
-from trainrun.state import init_state
-from trainrun.step import make_multi_step, make_train_step
-from trainrun.writers import read_metrics
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import init_state
+from trainrun.program.step import make_multi_step, make_train_step
+from trainrun.reporting.writers import read_metrics
 
 LR = 0.01
 STEPS = 30

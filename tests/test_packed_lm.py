@@ -20,13 +20,13 @@ from trainrun import rundir
 from trainrun.config import TransformerModel, load_config
 from trainrun.data import ArrayBatches
 from trainrun.data.documents import pack_documents
-from trainrun.evaluation import Evaluator
-from trainrun.loop import run
 from trainrun.models import build_model
 from trainrun.models import transformer as tf
 from trainrun.models.losses import next_token_from_features
+from trainrun.reporting.writers import read_metrics
 from trainrun.sample import sample_run
-from trainrun.writers import read_metrics
+from trainrun.training.evaluation import Evaluator
+from trainrun.training.loop import run
 
 SEQ = 24
 CFG = TransformerModel(vocab=64, d_model=32, layers=2, heads=2, seq_len=SEQ, init_std=0.1)

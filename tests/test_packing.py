@@ -9,19 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainrun import packing
 from trainrun.config import load_config
 from trainrun.data import build_dataset
-from trainrun.data.resident import ResidentBatches
-from trainrun.dispatch import CompiledSteps
-from trainrun.loop import run
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.packing import StatePacking, packing_for
+from trainrun.program import packing
+from trainrun.program.compiled import CompiledSteps
+from trainrun.program.optim import build_optimizer
+from trainrun.program.packing import StatePacking, packing_for
+from trainrun.program.resident import ResidentBatches
+from trainrun.program.state import abstract_state, init_state
+from trainrun.reporting.timing import Stopwatch
+from trainrun.reporting.writers import read_metrics
 from trainrun.rundir import METRICS
-from trainrun.state import abstract_state, init_state
-from trainrun.timing import Stopwatch
-from trainrun.writers import read_metrics
+from trainrun.training.loop import run
 
 
 def mlp_state():

@@ -10,8 +10,8 @@ import numpy as np
 import optax
 
 from trainrun.config import load_config
-from trainrun.loop import run
-from trainrun.writers import read_metrics
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.loop import run
 
 
 def chapter_losses(steps: int = 200) -> np.ndarray:

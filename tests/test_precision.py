@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainrun.checkpoint import Checkpoints
+from trainrun.checkpointing.checkpoints import Checkpoints
 from trainrun.config import (
     CNNModel,
     MLPModel,
@@ -21,15 +21,15 @@ from trainrun.config import (
 )
 from trainrun.data import batch_iterator, build_dataset
 from trainrun.data.synthetic import regression_arrays
-from trainrun.loop import run
 from trainrun.models import build_model, from_functions
 from trainrun.models.mlp import make_mlp
-from trainrun.optim import build_optimizer
-from trainrun.precision import LossScale, Policy, matmuls, policy_from_config
-from trainrun.state import abstract_state, init_state
-from trainrun.step import global_norm, make_eval_step, make_train_step
-from trainrun.timing import provenance
-from trainrun.writers import read_metrics
+from trainrun.program.optim import build_optimizer
+from trainrun.program.precision import LossScale, Policy, matmuls, policy_from_config
+from trainrun.program.state import abstract_state, init_state
+from trainrun.program.step import global_norm, make_eval_step, make_train_step
+from trainrun.reporting.provenance import provenance
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.loop import run
 
 
 def final_loss(tmp_path, *overrides: str) -> float:

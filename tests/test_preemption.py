@@ -14,8 +14,8 @@ import textwrap
 from conftest import cli_env
 
 from trainrun import rundir
-from trainrun.preemption import ABORT_EXIT_CODE, Preemption
-from trainrun.writers import read_metrics
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.preemption import ABORT_EXIT_CODE, Preemption
 
 
 def start(*args: str, stderr_to, **env: str) -> subprocess.Popen:
@@ -74,7 +74,7 @@ def test_signal_requests_a_stop_and_handlers_are_restored():
 def test_second_sigint_aborts_at_once(tmp_path):
     script = textwrap.dedent("""
         import os, signal, time
-        from trainrun.preemption import Preemption
+        from trainrun.training.preemption import Preemption
         with Preemption() as preemption:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)
@@ -94,7 +94,7 @@ import sys, time
 import jax
 index, port = int(sys.argv[1]), sys.argv[2]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=index)
-from trainrun.preemption import Preemption
+from trainrun.training.preemption import Preemption
 with Preemption() as preemption:
     for step in range(1, 10**6):
         time.sleep(0.002 * (1 + index))  # the hosts run at different speeds

@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 from conftest import gpt2_logits, save_tiny_gpt2
 
+from trainrun.checkpointing.init_from import initial_state
 from trainrun.cli import main
 from trainrun.config import load_config
 from trainrun.data import build_dataset
-from trainrun.loop import run
 from trainrun.models import build_model
 from trainrun.models.huggingface import WeightsError
 from trainrun.models.transformer import bind_transformer
-from trainrun.optim import build_optimizer
-from trainrun.precision import policy_from_config
-from trainrun.pretrained import initial_state
-from trainrun.state import init_state
+from trainrun.program.optim import build_optimizer
+from trainrun.program.precision import policy_from_config
+from trainrun.program.state import init_state
+from trainrun.training.loop import run
 
 pytest.importorskip("transformers", reason="the tests' extra holds transformers")
 
@@ -87,7 +87,7 @@ def test_init_from_a_gpt2_directory_has_its_logits_and_trains_from_them(gpt2_dir
 
     # and its export loads back in transformers with the trained model's logits
     assert main(["export", str(run_dir), "--to", str(tmp_path / "out")]) == 0
-    from trainrun.sample import latest_params
+    from trainrun.checkpointing.reader import latest_params
 
     _, trained = latest_params(run_dir, config)
     ours = np.asarray(bind_transformer(config.model)(trained)(jnp.asarray(TOKENS))[0])
@@ -97,7 +97,7 @@ def test_init_from_a_gpt2_directory_has_its_logits_and_trains_from_them(gpt2_dir
 
 def test_init_from_another_run_takes_its_params_or_its_whole_state(finetuned, tmp_path):
     config, base_dir = finetuned
-    from trainrun.sample import latest_state
+    from trainrun.checkpointing.reader import latest_state
 
     _, base = latest_state(base_dir, config)
     _, optimizer, policy, fresh = start_of(config)

@@ -16,8 +16,8 @@ import textwrap
 import pytest
 from conftest import cli_env
 
-from trainrun import process
-from trainrun.process import (
+from trainrun.platform import process
+from trainrun.platform.process import (
     DEVICE_COUNT_FLAG,
     GPU_DETERMINISM_FLAGS,
     apply_default_flags,

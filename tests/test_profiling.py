@@ -9,7 +9,7 @@ import json
 import pytest
 
 from trainrun.config import ConfigError, load_config
-from trainrun.loop import run
+from trainrun.training.loop import run
 
 
 def _step_calls(trace_file) -> int:

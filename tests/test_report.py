@@ -16,8 +16,8 @@ from PIL import Image
 from trainrun import rundir
 from trainrun.cli import main
 from trainrun.config import config_from_dict, load_config
-from trainrun.loop import run
-from trainrun.writers import read_metrics
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.loop import run
 
 QUICK = ["log_every=10", "checkpoint.every=0"]
 

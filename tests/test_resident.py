@@ -11,9 +11,9 @@ import pytest
 
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset, resident
-from trainrun.dispatch import CompiledSteps
-from trainrun.loop import run
-from trainrun.writers import read_metrics
+from trainrun.program.compiled import CompiledSteps
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.loop import run
 
 
 def host_arrays_in_calls(monkeypatch) -> list[bool]:

@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 
 from trainrun.cli import main as cli_main
-from trainrun.writers import read_metrics
+from trainrun.reporting.writers import read_metrics
 
 # A model that draws from the step key (dropout) on a shuffled iterator (batch < examples):
 # resume is only right if the key, the step and the data position all come back.
@@ -75,7 +75,7 @@ def test_k_step_calls_with_batches_made_ahead_resume_bitwise(cli, tmp_path):
 PLANT = """\
 # Planted fault: checkpoints record the data position as 0, so a resumed run re-reads the
 # shuffled data from its first batch.
-from trainrun import checkpoint
+from trainrun.checkpointing import checkpoints as checkpoint
 
 def save(self, directory, item=None, args=None):
     (directory / checkpoint._process_file()).write_text('{"next_index": 0}')

@@ -21,10 +21,10 @@ from trainrun import rundir
 from trainrun.cli import main as cli_main
 from trainrun.config import load_config
 from trainrun.errors import UserError
-from trainrun.loop import run
-from trainrun.preemption import ABORT_EXIT_CODE
-from trainrun.rundir_lock import RunDirLocked, RunLock, is_locked
-from trainrun.writers import read_metrics
+from trainrun.reporting.writers import read_metrics
+from trainrun.rundir.lock import RunDirLocked, RunLock, is_locked
+from trainrun.training.loop import run
+from trainrun.training.preemption import ABORT_EXIT_CODE
 
 SMALL = ["steps=20", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false"]
 
@@ -180,7 +180,7 @@ def test_lock_names_its_holder_and_the_kernel_frees_it_on_kill(tmp_path):
     assert not is_locked(tmp_path) and (tmp_path / "trainrun.lock").read_text() == ""
 
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from trainrun.rundir_lock import RunLock\n"
+        "import sys, time; from pathlib import Path; from trainrun.rundir.lock import RunLock\n"
         f"lock = RunLock(Path({str(tmp_path)!r})); lock.acquire(create=True)\n"
         "lock.record_holder(); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True, env=cli_env())

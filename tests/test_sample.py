@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun import rundir
+from trainrun.checkpointing.reader import latest_params
 from trainrun.cli import main
 from trainrun.config import TransformerModel, dump_yaml, load_config
-from trainrun.loop import run
 from trainrun.models import build_model
 from trainrun.models.transformer import bind_transformer
-from trainrun.sample import SampleError, _decoder, generate, latest_params
+from trainrun.sample import SampleError, _decoder, generate
+from trainrun.training.loop import run
 
 CFG = TransformerModel(d_model=32, layers=2, heads=4, seq_len=16)
 

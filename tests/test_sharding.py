@@ -16,13 +16,13 @@ from conftest import cli_env, run_cli
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-from trainrun import sharding
 from trainrun.cli import main
 from trainrun.config import MeshConfig, MLPModel, OptimizerConfig, TransformerModel
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.state import abstract_state
-from trainrun.writers import read_metrics
+from trainrun.program import sharding
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import abstract_state
+from trainrun.reporting.writers import read_metrics
 
 
 def abstract_mesh(data: int, fsdp: int, tensor: int) -> AbstractMesh:
@@ -150,13 +150,13 @@ SHARDED_RUNS = textwrap.dedent("""
     import io, json, sys
     from pathlib import Path
     import jax
-    from trainrun import sharding
+    from trainrun.program import sharding
     from trainrun.config import load_config
-    from trainrun.loop import run
-    from trainrun.state import abstract_state, init_state
+    from trainrun.training.loop import run
+    from trainrun.program.state import abstract_state, init_state
     from trainrun.models import build_model
-    from trainrun.optim import build_optimizer
-    from trainrun.writers import read_metrics
+    from trainrun.program.optim import build_optimizer
+    from trainrun.reporting.writers import read_metrics
 
     name, base, root = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     arrays = sys.argv[4] == "arrays"

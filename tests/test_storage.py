@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 from conftest import cli_env, losses
 
-from trainrun import rundir, storage, writers
+from trainrun import rundir
 from trainrun.config import load_config
-from trainrun.loop import run
-from trainrun.writers import JsonlWriter, read_metrics
+from trainrun.reporting import writers
+from trainrun.reporting.writers import JsonlWriter, read_metrics
+from trainrun.rundir import storage
+from trainrun.training.loop import run
 
 RUN = ["steps=1000", "checkpoint.every=100", "log_every=500"]
 

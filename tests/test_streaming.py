@@ -10,15 +10,16 @@ import threading
 import jax
 import numpy as np
 
-from trainrun import loop, rundir, setup
+from trainrun import rundir
 from trainrun.config import load_config
-from trainrun.dispatch import CompiledSteps
 from trainrun.models import build_model
-from trainrun.optim import build_optimizer
-from trainrun.state import abstract_state, init_state
-from trainrun.stream import MetricStream
-from trainrun.timing import Stopwatch
-from trainrun.writers import read_metrics
+from trainrun.program.compiled import CompiledSteps
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import abstract_state, init_state
+from trainrun.reporting.stream import MetricStream
+from trainrun.reporting.timing import Stopwatch
+from trainrun.reporting.writers import read_metrics
+from trainrun.training import loop, setup
 
 K10 = ["steps=100", "steps_per_call=10", "log_every=50", "checkpoint.every=0"]
 

@@ -14,9 +14,8 @@ import pytest
 from trainrun import rundir
 from trainrun.cli import main
 from trainrun.config import load_config
-from trainrun.console import ConsoleLog
-from trainrun.loop import run
-from trainrun.writers import (
+from trainrun.reporting.console import ConsoleLog
+from trainrun.reporting.writers import (
     TENSORBOARD_DIR,
     JsonlWriter,
     Table,
@@ -24,6 +23,7 @@ from trainrun.writers import (
     build_output,
     read_metrics,
 )
+from trainrun.training.loop import run
 
 QUICK = ["steps=60", "log_every=20", "checkpoint.every=0"]
 
@@ -197,7 +197,7 @@ def test_event_file_frames_records_as_tensorboardx_does(tmp_path):
     from tensorboardX.crc32c import crc32c
     from tensorboardX.record_writer import RecordWriter
 
-    from trainrun.writers import EventFile
+    from trainrun.reporting.writers import EventFile
 
     records = [b"", b"x", bytes(range(256)) * 3, b"event" * 1000, b"y", b"z"]
     ours = EventFile(tmp_path / "ours", crc32c)
@@ -216,7 +216,7 @@ def test_scalar_events_are_the_bytes_protobuf_writes():
     from tensorboardX.proto.event_pb2 import Event
     from tensorboardX.proto.summary_pb2 import Summary
 
-    from trainrun.writers import ScalarEventEncoder
+    from trainrun.reporting.writers import ScalarEventEncoder
 
     def protobuf(step, wall, split, names, row):
         value = [Summary.Value(tag=f"{split}/{n}", simple_value=v)

@@ -9,15 +9,15 @@ backend starts. The allocator and CPU dispatch settings are made by ``trainrun t
 ``run()`` when JAX's backend has not started, or by ``configure_process()`` (``process.py``).
 """
 
-from trainrun.callbacks import Boundary, Callback, EarlyStopping, MetricLogger
 from trainrun.config import ConfigError, RunConfig, load_config
 from trainrun.data import ArrayBatches, DataError
 from trainrun.errors import UserError
-from trainrun.loop import run
 from trainrun.models import Model, from_functions, from_nnx
-from trainrun.process import apply_default_flags, configure_process
-from trainrun.state import TrainState
-from trainrun.summary import RunSummary
+from trainrun.platform.process import apply_default_flags, configure_process
+from trainrun.program.state import TrainState
+from trainrun.training.callbacks import Boundary, Callback, EarlyStopping, MetricLogger
+from trainrun.training.loop import run
+from trainrun.training.summary import RunSummary
 
 apply_default_flags()  # before anything starts JAX's backend (nothing above does)
 

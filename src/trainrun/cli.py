@@ -10,9 +10,9 @@ from trainrun.errors import UserError, WriteFailed
 
 def _train(args: argparse.Namespace) -> int:
     from trainrun.config import load_config
-    from trainrun.distributed import session
-    from trainrun.loop import run
-    from trainrun.process import configure_process
+    from trainrun.platform.distributed import session
+    from trainrun.platform.process import configure_process
+    from trainrun.training.loop import run
 
     configure_process()  # before anything starts JAX's backend
     config = load_config(args.config, args.overrides)
@@ -23,7 +23,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _verify_resume(args: argparse.Namespace) -> int:
-    from trainrun.resume_check import verify_resume
+    from trainrun.verify_resume import verify_resume
 
     return verify_resume(args.config, args.overrides, kill_at=args.kill_at,
                          kill_in_save=args.kill_in_save, work_dir=args.work_dir,
@@ -38,7 +38,7 @@ def _config_show(args: argparse.Namespace) -> int:
 
 
 def _verify_checkpoint(args: argparse.Namespace) -> int:
-    from trainrun.integrity import verify_run_checkpoint
+    from trainrun.checkpointing.integrity import verify_run_checkpoint
 
     ok, line = verify_run_checkpoint(args.run_dir, args.step)
     print(line)
@@ -46,21 +46,21 @@ def _verify_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from trainrun.distributed import launch
+    from trainrun.platform.distributed import launch
 
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
     return launch(args.n, command, args.devices_per_process, args.grace_s)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from trainrun.report import write_report
+    from trainrun.reporting.report import write_report
 
     print(f"wrote {write_report(args.run_dir)}")
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from trainrun.report import compare
+    from trainrun.reporting.report import compare
 
     png, table = compare(args.run_dirs, args.out)
     print(table)
@@ -80,7 +80,7 @@ def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from trainrun import extras
-    from trainrun.models.huggingface import export_run
+    from trainrun.export import export_run
 
     extras.require("huggingface", "trainrun export")
     step, out = export_run(Path(args.run_dir), Path(args.to), merge=args.merge)
@@ -89,14 +89,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from trainrun.report import list_runs
+    from trainrun.reporting.report import list_runs
 
     print(list_runs(args.root))
     return 0
 
 
 def _bench_ceiling(args: argparse.Namespace) -> int:
-    from trainrun import mfu
+    from trainrun.reporting import mfu
 
     if args.size < 64 or args.repeats < 1:
         raise UserError(f"bench ceiling needs --size >= 64 and --repeats >= 1 (got --size "

@@ -8,23 +8,19 @@ the last half of the text is re-read into a fresh cache and decoding goes on fro
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
-from trainrun import rundir
-from trainrun.config import ConfigError, RunConfig, TransformerModel, config_from_dict
+from trainrun.checkpointing.reader import latest_state, saved_config
+from trainrun.config import TransformerModel
 from trainrun.errors import UserError
 from trainrun.models.transformer import Transformer, bind_transformer
-from trainrun.precision import DTYPES, cast_floats
+from trainrun.program.precision import DTYPES, cast_floats
 
 PyTree = Any
 
@@ -132,89 +128,3 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     out = generate(config.model, params, np.frombuffer(prompt.encode(), np.uint8), tokens,
                    temperature=temperature, seed=seed, compute=config.precision.compute)
     return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-
-
-def saved_config(run_dir: Path) -> RunConfig:
-    """The resolved config a run directory was trained with (its ``config.yaml``); read by
-    sampling, export and ``init.from``."""
-    path = run_dir / rundir.CONFIG
-    if not path.is_file():
-        raise SampleError(f"{run_dir} is not a run directory (no {rundir.CONFIG}); give the "
-                          "directory a training run wrote, e.g. runs/lm")
-    try:
-        return config_from_dict(yaml.safe_load(path.read_text()))
-    except ConfigError as err:
-        raise SampleError(f"the config saved in {path} no longer loads: {err}") from None
-
-
-def latest_params(run_dir: Path, config: RunConfig) -> tuple[int, PyTree]:
-    """``(step, params)`` of the run's newest readable checkpoint (see ``latest_state``)."""
-    step, state = latest_state(run_dir, config)
-    return step, state.params
-
-
-def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
-    """``(step, TrainState)`` of the run's newest readable checkpoint, on one device.
-
-    Read-only: the checkpoint directory is opened without creating, cleaning or deleting
-    anything, so sampling is safe while the run is still training and saving. A newest step
-    that cannot be read, or whose files do not match their checksums, is skipped for the one
-    before it, as a resume would.
-    """
-    import orbax.checkpoint as ocp
-
-    from trainrun.checkpoint import Unreadable, checkpoint_dir, newest_readable, readable
-    from trainrun.integrity import verify_step
-    from trainrun.models import build_model
-    from trainrun.optim import build_optimizer
-    from trainrun.precision import policy_from_config
-    from trainrun.state import abstract_state
-
-    directory = checkpoint_dir(config, run_dir).absolute()
-    if not directory.is_dir():
-        raise SampleError(f"{run_dir} has no checkpoints ({directory} does not exist); train "
-                          "it first, e.g. trainrun train --config lm")
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
-                                           enable_async_checkpointing=False)
-    with _without_read_only_notice(), ocp.CheckpointManager(
-            directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler()}) as ckpt:
-        steps = sorted(ckpt.all_steps(), reverse=True)
-        if not steps:
-            raise SampleError(f"{directory} holds no committed checkpoint yet; let the run "
-                              "reach its first checkpoint (checkpoint.every) and try again")
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = abstract_state(build_model(config.model),
-                                  build_optimizer(config.optimizer, config.steps), config.seed,
-                                  policy_from_config(config.precision))
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                              abstract)
-
-        def read(step: int) -> Any:  # a step whose files changed or fail: the one before
-            changed = verify_step(directory / str(step)).problems  # its saved checksums
-            if changed:
-                raise Unreadable(changed[0])
-            return readable(lambda: ckpt.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target))))["state"]
-
-        step, state, problems = newest_readable(steps, read)
-        if state is not None:
-            return step, state
-    raise SampleError(f"no checkpoint in {directory} can be read ("
-                      + "; ".join(f"step {s}: {why}" for s, why in problems) + ")")
-
-
-@contextlib.contextmanager
-def _without_read_only_notice() -> Iterator[None]:
-    """Orbax logs a warning for every read-only manager it opens, which is what reading a run's
-    checkpoint is: that record is dropped while it is open, the process's logging left as is."""
-
-    def keep(record: logging.LogRecord) -> bool:
-        return "is read only" not in record.getMessage()
-
-    absl = logging.getLogger("absl")
-    absl.addFilter(keep)
-    try:
-        yield
-    finally:
-        absl.removeFilter(keep)

@@ -339,10 +339,10 @@ class OptimizerConfig(Section):
 class InitConfig(Section):
     """``from``: start a fresh run (one without checkpoints) from another run's newest
     checkpoint, a Hugging Face GPT-2 directory or a ``.safetensors`` file instead of random
-    init (``trainrun.pretrained``). ``load``: ``params`` takes the params only (a fine-tune:
-    new optimizer state, step 0); ``state`` takes a run's whole state (a fork: its optimizer
-    moments, step and key; the data starts from its beginning). A run that resumes from its
-    own checkpoint ignores both."""
+    init (``trainrun.checkpointing.init_from``). ``load``: ``params`` takes the params only (a
+    fine-tune: new optimizer state, step 0); ``state`` takes a run's whole state (a fork: its
+    optimizer moments, step and key; the data starts from its beginning). A run that resumes
+    from its own checkpoint ignores both."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
                               serialize_by_alias=True, allow_inf_nan=False)

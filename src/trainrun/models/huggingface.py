@@ -24,7 +24,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from trainrun.config import TransformerModel
@@ -184,22 +183,3 @@ def _set(tree: PyTree, path: tuple[str, ...], value: np.ndarray) -> None:
 
 def _copy(tree: PyTree) -> PyTree:
     return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
-
-
-def export_run(run_dir: Path, to: Path, *, merge: bool = False) -> tuple[int, Path]:
-    """A run's newest readable checkpoint as a GPT-2 model directory: ``(step, to)``. A model
-    with LoRA adapters needs ``merge`` (GPT-2's layout has no place for them)."""
-    from trainrun.models.transformer import merge_adapters
-    from trainrun.sample import latest_params, saved_config
-
-    config = saved_config(run_dir)
-    cfg = config.model
-    if cfg.kind != "transformer":
-        raise WeightsError(f"run {run_dir} trains model.kind={cfg.kind}; export writes the "
-                           "transformer in GPT-2's layout")
-    if cfg.lora is not None and not merge:
-        raise WeightsError("the model has LoRA adapters, which GPT-2's layout cannot hold; "
-                           "pass --merge to fold them into the weights")
-    step, params = latest_params(run_dir, config)
-    cfg, params = merge_adapters(cfg, jax.tree.map(np.asarray, params))
-    return step, write_model_dir(params, cfg, to)

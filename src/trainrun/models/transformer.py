@@ -32,7 +32,7 @@ from flax import nnx
 from trainrun.config import LoraConfig, TransformerModel
 from trainrun.models.adapters import Model, bind_params, from_nnx
 from trainrun.models.losses import LN2, next_token_from_features, tied_head_logits
-from trainrun.precision import float32_dot
+from trainrun.models.matmul import float32_dot
 
 PyTree = Any
 

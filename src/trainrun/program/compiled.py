@@ -12,16 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun.data.resident import ResidentBatches
 from trainrun.models import Model
-from trainrun.optim import Optimizer
-from trainrun.packing import packing_for
-from trainrun.precision import Policy
-from trainrun.state import TrainState
-from trainrun.step import make_multi_step, make_train_step
-from trainrun.stream import MetricStream, streamed
-from trainrun.timing import StepTimer, Stopwatch
-from trainrun.writers import Table
+from trainrun.program.optim import Optimizer
+from trainrun.program.packing import packing_for
+from trainrun.program.precision import Policy
+from trainrun.program.resident import ResidentBatches
+from trainrun.program.state import TrainState
+from trainrun.program.step import make_multi_step, make_train_step
+from trainrun.reporting import mfu
+from trainrun.reporting.stream import MetricStream, streamed
+from trainrun.reporting.table import Table
+from trainrun.reporting.timing import StepTimer, Stopwatch
 
 Batch = Any
 MAX_PENDING_CALLS = 256  # bounds how stale unread metrics get between log points
@@ -111,6 +112,16 @@ class CompiledSteps:
             self.metric_names = sorted(jax.eval_shape(step, state, example)[1])
         with self.watch.phase("compile"):
             self.programs[k] = self.fn.lower(carried, batch).compile()
+
+    def flops_per_step(self, abstract: TrainState, example: Batch,
+                       resident: ResidentBatches | None, counted: Any,
+                       batch_size: int) -> tuple[float | None, str | None]:
+        """FLOPs of one step and their source (``mfu.flops_per_step``). A program that gathers
+        its own batches (``resident.py``) would count the gather too, so then the step alone
+        is lowered on a batch's shapes."""
+        compiled, batch = ((self.programs, example) if resident is None
+                           else ({}, resident.example(2)))
+        return mfu.flops_per_step(compiled, self.one_step, abstract, batch, counted, batch_size)
 
     def __call__(self, k: int, carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
         if k not in self.programs:

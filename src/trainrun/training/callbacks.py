@@ -24,9 +24,9 @@ import math
 import time
 from collections.abc import Callable
 
-from trainrun.hooks import Boundary, joined
-from trainrun.timing import Stopwatch
-from trainrun.writers import Table
+from trainrun.reporting.table import Table
+from trainrun.reporting.timing import Stopwatch
+from trainrun.training.hooks import Boundary, joined
 
 __all__ = ["Boundary", "Callback", "CallbackHook", "EarlyStopping", "MetricLogger"]
 

@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-
-from trainrun.checkpoint import Checkpoints
-from trainrun.hooks import Boundary
-from trainrun.timing import Stopwatch
 
 Clock = Callable[[], float]
 
@@ -82,49 +77,3 @@ class CheckpointPolicy:
 
     def saved(self) -> None:
         self.last_save = self.clock()
-
-
-class CheckpointHook:
-    """Saves at the boundaries the policy names, at every evaluation under ``keep_best``, at
-    the run's end and when it stops. Before a save every step's metrics are read and written
-    (a non-finite halt comes first; rows up to the checkpoint survive a kill right after it:
-    ``output.flush()``)."""
-
-    def __init__(self, checkpoints: Checkpoints, policy: CheckpointPolicy, batches: Any,
-                 output: Any, watch: Stopwatch, keep_best: str | None = None,
-                 listeners: list[Callable[[Boundary], None]] | None = None):
-        self.listeners = listeners or []  # told of each save once it has started
-        self.checkpoints = checkpoints
-        self.policy = policy
-        self.batches = batches
-        self.output = output
-        self.watch = watch
-        self.best_name = keep_best.partition("/")[2] if keep_best else None
-
-    every_boundary = False  # its steps, its clock (poll), evaluations and the end
-
-    def steps_to_next(self, step: int) -> int | None:
-        return self.policy.steps_to_next(step)
-
-    def poll(self, step: int) -> bool:
-        return self.policy.poll(step)
-
-    def at_boundary(self, boundary: Boundary) -> None:
-        scored = self.best_name is not None and boundary.eval is not None
-        if not (boundary.last or scored or self.policy.due(boundary.step)):
-            return
-        boundary.sync()
-        self.output.flush()
-        metrics = {f"eval/{self.best_name}": boundary.eval[self.best_name]} if scored else None
-        with self.watch.phase("checkpoint"):
-            boundary.saved = self.checkpoints.save(
-                boundary.step, boundary.state(), self.batches, wait=boundary.preempted,
-                metrics=metrics)
-        self.policy.saved()
-        boundary._committed = self.checkpoints.wait
-        for listener in self.listeners:
-            listener(boundary)
-
-    def saving(self) -> bool:
-        """Whether a save is still being written in the background."""
-        return self.checkpoints.saving()

@@ -14,9 +14,9 @@ import optax
 
 from trainrun.config import ConfigError
 from trainrun.models.adapters import Model
-from trainrun.optim import Optimizer
-from trainrun.precision import LossScale, Policy
-from trainrun.state import TrainState, step_key
+from trainrun.program.optim import Optimizer
+from trainrun.program.precision import LossScale, Policy
+from trainrun.program.state import TrainState, step_key
 
 Batch = Any
 PyTree = Any

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from trainrun import mfu
-from trainrun.timing import StepTimer, Stopwatch
+from trainrun.reporting import mfu
+from trainrun.reporting.timing import StepTimer, Stopwatch
 
 if TYPE_CHECKING:
-    from trainrun.hooks import Boundary
-    from trainrun.setup import Run
+    from trainrun.config import RunConfig
+    from trainrun.training.hooks import Boundary
 
 # Stopwatch phase -> split name.
 PHASES = {"init": "init", "compile": "compile", "data": "data_wait", "checkpoint": "checkpoint",
@@ -147,24 +147,20 @@ def timing_fields(timer: StepTimer, watch: Stopwatch, batch_size: int,
     }
 
 
-def summarize(run: Run, boundary: Boundary, wall_s: float) -> RunSummary:
-    """The summary of a run that ended at ``boundary`` (finished, or stopped by a callback)."""
-    config, programs = run.config, run.programs
-    # A program that gathers its own batches (data/resident.py) counts the gather too, so the
-    # step alone is counted, lowered on a batch's shapes (the default MLP's one-step program
-    # with the gather: 377,329 FLOPs; the step alone 361,091; the host path's one-step
-    # program, with the state's packing, 364,255).
-    compiled, batch = ((programs.programs, run.last_batch) if run.resident is None
-                       else ({}, run.resident.example(2)))
-    flops, source = mfu.flops_per_step(compiled, programs.one_step, run.abstract, batch,
-                                       run.counted, run.batch_size)
+def summarize(config: RunConfig, boundary: Boundary, wall_s: float, *,
+              flops: tuple[float | None, str | None], timer: StepTimer, watch: Stopwatch,
+              batch_size: int, start_step: int, final_metrics: dict[str, float],
+              best_checkpoint: dict[str, Any] | None,
+              provenance: dict[str, Any]) -> RunSummary:
+    """The summary of a run that ended at ``boundary`` (finished, or stopped by a callback).
+    flops: FLOPs per step and where the figure comes from (``CompiledSteps.flops_per_step``)."""
     peak, why = mfu.find_peak(jax.default_backend(), jax.devices()[0].device_kind,
                               jax.device_count(), config.precision.compute)
-    measured = timing_fields(run.timer, run.watch, run.batch_size, wall_s)
+    measured = timing_fields(timer, watch, batch_size, wall_s)
     return RunSummary(
-        final_loss=run.final_metrics().get("loss"), steps=config.steps,
-        steps_done=boundary.step, start_step=run.start_step,
+        final_loss=final_metrics.get("loss"), steps=config.steps,
+        steps_done=boundary.step, start_step=start_step,
         steps_per_call=config.steps_per_call, stopped_by=boundary.stop_reason,
         checkpoint=str(boundary.saved) if boundary.saved is not None else None,
-        best_checkpoint=run.checkpoints.best(), provenance=run.provenance, **measured,
-        **mfu.utilization(flops, measured["step_time_median_s"], peak, why, source))
+        best_checkpoint=best_checkpoint, provenance=provenance, **measured,
+        **mfu.utilization(flops[0], measured["step_time_median_s"], peak, why, flops[1]))

@@ -1,13 +1,8 @@
 """``run(config)``: the training run, and the only place that orders its side effects.
 
-    setup (setup.py): mesh, placement, state, compiled programs, writers, checkpoints, evaluator
-    while steps remain and no hook stopped the run:
-        k = the nearest step any hook needs a boundary at, at most K       (hooks.py)
-        jitted calls of k steps on the next k batches (state donated), back to back until
-            a hook or a metrics read needs the host (often one call)
-        every hook at the boundary: metrics, profile, eval, preemption, callbacks, checkpoint
-    summary (summary.py)
-
+Set-up (``setup.py``) builds the mesh, state, programs, writers, checkpoints and evaluator once;
+``_train`` below is the loop: calls sized by the hooks, run back to back until a hook or a
+metrics read needs the host, then every hook at that boundary; ``_finish`` writes the summary.
 Metrics are read one call late, so the device is not left waiting for the host.
 """
 
@@ -24,16 +19,20 @@ from typing import TYPE_CHECKING, Any, TextIO
 import grain
 import jax
 
-from trainrun import rundir, storage
-from trainrun.hooks import Boundary, HookRunner
-from trainrun.preemption import Preemption
-from trainrun.process import configure_process
-from trainrun.setup import Run, build_hooks, run_directory, setup
-from trainrun.summary import RunSummary, summarize
+from trainrun import rundir
+from trainrun.platform.process import configure_process
+from trainrun.program.compiled import MetricsReader
+from trainrun.reporting.metric_log import MetricLog
+from trainrun.rundir import storage
+from trainrun.training.calls import CallRunner
+from trainrun.training.hooks import Boundary, HookRunner
+from trainrun.training.preemption import Preemption
+from trainrun.training.setup import Run, build_hooks, run_directory, setup
+from trainrun.training.summary import RunSummary, summarize
 
 if TYPE_CHECKING:
-    from trainrun.callbacks import Callback
     from trainrun.config import RunConfig
+    from trainrun.training.callbacks import Callback
 
 Batch = Any
 
@@ -74,16 +73,20 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
             # flight commit) however the run ends.
             with contextlib.ExitStack() as cleanup:
                 wall_start = time.perf_counter()
-                built = setup(config, path, directory, model, data, allow_config_change, out,
-                              cleanup, eval_data)
+                built = setup(config, path, directory, model=model, data=data,
+                              eval_data=eval_data, allow_config_change=allow_config_change,
+                              out=out, cleanup=cleanup)
                 if isinstance(built, RunSummary):  # finished already: nothing to do
                     return built
                 if not settings.applied():
                     built.console.message(settings.notice)
-                hooks = HookRunner(build_hooks(built, preemption, list(callbacks)),
-                                   config.steps_per_call, config.steps, built.reader(),
-                                   built.state, built.params_copy)
-                return _finish(built, _train(built, hooks), wall_start)
+                hook_list, log = build_hooks(built, preemption, list(callbacks))
+                hooks = HookRunner(hook_list, config.steps_per_call, config.steps,
+                                   MetricsReader(built.programs, built.timer, config.log_every),
+                                   built.programs.state, built.params_copy)
+                calls = CallRunner(built)
+                boundary = _train(built, hooks, calls)
+                return _finish(built, boundary, log, calls, wall_start)
         except BaseException as err:
             failure = storage.on_failure(err, directory)  # status "failed", with the reason
             if failure is None:
@@ -93,27 +96,36 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
             directory.release()
 
 
-def _train(run: Run, hooks: HookRunner) -> Boundary:
-    """Calls until the last step or a stop; returns the last boundary."""
-    step, boundary = run.start_step, None
+def _train(run: Run, hooks: HookRunner, calls: CallRunner) -> Boundary:
+    """The loop: calls until the last step or a stop; returns the last boundary."""
+    step, carried, boundary = run.start_step, run.start_state, None
     try:
         while boundary is None or not boundary.last:
-            k = hooks.call_size(step)
+            k = hooks.call_size(step)  # K, or fewer to end at a step a hook needs
             hooks.before_call(step, k)
-            calls = run.calls(step, k, hooks.calls_to_boundary(step, k), hooks.poll)
-            boundary = hooks.after_calls(calls)
+            pending = []
+            saving = run.checkpoints.saving()  # asked again only while a save is in flight
+            for _ in range(hooks.calls_to_boundary(step, k)):
+                carried, call = calls.call(step, k, carried, saving)  # the state donated
+                pending.append(call)
+                step += k
+                saving = saving and run.checkpoints.saving()
+                if hooks.poll(step):  # a signal or a clock needs the host now
+                    break
+            boundary = hooks.after_calls(pending, carried)  # every hook, in order
             step = boundary.step
     finally:
         hooks.close()  # a profile trace stops, callbacks are told, however the loop ended
     return boundary
 
 
-def _finish(run: Run, boundary: Boundary, wall_start: float) -> RunSummary:
+def _finish(run: Run, boundary: Boundary, log: MetricLog, calls: CallRunner,
+            wall_start: float) -> RunSummary:
     """Everything written and committed, then the summary (and the run's status)."""
     step = boundary.step
     if run.stream is not None:
         jax.effects_barrier()  # every streamed row has been written
-    run.metric_log.finish()  # every row written, the writers closed
+    log.finish()  # every row written, the writers closed
     with run.watch.phase("checkpoint"):
         run.checkpoints.wait()  # the final save is committed before the run reports done
     if boundary.preempted:
@@ -127,7 +139,12 @@ def _finish(run: Run, boundary: Boundary, wall_start: float) -> RunSummary:
                           checkpoint=str(boundary.saved), provenance=run.provenance)
     if boundary.stop_reason:
         run.console.message(f"stopped at step {step}: {boundary.stop_reason}")
-    summary = summarize(run, boundary, time.perf_counter() - wall_start)
+    flops = run.programs.flops_per_step(run.abstract, calls.example, run.resident,
+                                        run.counted, run.batch_size)
+    summary = summarize(run.config, boundary, time.perf_counter() - wall_start, flops=flops,
+                        timer=run.timer, watch=run.watch, batch_size=run.batch_size,
+                        start_step=run.start_step, final_metrics=log.last,
+                        best_checkpoint=run.checkpoints.best(), provenance=run.provenance)
     run.checkpoints.close()
     if run.primary:
         rundir.write_json(run.run_dir / rundir.SUMMARY, summary.to_dict())

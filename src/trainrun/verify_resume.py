@@ -32,12 +32,12 @@ from typing import TextIO
 
 import numpy as np
 
-from trainrun.callbacks import Boundary, Callback
-from trainrun.checkpoint import TMP_MARK
+from trainrun.checkpointing.checkpoints import TMP_MARK
 from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
 from trainrun.errors import UserError
+from trainrun.reporting.writers import read_metrics
 from trainrun.rundir import METRICS, read_summary
-from trainrun.writers import read_metrics
+from trainrun.training.callbacks import Boundary, Callback
 
 COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)
 
@@ -132,7 +132,7 @@ def _train(config_path: Path, run_dir: Path, log: Path,
            kill: str | None = None) -> subprocess.CompletedProcess:
     with log.open("a") as f:
         return subprocess.run(
-            [sys.executable, "-m", "trainrun.resume_check", str(config_path), str(run_dir),
+            [sys.executable, "-m", "trainrun.verify_resume", str(config_path), str(run_dir),
              *([kill] if kill else [])], stdout=f, stderr=subprocess.STDOUT, check=False)
 
 
@@ -286,9 +286,9 @@ class KillAt(Callback):
 
 def train_for_check(config_path: str, run_dir: str, kill: str | None = None) -> int:
     """One run of a check, as ``trainrun train`` runs it, with ``KillAt`` when asked."""
-    from trainrun.distributed import session
-    from trainrun.loop import run
-    from trainrun.process import configure_process
+    from trainrun.platform.distributed import session
+    from trainrun.platform.process import configure_process
+    from trainrun.training.loop import run
 
     configure_process()
     config = load_config(config_path, [])

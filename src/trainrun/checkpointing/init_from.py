@@ -30,7 +30,7 @@ from trainrun.models.huggingface import (
     params_from_hf,
     read_model_dir,
 )
-from trainrun.optim import param_name
+from trainrun.program.optim import param_name
 
 PyTree = Any
 ADAPTER = "_lora."  # params a source may lack: they keep their fresh init
@@ -56,7 +56,7 @@ def load_params(source: str, config: RunConfig, fresh: PyTree) -> PyTree:
     path = Path(source).expanduser()
     kind = source_kind(path)
     if kind == "run":
-        from trainrun.sample import latest_params, saved_config
+        from trainrun.checkpointing.reader import latest_params, saved_config
 
         _, params = latest_params(path, saved_config(path))
         found = {param_name(p): np.asarray(x)
@@ -119,7 +119,7 @@ def initial_state(config: RunConfig, fresh: Any, optimizer: Any, policy: Any,
                   shardings: Any) -> Any:
     """The state a fresh run starts from under ``config.init`` (``fresh``: the state random
     init gives, used for its adapters and, with ``load: state``, as the shape to match)."""
-    from trainrun.state import state_from_params
+    from trainrun.program.state import state_from_params
 
     source = config.init.from_
     if config.init.load == "params":
@@ -130,7 +130,7 @@ def initial_state(config: RunConfig, fresh: Any, optimizer: Any, policy: Any,
     if source_kind(path) != "run":
         raise WeightsError(f"init.load=state needs a trainrun run directory; {path} holds "
                            "weights only (use init.load=params)")
-    from trainrun.sample import latest_state, saved_config
+    from trainrun.checkpointing.reader import latest_state, saved_config
 
     _, state = latest_state(path, saved_config(path))
     have = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), state)

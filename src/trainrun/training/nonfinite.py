@@ -14,7 +14,8 @@ from collections.abc import Callable
 import numpy as np
 
 from trainrun.errors import UserError
-from trainrun.writers import RunOutput, Table
+from trainrun.reporting.table import Table
+from trainrun.reporting.writers import RunOutput
 
 
 class NonFiniteError(UserError):

@@ -4,17 +4,15 @@
     -> data -> evaluator -> run directory claimed -> checkpoints -> state (restored or fresh)
     -> writers -> compiled step programs
 
-Every input is checked (mesh, model, data) before anything is written. ``Run`` then holds the
-carried state and makes the calls; ``build_hooks`` lists what acts between them (``hooks.py``).
+Every input is checked (mesh, model, data) before anything is written. ``Run`` is the frozen
+record of what set-up made; ``build_hooks`` lists what acts between the calls (``hooks.py``).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -22,45 +20,47 @@ from typing import Any, TextIO
 import grain
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from trainrun import distributed, preflight, pretrained, rundir, sharding
-from trainrun.callbacks import Callback, CallbackHook
-from trainrun.checkpoint import Checkpoints, checkpoint_dir
-from trainrun.checkpoint_policy import CheckpointHook, CheckpointPolicy
+from trainrun import rundir
+from trainrun.checkpointing import init_from
+from trainrun.checkpointing.checkpoints import Checkpoints, checkpoint_dir
+from trainrun.checkpointing.policy import CheckpointPolicy
+from trainrun.checkpointing.resume import check_config, provenance_changes, schedule_shift
 from trainrun.config import ConfigError, RunConfig
-from trainrun.console import Console, make_console
 from trainrun.data import (
-    BatchCursor,
     batch_iterator,
     build_dataset,
     build_eval_dataset,
-    stack_batches,
 )
-from trainrun.data.resident import ResidentBatches, resident_batches
-from trainrun.dispatch import CompiledSteps, MetricsReader, PendingCall
-from trainrun.evaluation import EvalHook, Evaluator
-from trainrun.metric_log import MetricLog
 from trainrun.models import Model, build_model
-from trainrun.nonfinite import NonFinitePolicy
-from trainrun.optim import Optimizer, build_optimizer
-from trainrun.precision import Policy, policy_from_config
-from trainrun.preemption import Preemption
-from trainrun.process import calls_run_inline
-from trainrun.profiling import ProfileWindow
-from trainrun.resume import check_config, provenance_changes, schedule_shift
-from trainrun.state import TrainState, abstract_state, init_state
-from trainrun.stream import MetricStream
-from trainrun.summary import RunSummary
-from trainrun.timing import StepTimer, Stopwatch, provenance
-from trainrun.writers import RunOutput, build_output
+from trainrun.platform import distributed
+from trainrun.platform.process import calls_run_inline
+from trainrun.program import sharding
+from trainrun.program.compiled import CompiledSteps
+from trainrun.program.optim import Optimizer, build_optimizer
+from trainrun.program.precision import Policy, policy_from_config
+from trainrun.program.resident import ResidentBatches, resident_batches
+from trainrun.program.state import TrainState, abstract_state, init_state
+from trainrun.reporting.console import Console, make_console
+from trainrun.reporting.metric_log import MetricLog
+from trainrun.reporting.provenance import provenance
+from trainrun.reporting.stream import MetricStream
+from trainrun.reporting.timing import StepTimer, Stopwatch
+from trainrun.reporting.writers import RunOutput, build_output
+from trainrun.training import preflight
+from trainrun.training.callbacks import Callback, CallbackHook
+from trainrun.training.checkpoint_hook import CheckpointHook
+from trainrun.training.evaluation import EvalHook, Evaluator
+from trainrun.training.hooks import Hook
+from trainrun.training.nonfinite import NonFinitePolicy
+from trainrun.training.preemption import Preemption
+from trainrun.training.profiling import ProfileWindow
+from trainrun.training.summary import RunSummary
 
-MAX_IN_FLIGHT = 2  # calls queued on a device when dispatch is asynchronous (Run.calls)
 
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
-    """A run, set up: its parts, and the carried state the calls take and donate."""
+    """What set-up made for a run, built once: its parts and the state its first call takes."""
 
     config: RunConfig
     run_dir: Path
@@ -73,86 +73,17 @@ class Run:
     abstract: TrainState
     placement: sharding.BatchPlacement
     batches: Any  # this process's host batches (checkpointable position when it has one)
+    resident: ResidentBatches | None  # batches cut on the device (program/resident.py)
     evaluator: Evaluator | None
     checkpoints: Checkpoints
     programs: CompiledSteps
-    carried: Any
+    start_state: Any  # the state as the calls carry it (``programs.carry``)
     start_step: int
     start_nonfinite: int
     batch_size: int
     watch: Stopwatch
     timer: StepTimer
     stream: MetricStream | None
-    last_batch: Any = None
-    metric_log: MetricLog | None = None  # holds the newest metrics row read
-    resident: ResidentBatches | None = None  # batches cut on the device (data/resident.py)
-    in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)
-
-    def reader(self) -> MetricsReader:
-        return MetricsReader(self.programs, self.timer, self.config.log_every)
-
-    def final_metrics(self) -> dict[str, float]:
-        return self.metric_log.last if self.metric_log is not None else {}
-
-    def next_batch(self, k: int) -> Any:
-        """The next ``k`` steps' batch, placed (stacked ``[k, ...]`` when calls run K > 1)."""
-        if self.config.steps_per_call == 1:
-            batch = next(self.batches)
-        elif isinstance(self.batches, BatchCursor):  # k batches in one gather
-            batch = self.batches.take(k)
-        else:
-            batch = stack_batches([next(self.batches) for _ in range(k)])
-        return self.placement.put(batch)
-
-    def calls(self, step: int, k: int, count: int,
-              poll: Callable[[int], bool]) -> list[PendingCall]:
-        """Runs ``count`` calls of ``k`` steps from ``step``, back to back, each on the next
-        batch (the state donated); fewer when ``poll(steps done)`` asks for the host. The
-        first call of a new size compiles first: compile time stays out of step time."""
-        calls: list[PendingCall] = []
-        programs, clock = self.programs, time.perf_counter
-        saving = self.checkpoints.saving()  # asked again only while a save is in flight
-        loading = 0.0
-        resident = self.resident
-        for _ in range(count):
-            start = clock()
-            if resident is not None:  # no host batch: the call cuts it from the device's copy
-                batch = resident.args(k)
-                self.batches.skip(k)
-            else:
-                self.last_batch = batch = self.next_batch(k)
-            dispatched = clock()
-            loading += dispatched - start
-            first_run = k not in programs.programs
-            if first_run:
-                programs.compile(k, self.carried, batch)
-                self.output.reset_rate(step)
-                dispatched = clock()
-            self.carried, packed = programs(k, self.carried, batch)
-            if self.timer.inline:  # the call's end, its metrics read: XLA:CPU may still
-                packed = np.asarray(packed)  # finish a long call on its threads after returning
-            else:
-                self._bound_in_flight(packed)
-            calls.append(PendingCall(step, k, packed, dispatched, clock(), saving, first_run))
-            step += k
-            if saving:
-                saving = self.checkpoints.saving()
-            if poll(step):
-                break
-        self.watch.add("data", loading)
-        return calls
-
-    def _bound_in_flight(self, packed: jax.Array) -> None:
-        """At most ``MAX_IN_FLIGHT`` calls queued: the host waits for the oldest. Enough to keep
-        a device fed; without a bound, four simulated CPU devices deadlocked in XLA's
-        collectives with calls dispatched back to back (three devices' executions waiting in
-        an all-reduce for a fourth held at XLA:CPU's limit on computations in flight)."""
-        self.in_flight.append(packed)
-        if len(self.in_flight) > MAX_IN_FLIGHT:
-            self.in_flight.popleft().block_until_ready()
-
-    def state(self) -> TrainState:
-        return self.programs.state(self.carried)
 
     def params_copy(self, state: TrainState) -> Any:
         """Params that the next call cannot donate away (packed states unpack to new ones)."""
@@ -164,9 +95,10 @@ def run_directory(config: RunConfig, run_dir: Path, fresh: bool) -> rundir.RunDi
     return rundir.RunDirectory(run_dir, checkpoint_dir(config, run_dir), fresh)
 
 
-def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory,
-          model: Model | None, data: Any, allow_config_change: bool, out: TextIO,
-          cleanup: contextlib.ExitStack, eval_data: grain.MapDataset | None) -> Run | RunSummary:
+def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
+          model: Model | None, data: Any, eval_data: grain.MapDataset | None,
+          allow_config_change: bool, out: TextIO, cleanup: contextlib.ExitStack,
+          ) -> Run | RunSummary:
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
     distributed.initialize(config.distributed)  # before anything asks JAX for devices
     primary = jax.process_index() == 0
@@ -199,7 +131,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory,
                              process_count=placement.rows[1])
     preflight.check_batch(model, data, abstract.params, from_config=counted is not None)
     if config.init.from_ is not None:  # a source that is not there is refused before claiming
-        pretrained.source_kind(Path(config.init.from_).expanduser())
+        init_from.source_kind(Path(config.init.from_).expanduser())
     batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
                if isinstance(data, grain.MapDataset) else iter(data))
     evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params,
@@ -210,9 +142,11 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory,
     checkpoints = cleanup.enter_context(Checkpoints(directory.ckpt_dir, config, prov))
     watch = Stopwatch()
     with watch.phase("init"):
-        state = _restore_or_init(checkpoints, config, prov, run_dir, model, optimizer, policy,
-                                 abstract, state_sharding, batches, allow_config_change,
-                                 console, primary)
+        state = _restore_or_init(
+            checkpoints, config, run_dir=run_dir, prov=prov,
+            fresh=lambda: _fresh_state(config, model, optimizer, policy, state_sharding),
+            abstract=abstract, state_sharding=state_sharding, batches=batches,
+            allow_config_change=allow_config_change, console=console, primary=primary)
     start = int(state.step)
     output = build_output(
         run_dir, console, log_every=config.log_every, total_steps=config.steps,
@@ -230,15 +164,19 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory,
                              stream=stream, resident=resident)
     console.message(f"training {model.name} for {config.steps} steps, "
                     f"{config.steps_per_call} per call -> {run_dir}")
-    return Run(config, run_dir, primary, prov, console, output, model, counted, abstract,
-               placement, batches, evaluator, checkpoints, programs, programs.carry(state),
-               start, int(state.nonfinite_steps), batch_size, watch,
-               StepTimer(inline=calls_run_inline()), stream, resident=resident,
-               last_batch=resident.example(config.steps_per_call) if resident else None)
+    return Run(config=config, run_dir=run_dir, primary=primary, provenance=prov,
+               console=console, output=output, model=model, counted=counted,
+               abstract=abstract, placement=placement, batches=batches, resident=resident,
+               evaluator=evaluator, checkpoints=checkpoints, programs=programs,
+               start_state=programs.carry(state), start_step=start,
+               start_nonfinite=int(state.nonfinite_steps), batch_size=batch_size,
+               watch=watch, timer=StepTimer(inline=calls_run_inline()), stream=stream)
 
 
-def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> list[Any]:
-    """The run's hooks, in the order they act at every boundary (``hooks.py``)."""
+def build_hooks(run: Run, preemption: Preemption,
+                callbacks: list[Callback]) -> tuple[list[Hook], MetricLog]:
+    """The run's hooks, in the order they act at every boundary (``hooks.py``), and the metric
+    log among them (the loop finishes it last)."""
     config, output, watch = run.config, run.output, run.watch
 
     def before_halt() -> None:  # the last good checkpoint commits; the files are closed
@@ -246,10 +184,9 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
         run.checkpoints.wait()
         run.checkpoints.close()
 
-    run.metric_log = log = MetricLog(output, run.timer, watch, run.batch_size,
-                                     streamed=run.stream is not None)
+    log = MetricLog(output, run.timer, watch, run.batch_size, streamed=run.stream is not None)
     output = log.ordered  # every later write is timed as logging
-    hooks: list[Any] = [
+    hooks: list[Hook] = [
         log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite, before_halt)]
     if config.profile.steps and run.primary:
         hooks.append(ProfileWindow(config.profile.steps, run.run_dir, say=output.message,
@@ -268,9 +205,8 @@ def build_hooks(run: Run, preemption: Preemption, callbacks: list[Callback]) -> 
                               check_every=config.log_every)
     hooks.append(CheckpointHook(run.checkpoints, policy, run.batches, log, watch,
                                 keep_best=config.checkpoint.keep_best,
-                                listeners=[c.on_checkpoint for c in callbacks
-                                           if hasattr(c, "on_checkpoint")]))
-    return hooks
+                                listeners=[c.on_checkpoint for c in callbacks]))
+    return hooks, log
 
 
 def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
@@ -290,8 +226,20 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
                      shardings=(params_sharding, placement.sharding, model_state_sharding))
 
 
-def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str, Any],
-                     run_dir: Path, model: Model, optimizer: Optimizer, policy: Policy,
+def _fresh_state(config: RunConfig, model: Model, optimizer: Optimizer, policy: Policy,
+                 state_sharding: TrainState) -> TrainState:
+    """The state a run without a checkpoint starts from: random init, or ``init.from``'s
+    source laid into it (loaded, or refused, before anything is written)."""
+    state = jax.block_until_ready(
+        init_state(model, optimizer, config.seed, policy, state_sharding))
+    if config.init.from_ is not None:
+        state = jax.block_until_ready(init_from.initial_state(
+            config, state, optimizer, policy, state_sharding))
+    return state
+
+
+def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Path,
+                     prov: dict[str, Any], fresh: Callable[[], TrainState],
                      abstract: TrainState, state_sharding: TrainState, batches: Any,
                      allow_config_change: bool, console: Console, primary: bool) -> TrainState:
     """The newest readable checkpoint's state, placed by ``state_sharding`` (any mesh), with the
@@ -302,13 +250,7 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, prov: dict[str
     changes: list[str] = []
     restored = checkpoints.restore(target, batches, lambda meta: changes.extend(
         check_config(meta["config"], config, allow_config_change, run_dir)))
-    start = None
-    if restored is None:
-        start = jax.block_until_ready(
-            init_state(model, optimizer, config.seed, policy, state_sharding))
-        if config.init.from_ is not None:  # loaded (or refused) before anything is written
-            start = jax.block_until_ready(pretrained.initial_state(
-                config, start, optimizer, policy, state_sharding))
+    start = fresh() if restored is None else None
     step = restored.step if restored is not None else int(start.step)
     if primary:
         rundir.start(run_dir, config, prov, step)

@@ -26,7 +26,7 @@ import numpy as np
 
 from trainrun.config import RunConfig
 from trainrun.errors import UserError
-from trainrun.optim import build_schedule
+from trainrun.program.optim import build_schedule
 
 # Config keys that do not alter a run's trajectory: ``steps`` extends it, K steps per call does
 # not change a bit (tests/test_parity.py), eval reads the params without changing them, the rest

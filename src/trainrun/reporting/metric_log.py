@@ -22,8 +22,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from trainrun.timing import StepTimer, Stopwatch, Window
-from trainrun.writers import RunOutput, Table
+from trainrun.reporting.table import Table
+from trainrun.reporting.timing import StepTimer, Stopwatch, Window
+from trainrun.reporting.writers import RunOutput
 
 
 class MetricLog:

@@ -33,7 +33,7 @@ from typing import Any
 
 from trainrun.config import RunConfig, dump_yaml
 from trainrun.errors import UserError
-from trainrun.rundir_lock import LOCK, RunLock
+from trainrun.rundir.lock import LOCK, RunLock
 
 MARKER = "trainrun.json"
 FORMAT = 1  # the run directory layout this trainrun reads and writes

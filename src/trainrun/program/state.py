@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trainrun.precision import LossScale, Policy
+from trainrun.program.precision import LossScale, Policy
 
 if TYPE_CHECKING:
     from trainrun.models import Model
-    from trainrun.optim import Optimizer
+    from trainrun.program.optim import Optimizer
 
 PyTree = Any
 

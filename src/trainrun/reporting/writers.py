@@ -14,7 +14,6 @@ of 50 rows; BENCHMARKS.md "Writing metrics"), a large part of what the loop cost
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -31,10 +30,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from trainrun import extras, rundir
-from trainrun.console import Console, ConsoleLog
 from trainrun.errors import UserError
-
-Rows = list[tuple[int, dict[str, float]]]
+from trainrun.reporting.console import Console, ConsoleLog
+from trainrun.reporting.table import Table
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -47,27 +45,6 @@ class Writer(Protocol):
     def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None: ...
 
     def close(self) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Table:
-    """Consecutive steps' metrics: ``values[i]`` (float32, columns ``names``) is step
-    ``first + i``."""
-
-    first: int
-    names: list[str]
-    values: np.ndarray  # [steps, len(names)]
-
-    @property
-    def last(self) -> int:
-        return self.first + len(self.values) - 1
-
-    def row(self, i: int) -> dict[str, float]:
-        return dict(zip(self.names, self.values[i].tolist(), strict=True))
-
-    def rows(self) -> Rows:
-        return [(self.first + i, dict(zip(self.names, row, strict=True)))
-                for i, row in enumerate(self.values.tolist())]
 
 
 def _number(value: float) -> float | None:

@@ -17,8 +17,8 @@ import numpy as np
 
 from trainrun.data import ArrayBatches, eval_batches
 from trainrun.models import Model
-from trainrun.precision import Policy
-from trainrun.step import make_eval_step
+from trainrun.program.precision import Policy
+from trainrun.program.step import make_eval_step
 
 Batch = Any
 

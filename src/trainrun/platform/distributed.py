@@ -27,7 +27,7 @@ import jax
 
 from trainrun.config import AutoDistributed, ExplicitDistributed, SingleProcess
 from trainrun.errors import UserError
-from trainrun.process import with_device_count
+from trainrun.platform.process import with_device_count
 
 DistributedConfig = SingleProcess | AutoDistributed | ExplicitDistributed
 PEER_LOST_EXIT = 3  # exit status of a process stopped because another was lost

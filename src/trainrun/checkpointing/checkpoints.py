@@ -29,9 +29,10 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from trainrun import integrity, storage
+from trainrun.checkpointing import integrity
 from trainrun.config import RunConfig
 from trainrun.errors import UserError
+from trainrun.rundir import storage
 
 DEFAULT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt"  # unreadable steps are moved here, never deleted

@@ -33,9 +33,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from trainrun.dispatch import MetricsReader, PendingCall
-from trainrun.state import TrainState
-from trainrun.writers import Table
+from trainrun.program.compiled import MetricsReader, PendingCall
+from trainrun.program.state import TrainState
+from trainrun.reporting.table import Table
 
 
 class Hook(Protocol):
@@ -73,12 +73,13 @@ class Boundary:
     stop_reason: str | None = None
     preempted: bool = False
     _state: TrainState | None = None
-    _committed: Callable[[], None] | None = None  # waits for the save to commit
+    commit_wait: Callable[[], None] | None = None  # waits for ``saved`` to commit
 
-    def __init__(self, step: int, total: int, runner: HookRunner):
+    def __init__(self, step: int, total: int, runner: HookRunner, carried: Any):
         self.step = step
         self.total = total
         self._runner = runner
+        self._carried = carried  # the state as the calls carry it
 
     @property
     def last(self) -> bool:
@@ -94,7 +95,7 @@ class Boundary:
         next call: use them within this boundary."""
         if self._state is None:
             self.sync()
-            self._state = self._runner.state()
+            self._state = self._runner.state_of(self._carried)
         return self._state
 
     def params(self) -> Any:
@@ -103,8 +104,8 @@ class Boundary:
 
     def wait_for_checkpoint(self) -> None:
         """Block until the checkpoint saved at this boundary (``saved``) is committed."""
-        if self.saved is not None and self._committed is not None:
-            self._committed()
+        if self.saved is not None and self.commit_wait is not None:
+            self.commit_wait()
 
     def stop(self, reason: str, *, preempted: bool = False) -> None:
         """End the run at this boundary: the checkpoint hook saves this step, and the run
@@ -117,13 +118,13 @@ class HookRunner:
     """Runs a list of hooks: call sizes from their ``steps_to_next``, then their boundaries."""
 
     def __init__(self, hooks: list[Hook], steps_per_call: int, total: int,
-                 reader: MetricsReader, state: Callable[[], TrainState],
+                 reader: MetricsReader, state_of: Callable[[Any], TrainState],
                  params_copy: Callable[[TrainState], Any]):
         self.hooks = hooks
         self.steps_per_call = steps_per_call
         self.total = total
         self.reader = reader
-        self.state = state
+        self.state_of = state_of  # the TrainState in a carried state (``CompiledSteps.state``)
         self.params_copy = params_copy
         self.sinks = [h.on_table for h in hooks if hasattr(h, "on_table")]
         self.before = [h.before_call for h in hooks if hasattr(h, "before_call")]
@@ -166,11 +167,11 @@ class HookRunner:
         for before in self.before:
             before(step, k)
 
-    def after_calls(self, calls: list[PendingCall]) -> Boundary:
+    def after_calls(self, calls: list[PendingCall], carried: Any) -> Boundary:
         """The boundary after ``calls`` (run back to back): the metrics of the calls before the
         last read if a log point is due (one call late), then every hook in order."""
         last = calls[-1]
-        boundary = Boundary(last.first_step + last.steps, self.total, self)
+        boundary = Boundary(last.first_step + last.steps, self.total, self, carried)
         for call in calls[:-1]:
             self.reader.add(call)
         if self.reader.due():

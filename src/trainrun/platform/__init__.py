@@ -1,0 +1,1 @@
+"""Process settings and the multi-process start: what a run asks of the machine."""

@@ -1,0 +1,74 @@
+"""One jitted call of the loop: the next ``k`` steps' batches placed, the program compiled on
+its first run (compile time stays out of step time), the state donated, the call recorded for
+the metrics reader."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainrun.data import BatchCursor, stack_batches
+from trainrun.program.compiled import PendingCall
+from trainrun.training.setup import Run
+
+# Calls queued on the devices when dispatch is asynchronous: enough to keep a device fed;
+# without a bound, simulated CPU devices deadlocked in XLA's collectives with calls dispatched
+# back to back (docs/internals.md, "Calls in flight").
+MAX_IN_FLIGHT = 2
+
+
+class CallRunner:
+    """Makes the run's calls, one at a time, in step order."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.in_flight: collections.deque[jax.Array] = collections.deque()
+        # A batch with the calls' shapes, for lowering the step to count its FLOPs.
+        self.example: Any = (run.resident.example(run.config.steps_per_call)
+                             if run.resident is not None else None)
+
+    def next_batch(self, k: int) -> Any:
+        """What the call of the next ``k`` steps takes: the device's resident batches, or the
+        next host batches placed on the mesh (stacked ``[k, ...]`` when calls run K > 1)."""
+        run = self.run
+        if run.resident is not None:  # the call cuts its batches from the device's copy
+            run.batches.skip(k)
+            return run.resident.args(k)
+        if run.config.steps_per_call == 1:
+            batch = next(run.batches)
+        elif isinstance(run.batches, BatchCursor):  # k batches in one gather
+            batch = run.batches.take(k)
+        else:
+            batch = stack_batches([next(run.batches) for _ in range(k)])
+        self.example = batch = run.placement.put(batch)
+        return batch
+
+    def call(self, step: int, k: int, carried: Any, saving: bool) -> tuple[Any, PendingCall]:
+        """The call of steps ``step + 1 .. step + k`` on ``carried`` (donated): the new carried
+        state and the call's pending metrics. saving: a checkpoint is being written."""
+        run, clock = self.run, time.perf_counter
+        start = clock()
+        batch = self.next_batch(k)
+        dispatched = clock()
+        run.watch.add("data", dispatched - start)
+        first_run = k not in run.programs.programs
+        if first_run:
+            run.programs.compile(k, carried, batch)
+            run.output.reset_rate(step)
+            dispatched = clock()
+        carried, packed = run.programs(k, carried, batch)
+        if run.timer.inline:  # the call's end, its metrics read: XLA:CPU may still finish a
+            packed = np.asarray(packed)  # long call on its threads after returning
+        else:
+            self.bound_in_flight(packed)
+        return carried, PendingCall(step, k, packed, dispatched, clock(), saving, first_run)
+
+    def bound_in_flight(self, packed: jax.Array) -> None:
+        """At most ``MAX_IN_FLIGHT`` calls queued: the host waits for the oldest."""
+        self.in_flight.append(packed)
+        if len(self.in_flight) > MAX_IN_FLIGHT:
+            self.in_flight.popleft().block_until_ready()

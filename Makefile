@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint bench docs lock clean
+.PHONY: train test lint typecheck bench docs lock clean
 
 # The exact tested set with every extra (requirements.lock, hashes checked), torch for the
 # benchmarks (requirements-bench.lock), then trainrun from this checkout, resolving nothing anew.
@@ -25,10 +25,15 @@ train: $(STAMP)
 TEST_WORKERS ?= -n auto --maxprocesses 4
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
+
+# mypy over src/trainrun at the strictness [tool.mypy] in pyproject.toml states.
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

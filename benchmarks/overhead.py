@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -37,12 +37,11 @@ import trainrun
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset, stack_batches
 from trainrun.models import build_model
+from trainrun.platform import fast_paths
 from trainrun.platform.process import configure_process
-from trainrun.program import packing
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import abstract_state, init_state
-from trainrun.reporting.metric_log import MetricLog
 from trainrun.reporting.timing import Stopwatch
 from trainrun.training.loop import run
 
@@ -154,28 +153,26 @@ class CallClock:
         return statistics.median(spans[1:])  # the first window after compile: warmup
 
 
-def write_inline(log: MetricLog, job: Callable[[], None]) -> None:
-    """``MetricLog.submit`` as it was before the writer thread: the job run in the loop."""
-    start = time.perf_counter()
-    job()
-    log.watch.add("log", time.perf_counter() - start)
+PLAIN = ("state_packing", "resident_batches", "writer_thread", "cpu_guard_branches")
 
 
-def trainrun_step_s(steps: int, window: int, k: int, packed: bool = True,
-                    rows_inline: bool = False) -> float:
-    # packed=False: the state crosses the jit boundary leaf by leaf (trainrun.program.packing off).
-    # rows_inline: metric rows written in the loop's thread instead of the writer thread.
+def trainrun_step_s(steps: int, window: int, k: int, without: tuple[str, ...] = ()) -> float:
+    """trainrun's whole run at ``k`` steps per call; ``without``: fast paths turned off
+    (``TRAINRUN_FAST_PATHS``; inline CPU calls are the process's, set in ``main``)."""
     config = load_config("mlp", [f"steps={steps}", f"steps_per_call={k}",
                                  f"log_every={max(window, k)}", "checkpoint.every=0",
                                  "checkpoint.every_seconds=0"])
-    default_limit, submit = packing.PACK_MAX_BYTES, MetricLog.submit
-    packing.PACK_MAX_BYTES = default_limit if packed else 0
-    MetricLog.submit = write_inline if rows_inline else submit
+    kept = [name for name in fast_paths.names() if name not in without]
+    before = os.environ.get(fast_paths.ENVIRONMENT_VARIABLE)
+    os.environ[fast_paths.ENVIRONMENT_VARIABLE] = ",".join(kept) or "none"
     try:
         with tempfile.TemporaryDirectory() as tmp, CallClock(max(window, k)) as clock:
             run(config, Path(tmp) / "run", out=io.StringIO())
     finally:
-        packing.PACK_MAX_BYTES, MetricLog.submit = default_limit, submit
+        if before is None:
+            del os.environ[fast_paths.ENVIRONMENT_VARIABLE]
+        else:
+            os.environ[fast_paths.ENVIRONMENT_VARIABLE] = before
     return clock.median_step_s()
 
 
@@ -221,12 +218,15 @@ def main() -> None:
         "trainrun's step program alone, 10 per call": lambda: program_step_s(s, w, 10),
         "trainrun's step program alone, 100 per call": lambda: program_step_s(s, w, 100),
         "trainrun K=1": lambda: trainrun_step_s(s, w, 1),
-        "trainrun K=1, state not packed": lambda: trainrun_step_s(s, w, 1, packed=False),
+        "trainrun K=1, state not packed": lambda: trainrun_step_s(s, w, 1, ("state_packing",)),
         "trainrun K=10": lambda: trainrun_step_s(s, w, 10),
-        "trainrun K=10, rows written inline": lambda: trainrun_step_s(s, w, 10, rows_inline=True),
+        "trainrun K=10, rows written inline": lambda: trainrun_step_s(s, w, 10,
+                                                                     ("writer_thread",)),
         "trainrun K=100": lambda: trainrun_step_s(s, w, 100),
         "trainrun K=100, rows written inline": lambda: trainrun_step_s(s, w, 100,
-                                                                      rows_inline=True),
+                                                                      ("writer_thread",)),
+        "trainrun K=10, the plain path (fast paths off but inline calls)":
+            lambda: trainrun_step_s(s, w, 10, PLAIN),
     }
     results: dict[str, list[float]] = {name: [] for name in contenders}
     policies = {"no checkpoints (every=0, every_seconds=0)":

@@ -97,7 +97,8 @@ def fit(model, batches, steps: int, lr: float = 3e-3) -> list[float]:
 
     @jax.jit
     def step(params, state, batch, key):
-        (loss, _), grads = jax.value_and_grad(model.loss, has_aux=True)(params, batch, key)
+        (loss, _), grads = jax.value_and_grad(
+            lambda p, b, k: model.loss(p, b, k)[:2], has_aux=True)(params, batch, key)
         updates, state = opt.update(grads, state)
         return optax.apply_updates(params, updates), state, loss
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 
 import jax
 import numpy as np
@@ -16,7 +15,7 @@ from trainrun.data.synthetic import regression_arrays
 from trainrun.models.mlp import make_mlp
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import init_state
-from trainrun.program.step import BRANCH_LEAVES, make_multi_step, make_train_step
+from trainrun.program.step import make_train_step
 from trainrun.reporting.writers import read_metrics
 from trainrun.training.loop import run
 from trainrun.training.nonfinite import NonFiniteError
@@ -37,12 +36,12 @@ def poisoned(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {**batch, "x": x}
 
 
-@pytest.mark.parametrize("scanned", [False, True])  # a select of each leaf; a branch on CPU
-def test_a_nan_batch_is_skipped_leaving_params_and_optimizer_state_bitwise_unchanged(scanned):
+@pytest.mark.parametrize("branches", [False, True])  # a select of each leaf; branches on CPU
+def test_a_nan_batch_is_skipped_leaving_params_and_optimizer_state_bitwise_unchanged(branches):
     model = make_mlp(MLPModel())
     warmup = OptimizerConfig(lr=0.01, schedule={"kind": "warmup", "warmup_steps": 10})
     optimizer = build_optimizer(warmup, total_steps=20)
-    step = jax.jit(make_train_step(model, optimizer, scanned=scanned))
+    step = jax.jit(make_train_step(model, optimizer, cpu_guard_branches=branches))
     good, bad = full_batch(), poisoned(full_batch())
 
     s1, _ = step(init_state(model, optimizer, seed=0), good)
@@ -128,21 +127,3 @@ def test_halt_through_the_cli_exits_2_and_keeps_the_last_good_checkpoint(tmp_pat
     final = read_metrics(run_dir / "metrics.jsonl")[-1]
     assert final["step"] == 12 and final["nonfinite_steps"] == 1
     assert json.loads((run_dir / "summary.json").read_text())["final_loss"] > 0
-
-
-def test_on_cpu_the_scanned_guard_branches_over_a_few_leaves_at_a_time():
-    # XLA:CPU hands the tail of a ready queue longer than 8 thunks to its thread pool; one
-    # branch over all 13 leaves of the MLP's state made 13 copies ready at once (the step
-    # program at K=100: 30.3 against 20.4 µs a step in branches of 4; BENCHMARKS.md).
-    model = make_mlp(MLPModel())
-    optimizer = build_optimizer(OptimizerConfig(), total_steps=10)
-    state = init_state(model, optimizer, seed=0)
-    batches = jax.tree.map(lambda x: np.stack([x, x]), full_batch())
-    multi = make_multi_step(make_train_step(model, optimizer, scanned=True))
-    hlo = jax.jit(multi).lower(state, batches).compile().as_text()
-    outputs = [re.sub(r"\[[^\]]*\]|\{[^}]*\}|/\*[^*]*\*/", "", match).count(",") + 1
-               for match in re.findall(r"= \(([^=]*)\) conditional\(", hlo)]
-    leaves = len(jax.tree.leaves((state.params, state.opt_state)))
-    assert leaves == 13
-    assert sum(outputs) == leaves  # every leaf guarded, by branches ...
-    assert max(outputs) <= BRANCH_LEAVES < leaves  # ... of a few leaves each

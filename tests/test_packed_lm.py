@@ -106,7 +106,7 @@ def test_padding_changes_nothing_and_a_packed_row_is_its_documents_alone():
     together = packed_batch(docs, SEQ + 1)  # all three in one row, padded at its end
     assert len(together["tokens"]) == 1 and (together["segment_ids"] == 0).any()
     value_and_grad = jax.jit(jax.value_and_grad(
-        lambda p, b: model.loss(p, b, jax.random.key(0)), has_aux=True))
+        lambda p, b: model.loss(p, b, jax.random.key(0))[:2], has_aux=True))
     (loss, aux), grads = value_and_grad(params, together)
     assert aux["weight"] == 9 + 6 + 5  # the targets counted: each document's tokens
 
@@ -132,10 +132,10 @@ def test_one_document_filling_the_row_computes_the_unpacked_loss():
     model = build_model(CFG)
     params = model.init(jax.random.key(4))
     tokens = np.random.default_rng(5).integers(0, 64, (3, SEQ + 1)).astype(np.uint16)
-    plain, _ = model.loss(params, {"tokens": tokens}, jax.random.key(0))
+    plain, _, _ = model.loss(params, {"tokens": tokens}, jax.random.key(0))
     packed = {"tokens": tokens, "segment_ids": np.ones_like(tokens),
               "positions": np.broadcast_to(np.arange(SEQ + 1), tokens.shape)}
-    loss, aux = model.loss(params, packed, jax.random.key(0))
+    loss, aux, _ = model.loss(params, packed, jax.random.key(0))
     assert aux["weight"] == 3 * SEQ
     np.testing.assert_allclose(loss, plain, rtol=1e-6)
 

@@ -56,7 +56,7 @@ def dtype_probe(seen: dict[str, str]):
     def loss(params, batch, key):
         seen["params"] = str(params["w1"].dtype)
         seen["x"] = str(batch["x"].dtype)
-        return mlp.loss(params, batch, key)
+        return mlp.loss(params, batch, key)[:2]  # (loss, aux): a user's loss function
 
     return from_functions(mlp.init, loss)
 

@@ -18,7 +18,7 @@ def _step_calls(trace_file) -> int:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                   if e.get("name") == "PjitFunction(packed_step)")
+                   if e.get("name") == "PjitFunction(train_steps)")
     calls, end = 0, float("-inf")
     for start, stop in spans:  # a dispatch shows as nested events: count the outermost
         if start >= end:

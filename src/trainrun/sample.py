@@ -75,8 +75,7 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
         # short to ever fill the cache (then the refill is traced but never taken).
         length = prompt_len + tokens
         seq = jnp.zeros(max(length, keep), jnp.int32).at[:prompt_len].set(prompt)
-        cache = module.empty_cache(1, window, dtype)
-        logits, cache = module(context[None], cache=cache, pos=0)
+        logits, filled = module(context[None], cache=module.empty_cache(1, window, dtype), pos=0)
 
         def refill(seq: jax.Array, end: jax.Array):
             """A fresh cache holding the ``keep`` tokens before ``end``."""
@@ -95,7 +94,7 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
             logits, cache = module(token[None, None], cache=cache, pos=pos)
             return seq, cache, pos + 1, logits[0, -1]
 
-        carry = (seq, cache, jnp.int32(context_len), logits[0, -1])
+        carry = (seq, filled, jnp.int32(context_len), logits[0, -1])
         seq, *_ = jax.lax.fori_loop(0, tokens, body, carry)
         return seq[:length]
 

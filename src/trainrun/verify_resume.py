@@ -144,7 +144,7 @@ def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
             chain.problems.append(f"the run was to be killed at {chain.kill} but exited with "
                                   f"{killed.returncode} (log {log})")
             return
-        chain.kill_note = _after_kill(chain)
+        chain.kill_note = _after_kill(chain, chain.kill)
     done = _train(config_path, chain.run_dir, log)
     if done.returncode != 0:
         chain.problems.append(f"exit code {done.returncode}; log {log}")
@@ -158,9 +158,9 @@ def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
     chain.digest = state_digest(chain.run_dir / "checkpoints", _final_step(chain))
 
 
-def _after_kill(chain: Chain) -> str:
+def _after_kill(chain: Chain, kill: str) -> str:
     """What the kill left behind: for a kill during a save, whether it really was in flight."""
-    step, when = chain.kill.split(":")
+    step, when = kill.split(":")
     names = os.listdir(chain.run_dir / "checkpoints")
     committed = step in names
     partial = any(n.startswith(step + TMP_MARK) for n in names)
@@ -254,6 +254,7 @@ def _compare(reference: Chain, chain: Chain, steps: int) -> None:
 def _table(chains: list[Chain], steps: int, out: TextIO) -> None:
     rows = [("run", "kill", "resumed from", "steps equal", "first mismatch", "final state")]
     for c in chains:
+        equal: int | str  # steps equal, or "-" when nothing was compared
         if c.mismatch:
             equal, mismatch = c.mismatch[0] - 1, f"step {c.mismatch[0]}: {c.mismatch[1]}"
         else:

@@ -274,7 +274,7 @@ class Checkpoints:
             return meta, readable(lambda: self._restore(step, **items)), saved_position, verified
 
         step, found, unreadable = newest_readable(self.steps(), read)
-        if found is None:
+        if step is None or found is None:  # found: a step was read
             if unreadable:
                 raise CheckpointError(
                     f"no checkpoint in {self.directory} can be read: "

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from trainrun import extras, rundir
-from trainrun.config import RunConfig
+from trainrun.config import RunConfig, TransformerModel
 from trainrun.models.huggingface import (
     PREFIX,
     WEIGHTS,
@@ -67,7 +67,7 @@ def load_params(source: str, config: RunConfig, fresh: PyTree) -> PyTree:
                            f"(this run's is {config.model.kind})")
     if kind == "huggingface":
         _, tensors = read_model_dir(path)
-        return _from_gpt2(tensors, config, fresh)
+        return _from_gpt2(tensors, config.model, fresh)
     from safetensors.numpy import load_file
 
     try:
@@ -75,13 +75,14 @@ def load_params(source: str, config: RunConfig, fresh: PyTree) -> PyTree:
     except (OSError, ValueError) as err:
         raise WeightsError(f"cannot read {path}: {err}".replace("\n", " ")) from None
     if any(name.startswith(PREFIX) or name == "wte.weight" for name in tensors):
-        return _from_gpt2(tensors, config, fresh)
+        return _from_gpt2(tensors, config.model, fresh)
     return _laid_into(fresh, tensors, str(path))
 
 
-def _from_gpt2(tensors: dict[str, np.ndarray], config: RunConfig, fresh: PyTree) -> PyTree:
+def _from_gpt2(tensors: dict[str, np.ndarray], model: TransformerModel,
+               fresh: PyTree) -> PyTree:
     base = _without_adapters(fresh)
-    loaded = params_from_hf(tensors, config.model, base)
+    loaded = params_from_hf(tensors, model, base)
     found = {param_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(loaded)}
     return _laid_into(fresh, found, "the GPT-2 checkpoint")
 
@@ -122,6 +123,8 @@ def initial_state(config: RunConfig, fresh: Any, optimizer: Any, policy: Any,
     from trainrun.program.state import state_from_params
 
     source = config.init.from_
+    if source is None:
+        raise ValueError("initial_state starts a run from init.from, which is not set")
     if config.init.load == "params":
         params = load_params(source, config, jax.device_get(fresh.params))
         return state_from_params(params, optimizer, config.seed, policy, shardings,
@@ -135,7 +138,9 @@ def initial_state(config: RunConfig, fresh: Any, optimizer: Any, policy: Any,
     _, state = latest_state(path, saved_config(path))
     have = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), state)
     want = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), fresh)
-    if jax.tree.structure(have) != jax.tree.structure(want) or have != want:
+    # jaxlib ships no type for PyTreeDef, so mypy cannot see its comparison
+    fits = jax.tree.structure(have) == jax.tree.structure(want)  # type: ignore[operator]
+    if not fits or have != want:
         raise WeightsError(f"the state of {path} does not fit this run (another model, "
                            "optimizer or precision); use init.load=params for the params only")
     return jax.device_put(state, shardings)

@@ -2,11 +2,11 @@
 whichever comes first, and always at the end and when the run stops (a preemption, a callback).
 
 Each Orbax save blocks the loop while the state is copied out, and its background write then
-competes with the steps for the CPU: on the default MLP (300 parameters, 47 µs steps) a save
-blocks about 47 ms, so ``every: 100`` spent most of a 2,000-step run saving (BENCHMARKS.md,
-"Checkpoint policy"). The default is therefore by time (``every_seconds: 300``), steps off: a
-small model saves only at its end, a large one every five minutes. Step-based points stay for
-what must land on exact steps (``trainrun verify-resume``'s kill points).
+competes with the steps for the CPU: on the default MLP a save costs as much as many hundreds of
+its steps, so ``every: 100`` spent most of a run saving (BENCHMARKS.md, "The default checkpoint
+policy on the default MLP"). The default is therefore by time (``every_seconds: 300``), steps
+off: a small model saves only at its end, a large one every five minutes. Step-based points
+stay for what must land on exact steps (``trainrun verify-resume``'s kill points).
 
 A step-based checkpoint cuts the call that would pass it (``steps_to_next``), so the state saved
 is the state at that step. A time-based one is taken at the first boundary after the interval;

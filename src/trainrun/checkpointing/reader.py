@@ -91,7 +91,7 @@ def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
                 state=ocp.args.StandardRestore(target))))["state"]
 
         step, state, problems = newest_readable(steps, read)
-        if state is not None:
+        if step is not None and state is not None:  # state: a step was read
             return step, state
     raise RunReadError(f"no checkpoint in {directory} can be read ("
                       + "; ".join(f"step {s}: {why}" for s, why in problems) + ")")

@@ -29,6 +29,7 @@ from trainrun.config.sections import (
     ConstantSchedule,
     CosineSchedule,
     DataConfig,
+    DataSection,
     DigitsData,
     DistributedConfig,
     EvalConfig,
@@ -59,8 +60,8 @@ from trainrun.config.sections import (
 
 __all__ = [
     "CONFIG_PACKAGE", "ArrayData", "AutoDistributed", "CNNModel", "CheckpointConfig",
-    "ConfigError", "ConstantSchedule", "CosineSchedule", "DataConfig", "DigitsData",
-    "DistributedConfig", "EvalConfig", "ExplicitDistributed", "ExponentialSchedule",
+    "ConfigError", "ConstantSchedule", "CosineSchedule", "DataConfig", "DataSection",
+    "DigitsData", "DistributedConfig", "EvalConfig", "ExplicitDistributed", "ExponentialSchedule",
     "InitConfig", "Layer", "LoraConfig", "MLPModel", "MeshConfig", "MetricsConfig",
     "ModelConfig", "NNXMLPModel", "OptimizerConfig", "PiecewiseSchedule", "PrecisionConfig",
     "ProfileConfig", "RegressionData", "ResNetModel", "RunConfig",

@@ -70,14 +70,20 @@ class ResNetModel(Section):
     bn_momentum: float = Field(0.9, gt=0, lt=1)  # running = momentum * running + (1 - m) * batch
 
 
+LoraTarget = Literal["q", "k", "v", "o", "up", "down"]
+
+
+def _query_and_value() -> list[LoraTarget]:  # a lambda's list would be typed list[str]
+    return ["q", "v"]
+
+
 class LoraConfig(Section):
     """Low-rank adapters: ``y = x W + (alpha / rank) x A B`` on each targeted linear layer, with
     ``A`` ~ N(0, 1/d_in) and ``B`` = 0, so training starts from the base model's outputs."""
 
     rank: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
-    targets: list[Literal["q", "k", "v", "o", "up", "down"]] = Field(
-        default_factory=lambda: ["q", "v"], min_length=1)
+    targets: list[LoraTarget] = Field(default_factory=_query_and_value, min_length=1)
 
 
 class TransformerModel(Section):
@@ -110,27 +116,39 @@ ModelConfig = Annotated[
 
 # ---- data ------------------------------------------------------------------------------------
 
+BatchSize = Annotated[int, Field(gt=0)]  # a section that changes the default keeps the bound
 
-class RegressionData(Section):
+
+class DataSection(Section):
+    """How training batches are drawn, the same in every data section.
+
+    batch_size: examples per step, over all processes.
+    shuffle: a new order of the examples each epoch (from the run's seed).
+    prefetch_threads: host threads loading batches ahead (0: in the loop's thread).
+    """
+
+    batch_size: BatchSize = 32
+    shuffle: bool = True
+    prefetch_threads: int = Field(0, ge=0)
+
+
+class RegressionData(DataSection):
     """The chapter's synthetic regression: x ~ N(0, 1) from jax.random.key(seed), y = sum(x)."""
 
     kind: Literal["regression"] = "regression"
     examples: int = Field(256, gt=0)
     features: int = Field(8, gt=0)
     seed: int = 1
-    batch_size: int = Field(256, gt=0)
+    batch_size: BatchSize = 256
     shuffle: bool = False
-    prefetch_threads: int = Field(0, ge=0)
 
 
-class DigitsData(Section):
+class DigitsData(DataSection):
     """scikit-learn's 8x8 digits (1,797 images shipped with it): a fixed split of 1,437 train and
     360 test images, pixels scaled to [0, 1]. Batches: ``x`` [B, 8, 8, 1], ``label`` [B]."""
 
     kind: Literal["digits"] = "digits"
-    batch_size: int = Field(64, gt=0)
-    shuffle: bool = True
-    prefetch_threads: int = Field(0, ge=0)
+    batch_size: BatchSize = 64
 
 
 class MixSource(Section):
@@ -147,7 +165,7 @@ class MixSource(Section):
         return (value,) if isinstance(value, str) else value  # `source: "docs/**/*.md"`
 
 
-class TextData(Section):
+class TextData(DataSection):
     """Text files as an LM corpus. No paths: the ``.py`` files of this Python's standard
     library. The last ``eval_fraction`` of the bytes is the held-out split.
 
@@ -166,9 +184,6 @@ class TextData(Section):
     vocab_size: int = Field(4096, gt=0)
     seq_len: int = Field(128, gt=0)
     eval_fraction: float = Field(0.01, gt=0, lt=1)
-    batch_size: int = Field(32, gt=0)
-    shuffle: bool = True
-    prefetch_threads: int = Field(0, ge=0)
 
     @pydantic.model_validator(mode="after")
     def _sources(self) -> TextData:
@@ -181,19 +196,17 @@ class TextData(Section):
         return self
 
 
-class ArrayData(Section):
+class ArrayData(DataSection):
     """User arrays: a ``.npz`` file (its arrays by name) or ``{name: file.npy}``; every array has
     one entry per example. ``eval``: the held-out split in the same form (optional)."""
 
     kind: Literal["arrays"] = "arrays"
     train: str | dict[str, str] | None = None
     eval: str | dict[str, str] | None = None
-    batch_size: int = Field(64, gt=0)
-    shuffle: bool = True
-    prefetch_threads: int = Field(0, ge=0)
+    batch_size: BatchSize = 64
 
 
-class TokenData(Section):
+class TokenData(DataSection):
     """Pre-tokenized text, nanoGPT-style: a flat binary file of token ids (``.bin``), read
     through a memory map; windows of ``seq_len + 1`` tokens. ``eval``: a held-out ``.bin``."""
 
@@ -202,9 +215,6 @@ class TokenData(Section):
     eval: str | None = None
     dtype: Literal["uint16", "uint32"] = "uint16"
     seq_len: int = Field(128, gt=0)
-    batch_size: int = Field(32, gt=0)
-    shuffle: bool = True
-    prefetch_threads: int = Field(0, ge=0)
 
 
 DataConfig = Annotated[

@@ -4,8 +4,10 @@ split, and the Grain pipeline that batches them."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
+from trainrun.config import DataConfig
 from trainrun.data.mixture import MixtureBatches
 from trainrun.data.pipeline import (
     ArrayBatches,
@@ -20,7 +22,7 @@ from trainrun.data.pipeline import (
 Splits = dict[str, Any]  # "train", "eval": arrays or None; a mixture: "train" a list, "weights"
 
 
-def _splits(cfg) -> Splits:
+def _splits(cfg: DataConfig) -> Splits:
     """``{"train": arrays, "eval": arrays or None}`` for a data section. The train and eval
     builds of a run share one load: the last section loaded is cached, keyed by its JSON
     (sections with mapping fields are not hashable); files are not re-read for it."""
@@ -28,7 +30,7 @@ def _splits(cfg) -> Splits:
 
 
 @functools.lru_cache(maxsize=1)
-def _load(section: type, blob: str) -> Splits:
+def _load(section: type[DataConfig], blob: str) -> Splits:
     cfg = section.model_validate_json(blob)
     from trainrun.data.digits import digits_arrays
     from trainrun.data.files import array_splits, token_splits
@@ -37,8 +39,9 @@ def _load(section: type, blob: str) -> Splits:
 
     if cfg.kind == "regression":
         return {"train": regression_arrays(cfg), "eval": None}
-    sources = {"digits": lambda _: digits_arrays(), "text": text_splits,
-               "arrays": array_splits, "tokens": token_splits}
+    sources: dict[str, Callable[[Any], Splits]] = {
+        "digits": lambda _: digits_arrays(), "text": text_splits, "arrays": array_splits,
+        "tokens": token_splits}
     return sources[cfg.kind](cfg)
 
 

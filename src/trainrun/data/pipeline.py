@@ -6,7 +6,7 @@ its index, the iterator's whole position is Grain's ``next_index``: saving it wi
 and restoring it gives exactly the batches an uninterrupted run would have seen.
 
 Gathering a batch with one fancy-index per array (rather than Grain's per-record batching) keeps
-the host cost of a step in microseconds, which matters when a step is itself ~50 µs.
+the host cost of a step small beside a small model's short step (BENCHMARKS.md, "Data pipeline").
 """
 
 from __future__ import annotations
@@ -71,10 +71,11 @@ class ArrayBatches(grain.MapDataset):
         return self.batches_per_epoch * 2**40  # unbounded for any real run; epochs repeat
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 (one dataset per run; holds two epochs' orders)
-    def _order(self, epoch: int) -> np.ndarray | None:
-        if not self.shuffle:
-            return None
+    def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng((self.seed, epoch)).permutation(self.num_examples)
+
+    def _order(self, epoch: int) -> np.ndarray | None:
+        return self._permutation(epoch) if self.shuffle else None
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -98,21 +99,20 @@ class ArrayBatches(grain.MapDataset):
         if self.shuffle:
             for epoch in np.unique(epochs).tolist():
                 in_epoch = epochs == epoch
-                idx[in_epoch] = self._order(epoch)[idx[in_epoch]]
+                idx[in_epoch] = self._permutation(epoch)[idx[in_epoch]]
         return {name: _gather(a, idx) for name, a in self.arrays.items()}
 
 
 def _gather(array: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """``array[idx]`` (rows of axis 0) as a plain in-memory array. ``np.take`` gathers whole
-    rows: ten default-MLP batches (2,560 rows of 8 float32) in 3.4 µs where ``array[idx]`` took
-    27 µs."""
+    rows, far faster than ``array[idx]`` on many short rows (the default MLP's batches)."""
     return np.asarray(np.take(array, idx, axis=0))
 
 
 def _needs_copy(array: np.ndarray) -> bool:
     """Whether a slice of ``array`` would be a lazy or strided view (of a file mapping, or of
     overlapping windows) rather than plain contiguous memory."""
-    base = array
+    base: object = array  # then its .base, which may be a non-array buffer (an mmap)
     while base is not None:
         if isinstance(base, (np.memmap, mmap.mmap)):
             return True
@@ -147,8 +147,8 @@ def eval_batches(dataset: ArrayBatches, max_batches: int = 0) -> list[int]:
 class BatchCursor:
     """Reads a MapDataset of batches in order, in the caller's thread.
 
-    Grain's own iterator costs ~9 µs per element in its bookkeeping, a fifth of a small model's
-    whole step; reading element ``i`` directly costs ~2 µs. The position is kept in Grain's
+    Grain's own iterator spends a noticeable share of a small model's step on its bookkeeping;
+    reading element ``i`` directly costs a fraction of that. The position is kept in Grain's
     state format (``{"next_index": i}``), so a checkpoint written through either iterator
     restores into the other.
     """

@@ -140,9 +140,9 @@ def encode(tokenizer: Any, texts: Sequence[str], cache: Path | None = None) -> l
     return docs
 
 
-def _npz_bytes(**arrays: np.ndarray) -> bytes:
+def _npz_bytes(ids: np.ndarray, lengths: np.ndarray) -> bytes:
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, ids=ids, lengths=lengths)
     return buffer.getvalue()
 
 

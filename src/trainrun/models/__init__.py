@@ -1,5 +1,8 @@
 """Models the loop trains: plain functions or Flax NNX modules, behind one small `Model` record."""
 
+from collections.abc import Callable
+from typing import Any
+
 from trainrun.models.adapters import Model, bind_params, from_functions, from_nnx
 
 __all__ = ["Model", "bind_params", "build_model", "from_functions", "from_nnx"]
@@ -13,6 +16,7 @@ def build_model(cfg) -> Model:
     from trainrun.models.resnet import make_resnet
     from trainrun.models.transformer import make_transformer
 
-    builders = {"mlp": make_mlp, "nnx_mlp": make_nnx_mlp, "cnn": make_cnn,
-                "resnet": make_resnet, "transformer": make_transformer}
+    builders: dict[str, Callable[[Any], Model]] = {
+        "mlp": make_mlp, "nnx_mlp": make_nnx_mlp, "cnn": make_cnn, "resnet": make_resnet,
+        "transformer": make_transformer}
     return builders[cfg.kind](cfg)

@@ -1,5 +1,6 @@
 """The one shape of model the step knows: ``init(key) -> params`` and
-``loss(params, batch, key) -> (loss, aux_metrics)``. Adapters bring plain functions and Flax
+``loss(params, batch, key, model_state) -> (loss, aux_metrics, model_state)``. Adapters bring
+plain functions and Flax
 NNX modules to it; params are plain nested dicts of arrays either way, so Optax, Orbax and
 sharding rules see the same thing.
 """
@@ -8,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 from flax import nnx
 
 PyTree = Any
 Batch = Any
-LossFn = Callable[[PyTree, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+M = TypeVar("M", bound=nnx.Module)
+Aux = dict[str, jax.Array]
+LossFn = Callable[..., tuple[jax.Array, Aux, PyTree]]  # (params, batch, key, model_state=None)
+EvalLossFn = Callable[..., tuple[jax.Array, Aux]]  # (params, batch, model_state=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +27,9 @@ class Model:
     """What the training step needs of a model.
 
     init: ``key -> params`` (a pytree of float arrays).
-    loss: ``(params, batch, key) -> (scalar loss, dict of scalar aux metrics)``; ``key`` is the
-        step's randomness (dropout), already folded with the step number. The loss is a mean
+    loss: ``(params, batch, key, model_state=None) -> (scalar loss, dict of scalar aux
+        metrics, new model_state)``; ``key`` is the step's randomness (dropout), already folded
+        with the step number; ``model_state`` is None for a model without one. The loss is a mean
         over the batch's examples, or over its valid tokens when the batch is padded (e.g.
         ``sum(mask * token_loss) / max(sum(mask), 1)``); then aux ``"weight"`` is that count
         (``sum(mask)``). Gradient accumulation weighs each microbatch by its ``weight`` (the
@@ -36,22 +41,20 @@ class Model:
     logical_axes: optional pytree shaped like params whose leaves are tuples naming each
         dimension of that param (e.g. ``("embed", "mlp")``, ``None`` for an unnamed dim);
         sharding rules map these names onto mesh axes (tensor parallelism).
-    eval_loss: optional ``(params, batch) -> (loss, aux)`` without training randomness
-        (dropout off), used on the held-out split; without it eval calls ``loss`` with a fixed
-        key.
+    eval_loss: optional ``(params, batch, model_state=None) -> (loss, aux)`` without training
+        randomness (dropout off; running statistics used, not updated), used on the held-out
+        split; without it eval calls ``loss`` with a fixed key.
     init_model_state: optional ``key -> model_state``: variables the model updates as it
-        trains but no optimizer touches (BatchNorm's running statistics). With it, ``loss`` is
-        ``(params, batch, key, model_state) -> (loss, aux, new_model_state)`` and ``eval_loss``
-        ``(params, batch, model_state) -> (loss, aux)`` (the statistics used, not updated). The
-        state keeps it beside the params (``TrainState.model_state``): checkpointed, restored,
-        kept as it was by a skipped step.
+        trains but no optimizer touches (BatchNorm's running statistics). The state keeps it
+        beside the params (``TrainState.model_state``): checkpointed, restored, kept as it was
+        by a skipped step.
     """
 
     init: Callable[[jax.Array], PyTree]
     loss: LossFn
     name: str = "model"
     logical_axes: PyTree | None = None
-    eval_loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] | None = None
+    eval_loss: EvalLossFn | None = None
     init_model_state: Callable[[jax.Array], PyTree] | None = None
 
 
@@ -59,16 +62,17 @@ def from_functions(init: Callable[[jax.Array], PyTree], loss: Callable[..., Any]
                    name: str = "model") -> Model:
     """Plain functions. ``loss`` may return a scalar or ``(scalar, aux_dict)``."""
 
-    def loss_with_aux(params: PyTree, batch: Batch, key: jax.Array):
-        out = loss(params, batch, key)
-        return out if isinstance(out, tuple) else (out, {})
+    def loss_with_aux(params: PyTree, batch: Batch, key: jax.Array,
+                      model_state: PyTree = None) -> tuple[jax.Array, Aux, PyTree]:
+        value, aux = _with_aux(loss(params, batch, key))
+        return value, aux, model_state
 
     return Model(init=init, loss=loss_with_aux, name=name)
 
 
-def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module],
-             loss: Callable[[nnx.Module, Batch, jax.Array], Any], name: str = "model",
-             eval_loss: Callable[[nnx.Module, Batch], Any] | None = None) -> Model:
+def from_nnx(make_module: Callable[[nnx.Rngs], M],
+             loss: Callable[[M, Batch, jax.Array | None], Any], name: str = "model",
+             eval_loss: Callable[[M, Batch], Any] | None = None) -> Model:
     """A Flax NNX module, trained through ``nnx.split`` / ``nnx.merge``.
 
     make_module: ``rngs -> module``; called with ``nnx.Rngs(params=key)`` at init.
@@ -93,13 +97,15 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module],
         return nnx.to_pure_dict(nnx.state(built, nnx.Param))
 
     if not jax.tree.leaves(rest):
-        def module_loss(params: PyTree, batch: Batch, key: jax.Array):
-            out = loss(module(params), batch, key)
-            return out if isinstance(out, tuple) else (out, {})
+        def module_loss(params: PyTree, batch: Batch, key: jax.Array,
+                        model_state: PyTree = None) -> tuple[jax.Array, Aux, PyTree]:
+            value, aux = _with_aux(loss(module(params), batch, key))
+            return value, aux, model_state
 
-        def module_eval_loss(params: PyTree, batch: Batch):
-            out = eval_loss(module(params), batch)
-            return out if isinstance(out, tuple) else (out, {})
+        def module_eval_loss(params: PyTree, batch: Batch,
+                             model_state: PyTree = None) -> tuple[jax.Array, Aux]:
+            assert eval_loss is not None
+            return _with_aux(eval_loss(module(params), batch))
 
         return Model(init=init, loss=module_loss, name=name, logical_axes=axes,
                      eval_loss=module_eval_loss if eval_loss is not None else None)
@@ -108,21 +114,26 @@ def from_nnx(make_module: Callable[[nnx.Rngs], nnx.Module],
         built = make_module(nnx.Rngs(params=key))
         return nnx.to_pure_dict(nnx.state(built, nnx.Not(nnx.Param)))
 
-    def stateful_loss(params: PyTree, batch: Batch, key: jax.Array, model_state: PyTree):
+    def stateful_loss(params: PyTree, batch: Batch, key: jax.Array,
+                      model_state: PyTree = None) -> tuple[jax.Array, Aux, PyTree]:
         bound = module(params, model_state)
         bound.train()
-        out = loss(bound, batch, key)
-        loss_value, aux = out if isinstance(out, tuple) else (out, {})
+        loss_value, aux = _with_aux(loss(bound, batch, key))
         return loss_value, aux, nnx.to_pure_dict(nnx.state(bound, nnx.Not(nnx.Param)))
 
-    def stateful_eval_loss(params: PyTree, batch: Batch, model_state: PyTree):
+    def stateful_eval_loss(params: PyTree, batch: Batch,
+                           model_state: PyTree = None) -> tuple[jax.Array, Aux]:
         bound = module(params, model_state)
         bound.eval()
-        out = (eval_loss or (lambda m, b: loss(m, b, None)))(bound, batch)
-        return out if isinstance(out, tuple) else (out, {})
+        return _with_aux((eval_loss or (lambda m, b: loss(m, b, None)))(bound, batch))
 
     return Model(init=init, loss=stateful_loss, name=name, logical_axes=axes,
                  eval_loss=stateful_eval_loss, init_model_state=init_model_state)
+
+
+def _with_aux(out: Any) -> tuple[jax.Array, Aux]:
+    """A loss function's result as ``(loss, aux)``: a bare scalar has no aux metrics."""
+    return out if isinstance(out, tuple) else (out, {})
 
 
 def bind_params(make_module: Callable[[nnx.Rngs], nnx.Module],
@@ -133,10 +144,10 @@ def bind_params(make_module: Callable[[nnx.Rngs], nnx.Module],
     return _binder(make_module, name)[0]
 
 
-def _binder(make_module: Callable[[nnx.Rngs], nnx.Module],
-            name: str) -> tuple[Callable[..., nnx.Module], nnx.State, nnx.State]:
+def _binder(make_module: Callable[[nnx.Rngs], M],
+            name: str) -> tuple[Callable[..., M], nnx.State, nnx.State]:
     abstract = nnx.eval_shape(lambda: make_module(nnx.Rngs(params=0)))
-    graphdef, param_state, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, param_state, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]  # flax types split's filters as one variadic tuple
     rng = [v for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
            if isinstance(v, nnx.RngState)]
     if rng:
@@ -145,7 +156,7 @@ def _binder(make_module: Callable[[nnx.Rngs], nnx.Module],
                          "trainrun draws randomness from the step key: pass rngs at call time "
                          "instead of storing nnx.Rngs in the module")
 
-    def module(params: PyTree, model_state: PyTree | None = None) -> nnx.Module:
+    def module(params: PyTree, model_state: PyTree | None = None) -> M:
         state = jax.tree.map(lambda leaf: leaf, param_state)  # a fresh copy to fill per trace
         nnx.replace_by_pure_dict(state, params)
         if not jax.tree.leaves(rest):

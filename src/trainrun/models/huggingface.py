@@ -1,21 +1,8 @@
 """Weights in and out of Hugging Face's GPT-2 layout: a model directory of ``config.json`` and
 ``model.safetensors``, as ``transformers``' ``save_pretrained`` writes it and
-``from_pretrained`` reads it.
-
-    GPT-2 tensor (``transformer.`` prefix)     trainrun transformer param
-    wte.weight [vocab, d]                      embed.embedding (tied: also the output head)
-    wpe.weight [n_positions, d]                positions
-    h.{i}.ln_1 / ln_2 .weight, .bias           blocks.{i}.ln1 / ln2 .scale, .bias
-    h.{i}.attn.c_attn .weight [d, 3d], .bias   blocks.{i}.attn.q / k / v .kernel, .bias (split)
-    h.{i}.attn.c_proj .weight, .bias           blocks.{i}.attn.o .kernel, .bias
-    h.{i}.mlp.c_fc / c_proj .weight, .bias     blocks.{i}.mlp.up / down .kernel, .bias
-    ln_f.weight, .bias                         ln_f.scale, .bias
-
-GPT-2's ``Conv1D`` stores weights as ``[in, out]``, as Flax's kernels are, so nothing is
-transposed. The model GPT-2 needs is trainrun's transformer with ``positions: learned``,
-``bias: true``, tanh GELU (its ``gelu_new``, trainrun's only GELU) and LayerNorm epsilon 1e-5.
-Neither ``transformers`` nor PyTorch is imported: the files are read and written with
-``safetensors``' NumPy API.
+``from_pretrained`` reads it, through ``safetensors``' NumPy API (neither ``transformers`` nor
+PyTorch is imported). The tensor-by-tensor mapping and the transformer config GPT-2 needs:
+docs/internals.md, "GPT-2 weights".
 """
 
 from __future__ import annotations
@@ -83,9 +70,9 @@ def _name_map(cfg: TransformerModel) -> dict[str, tuple[str, ...]]:
         "ln_f.weight": ("ln_f", "scale"), "ln_f.bias": ("ln_f", "bias")}
     for i in range(cfg.layers):
         block = ("blocks", str(i))
-        for hf, ours in (("ln_1", ("ln1",)), ("ln_2", ("ln2",))):
-            names[f"h.{i}.{hf}.weight"] = (*block, *ours, "scale")
-            names[f"h.{i}.{hf}.bias"] = (*block, *ours, "bias")
+        for hf, norm in (("ln_1", "ln1"), ("ln_2", "ln2")):
+            names[f"h.{i}.{hf}.weight"] = (*block, norm, "scale")
+            names[f"h.{i}.{hf}.bias"] = (*block, norm, "bias")
         for hf, ours in (("attn.c_proj", ("attn", "o")), ("mlp.c_fc", ("mlp", "up")),
                          ("mlp.c_proj", ("mlp", "down"))):
             names[f"h.{i}.{hf}.weight"] = (*block, *ours, "kernel")

@@ -49,7 +49,8 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
     features: ``[tokens, d_model]`` in the compute dtype; embedding: ``[vocab, d_model]`` in the
         compute dtype; targets: ``[tokens]`` integer ids.
     chunk: tokens per chunk of logits (0: all at once). At GPT-2's vocabulary (50304) the logits
-        of 32 x 1024 tokens are 6.6 GB in float32; chunks of 4096 tokens hold 0.8 GB at a time.
+        of 32 x 1024 tokens are 50304 x 32768 float32 values; chunks of 4096 tokens hold an
+        eighth of them at a time.
     weights: ``[tokens]`` booleans, the targets that count (packed rows: not padding, not across
         a document boundary). The loss is then the mean over those, and aux ``"weight"`` their
         number (``Model``); a target left out changes neither the loss nor any gradient.

@@ -41,7 +41,7 @@ def make_mlp(cfg: MLPModel) -> Model:
 
     # Tensor parallelism, Megatron style: odd layers split their output dim ("mlp": column
     # parallel), even layers their input dim (row parallel), so a pair needs one all-reduce.
-    axes = {}
+    axes: dict[str, tuple[str, ...]] = {}
     for i in range(1, n_layers + 1):
         names = ("embed", "mlp") if i % 2 else ("mlp", "embed")
         axes[f"w{i}"], axes[f"b{i}"] = names, names[1:]

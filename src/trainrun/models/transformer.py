@@ -4,19 +4,10 @@
            ─► L x [ x + drop(attn(LN(x)))  ;  x + drop(mlp(LN(x))) ]      pre-LayerNorm
            ─► LN ─► logits = x @ embed.T                                   tied embeddings
 
-Attention is causal, the maths of ``jax.nn.dot_product_attention`` (``causal_attention``:
-that function itself on accelerators, a blocked head-major form on CPU); positions are rotary
-(RoPE, on queries and keys) or a learned table. Dropout draws from the step key. The same
-blocks run with a key/value cache for decoding (``prefill`` / ``decode``), so sampling shares
-the maths of training.
-
-Written for XLA:CPU's speed without changing the maths (each choice measured in BENCHMARKS.md,
-"The LM against PyTorch on CPU"; ``tests/test_fast_transformer.py`` holds the loss and gradients
-to a plain transcription): matmuls on ``[tokens, d_model]`` rows, blocked causal attention, and
-a rotary table that is a constant when positions are static.
-
-Every param names its dimensions (``axes`` metadata: "vocab", "embed", "heads", "mlp"); the
-sharding rules split "heads" and "mlp" over the tensor axis.
+Causal attention, rotary or learned positions, dropout from the step key; the same blocks run
+with a key/value cache for decoding (``prefill`` / ``decode``). Written for XLA:CPU's speed
+without changing the maths, each param naming its dimensions for the sharding rules:
+docs/internals.md, "The transformer".
 """
 
 from __future__ import annotations
@@ -47,8 +38,9 @@ class KV(NamedTuple):
 class Rope(NamedTuple):
     """Rotary position angles for the positions of a chunk: ``[chunk, head_dim // 2]`` each."""
 
-    sin: jax.Array
-    cos: jax.Array
+    # numpy when the positions are static: a constant in the program (Transformer.features)
+    sin: jax.Array | np.ndarray
+    cos: jax.Array | np.ndarray
 
     @classmethod
     def at(cls, positions: jax.Array, head_dim: int, base: float = 10_000.0) -> Rope:
@@ -66,7 +58,7 @@ class Rope(NamedTuple):
         return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
-ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (BENCHMARKS.md)
+ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (docs/internals.md)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -298,7 +290,8 @@ class Transformer(nnx.Module):
         elif self.positions is None and isinstance(pos, int | np.integer):
             # Static positions (training, a prefill at 0): the table becomes a constant. Left in
             # the program, XLA:CPU fuses sin and cos into their consumers and evaluates them
-            # again for every element they scale (9% of a training step on CPU).
+            # again for every element they scale (BENCHMARKS.md, "The byte LM against PyTorch
+            # on CPU": the rotary table computed in the step).
             with jax.ensure_compile_time_eval():
                 angles = Rope.at(pos + jnp.arange(chunk), self.head_dim)
             rope = Rope(*(np.asarray(t) for t in angles))
@@ -308,9 +301,10 @@ class Transformer(nnx.Module):
             x = x + jnp.take(self.positions[...], positions, axis=0)[None].astype(x.dtype)
         x = _dropout(self.drop, x, key, 0)
         if cache is not None:
-            new_cache = []
+            new_cache: list[KV] = []
             for i in range(self.layers):
                 x, kv = self.blocks[f"{i}"](x, rope, None, cache[i], pos)
+                assert kv is not None  # a block given its cache returns it updated
                 new_cache.append(kv)
             return self.ln_f(x).reshape(batch * chunk, -1), new_cache
         return (self.ln_f(self._blocks(x, rope, key, segments)).reshape(batch * chunk, -1),

@@ -85,21 +85,21 @@ def initialize(cfg: DistributedConfig) -> PeerWatch | None:
 
 
 def _explicit_options(cfg: ExplicitDistributed) -> dict[str, Any]:
-    missing = [name for name in ("coordinator", "num_processes", "process_id")
-               if getattr(cfg, name) is None]
-    if missing:
+    coordinator, count, me = cfg.coordinator, cfg.num_processes, cfg.process_id
+    if coordinator is None or count is None or me is None:
+        missing = [name for name, value in (("coordinator", coordinator),
+                                            ("num_processes", count), ("process_id", me))
+                   if value is None]
         raise DistributedError(f"distributed.kind=explicit needs {', '.join(missing)}: set "
                                "distributed.coordinator=HOST:PORT (process 0's address), "
                                "distributed.num_processes=N and distributed.process_id=I")
-    if not re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", cfg.coordinator):
-        raise DistributedError(f"distributed.coordinator {cfg.coordinator!r} is not HOST:PORT "
+    if not re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", coordinator):
+        raise DistributedError(f"distributed.coordinator {coordinator!r} is not HOST:PORT "
                                "(e.g. 10.0.0.1:1234)")
-    if cfg.process_id >= cfg.num_processes:
-        raise DistributedError(f"distributed.process_id {cfg.process_id} is not below "
-                               f"distributed.num_processes {cfg.num_processes}; ids run "
-                               f"0..{cfg.num_processes - 1}")
-    return {"coordinator_address": cfg.coordinator, "num_processes": cfg.num_processes,
-            "process_id": cfg.process_id}
+    if me >= count:
+        raise DistributedError(f"distributed.process_id {me} is not below "
+                               f"distributed.num_processes {count}; ids run 0..{count - 1}")
+    return {"coordinator_address": coordinator, "num_processes": count, "process_id": me}
 
 
 def _first_line(err: BaseException) -> str:
@@ -127,7 +127,10 @@ class PeerWatch:
                  period_s: float = 1.0):
         from jax._src import distributed as jax_distributed  # the store has no public handle
 
-        self.client = jax_distributed.global_state.client
+        client = jax_distributed.global_state.client
+        if client is None:  # started only after jax.distributed.initialize
+            raise DistributedError("the peer watch needs jax.distributed initialized first")
+        self.client = client
         self.coordinator = jax_distributed.global_state.coordinator_address
         self.me, self.count = process_id, process_count
         self.timeout_s, self.period_s = timeout_s, period_s
@@ -305,15 +308,18 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
     first_failure: int | None = None
     deadline: float | None = None
     terminated = False
-    forward = {sig: signal.signal(sig, lambda s, _: [p.send_signal(s) for p in procs])
-               for sig in (signal.SIGINT, signal.SIGTERM)}
+    def forward_signal(signum: int, _frame: Any) -> None:
+        for p in procs:
+            p.send_signal(signum)
+
+    forward = {sig: signal.signal(sig, forward_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while any(p.returncode is None for p in procs):
             for i, p in enumerate(procs):
-                if p.returncode is None and p.poll() is not None:
-                    say(f"[launch] process {i} exited with {_describe(p.returncode)}")
-                    if p.returncode != 0 and first_failure is None:
-                        first_failure = _status(p.returncode)
+                if p.returncode is None and (code := p.poll()) is not None:
+                    say(f"[launch] process {i} exited with {_describe(code)}")
+                    if code != 0 and first_failure is None:
+                        first_failure = _status(code)
                         deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
                 for i, p in enumerate(procs):

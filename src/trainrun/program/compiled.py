@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun.models import Model
+from trainrun.platform.fast_paths import FastPaths
 from trainrun.program.optim import Optimizer
-from trainrun.program.packing import packing_for
+from trainrun.program.packing import StatePacking, packing_for
 from trainrun.program.precision import Policy
 from trainrun.program.resident import ResidentBatches
 from trainrun.program.state import TrainState
@@ -48,48 +49,26 @@ class CompiledSteps:
                  watch: Stopwatch, *, abstract: TrainState | None = None,
                  accumulate: int = 1, policy: Policy | None = None,
                  state_sharding: TrainState | None = None,
-                 batch_sharding: jax.sharding.Sharding | None = None,
-                 stream: MetricStream | None = None, resident: ResidentBatches | None = None):
-        single = make_train_step(model, optimizer, accumulate=accumulate, policy=policy,
-                                 scanned=steps_per_call > 1)
-        self.one_step = single  # what one step computes (FLOPs per step)
-        if stream is not None:  # each step's metrics also leave mid-call (metrics.stream)
-            single = streamed(single, stream)
-        self.step = single if steps_per_call == 1 else make_multi_step(single)
-
-        def one_row(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
-            state, metrics = single(state, batch)
-            return state, pack_metrics(metrics)
-
-        # Each step's metrics packed inside the scan's body: the scan then writes one row a
-        # step instead of one value per metric (the default MLP at K=100: 15.8 against 17.6 µs
-        # a step, a scan output costing about 0.4 µs a step).
-        step = one_row if steps_per_call == 1 else make_multi_step(one_row)
+                 batch_sharding: jax.sharding.NamedSharding | None = None,
+                 stream: MetricStream | None = None, resident: ResidentBatches | None = None,
+                 fast: FastPaths | None = None):
+        scanned, fast = steps_per_call > 1, fast or FastPaths()
+        self.one_step = make_train_step(  # what one step computes (FLOPs per step)
+            model, optimizer, accumulate=accumulate, policy=policy,
+            cpu_guard_branches=scanned and fast.cpu_guard_branches)
+        single = self.one_step if stream is None else streamed(self.one_step, stream)
+        self.step = make_multi_step(single) if scanned else single  # metrics by name
         self.resident = resident
-        if resident is not None:  # the calls take ``resident.args``: batches cut on the device
-            step = _cut_on_device(one_row, resident, steps_per_call > 1)
         self.abstract = abstract
         # Without the abstract state (a caller holding TrainStates) the calls take TrainStates.
-        self.packing = packing = (packing_for(abstract, jax.device_count())
-                                  if abstract is not None else None)
-
-        def packed_step(carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
-            state = packing.unpack(carried) if packing else carried
-            state, rows = step(state, batch)
-            return packing.pack(state) if packing else state, rows
-
-        if packing is not None:
-            self._carry, self._state = jax.jit(packing.pack), jax.jit(packing.unpack)
-        if packing is not None or state_sharding is None:  # one device: nothing to pin
-            self.fn = jax.jit(packed_step, donate_argnums=0)
-        else:  # pinned, so the donated state comes back exactly where it went in
-            metrics_sharding = jax.sharding.NamedSharding(batch_sharding.mesh,
-                                                          jax.sharding.PartitionSpec())
-            # resident arrays: on the run's one device, as the replicated sharding says
-            inputs = metrics_sharding if resident is not None else batch_sharding
-            self.fn = jax.jit(packed_step, donate_argnums=0,
-                              in_shardings=(state_sharding, inputs),
-                              out_shardings=(state_sharding, metrics_sharding))
+        self.packing = (packing_for(abstract, jax.device_count())
+                        if fast.state_packing and abstract is not None else None)
+        body = _rows_step(single, scanned, resident)
+        if self.packing is not None:
+            self._carry, self._state = jax.jit(self.packing.pack), jax.jit(self.packing.unpack)
+            body = _on_packed(body, self.packing)
+        self.fn = _jit_donated(body, state_sharding if self.packing is None else None,
+                               batch_sharding, resident is not None)
         self.watch = watch
         self.programs: dict[int, Any] = {}
         self.metric_names: list[str] = []
@@ -127,6 +106,48 @@ class CompiledSteps:
         if k not in self.programs:
             self.compile(k, carried, batch)
         return self.fn(carried, batch)
+
+
+def _rows_step(single: Any, scanned: bool, resident: ResidentBatches | None) -> Any:
+    """``(state, batch) -> (state, rows)``: ``single`` once or K times under a scan, each step's
+    metrics packed into one row inside the scan's body (one scan output instead of one per
+    metric); on batches cut on the device when ``resident`` holds them."""
+
+    def one_row(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
+        state, metrics = single(state, batch)
+        return state, pack_metrics(metrics)
+
+    if resident is not None:  # the calls take ``resident.args``: batches cut on the device
+        return _cut_on_device(one_row, resident, scanned)
+    return make_multi_step(one_row) if scanned else one_row
+
+
+def _on_packed(body: Any, packing: StatePacking) -> Any:
+    """``body`` on a state carried as ``packing``'s flat buffers."""
+
+    def packed_body(carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
+        state, rows = body(packing.unpack(carried), batch)
+        return packing.pack(state), rows
+
+    return packed_body
+
+
+def _jit_donated(body: Any, state_sharding: TrainState | None,
+                 batch_sharding: jax.sharding.NamedSharding | None, resident: bool) -> Any:
+    """``body`` jitted with the state donated; pinned to ``state_sharding`` when there is one, so
+    the donated state comes back exactly where it went in. Named ``train_steps`` in every
+    mode, as profiles show it."""
+
+    def train_steps(carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
+        return body(carried, batch)
+
+    if state_sharding is None or batch_sharding is None:  # one device: nothing to pin
+        return jax.jit(train_steps, donate_argnums=0)
+    replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+    # resident arrays: on the run's one device, as the replicated sharding says
+    inputs = replicated if resident else batch_sharding
+    return jax.jit(train_steps, donate_argnums=0, in_shardings=(state_sharding, inputs),
+                   out_shardings=(state_sharding, replicated))
 
 
 def _cut_on_device(one_row: Any, resident: ResidentBatches, scanned: bool) -> Any:
@@ -173,7 +194,7 @@ class MetricsReader:
     The pending calls' metrics are concatenated on device and fetched in one transfer, after the
     newest call is already queued, so the device never waits for the host. Calls that ran
     inline bring their metrics as host arrays already (``packed`` is NumPy): those are joined on
-    the host (a jitted concatenation of 100 one-step rows took 130-230 µs a read). Each read
+    the host (a jitted concatenation of many small rows costs more than NumPy's). Each read
     also closes a timing window (see ``StepTimer``).
     """
 

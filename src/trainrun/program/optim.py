@@ -48,6 +48,7 @@ def build_schedule(cfg: OptimizerConfig, total_steps: int | None = None) -> opta
             s.init_lr, peak, s.warmup_steps, s.transition_steps, s.decay_rate,
             staircase=s.staircase, end_value=s.end_lr)
     if s.kind == "wsd":
+        assert total is not None  # refused above
         return warmup_stable_decay(s.init_lr, peak, s.end_lr, s.warmup_steps,
                                    round(s.decay_fraction * total), total, s.decay)
     return optax.piecewise_constant_schedule(peak, dict(zip(s.boundaries, s.scales, strict=True)))

@@ -1,21 +1,11 @@
-"""A small state crosses the jit boundary as one flat buffer per dtype.
+"""A small one-device state crosses the jit boundary as one flat buffer per dtype, a fast path
+(``state_packing`` in ``platform/fast_paths.py``).
 
-Every array a jitted call takes or returns costs the dispatch path on the host, about 1-2 µs
-each on XLA:CPU. The default MLP's state is 18 arrays (params, Adam's two moments, counters,
-key) holding 970 numbers, so the arrays, not the arithmetic, set the price of a call: packed
-into three buffers (float32, int32, uint32) trainrun's whole one-step loop takes 38.8 µs a
-step instead of 125.4 µs (BENCHMARKS.md, "Loop overhead"). Inside the call the buffers are
-sliced back into the ``TrainState`` and the new state is concatenated into new buffers; the
-step computes the same bits either way. Only for one device (a sharded state keeps its own
-layout per array) and a state small enough that the extra concatenation is noise.
-
-On CPU the slices are cut one after another. XLA:CPU's thunk executor runs a program's kernels
-in the calling thread until more than 8 of them are ready at once; then it hands half of them
-to its thread pool, and the call ends on a pool thread with the caller asleep. The default
-MLP's slices were all ready at a program's start, so every call woke the pool (about 2
-voluntary context switches a call) and paid for it, most after the host had been busy: its
-step program at K=10, 23.1 against 33.5 µs a step called back to back, and 27.8 against 53.5
-after 1 ms of host work (Intel Xeon, 2 CPUs, best of 5; ``benchmarks/host_gap.py``).
+Each array a call takes or returns costs the host's dispatch path, which on a tiny model costs
+more than the arithmetic. Inside the call the buffers are sliced back into the ``TrainState``
+and the new state is concatenated into new buffers: the same bits either way. On CPU the slices
+are cut one after another, so XLA:CPU never finds enough ready kernels to hand them to its
+thread pool. Why, and what it buys: docs/internals.md, "Fast paths".
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
-"""Batches gathered on the device: a small in-memory dataset placed there once, each step's
-batch cut from it inside the jitted call.
+"""Batches gathered on the device, a fast path (``resident_batches`` in
+``platform/fast_paths.py``): a small in-memory dataset placed there once, each step's batch cut
+from it inside the jitted call, so no host array crosses into a call.
 
-A host batch passed to every call costs more than copying it: on the default MLP at K=10 the
-step program took 38.4 µs a step fed the next 10 batches from the host against 24.4 with its
-batch rows gathered on the device from the step counter (the chapter's bare scan of 10: 22.1;
-best of 5, one process, AMD EPYC; BENCHMARKS.md, "Loop overhead"). So when a run's data is an
-``ArrayBatches`` of plain arrays read in order (``shuffle: false``), on one device and one
-process, and small enough (``RESIDENT_MAX_BYTES``), its arrays go to the device at set-up and a
-call takes no host array: step ``s`` reads global batch ``s + offset`` (``offset``: the data
-position minus the state's step, fixed for a run), its rows exactly those
-``ArrayBatches.__getitem__`` gives. The cursor still moves ``k`` batches a call, so a
-checkpoint's data position is the same as without.
-
-Shuffled data stays on the host: gathering its permuted rows on the device gave the same
-batches, but XLA then computed some steps 1 ulp apart from the host path's program (a shuffled
-regression run, batch 32, from step 2), and the host path is the one every bitwise promise
-was made on.
+Only for an ``ArrayBatches`` of plain arrays read in order (``shuffle: false``), on one device
+and one process, up to ``RESIDENT_MAX_BYTES``: step ``s`` reads global batch ``s + offset``
+(the data position minus the state's step, fixed for a run), its rows exactly those
+``ArrayBatches.__getitem__`` gives; the cursor still moves ``k`` batches a call, so a
+checkpoint's data position is the same as without. Shuffled data stays on the host: its
+gathered rows made XLA round some steps differently from the host path, on which every bitwise
+promise is made (docs/internals.md, "Fast paths").
 """
 
 from __future__ import annotations
@@ -38,11 +31,9 @@ class ResidentBatches:
     """``dataset``'s arrays on the device, and how a call's batches are cut from them.
 
     The calls take ``args(k)``: the arrays and a length-``k`` vector that gives the call its
-    length. Inside, each step gathers its own batch from the state's step counter. Not the
-    call's K batches at its start: at K=100 that gather was one kernel large enough (800 KB on
-    the default MLP) for XLA:CPU to split it across its thread pool, which then woke about
-    twice a call even with the state's slices ordered (``packing.py``); the program with both
-    changes: 19.9 against 25.2 µs a step (Intel Xeon, best of 5; ``benchmarks/host_gap.py``)."""
+    length. Inside, each step gathers its own batch from the state's step counter, not the
+    call's K batches at its start: one gather that large is split across XLA:CPU's thread
+    pool."""
 
     def __init__(self, dataset: ArrayBatches, offset: int):
         self.dataset = dataset

@@ -105,11 +105,12 @@ def param_shardings(mesh: Mesh, params: PyTree, logical_axes: PyTree | None,
                         "(Model.logical_axes), so nothing could be split over tensor; set "
                         "mesh.tensor=1 or give the model logical axes")
     paths, treedef = jax.tree.flatten_with_path(params)
+    # jaxlib ships no type for PyTreeDef, so mypy cannot see its methods
     names = ([None] * len(paths) if logical_axes is None
-             else treedef.flatten_up_to(logical_axes))
+             else treedef.flatten_up_to(logical_axes))  # type: ignore[attr-defined]
     specs = [param_spec(tuple(leaf.shape), axes, sizes, cfg, jax.tree_util.keystr(path))
              for (path, leaf), axes in zip(paths, names, strict=True)]
-    return treedef.unflatten([NamedSharding(mesh, spec) for spec in specs])
+    return jax.tree.unflatten(treedef, [NamedSharding(mesh, spec) for spec in specs])
 
 
 def state_shardings(mesh: Mesh, abstract_state: Any, logical_axes: PyTree | None,
@@ -175,7 +176,9 @@ def batch_placement(mesh: Mesh, global_size: int, stacked: bool) -> BatchPlaceme
 
 def _process_rows(mesh: Mesh, global_size: int) -> tuple[int, int]:
     held = NamedSharding(mesh, P(BATCH_AXES)).addressable_devices_indices_map((global_size,))
-    spans = sorted({(index[0].indices(global_size)[:2]) for index in held.values()})
+    # jax types each device's index as optional; a NamedSharding's are all set
+    spans = sorted({index[0].indices(global_size)[:2] for index in held.values()
+                    if index is not None})
     start, stop = spans[0][0], spans[-1][1]
     if sum(b - a for a, b in spans) != stop - start:
         raise MeshError(f"this process's devices hold rows {spans} of the batch, which are not "

@@ -30,9 +30,9 @@ class TrainState:
     key: typed PRNG key (``jax.random.key``); never changes. Step ``s`` draws from
         ``fold_in(key, s)``, so a resumed run draws the same bits as an uninterrupted one.
         The pytree carries it as its raw uint32 data (field ``key_data``; ``key`` is a property
-        that wraps it): a typed key array as a jit argument misses JAX's C++ dispatch fast path
-        and cost ~30 µs per call on the default MLP, more than half its step; and Orbax stores
-        the raw data as a plain array.
+        that wraps it): a typed key array as a jit argument misses JAX's C++ dispatch fast path,
+        which costs a small model most of its step; and Orbax stores the raw data as a plain
+        array.
     nonfinite_steps: int32 scalar, steps whose loss or gradients were not finite; their update
         was skipped (params and opt_state kept), so the optimizer has done
         ``step - nonfinite_steps`` updates and its schedule stands at that count.
@@ -104,7 +104,7 @@ def root_keys(seed: int) -> tuple[jax.Array, jax.Array]:
 # user's `normal(k, shape) * 0.1` into the sampler's own sqrt(2) factor and round differently
 # from the same function run op by op. Without it, a jitted (and sharded) init gives the very
 # bits a hand-written eager `init(key)` gives.
-INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "algsimp"}
+INIT_COMPILER_OPTIONS: dict[str, str | bool] = {"xla_disable_hlo_passes": "algsimp"}
 
 
 def _state_builder(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None):

@@ -6,7 +6,7 @@ Nothing here runs anything; ``loop.py`` jits these functions at the edge with th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ import optax
 
 from trainrun.config import ConfigError
 from trainrun.models.adapters import Model
+from trainrun.program import guard
 from trainrun.program.optim import Optimizer
 from trainrun.program.precision import LossScale, Policy
 from trainrun.program.state import TrainState, step_key
@@ -25,7 +26,7 @@ StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 
 
 def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
-                    policy: Policy | None = None, scanned: bool = False) -> StepFn:
+                    policy: Policy | None = None, cpu_guard_branches: bool = False) -> StepFn:
     """One optimizer update on one batch.
 
     accumulate: M > 1 splits the batch into M microbatches (example ``j`` goes to microbatch
@@ -36,8 +37,8 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         different numbers of valid tokens. The optimizer and its schedule advance once.
     policy: mixed precision (``precision.Policy``); params and floating batch leaves are cast
         to its compute dtype, the loss to its output dtype; float16 scales the loss.
-    scanned: the step runs under ``lax.scan`` (K > 1 steps a call); only how the skip below
-        is computed on CPU depends on it (``keep_if_not``), not a bit of the result.
+    cpu_guard_branches: the skip below computed as branches on CPU (for a step run under
+        ``lax.scan``; a fast path, ``program/guard.py``); not a bit of the result changes.
 
     A step whose loss, gradients or update is not finite is not applied: params and opt_state
     (hence the schedule) stay as they were, ``nonfinite_steps`` counts it, and with float16 the
@@ -61,7 +62,7 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         params, opt_state, model_state = keep_if_not(
             finite, (params, opt_state, model_state),
-            (state.params, state.opt_state, state.model_state), branch_on_cpu=scanned)
+            (state.params, state.opt_state, state.model_state), cpu_branches=cpu_guard_branches)
         updates_done = state.step - state.nonfinite_steps
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
@@ -113,10 +114,8 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> Gradi
     def objective(params: PyTree, batch: Batch, key: jax.Array, loss_scale: LossScale,
                   model_state: PyTree = None):
         args = (policy.cast_to_compute(params), policy.cast_to_compute(batch), key)
-        if model.init_model_state is None:
-            (loss, aux), model_state = model.loss(*args), None
-        else:  # the model state stays in its own dtype (running statistics in float32)
-            loss, aux, model_state = model.loss(*args, model_state)
+        # the model state stays in its own dtype (running statistics in float32)
+        loss, aux, model_state = model.loss(*args, model_state)
         aux = dict(aux)
         weight = aux.pop("weight", None)
         # A metric's own weight (``weight/<name>``) is for combining eval batches only.
@@ -171,48 +170,25 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> Gradi
     return accumulated
 
 
-# Leaves per branch of the guard on CPU. XLA:CPU's thunk executor runs a sequence of at most 8
-# thunks in the calling thread, and hands the tail of a ready queue longer than 8 to its thread
-# pool: one branch holding all of the default MLP's 13 leaves made 13 copies ready at once, and
-# the hand-off cost more than the copies (the step program at K=100, Intel Xeon, 2 CPUs: 30.3
-# against 20.4 µs a step in branches of 4 leaves; the bare scan 17.7; best of 3).
-BRANCH_LEAVES = 4
-
-
 def keep_if_not(finite: jax.Array, new: PyTree, old: PyTree, *,
-                branch_on_cpu: bool = False) -> PyTree:
-    """``new`` where ``finite``, else ``old``: the same bits however it is computed. A select of
-    every leaf, except on CPU with ``branch_on_cpu``: there branches over ``BRANCH_LEAVES``
-    leaves at a time inside a scan cost less than the selects when the leaves are small and
-    many (the default MLP at K=100, AMD EPYC: one branch 16.1 against 17.9 µs a step for the
-    selects, 12.8 with no guard at all), but a branch at a program's top level made XLA:CPU's
-    one-step call twice as slow (157 against 78 µs). On accelerators a branch would wait for
-    its predicate on the host."""
-
-    def select() -> PyTree:
-        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-    if not branch_on_cpu:
-        return select()
-
-    def branches() -> PyTree:
-        new_leaves, tree = jax.tree.flatten(new)
-        old_leaves = jax.tree.leaves(old)
-        kept = []
-        for i in range(0, len(new_leaves), BRANCH_LEAVES):
-            group = slice(i, i + BRANCH_LEAVES)
-            kept += jax.lax.cond(finite, lambda g=group: new_leaves[g],
-                                 lambda g=group: old_leaves[g])
-        return jax.tree.unflatten(tree, kept)
-
-    return jax.lax.platform_dependent(cpu=branches, default=select)
+                cpu_branches: bool = False) -> PyTree:
+    """``new`` where ``finite``, else ``old``, leaf by leaf. cpu_branches: on CPU, the same bits
+    computed as branches over a few leaves at a time (a fast path, ``program/guard.py``)."""
+    if cpu_branches:
+        return guard.keep_if_not_branched(finite, new, old)
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-def make_multi_step(train_step: StepFn) -> StepFn:
+Out = TypeVar("Out")
+
+
+def make_multi_step(
+        train_step: Callable[[TrainState, Batch], tuple[TrainState, Out]],
+) -> Callable[[TrainState, Batch], tuple[TrainState, Out]]:
     """K steps in one call: ``batches`` leaves are ``[K, ...]``; each step's metrics come back
     stacked along a new first axis (``[K]`` per metric, or ``[K, n]`` for a packed row)."""
 
-    def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
+    def multi_step(state: TrainState, batches: Batch) -> tuple[TrainState, Out]:
         return jax.lax.scan(train_step, state, batches)
 
     return multi_step
@@ -230,12 +206,10 @@ def make_eval_step(model: Model, policy: Policy | None = None) -> Callable[[PyTr
 
     def eval_step(params: PyTree, batch: Batch, model_state: PyTree = None) -> Metrics:
         params, batch = policy.cast_to_compute(params), policy.cast_to_compute(batch)
-        if model.init_model_state is not None:  # running statistics used, not updated
+        if model.eval_loss is not None:  # running statistics used, not updated
             loss, aux = model.eval_loss(params, batch, model_state)
-        elif model.eval_loss is not None:
-            loss, aux = model.eval_loss(params, batch)
         else:
-            loss, aux = model.loss(params, batch, jax.random.key(0))
+            loss, aux, _ = model.loss(params, batch, jax.random.key(0), model_state)
         metrics = {"loss": loss, "weight": jax.tree.leaves(batch)[0].shape[0], **aux}
         return {name: jnp.asarray(value, jnp.float32) for name, value in metrics.items()}
 

@@ -51,7 +51,7 @@ PEAKS: dict[str, dict[str, float]] = {
 
 
 def chip_name(device_kind: str) -> str | None:
-    """A JAX ``device_kind`` ("NVIDIA H100 80GB HBM3", "TPU v5 lite", ...) -> a ``PEAKS`` key."""
+    """A JAX ``device_kind`` (an NVIDIA H100's, "TPU v5 lite", ...) -> a ``PEAKS`` key."""
     kind = device_kind.lower()
     if "h200" in kind:
         return "h200"
@@ -73,7 +73,8 @@ def matmul_precision_entry(platform_name: str, compute_dtype: str) -> str:
     """The ``PEAKS`` column that the run's matmuls execute at (see the module docstring)."""
     if compute_dtype in ("bfloat16", "float16"):
         return "bf16"
-    precision = str(jax.config.jax_default_matmul_precision or "default").lower()
+    # read through `values`: jax.config's flag attributes are set at run time, undeclared
+    precision = str(jax.config.values["jax_default_matmul_precision"] or "default").lower()
     if precision in ("highest", "float32"):
         return "fp32"
     return "bf16" if platform_name == "tpu" else "tf32"
@@ -332,8 +333,8 @@ def save_ceiling(record: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     the file and the ceiling now in force.
 
     A ceiling is the best the machine has shown: a measurement taken while other work shared
-    the cores is lower (160.6 against 382.6 GFLOP/s on a busy 2-core machine), and replacing
-    the figure with it would make every later MFU rise (a byte LM reported 76% that way)."""
+    the cores is far lower, and replacing the figure with it would make every later MFU rise
+    past what the machine can do."""
     path = cache_dir() / "ceiling.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:

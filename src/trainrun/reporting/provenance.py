@@ -39,8 +39,9 @@ def lock_digest(path: Path = LOCK_FILE) -> str:
     return "unknown"
 
 
-def provenance(config_digest: str) -> dict[str, Any]:
-    """What a figure was measured on; written to ``provenance.json`` and the summary."""
+def provenance(config_digest: str, fast_paths: list[str] | None = None) -> dict[str, Any]:
+    """What a figure was measured on; written to ``provenance.json`` and the summary.
+    fast_paths: the fast paths that were on (``platform/fast_paths.py``)."""
     devices = jax.devices()
     return {
         "trainrun": package_version("trainrun"),
@@ -56,4 +57,5 @@ def provenance(config_digest: str) -> dict[str, Any]:
         "platform": platform.platform(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "config_digest": config_digest,
+        "fast_paths": fast_paths if fast_paths is not None else [],
     }

@@ -36,7 +36,7 @@ class StepTimer:
         a window's compute is the sum of its calls' own durations, so the host's work between
         calls (batches, hooks, logging) is not in it. The loop waits for each call's metrics
         before it takes the time: XLA:CPU returned from some long calls (a scan of 30 steps
-        of the default MLP) before they were done, 2.5 µs a step early where they took 22.
+        of the default MLP) before they were done, so the return alone undercounts a call.
     otherwise (asynchronous calls): a window occupied the device from ``max(its first
         dispatch, the previous window's end)`` to the end of its read. The loop reads only after
         the next call is queued, so the device never idles for the host.
@@ -45,9 +45,9 @@ class StepTimer:
     thread start-up), and so are windows that ran while a checkpoint was written in the
     background: what they lost to it is measured (``background_slowdown_s``) and reported as
     its own part of the wall time. Inline, each program's first call is kept out of the windows
-    too (``first_calls_s``): on the default MLP it takes 34 ms where the next take 40 µs (the
-    runtime's first execution of a new program), which alone made the first log line's steps/s
-    half the others'.
+    too (``first_calls_s``): it takes far longer than the next (the runtime's first execution
+    of a new program), which alone put the first log line's steps/s far below the others'
+    (BENCHMARKS.md, "The default checkpoint policy on the default MLP").
     """
 
     inline: bool = False

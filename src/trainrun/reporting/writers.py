@@ -7,8 +7,8 @@ and to the console; only process 0 of a multi-process run builds any of them.
 
 The loop reads metrics as tables, a window of consecutive steps at a time (``Table``). A writer
 that also has ``write_table`` takes the whole table at once: the JSONL and TensorBoard writers
-format it from a template made once per set of names (about 2.7 µs a step for both in tables
-of 50 rows; BENCHMARKS.md "Writing metrics"), a large part of what the loop costs a fast step.
+format it from a template made once per set of names, since on a fast step writing is a large
+part of what the loop costs (BENCHMARKS.md, "Writing metrics").
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -74,12 +74,12 @@ class JsonlWriter:
 
     A line written by ``write`` is what ``json.dumps`` writes for ``{"step": ..., "split": ...,
     **metrics}``, put together from cached key strings and ``float.__repr__`` (json's own float
-    format): about 4x cheaper per step, which matters when a step is ~50 µs. The training rows
-    of ``write_table`` hold float32 values, written with 9 significant digits (``%.9g``): the
-    fewest that always read back to the same float32, and 2.6x cheaper than ``repr`` of the
-    value as a double (1.4 against 3.5 µs a row of six metrics), whose 17 digits say no more.
+    format), cheaper than ``json.dumps`` on a fast step. The training rows of ``write_table``
+    hold float32 values, written with 9 significant digits (``%.9g``): the fewest that always
+    read back to the same float32, and cheaper than ``repr`` of the value as a double, whose 17
+    digits say no more.
 
-    Whole lines are buffered (64 KiB) and written with ``os.write``; a write the file system
+    Whole lines are buffered (``BUFFER``) and written with ``os.write``; a write the file system
     refuses part way (a full disk) is cut back to where it began, so the file never ends inside
     a record, and nothing is written behind the caller's back when the writer is dropped.
     """
@@ -115,7 +115,7 @@ class JsonlWriter:
             self.templates[split, names] = template
         values = table.values
         rows = values.tolist()
-        if len(rows) >= 16:  # vectorized; a row at a time (metrics.stream) in Python: 7.7 -> 2 µs
+        if len(rows) >= 16:  # vectorized; a row at a time (metrics.stream) costs less in Python
             plain = (np.isfinite(values).all(axis=1)
                      & ~(np.signbit(values) & (values == 0)).any(axis=1)).tolist()
         else:
@@ -178,9 +178,11 @@ class TensorBoardWriter:
     """TensorBoard event files in ``logdir``, tags ``<split>/<metric>``: one event per step.
 
     Events are written synchronously (``EventFile``), not through tensorboardX's
-    ``SummaryWriter``, whose bounded queue hands every scalar to another thread (~100 µs per
-    step); a table's events are encoded together (``ScalarEventEncoder``) and written in one
-    call. A run resumed at step ``s`` starts its file with TensorBoard's restart marker, so
+    ``SummaryWriter``, whose bounded queue hands every scalar to another thread: that costs the
+    digits CNN over 2% of its step (BENCHMARKS.md, "TensorBoard events"), its ``flush`` leaves
+    queued events unwritten, and a full disk stops its thread and then blocks the caller. A
+    table's events are encoded together (``ScalarEventEncoder``) and written in one call.
+    A run resumed at step ``s`` starts its file with TensorBoard's restart marker, so
     steps after ``s`` that an earlier process wrote are dropped from the charts instead of
     drawn twice.
     """
@@ -298,11 +300,11 @@ class ScalarEventEncoder:
     bytes protobuf writes for ``Event(wall_time, step, summary=Summary(value=[Value(tag,
     simple_value), ...]))`` (tests/test_writers.py compares them), laid out with NumPy for a
     whole table at once: every field but the step and the values is the same in each row,
-    and the step's varint has one length over most tables. Framed too (``EventFile``), a
-    table of 100 rows of six costs 1.0 µs a row against 3.7 through one protobuf message
-    refilled row by row (``messages``, which small tables still take)."""
+    and the step's varint has one length over most tables. Framed too (``EventFile``), it
+    costs less than one protobuf message refilled row by row (``messages``, which small tables
+    still take); BENCHMARKS.md, "TensorBoard events"."""
 
-    MIN_ROWS = 16  # fewer: ``messages`` (crossover at 12-15 rows; ~50 µs a table in NumPy)
+    MIN_ROWS = 16  # fewer rows: ``messages`` costs less than laying out NumPy arrays
 
     def __init__(self) -> None:
         self.bodies: dict[tuple[str, tuple[str, ...]], tuple[bytes, np.ndarray]] = {}
@@ -405,11 +407,12 @@ class WandbWriter:
     (``wandb sync <run dir>/wandb/offline-run-*`` uploads it later). A resumed run logs to the
     same W&B run (its id is kept in ``<run dir>/wandb-id``).
 
-    ``wandb.log`` costs ~1 ms a call, 20x a fast step, so train rows go to W&B at log points
+    ``wandb.log`` costs many fast steps a call, so train rows go to W&B at log points
     only (every ``every`` steps and the last); eval and timing rows all go.
     """
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], name: str, mode: str,
+    def __init__(self, run_dir: Path, config: dict[str, Any], name: str,
+                 mode: Literal["offline", "online"],
                  project: str, every: int = 1, total_steps: int = 0):
         extras.require("wandb", f"metrics.wandb={mode}")
         import wandb
@@ -513,7 +516,7 @@ class RunOutput:
         """Rows written so far reach the files (before a checkpoint: they survive a kill)."""
         with self.lock:
             for writer in [*self.writers, self.timing]:
-                if hasattr(writer, "flush"):
+                if writer is not None and hasattr(writer, "flush"):
                     writer.flush()
 
     def close(self) -> None:
@@ -528,7 +531,8 @@ class RunOutput:
 
 def build_output(run_dir: Path, console: Console, *, log_every: int,
                  total_steps: int, primary: bool, start_step: int = 0, tensorboard: bool = True,
-                 wandb: str = "off", wandb_project: str = "trainrun",
+                 wandb: Literal["off", "offline", "online"] = "off",
+                 wandb_project: str = "trainrun",
                  config: dict[str, Any] | None = None, name: str = "run") -> RunOutput:
     """A run's ``RunOutput`` around its ``console`` (made earlier, for start-up messages).
     ``primary`` is process 0: the others write no files and print no lines (they would repeat

@@ -47,7 +47,7 @@ def refused_write(err: BaseException) -> tuple[str, str | None] | None:
     """``(what happened, the file)`` when ``err``, or an error that led to it, is a write the
     file system refused; else None."""
     seen: set[int] = set()
-    stack = [err]
+    stack: list[BaseException | None] = [err]  # an error's cause and context may be None
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
@@ -134,8 +134,8 @@ def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
         return None
     line = failure_line(*refused, directory.run_dir, directory.ckpt_dir)  # before the removal
     # The write TensorStore abandoned leaves Orbax's serialisation coroutines unawaited; Python
-    # warns of each when it is collected, often at exit, after the one line (seen at 400 KiB
-    # free). Those were the failed write itself, which the line already reports.
+    # warns of each when it is collected, often at exit, after the one line (seen with the disk
+    # all but full). Those were the failed write itself, which the line already reports.
     warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited",
                             category=RuntimeWarning)
     if directory.locks:  # this process holds the folders: what is half written is its own

@@ -1,21 +1,12 @@
 """User callbacks: hooks a user passes to ``trainrun.run(..., callbacks=[...])``.
 
-A callback sees every call boundary, in step order, after the run's own metrics, profile, eval
-and preemption hooks and before its checkpoint hook: the step, the training metrics read at
-that boundary (``boundary.table``), that boundary's evaluation (``boundary.eval``), a copy of
-the params on request (``boundary.params()``), and it may end the run (``boundary.stop``): the
-checkpoint hook then saves that step and the run finishes; ``on_checkpoint`` hears of each save.
-Callbacks run only between calls, so
-K-step calls stay whole; ``every`` asks for boundaries at multiples of a step count (calls are
-cut there), and ``every=1`` makes every call a single step (the run says so).
-
-A callback with ``every`` or with ``every_boundary = False`` asks for no other boundary: it is
-called at the boundaries the run has anyway (its ``every``, metrics reads after log steps,
-evaluations, checkpoints, the end), and the calls between them run back to back, with no host
-work between them (``hooks.py``). The ready ones are such callbacks.
-
-Ready ones: ``EarlyStopping`` on an eval metric and ``MetricLogger`` (every row to a function of
-yours). Keeping the best checkpoint is a config key, ``checkpoint.keep_best``.
+A callback runs between calls, in step order, after the run's own metrics, profile, eval and
+preemption hooks and before its checkpoint hook: it sees the step's metrics and evaluation, may
+ask for a copy of the params, and may end the run (the step is then saved). ``every`` asks for
+boundaries at multiples of a step count. Ready ones: ``EarlyStopping`` on an eval metric and
+``MetricLogger`` (every row to a function of yours); keeping the best checkpoint is a config
+key, ``checkpoint.keep_best``. What a callback sees and when: docs/internals.md, "Hooks and
+call boundaries".
 """
 
 from __future__ import annotations
@@ -26,7 +17,7 @@ from collections.abc import Callable
 
 from trainrun.reporting.table import Table
 from trainrun.reporting.timing import Stopwatch
-from trainrun.training.hooks import Boundary, joined
+from trainrun.training.hooks import Boundary, Hook, joined
 
 __all__ = ["Boundary", "Callback", "CallbackHook", "EarlyStopping", "MetricLogger"]
 
@@ -54,7 +45,7 @@ class Callback:
         """Called once when the run ends, however it ends."""
 
 
-class CallbackHook:
+class CallbackHook(Hook):
     """A ``Callback`` as one of the run's hooks. Its ``boundary.table`` holds the rows read
     since its previous boundary (a hook after it may read more: those come next time), so
     it sees every row once, in order."""

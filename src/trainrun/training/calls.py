@@ -61,11 +61,12 @@ class CallRunner:
             run.output.reset_rate(step)
             dispatched = clock()
         carried, packed = run.programs(k, carried, batch)
+        rows: jax.Array | np.ndarray = packed
         if run.timer.inline:  # the call's end, its metrics read: XLA:CPU may still finish a
-            packed = np.asarray(packed)  # long call on its threads after returning
+            rows = np.asarray(packed)  # long call on its threads after returning
         else:
             self.bound_in_flight(packed)
-        return carried, PendingCall(step, k, packed, dispatched, clock(), saving, first_run)
+        return carried, PendingCall(step, k, rows, dispatched, clock(), saving, first_run)
 
     def bound_in_flight(self, packed: jax.Array) -> None:
         """At most ``MAX_IN_FLIGHT`` calls queued: the host waits for the oldest."""

@@ -9,17 +9,18 @@ from typing import Any
 from trainrun.checkpointing.checkpoints import Checkpoints
 from trainrun.checkpointing.policy import CheckpointPolicy
 from trainrun.reporting.timing import Stopwatch
-from trainrun.training.hooks import Boundary
+from trainrun.training.hooks import Boundary, Hook
+from trainrun.training.metric_log import MetricLog
 
 
-class CheckpointHook:
+class CheckpointHook(Hook):
     """Saves at the boundaries the policy names, at every evaluation under ``keep_best``, at
     the run's end and when it stops. Before a save every step's metrics are read and written
     (a non-finite halt comes first; rows up to the checkpoint survive a kill right after it:
     ``output.flush()``)."""
 
     def __init__(self, checkpoints: Checkpoints, policy: CheckpointPolicy, batches: Any,
-                 output: Any, watch: Stopwatch, keep_best: str | None = None,
+                 output: MetricLog, watch: Stopwatch, keep_best: str | None = None,
                  listeners: list[Callable[[Boundary], None]] | None = None):
         self.listeners = listeners or []  # told of each save once it has started
         self.checkpoints = checkpoints
@@ -38,12 +39,14 @@ class CheckpointHook:
         return self.policy.poll(step)
 
     def at_boundary(self, boundary: Boundary) -> None:
-        scored = self.best_name is not None and boundary.eval is not None
+        best = self.best_name
+        scored = best is not None and boundary.eval is not None
         if not (boundary.last or scored or self.policy.due(boundary.step)):
             return
         boundary.sync()
         self.output.flush()
-        metrics = {f"eval/{self.best_name}": boundary.eval[self.best_name]} if scored else None
+        evals = boundary.eval if scored else None
+        metrics = None if best is None or evals is None else {f"eval/{best}": evals[best]}
         with self.watch.phase("checkpoint"):
             boundary.saved = self.checkpoints.save(
                 boundary.step, boundary.state(), self.batches, wait=boundary.preempted,

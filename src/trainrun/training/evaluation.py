@@ -19,6 +19,9 @@ from trainrun.data import ArrayBatches, eval_batches
 from trainrun.models import Model
 from trainrun.program.precision import Policy
 from trainrun.program.step import make_eval_step
+from trainrun.reporting.timing import Stopwatch
+from trainrun.training.hooks import Hook
+from trainrun.training.metric_log import OrderedOutput
 
 Batch = Any
 
@@ -41,7 +44,8 @@ class Evaluator:
                         else list(range(max_batches or len(dataset))))
         self.put = put
         # (params, batch) shardings leave the model state (if any) replicated
-        placed = {} if shardings is None else {"in_shardings": (*shardings, None)[:3]}
+        placed: dict[str, Any] = {} if shardings is None else {
+            "in_shardings": (*shardings, None)[:3]}
         self.fn = jax.jit(make_eval_step(model, policy), **placed)
 
     def due(self, step: int, total: int) -> bool:
@@ -76,13 +80,13 @@ def eval_line(step: int, total: int, metrics: dict[str, float]) -> str:
     return f"eval step {step:>{width}}/{total}  {shown}"
 
 
-class EvalHook:
+class EvalHook(Hook):
     """Evaluates at every ``eval.every`` steps and at the run's last step (calls end there, so
     the params evaluated are those of that step); writes the results and puts them on the
     boundary for the hooks after it (callbacks, ``checkpoint.keep_best``)."""
 
-    def __init__(self, evaluator: Evaluator, output: Any, watch: Any, total: int,
-                 params: str = "live"):
+    def __init__(self, evaluator: Evaluator, output: OrderedOutput, watch: Stopwatch,
+                 total: int, params: str = "live"):
         self.evaluator = evaluator
         self.output = output
         self.watch = watch

@@ -1,35 +1,17 @@
 """What a run does between its jitted calls: hooks, acting at call boundaries.
 
-The loop runs calls of up to K steps. After each call the host has a *boundary* at the step
-count that call reached, and every hook sees every boundary, in the order the run lists them:
-
-    metrics (log lines, files, the non-finite policy) -> profile -> eval -> preemption
-        -> user callbacks -> checkpoint
-
-A hook says how many steps until it next needs a boundary (``steps_to_next``: an eval or a
-checkpoint step), so call sizes come from the hooks: a call ends at the nearest such step and
-K-step calls are otherwise left whole. A hook that acts on time or on a signal (a checkpoint
-every N seconds, SIGTERM) says so through ``poll``, asked after every call.
-
-When every hook that acts at boundaries says when it needs one (``every_boundary = False``,
-with ``steps_to_next`` and ``poll``), the calls between those boundaries run back to back
-(``Run.calls``) and the hooks act only where one is needed: at a hook's step, at the read after
-a log step, when a poll asks, at the end. A hook without that promise (a callback with no
-``every`` that keeps ``every_boundary``) gets a boundary after every call. On the default MLP
-at K=1 a boundary after every call cost 3-5 µs of a ~45 µs step (BENCHMARKS.md, "Loop
-overhead").
-
-Metrics are read one call late: the boundary after call ``i`` reads calls up to ``i - 1``, at log
-points only, so the device is never left idle for the host. A hook that needs this very step
-(eval, a checkpoint, a stop, a callback's own step) calls ``Boundary.sync()``, which reads
-every step's metrics first: rows are published in step order, and a non-finite step halts the
-run before anything after it is saved.
+After each call of up to K steps the host has a *boundary*, and every hook sees every boundary,
+in the run's order (metrics, profile, eval, preemption, user callbacks, checkpoint). Hooks say
+when they next need one (``steps_to_next``, ``poll``), so call sizes come from the hooks and the
+calls between boundaries run back to back. Metrics are read one call late;
+``Boundary.sync()`` reads up to this very step. Why, and how a boundary is chosen:
+docs/internals.md, "Hooks and call boundaries".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,22 +20,42 @@ from trainrun.program.state import TrainState
 from trainrun.reporting.table import Table
 
 
-class Hook(Protocol):
-    """What a hook may implement; each method is optional and looked up once, so a hook pays
-    only for what it does (a step is ~40 µs on the default MLP; every method call counts).
-    Also: ``on_table(table)`` (every table of training metrics, in step order, as it is read),
-    ``before_call(step, k)`` (before the call that runs steps ``step + 1 .. step + k``),
-    ``poll(step)`` (after each call: whether the hook needs a boundary at ``step`` for a
-    reason ``steps_to_next`` could not foresee; the same answer on every host),
-    ``every_boundary`` (False: ``at_boundary`` needs only the boundaries its ``steps_to_next``
-    and ``poll`` ask for, and the run's last; a hook with ``at_boundary`` or ``before_call``
-    and without it gets every call's) and ``close()`` (once, however the run ends)."""
+class Hook:
+    """What acts at call boundaries. Subclass and override what the hook does; the runner
+    calls only the methods a hook overrides (looked up once), so a hook pays only for what it
+    does on a step short enough that every call counts (BENCHMARKS.md, "Loop overhead")."""
+
+    # False: ``at_boundary`` needs only the boundaries ``steps_to_next`` and ``poll`` ask for,
+    # and the run's last; a hook with ``at_boundary`` or ``before_call`` and True gets every
+    # call's.
+    every_boundary: bool = True
 
     def steps_to_next(self, step: int) -> int | None:
         """Steps from ``step`` until this hook needs a boundary; None: none of its own."""
+        return None
+
+    def poll(self, step: int) -> bool:
+        """After each call: whether the hook needs a boundary at ``step`` for a reason
+        ``steps_to_next`` could not foresee (a signal, a clock); the same answer on every
+        host."""
+        return False
+
+    def before_call(self, step: int, k: int) -> None:
+        """Before the call that runs steps ``step + 1 .. step + k``."""
+
+    def on_table(self, table: Table) -> None:
+        """Every table of training metrics, in step order, as it is read."""
 
     def at_boundary(self, boundary: Boundary) -> None:
         """Act at a boundary (most hooks return at once on most boundaries)."""
+
+    def close(self) -> None:
+        """Once, however the run ends."""
+
+
+def overrides(hook: Hook, name: str) -> bool:
+    """Whether ``hook``'s class implements ``name`` itself rather than inheriting the no-op."""
+    return getattr(type(hook), name) is not getattr(Hook, name)
 
 
 class Boundary:
@@ -126,13 +128,13 @@ class HookRunner:
         self.reader = reader
         self.state_of = state_of  # the TrainState in a carried state (``CompiledSteps.state``)
         self.params_copy = params_copy
-        self.sinks = [h.on_table for h in hooks if hasattr(h, "on_table")]
-        self.before = [h.before_call for h in hooks if hasattr(h, "before_call")]
-        self.schedules = [h.steps_to_next for h in hooks if hasattr(h, "steps_to_next")]
-        self.acting = [h.at_boundary for h in hooks if hasattr(h, "at_boundary")]
-        self.polls = [h.poll for h in hooks if hasattr(h, "poll")]
-        self.every_call = any(getattr(h, "every_boundary", True) for h in hooks
-                              if hasattr(h, "at_boundary") or hasattr(h, "before_call"))
+        self.sinks = [h.on_table for h in hooks if overrides(h, "on_table")]
+        self.before = [h.before_call for h in hooks if overrides(h, "before_call")]
+        self.schedules = [h.steps_to_next for h in hooks if overrides(h, "steps_to_next")]
+        self.acting = [h.at_boundary for h in hooks if overrides(h, "at_boundary")]
+        self.polls = [h.poll for h in hooks if overrides(h, "poll")]
+        self.every_call = any(h.every_boundary for h in hooks
+                              if overrides(h, "at_boundary") or overrides(h, "before_call"))
 
     def call_size(self, step: int) -> int:
         """Steps in the next call: K, cut at the nearest step a hook needs a boundary."""
@@ -190,15 +192,13 @@ class HookRunner:
 
     def close(self) -> None:
         for hook in self.hooks:
-            if hasattr(hook, "close"):
-                hook.close()
+            hook.close()
 
 
-def joined(tables: list[Table | None]) -> Table | None:
+def joined(tables: Sequence[Table | None]) -> Table | None:
     """Consecutive tables as one (None when there are none)."""
-    if not tables:
-        return None
-    tables = [t for t in tables if t is not None]
-    if len(tables) < 2:
-        return tables[0] if tables else None
-    return Table(tables[0].first, tables[0].names, np.concatenate([t.values for t in tables]))
+    present = [t for t in tables if t is not None]
+    if len(present) < 2:
+        return present[0] if present else None
+    return Table(present[0].first, present[0].names,
+                 np.concatenate([t.values for t in present]))

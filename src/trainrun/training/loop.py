@@ -22,10 +22,10 @@ import jax
 from trainrun import rundir
 from trainrun.platform.process import configure_process
 from trainrun.program.compiled import MetricsReader
-from trainrun.reporting.metric_log import MetricLog
 from trainrun.rundir import storage
 from trainrun.training.calls import CallRunner
 from trainrun.training.hooks import Boundary, HookRunner
+from trainrun.training.metric_log import MetricLog
 from trainrun.training.preemption import Preemption
 from trainrun.training.setup import Run, build_hooks, run_directory, setup
 from trainrun.training.summary import RunSummary, summarize

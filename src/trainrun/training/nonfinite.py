@@ -15,18 +15,19 @@ import numpy as np
 
 from trainrun.errors import UserError
 from trainrun.reporting.table import Table
-from trainrun.reporting.writers import RunOutput
+from trainrun.training.hooks import Hook
+from trainrun.training.metric_log import OrderedOutput
 
 
 class NonFiniteError(UserError):
     """A non-finite loss or gradient under ``nonfinite: halt``; names the step."""
 
 
-class NonFinitePolicy:
+class NonFinitePolicy(Hook):
     """policy: ``skip`` or ``halt``. seen: the state's ``nonfinite_steps`` when the run (re)started.
     before_halt: lets a save in flight commit and closes the writers before the error."""
 
-    def __init__(self, policy: str, output: RunOutput, seen: int,
+    def __init__(self, policy: str, output: OrderedOutput, seen: int,
                  before_halt: Callable[[], None]):
         self.policy = policy
         self.output = output

@@ -24,10 +24,14 @@ from typing import Any, TextIO
 import jax
 from jax.experimental import multihost_utils
 
+from trainrun.training.hooks import Hook
+
 ABORT_EXIT_CODE = 130  # what a shell reports for a process ended by SIGINT
+# What signal.signal takes and returns: a handler, SIG_DFL or SIG_IGN, or None (not set from Python)
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
-class Preemption:
+class Preemption(Hook):
     """Signal handling for the duration of a run (a context manager)."""
 
     def __init__(self, err: TextIO = sys.stderr):
@@ -36,7 +40,7 @@ class Preemption:
         # Several processes agree on the step through JAX's service. Decided at the first
         # check, after jax.distributed has started (asking JAX earlier would start it alone).
         self.shared: bool | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _Handler] = {}
         # Called before a second interrupt ends the process (the run records it as failed).
         self.on_abort: Callable[[], None] | None = None
         self.asked: tuple[int, bool] = (-1, False)  # the last step asked about, the answer

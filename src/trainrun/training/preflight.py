@@ -30,13 +30,12 @@ def check_batch(model: Model, data: Any, params: Any, from_config: bool) -> None
         return
     shapes = {name: jax.ShapeDtypeStruct(a.shape, a.dtype) for name, a in batch.items()}
     described = ", ".join(f"{name} {a.dtype}{list(a.shape)}" for name, a in shapes.items())
+    init_model_state = model.init_model_state
     try:
-        if model.init_model_state is None:
-            jax.eval_shape(lambda p, b: model.loss(p, b, jax.random.key(0)), params, shapes)
-        else:
-            jax.eval_shape(lambda p, b: model.loss(
-                p, b, jax.random.key(0), model.init_model_state(jax.random.key(0))),
-                params, shapes)
+        jax.eval_shape(lambda p, b: model.loss(
+            p, b, jax.random.key(0),
+            None if init_model_state is None else init_model_state(jax.random.key(0))),
+            params, shapes)
     except KeyError as err:
         raise DataError(f"the model ({model.name}) reads batch key {err.args[0]!r}, which the "
                         f"data does not have (its arrays: {described}); name the arrays as the "

@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+from trainrun.training.hooks import Hook
+
 PROFILE_DIR = "profile"
 
 
@@ -25,7 +27,7 @@ def how_to_open(trace_dir: Path) -> str:
             "https://ui.perfetto.dev")
 
 
-class ProfileWindow:
+class ProfileWindow(Hook):
     """Starts and stops the trace around the calls that run steps ``first..last`` (a hook:
     ``before_call`` starts it, the boundary after step ``last`` stops it).
 
@@ -56,7 +58,7 @@ class ProfileWindow:
             return
         with self.watch.phase("profile"):
             boundary.sync()  # the traced steps have run
-            message = self.after_call(boundary.step, None)
+            message = self._stop()
         self.say(message)
 
     def before_call(self, done: int, k: int) -> None:
@@ -74,6 +76,9 @@ class ProfileWindow:
             return None
         if state is not None:
             jax.block_until_ready(state)  # the traced steps must have run before the trace ends
+        return self._stop()
+
+    def _stop(self) -> str:
         jax.profiler.stop_trace()
         self.active, self.done = False, True
         return f"profile of steps {self.first}-{self.last} written to {self.dir}; " + \

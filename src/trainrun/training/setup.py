@@ -33,7 +33,8 @@ from trainrun.data import (
     build_eval_dataset,
 )
 from trainrun.models import Model, build_model
-from trainrun.platform import distributed
+from trainrun.platform import distributed, fast_paths
+from trainrun.platform.fast_paths import FastPaths
 from trainrun.platform.process import calls_run_inline
 from trainrun.program import sharding
 from trainrun.program.compiled import CompiledSteps
@@ -42,7 +43,6 @@ from trainrun.program.precision import Policy, policy_from_config
 from trainrun.program.resident import ResidentBatches, resident_batches
 from trainrun.program.state import TrainState, abstract_state, init_state
 from trainrun.reporting.console import Console, make_console
-from trainrun.reporting.metric_log import MetricLog
 from trainrun.reporting.provenance import provenance
 from trainrun.reporting.stream import MetricStream
 from trainrun.reporting.timing import StepTimer, Stopwatch
@@ -52,6 +52,7 @@ from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.checkpoint_hook import CheckpointHook
 from trainrun.training.evaluation import EvalHook, Evaluator
 from trainrun.training.hooks import Hook
+from trainrun.training.metric_log import MetricLog
 from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
 from trainrun.training.profiling import ProfileWindow
@@ -84,6 +85,7 @@ class Run:
     watch: Stopwatch
     timer: StepTimer
     stream: MetricStream | None
+    fast: FastPaths  # the fast paths on (platform/fast_paths.py)
 
     def params_copy(self, state: TrainState) -> Any:
         """Params that the next call cannot donate away (packed states unpack to new ones)."""
@@ -100,9 +102,10 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
           allow_config_change: bool, out: TextIO, cleanup: contextlib.ExitStack,
           ) -> Run | RunSummary:
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
+    fast = fast_paths.selected()  # a name it does not know is refused before anything
     distributed.initialize(config.distributed)  # before anything asks JAX for devices
     primary = jax.process_index() == 0
-    prov = provenance(config.digest())
+    prov = provenance(config.digest(), fast.on())
     if primary:  # a folder that is not trainrun's, or is in use, is refused; nothing written
         directory.check()
     batch_size = getattr(data, "batch_size", None) or config.data.batch_size
@@ -110,7 +113,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     console = make_console(config.steps, batch_size * (seq_len or 1),
                            out if primary else open(os.devnull, "w"),  # noqa: SIM115
                            "tokens" if seq_len else "examples")
-    latest = (rundir.committed_steps(directory.ckpt_dir) or [None])[-1]
+    committed = rundir.committed_steps(directory.ckpt_dir)
+    latest = committed[-1] if committed else None
     if latest is not None and latest >= config.steps and not directory.fresh:
         console.message(rundir.finished_message(run_dir, latest, config.steps))
         return RunSummary.from_dict(rundir.read_summary(run_dir))
@@ -132,7 +136,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     preflight.check_batch(model, data, abstract.params, from_config=counted is not None)
     if config.init.from_ is not None:  # a source that is not there is refused before claiming
         init_from.source_kind(Path(config.init.from_).expanduser())
-    batches = (batch_iterator(data, getattr(config.data, "prefetch_threads", 0))
+    batches = (batch_iterator(data, config.data.prefetch_threads)
                if isinstance(data, grain.MapDataset) else iter(data))
     evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params,
                            state_sharding.model_state)
@@ -156,12 +160,12 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     if primary:
         rundir.write_status(run_dir, "running", start)
     stream = MetricStream(output) if config.metrics.stream else None
-    resident = resident_batches(batches, mesh.size == 1, getattr(batches, "next_index", 0),
-                                start)
+    resident = (resident_batches(batches, mesh.size == 1, getattr(batches, "next_index", 0),
+                                 start) if fast.resident_batches else None)
     programs = CompiledSteps(model, optimizer, config.steps_per_call, watch, abstract=abstract,
                              accumulate=config.accumulate, policy=policy,
                              state_sharding=state_sharding, batch_sharding=placement.sharding,
-                             stream=stream, resident=resident)
+                             stream=stream, resident=resident, fast=fast)
     console.message(f"training {model.name} for {config.steps} steps, "
                     f"{config.steps_per_call} per call -> {run_dir}")
     return Run(config=config, run_dir=run_dir, primary=primary, provenance=prov,
@@ -170,21 +174,24 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
                evaluator=evaluator, checkpoints=checkpoints, programs=programs,
                start_state=programs.carry(state), start_step=start,
                start_nonfinite=int(state.nonfinite_steps), batch_size=batch_size,
-               watch=watch, timer=StepTimer(inline=calls_run_inline()), stream=stream)
+               watch=watch, timer=StepTimer(inline=calls_run_inline()), stream=stream,
+               fast=fast)
 
 
 def build_hooks(run: Run, preemption: Preemption,
                 callbacks: list[Callback]) -> tuple[list[Hook], MetricLog]:
     """The run's hooks, in the order they act at every boundary (``hooks.py``), and the metric
     log among them (the loop finishes it last)."""
-    config, output, watch = run.config, run.output, run.watch
+    config, watch = run.config, run.watch
 
     def before_halt() -> None:  # the last good checkpoint commits; the files are closed
         log.finish()
         run.checkpoints.wait()
         run.checkpoints.close()
 
-    log = MetricLog(output, run.timer, watch, run.batch_size, streamed=run.stream is not None)
+    log = MetricLog(run.output, run.timer, watch, run.batch_size,
+                    streamed=run.stream is not None,
+                    writer_thread=run.fast.writer_thread)
     output = log.ordered  # every later write is timed as logging
     hooks: list[Hook] = [
         log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite, before_halt)]
@@ -250,8 +257,11 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Pa
     changes: list[str] = []
     restored = checkpoints.restore(target, batches, lambda meta: changes.extend(
         check_config(meta["config"], config, allow_config_change, run_dir)))
-    start = fresh() if restored is None else None
-    step = restored.step if restored is not None else int(start.step)
+    if restored is None:
+        state = fresh()
+        step = int(state.step)
+    else:
+        state, step = restored.state, restored.step
     if primary:
         rundir.start(run_dir, config, prov, step)
     for name in checkpoints.partial:
@@ -260,7 +270,7 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Pa
         if config.init.from_ is not None:
             console.message(f"starting from {config.init.load} of {config.init.from_} "
                             f"(init.from) at step {step}")
-        return start
+        return state
     for bad, why, where in restored.moved:
         console.message(f"warning: checkpoint step {bad} cannot be read ({why}); "
                         f"moved it to {where}")
@@ -280,4 +290,4 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Pa
         console.message(f"warning: the checkpoint was written with other {', '.join(drift)}; "
                         "bitwise equality with an uninterrupted run is not promised across that")
     console.message(f"resumed from step {step} ({checkpoints.directory / str(step)})")
-    return restored.state
+    return state

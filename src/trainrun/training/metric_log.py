@@ -1,17 +1,13 @@
 """The metrics hook: every table of training metrics the run reads goes to the writers
 (``metrics.jsonl``, TensorBoard, W&B) and its log steps to the console; every timing window to
 ``timing.jsonl``. The console's steps/s at a log line is the step compute of the window that
-line closes (``timing.StepTimer``): what checkpoints, eval and logging cost is in the summary's
-wall-time split, not in the rate.
+line closes (``timing.StepTimer``).
 
-Rows are written by one writer thread, in the order they were handed to it, while the loop's
-thread goes on with the next calls: XLA:CPU runs a small step program in the calling thread
-(``packing.py``), so on a 2-core CPU the other core is free for the writing (the default MLP's
-whole loop at K=100: 22.2 against 26.1 µs a step with the rows written inline, best of 7,
-Intel Xeon; BENCHMARKS.md, "Loop overhead"). The loop waits for the writer before a
-checkpoint (``flush``: rows up to it survive a kill), at the end (``finish``), and when the
-loop ends however it ends (``close``); a failed write is raised in the loop's thread at the
-next hand-over or wait.
+With the ``writer_thread`` fast path (``platform/fast_paths.py``) rows are written by one
+thread, in order, while the loop goes on with the next calls; the loop waits for it before a
+checkpoint (``flush``: rows up to it survive a kill), at the end (``finish``) and however the
+loop ends (``close``). A failed write is raised in the loop's thread at the next hand-over or
+wait. Without it every write happens in the loop's thread.
 """
 
 from __future__ import annotations
@@ -20,14 +16,14 @@ import collections
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from trainrun.reporting.table import Table
 from trainrun.reporting.timing import StepTimer, Stopwatch, Window
 from trainrun.reporting.writers import RunOutput
+from trainrun.training.hooks import Hook
 
 
-class MetricLog:
+class MetricLog(Hook):
     """A hook on tables only: log steps need no boundary of their own (rows are read one call
     late, at the boundary after a log step).
 
@@ -35,7 +31,7 @@ class MetricLog:
     timing windows are written here."""
 
     def __init__(self, output: RunOutput, timer: StepTimer, watch: Stopwatch, batch_size: int,
-                 streamed: bool = False):
+                 streamed: bool = False, writer_thread: bool = True):
         self.output = output
         self.timer = timer
         self.watch = watch
@@ -43,7 +39,8 @@ class MetricLog:
         self.streamed = streamed
         self.last: dict[str, float] = {}  # the newest row read (the run's final metrics)
         self.ordered = OrderedOutput(self)  # eval rows and messages, timed as logging
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="trainrun-metrics")
+        self.writer = (ThreadPoolExecutor(1, thread_name_prefix="trainrun-metrics")
+                       if writer_thread else None)
         self.pending: collections.deque[Future[None]] = collections.deque()
 
     def on_table(self, table: Table) -> None:
@@ -65,13 +62,18 @@ class MetricLog:
                                      self.batch_size)
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Hand ``job`` (a write) to the writer thread, after every job handed before it;
-        raises the failure of one that has finished. The loop's time here is logging."""
+        """Run ``job`` (a write) after every job handed before it: on the writer thread, raising
+        the failure of one that has finished, or here. The loop's time here is logging."""
         start = time.perf_counter()
-        while self.pending and self.pending[0].done():
-            self.pending.popleft().result()
-        self.pending.append(self.writer.submit(job))
-        self.watch.add("log", time.perf_counter() - start)
+        try:
+            if self.writer is None:
+                job()
+                return
+            while self.pending and self.pending[0].done():
+                self.pending.popleft().result()
+            self.pending.append(self.writer.submit(job))
+        finally:
+            self.watch.add("log", time.perf_counter() - start)
 
     def wait(self) -> None:
         """Every job handed over done; raises the first that failed. Waiting is logging."""
@@ -93,7 +95,8 @@ class MetricLog:
         writer thread stops. Raises nothing (an error ending the loop is the one reported);
         ``finish`` raises a failed write. Waiting for those jobs is logging."""
         start = time.perf_counter()
-        self.writer.shutdown(wait=True)
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)
         self.watch.add("log", time.perf_counter() - start)
 
     def finish(self) -> None:
@@ -116,6 +119,3 @@ class OrderedOutput:
 
     def message(self, text: str) -> None:
         self.log.submit(lambda: self.log.output.message(text))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.log.output, name)

@@ -1,0 +1,67 @@
+"""The fast-path switch: every speed-up that serves one backend or one model size, named in one
+place, each turned off by ``TRAINRUN_FAST_PATHS``. Turning one off changes only speed (tests
+run parity, K-invariance and resume both ways); the plain path is what remains with all off.
+
+    state_packing       a small one-device state crosses the jit boundary as a few flat
+                        buffers (``program/packing.py``)
+    resident_batches    a small in-order dataset placed on the device once, each step cutting
+                        its batch there (``program/resident.py``)
+    inline_cpu_calls    one-device XLA:CPU calls run in the calling thread
+                        (``platform/process.py``, made by ``configure_process``)
+    writer_thread       metric rows written by one thread beside the loop
+                        (``training/metric_log.py``)
+    cpu_guard_branches  on CPU inside a scan, the non-finite guard as branches over a few
+                        leaves instead of a select of every leaf (``program/guard.py``)
+
+``TRAINRUN_FAST_PATHS``: ``all`` (the default), ``none``, or the names to keep on, comma
+separated. Why each pays, and on what: docs/internals.md, "Fast paths".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from trainrun.errors import UserError
+
+ENVIRONMENT_VARIABLE = "TRAINRUN_FAST_PATHS"
+
+
+@dataclasses.dataclass(frozen=True)
+class FastPaths:
+    """Which fast paths are on (module docstring)."""
+
+    state_packing: bool = True
+    resident_batches: bool = True
+    inline_cpu_calls: bool = True
+    writer_thread: bool = True
+    cpu_guard_branches: bool = True
+
+    def on(self) -> list[str]:
+        """The names of the fast paths that are on."""
+        return [name for name in names() if getattr(self, name)]
+
+    @classmethod
+    def none(cls) -> FastPaths:
+        """The plain path: every fast path off."""
+        return cls(**{name: False for name in names()})
+
+
+def names() -> list[str]:
+    return [field.name for field in dataclasses.fields(FastPaths)]
+
+
+def selected(environ: Mapping[str, str] = os.environ) -> FastPaths:
+    """The fast paths ``TRAINRUN_FAST_PATHS`` leaves on; a name it does not know is refused."""
+    value = environ.get(ENVIRONMENT_VARIABLE, "all").strip().lower()
+    if value in ("", "all"):
+        return FastPaths()
+    if value == "none":
+        return FastPaths.none()
+    chosen = {part.strip() for part in value.split(",") if part.strip()}
+    unknown = sorted(chosen - set(names()))
+    if unknown:
+        raise UserError(f"{ENVIRONMENT_VARIABLE}={value!r} names {', '.join(unknown)}, which "
+                        f"is no fast path; give all, none, or some of {', '.join(names())}")
+    return FastPaths(**{name: name in chosen for name in names()})

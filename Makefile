@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint typecheck bench docs lock clean
+.PHONY: train test test-fast lint typecheck bench docs lock clean
 
 # The exact tested set with every extra (requirements.lock, hashes checked), torch for the
 # benchmarks (requirements-bench.lock), then trainrun from this checkout, resolving nothing anew.
@@ -27,6 +27,12 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The inner loop (under 2 minutes on 2 cores): every test but those marked slow (over about
+# 3 s each there); CI runs them all.
+test-fast: $(STAMP)
+	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/python -m pytest -q $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks

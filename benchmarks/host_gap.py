@@ -4,7 +4,7 @@ cut on the device) called back to back, and with ``--gaps`` microseconds of Pyth
 each call (a busy loop touching no memory, so no cache is disturbed by it). Two contenders:
 
 - trainrun's program as built: it runs in the calling thread (``packing.py``,
-  ``data/resident.py``);
+  ``program/resident.py``);
 - the same program as it was built before: the state's slices independent at its start and
   the call's K batches gathered there in one kernel, so XLA:CPU's thunk executor hands kernels
   to its pool (more than 8 ready at once, or one large enough to split) and the call ends on a

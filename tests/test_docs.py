@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from conftest import REPO, cli_env
 
 import trainrun
@@ -34,6 +35,7 @@ def quickstart_commands() -> list[str]:
     return [line for line in joined.splitlines() if line.strip() and not line.startswith("#")]
 
 
+@pytest.mark.slow
 def test_every_quickstart_command_runs_as_written(tmp_path):
     commands = quickstart_commands()
     assert any(c.startswith("trainrun train") for c in commands), commands

@@ -23,6 +23,7 @@ def load_example(name: str):
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain_functions", "nnx_module"])
 def test_example_trains_and_its_loss_falls(tmp_path, monkeypatch, name):
     monkeypatch.setattr("sys.stdout", io.StringIO())
@@ -33,6 +34,7 @@ def test_example_trains_and_its_loss_falls(tmp_path, monkeypatch, name):
     assert np.float32(summary.final_loss) == np.float32(losses[-1])  # the same float32
 
 
+@pytest.mark.slow
 def test_callbacks_example_logs_every_row_and_keeps_the_best_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdout", io.StringIO())
     run_dir = tmp_path / "callbacks"

@@ -69,6 +69,7 @@ def test_tensorboard_defaults_to_installed_and_asked_for_without_it_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_safetensors_init_and_export_without_safetensors(tmp_path, monkeypatch, capsys):
     weights = tmp_path / "gpt2.safetensors"
     weights.write_bytes(b"\0" * 8)
@@ -90,6 +91,7 @@ def _without(modules: list[str], code: str, *args: str, cwd: Path) -> subprocess
                           text=True, cwd=cwd, timeout=300)
 
 
+@pytest.mark.slow
 def test_every_module_imports_without_any_extra(tmp_path):
     done = _without(sorted(set(extras.MODULES.values())), """
 import pkgutil, importlib, trainrun
@@ -107,6 +109,7 @@ LM_VS_TORCH = "import runpy, sys\nsys.argv[0] = {path!r}\nrunpy.run_path({path!r
               "run_name='__main__')\n".format(path=str(REPO / "benchmarks" / "lm_vs_torch.py"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hidden", [["pytest"], ["pytest", "torch"]])
 def test_lm_vs_torch_runs_without_the_tests_or_pytest(tmp_path, hidden):
     """Its --help with the package and the bench extra alone (nothing from tests/, no pytest,

@@ -8,6 +8,7 @@ import io
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from trainrun import rundir
 from trainrun.checkpointing.reader import latest_params
@@ -42,6 +43,7 @@ def recomputed(params, prompt: np.ndarray, tokens: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_cached_decoding_equals_recomputing_the_context_in_one_program():
     params = build_model(CFG).init(jax.random.key(0))
     prompt = np.frombuffer(b"import os\n", np.uint8)
@@ -54,6 +56,7 @@ def test_cached_decoding_equals_recomputing_the_context_in_one_program():
     assert _decoder(CFG, 10, 10, 30, "float32")._cache_size() == 1  # any token, seed, temperature
 
 
+@pytest.mark.slow
 def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys):
     corpus = tmp_path / "corpus.py"
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
@@ -82,6 +85,7 @@ def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys)
     assert "not a run directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_any_token_count_from_one_and_any_prompt_length_decodes_and_zero_is_refused():
     params = build_model(CFG).init(jax.random.key(0))
     for prompt, tokens in ((b"def ", 1), (b"def ", 3), (b"x" * 15, 1), (b"x" * 40, 2)):

@@ -29,8 +29,8 @@ from trainrun.errors import UserError
 from trainrun.program.optim import build_schedule
 
 # Config keys that do not alter a run's trajectory: ``steps`` extends it, K steps per call does
-# not change a bit (tests/test_parity.py), eval reads the params without changing them, the rest
-# are bookkeeping. Any other change is refused unless the user asks for it.
+# not change a bit (tests/training/test_parity.py), eval reads the params without changing them,
+# the rest are bookkeeping. Any other change is refused unless the user asks for it.
 RESUMABLE_KEYS = ("name", "steps", "steps_per_call", "log_every", "checkpoint", "eval",
                   "data.prefetch_threads", "distributed", "metrics", "profile")
 # Provenance fields that, when they differ, void the promise of bitwise equality ("lock": the

@@ -32,7 +32,8 @@ from trainrun.platform import fast_paths
 DEFAULT_FLAGS = {"--xla_cpu_experimental_ynn_fusion_type": ""}
 KNOWN_JAXLIB = ("0.10.",)
 # Where a GPU plugin is installed (docs/internals.md, "Process settings in detail"). Every name
-# is in jaxlib 0.10.2's and 0.11.2's XLA (tests/test_process.py starts a backend with them).
+# is in jaxlib 0.10.2's and 0.11.2's XLA (tests/platform/test_process.py starts a backend with
+# them).
 GPU_DETERMINISM_FLAGS = {
     "--xla_gpu_deterministic_ops": "true",
     "--xla_gpu_enable_triton_gemm": "false",

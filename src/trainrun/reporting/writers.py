@@ -42,7 +42,16 @@ class WriterError(UserError):
 
 
 class Writer(Protocol):
-    def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None: ...
+    """One destination of metrics (a file, a service)."""
+
+    def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
+        """One step's metrics (an eval row, a timing window, a streamed row)."""
+
+    def write_table(self, table: Table, split: str = "train") -> None:
+        """Consecutive training steps' metrics at once."""
+
+    def flush(self) -> None:
+        """What was written so far reaches the destination."""
 
     def close(self) -> None: ...
 
@@ -224,9 +233,9 @@ class TensorBoardWriter:
 class EventFile:
     """An event file as TensorBoard reads it: TFRecords (the length, its masked CRC-32C, the
     serialized ``Event``, its masked CRC-32C), appended; byte for byte what tensorboardX's
-    ``RecordWriter`` writes (tests/test_writers.py). Records of one length are framed together
-    with NumPy, one checksum call each, and written in one call. Refused writes name the file
-    (the run's one-line report needs it)."""
+    ``RecordWriter`` writes (tests/reporting/test_writers.py). Records of one length are framed
+    together with NumPy, one checksum call each, and written in one call. Refused writes name
+    the file (the run's one-line report needs it)."""
 
     def __init__(self, path: Path, crc32c: Callable[[Any], int]):
         self.path = path
@@ -298,8 +307,8 @@ def _varint(value: int) -> bytes:
 class ScalarEventEncoder:
     """Steps' scalars as serialized TensorBoard ``Event``s, tags ``<split>/<metric>``: the
     bytes protobuf writes for ``Event(wall_time, step, summary=Summary(value=[Value(tag,
-    simple_value), ...]))`` (tests/test_writers.py compares them), laid out with NumPy for a
-    whole table at once: every field but the step and the values is the same in each row,
+    simple_value), ...]))`` (tests/reporting/test_writers.py compares them), laid out with NumPy
+    for a whole table at once: every field but the step and the values is the same in each row,
     and the step's varint has one length over most tables. Framed too (``EventFile``), it
     costs less than one protobuf message refilled row by row (``messages``, which small tables
     still take); BENCHMARKS.md, "TensorBoard events"."""
@@ -430,6 +439,13 @@ class WandbWriter:
             return
         self.run.log({f"{split}/{name}": value for name, value in metrics.items()}, step=step)
 
+    def write_table(self, table: Table, split: str = "train") -> None:
+        for step, metrics in table.rows():
+            self.write(step, metrics, split)
+
+    def flush(self) -> None:
+        """W&B sends and saves rows on its own schedule."""
+
     def close(self) -> None:
         self.run.finish()
 
@@ -464,11 +480,7 @@ class RunOutput:
         the wall clock since the previous line). note: added to its log lines."""
         with self.lock:
             for writer in self.writers:
-                if hasattr(writer, "write_table"):
-                    writer.write_table(table)
-                else:
-                    for step, metrics in table.rows():
-                        writer.write(step, metrics)
+                writer.write_table(table)
             first_log = -(-table.first // self.log_every) * self.log_every
             log_steps = list(range(first_log, table.last + 1, self.log_every))
             if table.first <= self.total <= table.last and self.total not in log_steps:
@@ -516,7 +528,7 @@ class RunOutput:
         """Rows written so far reach the files (before a checkpoint: they survive a kill)."""
         with self.lock:
             for writer in [*self.writers, self.timing]:
-                if writer is not None and hasattr(writer, "flush"):
+                if writer is not None:
                     writer.flush()
 
     def close(self) -> None:

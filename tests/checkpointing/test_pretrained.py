@@ -1,0 +1,128 @@
+"""init.from: a fresh run starts from a Hugging Face GPT-2 directory, another run's params or
+its whole state; a source that does not fit is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import gpt2_logits, save_tiny_gpt2
+
+from trainrun.checkpointing.init_from import initial_state
+from trainrun.cli import main
+from trainrun.config import load_config
+from trainrun.data import build_dataset
+from trainrun.models import build_model
+from trainrun.models.huggingface import WeightsError
+from trainrun.models.transformer import bind_transformer
+from trainrun.program.optim import build_optimizer
+from trainrun.program.precision import policy_from_config
+from trainrun.program.state import init_state
+from trainrun.training.loop import run
+
+pytest.importorskip("transformers", reason="the tests' extra holds transformers")
+
+TOKENS = np.random.default_rng(1).integers(0, 256, (2, 24))
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    return save_tiny_gpt2(tmp_path_factory.mktemp("gpt2"), vocab=256)
+
+
+def hf_logits(path) -> np.ndarray:
+    return gpt2_logits(path, TOKENS)
+
+
+def finetune(tmp_path, source, *extra: str):
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    return load_config("lm", [
+        "steps=6", "steps_per_call=3", "checkpoint.every=0", "eval.every=0",
+        "optimizer.schedule.warmup_steps=2", "optimizer.lr=0.001", "model.d_model=32",
+        "model.layers=2", "model.heads=2", "model.seq_len=32", "model.positions=learned",
+        "model.bias=true", f"init.from={source}", f"data.paths=[{corpus}]", "data.seq_len=32",
+        "data.batch_size=4", *extra])
+
+
+@pytest.fixture(scope="module")
+def finetuned(gpt2_dir, tmp_path_factory):
+    """A 6-step fine-tune from the GPT-2 directory: (config, its run directory)."""
+    tmp_path = tmp_path_factory.mktemp("finetune")
+    config = finetune(tmp_path, gpt2_dir)
+    run(config, tmp_path / "run", out=io.StringIO())
+    return config, tmp_path / "run"
+
+
+def start_of(config):
+    model, optimizer = build_model(config.model), build_optimizer(config.optimizer, 6)
+    policy = policy_from_config(config.precision)
+    fresh = init_state(model, optimizer, config.seed, policy)
+    return model, optimizer, policy, fresh
+
+
+@pytest.mark.slow
+def test_init_from_a_gpt2_directory_has_its_logits_and_trains_from_them(gpt2_dir, finetuned,
+                                                                       tmp_path):
+    config, run_dir = finetuned
+    model, optimizer, policy, fresh = start_of(config)
+    start = initial_state(config, fresh, optimizer, policy, None)
+    logits = np.asarray(bind_transformer(config.model)(start.params)(jnp.asarray(TOKENS))[0])
+    np.testing.assert_allclose(logits, hf_logits(gpt2_dir), rtol=0, atol=1e-4)
+
+    # The checkpoint file alone (GPT-2's tensor names, no config.json) loads the same.
+    from_file = finetune(tmp_path, gpt2_dir / "model.safetensors")
+    same = initial_state(from_file, fresh, optimizer, policy, None)
+    for a, b in zip(jax.tree.leaves(same.params), jax.tree.leaves(start.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # Through the run: its first logged loss is the loaded model's loss on the first batch.
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    batch = build_dataset(config.data, seed=config.seed)[0]
+    want = float(model.loss(start.params, batch, jax.random.key(0))[0])
+    assert first["step"] == 1 and abs(first["loss"] - want) < 1e-5
+
+    # and its export loads back in transformers with the trained model's logits
+    assert main(["export", str(run_dir), "--to", str(tmp_path / "out")]) == 0
+    from trainrun.checkpointing.reader import latest_params
+
+    _, trained = latest_params(run_dir, config)
+    ours = np.asarray(bind_transformer(config.model)(trained)(jnp.asarray(TOKENS))[0])
+    assert not np.allclose(ours, logits, atol=1e-4)  # it trained
+    np.testing.assert_allclose(hf_logits(tmp_path / "out"), ours, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_init_from_another_run_takes_its_params_or_its_whole_state(finetuned, tmp_path):
+    config, base_dir = finetuned
+    from trainrun.checkpointing.reader import latest_state
+
+    _, base = latest_state(base_dir, config)
+    _, optimizer, policy, fresh = start_of(config)
+    params = initial_state(finetune(tmp_path, base_dir), fresh, optimizer, policy, None)
+    assert int(params.step) == 0
+    for a, b in zip(jax.tree.leaves(params.params), jax.tree.leaves(base.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    whole = initial_state(finetune(tmp_path, base_dir, "init.load=state"), fresh,
+                          optimizer, policy, None)
+    assert int(whole.step) == 6
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(base), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_source_that_does_not_fit_is_one_line_and_writes_nothing(gpt2_dir, tmp_path, cli):
+    wider = finetune(tmp_path, gpt2_dir, "model.d_model=64")
+    _, optimizer, policy, fresh = start_of(wider)
+    with pytest.raises(WeightsError, match=r"transformer\.wte\.weight has shape \(256, 32\)"):
+        initial_state(wider, fresh, optimizer, policy, None)
+    result = cli("train", "--config", "mlp", "--run-dir", str(tmp_path / "r"),
+                 f"init.from={tmp_path / 'nothing'}")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "init.from" in lines[0], result.stderr
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,88 @@
+"""Config loading, overrides and the one-line errors for bad keys and types."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainrun.config import ConfigError, builtin_config_names, load_config
+
+
+@pytest.mark.slow
+def test_builtin_config_resolves_by_name_from_any_directory(tmp_path, cli):
+    result = cli("train", "--config", "mlp", "--run-dir", str(tmp_path / "r"), "steps=3",
+                 cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "mlp" in builtin_config_names()
+
+
+def test_overrides_are_typed_and_nested():
+    config = load_config("mlp", ["optimizer.lr=0.003", "steps=7", "model.hidden=[16, 16]"])
+    assert config.optimizer.lr == 0.003
+    assert config.steps == 7
+    assert config.model.hidden == [16, 16]
+
+
+def test_unknown_key_names_the_key_and_closest_valid_names():
+    with pytest.raises(ConfigError) as err:
+        load_config("mlp", ["optimizer.lrr=0.1"])
+    message = str(err.value)
+    assert "'optimizer.lrr'" in message
+    assert "did you mean 'lr'" in message
+
+
+def test_unknown_top_level_key_lists_close_matches():
+    with pytest.raises(ConfigError, match=r"did you mean 'steps'\?"):
+        load_config("mlp", ["stepz=5"])
+
+
+def test_wrong_type_names_field_expected_type_and_value():
+    with pytest.raises(ConfigError) as err:
+        load_config("mlp", ["steps=many"])
+    message = str(err.value)
+    assert "'steps'" in message and "int" in message and "'many'" in message
+
+
+def test_unknown_kind_lists_the_known_kinds():
+    with pytest.raises(ConfigError, match=r"model\.kind: unknown kind 'mlpp'"):
+        load_config("mlp", ["model.kind=mlpp"])
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_unknown_config_name_suggests_the_closest():
+    with pytest.raises(ConfigError, match="did you mean 'mlp'"):
+        load_config("mpl")
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("optimizer.lrr=0.1", "unknown config key 'optimizer.lrr'; did you mean 'lr'?"),
+    ("steps=many", "config key 'steps' expects int, got 'many'"),
+    ("optimizer.eps=0", "config key 'optimizer.eps' expects float, got 0 (int): Input should "
+                        "be greater than 0"),
+    ("model.hidden=[0]", "config key 'model.hidden.0' expects list[int], got 0 (int): Input "
+                         "should be greater than 0"),
+    ("seed=99999999999999999999", "config key 'seed' expects int, got 99999999999999999999 "
+                                  "(int): Input should be less than or equal to 4294967295"),
+    ("seed=-1", "Input should be greater than or equal to 0"),
+    ("optimizer.lr=.inf", "config key 'optimizer.lr' expects float, got inf (float): Input "
+                          "should be a finite number"),
+    ("optimizer.lr=.nan", "Input should be a finite number"),
+    ("model.hidden=[1", "override 'model.hidden=[1': '[1' is not a valid YAML value"),
+    ("name=../x", "config key 'name': a run name is a plain file name"),
+    ("name=/abs/path", "a run name is a plain file name"),
+    ("name=", "a run name is a plain file name"),
+    ("name=..", "a run name is a plain file name"),
+])
+@pytest.mark.slow
+def test_cli_config_errors_exit_2_with_one_line_and_no_traceback(tmp_path, cli, override,
+                                                                  expected):
+    result = cli("train", "--run-dir", str(tmp_path / "r"), override)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "r").exists()  # nothing written for a config that never ran

@@ -1,0 +1,103 @@
+"""The transformer's fast CPU formulation computes the plain one's maths: the same loss (to 1e-5)
+and gradients on fixed inputs as a direct transcription of the model. The default XLA flags
+leave a flag the user chose alone and are in force in a process that imported trainrun; the
+allocator setting leaves a user's malloc settings alone."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainrun.config import TransformerModel
+from trainrun.models import build_model
+from trainrun.models.reference import plain_loss
+from trainrun.models.transformer import causal_attention
+from trainrun.platform.process import apply_default_flags, reuse_freed_memory, run_cpu_calls_inline
+
+# seq 160 is two full attention blocks and a partial third (blocks of 64 query rows)
+SMALL = TransformerModel(d_model=32, layers=1, heads=2, seq_len=160, init_std=0.1)
+BENCH = TransformerModel(d_model=256, layers=4, heads=4, seq_len=256)  # the benchmark's shape
+
+
+def fixed_batch(cfg: TransformerModel, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab, (batch, cfg.seq_len + 1))
+    return {"tokens": tokens.astype(np.uint8)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_fast_transformer_has_the_plain_loss_and_gradients(positions):
+    cfg = SMALL.model_copy(update={"positions": positions})
+    model = build_model(cfg)
+    params = model.init(jax.random.key(0))
+    batch = fixed_batch(cfg, 3)
+    key = jax.random.key(1)  # dropout is 0: the key changes nothing
+    fast_loss, fast_grads = jax.jit(jax.value_and_grad(
+        lambda p: model.loss(p, batch, key)[0]))(params)
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: plain_loss(cfg, p, batch)))(params)
+    assert abs(float(fast_loss) - float(loss)) < 1e-5
+    assert float(loss) > 1.0  # a real loss, not a degenerate one
+    for (path, fast), plain in zip(jax.tree_util.tree_leaves_with_path(fast_grads),
+                                   jax.tree.leaves(grads), strict=True):
+        scale = float(jnp.max(jnp.abs(plain)))
+        assert scale > 0, path
+        np.testing.assert_allclose(fast, plain, rtol=0, atol=1e-4 * scale, err_msg=str(path))
+
+
+@pytest.mark.slow
+def test_fast_transformer_has_the_plain_loss_at_the_benchmark_shape():
+    model = build_model(BENCH)
+    params = model.init(jax.random.key(0))
+    batch = fixed_batch(BENCH, 2, seed=1)
+    fast = jax.jit(lambda p: model.loss(p, batch, jax.random.key(0))[0])(params)
+    plain = jax.jit(lambda p: plain_loss(BENCH, p, batch))(params)
+    assert abs(float(fast) - float(plain)) < 1e-5
+    assert abs(float(plain) - math.log(256)) < 0.1  # an untrained byte LM: near uniform
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seq", [37, 200])  # under one block; three and a partial fourth
+def test_blocked_causal_attention_is_dot_product_attention(seq):
+    q, k, v, cotangent = (jnp.asarray(np.random.default_rng(i).standard_normal((2, seq, 3, 16)),
+                                      jnp.float32) for i in range(4))
+
+    @jax.jit
+    def forward_and_pullback(q, k, v, cotangent):
+        out, pullback = jax.vjp(causal_attention, q, k, v)
+        reference, plain_pullback = jax.vjp(
+            lambda *qkv: jax.nn.dot_product_attention(*qkv, is_causal=True), q, k, v)
+        return out, reference, pullback(cotangent), plain_pullback(cotangent)
+
+    out, reference, blocked, plain = forward_and_pullback(q, k, v, cotangent)
+    np.testing.assert_allclose(out, reference, rtol=0, atol=1e-5)
+    for got, want in zip(blocked, plain, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_default_xla_flags_respect_the_users_choice_and_are_in_force():
+    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    assert apply_default_flags(environ) == ["--xla_cpu_experimental_ynn_fusion_type="]
+    assert environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=2 "
+                                    "--xla_cpu_experimental_ynn_fusion_type=")
+    chosen = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}
+    assert apply_default_flags(chosen) == []
+    assert chosen["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
+    # This process imported trainrun before computing: XLA:CPU compiles without YNNPACK.
+    x = jnp.ones((64, 64))
+    assert "__ynn_fusion" not in jax.jit(lambda a: a @ a).lower(x).compile().as_text()
+
+
+def test_the_allocator_setting_leaves_a_users_malloc_choice_alone():
+    assert reuse_freed_memory({"MALLOC_ARENA_MAX": "4"}) is False
+    assert reuse_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is False
+
+
+def test_single_device_cpu_calls_run_inline_after_configure_process():
+    # conftest.py calls trainrun.configure_process() before any test computes, as the CLI does.
+    assert jax.config.read("jax_cpu_enable_async_dispatch") is False
+    jnp.ones(2).block_until_ready()
+    assert run_cpu_calls_inline() is False  # the backend has started: too late to change

@@ -1,0 +1,99 @@
+"""Freezing and LoRA: only the adapters train, the base params stay bit for bit what they were
+(weight decay included) with no optimizer state, and the merged export is base + scaled A·B."""
+
+from __future__ import annotations
+
+import io
+
+import jax
+import numpy as np
+import pytest
+
+from trainrun.checkpointing.reader import latest_params
+from trainrun.cli import main
+from trainrun.config import ConfigError, load_config
+from trainrun.export import export_run
+from trainrun.models import build_model
+from trainrun.models.huggingface import WeightsError
+from trainrun.program.optim import build_optimizer, param_name
+from trainrun.program.precision import policy_from_config
+from trainrun.program.state import init_state
+from trainrun.training.loop import run
+
+
+def lora_config(tmp_path, *extra: str):
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    return load_config("lm", [
+        "steps=12", "steps_per_call=4", "checkpoint.every=0", "eval.every=0",
+        "optimizer.schedule.warmup_steps=2", "optimizer.lr=0.01", "optimizer.weight_decay=0.1",
+        "model.d_model=32", "model.layers=2", "model.heads=2", "model.seq_len=32",
+        "model.positions=learned", "model.bias=true",
+        "model.lora={rank: 4, alpha: 8, targets: [q, v, up]}",
+        f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=8", *extra])
+
+
+def flat(params) -> dict[str, np.ndarray]:
+    return {param_name(path): np.asarray(x)
+            for path, x in jax.tree_util.tree_leaves_with_path(params)}
+
+
+@pytest.mark.slow
+def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path):
+    config = lora_config(tmp_path)
+    assert config.optimizer.trainable == [r"_lora\.(a|b)$"]  # the default with adapters
+    model, optimizer = build_model(config.model), build_optimizer(config.optimizer, 12)
+    before = flat(init_state(model, optimizer, config.seed,
+                             policy_from_config(config.precision)).params)
+    run(config, tmp_path / "run", out=io.StringIO())
+    _, trained = latest_params(tmp_path / "run", config)
+    after = flat(trained)
+
+    adapters = {n for n in after if "_lora." in n}
+    assert len(adapters) == 2 * 3 * 2  # a and b, three targets, two layers
+    for name, value in after.items():
+        if name in adapters:
+            if name.endswith(".b"):  # starts at zero; training moved it
+                assert not np.array_equal(value, before[name]), name
+        else:
+            assert np.array_equal(value, before[name]), name  # bitwise, decay included
+    # no optimizer state for frozen params: Adam's moments exist for the adapters only
+    state = optimizer.tx.init(trained)
+    moments = [x for x in jax.tree.leaves(state) if np.ndim(x) >= 1]
+    assert len(moments) == 2 * len(adapters)
+
+    with pytest.raises(WeightsError, match="pass --merge"):
+        export_run(tmp_path / "run", tmp_path / "export")
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "export"),
+                 "--merge"]) == 0
+    out = tmp_path / "export"
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(out / "model.safetensors"))
+    scale = 8 / 4
+    up = after["blocks.1.mlp.up.kernel"] + scale * (after["blocks.1.mlp.up_lora.a"]
+                                                   @ after["blocks.1.mlp.up_lora.b"])
+    np.testing.assert_allclose(tensors["transformer.h.1.mlp.c_fc.weight"], up, rtol=0,
+                               atol=1e-6)
+    q = after["blocks.0.attn.q.kernel"] + scale * (after["blocks.0.attn.q_lora.a"]
+                                                  @ after["blocks.0.attn.q_lora.b"])
+    np.testing.assert_allclose(tensors["transformer.h.0.attn.c_attn.weight"][:, :32], q,
+                               rtol=0, atol=1e-6)
+    assert not np.allclose(q, after["blocks.0.attn.q.kernel"])  # the adapters did something
+    np.testing.assert_array_equal(tensors["transformer.h.0.attn.c_attn.weight"][:, 32:64],
+                                  after["blocks.0.attn.k.kernel"])  # untargeted: as trained
+
+
+def test_trainable_patterns_freeze_the_rest_and_one_matching_nothing_is_refused():
+    config = load_config("mlp", ["optimizer.trainable=[w2, b2]"])
+    model, optimizer = build_model(config.model), build_optimizer(config.optimizer)
+    params = model.init(jax.random.key(0))
+    grads = jax.tree.map(np.ones_like, params)
+    updates, _ = optimizer.tx.update(grads, optimizer.tx.init(params), params)
+    moved = {name for name, u in flat(updates).items() if np.any(u != 0)}
+    assert moved == {"w2", "b2"}
+    nothing = build_optimizer(load_config("mlp", ["optimizer.trainable=[nope]"]).optimizer)
+    with pytest.raises(ConfigError, match="matches no param"):
+        nothing.tx.init(params)
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        load_config("mlp", ["optimizer.trainable=['(']"])

@@ -1,0 +1,177 @@
+"""Process settings: ``import trainrun`` changes nothing but the documented XLA flags;
+``configure_process`` makes glibc reuse freed memory and CPU calls run inline; XLA:GPU's
+deterministic mode is a default where JAX has a GPU plugin (and only there), a user's
+``--xla_gpu_deterministic_ops=false`` opts out of all of it, a flag the user set keeps its value,
+and every flag is one this jaxlib's XLA knows (XLA aborts at backend start on a flag it does not
+know)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import cli_env
+
+from trainrun.platform import process
+from trainrun.platform.process import (
+    DEVICE_COUNT_FLAG,
+    GPU_DETERMINISM_FLAGS,
+    apply_default_flags,
+    gpu_determinism_declined,
+    with_device_count,
+)
+
+GPU_FLAGS = [f"{name}={value}" for name, value in GPU_DETERMINISM_FLAGS.items()]
+
+
+@pytest.fixture
+def jaxlib(monkeypatch):
+    def pretend(version: str) -> None:
+        monkeypatch.setattr(process.metadata, "version", lambda name: version)
+
+    return pretend
+
+
+def test_gpu_determinism_only_where_a_gpu_plugin_is(jaxlib):
+    jaxlib("0.11.2")
+    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    assert apply_default_flags(environ, gpu=False) == []  # 0.11: no CPU flag either
+    assert environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert apply_default_flags(environ, gpu=True) == GPU_FLAGS
+    assert environ["XLA_FLAGS"] == " ".join(["--xla_force_host_platform_device_count=2",
+                                             *GPU_FLAGS])
+    assert apply_default_flags(environ, gpu=True) == []  # applying twice adds nothing
+
+
+def test_gpu_and_cpu_defaults_together_on_jaxlib_0_10(jaxlib):
+    jaxlib("0.10.2")
+    environ: dict[str, str] = {}
+    assert apply_default_flags(environ, gpu=True) == [
+        "--xla_cpu_experimental_ynn_fusion_type=", *GPU_FLAGS]
+
+
+def test_an_unknown_jaxlib_gets_no_gpu_flags(jaxlib):
+    jaxlib("0.12.0")
+    environ: dict[str, str] = {}
+    assert apply_default_flags(environ, gpu=True) == []
+    assert "XLA_FLAGS" not in environ
+
+
+@pytest.mark.parametrize("choice", ["--xla_gpu_deterministic_ops=false",
+                                    "--xla_gpu_deterministic_ops=0",
+                                    "--xla_gpu_exclude_nondeterministic_ops=False"])
+def test_turning_determinism_off_opts_out_of_every_gpu_default(jaxlib, choice):
+    jaxlib("0.11.2")
+    environ = {"XLA_FLAGS": choice}
+    assert gpu_determinism_declined(choice)
+    assert apply_default_flags(environ, gpu=True) == []
+    assert environ["XLA_FLAGS"] == choice
+
+
+def test_a_flag_the_user_set_keeps_its_value(jaxlib):
+    jaxlib("0.11.2")
+    environ = {"XLA_FLAGS": "--xla_gpu_deterministic_ops --xla_gpu_enable_triton_gemm=true"}
+    assert not gpu_determinism_declined(environ["XLA_FLAGS"])  # a bare flag means true
+    assert apply_default_flags(environ, gpu=True) == [
+        "--xla_gpu_enable_scatter_determinism_expander=true"]
+    assert "--xla_gpu_enable_triton_gemm=true" in environ["XLA_FLAGS"]
+    assert "--xla_gpu_enable_triton_gemm=false" not in environ["XLA_FLAGS"]
+
+
+def test_this_jaxlibs_xla_knows_every_gpu_flag():
+    env = dict(os.environ, XLA_FLAGS=" ".join(GPU_FLAGS), JAX_PLATFORMS="cpu")
+    program = "import jax.numpy as jnp; print(jnp.ones(3).sum())"
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "3.0"
+
+
+def python(program: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(program)], capture_output=True,
+                          text=True, timeout=120, env=cli_env(**env))
+
+
+IMPORT_CHANGES = """
+    import json, os
+    import jax
+    names = sorted(jax.config.values)  # every option (async dispatch, x64, ...) and its value
+    values = lambda: {n: repr(jax.config.values[n]) for n in names}
+    before = (dict(os.environ), values())
+    import trainrun
+    after = (dict(os.environ), values())
+    from trainrun.platform.process import backend_started
+    env = {k: (before[0].get(k), after[0].get(k)) for k in before[0].keys() | after[0].keys()
+           if before[0].get(k) != after[0].get(k)}
+    config = {n: (before[1][n], after[1][n]) for n in names if before[1][n] != after[1][n]}
+    print(json.dumps({"env": env, "config": config,
+                      "backend": backend_started()}))
+"""
+
+
+@pytest.mark.slow
+def test_import_changes_only_the_documented_xla_flag():
+    done = python(IMPORT_CHANGES)
+    assert done.returncode == 0, done.stderr[-2000:]
+    changes = json.loads(done.stdout)
+    assert changes["config"] == {}  # no jax.config value changed (async dispatch included)
+    assert not changes["backend"]  # and JAX's backend was not started by the import
+    assert changes["env"] == {"XLA_FLAGS": [None, "--xla_cpu_experimental_ynn_fusion_type="]}
+
+
+# A large block from malloc: glibc serves it from its own mmap by default; with trainrun's
+# allocator setting (no mmap for large blocks) it comes from the brk heap, [heap] in the maps.
+HEAP_CHECK = """
+    import ctypes, sys
+    import trainrun
+    if sys.argv[1] == "configure":
+        print(trainrun.configure_process())
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    address = libc.malloc(64 << 20)
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith("[heap]"):
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            print("in heap" if low <= address < high else "not in heap")
+            break
+    else:
+        print("not in heap")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+@pytest.mark.parametrize("configure", [True, False])
+def test_configure_process_makes_glibc_keep_large_blocks_on_its_heap(configure):
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(HEAP_CHECK),
+                           "configure" if configure else "import-only"], capture_output=True,
+                          text=True, timeout=120, env=cli_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    if configure:
+        assert "allocator=True" in lines[0] and "inline_cpu_calls=True" in lines[0]
+    assert lines[-1] == ("in heap" if configure else "not in heap")
+
+
+def test_configure_process_after_the_backend_started_changes_nothing_and_says_so():
+    done = python("""
+        import jax, jax.numpy as jnp
+        import trainrun
+        jnp.ones(2).block_until_ready()
+        settings = trainrun.configure_process()
+        print(settings.applied(), jax.config.read("jax_cpu_enable_async_dispatch"))
+        print(settings.notice)
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    applied, notice = done.stdout.strip().splitlines()
+    assert applied == "False True"
+    assert notice.startswith("process settings not applied: JAX's backend had already started")
+
+
+def test_child_device_count_flag_replaces_any_count_already_set():
+    flags = f"--xla_foo=1 {DEVICE_COUNT_FLAG}=8"
+    assert with_device_count(flags, 2) == f"--xla_foo=1 {DEVICE_COUNT_FLAG}=2"

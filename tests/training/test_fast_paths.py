@@ -1,0 +1,82 @@
+"""The fast paths change only speed: with every one of them off (the plain path) the default run
+is still the chapter's run bit for bit, K-step calls still give one-step bits, and a killed run
+still resumes bitwise; each switch really turns its path off."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from test_parity import chapter_losses, trainrun_losses
+
+from trainrun.config import MLPModel, OptimizerConfig, load_config
+from trainrun.errors import UserError
+from trainrun.models.mlp import make_mlp
+from trainrun.platform import fast_paths
+from trainrun.platform.fast_paths import FastPaths
+from trainrun.program.compiled import CompiledSteps
+from trainrun.program.optim import build_optimizer
+from trainrun.program.state import abstract_state
+from trainrun.reporting.timing import Stopwatch
+from trainrun.reporting.writers import read_metrics
+from trainrun.training.loop import run
+
+
+def test_the_switch_reads_all_none_or_a_list_and_refuses_an_unknown_name():
+    assert fast_paths.selected({}) == FastPaths()
+    assert fast_paths.selected({"TRAINRUN_FAST_PATHS": "none"}).on() == []
+    chosen = fast_paths.selected({"TRAINRUN_FAST_PATHS": "state_packing, writer_thread"})
+    assert chosen.on() == ["state_packing", "writer_thread"]
+    with pytest.raises(UserError, match="TRAINRUN_FAST_PATHS='packing' names packing"):
+        fast_paths.selected({"TRAINRUN_FAST_PATHS": "packing"})
+
+
+def test_state_packing_off_carries_the_train_state_itself():
+    model = make_mlp(MLPModel())
+    optimizer = build_optimizer(OptimizerConfig(), total_steps=10)
+    abstract = abstract_state(model, optimizer, 0)
+    on = CompiledSteps(model, optimizer, 1, Stopwatch(), abstract=abstract)
+    off = CompiledSteps(model, optimizer, 1, Stopwatch(), abstract=abstract,
+                        fast=FastPaths.none())
+    assert on.packing is not None and off.packing is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 10, 7])
+def test_the_plain_path_trains_the_fast_paths_bits(tmp_path, monkeypatch, k):
+    """In-process: packing, resident batches, the guard's branches and the writer thread off."""
+    fast = trainrun_losses(tmp_path / "fast", f"steps_per_call={k}")
+    monkeypatch.setenv("TRAINRUN_FAST_PATHS", "none")
+    plain = trainrun_losses(tmp_path / "plain", f"steps_per_call={k}")
+    assert plain.tobytes() == fast.tobytes()
+    provenance = json.loads((tmp_path / "plain" / "run" / "provenance.json").read_text())
+    assert provenance["fast_paths"] == []  # the run knew they were off
+
+
+def test_a_run_refuses_an_unknown_fast_path_before_creating_anything(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINRUN_FAST_PATHS", "everything")
+    with pytest.raises(UserError, match="no fast path"):
+        run(load_config("mlp", ["steps=2"]), tmp_path / "run", out=io.StringIO())
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_with_every_fast_path_off_the_cli_run_is_the_chapter_run(cli, tmp_path):
+    """A process of its own, so CPU calls are dispatched asynchronously too."""
+    result = cli("train", "--config", "mlp", "--run-dir", str(tmp_path / "run"),
+                 "metrics.tensorboard=false", TRAINRUN_FAST_PATHS="none")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    got = np.array([r["loss"] for r in records], np.float32)
+    assert got.tobytes() == chapter_losses().tobytes()
+    assert json.loads((tmp_path / "run" / "provenance.json").read_text())["fast_paths"] == []
+
+
+@pytest.mark.slow
+def test_with_every_fast_path_off_a_killed_run_resumes_bitwise(cli, tmp_path):
+    result = cli("verify-resume", "--work-dir", str(tmp_path / "verify"), "steps=60",
+                 "checkpoint.every=20", "metrics.tensorboard=false", TRAINRUN_FAST_PATHS="none")
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    assert "PASS" in result.stdout

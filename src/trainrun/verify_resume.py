@@ -36,7 +36,7 @@ from trainrun.checkpointing.checkpoints import TMP_MARK
 from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
 from trainrun.errors import UserError
 from trainrun.reporting.writers import read_metrics
-from trainrun.rundir import METRICS, read_summary
+from trainrun.rundir import CHECKPOINTS, METRICS, read_summary
 from trainrun.training.callbacks import Boundary, Callback
 
 COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)
@@ -155,13 +155,13 @@ def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
             chain.problems.append(f"metrics.jsonl holds step {record['step']} twice")
             return
         chain.steps[record["step"]] = record
-    chain.digest = state_digest(chain.run_dir / "checkpoints", _final_step(chain))
+    chain.digest = state_digest(chain.run_dir / CHECKPOINTS, _final_step(chain))
 
 
 def _after_kill(chain: Chain, kill: str) -> str:
     """What the kill left behind: for a kill during a save, whether it really was in flight."""
     step, when = kill.split(":")
-    names = os.listdir(chain.run_dir / "checkpoints")
+    names = os.listdir(chain.run_dir / CHECKPOINTS)
     committed = step in names
     partial = any(n.startswith(step + TMP_MARK) for n in names)
     if when == "committed":
@@ -176,7 +176,7 @@ def _after_kill(chain: Chain, kill: str) -> str:
 
 
 def _final_step(chain: Chain) -> int:
-    return max(int(n) for n in os.listdir(chain.run_dir / "checkpoints") if n.isdigit())
+    return max(int(n) for n in os.listdir(chain.run_dir / CHECKPOINTS) if n.isdigit())
 
 
 def state_digest(ckpt_dir: Path, step: int) -> str:

@@ -29,14 +29,15 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from trainrun import rundir
 from trainrun.checkpointing import integrity
 from trainrun.config import RunConfig
 from trainrun.errors import UserError
 from trainrun.rundir import storage
 
-DEFAULT_DIR = "checkpoints"
+DEFAULT_DIR = rundir.CHECKPOINTS
 CORRUPT_DIR = "corrupt"  # unreadable steps are moved here, never deleted
-TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's suffix for a step still being written
+TMP_MARK = rundir.ORBAX_TMP
 
 PyTree = Any
 

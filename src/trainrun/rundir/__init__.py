@@ -186,7 +186,8 @@ def read_status(run_dir: Path) -> dict[str, Any]:
 
 # ---- whose folder is it ----------------------------------------------------------------------
 
-CHECKPOINTS = "checkpoints"
+CHECKPOINTS = "checkpoints"  # the checkpoint folder in a run directory, unless checkpoint.dir
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # Orbax's suffix for a step still being written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +266,7 @@ def inspect(path: Path, role: str = "run") -> Found:
             return Found("leftover")
         steps = [p for p in path.iterdir() if p.name.isdigit()]
         if (steps and all((p / "meta").is_dir() for p in steps)
-                and all(n.isdigit() or ".orbax-checkpoint-tmp" in n or n in ("corrupt", LOCK)
+                and all(n.isdigit() or ORBAX_TMP in n or n in ("corrupt", LOCK)
                         for n in names)):
             return Found("legacy")
     shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")

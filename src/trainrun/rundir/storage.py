@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.errors import WriteFailed
-from trainrun.rundir import RunDirectory, committed_steps, mark_failed
+from trainrun.rundir import ORBAX_TMP, RunDirectory, committed_steps, mark_failed
 
 # errno -> how the line says it (strerror's wording, lower case)
 REFUSED = {
@@ -40,7 +40,6 @@ _TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.E
 # other lines must not make a "path" of several lines (the report is one line).
 _PATH = re.compile(r"""["'](/[^"'\n]+)["']""")
 TMP_SUFFIX = ".tmp"
-ORBAX_TMP = ".orbax-checkpoint-tmp"
 
 
 def refused_write(err: BaseException) -> tuple[str, str | None] | None:

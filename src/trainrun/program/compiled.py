@@ -92,15 +92,15 @@ class CompiledSteps:
         with self.watch.phase("compile"):
             self.programs[k] = self.fn.lower(carried, batch).compile()
 
-    def flops_per_step(self, abstract: TrainState, example: Batch,
-                       resident: ResidentBatches | None, counted: Any,
+    def flops_per_step(self, example: Batch, counted: Any,
                        batch_size: int) -> tuple[float | None, str | None]:
-        """FLOPs of one step and their source (``mfu.flops_per_step``). A program that gathers
-        its own batches (``resident.py``) would count the gather too, so then the step alone
-        is lowered on a batch's shapes."""
-        compiled, batch = ((self.programs, example) if resident is None
-                           else ({}, resident.example(2)))
-        return mfu.flops_per_step(compiled, self.one_step, abstract, batch, counted, batch_size)
+        """FLOPs of one step and their source (``mfu.flops_per_step``); ``example``: a batch the
+        calls took. A program that gathers its own batches (``resident.py``) would count the
+        gather too, so then the step alone is lowered on a batch's shapes."""
+        compiled, batch = ((self.programs, example) if self.resident is None
+                           else ({}, self.resident.example(2)))
+        return mfu.flops_per_step(compiled, self.one_step, self.abstract, batch, counted,
+                                  batch_size)
 
     def __call__(self, k: int, carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
         if k not in self.programs:

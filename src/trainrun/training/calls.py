@@ -27,9 +27,7 @@ class CallRunner:
     def __init__(self, run: Run):
         self.run = run
         self.in_flight: collections.deque[jax.Array] = collections.deque()
-        # A batch with the calls' shapes, for lowering the step to count its FLOPs.
-        self.example: Any = (run.resident.example(run.config.steps_per_call)
-                             if run.resident is not None else None)
+        self.example: Any = None  # the last host batch placed: its shapes count the FLOPs
 
     def next_batch(self, k: int) -> Any:
         """What the call of the next ``k`` steps takes: the device's resident batches, or the

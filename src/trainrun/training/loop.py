@@ -139,8 +139,7 @@ def _finish(run: Run, boundary: Boundary, log: MetricLog, calls: CallRunner,
                           checkpoint=str(boundary.saved), provenance=run.provenance)
     if boundary.stop_reason:
         run.console.message(f"stopped at step {step}: {boundary.stop_reason}")
-    flops = run.programs.flops_per_step(run.abstract, calls.example, run.resident,
-                                        run.counted, run.batch_size)
+    flops = run.programs.flops_per_step(calls.example, run.counted, run.batch_size)
     summary = summarize(run.config, boundary, time.perf_counter() - wall_start, flops=flops,
                         timer=run.timer, watch=run.watch, batch_size=run.batch_size,
                         start_step=run.start_step, final_metrics=log.last,

@@ -69,15 +69,6 @@ class ProfileWindow(Hook):
             jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
             self.active = True
 
-    def after_call(self, done: int, state: Any) -> str | None:
-        """After dispatching a call that brought the step count to ``done``; returns a message
-        once the trace is written."""
-        if not self.active or done < self.last:
-            return None
-        if state is not None:
-            jax.block_until_ready(state)  # the traced steps must have run before the trace ends
-        return self._stop()
-
     def _stop(self) -> str:
         jax.profiler.stop_trace()
         self.active, self.done = False, True

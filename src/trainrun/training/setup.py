@@ -104,6 +104,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
     fast = fast_paths.selected()  # a name it does not know is refused before anything
     distributed.initialize(config.distributed)  # before anything asks JAX for devices
+    # Inline CPU calls are the process's setting (configure_process): record what is in effect.
+    fast = dataclasses.replace(fast, inline_cpu_calls=calls_run_inline())
     primary = jax.process_index() == 0
     prov = provenance(config.digest(), fast.on())
     if primary:  # a folder that is not trainrun's, or is in use, is refused; nothing written
@@ -174,7 +176,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
                evaluator=evaluator, checkpoints=checkpoints, programs=programs,
                start_state=programs.carry(state), start_step=start,
                start_nonfinite=int(state.nonfinite_steps), batch_size=batch_size,
-               watch=watch, timer=StepTimer(inline=calls_run_inline()), stream=stream,
+               watch=watch, timer=StepTimer(inline=fast.inline_cpu_calls), stream=stream,
                fast=fast)
 
 

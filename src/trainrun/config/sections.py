@@ -70,11 +70,8 @@ class ResNetModel(Section):
     bn_momentum: float = Field(0.9, gt=0, lt=1)  # running = momentum * running + (1 - m) * batch
 
 
-LoraTarget = Literal["q", "k", "v", "o", "up", "down"]
-
-
-def _query_and_value() -> list[LoraTarget]:  # a lambda's list would be typed list[str]
-    return ["q", "v"]
+# all-linear: every linear layer of the blocks the model has (PEFT's name for it)
+LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down", "all-linear"]
 
 
 class LoraConfig(Section):
@@ -83,30 +80,101 @@ class LoraConfig(Section):
 
     rank: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
-    targets: list[LoraTarget] = Field(default_factory=_query_and_value, min_length=1)
+    # A tuple, so the section hashes (a compiled sampler is cached per model config).
+    targets: tuple[LoraTarget, ...] = Field(("q", "v"), min_length=1)
+
+    @pydantic.field_validator("targets", mode="before")
+    @classmethod
+    def _one_target(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value  # `targets: all-linear`
+
+
+class RopeScaling(Section):
+    """Rotary frequencies stretched for a longer context than pretraining's: ``linear`` divides
+    every frequency by ``factor``; ``llama3`` divides the low ones, keeps the high ones and
+    blends between (Llama 3.1's scheme, with its four numbers)."""
+
+    type: Literal["linear", "llama3"]
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_positions: int = Field(8192, gt=0)
 
 
 class TransformerModel(Section):
-    """A decoder-only transformer LM: pre-LayerNorm blocks, causal attention, GELU MLP,
-    input and output embeddings tied."""
+    """A decoder-only transformer LM of pre-norm blocks and causal attention. The defaults are
+    GPT-style (LayerNorm, GELU MLP, tied embeddings); the Llama family's choices are fields:
+    RMSNorm, a SwiGLU MLP, fewer key/value heads than query heads, rotary base and scaling, an
+    output head of its own, biases on q/k/v alone (Qwen2)."""
 
     kind: Literal["transformer"] = "transformer"
     vocab: int = Field(256, gt=1)
     d_model: int = Field(128, gt=0)
     layers: int = Field(4, gt=0)
     heads: int = Field(4, gt=0)
+    kv_heads: int | None = Field(None, gt=0)  # grouped-query attention; None: one per head
+    head_dim: int | None = Field(None, gt=0)  # None: d_model // heads
+    mlp: Literal["gelu", "swiglu"] = "gelu"
     mlp_ratio: int = Field(4, gt=0)
+    mlp_hidden: int | None = Field(None, gt=0)  # the MLP's width; None: mlp_ratio * d_model
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = Field(1e-5, gt=0)
     seq_len: int = Field(128, gt=0)
     positions: Literal["rope", "learned"] = "rope"
+    rope_theta: float = Field(10_000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = True  # the output head is the input embedding table
     dropout: float = Field(0.0, ge=0, lt=1)
     init_std: float = Field(0.02, gt=0)
     bias: bool = False  # biases on every linear layer (GPT-2's layout)
+    qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2's)
     lora: LoraConfig | None = None  # adapters; with them only the adapters train by default
     # How the program is built; the maths and the params' layout stay the same, so a checkpoint
     # written under one setting restores under any other.
     scan_layers: bool = False  # one compiled block under lax.scan: compile time flat in depth
     remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
     loss_chunk: int = Field(4096, ge=0)  # tokens per chunk of the output head and loss; 0: one
+
+    @pydantic.model_validator(mode="after")
+    def _shapes_fit(self) -> TransformerModel:
+        if self.head_dim is None and self.d_model % self.heads:
+            raise ValueError(f"d_model={self.d_model} is not a multiple of heads={self.heads}; "
+                             "change one, or set head_dim")
+        if self.heads % self.kv_key_heads:
+            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads="
+                             f"{self.kv_key_heads}; each key/value head serves a group of query "
+                             "heads")
+        if self.positions == "rope" and self.attention_head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dimension, not "
+                             f"{self.attention_head_dim}; change d_model, heads or head_dim")
+        if self.lora is not None and self.mlp == "gelu" and "gate" in self.lora.targets:
+            raise ValueError("model.lora.targets names gate, which only model.mlp=swiglu has; "
+                             "drop it, or give all-linear")
+        return self
+
+    @property
+    def adapted(self) -> frozenset[str]:
+        """The linear layers that carry LoRA adapters (``all-linear`` resolved)."""
+        if self.lora is None:
+            return frozenset()
+        if "all-linear" in self.lora.targets:
+            return frozenset(("q", "k", "v", "o", "up", "down")
+                             + (("gate",) if self.mlp == "swiglu" else ()))
+        return frozenset(self.lora.targets)
+
+    @property
+    def kv_key_heads(self) -> int:
+        """Key/value heads: ``kv_heads``, or one per query head."""
+        return self.kv_heads or self.heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.heads
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's width."""
+        return self.mlp_hidden or self.mlp_ratio * self.d_model
 
 
 ModelConfig = Annotated[

@@ -85,12 +85,13 @@ def losses(run_dir: Path) -> np.ndarray:
 # ---- a tiny GPT-2 from `transformers` (the tests' extra), made here: nothing is downloaded ----
 
 
-def save_tiny_gpt2(path: Path, vocab: int) -> Path:
+def save_tiny_gpt2(path: Path, vocab: int, **changes) -> Path:
     """A random 2-layer, 32-wide GPT-2 with ``vocab`` tokens and 32 positions, written by
     ``save_pretrained`` to ``path`` (config.json + model.safetensors)."""
     transformers, torch = _hf()
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=vocab,
-                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(**{**dict(n_layer=2, n_embd=32, n_head=2, vocab_size=vocab,
+                                                n_positions=32, bos_token_id=0, eos_token_id=0),
+                                        **changes})
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(path)
     return path
@@ -98,10 +99,56 @@ def save_tiny_gpt2(path: Path, vocab: int) -> Path:
 
 def gpt2_logits(path: Path, tokens: np.ndarray) -> np.ndarray:
     """The logits ``transformers`` computes for ``tokens`` with the model saved at ``path``."""
+    return hf_logits(path, tokens)
+
+
+def hf_logits(path: Path, tokens: np.ndarray, adapters: Path | None = None) -> np.ndarray:
+    """The float32 logits ``transformers`` computes for ``tokens`` with the model saved at
+    ``path`` (any causal LM family), with ``peft``'s adapters from ``adapters`` when given."""
     transformers, torch = _hf()
-    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if adapters is not None:
+        peft = pytest.importorskip("peft")
+        model = peft.PeftModel.from_pretrained(model, adapters).eval()
     with torch.no_grad():
-        return model(torch.from_numpy(tokens)).logits.numpy()
+        return model(torch.from_numpy(np.asarray(tokens, np.int64))).logits.float().numpy()
+
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+
+
+def save_tiny_causal_lm(path: Path, family: str, *, max_shard_size: str | None = None,
+                        dtype: str = "float32", **changes) -> Path:
+    """A random tiny model of ``family`` (llama, qwen2, mistral) from ``transformers``, saved
+    with ``save_pretrained`` (sharded above ``max_shard_size``, in ``dtype``). Defaults: GQA (2
+    key/value heads for 4), and per family what sets it apart: Llama 3's rotary base and
+    scaling with an untied head, Qwen2's q/k/v biases with a tied head, Mistral's head_dim that
+    is not hidden/heads."""
+    transformers, torch = _hf()
+    settings = {**TINY, "num_key_value_heads": 2}
+    if family == "llama":
+        settings.update(tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        config = transformers.LlamaConfig(**{**settings, **changes})
+    elif family == "qwen2":
+        settings.update(tie_word_embeddings=True)
+        config = transformers.Qwen2Config(**{**settings, **changes})
+    else:
+        settings.update(tie_word_embeddings=False, head_dim=24, num_key_value_heads=1,
+                        sliding_window=4096)
+        config = transformers.MistralConfig(**{**settings, **changes})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # q/k/v biases start at zero: make them count
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0, 0.5)
+    model = model.to(getattr(torch, dtype))
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **extra)
+    return path
 
 
 def _hf():

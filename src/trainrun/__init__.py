@@ -12,6 +12,7 @@ backend starts. The allocator and CPU dispatch settings are made by ``trainrun t
 from trainrun.config import ConfigError, RunConfig, load_config
 from trainrun.data import ArrayBatches, DataError
 from trainrun.errors import UserError
+from trainrun.language_model import LanguageModel, load
 from trainrun.models import Model, from_functions, from_nnx
 from trainrun.platform.process import apply_default_flags, configure_process
 from trainrun.program.state import TrainState
@@ -28,6 +29,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "EarlyStopping",
+    "LanguageModel",
     "MetricLogger",
     "Model",
     "RunConfig",
@@ -37,6 +39,7 @@ __all__ = [
     "configure_process",
     "from_functions",
     "from_nnx",
+    "load",
     "load_config",
     "run",
 ]

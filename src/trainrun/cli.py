@@ -83,8 +83,10 @@ def _export(args: argparse.Namespace) -> int:
     from trainrun.export import export_run
 
     extras.require("huggingface", "trainrun export")
-    step, out = export_run(Path(args.run_dir), Path(args.to), merge=args.merge)
-    print(f"step {step} of {args.run_dir} written to {out} (config.json, model.safetensors)")
+    done = export_run(Path(args.run_dir), Path(args.to), merge=args.merge, dtype=args.dtype,
+                      shard_size=args.shard_size)
+    print(f"step {done.step} of {args.run_dir} written to {done.path} "
+          f"({', '.join(done.files)})")
     return 0
 
 
@@ -226,14 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
     sample.set_defaults(handler=_sample)
 
     export = commands.add_parser(
-        "export", help="write a transformer run as a Hugging Face GPT-2 model directory",
-        description="Writes the newest readable checkpoint of RUN_DIR as config.json and "
-                    "model.safetensors that transformers loads as GPT2LMHeadModel (the model "
-                    "needs GPT-2's layout: model.positions=learned, model.bias=true).")
+        "export", help="write a transformer run as a Hugging Face model or PEFT adapters",
+        description="Writes the newest readable checkpoint of RUN_DIR as a Hugging Face model "
+                    "directory that transformers loads (config.json, safetensors weights, the "
+                    "source's tokenizer files) in the family of its init.from source (gpt2, "
+                    "llama, qwen2, mistral), or, for a run with LoRA adapters, as a PEFT adapter "
+                    "directory for that source.")
     export.add_argument("run_dir", metavar="RUN_DIR")
     export.add_argument("--to", required=True, metavar="DIR", help="directory to write")
     export.add_argument("--merge", action="store_true",
-                        help="fold LoRA adapters into the weights (required with model.lora)")
+                        help="fold LoRA adapters into the weights: a whole model, not adapters")
+    export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the weights' dtype in the files (default float32)")
+    export.add_argument("--shard-size", default="5GB", metavar="SIZE",
+                        help="most bytes per weights file; more go into shards with an index "
+                             "(default 5GB)")
     export.set_defaults(handler=_export)
 
     runs = commands.add_parser(

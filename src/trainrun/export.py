@@ -1,29 +1,124 @@
 """``trainrun export``: a run's newest readable checkpoint written as a Hugging Face model
-directory."""
+directory (the family its ``init.from`` source was, else the one its layout is), or, for a run
+with LoRA adapters and no ``--merge``, as a PEFT adapter directory for its base model.
+
+Beside the weights go the source directory's tokenizer files and generation config, or the
+run's own ``data.tokenizer``; ``bos_token_id`` and ``eos_token_id`` come from them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 
 from trainrun.checkpointing.reader import latest_params, saved_config
-from trainrun.models.huggingface import WeightsError, write_model_dir
+from trainrun.config import RunConfig
+from trainrun.models import peft
+from trainrun.models.huggingface import (
+    CONFIG,
+    TOKENIZER_FILES,
+    WeightsError,
+    model_type_of,
+    parse_size,
+    read_config,
+    write_model_dir,
+)
 from trainrun.models.transformer import merge_adapters
 
+DTYPES = ("float32", "bfloat16", "float16")
 
-def export_run(run_dir: Path, to: Path, *, merge: bool = False) -> tuple[int, Path]:
-    """A run's newest readable checkpoint as a GPT-2 model directory: ``(step, to)``. A model
-    with LoRA adapters needs ``merge`` (GPT-2's layout has no place for them)."""
+
+@dataclasses.dataclass(frozen=True)
+class Export:
+    """What ``export_run`` wrote: the checkpoint's step, the directory, and its files."""
+
+    step: int
+    path: Path
+    files: tuple[str, ...]
+
+
+def export_run(run_dir: Path, to: Path, *, merge: bool = False, dtype: str = "float32",
+               shard_size: str = "5GB") -> Export:
+    """A run's newest readable checkpoint as a model directory (``merge``: adapters folded
+    into the weights) or, with LoRA adapters and no ``merge``, an adapter directory.
+    ``dtype``: the weights' dtype in the files; ``shard_size``: the most bytes per file."""
+    if dtype not in DTYPES:
+        raise WeightsError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
+    shard_bytes = parse_size(shard_size)
     config = saved_config(run_dir)
     cfg = config.model
     if cfg.kind != "transformer":
-        raise WeightsError(f"run {run_dir} trains model.kind={cfg.kind}; export writes the "
-                           "transformer in GPT-2's layout")
-    if cfg.lora is not None and not merge:
-        raise WeightsError("the model has LoRA adapters, which GPT-2's layout cannot hold; "
-                           "pass --merge to fold them into the weights")
+        raise WeightsError(f"run {run_dir} trains model.kind={cfg.kind}; export writes "
+                           "transformers in Hugging Face's layout")
+    source = _source_dir(config)
+    hf = read_config(source) if source is not None else None
+    model_type = str(hf["model_type"]) if hf is not None else model_type_of(cfg)
     step, params = latest_params(run_dir, config)
-    cfg, params = merge_adapters(cfg, jax.tree.map(np.asarray, params))
-    return step, write_model_dir(params, cfg, to)
+    params = jax.tree.map(np.asarray, params)
+    to.mkdir(parents=True, exist_ok=True)
+    if cfg.lora is not None and not merge:
+        peft.write_adapter_dir(params, cfg, model_type,
+                               str(source.absolute()) if source is not None else None, to)
+    else:
+        cfg, params = merge_adapters(cfg, params)
+        hf = {**(hf or {}), **_token_ids(config, source)}
+        write_model_dir(params, cfg, to, model_type=model_type, source=hf, dtype=dtype,
+                        shard_bytes=shard_bytes)
+    _copy_tokenizer(config, source, to)
+    return Export(step, to, tuple(sorted(p.name for p in to.iterdir())))
+
+
+def _source_dir(config: RunConfig) -> Path | None:
+    """The Hugging Face directory the run started from, where it still is (an adapter
+    directory's base model included)."""
+    if config.init.from_ is None:
+        return None
+    path = Path(config.init.from_).expanduser()
+    if (path / peft.ADAPTER_CONFIG).is_file():
+        name = peft.base_model_name(path)
+        path = Path(name).expanduser() if name else path
+    return path if (path / CONFIG).is_file() else None
+
+
+def _tokenizer_file(config: RunConfig) -> Path | None:
+    name = getattr(config.data, "tokenizer", None)
+    return Path(name).expanduser() if name and Path(name).expanduser().is_file() else None
+
+
+def _token_ids(config: RunConfig, source: Path | None) -> dict[str, Any]:
+    """bos/eos ids: the run's own tokenizer's document token, the source's ids, or those in
+    the source's generation config."""
+    own = _tokenizer_file(config)
+    if own is not None:
+        from tokenizers import Tokenizer
+
+        from trainrun.data.tokenizer import DOCUMENT_TOKEN
+
+        token = Tokenizer.from_file(str(own)).token_to_id(DOCUMENT_TOKEN)
+        if token is not None:  # each document starts with it: the model's bos and eos
+            return {"bos_token_id": token, "eos_token_id": token}
+    if source is not None and (source / "generation_config.json").is_file():
+        try:
+            generation = json.loads((source / "generation_config.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: generation[k] for k in ("bos_token_id", "eos_token_id") if k in generation}
+    return {}
+
+
+def _copy_tokenizer(config: RunConfig, source: Path | None, to: Path) -> None:
+    """The source's tokenizer files and generation config; the run's own tokenizer.json over
+    them (it is what the run was trained with)."""
+    if source is not None:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, to / name)
+    own = _tokenizer_file(config)
+    if own is not None:
+        shutil.copyfile(own, to / "tokenizer.json")

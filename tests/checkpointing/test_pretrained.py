@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import gpt2_logits, save_tiny_gpt2
 
-from trainrun.checkpointing.init_from import initial_state
+from trainrun.checkpointing.init_from import initial_state, resolved
 from trainrun.cli import main
 from trainrun.config import load_config
 from trainrun.data import build_dataset
@@ -21,7 +21,7 @@ from trainrun.models.huggingface import WeightsError
 from trainrun.models.transformer import bind_transformer
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
-from trainrun.program.state import init_state
+from trainrun.program.state import abstract_state
 from trainrun.training.loop import run
 
 pytest.importorskip("transformers", reason="the tests' extra holds transformers")
@@ -41,12 +41,12 @@ def hf_logits(path) -> np.ndarray:
 def finetune(tmp_path, source, *extra: str):
     corpus = tmp_path / "corpus.py"
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
-    return load_config("lm", [
+    return resolved(load_config("lm", [
         "steps=6", "steps_per_call=3", "checkpoint.every=0", "eval.every=0",
         "optimizer.schedule.warmup_steps=2", "optimizer.lr=0.001", "model.d_model=32",
         "model.layers=2", "model.heads=2", "model.seq_len=32", "model.positions=learned",
         "model.bias=true", f"init.from={source}", f"data.paths=[{corpus}]", "data.seq_len=32",
-        "data.batch_size=4", *extra])
+        "data.batch_size=4", *extra]))
 
 
 @pytest.fixture(scope="module")
@@ -59,24 +59,24 @@ def finetuned(gpt2_dir, tmp_path_factory):
 
 
 def start_of(config):
+    """(model, optimizer, policy, abstract state) of a config."""
     model, optimizer = build_model(config.model), build_optimizer(config.optimizer, 6)
     policy = policy_from_config(config.precision)
-    fresh = init_state(model, optimizer, config.seed, policy)
-    return model, optimizer, policy, fresh
+    return model, optimizer, policy, abstract_state(model, optimizer, config.seed, policy)
 
 
 @pytest.mark.slow
 def test_init_from_a_gpt2_directory_has_its_logits_and_trains_from_them(gpt2_dir, finetuned,
                                                                        tmp_path):
     config, run_dir = finetuned
-    model, optimizer, policy, fresh = start_of(config)
-    start = initial_state(config, fresh, optimizer, policy, None)
+    model, optimizer, policy, abstract = start_of(config)
+    start = initial_state(config, model, optimizer, policy, None, abstract)
     logits = np.asarray(bind_transformer(config.model)(start.params)(jnp.asarray(TOKENS))[0])
     np.testing.assert_allclose(logits, hf_logits(gpt2_dir), rtol=0, atol=1e-4)
 
     # The checkpoint file alone (GPT-2's tensor names, no config.json) loads the same.
     from_file = finetune(tmp_path, gpt2_dir / "model.safetensors")
-    same = initial_state(from_file, fresh, optimizer, policy, None)
+    same = initial_state(from_file, model, optimizer, policy, None, abstract)
     for a, b in zip(jax.tree.leaves(same.params), jax.tree.leaves(start.params), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -102,13 +102,14 @@ def test_init_from_another_run_takes_its_params_or_its_whole_state(finetuned, tm
     from trainrun.checkpointing.reader import latest_state
 
     _, base = latest_state(base_dir, config)
-    _, optimizer, policy, fresh = start_of(config)
-    params = initial_state(finetune(tmp_path, base_dir), fresh, optimizer, policy, None)
+    model, optimizer, policy, abstract = start_of(config)
+    params = initial_state(finetune(tmp_path, base_dir), model, optimizer, policy, None,
+                           abstract)
     assert int(params.step) == 0
     for a, b in zip(jax.tree.leaves(params.params), jax.tree.leaves(base.params), strict=True):
         np.testing.assert_array_equal(a, b)
-    whole = initial_state(finetune(tmp_path, base_dir, "init.load=state"), fresh,
-                          optimizer, policy, None)
+    whole = initial_state(finetune(tmp_path, base_dir, "init.load=state"), model,
+                          optimizer, policy, None, abstract)
     assert int(whole.step) == 6
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(base), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -116,10 +117,13 @@ def test_init_from_another_run_takes_its_params_or_its_whole_state(finetuned, tm
 
 @pytest.mark.slow
 def test_a_source_that_does_not_fit_is_one_line_and_writes_nothing(gpt2_dir, tmp_path, cli):
-    wider = finetune(tmp_path, gpt2_dir, "model.d_model=64")
-    _, optimizer, policy, fresh = start_of(wider)
+    with pytest.raises(WeightsError, match=r"d_model=64 in the config, but .*n_embd 32"):
+        finetune(tmp_path, gpt2_dir, "model.d_model=64")
+    # a weights file alone has no config.json: its tensors are checked against the model
+    wider = finetune(tmp_path, gpt2_dir / "model.safetensors", "model.d_model=64")
+    model, optimizer, policy, abstract = start_of(wider)
     with pytest.raises(WeightsError, match=r"transformer\.wte\.weight has shape \(256, 32\)"):
-        initial_state(wider, fresh, optimizer, policy, None)
+        initial_state(wider, model, optimizer, policy, None, abstract)
     result = cli("train", "--config", "mlp", "--run-dir", str(tmp_path / "r"),
                  f"init.from={tmp_path / 'nothing'}")
     assert result.returncode == 2

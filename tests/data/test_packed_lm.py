@@ -48,7 +48,7 @@ def document_a_loss_of_embeddings(cfg: TransformerModel, segments: np.ndarray | 
     model = build_model(cfg)
     module = tf.bind_transformer(cfg)(model.init(jax.random.key(1)))
     table = module.embed.embedding[...]
-    angles = tf.Rope.at(jnp.arange(SEQ), module.head_dim)
+    angles = tf.Rope.at(jnp.arange(SEQ), tf.rotary_frequencies(module.head_dim))
     rope = tf.Rope(*(jnp.take(t, jnp.asarray(positions), axis=0) for t in angles))
     targets = jnp.asarray(np.roll(tokens, -1, axis=1)).reshape(-1)
     in_a = jnp.asarray((seg == 2) & (np.roll(seg, -1, axis=1) == 2)).reshape(-1)

@@ -14,7 +14,6 @@ from trainrun.cli import main
 from trainrun.config import ConfigError, load_config
 from trainrun.export import export_run
 from trainrun.models import build_model
-from trainrun.models.huggingface import WeightsError
 from trainrun.program.optim import build_optimizer, param_name
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import init_state
@@ -62,8 +61,9 @@ def test_lora_trains_only_the_adapters_and_exports_merged(tmp_path):
     moments = [x for x in jax.tree.leaves(state) if np.ndim(x) >= 1]
     assert len(moments) == 2 * len(adapters)
 
-    with pytest.raises(WeightsError, match="pass --merge"):
-        export_run(tmp_path / "run", tmp_path / "export")
+    # without --merge: the adapters alone, as PEFT's adapter directory
+    done = export_run(tmp_path / "run", tmp_path / "adapters")
+    assert set(done.files) == {"adapter_config.json", "adapter_model.safetensors"}
     assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "export"),
                  "--merge"]) == 0
     out = tmp_path / "export"

@@ -3,18 +3,25 @@
     a trainrun run directory      its newest readable checkpoint: the params (``init.load:
                                   params``) or the whole state (``state``: optimizer moments,
                                   step, key and loss scale too: a fork of that run)
-    a Hugging Face directory      ``config.json`` + ``model.safetensors`` of the GPT-2 family
-    a ``.safetensors`` file       GPT-2's tensor names, or trainrun's dotted param paths
+    a Hugging Face directory      ``config.json`` + ``model.safetensors`` (or shards and their
+                                  index) of model_type gpt2, llama, qwen2 or mistral
+    a PEFT adapter directory      ``adapter_config.json`` + ``adapter_model.safetensors``: its
+                                  base model (a Hugging Face directory) with the adapters
+    a ``.safetensors`` file       Hugging Face's tensor names, or trainrun's dotted param paths
                                   (``blocks.0.attn.q.kernel``)
 
-Every param of the source must be a param of the model with the same shape; a model param the
-source lacks is an error, except LoRA adapters, which keep their fresh init (a fine-tune adds
-them to a pretrained base). Loading happens before the run directory is written, so a source
-that does not fit is one line and exit 2 with nothing created.
+A Hugging Face source's ``config.json`` gives the architecture (``resolved``): the run's model
+section need not repeat it, and a value it repeats must agree. Every param of the source must
+be a param of the model with the same shape; a model param the source lacks is an error, except
+LoRA adapters, which keep their fresh init (a fine-tune adds them to a pretrained base). Each
+param is read from its file a slice at a time and placed straight into its sharded device
+array. Loading happens before the run directory is written, so a source that does not fit is
+one line and exit 2 with nothing created.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,113 +29,320 @@ import jax
 import numpy as np
 
 from trainrun import extras, rundir
-from trainrun.config import RunConfig, TransformerModel
+from trainrun.config import ConfigError, RunConfig, TransformerModel, config_from_dict
+from trainrun.models import peft
+from trainrun.models.adapters import Model
 from trainrun.models.huggingface import (
+    CONFIG,
+    INDEX,
+    LLAMA_FAMILY,
     PREFIX,
     WEIGHTS,
+    Architecture,
+    Source,
+    Tensors,
     WeightsError,
-    params_from_hf,
-    read_model_dir,
+    architecture,
+    check_tensors,
+    read_config,
+    read_param,
+    refuse_unsupported,
+    tensor_map,
 )
-from trainrun.program.optim import param_name
+from trainrun.program.optim import Optimizer, param_name
+from trainrun.program.precision import Policy
+from trainrun.program.state import INIT_COMPILER_OPTIONS, TrainState, root_keys
 
 PyTree = Any
 ADAPTER = "_lora."  # params a source may lack: they keep their fresh init
+Reader = Callable[[tuple[slice, ...] | None], np.ndarray]  # a param, or a slice of it
 
 
 def source_kind(path: Path) -> str:
-    """"run", "huggingface" or "safetensors"; a path that is none of them is an error."""
+    """"run", "huggingface", "adapter" or "safetensors"; anything else is refused in one line
+    that says what was found and what is read."""
     if path.is_dir() and (path / rundir.CONFIG).is_file():
         return "run"
-    if path.is_dir() and (path / WEIGHTS).is_file():
+    if path.is_dir() and (path / peft.ADAPTER_CONFIG).is_file():
         extras.require("huggingface", f"init.from {path}")
-        return "huggingface"
+        return "adapter"
+    if path.is_dir() and (path / CONFIG).is_file():
+        if (path / WEIGHTS).is_file() or (path / INDEX).is_file():
+            extras.require("huggingface", f"init.from {path}")
+            return "huggingface"
+        if any(path.glob("pytorch_model*.bin")):
+            raise WeightsError(f"init.from {path}: its weights are pytorch_model.bin, which "
+                               "trainrun does not read; save them as safetensors "
+                               "(save_pretrained(..., safe_serialization=True))")
+        raise WeightsError(f"init.from {path}: config.json but no {WEIGHTS} or {INDEX}; the "
+                           "weights are missing (an incomplete download?)")
     if path.is_file() and path.suffix == ".safetensors":
         extras.require("huggingface", f"init.from {path}")
         return "safetensors"
+    if path.is_file() and path.suffix == ".bin":
+        raise WeightsError(f"init.from {path}: a PyTorch .bin file, which trainrun does not "
+                           "read; save the model as safetensors")
+    if not path.exists():
+        hub = "/" in str(path) and not str(path).startswith((".", "/", "~"))
+        hint = (f"; a hub name is not fetched: download it (e.g. `hf download {path} "
+                "--local-dir DIR`) and give DIR" if hub else "")
+        raise WeightsError(f"init.from {path}: no such file or directory{hint}")
     raise WeightsError(f"init.from {path}: not a trainrun run directory, a Hugging Face model "
-                       "directory (config.json + model.safetensors) or a .safetensors file")
+                       "directory (config.json + model.safetensors), a PEFT adapter directory "
+                       "or a .safetensors file")
 
 
-def load_params(source: str, config: RunConfig, fresh: PyTree) -> PyTree:
-    """The params to start ``config``'s run from: the source's, laid into ``fresh`` (the
-    model's freshly initialised params, NumPy), which supplies the adapters a source lacks."""
+# ---- the architecture ------------------------------------------------------------------------
+
+
+def resolved(config: RunConfig) -> RunConfig:
+    """``config`` with the model ``init.from``'s ``config.json`` describes (and, for an adapter
+    directory, its LoRA settings). A field the run's config sets to another value is refused
+    in one line naming both."""
+    if config.init.from_ is None or config.model.kind != "transformer":
+        return config
+    path = Path(config.init.from_).expanduser()
+    kind = source_kind(path)
+    if kind not in ("huggingface", "adapter"):
+        return config
+    model = model_of(path, config.model, getattr(config.data, "seq_len", None))
+    raw = config.to_dict()
+    raw["model"] = model.model_dump(mode="json")
+    try:
+        return config_from_dict(raw)
+    except ConfigError as err:
+        raise ConfigError(f"with the model of {path}: {err}") from None
+
+
+def model_of(path: Path, model: TransformerModel | None = None,
+             seq_len: int | None = None) -> TransformerModel:
+    """The transformer a Hugging Face or adapter directory holds. ``model``: the run's model
+    section, whose other fields (dropout, remat, ...) are kept and whose repeated fields must
+    agree; ``seq_len``: the run's sequence length, the context of a rotary model."""
+    model = model or TransformerModel()
+    adapter = (path / peft.ADAPTER_CONFIG).is_file()
+    base = _adapter_base(path) if adapter else path
+    hf = read_config(base)
+    arch = architecture(hf, str(base / CONFIG))
+    agreed = _agreed(model, arch, base, seq_len)
+    refuse_unsupported(hf, agreed.seq_len, str(base / CONFIG))
+    if not adapter:
+        return agreed
+    settings, _ = peft.read_adapter_dir(path, agreed, arch.model_type)
+    wanted = settings.config()
+    if model.lora is not None and model.lora != wanted:
+        raise WeightsError(f"model.lora={model.lora.model_dump()} in the config, but {path} "
+                           f"holds adapters {wanted.model_dump()}; drop model.lora or make it "
+                           "agree")
+    return agreed.model_copy(update={"lora": wanted})
+
+
+def _adapter_base(path: Path) -> Path:
+    name = peft.base_model_name(path)
+    base = Path(name).expanduser() if name else None
+    if base is not None and not base.is_absolute():
+        base = (path / base) if (path / base).is_dir() else base
+    if base is None or not (base / CONFIG).is_file():
+        raise WeightsError(f"init.from {path}: its base model {name!r} "
+                           "(base_model_name_or_path) is not a local Hugging Face directory; "
+                           "download it and set base_model_name_or_path in adapter_config.json")
+    return base
+
+
+# Fields compared by what they mean: kv_heads None and kv_heads == heads are the same model.
+_EFFECTIVE = {"kv_heads": "kv_key_heads", "head_dim": "attention_head_dim",
+              "mlp_hidden": "hidden", "mlp_ratio": "hidden"}
+
+
+def _agreed(model: TransformerModel, arch: Architecture, source: Path,
+            data_seq_len: int | None) -> TransformerModel:
+    fields = dict(arch.fields)
+    if fields.get("positions") == "rope":  # the context is the run's choice, up to the model's
+        wanted = model.seq_len if "seq_len" in model.model_fields_set else (
+            data_seq_len or min(arch.max_positions or model.seq_len, model.seq_len))
+        if arch.max_positions and wanted > arch.max_positions:
+            raise WeightsError(f"model.seq_len={wanted} is longer than {source / CONFIG}'s "
+                               f"max_position_embeddings {arch.max_positions}; shorten it")
+        fields["seq_len"] = wanted
+    candidate = TransformerModel.model_validate({**model.model_dump(), **fields})
+    for field in sorted(model.model_fields_set & (set(fields) | {"mlp_ratio"})):
+        attr = _EFFECTIVE.get(field, field)
+        mine, theirs = getattr(model, attr), getattr(candidate, attr)
+        if mine != theirs:
+            key = arch.keys.get(field, arch.keys.get("mlp_hidden", field)
+                                if field == "mlp_ratio" else field)
+            raise WeightsError(f"model.{field} gives {attr}={_show(mine)} in the config, but "
+                               f"{source / CONFIG} has {key} {_show(theirs)}; drop model.{field} "
+                               "(config.json gives it) or make it agree")
+    return candidate
+
+
+def _show(value: Any) -> str:
+    return str(value.model_dump()) if hasattr(value, "model_dump") else repr(value)
+
+
+# ---- the params ------------------------------------------------------------------------------
+
+
+def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reader]:
+    """Dotted param name -> a reader of it, for every param the source has; checked against
+    the model's params (``abstract_params``): names, shapes, and no base param missing."""
     path = Path(source).expanduser()
     kind = source_kind(path)
+    shapes = {param_name(p): tuple(a.shape)
+              for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
     if kind == "run":
         from trainrun.checkpointing.reader import latest_params, saved_config
 
         _, params = latest_params(path, saved_config(path))
         found = {param_name(p): np.asarray(x)
                  for p, x in jax.tree_util.tree_leaves_with_path(params)}
-        return _laid_into(fresh, found, str(path))
-    if config.model.kind != "transformer":
-        raise WeightsError(f"init.from {path}: GPT-2 weights need model.kind=transformer "
-                           f"(this run's is {config.model.kind})")
-    if kind == "huggingface":
-        _, tensors = read_model_dir(path)
-        return _from_gpt2(tensors, config.model, fresh)
-    from safetensors.numpy import load_file
-
-    try:
-        tensors = load_file(str(path))
-    except (OSError, ValueError) as err:
-        raise WeightsError(f"cannot read {path}: {err}".replace("\n", " ")) from None
-    if any(name.startswith(PREFIX) or name == "wte.weight" for name in tensors):
-        return _from_gpt2(tensors, config.model, fresh)
-    return _laid_into(fresh, tensors, str(path))
-
-
-def _from_gpt2(tensors: dict[str, np.ndarray], model: TransformerModel,
-               fresh: PyTree) -> PyTree:
-    base = _without_adapters(fresh)
-    loaded = params_from_hf(tensors, model, base)
-    found = {param_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(loaded)}
-    return _laid_into(fresh, found, "the GPT-2 checkpoint")
-
-
-def _without_adapters(tree: PyTree) -> PyTree:
-    if not isinstance(tree, dict):
-        return tree
-    return {k: _without_adapters(v) for k, v in tree.items() if not k.endswith("_lora")}
+        return _checked(_from_arrays(found), _shapes(found), shapes, str(path))
+    if not isinstance(model, TransformerModel):
+        raise WeightsError(f"init.from {path}: Hugging Face weights need "
+                           f"model.kind=transformer (this run's is {model.kind})")
+    cfg = model
+    base_cfg = cfg.model_copy(update={"lora": None})
+    if kind in ("huggingface", "adapter"):
+        base = _adapter_base(path) if kind == "adapter" else path
+        model_type = str(read_config(base).get("model_type"))
+        tensors = Tensors.of(base)
+        out = _from_hf(tensors, base_cfg, model_type, shapes, str(base))
+        if kind == "adapter":
+            _, adapters = peft.read_adapter_dir(path, cfg, model_type)
+            out.update(_checked(_from_arrays(adapters), _shapes(adapters), shapes, str(path),
+                                complete=False))
+        return out
+    tensors = Tensors.of(path)
+    names = tensors.names
+    if any(n.startswith(PREFIX) for n in names):
+        return _from_hf(tensors, base_cfg, "gpt2", shapes, str(path))
+    if "model.embed_tokens.weight" in names:
+        return _from_hf(tensors, base_cfg, "qwen2" if cfg.qkv_bias else LLAMA_FAMILY[0],
+                        shapes, str(path))
+    sizes = {n: tensors.shape(n) for n in names}
+    return _checked({n: _tensor_reader(tensors, Source(n)) for n in names}, sizes, shapes,
+                    str(path))
 
 
-def _laid_into(fresh: PyTree, found: dict[str, np.ndarray], source: str) -> PyTree:
-    """``fresh`` with each param replaced by the source's of the same dotted name."""
-    wanted = {param_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(fresh)}
-    unknown = sorted(set(found) - set(wanted))
+def _from_hf(tensors: Tensors, cfg: TransformerModel, model_type: str,
+             shapes: dict[str, tuple[int, ...]], where: str) -> dict[str, Reader]:
+    wanted = tensor_map(cfg, model_type)
+    unknown = sorted(set(wanted) - set(shapes))
+    if unknown:  # the model lacks a param the layout has (bias, head, positions)
+        raise WeightsError(f"{where} has {wanted[unknown[0]].name}, which this model has no "
+                           f"param for ({unknown[0]}); check the model settings against it")
+    check_tensors(tensors, wanted, shapes, where)
+    found = {param: _tensor_reader(tensors, source) for param, source in wanted.items()}
+    missing = sorted(n for n in set(shapes) - set(found) if ADAPTER not in n)
+    if missing:
+        raise WeightsError(f"{where} has no tensor for param {missing[0]!r} of this model "
+                           f"({len(missing)} such); check the model settings against it")
+    return found
+
+
+def _tensor_reader(tensors: Tensors, source: Source) -> Reader:
+    def read(index: tuple[slice, ...] | None) -> np.ndarray:
+        return read_param(tensors, source, index)
+
+    return read
+
+
+def _array_reader(array: np.ndarray) -> Reader:
+    def read(index: tuple[slice, ...] | None) -> np.ndarray:
+        return np.asarray(array if index is None else array[index])
+
+    return read
+
+
+def _from_arrays(arrays: dict[str, np.ndarray]) -> dict[str, Reader]:
+    return {name: _array_reader(value) for name, value in arrays.items()}
+
+
+def _shapes(arrays: dict[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(np.shape(value)) for name, value in arrays.items()}
+
+
+def _checked(found: dict[str, Reader], sizes: dict[str, tuple[int, ...]],
+             shapes: dict[str, tuple[int, ...]], source: str,
+             complete: bool = True) -> dict[str, Reader]:
+    """``found`` after checking the source's names and ``sizes`` against the model's
+    ``shapes``; ``complete``: every base param must be there (not so for adapters alone)."""
+    unknown = sorted(set(found) - set(shapes))
     if unknown:
         raise WeightsError(f"{source} has param {unknown[0]!r}, which this model does not have "
                            f"({len(unknown)} such); check model settings against the source")
-    missing = sorted(n for n in set(wanted) - set(found) if ADAPTER not in n)
-    if missing:
+    missing = sorted(n for n in set(shapes) - set(found) if ADAPTER not in n)
+    if missing and complete:
         raise WeightsError(f"{source} lacks param {missing[0]!r} of this model "
                            f"({len(missing)} such); check model settings against the source")
-    for name, value in found.items():
-        if tuple(value.shape) != tuple(wanted[name].shape):
-            raise WeightsError(f"param {name!r} has shape {tuple(value.shape)} in {source}; "
-                               f"the model's is {tuple(wanted[name].shape)}")
-
-    def pick(path: tuple[Any, ...], value: Any) -> Any:
-        name = param_name(path)
-        return np.asarray(found[name], np.asarray(value).dtype) if name in found else value
-
-    return jax.tree_util.tree_map_with_path(pick, fresh)
+    for name, shape in sizes.items():
+        if shape != shapes[name]:
+            raise WeightsError(f"param {name!r} has shape {shape} in {source}; the model's is "
+                               f"{shapes[name]}")
+    return found
 
 
-def initial_state(config: RunConfig, fresh: Any, optimizer: Any, policy: Any,
-                  shardings: Any) -> Any:
-    """The state a fresh run starts from under ``config.init`` (``fresh``: the state random
-    init gives, used for its adapters and, with ``load: state``, as the shape to match)."""
+def placed_params(found: dict[str, Reader], model: Model, seed: int, abstract_params: PyTree,
+                  shardings: PyTree | None) -> PyTree:
+    """The model's params, each read from its source straight into its place: every device
+    gets its shard from a read of that slice alone, so the host never holds the whole model
+    beside the device copy. Params the source lacks (LoRA adapters) are the fresh init's, the
+    same bits ``init_state`` draws."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(abstract_params)
+    names = [param_name(p) for p, _ in leaves]
+    placement = (jax.tree.leaves(shardings) if shardings is not None
+                 else [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(names))
+    missing = [n for n in names if n not in found]
+    fresh = _fresh_leaves(model, seed, set(missing),
+                          {n: s for n, s in zip(names, placement, strict=True) if n in missing})
+    out = []
+    for name, (_, abstract), sharding in zip(names, leaves, placement, strict=True):
+        if name in fresh:
+            out.append(fresh[name])
+            continue
+        out.append(jax.make_array_from_callback(abstract.shape, sharding,
+                                                _cast(found[name], abstract.dtype)))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _cast(read: Reader, dtype: Any) -> Reader:
+    return lambda index: np.asarray(read(index), dtype)
+
+
+def _fresh_leaves(model: Model, seed: int, names: set[str],
+                  shardings: dict[str, Any]) -> dict[str, jax.Array]:
+    """The named params of the model's init, computed alone (the rest is dead code to XLA)."""
+    if not names:
+        return {}
+
+    def init() -> dict[str, jax.Array]:
+        params = model.init(root_keys(seed)[0])
+        return {param_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)
+                if param_name(p) in names}
+
+    build = jax.jit(init, out_shardings=shardings)
+    return build.lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
+
+
+def initial_state(config: RunConfig, model: Model, optimizer: Optimizer, policy: Policy,
+                  shardings: TrainState | None, abstract: TrainState) -> TrainState:
+    """The state a fresh run starts from under ``config.init`` (``abstract``: the state's
+    shapes, which a whole state loaded with ``load: state`` must match)."""
     from trainrun.program.state import state_from_params
 
     source = config.init.from_
     if source is None:
         raise ValueError("initial_state starts a run from init.from, which is not set")
     if config.init.load == "params":
-        params = load_params(source, config, jax.device_get(fresh.params))
-        return state_from_params(params, optimizer, config.seed, policy, shardings,
-                                 fresh.model_state)
+        found = readers(source, config.model, abstract.params)
+        params = placed_params(found, model, config.seed, abstract.params,
+                               None if shardings is None else shardings.params)
+        model_state = None
+        if model.init_model_state is not None:
+            model_state = jax.jit(lambda: model.init_model_state(  # type: ignore[misc]
+                root_keys(config.seed)[0]))()
+        return state_from_params(params, optimizer, config.seed, policy, shardings, model_state)
     path = Path(source).expanduser()
     if source_kind(path) != "run":
         raise WeightsError(f"init.load=state needs a trainrun run directory; {path} holds "
@@ -137,7 +351,7 @@ def initial_state(config: RunConfig, fresh: Any, optimizer: Any, policy: Any,
 
     _, state = latest_state(path, saved_config(path))
     have = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), state)
-    want = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), fresh)
+    want = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), abstract)
     # jaxlib ships no type for PyTreeDef, so mypy cannot see its comparison
     fits = jax.tree.structure(have) == jax.tree.structure(want)  # type: ignore[operator]
     if not fits or have != want:

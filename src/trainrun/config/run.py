@@ -151,12 +151,6 @@ def _check_model_and_data(config: RunConfig) -> None:
     """Model and data keys that are each valid but do not fit together."""
     model, data = config.model, config.data
     if model.kind == "transformer":
-        if model.d_model % model.heads:
-            raise ConfigError(f"model.d_model={model.d_model} does not divide into "
-                              f"model.heads={model.heads}; pick heads that divide d_model")
-        if model.positions == "rope" and (model.d_model // model.heads) % 2:
-            raise ConfigError(f"rotary positions need an even head size, got d_model/heads="
-                              f"{model.d_model // model.heads}; change d_model or heads")
         if data.kind in ("regression", "digits"):
             raise ConfigError(f"model.kind=transformer needs token data, not data.kind="
                               f"{data.kind}; use data.kind=text or data.kind=tokens")

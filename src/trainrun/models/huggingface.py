@@ -1,172 +1,530 @@
-"""Weights in and out of Hugging Face's GPT-2 layout: a model directory of ``config.json`` and
-``model.safetensors``, as ``transformers``' ``save_pretrained`` writes it and
-``from_pretrained`` reads it, through ``safetensors``' NumPy API (neither ``transformers`` nor
-PyTorch is imported). The tensor-by-tensor mapping and the transformer config GPT-2 needs:
-docs/internals.md, "GPT-2 weights".
+"""Weights in and out of Hugging Face's layout for the GPT-2 and Llama families (``model_type``
+gpt2, llama, qwen2, mistral): a model directory of ``config.json`` and ``model.safetensors``, or
+of shards listed in ``model.safetensors.index.json``, as ``transformers``' ``save_pretrained``
+writes it and ``from_pretrained`` reads it. Through ``safetensors`` alone: neither
+``transformers`` nor PyTorch is imported.
+
+``config.json`` gives the architecture: every field that changes the maths is either carried
+into the transformer's config or refused on one line. Tensors are read lazily, a slice at a
+time, so a model can be placed shard by shard on a mesh without the host holding it whole. The
+tensor-by-tensor mapping: docs/internals.md, "Hugging Face weights".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trainrun.config import TransformerModel
+from trainrun.config import RopeScaling, TransformerModel
 from trainrun.errors import UserError
 
 PyTree = Any
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
-PREFIX = "transformer."
+WEIGHTS, CONFIG, INDEX = "model.safetensors", "config.json", "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
+PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's names lack it
+LLAMA_FAMILY = ("llama", "qwen2", "mistral")
+MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
+# Files a model directory carries beside its weights, copied by an export from its source.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", GENERATION_CONFIG)
 
 
 class WeightsError(UserError):
     """Weights that do not fit the model; the CLI prints it on one line and exits 2."""
 
 
-def config_from_hf(hf: dict[str, Any]) -> TransformerModel:
-    """The transformer config a GPT-2 ``config.json`` describes."""
-    if hf.get("model_type") != "gpt2":
-        raise WeightsError(f"config.json has model_type {hf.get('model_type')!r}; trainrun reads "
-                           "the GPT-2 family (model_type 'gpt2')")
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise WeightsError(f"activation_function {hf['activation_function']!r} is not GPT-2's "
-                           "tanh GELU (gelu_new), the one trainrun's transformer has")
-    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
-        raise WeightsError("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not "
-                           "supported; export the model without them")
-    d, inner = hf["n_embd"], hf.get("n_inner") or 4 * hf["n_embd"]
-    if inner % d:
-        raise WeightsError(f"n_inner {inner} is not a multiple of n_embd {d}")
-    if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
-        raise WeightsError(f"layer_norm_epsilon {hf['layer_norm_epsilon']} differs from the "
-                           "1e-5 trainrun's layer norms use")
-    return TransformerModel(vocab=hf["vocab_size"], d_model=d, layers=hf["n_layer"],
-                            heads=hf["n_head"], mlp_ratio=inner // d, seq_len=hf["n_positions"],
-                            positions="learned", bias=True,
-                            init_std=hf.get("initializer_range", 0.02))
+# ---- config.json -----------------------------------------------------------------------------
 
 
-def config_to_hf(cfg: TransformerModel) -> dict[str, Any]:
-    """A GPT-2 ``config.json`` for ``cfg`` (which must have GPT-2's layout)."""
-    if cfg.positions != "learned" or not cfg.bias:
-        raise WeightsError("only a transformer with GPT-2's layout exports to it: set "
-                           "model.positions=learned and model.bias=true")
-    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-            "activation_function": "gelu_new", "vocab_size": cfg.vocab, "n_embd": cfg.d_model,
-            "n_layer": cfg.layers, "n_head": cfg.heads, "n_inner": cfg.mlp_ratio * cfg.d_model,
-            "n_positions": cfg.seq_len, "layer_norm_epsilon": 1e-5,
-            "initializer_range": cfg.init_std, "tie_word_embeddings": True,
-            "scale_attn_weights": True, "attn_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
-            "resid_pdrop": cfg.dropout, "bos_token_id": None, "eos_token_id": None}
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What a ``config.json`` says of the model: the transformer's fields it sets, with the
+    config.json key each came from (for messages), and the longest context it was made for."""
+
+    model_type: str
+    fields: dict[str, Any]
+    keys: dict[str, str]
+    max_positions: int
 
 
-def _name_map(cfg: TransformerModel) -> dict[str, tuple[str, ...]]:
-    """GPT-2 tensor name -> trainrun param path; c_attn is handled apart (one tensor, three
-    params)."""
-    names: dict[str, tuple[str, ...]] = {
-        "wte.weight": ("embed", "embedding"), "wpe.weight": ("positions",),
-        "ln_f.weight": ("ln_f", "scale"), "ln_f.bias": ("ln_f", "bias")}
-    for i in range(cfg.layers):
-        block = ("blocks", str(i))
-        for hf, norm in (("ln_1", "ln1"), ("ln_2", "ln2")):
-            names[f"h.{i}.{hf}.weight"] = (*block, norm, "scale")
-            names[f"h.{i}.{hf}.bias"] = (*block, norm, "bias")
-        for hf, ours in (("attn.c_proj", ("attn", "o")), ("mlp.c_fc", ("mlp", "up")),
-                         ("mlp.c_proj", ("mlp", "down"))):
-            names[f"h.{i}.{hf}.weight"] = (*block, *ours, "kernel")
-            names[f"h.{i}.{hf}.bias"] = (*block, *ours, "bias")
+def architecture(hf: dict[str, Any], where: str = CONFIG) -> Architecture:
+    """The transformer a ``config.json`` describes; a field trainrun cannot compute is refused
+    in one line naming it."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise WeightsError(f"{where} has model_type {model_type!r}; trainrun reads "
+                           + ", ".join(MODEL_TYPES))
+    try:
+        return _gpt2(hf) if model_type == "gpt2" else _llama_family(hf, model_type)
+    except KeyError as err:
+        raise WeightsError(f"{where} lacks {err.args[0]!r}, which a {model_type} config.json "
+                           "has; is it complete?") from None
+    except (TypeError, ValueError) as err:
+        raise WeightsError(f"{where} has a value of the wrong type ({err})") from None
+
+
+def _gpt2(hf: dict[str, Any]) -> Architecture:
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise WeightsError(f"activation_function {activation!r} is not GPT-2's tanh GELU "
+                           "(gelu_new), the one trainrun's transformer has")
+    if not hf.get("scale_attn_weights", True):
+        raise WeightsError("scale_attn_weights=false (attention logits not divided by "
+                           "sqrt(head_dim)) is not supported; trainrun's attention scales them")
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(key):
+            raise WeightsError(f"{key}=true is not supported; trainrun's attention has neither")
+    d = int(hf["n_embd"])
+    keys = {"vocab": "vocab_size", "d_model": "n_embd", "layers": "n_layer", "heads": "n_head",
+            "mlp_hidden": "n_inner", "seq_len": "n_positions",
+            "norm_eps": "layer_norm_epsilon", "tie_embeddings": "tie_word_embeddings"}
+    fields = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": int(hf["n_layer"]),
+              "heads": int(hf["n_head"]), "kv_heads": None, "head_dim": None,
+              "mlp": "gelu", "mlp_hidden": int(hf.get("n_inner") or 4 * d),
+              "norm": "layernorm", "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+              "seq_len": int(hf["n_positions"]), "positions": "learned", "bias": True,
+              "qkv_bias": False, "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+              "rope_scaling": None}
+    return Architecture("gpt2", fields, keys, int(hf["n_positions"]))
+
+
+def _llama_family(hf: dict[str, Any], model_type: str) -> Architecture:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise WeightsError(f"hidden_act {hf['hidden_act']!r} is not supported; the Llama "
+                           "family's MLP is SwiGLU (silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise WeightsError(f"{key}=true is not supported: trainrun's Llama-family layers "
+                               "have no such biases (Qwen2's q/k/v biases are)")
+    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or d // heads)
+    theta, scaling = _rope(hf)
+    keys = {"vocab": "vocab_size", "d_model": "hidden_size", "layers": "num_hidden_layers",
+            "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim", "mlp_hidden": "intermediate_size",
+            "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+            "rope_scaling": "rope_scaling", "tie_embeddings": "tie_word_embeddings"}
+    fields = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": int(hf["num_hidden_layers"]),
+              "heads": heads, "kv_heads": kv_heads if kv_heads != heads else None,
+              "head_dim": head_dim if head_dim * heads != d else None,
+              "mlp": "swiglu", "mlp_hidden": int(hf["intermediate_size"]),
+              "norm": "rmsnorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+              "positions": "rope", "rope_theta": theta, "rope_scaling": scaling, "bias": False,
+              "qkv_bias": model_type == "qwen2",
+              "tie_embeddings": bool(hf.get("tie_word_embeddings", model_type == "qwen2"))}
+    return Architecture(model_type, fields, keys, int(hf.get("max_position_embeddings") or 0))
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from ``rope_theta`` and ``rope_scaling`` (the form hub checkpoints
+    carry) or ``rope_parameters`` (the form ``transformers`` 5 writes)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if params and "rope_type" not in params and "type" not in params and "rope_theta" not in params:
+        raise WeightsError("rope_parameters per layer type are not supported; trainrun's "
+                           "layers share one rotary scheme")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("default", None):
+        return theta, None
+    if kind == "linear":
+        return theta, RopeScaling(type="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(
+            type="llama3", factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_positions=int(params["original_max_position_embeddings"]))
+    raise WeightsError(f"rope_scaling type {kind!r} is not supported; trainrun computes "
+                       "default, linear and llama3 rotary frequencies")
+
+
+def refuse_unsupported(hf: dict[str, Any], seq_len: int, where: str = CONFIG) -> None:
+    """What ``config.json`` asks that holds only up to some sequence length: a sliding window
+    (Mistral, Qwen2) shorter than ``seq_len`` would need a banded mask trainrun does not have."""
+    window = hf.get("sliding_window")
+    sliding = (hf.get("model_type") == "mistral"
+               or hf.get("use_sliding_window")
+               or "sliding_attention" in (hf.get("layer_types") or ()))
+    if sliding and window is not None and int(window) < seq_len:
+        raise WeightsError(f"{where} has sliding_window {window}, shorter than the sequence "
+                           f"({seq_len} tokens); trainrun's attention sees the whole sequence: "
+                           f"set model.seq_len and data.seq_len to at most {window}")
+
+
+def config_json(cfg: TransformerModel, model_type: str,
+                source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``config.json`` for ``cfg`` in ``model_type``'s layout. ``source``: the config.json
+    the model was loaded from; its other fields (token ids, context, dtype) are kept."""
+    if model_type == "gpt2":
+        if (cfg.positions != "learned" or not cfg.bias or cfg.norm != "layernorm"
+                or cfg.mlp != "gelu" or cfg.kv_heads not in (None, cfg.heads)
+                or cfg.head_dim not in (None, cfg.d_model // cfg.heads)):
+            raise WeightsError("only a transformer with GPT-2's layout exports as gpt2 "
+                               "(positions=learned, bias=true, layernorm, gelu MLP, one key/value "
+                               "head per head)")
+        out = {**(source or {}), "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+               "activation_function": "gelu_new", "vocab_size": cfg.vocab,
+               "n_embd": cfg.d_model, "n_layer": cfg.layers, "n_head": cfg.heads,
+               "n_inner": cfg.hidden, "n_positions": cfg.seq_len,
+               "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std,
+               "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True}
+        out.setdefault("bos_token_id", None)
+        out.setdefault("eos_token_id", None)
+        return out
+    if (cfg.positions != "rope" or cfg.bias or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu"
+            or cfg.qkv_bias != (model_type == "qwen2")):
+        qkv = "with" if model_type == "qwen2" else "without"
+        raise WeightsError(f"only a transformer with the {model_type} layout exports as "
+                           f"{model_type} (positions=rope, rmsnorm, swiglu MLP, no biases but "
+                           f"{qkv} q/k/v biases)")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.type == "linear":
+        rope = {**rope, "rope_type": "linear", "factor": scaling.factor}
+    elif scaling is not None:
+        rope = {**rope, "rope_type": "llama3", "factor": scaling.factor,
+                "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_positions}
+    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "mistral": "MistralForCausalLM"}[model_type]
+    out = {k: v for k, v in (source or {}).items() if k not in ("rope_scaling", "rope_theta")}
+    out.update({
+        "model_type": model_type, "architectures": [architectures], "hidden_act": "silu",
+        "vocab_size": cfg.vocab, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_key_heads,
+        "head_dim": cfg.attention_head_dim, "intermediate_size": cfg.hidden,
+        "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+        "attention_bias": False, "mlp_bias": False})
+    out["max_position_embeddings"] = max(int(out.get("max_position_embeddings") or 0),
+                                         cfg.seq_len)
+    if scaling is not None:  # hub checkpoints' key, read by older transformers
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if model_type != "mistral":
+        out.pop("sliding_window", None)
+    return out
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A model directory's ``config.json`` as a dict; unreadable is one line."""
+    file = path / CONFIG
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise WeightsError(f"cannot read {file}: {err}".replace("\n", " ")) from None
+    if not isinstance(hf, dict):
+        raise WeightsError(f"{file} is not a JSON object; is it a Hugging Face config.json?")
+    return hf
+
+
+# ---- tensors ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a param comes from in Hugging Face's tensors: ``name``, transposed (a ``Linear``'s
+    ``[out, in]`` weight), and for GPT-2's fused q/k/v the range of its last axis."""
+
+    name: str
+    transpose: bool = False
+    span: tuple[int, int] | None = None
+
+
+def tensor_map(cfg: TransformerModel, model_type: str) -> dict[str, Source]:
+    """trainrun's dotted param name -> its Hugging Face source, for every base param (LoRA
+    adapters have none: ``peft.py``)."""
+    names: dict[str, Source] = {}
+    if model_type == "gpt2":
+        d = cfg.d_model
+        names["embed.embedding"] = Source(PREFIX + "wte.weight")
+        names["positions"] = Source(PREFIX + "wpe.weight")
+        names["ln_f.scale"], names["ln_f.bias"] = (Source(f"{PREFIX}ln_f.{p}")
+                                                   for p in ("weight", "bias"))
+        for i in range(cfg.layers):
+            hf, ours = f"{PREFIX}h.{i}.", f"blocks.{i}."
+            for theirs, norm in (("ln_1", "ln1"), ("ln_2", "ln2")):
+                names[f"{ours}{norm}.scale"] = Source(f"{hf}{theirs}.weight")
+                names[f"{ours}{norm}.bias"] = Source(f"{hf}{theirs}.bias")
+            for j, proj in enumerate("qkv"):
+                span = (j * d, (j + 1) * d)
+                names[f"{ours}attn.{proj}.kernel"] = Source(f"{hf}attn.c_attn.weight", span=span)
+                names[f"{ours}attn.{proj}.bias"] = Source(f"{hf}attn.c_attn.bias", span=span)
+            for theirs, layer in (("attn.c_proj", "attn.o"), ("mlp.c_fc", "mlp.up"),
+                                  ("mlp.c_proj", "mlp.down")):
+                names[f"{ours}{layer}.kernel"] = Source(f"{hf}{theirs}.weight")
+                names[f"{ours}{layer}.bias"] = Source(f"{hf}{theirs}.bias")
+    else:
+        names["embed.embedding"] = Source("model.embed_tokens.weight")
+        names["ln_f.scale"] = Source("model.norm.weight")
+        for i in range(cfg.layers):
+            hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+            names[f"{ours}ln1.scale"] = Source(f"{hf}input_layernorm.weight")
+            names[f"{ours}ln2.scale"] = Source(f"{hf}post_attention_layernorm.weight")
+            for proj in "qkvo":
+                names[f"{ours}attn.{proj}.kernel"] = Source(f"{hf}self_attn.{proj}_proj.weight",
+                                                            transpose=True)
+            if cfg.qkv_bias:
+                for proj in "qkv":
+                    names[f"{ours}attn.{proj}.bias"] = Source(f"{hf}self_attn.{proj}_proj.bias")
+            for proj in ("gate", "up", "down"):
+                names[f"{ours}mlp.{proj}.kernel"] = Source(f"{hf}mlp.{proj}_proj.weight",
+                                                           transpose=True)
+    if not cfg.tie_embeddings:
+        names["head"] = Source("lm_head.weight")
     return names
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], cfg: TransformerModel,
-                   template: PyTree) -> PyTree:
-    """trainrun params (a pure dict shaped like ``template``) from GPT-2's tensors. A missing or
-    unexpected name, or a shape that differs, raises ``WeightsError`` naming the tensor."""
-    tensors = {k.removeprefix(PREFIX): v for k, v in tensors.items()
-               if k.removeprefix(PREFIX) != "lm_head.weight"}  # tied to wte when present
-    wanted = _name_map(cfg)
-    attn = {f"h.{i}.attn.c_attn.{kind}" for i in range(cfg.layers) for kind in ("weight", "bias")}
-    unexpected = sorted(set(tensors) - set(wanted) - attn)
-    if unexpected:
-        raise WeightsError(f"tensor {unexpected[0]!r} has no place in the model "
-                           f"({len(unexpected)} such); is it a GPT-2 checkpoint of this config?")
-    params = _copy(template)
-    for name, path in wanted.items():
-        _set(params, path, _take(tensors, name, _get(template, path).shape))
-    d = cfg.d_model
-    for i in range(cfg.layers):
-        weight = _take(tensors, f"h.{i}.attn.c_attn.weight", (d, 3 * d))
-        bias = _take(tensors, f"h.{i}.attn.c_attn.bias", (3 * d,))
-        for j, proj in enumerate("qkv"):
-            _set(params, ("blocks", str(i), "attn", proj, "kernel"), weight[:, j * d:(j + 1) * d])
-            _set(params, ("blocks", str(i), "attn", proj, "bias"), bias[j * d:(j + 1) * d])
-    return params
+class Tensors:
+    """The tensors of a model directory or a ``.safetensors`` file, read lazily: a tensor, or a
+    slice of one, is read from its file when asked for, as float32 (bfloat16 and float16 files
+    included). Names of GPT-2 files saved without the ``transformer.`` prefix are given it."""
+
+    def __init__(self, files: dict[str, Path]):
+        self._file_of = files  # tensor name as stored -> its file
+        self._names: dict[str, str] = {}  # name as asked -> as stored
+        gpt2_body = not any(n.startswith(PREFIX) for n in files) and any(
+            n.startswith("h.") or n == "wte.weight" for n in files)
+        for name in files:
+            self._names[PREFIX + name if gpt2_body and name != "lm_head.weight" else name] = name
+        self._open: dict[tuple[Path, str], Any] = {}
+
+    @classmethod
+    def of(cls, path: Path) -> Tensors:
+        """The tensors of a ``.safetensors`` file, or of a model directory (one file, or the
+        shards its ``model.safetensors.index.json`` lists)."""
+        if path.is_file():
+            return cls({name: path for name in _names_in(path)})
+        index = path / INDEX
+        if (path / WEIGHTS).is_file():
+            return cls({name: path / WEIGHTS for name in _names_in(path / WEIGHTS)})
+        if not index.is_file():
+            raise WeightsError(f"{path} has neither {WEIGHTS} nor {INDEX}; save the model with "
+                               "save_pretrained (safetensors)")
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {str(name): path / str(file) for name, file in weight_map.items()}
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            raise WeightsError(f"{index} is not a safetensors index (a JSON object with a "
+                               "weight_map); save the model again") from None
+        for file in sorted(set(files.values())):
+            if file.parent != path or not file.is_file():
+                raise WeightsError(f"{index} lists {file.name}, which is not in {path}; the "
+                                   "download is incomplete")
+            stored = set(_names_in(file))
+            listed = {n for n, f in files.items() if f == file}
+            if listed - stored:
+                raise WeightsError(f"{file.name} lacks tensor {sorted(listed - stored)[0]!r} "
+                                   f"that {INDEX} places there; the download is incomplete")
+        return cls(files)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """``name``'s values (``index``: a slice of them) as float32."""
+        part = self._slice(name)
+        try:
+            if part.get_dtype() == "BF16":  # numpy has no bfloat16: read through JAX on the host
+                import jax
+
+                with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                    value = np.asarray(self._handle(name, "flax").get_slice(
+                        self._names[name])[index or ...])
+            else:
+                value = part[index or ...]
+        except Exception as err:  # safetensors' own error types are not importable from numpy
+            raise WeightsError(f"cannot read tensor {name} from {self._file(name)}: {err}"
+                               .replace("\n", " ")) from None
+        return np.asarray(value, np.float32)
+
+    def _file(self, name: str) -> Path:
+        return self._file_of[self._names[name]]
+
+    def _slice(self, name: str) -> Any:
+        return self._handle(name, "numpy").get_slice(self._names[name])
+
+    def _handle(self, name: str, framework: str) -> Any:
+        from safetensors import safe_open
+
+        file = self._file(name)
+        key = (file, framework)
+        if key not in self._open:
+            try:
+                self._open[key] = safe_open(str(file), framework=framework)
+            except Exception as err:
+                raise WeightsError(f"cannot read {file}: {err}".replace("\n", " ")) from None
+        return self._open[key]
 
 
-def params_to_hf(params: PyTree, cfg: TransformerModel) -> dict[str, np.ndarray]:
-    """GPT-2's tensors (float32, ``transformer.`` prefixed) from trainrun params."""
-    out = {PREFIX + name: np.asarray(_get(params, path), np.float32)
-           for name, path in _name_map(cfg).items()}
-    for i in range(cfg.layers):
-        attn = params["blocks"][str(i)]["attn"]
-        out[f"{PREFIX}h.{i}.attn.c_attn.weight"] = np.concatenate(
-            [np.asarray(attn[p]["kernel"], np.float32) for p in "qkv"], axis=1)
-        out[f"{PREFIX}h.{i}.attn.c_attn.bias"] = np.concatenate(
-            [np.asarray(attn[p]["bias"], np.float32) for p in "qkv"])
-    return {name: np.ascontiguousarray(value) for name, value in out.items()}
+def _names_in(file: Path) -> list[str]:
+    from safetensors import safe_open
 
-
-def read_model_dir(path: Path) -> tuple[TransformerModel, dict[str, np.ndarray]]:
-    """(config, tensors) of a Hugging Face GPT-2 model directory."""
-    from safetensors.numpy import load_file
-
-    config_file, weights_file = path / CONFIG, path / WEIGHTS
-    for needed in (config_file, weights_file):
-        if not needed.is_file():
-            raise WeightsError(f"{path} is not a Hugging Face model directory: {needed.name} is "
-                               "missing (save_pretrained writes config.json and "
-                               "model.safetensors)")
     try:
-        hf = json.loads(config_file.read_text())
-        tensors = load_file(str(weights_file))
-    except (ValueError, OSError) as err:
-        raise WeightsError(f"cannot read {path}: {err}".replace("\n", " ")) from None
-    return config_from_hf(hf), tensors
+        with safe_open(str(file), framework="numpy") as f:
+            return list(f.keys())
+    except Exception as err:  # SafetensorError: truncated, not safetensors, unreadable
+        raise WeightsError(f"cannot read {file}: {err}; is the file complete?"
+                           .replace("\n", " ")) from None
 
 
-def write_model_dir(params: PyTree, cfg: TransformerModel, path: Path) -> Path:
-    """``config.json`` and ``model.safetensors`` that ``transformers`` loads as GPT2LMHeadModel."""
-    from safetensors.numpy import save_file
+def check_tensors(tensors: Tensors, wanted: dict[str, Source], shapes: dict[str, tuple[int, ...]],
+                  where: str) -> None:
+    """Every source tensor present and of the shape its params need, and none left over (a
+    tied head's copy of the embedding excepted)."""
+    needed: dict[str, tuple[int, ...]] = {}
+    for param, source in wanted.items():
+        shape = shapes[param]
+        full = shape[::-1] if source.transpose else shape
+        if source.span is not None:  # GPT-2's fused q/k/v: three params side by side
+            full = (*full[:-1], 3 * full[-1])
+        needed[source.name] = full
+    leftover = sorted(tensors.names - set(needed) - {"lm_head.weight"}  # tied: a copy
+                      - {n for n in tensors.names if n.endswith(".attn.bias")
+                         or n.endswith(".attn.masked_bias")})  # GPT-2's causal-mask buffers
+    if leftover:
+        raise WeightsError(f"tensor {leftover[0]!r} in {where} has no place in the model "
+                           f"({len(leftover)} such); does config.json match the weights?")
+    for name, shape in needed.items():
+        if name not in tensors.names:
+            raise WeightsError(f"tensor {name} is missing from {where}")
+        if tensors.shape(name) != shape:
+            raise WeightsError(f"tensor {name} has shape {tensors.shape(name)} in {where}; the "
+                               f"model needs {shape} (does config.json match the weights?)")
 
+
+def read_param(tensors: Tensors, source: Source,
+               index: tuple[slice, ...] | None = None) -> np.ndarray:
+    """The param ``source`` gives (``index``: the part of it in trainrun's layout), float32."""
+    if source.span is not None:  # GPT-2's fused q/k/v: this param's columns of it
+        lo, hi = source.span
+        index = index or (slice(None),) * len(tensors.shape(source.name))
+        start, stop, _ = index[-1].indices(hi - lo)
+        index = (*index[:-1], slice(lo + start, lo + stop))
+    elif index is not None and source.transpose:
+        index = index[::-1]
+    value = tensors.read(source.name, index)
+    return value.T if source.transpose else value
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def hf_tensors(params: dict[str, np.ndarray], cfg: TransformerModel,
+               model_type: str) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, float32 tensor)`` in Hugging Face's layout from trainrun's dotted params."""
+    fused: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for param, source in tensor_map(cfg, model_type).items():
+        value = np.asarray(params[param], np.float32)
+        if source.span is not None:
+            fused.setdefault(source.name, []).append((source.span[0], value))
+            continue
+        yield source.name, np.ascontiguousarray(value.T if source.transpose else value)
+    for name, parts in fused.items():
+        yield name, np.ascontiguousarray(np.concatenate(
+            [v for _, v in sorted(parts, key=lambda p: p[0])], axis=-1))
+
+
+def write_weights(tensors: Iterator[tuple[str, np.ndarray]], path: Path, *,
+                  dtype: str = "float32", shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Tensors as ``model.safetensors``, or as shards of at most ``shard_bytes`` with
+    ``model.safetensors.index.json`` where they need more than one, one shard in memory at a
+    time. ``dtype``: float32, bfloat16 or float16."""
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    shard: dict[str, np.ndarray] = {}
+    written: list[tuple[Path, list[str]]] = []
+    total = size = 0
+    for name, value in tensors:
+        nbytes = value.size * itemsize
+        if shard and size + nbytes > shard_bytes:
+            written.append((_write_shard(shard, path / f".shard-{len(written)}", dtype),
+                            list(shard)))
+            shard, size = {}, 0
+        shard[name] = value
+        size += nbytes
+        total += nbytes
+    written.append((_write_shard(shard, path / f".shard-{len(written)}", dtype), list(shard)))
+    if len(written) == 1:
+        return [written[0][0].rename(path / WEIGHTS)]
+    files, weight_map = [], {}
+    for i, (file, names) in enumerate(written):
+        final = file.rename(path / f"model-{i + 1:05d}-of-{len(written):05d}.safetensors")
+        files.append(final)
+        weight_map.update(dict.fromkeys(names, final.name))
+    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                          "weight_map": dict(sorted(weight_map.items()))},
+                                         indent=2) + "\n")
+    return files
+
+
+def write_model_dir(params: PyTree, cfg: TransformerModel, path: Path, *, model_type: str,
+                    source: dict[str, Any] | None = None, dtype: str = "float32",
+                    shard_bytes: int = 5 * 2**30) -> Path:
+    """``config.json`` and the weights (sharded above ``shard_bytes``) of ``params`` (a nested
+    dict, without adapters) in ``model_type``'s layout, which ``transformers`` loads with
+    ``from_pretrained``. ``source``: the config.json the model came from (kept fields)."""
+    hf = config_json(cfg, model_type, source)
+    hf["dtype"] = dtype
+    hf.pop("torch_dtype", None)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(params_to_hf(params, cfg), str(path / WEIGHTS), metadata={"format": "pt"})
-    (path / CONFIG).write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    write_weights(hf_tensors(dotted(params), cfg, model_type), path, dtype=dtype,
+                  shard_bytes=shard_bytes)
+    (path / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
     return path
 
 
-def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
-    if name not in tensors:
-        raise WeightsError(f"tensor {PREFIX}{name} is missing from the checkpoint")
-    value = tensors[name]
-    if tuple(value.shape) != tuple(shape):
-        raise WeightsError(f"tensor {PREFIX}{name} has shape {tuple(value.shape)}; the model's "
-                           f"param has {tuple(shape)} (does config.json match the weights?)")
-    return value
+def dotted(tree: PyTree, prefix: str = "") -> dict[str, np.ndarray]:
+    """A nested dict of arrays as ``{"blocks.0.attn.q.kernel": array, ...}``."""
+    if not isinstance(tree, dict):
+        return {prefix: np.asarray(tree)}
+    out: dict[str, np.ndarray] = {}
+    for key, value in tree.items():
+        out.update(dotted(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
 
 
-def _get(tree: PyTree, path: tuple[str, ...]) -> Any:
-    for part in path:
-        tree = tree[part]
-    return tree
+def model_type_of(cfg: TransformerModel) -> str:
+    """The Hugging Face family a transformer's layout is (for a model that came from none)."""
+    if cfg.positions == "learned":
+        return "gpt2"
+    return "qwen2" if cfg.qkv_bias else "llama"
 
 
-def _set(tree: PyTree, path: tuple[str, ...], value: np.ndarray) -> None:
-    for part in path[:-1]:
-        tree = tree[part]
-    tree[path[-1]] = np.asarray(value, np.float32)
+def _write_shard(tensors: dict[str, np.ndarray], file: Path, dtype: str) -> Path:
+    if dtype == "float32":
+        from safetensors.numpy import save_file
+
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        return file
+    import jax
+    import jax.numpy as jnp
+    from safetensors.flax import save_file as save_arrays
+
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        save_arrays({n: jnp.asarray(v, dtype) for n, v in tensors.items()}, str(file),
+                    metadata={"format": "pt"})
+    return file
 
 
-def _copy(tree: PyTree) -> PyTree:
-    return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+def parse_size(text: str) -> int:
+    """A size as bytes: a number with an optional unit (KB, MB, GB, TB; KiB, MiB, ...)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    if not match:
+        raise WeightsError(f"shard size {text!r} is not a size; give e.g. 5GB or 500MB")
+    number, unit = float(match.group(1)), match.group(2).rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    power = " KMGT".index(unit[:1] or " ")
+    return max(1, math.floor(number * base ** power))

@@ -1,17 +1,21 @@
-"""A decoder-only transformer language model, GPT-style, as a Flax NNX module.
+"""A decoder-only transformer language model as a Flax NNX module: GPT-2's layout and the
+Llama family's (Llama, Qwen2, Mistral) from one set of blocks.
 
     tokens ─► embed (+ learned positions) ─► dropout
-           ─► L x [ x + drop(attn(LN(x)))  ;  x + drop(mlp(LN(x))) ]      pre-LayerNorm
-           ─► LN ─► logits = x @ embed.T                                   tied embeddings
+           ─► L x [ x + drop(attn(norm(x)))  ;  x + drop(mlp(norm(x))) ]     pre-norm
+           ─► norm ─► logits = x @ head.T          head: the embedding table, or its own
 
-Causal attention, rotary or learned positions, dropout from the step key; the same blocks run
-with a key/value cache for decoding (``prefill`` / ``decode``). Written for XLA:CPU's speed
-without changing the maths, each param naming its dimensions for the sharding rules:
-docs/internals.md, "The transformer".
+norm: LayerNorm or RMSNorm; mlp: GELU, or SwiGLU (``down(silu(gate(x)) * up(x))``); attention:
+causal, with as many key/value heads as query heads or fewer (grouped-query), rotary positions
+(base ``rope_theta``, optionally scaled) or learned ones. Dropout comes from the step key; the
+same blocks run with a key/value cache for decoding (``prefill`` / ``decode``). Written for
+XLA:CPU's speed without changing the maths, each param naming its dimensions for the sharding
+rules: docs/internals.md, "The transformer".
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -20,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trainrun.config import LoraConfig, TransformerModel
+from trainrun.config import LoraConfig, RopeScaling, TransformerModel
 from trainrun.models.adapters import Model, bind_params, from_nnx
 from trainrun.models.losses import LN2, next_token_from_features, tied_head_logits
 from trainrun.models.matmul import float32_dot
@@ -29,7 +33,7 @@ PyTree = Any
 
 
 class KV(NamedTuple):
-    """One layer's key/value cache: ``[batch, max_len, heads, head_dim]`` each."""
+    """One layer's key/value cache: ``[batch, max_len, kv_heads, head_dim]`` each."""
 
     k: jax.Array
     v: jax.Array
@@ -43,9 +47,9 @@ class Rope(NamedTuple):
     cos: jax.Array | np.ndarray
 
     @classmethod
-    def at(cls, positions: jax.Array, head_dim: int, base: float = 10_000.0) -> Rope:
-        freqs = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-        angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]
+    def at(cls, positions: jax.Array, freqs: np.ndarray) -> Rope:
+        """The angles ``position x frequency`` (``freqs``: ``rotary_frequencies``)."""
+        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(freqs)[None, :]
         return cls(jnp.sin(angles), jnp.cos(angles))
 
     def apply(self, x: jax.Array) -> jax.Array:  # x: [batch, chunk, heads, head_dim]
@@ -56,6 +60,32 @@ class Rope(NamedTuple):
         # [chunk, half] tables, or [batch, chunk, half] for per-token positions (packed rows).
         sin, cos = (jnp.asarray(t, x.dtype)[..., None, :] for t in (self.sin, self.cos))
         return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+@functools.lru_cache(maxsize=16)
+def rotary_frequencies(head_dim: int, theta: float = 10_000.0,
+                       scaling: RopeScaling | None = None) -> np.ndarray:
+    """The ``head_dim // 2`` rotary frequencies ``theta ** (-2i / head_dim)`` (float32), as
+    ``scaling`` stretches them: ``linear`` divides all by its factor; ``llama3`` divides those
+    whose wavelength exceeds ``original_max_positions / low_freq_factor``, keeps those under
+    ``original_max_positions / high_freq_factor`` and blends linearly in wavelength between
+    (Llama 3.1's rule, as ``transformers`` computes it)."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+    freqs = freqs.astype(np.float32)
+    if scaling is None:
+        return freqs
+    if scaling.type == "linear":
+        return (freqs / np.float32(scaling.factor)).astype(np.float32)
+    old = scaling.original_max_positions
+    wavelength = 2 * math.pi / freqs
+    low_wavelength = old / scaling.low_freq_factor  # longer than this: slowed by factor
+    high_wavelength = old / scaling.high_freq_factor  # shorter than this: kept
+    scaled = np.where(wavelength > low_wavelength, freqs / scaling.factor, freqs)
+    smooth = ((old / wavelength - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    between = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
+    return np.where(between, blended, scaled).astype(np.float32)
 
 
 ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (docs/internals.md)
@@ -132,33 +162,40 @@ class LoRA(nnx.Module):
 def _adapter(name: str, d_in: int, d_out: int, axes: tuple[str, str], cfg: TransformerModel,
              rngs: nnx.Rngs) -> LoRA | None:
     return (LoRA(d_in, d_out, cfg.lora, axes, rngs)
-            if cfg.lora is not None and name in cfg.lora.targets else None)
+            if cfg.lora is not None and name in cfg.adapted else None)
 
 
 def _project(layer: nnx.Linear, adapter: LoRA | None, x: jax.Array) -> jax.Array:
     return layer(x) if adapter is None else layer(x) + adapter(x)
 
 
-def _layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs, scale_metadata={"axes": ("embed",)},
-                         bias_metadata={"axes": ("embed",)})
+def _norm(cfg: TransformerModel, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm:
+    if cfg.norm == "rmsnorm":
+        return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs,
+                           scale_metadata={"axes": ("embed",)})
+    return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs,
+                         scale_metadata={"axes": ("embed",)}, bias_metadata={"axes": ("embed",)})
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
         d, std = cfg.d_model, cfg.init_std
-        self.heads = cfg.heads
-        self.q = _linear(d, d, ("embed", "heads"), std, rngs, cfg.bias)
-        self.k = _linear(d, d, ("embed", "heads"), std, rngs, cfg.bias)
-        self.v = _linear(d, d, ("embed", "heads"), std, rngs, cfg.bias)
+        self.heads, self.kv_heads = cfg.heads, cfg.kv_key_heads
+        self.head_dim = cfg.attention_head_dim
+        inner, kv_inner = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.q = _linear(d, inner, ("embed", "heads"), std, rngs, qkv_bias)
+        self.k = _linear(d, kv_inner, ("embed", "heads"), std, rngs, qkv_bias)
+        self.v = _linear(d, kv_inner, ("embed", "heads"), std, rngs, qkv_bias)
         # Residual projections start smaller, so the residual stream's variance does not grow
         # with depth (GPT-2).
-        self.o = _linear(d, d, ("heads", "embed"), std / math.sqrt(2 * cfg.layers), rngs,
+        self.o = _linear(inner, d, ("heads", "embed"), std / math.sqrt(2 * cfg.layers), rngs,
                          cfg.bias)
         # Created after the base layers, so a model without adapters draws the same init.
-        self.q_lora, self.k_lora, self.v_lora = (
-            _adapter(name, d, d, ("embed", "heads"), cfg, rngs) for name in "qkv")
-        self.o_lora = _adapter("o", d, d, ("heads", "embed"), cfg, rngs)
+        self.q_lora = _adapter("q", d, inner, ("embed", "heads"), cfg, rngs)
+        self.k_lora, self.v_lora = (_adapter(name, d, kv_inner, ("embed", "heads"), cfg, rngs)
+                                    for name in "kv")
+        self.o_lora = _adapter("o", inner, d, ("heads", "embed"), cfg, rngs)
 
     def __call__(self, x: jax.Array, rope: Rope | None, cache: KV | None = None,
                  pos: jax.Array | int = 0,
@@ -169,44 +206,60 @@ class Attention(nnx.Module):
         cached position up to its own."""
         b, c, d = x.shape
         rows = x.reshape(b * c, d)  # 2-D matmuls: see MLP.__call__
-        q, k, v = (_project(proj, adapter, rows).reshape(b, c, self.heads, d // self.heads)
-                   for proj, adapter in ((self.q, self.q_lora), (self.k, self.k_lora),
-                                         (self.v, self.v_lora)))
+        q, k, v = (_project(proj, adapter, rows).reshape(b, c, heads, self.head_dim)
+                   for proj, adapter, heads in ((self.q, self.q_lora, self.heads),
+                                                (self.k, self.k_lora, self.kv_heads),
+                                                (self.v, self.v_lora, self.kv_heads)))
         if rope is not None:
             q, k = rope.apply(q), rope.apply(k)
         if cache is None:
+            group = self.heads // self.kv_heads  # query heads sharing a key/value head
+            if group > 1:
+                k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
             y = causal_attention(q, k, v, segments)
         else:
             cache = KV(jax.lax.dynamic_update_slice(cache.k, k, (0, pos, 0, 0)),
                        jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
             visible = jnp.arange(cache.k.shape[1])[None, :] <= pos + jnp.arange(c)[:, None]
+            # grouped-query attention as dot_product_attention takes it: fewer key/value heads
             y = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=visible[None, None])
-        return _project(self.o, self.o_lora, y.reshape(b * c, d)).reshape(b, c, d), cache
+        y = y.reshape(b * c, self.heads * self.head_dim)
+        return _project(self.o, self.o_lora, y).reshape(b, c, d), cache
 
 
 class MLP(nnx.Module):
+    """GELU (``down(gelu(up(x)))``) or SwiGLU (``down(silu(gate(x)) * up(x))``)."""
+
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
-        d, hidden = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+        d, hidden = cfg.d_model, cfg.hidden
+        self.gated = cfg.mlp == "swiglu"
         self.up = _linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, cfg.bias)
         self.down = _linear(hidden, d, ("mlp", "embed"),
                             cfg.init_std / math.sqrt(2 * cfg.layers), rngs, cfg.bias)
+        self.gate = (_linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, cfg.bias)
+                     if self.gated else None)
         self.up_lora = _adapter("up", d, hidden, ("embed", "mlp"), cfg, rngs)
         self.down_lora = _adapter("down", hidden, d, ("mlp", "embed"), cfg, rngs)
+        self.gate_lora = _adapter("gate", d, hidden, ("embed", "mlp"), cfg, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # On [tokens, d_model] rows rather than [batch, seq, d_model]: the weight gradients are
         # then plain 2-D matmuls, where XLA:CPU would otherwise write the GELU gradient
         # transposed for them (a strided pass over the 4 x d_model wide activations).
         rows = x.reshape(-1, x.shape[-1])
-        hidden = jax.nn.gelu(_project(self.up, self.up_lora, rows), approximate=True)
+        if self.gate is not None:
+            hidden = (jax.nn.silu(_project(self.gate, self.gate_lora, rows))
+                      * _project(self.up, self.up_lora, rows))
+        else:
+            hidden = jax.nn.gelu(_project(self.up, self.up_lora, rows), approximate=True)
         return _project(self.down, self.down_lora, hidden).reshape(x.shape)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
-        self.ln1 = _layer_norm(cfg.d_model, rngs)
+        self.ln1 = _norm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
-        self.ln2 = _layer_norm(cfg.d_model, rngs)
+        self.ln2 = _norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
 
@@ -236,8 +289,9 @@ REMAT_POLICIES = {
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
-        self.layers, self.heads = cfg.layers, cfg.heads
-        self.head_dim = cfg.d_model // cfg.heads
+        self.layers, self.kv_heads = cfg.layers, cfg.kv_key_heads
+        self.head_dim = cfg.attention_head_dim
+        self.rotary = (self.head_dim, cfg.rope_theta, cfg.rope_scaling)  # rotary_frequencies
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs,
                                embedding_init=nnx.initializers.normal(cfg.init_std),
@@ -246,8 +300,17 @@ class Transformer(nnx.Module):
             rngs.params(), (cfg.seq_len, cfg.d_model)), axes=(None, "embed"))
             if cfg.positions == "learned" else None)
         self.blocks = nnx.Dict({f"{i}": Block(cfg, rngs) for i in range(cfg.layers)})
-        self.ln_f = _layer_norm(cfg.d_model, rngs)
+        self.ln_f = _norm(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
+        # An output head of its own, [vocab, d_model] as the embedding table (and as
+        # transformers stores lm_head); created last, so a tied model draws the same init.
+        self.head = (None if cfg.tie_embeddings else nnx.Param(
+            nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab, cfg.d_model)),
+            axes=("vocab", "embed")))
+
+    def head_table(self) -> jax.Array:
+        """The ``[vocab, d_model]`` table the final features are multiplied by."""
+        return self.embed.embedding[...] if self.head is None else self.head[...]
 
     def __call__(self, tokens: jax.Array, key: jax.Array | None = None,
                  cache: list[KV] | None = None,
@@ -257,7 +320,7 @@ class Transformer(nnx.Module):
         ``KV`` per layer for decoding, returned updated; None for training."""
         batch, chunk = tokens.shape
         x, new_cache = self.features(tokens, key, cache, pos)
-        logits = tied_head_logits(x, self.embed.embedding[...])
+        logits = tied_head_logits(x, self.head_table())
         return logits.reshape(batch, chunk, -1), new_cache
 
     def features(self, tokens: jax.Array, key: jax.Array | None = None,
@@ -265,8 +328,8 @@ class Transformer(nnx.Module):
                  segments: jax.Array | None = None,
                  segment_positions: jax.Array | None = None,
                  ) -> tuple[jax.Array, list[KV] | None]:
-        """The final layer norm's output ``[batch * chunk, d_model]``, in the params' dtype:
-        what the tied output head multiplies by the embedding table.
+        """The final norm's output ``[batch * chunk, d_model]``, in the params' dtype: what the
+        output head multiplies by its table (``head_table``).
 
         segments, segment_positions: ``[batch, chunk]`` for rows of packed documents: each
         token's document (attention stays inside it) and its position there (``< chunk``)."""
@@ -282,7 +345,7 @@ class Transformer(nnx.Module):
             # constant (see below), gathered per token.
             if self.positions is None:
                 with jax.ensure_compile_time_eval():
-                    angles = Rope.at(jnp.arange(chunk), self.head_dim)
+                    angles = Rope.at(jnp.arange(chunk), rotary_frequencies(*self.rotary))
                 rope = Rope(*(jnp.take(np.asarray(t), segment_positions, axis=0)
                               for t in angles))
             else:
@@ -293,10 +356,10 @@ class Transformer(nnx.Module):
             # again for every element they scale (BENCHMARKS.md, "The byte LM against PyTorch
             # on CPU": the rotary table computed in the step).
             with jax.ensure_compile_time_eval():
-                angles = Rope.at(pos + jnp.arange(chunk), self.head_dim)
+                angles = Rope.at(pos + jnp.arange(chunk), rotary_frequencies(*self.rotary))
             rope = Rope(*(np.asarray(t) for t in angles))
         elif self.positions is None:
-            rope = Rope.at(positions, self.head_dim)
+            rope = Rope.at(positions, rotary_frequencies(*self.rotary))
         else:
             x = x + jnp.take(self.positions[...], positions, axis=0)[None].astype(x.dtype)
         x = _dropout(self.drop, x, key, 0)
@@ -345,7 +408,7 @@ class Transformer(nnx.Module):
         return x
 
     def empty_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> list[KV]:
-        shape = (batch, max_len, self.heads, self.head_dim)
+        shape = (batch, max_len, self.kv_heads, self.head_dim)
         return [KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.layers)]
 
 
@@ -364,14 +427,14 @@ def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | 
     if "segment_ids" not in batch:
         features, _ = module.features(tokens[:, :-1], key)
         unit = "bits_per_byte" if tokens.dtype == jnp.uint8 else "bits_per_token"
-        return next_token_from_features(features, module.embed.embedding[...],
+        return next_token_from_features(features, module.head_table(),
                                         tokens[:, 1:].reshape(-1), chunk, unit)
     segments = batch["segment_ids"].astype(jnp.int32)
     inputs = segments[:, :-1]
     features, _ = module.features(tokens[:, :-1], key, segments=inputs,
                                   segment_positions=batch["positions"][:, :-1].astype(jnp.int32))
     counted = (segments[:, 1:] == inputs) & (inputs > 0)
-    loss, aux = next_token_from_features(features, module.embed.embedding[...],
+    loss, aux = next_token_from_features(features, module.head_table(),
                                          tokens[:, 1:].reshape(-1), chunk, "bits_per_token",
                                          weights=counted.reshape(-1))
     if "token_bytes" in batch:

@@ -20,6 +20,7 @@ import grain
 import jax
 
 from trainrun import rundir
+from trainrun.checkpointing import init_from
 from trainrun.platform.process import configure_process
 from trainrun.program.compiled import MetricsReader
 from trainrun.rundir import storage
@@ -60,6 +61,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
         ``every_boundary = False`` at the boundaries the run has anyway (``callbacks.py``).
     """
     settings = configure_process()  # while JAX's backend has not started; else a notice
+    config = init_from.resolved(config)  # a Hugging Face source's config.json: the model
     path = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
     if fresh:  # `--run-dir . --fresh`: the new run goes where `.` was, not into the old one
         path = Path(os.path.abspath(path))

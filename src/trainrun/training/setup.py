@@ -150,7 +150,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     with watch.phase("init"):
         state = _restore_or_init(
             checkpoints, config, run_dir=run_dir, prov=prov,
-            fresh=lambda: _fresh_state(config, model, optimizer, policy, state_sharding),
+            fresh=lambda: _fresh_state(config, model, optimizer, policy, state_sharding,
+                                       abstract),
             abstract=abstract, state_sharding=state_sharding, batches=batches,
             allow_config_change=allow_config_change, console=console, primary=primary)
     start = int(state.step)
@@ -236,15 +237,14 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
 
 
 def _fresh_state(config: RunConfig, model: Model, optimizer: Optimizer, policy: Policy,
-                 state_sharding: TrainState) -> TrainState:
+                 state_sharding: TrainState, abstract: TrainState) -> TrainState:
     """The state a run without a checkpoint starts from: random init, or ``init.from``'s
-    source laid into it (loaded, or refused, before anything is written)."""
-    state = jax.block_until_ready(
-        init_state(model, optimizer, config.seed, policy, state_sharding))
+    source placed where the state goes (loaded, or refused, before anything is written)."""
     if config.init.from_ is not None:
-        state = jax.block_until_ready(init_from.initial_state(
-            config, state, optimizer, policy, state_sharding))
-    return state
+        return jax.block_until_ready(init_from.initial_state(
+            config, model, optimizer, policy, state_sharding, abstract))
+    return jax.block_until_ready(
+        init_state(model, optimizer, config.seed, policy, state_sharding))
 
 
 def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Path,

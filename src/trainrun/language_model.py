@@ -1,0 +1,119 @@
+"""``trainrun.load(path)``: a trained language model to call from Python, whichever form it is
+in: a trainrun run directory (its newest readable checkpoint), a Hugging Face model directory
+(gpt2, llama, qwen2, mistral), or a PEFT adapter directory on such a base, as ``trainrun
+export`` writes them. The result gives logits for a batch of token ids and generates from a
+prompt with the run's key/value-cache decoder."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrun import rundir
+from trainrun.config import TransformerModel
+from trainrun.errors import UserError
+from trainrun.program.precision import DTYPES, cast_floats
+
+PyTree = Any
+
+
+class LoadError(UserError):
+    """A path that holds no model ``load`` reads; one line, exit 2 at the CLI."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageModel:
+    """A transformer and its params, on this process's first device.
+
+    config: the architecture (``trainrun.config.TransformerModel``).
+    params: the params as a nested dict of arrays (LoRA adapters included, not merged).
+    compute: the dtype the model runs in (a run's ``precision.compute``; float32 otherwise).
+    step: the checkpoint's step for a run directory, else None.
+    """
+
+    config: TransformerModel
+    params: PyTree
+    compute: str = "float32"
+    step: int | None = None
+
+    def logits(self, tokens: Any) -> np.ndarray:
+        """float32 logits ``[batch, seq, vocab]`` of token ids ``[batch, seq]`` (or ``[seq]``:
+        then ``[seq, vocab]``)."""
+        ids = np.asarray(tokens)
+        single = ids.ndim == 1
+        ids = ids[None] if single else ids
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise LoadError(f"tokens: give integer ids [batch, seq], not an array of shape "
+                            f"{ids.shape} and dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab):
+            raise LoadError(f"tokens: ids run from {ids.min()} to {ids.max()}; the model's "
+                            f"vocabulary is 0..{self.config.vocab - 1}")
+        if self.config.positions == "learned" and ids.shape[1] > self.config.seq_len:
+            raise LoadError(f"tokens: {ids.shape[1]} positions, more than the model's "
+                            f"{self.config.seq_len} learned ones")
+        out = np.asarray(_forward(self.config, self.compute)(self.params, jnp.asarray(ids)))
+        return out[0] if single else out
+
+    __call__ = logits
+
+    def generate(self, prompt: Sequence[int] | np.ndarray, tokens: int, *,
+                 temperature: float = 0.0, seed: int = 0) -> np.ndarray:
+        """``prompt`` (token ids) followed by ``tokens`` generated ones (``temperature`` 0:
+        the most likely token each time)."""
+        from trainrun.sample import generate
+
+        return generate(self.config, self.params, np.asarray(prompt, np.int32), tokens,
+                        temperature=temperature, seed=seed, compute=self.compute)
+
+
+@functools.lru_cache(maxsize=8)
+def _forward(cfg: TransformerModel, compute: str) -> Callable[..., jax.Array]:
+    from trainrun.models.transformer import bind_transformer
+
+    module_of = bind_transformer(cfg)
+
+    def logits(params: PyTree, tokens: jax.Array) -> jax.Array:
+        return module_of(cast_floats(params, DTYPES[compute]))(tokens)[0]
+
+    return jax.jit(logits)
+
+
+def load(path: str | Path, *, ema: bool = False) -> LanguageModel:
+    """The model at ``path``: a run directory, a Hugging Face model directory or a PEFT adapter
+    directory (with its base model where ``base_model_name_or_path`` says). ``ema``: a run's
+    moving average of the params instead of the params."""
+    path = Path(path).expanduser()
+    if (path / rundir.CONFIG).is_file():
+        from trainrun.checkpointing.reader import latest_state, saved_config
+
+        config = saved_config(path)
+        if not isinstance(config.model, TransformerModel):
+            raise LoadError(f"{path} trains model.kind={config.model.kind}; load reads "
+                            "transformer language models")
+        if ema and config.optimizer.ema is None:
+            raise LoadError(f"{path} keeps no moving average (optimizer.ema is not set); "
+                            "load it without ema")
+        step, state = latest_state(path, config)
+        return LanguageModel(config.model, state.ema if ema else state.params,
+                             config.precision.compute, step)
+    if ema:
+        raise LoadError(f"{path} is not a run directory: only a run keeps a moving average")
+    from trainrun.checkpointing.init_from import model_of, placed_params, readers, source_kind
+    from trainrun.models import build_model
+
+    kind = source_kind(path)
+    if kind not in ("huggingface", "adapter"):
+        raise LoadError(f"{path} is a lone weights file: load its model directory (with "
+                        "config.json), a run directory or an adapter directory")
+    cfg = model_of(path)
+    model = build_model(cfg)
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    params = placed_params(readers(str(path), cfg, abstract), model, 0, abstract, None)
+    return LanguageModel(cfg, params)

@@ -82,6 +82,19 @@ def losses(run_dir: Path) -> np.ndarray:
     return np.array([r["loss"] for r in read_metrics(run_dir / rundir.METRICS)], np.float32)
 
 
+# The Llama family's choices, laid over a test's GPT-style transformer config (kv_heads apart:
+# it must divide the test's heads): RMSNorm, SwiGLU, an untied head, Qwen2's q/k/v biases, and
+# Llama 3's rotary base and scaling, with a short enough original context to bend the angles.
+LLAMA_LAYOUT = dict(mlp="swiglu", mlp_hidden=48, norm="rmsnorm", norm_eps=1e-6,
+                    tie_embeddings=False, qkv_bias=True, rope_theta=500000.0, positions="rope",
+                    rope_scaling=dict(type="llama3", factor=8.0, original_max_positions=16))
+
+
+def llama_shaped(cfg, kv_heads: int):
+    """``cfg`` (a TransformerModel) with the Llama family's layout and ``kv_heads``."""
+    return type(cfg).model_validate({**cfg.model_dump(), **LLAMA_LAYOUT, "kv_heads": kv_heads})
+
+
 # ---- a tiny GPT-2 from `transformers` (the tests' extra), made here: nothing is downloaded ----
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import llama_shaped
 
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
@@ -29,9 +30,10 @@ def fixed_batch(cfg: TransformerModel, batch: int, seed: int = 0) -> dict[str, n
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("positions", ["rope", "learned"])
+@pytest.mark.parametrize("positions", ["rope", "learned", "llama"])
 def test_fast_transformer_has_the_plain_loss_and_gradients(positions):
-    cfg = SMALL.model_copy(update={"positions": positions})
+    cfg = (llama_shaped(SMALL, kv_heads=1) if positions == "llama"
+           else SMALL.model_copy(update={"positions": positions}))
     model = build_model(cfg)
     params = model.init(jax.random.key(0))
     batch = fixed_batch(cfg, 3)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import llama_shaped
 
 from trainrun.config import CNNModel, NNXMLPModel, TransformerModel
 from trainrun.data.digits import digits_arrays
@@ -24,9 +25,10 @@ def tokens(batch: int = 2, length: int = 17, seed: int = 0) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("positions", ["rope", "learned"])
+@pytest.mark.parametrize("positions", ["rope", "learned", "llama"])
 def test_attention_is_causal_and_the_cache_gives_the_same_logits(positions):
-    cfg = TransformerModel(**TINY, positions=positions)
+    cfg = (llama_shaped(TransformerModel(**TINY), kv_heads=2) if positions == "llama"
+           else TransformerModel(**TINY, positions=positions))
     module_of = bind_transformer(cfg)
     params = build_model(cfg).init(jax.random.key(0))
     forward = jax.jit(lambda p, x: module_of(p)(x)[0])

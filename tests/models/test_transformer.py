@@ -8,6 +8,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from conftest import llama_shaped
 
 from trainrun.config import TransformerModel
 from trainrun.models import build_model
@@ -15,7 +16,8 @@ from trainrun.models import build_model
 BASE = TransformerModel(d_model=32, layers=3, heads=2, seq_len=24, vocab=64, dropout=0.1)
 # Each setting alone and the usual combination; learned positions with the combination.
 VARIANTS = [(True, "none", "rope"), (False, "full", "rope"), (True, "dots_saveable", "rope"),
-            (True, "dots_with_no_batch_dims_saveable", "rope"), (True, "full", "learned")]
+            (True, "dots_with_no_batch_dims_saveable", "rope"), (True, "full", "learned"),
+            (True, "full", "llama")]
 
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (4, 25)).astype(np.int32)
@@ -35,7 +37,8 @@ def loss_and_grads(cfg: TransformerModel):
 @pytest.mark.slow
 @pytest.mark.parametrize(("scan", "remat", "positions"), VARIANTS)
 def test_scan_and_remat_compute_the_unrolled_loss_and_gradients(scan, remat, positions):
-    cfg = BASE.model_copy(update={"positions": positions})
+    cfg = (llama_shaped(BASE, kv_heads=1) if positions == "llama"
+           else BASE.model_copy(update={"positions": positions}))
     variant = cfg.model_copy(update={"scan_layers": scan, "remat": remat})
     # The params' layout does not depend on the program: one init, checkpoints interchangeable.
     assert (jax.tree.structure(jax.eval_shape(build_model(variant).init, jax.random.key(0)))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import llama_shaped
 
 from trainrun.checkpointing.checkpoints import Checkpoints
 from trainrun.config import (
@@ -187,6 +188,10 @@ MODELS = {
     "transformer": (TransformerModel(d_model=32, layers=2, heads=2, seq_len=16, vocab=64,
                                      dropout=0.1, loss_chunk=24),  # 4 x 16 tokens: 3 chunks
                     lambda: {"tokens": np.zeros((4, 17), np.int32)}),
+    "transformer_llama": (  # RMSNorm, SwiGLU, GQA, rotary scaling, untied head, q/k/v biases
+        llama_shaped(TransformerModel(d_model=32, layers=2, heads=4, seq_len=16, vocab=64,
+                                      dropout=0.1), kv_heads=2),
+        lambda: {"tokens": np.zeros((4, 17), np.int32)}),
     "transformer_learned_scan_remat": (
         TransformerModel(d_model=32, layers=2, heads=2, seq_len=16, vocab=64,
                          positions="learned", scan_layers=True, remat="full"),

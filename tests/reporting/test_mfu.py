@@ -209,6 +209,22 @@ def test_transformer_count_by_hand():
     assert mfu.analytic_flops(cfg, 4, seq_len=8)[0] == 6 * 32_768 * 32 + 12 * 2 * 8 * 32 * 32
 
 
+def test_llama_shaped_count_by_hand():
+    cfg = load_config("lm", ["model.vocab=256", "model.d_model=32", "model.layers=2",
+                             "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
+                             "model.mlp=swiglu", "model.mlp_hidden=48", "model.norm=rmsnorm",
+                             "model.tie_embeddings=false", "model.seq_len=16",
+                             "data.seq_len=16"]).model
+    # The head 256 x 32 = 8,192 (the embedding table is a lookup); per layer q and o
+    # 2 x 32 x 64 = 4,096, k and v (2 key/value heads of 16) 2 x 32 x 32 = 2,048, the SwiGLU
+    # MLP 3 x 32 x 48 = 4,608: N = 8,192 + 2 x 10,752 = 29,696, the 2-D params less the table.
+    params = jax.eval_shape(make_transformer(cfg).init, jax.random.key(0))
+    matrices = sum(x.size for x in jax.tree.leaves(params) if x.ndim == 2)
+    assert matrices - 256 * 32 == 29_696
+    # 64 tokens: 6 x 29,696 x 64 + attention 12 x 2 layers x 16 x 64 (heads x head_dim) x 64
+    assert mfu.analytic_flops(cfg, 4)[0] == 6 * 29_696 * 64 + 12 * 2 * 16 * 64 * 64
+
+
 def test_mlp_and_cnn_counts_by_hand():
     mlp = load_config("mlp", []).model  # 8 -> 32 -> 1
     assert mfu.analytic_flops(mlp, 256) == (6 * (8 * 32 + 32 * 1) * 256,

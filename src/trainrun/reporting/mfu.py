@@ -196,20 +196,24 @@ def transformer_flops(cfg: TransformerModel, examples: int, seq_len: int | None 
     """Training FLOPs of one step of the transformer on ``examples`` sequences of ``seq_len``
     input tokens (default: its context, ``cfg.seq_len``).
 
-        6 x N x tokens + 12 x layers x seq_len x d_model x tokens
+        6 x N x tokens + 12 x layers x seq_len x (heads x head_dim) x tokens
 
-    N: the weights that take part in matmuls: per layer q, k, v, o (4 d_model²) and the MLP's
-    two (2 x mlp_ratio x d_model²), and the tied embedding once, as the output head (its input
-    lookup is a gather, not a matmul). Attention: QK^T and AV are each 2 x seq_len x d_model
-    FLOPs per token and layer forward, x3 with the backward. The causal mask is not discounted
-    (as in ``benchmarks/gpu_lm.sh`` and PaLM's count): this is the dense attention's work, of
-    which a kernel that skips masked blocks does a little over half.
+    N: the weights that take part in matmuls: per layer q and o (d_model x heads x head_dim
+    each), k and v (d_model x kv_heads x head_dim each: fewer with grouped-query attention),
+    the MLP's two matrices (three for SwiGLU) of d_model x its width; and the output head once
+    (vocab x d_model, tied or not: the input lookup is a gather, not a matmul). Attention: QK^T
+    and AV are each 2 x seq_len x heads x head_dim FLOPs per token and layer forward, x3 with
+    the backward. The causal mask is not discounted (as in ``benchmarks/gpu_lm.sh`` and PaLM's
+    count): this is the dense attention's work, of which a kernel that skips masked blocks
+    does a little over half.
     """
     seq = seq_len or cfg.seq_len
     tokens = examples * seq
-    d = cfg.d_model
-    matmul_weights = cfg.vocab * d + cfg.layers * (4 + 2 * cfg.mlp_ratio) * d * d
-    return float(6 * matmul_weights * tokens + 12 * cfg.layers * seq * d * tokens)
+    d, inner = cfg.d_model, cfg.heads * cfg.attention_head_dim
+    kv_inner = cfg.kv_key_heads * cfg.attention_head_dim
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * cfg.hidden
+    matmul_weights = cfg.vocab * d + cfg.layers * (2 * d * inner + 2 * d * kv_inner + mlp)
+    return float(6 * matmul_weights * tokens + 12 * cfg.layers * seq * inner * tokens)
 
 
 def dense_flops(sizes: list[int], examples: int) -> float:

@@ -83,8 +83,10 @@ def _export(args: argparse.Namespace) -> int:
     from trainrun.export import export_run
 
     extras.require("huggingface", "trainrun export")
-    step, out = export_run(Path(args.run_dir), Path(args.to), merge=args.merge)
-    print(f"step {step} of {args.run_dir} written to {out} (config.json, model.safetensors)")
+    step, out = export_run(Path(args.run_dir), Path(args.to), merge=args.merge,
+                           replace=args.replace)
+    files = ", ".join(sorted(p.name for p in out.iterdir()))
+    print(f"step {step} of {args.run_dir} written to {out} ({files})")
     return 0
 
 
@@ -231,9 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "model.safetensors that transformers loads as GPT2LMHeadModel (the model "
                     "needs GPT-2's layout: model.positions=learned, model.bias=true).")
     export.add_argument("run_dir", metavar="RUN_DIR")
-    export.add_argument("--to", required=True, metavar="DIR", help="directory to write")
+    export.add_argument("--to", required=True, metavar="DIR",
+                        help="directory to write: a new or empty one (or see --replace)")
     export.add_argument("--merge", action="store_true",
                         help="fold LoRA adapters into the weights (required with model.lora)")
+    export.add_argument("--replace", action="store_true",
+                        help="replace the model directory already at --to: it then holds this "
+                             "export only (swapped in once complete)")
     export.set_defaults(handler=_export)
 
     runs = commands.add_parser(

@@ -86,6 +86,25 @@ def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys)
 
 
 @pytest.mark.slow
+def test_sample_command_on_a_lora_run(tmp_path, capsys):
+    # The decoder is cached per model config, which holds the adapters' targets: it must hash.
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    config = load_config("lm", [
+        "steps=4", "steps_per_call=2", "checkpoint.every=0", "eval.every=0",
+        "optimizer.schedule.warmup_steps=1", "optimizer.lr=0.01", "model.d_model=32",
+        "model.layers=1", "model.heads=2", "model.seq_len=32",
+        "model.lora={rank: 4, alpha: 8, targets: [q, v, up]}",
+        f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=8"])
+    run(config, tmp_path / "lora", out=io.StringIO())
+
+    assert main(["sample", str(tmp_path / "lora"), "--prompt", "def ", "--tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("def ") and len(captured.out) > len("def \n")
+    assert captured.err == ""
+
+
+@pytest.mark.slow
 def test_any_token_count_from_one_and_any_prompt_length_decodes_and_zero_is_refused():
     params = build_model(CFG).init(jax.random.key(0))
     for prompt, tokens in ((b"def ", 1), (b"def ", 3), (b"x" * 15, 1), (b"x" * 40, 2)):

@@ -83,8 +83,8 @@ def _export(args: argparse.Namespace) -> int:
     from trainrun.export import export_run
 
     extras.require("huggingface", "trainrun export")
-    done = export_run(Path(args.run_dir), Path(args.to), merge=args.merge, dtype=args.dtype,
-                      shard_size=args.shard_size)
+    done = export_run(Path(args.run_dir), Path(args.to), merge=args.merge,
+                      replace=args.replace, dtype=args.dtype, shard_size=args.shard_size)
     print(f"step {done.step} of {args.run_dir} written to {done.path} "
           f"({', '.join(done.files)})")
     return 0
@@ -235,9 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "llama, qwen2, mistral), or, for a run with LoRA adapters, as a PEFT adapter "
                     "directory for that source.")
     export.add_argument("run_dir", metavar="RUN_DIR")
-    export.add_argument("--to", required=True, metavar="DIR", help="directory to write")
+    export.add_argument("--to", required=True, metavar="DIR",
+                        help="directory to write: a new or empty one (or see --replace)")
     export.add_argument("--merge", action="store_true",
                         help="fold LoRA adapters into the weights: a whole model, not adapters")
+    export.add_argument("--replace", action="store_true",
+                        help="replace the model directory already at --to: it then holds this "
+                             "export only (swapped in once complete)")
     export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="the weights' dtype in the files (default float32)")
     export.add_argument("--shard-size", default="5GB", metavar="SIZE",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli_env
+from conftest import cli_env, save_tiny_gpt2
 
 from trainrun import rundir
 from trainrun.cli import main as cli_main
@@ -328,6 +328,81 @@ def test_refusals_in_an_existing_run_change_nothing(tmp_path, capfd):
     code, err = cli(capfd, "train", "--run-dir", str(run_dir), *SMALL, "steps=30",
                     "data.batch_size=1000")
     assert code == 2 and "larger than the train data" in err and listing(run_dir) == before
+
+
+def lm_args(tmp_path: Path, *extra: str) -> list[str]:
+    """Train arguments for a tiny byte-level LM in GPT-2's layout, on a small corpus."""
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    return ["--config", "lm", "steps=2", "steps_per_call=1", "optimizer.schedule.warmup_steps=1",
+            "checkpoint.every=0", "eval.every=0", "metrics.tensorboard=false",
+            "model.d_model=32", "model.layers=2", "model.heads=2", "model.seq_len=32",
+            "model.positions=learned", "model.bias=true", f"data.paths=[{corpus}]",
+            "data.seq_len=32", "data.batch_size=4", *extra]
+
+
+@pytest.mark.slow
+def test_init_from_that_does_not_fit_leaves_no_directory(tmp_path, capfd):
+    pytest.importorskip("transformers", reason="the tests' extra holds transformers")
+    mlp_run = tmp_path / "mlp-run"
+    train(mlp_run)
+    gpt2 = save_tiny_gpt2(tmp_path / "gpt2", vocab=256)
+    capfd.readouterr()  # what saving it printed
+    sources = {  # name -> (train arguments, what the one line says)
+        "safetensors of the wrong shape": (
+            lm_args(tmp_path, f"init.from={gpt2 / 'model.safetensors'}", "model.vocab=320"),
+            "has shape (256, 32)"),
+        "a run of another model kind": (
+            lm_args(tmp_path, f"init.from={mlp_run}"), "has param 'b1'"),
+        "GPT-2 of another width": (
+            lm_args(tmp_path, f"init.from={gpt2}", "model.d_model=64"), "has shape (256, 32)"),
+    }
+    for name, (args, says) in sources.items():
+        runs = tmp_path / f"runs-{len(name)}"  # neither it nor the run in it may be left
+        code, err = cli(capfd, "train", "--run-dir", str(runs / "run"), *args)
+        assert code == 2 and err.count("\n") == 1 and says in err, (name, err)
+        assert not runs.exists(), (name, listing(runs))
+
+
+def test_init_from_that_does_not_fit_leaves_an_existing_run_as_it_was(tmp_path, capfd):
+    pytest.importorskip("safetensors", reason="the tests' extra holds safetensors")
+    from safetensors.numpy import save_file
+
+    save_file({"w1": np.zeros((8, 32), np.float32)}, str(tmp_path / "w.safetensors"))
+    bad = f"init.from={tmp_path / 'w.safetensors'}"  # GPT-2 weights, for the MLP
+    left = tmp_path / "left"  # a run refused before its first checkpoint, from an older trainrun
+    (left / "checkpoints").mkdir(parents=True)
+    run_dir = tmp_path / "run"
+    train(run_dir)
+    # a run with a checkpoint resumes from it (init.from is for a fresh start): --fresh only
+    for folder, fresh in ((left, []), (left, ["--fresh"]), (run_dir, ["--fresh"])):
+        before = listing(folder)
+        code, err = cli(capfd, "train", "--run-dir", str(folder), *SMALL, bad, *fresh)
+        assert code == 2 and err.count("\n") == 1 and "need model.kind=transformer" in err, err
+        assert listing(folder) == before, (folder, fresh)
+    # --fresh moved nothing aside, or moved it back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["left", "run", "w.safetensors"]
+
+
+def test_withdraw_leaves_the_folders_as_the_claim_found_them(tmp_path):
+    old = tmp_path / "old"  # a run --fresh moves aside
+    (old / "checkpoints").mkdir(parents=True)
+    (old / rundir.MARKER).write_text(json.dumps({"format": 1, "holds": "run"}))
+    left = tmp_path / "left"  # what an earlier trainrun left: only an empty checkpoints/
+    (left / "checkpoints").mkdir(parents=True)
+    before = listing(tmp_path)
+    claims = [rundir.RunDirectory(old, old / "checkpoints", fresh=True),
+              rundir.RunDirectory(left, left / "checkpoints"),
+              rundir.RunDirectory(tmp_path / "runs" / "new", tmp_path / "ckpts" / "a" / "b")]
+    for directory in claims:
+        directory.check()
+        directory.claim()
+        (directory.ckpt_dir / "1.orbax-checkpoint-tmp").mkdir(parents=True)  # a first save
+    assert listing(tmp_path) != before
+    for directory in claims:
+        directory.withdraw()
+        directory.release()
+    assert listing(tmp_path) == before
 
 
 def test_inspect_never_takes_a_users_folder_for_a_run(tmp_path):

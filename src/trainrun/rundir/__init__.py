@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -280,7 +281,8 @@ class RunDirectory:
     ``check`` refuses a folder that is not trainrun's (or is in use) before anything is
     written, and takes the lock of an existing one at once; ``claim``, once the run's inputs
     are known to be good, moves an old run aside (``--fresh``), creates and locks the folders
-    and writes their markers. ``release`` (or the process ending) frees the locks.
+    and writes their markers; ``withdraw`` undoes that for a run refused before it started.
+    ``release`` (or the process ending) frees the locks.
     """
 
     def __init__(self, run_dir: Path, ckpt_dir: Path, fresh: bool = False):
@@ -289,6 +291,11 @@ class RunDirectory:
         if os.path.abspath(ckpt_dir) != os.path.abspath(self.run_dir / CHECKPOINTS):
             self.folders.append((self.ckpt_dir, "checkpoint.dir", "checkpoints"))
         self.locks: dict[Path, RunLock] = {}
+        # What claim changed, for withdraw: folders it created, the entries an existing folder
+        # held before it, and runs it moved aside (path, where to, whether it had a lock file).
+        self.created: list[Path] = []
+        self.held_before: dict[Path, set[str]] = {}
+        self.moved: list[tuple[Path, Path, bool]] = []
 
     def check(self) -> None:
         for path, flag, role in self.folders:
@@ -309,16 +316,25 @@ class RunDirectory:
             found = existed[path]
             if self.fresh and found.kind in ("marked", "legacy", "leftover"):
                 lock = self.locks.pop(path, None) or RunLock(path)
+                had_lock = lock.path.exists()
                 lock.acquire(create=True, what=_what(role))
                 try:
                     target = move_aside(path)
                 finally:
                     lock.release()
+                self.moved.append((path, target, had_lock))
                 notices.append(f"moved the previous run aside: {path} -> {target}")
                 found = existed[path] = Found("absent")
+            before = {p.name for p in path.iterdir()} if path.is_dir() else None
+            missing = [path, *(p for p in path.parents if not p.exists())]
             path.mkdir(parents=True, exist_ok=True)
             lock = self.locks.setdefault(path, RunLock(path))
             lock.acquire(create=True, what=_what(role))
+            # Recorded once locked: withdraw never touches a folder another run holds.
+            if before is None:
+                self.created += missing
+            else:
+                self.held_before[path] = before
             lock.record_holder()
             now = inspect(path, role)  # again, under the lock: nobody wrote in between
             if now.kind == "foreign":
@@ -330,11 +346,40 @@ class RunDirectory:
             if found.kind == "legacy":
                 notices.append(f"{path} was written by an earlier trainrun: marked it as "
                                f"trainrun's ({MARKER})")
+        if self.ckpt_dir.is_dir():  # Orbax writes into it after the claim
+            self.held_before.setdefault(self.ckpt_dir, {p.name for p in self.ckpt_dir.iterdir()})
         if (existed[self.run_dir].kind in ("marked", "legacy", "leftover")
                 and not committed_steps(self.ckpt_dir)):
             notices.append(f"taking over {self.run_dir}: it holds no checkpoint (its run "
                            "stopped or was refused before the first one); starting at step 0")
         return notices
+
+    def withdraw(self) -> None:
+        """Undo ``claim`` for a run refused before it started: remove the folders it created
+        and what it added to existing ones, and move a run it moved aside back. Call while the
+        locks are held (nobody else wrote there since the claim)."""
+        for path, names in self.held_before.items():
+            for entry in path.iterdir() if path.is_dir() else ():
+                if entry.name in names:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        entry.unlink()
+        claimed = {path for path, _, _ in self.folders}
+        for path in self.created:
+            if path in claimed:
+                shutil.rmtree(path, ignore_errors=True)
+        for path in sorted(set(self.created) - claimed, key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):  # a parent: another run may have started in it
+                path.rmdir()
+        for path, target, had_lock in reversed(self.moved):
+            if not path.exists():
+                target.rename(path)
+                if not had_lock:
+                    (path / LOCK).unlink(missing_ok=True)
+        self.created, self.held_before, self.moved = [], {}, []
 
     def release(self) -> None:
         for lock in self.locks.values():

@@ -21,6 +21,7 @@ import jax
 
 from trainrun import rundir
 from trainrun.checkpointing import init_from
+from trainrun.errors import UserError
 from trainrun.platform.process import configure_process
 from trainrun.program.compiled import MetricsReader
 from trainrun.rundir import storage
@@ -70,6 +71,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
     directory = run_directory(config, path, fresh)
     with Preemption() as preemption:
         preemption.on_abort = lambda: rundir.mark_failed(path, "aborted by a second interrupt")
+        started = False
         try:
             # `cleanup` closes what setup opened (the checkpoint manager, letting a save in
             # flight commit) however the run ends.
@@ -78,6 +80,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
                 built = setup(config, path, directory, model=model, data=data,
                               eval_data=eval_data, allow_config_change=allow_config_change,
                               out=out, cleanup=cleanup)
+                started = True
                 if isinstance(built, RunSummary):  # finished already: nothing to do
                     return built
                 if not settings.applied():
@@ -90,6 +93,8 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
                 boundary = _train(built, hooks, calls)
                 return _finish(built, boundary, log, calls, wall_start)
         except BaseException as err:
+            if isinstance(err, UserError) and not started:  # refused: leave the disk as found
+                directory.withdraw()
             failure = storage.on_failure(err, directory)  # status "failed", with the reason
             if failure is None:
                 raise

@@ -1,10 +1,11 @@
 """Set-up: what a run needs, built once before its first step (``setup``), and its hooks.
 
     mesh, batch placement -> model, optimizer, precision -> abstract state and its shardings
-    -> data -> evaluator -> run directory claimed -> checkpoints -> state (restored or fresh)
-    -> writers -> compiled step programs
+    -> data -> evaluator -> init.from's state -> run directory claimed -> checkpoints
+    -> state (restored or fresh) -> writers -> compiled step programs
 
-Every input is checked (mesh, model, data) before anything is written. ``Run`` is the frozen
+Every input is checked (mesh, model, data, init.from's source) before anything is written; a
+refusal after the claim has the run (``loop.run``) withdraw it. ``Run`` is the frozen
 record of what set-up made; ``build_hooks`` lists what acts between the calls (``hooks.py``).
 """
 
@@ -21,7 +22,7 @@ import grain
 import jax
 import jax.numpy as jnp
 
-from trainrun import rundir
+from trainrun import extras, rundir
 from trainrun.checkpointing import init_from
 from trainrun.checkpointing.checkpoints import Checkpoints, checkpoint_dir
 from trainrun.checkpointing.policy import CheckpointPolicy
@@ -142,16 +143,21 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
                if isinstance(data, grain.MapDataset) else iter(data))
     evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params,
                            state_sharding.model_state)
+    _require_writers(config)
+    watch = Stopwatch()
+    loaded = None
+    if config.init.from_ is not None and (directory.fresh or latest is None):
+        with watch.phase("init"):  # the source is loaded, or refused, before the claim
+            loaded = _fresh_state(config, model, optimizer, policy, state_sharding, abstract)
     if primary:  # creates, locks and marks the folders (moves an old run aside: --fresh)
         for notice in directory.claim():
             console.message(notice)
     checkpoints = cleanup.enter_context(Checkpoints(directory.ckpt_dir, config, prov))
-    watch = Stopwatch()
     with watch.phase("init"):
         state = _restore_or_init(
             checkpoints, config, run_dir=run_dir, prov=prov,
-            fresh=lambda: _fresh_state(config, model, optimizer, policy, state_sharding,
-                                       abstract),
+            fresh=lambda: loaded if loaded is not None else _fresh_state(
+                config, model, optimizer, policy, state_sharding, abstract),
             abstract=abstract, state_sharding=state_sharding, batches=batches,
             allow_config_change=allow_config_change, console=console, primary=primary)
     start = int(state.step)
@@ -234,6 +240,14 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
     return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
                      policy=policy, put=placement.put,
                      shardings=(params_sharding, placement.sharding, model_state_sharding))
+
+
+def _require_writers(config: RunConfig) -> None:
+    """The metric writers' extras, asked for before the claim (the writers open after it)."""
+    if config.metrics.tensorboard:
+        extras.require("tensorboard", "metrics.tensorboard=true")
+    if config.metrics.wandb != "off":
+        extras.require("wandb", f"metrics.wandb={config.metrics.wandb}")
 
 
 def _fresh_state(config: RunConfig, model: Model, optimizer: Optimizer, policy: Policy,

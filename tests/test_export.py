@@ -112,7 +112,7 @@ def test_a_failure_midway_leaves_the_old_directory(lm_run, tmp_path, monkeypatch
     target = stale_model_dir(tmp_path / "model")
     before = listing(target)
 
-    def full_disk(params, cfg, path: Path) -> Path:
+    def full_disk(params, cfg, path: Path, **_) -> Path:
         (path / "model.safetensors").write_bytes(b"half")
         raise OSError(28, "No space left on device", str(path / "model.safetensors"))
 

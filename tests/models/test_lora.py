@@ -16,7 +16,8 @@ from trainrun.export import export_run
 from trainrun.models import build_model
 from trainrun.program.optim import build_optimizer, param_name
 from trainrun.program.precision import policy_from_config
-from trainrun.program.state import init_state
+from trainrun.program.state import abstract_state, init_state
+from trainrun.program.step import make_train_step
 from trainrun.training.loop import run
 
 
@@ -97,3 +98,30 @@ def test_trainable_patterns_freeze_the_rest_and_one_matching_nothing_is_refused(
         nothing.tx.init(params)
     with pytest.raises(ConfigError, match="not a regular expression"):
         load_config("mlp", ["optimizer.trainable=['(']"])
+
+
+def count_primitive(jaxpr, name: str) -> int:
+    """Equations of primitive ``name`` in ``jaxpr`` and the jaxprs nested in it (scans, jits)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += count_primitive(inner, name)
+    return count
+
+
+def test_lora_step_computes_no_gradient_for_the_frozen_kernels(tmp_path):
+    def matmuls(*extra: str) -> int:
+        config = lora_config(tmp_path, *extra)
+        model, optimizer = build_model(config.model), build_optimizer(config.optimizer, 12)
+        state = abstract_state(model, optimizer, config.seed, policy_from_config(config.precision))
+        batch = {"tokens": jax.ShapeDtypeStruct((8, 33), np.uint8)}
+        return count_primitive(jax.make_jaxpr(make_train_step(model, optimizer))(
+            state, batch).jaxpr, "dot_general")
+
+    # Every param trainable against only the adapters: the backward pass drops at least one
+    # matmul (the weight gradient) per frozen kernel: q, k, v, o, up, down in each of 2 layers.
+    assert matmuls("optimizer.trainable=[.]") - matmuls() >= 6 * 2

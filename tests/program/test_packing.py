@@ -51,6 +51,8 @@ def test_packed_only_on_one_device_and_for_a_small_state():
     big = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
            "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
     assert packing_for(big, 1) is None  # 4 MB: its arithmetic, not its dispatch, is the cost
+    many = [jax.ShapeDtypeStruct((4,), jnp.float32)] * (packing.PACK_MAX_LEAVES + 1)
+    assert packing_for(many, 1) is None  # small, but the unpacking would compile for long
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,6 +26,8 @@ class Optimizer:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     ema: float | None = None  # decay of the params' moving average the state keeps, if any
+    # params -> a tree of bools, True where a param trains (``optimizer.trainable``); None: all
+    trainable: Callable[[PyTree], PyTree] | None = None
 
 
 def build_schedule(cfg: OptimizerConfig, total_steps: int | None = None) -> optax.Schedule:
@@ -100,7 +103,14 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int | None = None) -> Opt
         # decay included) and no optimizer state; clipping sees the trainable gradients only.
         tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
                                    functools.partial(trainable_labels, patterns=cfg.trainable))
-    return Optimizer(tx=tx, schedule=schedule, ema=cfg.ema)
+    trainable = (None if cfg.trainable is None
+                 else functools.partial(trainable_mask, patterns=cfg.trainable))
+    return Optimizer(tx=tx, schedule=schedule, ema=cfg.ema, trainable=trainable)
+
+
+def trainable_mask(params: PyTree, patterns: list[str]) -> PyTree:
+    """True for each param whose dotted path matches one of ``patterns`` (``trainable_labels``)."""
+    return jax.tree.map(lambda label: label == "train", trainable_labels(params, patterns))
 
 
 def param_name(path: tuple[Any, ...]) -> str:

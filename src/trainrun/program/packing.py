@@ -21,6 +21,9 @@ PyTree = Any
 Packed = dict[str, jax.Array]  # dtype name -> flat [n] buffer
 
 PACK_MAX_BYTES = 1 << 20  # above this a step's arithmetic, not its dispatch, sets its time
+# Above this the ordered slices' compile time (about quadratic in their number) outweighs the
+# dispatch saved: a small LoRA state has the many leaves of its frozen base.
+PACK_MAX_LEAVES = 32
 
 
 class StatePacking:
@@ -79,9 +82,11 @@ def zero_after(previous: jax.Array) -> jax.Array:
 
 
 def packing_for(abstract: PyTree, device_count: int) -> StatePacking | None:
-    """The packing a run's state gets: one device and at most ``PACK_MAX_BYTES``; else None."""
+    """The packing a run's state gets: one device, at most ``PACK_MAX_BYTES`` and 2 to
+    ``PACK_MAX_LEAVES`` leaves; else None."""
     leaves = jax.tree.leaves(abstract)
     size = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
-    if device_count != 1 or size > PACK_MAX_BYTES or len(leaves) < 2:
+    if (device_count != 1 or size > PACK_MAX_BYTES
+            or not 2 <= len(leaves) <= PACK_MAX_LEAVES):
         return None
     return StatePacking(abstract)

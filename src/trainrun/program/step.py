@@ -44,12 +44,13 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
     (hence the schedule) stay as they were, ``nonfinite_steps`` counts it, and with float16 the
     loss scale halves. ``loop.py`` decides whether the run goes on (``nonfinite`` policy).
 
-    Metrics: ``loss`` (of the params before the update), ``grad_norm`` (before clipping),
+    Metrics: ``loss`` (of the params before the update), ``grad_norm`` (before clipping; of the
+    trainable params with ``optimizer.trainable``, frozen ones getting no gradient),
     ``update_norm``, ``param_norm`` (after the step), ``lr`` (the value the optimizer used),
     ``nonfinite_steps`` (so far), ``loss_scale`` (float16 only) and the model's aux metrics.
     """
     policy = policy or Policy()
-    gradients = make_gradient_fn(model, policy, accumulate)
+    gradients = make_gradient_fn(model, policy, accumulate, optimizer.trainable)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         loss, aux, grads, model_state = gradients(state.params, batch, step_key(state),
@@ -106,13 +107,21 @@ def global_norm(tree: PyTree) -> jax.Array:
 GradientFn = Callable[..., tuple[jax.Array, dict[str, jax.Array], PyTree, PyTree]]
 
 
-def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1) -> GradientFn:
+def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1,
+                     trainable: Callable[[PyTree], PyTree] | None = None) -> GradientFn:
     """``(params, batch, key, loss_scale) -> (loss, aux, grads)``: the batch's loss, aux metrics
     and gradient (still multiplied by the loss scale under float16), accumulated over
-    ``accumulate`` microbatches as ``make_train_step`` describes."""
+    ``accumulate`` microbatches as ``make_train_step`` describes.
+
+    trainable: params -> bools (``Optimizer.trainable``); a frozen param's gradient is not
+    computed and comes back as zeros."""
 
     def objective(params: PyTree, batch: Batch, key: jax.Array, loss_scale: LossScale,
                   model_state: PyTree = None):
+        if trainable is not None:
+            # Constants to autodiff: the backward pass then skips the frozen weights' gradients.
+            params = jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p),
+                                  params, trainable(params))
         args = (policy.cast_to_compute(params), policy.cast_to_compute(batch), key)
         # the model state stays in its own dtype (running statistics in float32)
         loss, aux, model_state = model.loss(*args, model_state)

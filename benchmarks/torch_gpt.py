@@ -111,7 +111,7 @@ class TorchTrainer:
                  bf16: bool = True, seed: int = 0):
         torch.manual_seed(seed)
         self.device, self.bf16 = device, bf16
-        self.model = GPT(shape).to(device)
+        self.model = self.build(shape).to(device)
         self.params = param_count(self.model)
         params = list(self.model.parameters())
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -120,6 +120,10 @@ class TorchTrainer:
         self.opt = torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=1e-8, fused=fused)
         self.forward = torch.compile(self.model) if compile else self.model
         self.grad_norm = float("nan")
+
+    def build(self, shape: Shape) -> nn.Module:
+        """The model to train (``torch_llama.LlamaTrainer`` gives its own)."""
+        return GPT(shape)
 
     def step(self, batch: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16, enabled=self.bf16):

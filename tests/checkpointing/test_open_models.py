@@ -11,7 +11,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import hf_logits, save_tiny_causal_lm
+from conftest import hf_logits, losses, save_tiny_causal_lm
 
 import trainrun
 from trainrun import rundir
@@ -134,3 +134,20 @@ def test_a_size_the_config_repeats_must_agree_with_config_json(llama_dir, tmp_pa
     assert not (tmp_path / "runs").exists()
     # a size that agrees is fine
     assert finetune(tmp_path, llama_dir, "model.heads=4", "model.kv_heads=2").model.heads == 4
+
+
+@pytest.mark.slow
+def test_loading_onto_an_fsdp_mesh_places_the_same_model(llama_dir, tmp_path, cli):
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 80)
+    args = ["train", "--config", "finetune", f"init.from={llama_dir}", "steps=2",
+            "steps_per_call=1", "log_every=1", "eval.every=0", "checkpoint.every=0",
+            f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=4",
+            "metrics.tensorboard=false", "optimizer.schedule.warmup_steps=1"]
+    one = cli(*args[:3], "--run-dir", str(tmp_path / "one"), *args[3:])
+    # every param with a dimension 4 divides is split over the 4 devices as it is read
+    four = cli(*args[:3], "--run-dir", str(tmp_path / "four"), *args[3:], "mesh.data=1",
+               "mesh.fsdp=4", "mesh.fsdp_min_size=0", devices=4)
+    assert one.returncode == 0 and four.returncode == 0, one.stderr + four.stderr
+    np.testing.assert_allclose(losses(tmp_path / "four"), losses(tmp_path / "one"), rtol=0,
+                               atol=1e-5)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import gpt2_logits, save_tiny_gpt2
 
-from trainrun.checkpointing.init_from import initial_state, resolved
+from trainrun.checkpointing.init_from import initial_state, resolved, source_kind
 from trainrun.cli import main
 from trainrun.config import load_config
 from trainrun.data import build_dataset
@@ -130,3 +132,30 @@ def test_a_source_that_does_not_fit_is_one_line_and_writes_nothing(gpt2_dir, tmp
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "init.from" in lines[0], result.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_a_model_section_that_contradicts_config_json_is_refused_naming_both(gpt2_dir, tmp_path):
+    # Each was accepted before and gave wrong logits or a KeyError traceback.
+    for override, says in (("model.positions=rope", "positions='rope' in the config"),
+                           ("model.bias=false", "bias=False in the config"),
+                           ("model.heads=4", "n_head 2"),
+                           ("model.tie_embeddings=false", "tie_word_embeddings True")):
+        with pytest.raises(WeightsError, match=re.escape(says)):
+            finetune(tmp_path, gpt2_dir, override)
+
+
+def test_each_kind_of_source_that_is_not_read_gets_its_own_line(tmp_path):
+    torch_dir = tmp_path / "torch"
+    torch_dir.mkdir()
+    (torch_dir / "config.json").write_text('{"model_type": "gpt2"}')
+    (torch_dir / "pytorch_model.bin").write_bytes(b"\0")
+    no_weights = tmp_path / "config-only"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text('{"model_type": "gpt2"}')
+    cases = {str(torch_dir): "pytorch_model.bin, which trainrun does not read",
+             str(no_weights): "weights are missing",
+             str(tmp_path / "nothing"): "no such file or directory",
+             "meta-llama/Llama-3.2-1B": "a hub name is not fetched"}
+    for source, says in cases.items():
+        with pytest.raises(WeightsError, match=re.escape(says)):
+            source_kind(Path(source))

@@ -287,26 +287,31 @@ def tensor_map(cfg: TransformerModel, model_type: str) -> dict[str, Source]:
 class Tensors:
     """The tensors of a model directory or a ``.safetensors`` file, read lazily: a tensor, or a
     slice of one, is read from its file when asked for, as float32 (bfloat16 and float16 files
-    included). Names of GPT-2 files saved without the ``transformer.`` prefix are given it."""
+    included), and the file is let go again, so its pages do not stay mapped into the process
+    while the rest loads. Names of GPT-2 files saved without the ``transformer.`` prefix are
+    given it."""
 
-    def __init__(self, files: dict[str, Path]):
-        self._file_of = files  # tensor name as stored -> its file
-        self._names: dict[str, str] = {}  # name as asked -> as stored
-        gpt2_body = not any(n.startswith(PREFIX) for n in files) and any(
-            n.startswith("h.") or n == "wte.weight" for n in files)
-        for name in files:
-            self._names[PREFIX + name if gpt2_body and name != "lm_head.weight" else name] = name
-        self._open: dict[tuple[Path, str], Any] = {}
+    def __init__(self, headers: dict[Path, dict[str, tuple[tuple[int, ...], str]]]):
+        self._where: dict[str, tuple[Path, str]] = {}  # name as asked -> (file, name as stored)
+        self._header: dict[str, tuple[tuple[int, ...], str]] = {}  # name -> (shape, dtype)
+        stored = [name for header in headers.values() for name in header]
+        gpt2_body = not any(n.startswith(PREFIX) for n in stored) and any(
+            n.startswith("h.") or n == "wte.weight" for n in stored)
+        for file, header in headers.items():
+            for name, entry in header.items():
+                asked = PREFIX + name if gpt2_body and name != "lm_head.weight" else name
+                self._where[asked] = (file, name)
+                self._header[asked] = entry
 
     @classmethod
     def of(cls, path: Path) -> Tensors:
         """The tensors of a ``.safetensors`` file, or of a model directory (one file, or the
         shards its ``model.safetensors.index.json`` lists)."""
         if path.is_file():
-            return cls({name: path for name in _names_in(path)})
+            return cls({path: _header(path)})
         index = path / INDEX
         if (path / WEIGHTS).is_file():
-            return cls({name: path / WEIGHTS for name in _names_in(path / WEIGHTS)})
+            return cls({path / WEIGHTS: _header(path / WEIGHTS)})
         if not index.is_file():
             raise WeightsError(f"{path} has neither {WEIGHTS} nor {INDEX}; save the model with "
                                "save_pretrained (safetensors)")
@@ -316,66 +321,55 @@ class Tensors:
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
             raise WeightsError(f"{index} is not a safetensors index (a JSON object with a "
                                "weight_map); save the model again") from None
+        headers = {}
         for file in sorted(set(files.values())):
             if file.parent != path or not file.is_file():
                 raise WeightsError(f"{index} lists {file.name}, which is not in {path}; the "
                                    "download is incomplete")
-            stored = set(_names_in(file))
+            header = _header(file)
             listed = {n for n, f in files.items() if f == file}
-            if listed - stored:
-                raise WeightsError(f"{file.name} lacks tensor {sorted(listed - stored)[0]!r} "
+            if listed - set(header):
+                raise WeightsError(f"{file.name} lacks tensor {sorted(listed - set(header))[0]!r} "
                                    f"that {INDEX} places there; the download is incomplete")
-        return cls(files)
+            headers[file] = {n: e for n, e in header.items() if n in listed}
+        return cls(headers)
 
     @property
     def names(self) -> set[str]:
-        return set(self._names)
+        return set(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self._header[name][0]
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """``name``'s values (``index``: a slice of them) as float32."""
-        part = self._slice(name)
+        from safetensors import safe_open
+
+        file, stored = self._where[name]
         try:
-            if part.get_dtype() == "BF16":  # numpy has no bfloat16: read through JAX on the host
+            if self._header[name][1] == "BF16":  # numpy has no bfloat16: read through JAX
                 import jax
 
-                with jax.default_device(jax.local_devices(backend="cpu")[0]):
-                    value = np.asarray(self._handle(name, "flax").get_slice(
-                        self._names[name])[index or ...])
+                with (jax.default_device(jax.local_devices(backend="cpu")[0]),
+                      safe_open(str(file), framework="flax") as f):
+                    value = np.asarray(f.get_slice(stored)[index or ...])
             else:
-                value = part[index or ...]
+                with safe_open(str(file), framework="numpy") as f:
+                    value = f.get_slice(stored)[index or ...]
         except Exception as err:  # safetensors' own error types are not importable from numpy
-            raise WeightsError(f"cannot read tensor {name} from {self._file(name)}: {err}"
+            raise WeightsError(f"cannot read tensor {name} from {file}: {err}"
                                .replace("\n", " ")) from None
         return np.asarray(value, np.float32)
 
-    def _file(self, name: str) -> Path:
-        return self._file_of[self._names[name]]
 
-    def _slice(self, name: str) -> Any:
-        return self._handle(name, "numpy").get_slice(self._names[name])
-
-    def _handle(self, name: str, framework: str) -> Any:
-        from safetensors import safe_open
-
-        file = self._file(name)
-        key = (file, framework)
-        if key not in self._open:
-            try:
-                self._open[key] = safe_open(str(file), framework=framework)
-            except Exception as err:
-                raise WeightsError(f"cannot read {file}: {err}".replace("\n", " ")) from None
-        return self._open[key]
-
-
-def _names_in(file: Path) -> list[str]:
+def _header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each tensor's shape and dtype in a safetensors file, from its header."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(file), framework="numpy") as f:
-            return list(f.keys())
+            return {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                    for name in f.keys()}  # noqa: SIM118  # safe_open is not a mapping
     except Exception as err:  # SafetensorError: truncated, not safetensors, unreadable
         raise WeightsError(f"cannot read {file}: {err}; is the file complete?"
                            .replace("\n", " ")) from None

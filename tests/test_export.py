@@ -121,3 +121,27 @@ def test_a_failure_midway_leaves_the_old_directory(lm_run, tmp_path, monkeypatch
         export.export_run(lm_run, target, replace=True)
     assert listing(target) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging left
+
+
+@pytest.mark.slow
+def test_a_tokenized_run_exports_its_tokenizer_and_token_ids(tmp_path, capfd):
+    """Before, the export of a run trained with a tokenizer had neither the tokenizer nor its
+    bos/eos ids (null), so transformers could not stop or start a document."""
+    tokenizers = pytest.importorskip("tokenizers")
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    config = load_config("lm_bpe", [
+        "steps=2", "steps_per_call=1", "checkpoint.every=0", "eval.every=0",
+        "optimizer.schedule.warmup_steps=1", "metrics.tensorboard=false", "model.d_model=32",
+        "model.layers=1", "model.heads=2", "model.seq_len=32", "model.positions=learned",
+        "model.bias=true", "model.vocab=300", f"data.paths=[{corpus}]", "data.seq_len=32",
+        "data.batch_size=4", f"data.tokenizer={tmp_path / 'tok.json'}", "data.vocab_size=300"])
+    run(config, tmp_path / "run", out=io.StringIO())
+    code, err = export_cli(capfd, str(tmp_path / "run"), "--to", str(tmp_path / "out"))
+    assert code == 0, err
+    out = tmp_path / "out"
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()
+    document = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(
+        "<|endoftext|>")
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["bos_token_id"] == hf["eos_token_id"] == document is not None

@@ -62,6 +62,14 @@ def architecture(hf: dict[str, Any], where: str = CONFIG) -> Architecture:
     if model_type not in MODEL_TYPES:
         raise WeightsError(f"{where} has model_type {model_type!r}; trainrun reads "
                            + ", ".join(MODEL_TYPES))
+    if hf.get("quantization_config"):
+        raise WeightsError(f"{where} describes quantized weights (quantization_config); "
+                           "trainrun reads float weights: give the unquantized model")
+    partial = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                   hf.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise WeightsError(f"{where} has partial_rotary_factor {partial}; trainrun rotates the "
+                           "whole head dimension")
     try:
         return _gpt2(hf) if model_type == "gpt2" else _llama_family(hf, model_type)
     except KeyError as err:

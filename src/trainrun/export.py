@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from trainrun import rundir
 from trainrun.checkpointing.reader import latest_params, saved_config
 from trainrun.config import RunConfig
 from trainrun.errors import UserError
@@ -142,15 +143,24 @@ def _swap(staging: Path, target: Path) -> None:
 
 
 def _source_dir(config: RunConfig) -> Path | None:
-    """The Hugging Face directory the run started from, where it still is (an adapter
-    directory's base model included)."""
-    if config.init.from_ is None:
-        return None
-    path = Path(config.init.from_).expanduser()
-    if (path / peft.ADAPTER_CONFIG).is_file():
-        name = peft.base_model_name(path)
-        path = Path(name).expanduser() if name else path
-    return path if (path / CONFIG).is_file() else None
+    """The Hugging Face directory the run started from, where it still is: through an adapter
+    directory to its base model, and through runs that started from other runs."""
+    seen: set[Path] = set()
+    while config.init.from_ is not None:
+        path = Path(config.init.from_).expanduser()
+        if (path / peft.ADAPTER_CONFIG).is_file():
+            name = peft.base_model_name(path)
+            path = Path(name).expanduser() if name else path
+        if (path / CONFIG).is_file():
+            return path
+        if path.resolve() in seen or not (path / rundir.CONFIG).is_file():
+            return None
+        seen.add(path.resolve())
+        try:
+            config = saved_config(path)
+        except UserError:
+            return None
+    return None
 
 
 def _tokenizer_file(config: RunConfig) -> Path | None:

@@ -169,8 +169,7 @@ def _agreed(model: TransformerModel, arch: Architecture, source: Path,
         attr = _EFFECTIVE.get(field, field)
         mine, theirs = getattr(model, attr), getattr(candidate, attr)
         if mine != theirs:
-            key = arch.keys.get(field, arch.keys.get("mlp_hidden", field)
-                                if field == "mlp_ratio" else field)
+            key = arch.keys.get("mlp_hidden" if field == "mlp_ratio" else field, field)
             raise WeightsError(f"model.{field} gives {attr}={_show(mine)} in the config, but "
                                f"{source / CONFIG} has {key} {_show(theirs)}; drop model.{field} "
                                "(config.json gives it) or make it agree")

@@ -1,10 +1,12 @@
-"""The documentation site's promises: every quickstart command runs as written, and the
-generated references cover every command of the CLI and every name of ``trainrun.__all__``."""
+"""The documentation site's promises: every command of the quickstart and of the fine-tuning
+guide runs as written, and the generated references cover every command of the CLI and every
+name of ``trainrun.__all__``."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -27,27 +29,76 @@ def hooks() -> ModuleType:
     return module
 
 
-def quickstart_commands() -> list[str]:
-    """The commands of docs/quickstart.md's ```bash blocks, one per line, as written."""
-    text = (REPO / "docs" / "quickstart.md").read_text()
+def bash_commands(page: str) -> list[str]:
+    """The commands of ``page``'s ```bash blocks (a path under docs/), in order, as written:
+    one per line, a line continued with a backslash joined to the next, and a heredoc
+    (``<<'WORD'`` ... ``WORD``) kept with the command that reads it."""
+    text = (REPO / "docs" / page).read_text()
     blocks = re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S)
-    joined = "\n".join(blocks).replace("\\\n", " ")  # continuation lines
-    return [line for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()  # continuation lines
+    commands: list[str] = []
+    while lines:
+        line = lines.pop(0)
+        if not line.strip() or line.startswith("#"):
+            continue
+        heredoc = re.search(r"<<-?\s*(['\"]?)(\w+)\1", line)
+        if heredoc:
+            body = []
+            while lines and lines[0] != heredoc[2]:
+                body.append(lines.pop(0))
+            assert lines, f"heredoc {heredoc[2]} in {page} has no end"
+            line = "\n".join([line, *body, lines.pop(0)])
+        commands.append(line)
+    return commands
+
+
+def run_as_written(commands: list[str], cwd: Path) -> str:
+    """Each command in a fresh bash in ``cwd``, with ``trainrun`` and this ``python`` on PATH;
+    every one must exit 0. Their stdout, joined."""
+    env = cli_env()
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    out = []
+    for command in commands:
+        result = subprocess.run(["bash", "-c", command], cwd=cwd, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+        out.append(result.stdout)
+    return "".join(out)
 
 
 @pytest.mark.slow
 def test_every_quickstart_command_runs_as_written(tmp_path):
-    commands = quickstart_commands()
+    commands = bash_commands("quickstart.md")
     assert any(c.startswith("trainrun train") for c in commands), commands
-    env = cli_env()
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    for command in commands:
-        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+    run_as_written(commands, tmp_path)
     # What the quickstart says they leave behind.
     assert (tmp_path / "runs" / "mlp" / "report.html").is_file()
     assert (tmp_path / "runs" / "digits" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_every_fine_tuning_command_runs_as_written(tmp_path):
+    pytest.importorskip("transformers", reason="the tests' extra holds transformers")
+    pytest.importorskip("peft")
+    commands = bash_commands("guides/fine-tuning.md")
+    assert sum(c.startswith("trainrun train") for c in commands) == 4, commands
+    assert sum(c.startswith("python - <<'PY'") for c in commands) == 3, commands
+    out = run_as_written(commands, tmp_path)
+    # What the guide says they print and leave behind.
+    for line in ("starting from params of llama-tiny (init.from) at step 0",
+                 "llama-ft logits: (1, 15, 256)", "adapter and merged export agree: True",
+                 "step 40 logits (1, 15, 256)", "llama-ft agrees: True",
+                 "starting from params of llama-lora (init.from) at step 0"):
+        assert line in out, line
+    files = {name: sorted(p.name for p in (tmp_path / name).iterdir())
+             for name in ("llama-ft", "llama-lora", "llama-lora-merged")}
+    assert files["llama-ft"] == files["llama-lora-merged"] == [
+        "config.json", "generation_config.json", "model.safetensors"]
+    assert files["llama-lora"] == [
+        "adapter_config.json", "adapter_model.safetensors", "generation_config.json"]
+    adapter = json.loads((tmp_path / "llama-lora" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((tmp_path / "llama-tiny").resolve())
+    assert (adapter["r"], adapter["lora_alpha"]) == (8, 16)
 
 
 def test_api_page_documents_every_public_name():

@@ -159,3 +159,18 @@ def test_each_kind_of_source_that_is_not_read_gets_its_own_line(tmp_path):
     for source, says in cases.items():
         with pytest.raises(WeightsError, match=re.escape(says)):
             source_kind(Path(source))
+
+
+@pytest.mark.slow
+def test_a_run_as_init_from_gives_its_model(finetuned, tmp_path):
+    _, base_dir = finetuned
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    # The finetune config names no size: the run's model (GPT-2's layout, 32 wide) is taken.
+    config = resolved(load_config("finetune", [f"init.from={base_dir}", "data.seq_len=32",
+                                               f"data.paths=[{corpus}]"]))
+    assert (config.model.d_model, config.model.positions, config.model.bias) == (32, "learned",
+                                                                                  True)
+    with pytest.raises(WeightsError, match=r"d_model=48 in the config, but .*config\.yaml has "
+                                           r"d_model 32"):
+        resolved(load_config("finetune", [f"init.from={base_dir}", "model.d_model=48"]))

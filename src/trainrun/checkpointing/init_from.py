@@ -96,16 +96,27 @@ def source_kind(path: Path) -> str:
 
 
 def resolved(config: RunConfig) -> RunConfig:
-    """``config`` with the model ``init.from``'s ``config.json`` describes (and, for an adapter
-    directory, its LoRA settings). A field the run's config sets to another value is refused
+    """``config`` with the transformer ``init.from`` holds: what a Hugging Face directory's
+    ``config.json`` describes (and, for an adapter directory, its LoRA settings), or a run's
+    model (its adapters included). A field the run's config sets to another value is refused
     in one line naming both."""
-    if config.init.from_ is None or config.model.kind != "transformer":
+    if config.init.from_ is None or not isinstance(config.model, TransformerModel):
         return config
     path = Path(config.init.from_).expanduser()
     kind = source_kind(path)
-    if kind not in ("huggingface", "adapter"):
+    seq_len = getattr(config.data, "seq_len", None)
+    if kind == "run":
+        from trainrun.checkpointing.reader import saved_config
+
+        source = saved_config(path).model
+        if not isinstance(source, TransformerModel):
+            return config  # another kind of model: its params are refused by name
+        model = _agreed(config.model, _run_architecture(source), path / rundir.CONFIG,
+                        seq_len)
+    elif kind in ("huggingface", "adapter"):
+        model = model_of(path, config.model, seq_len)
+    else:
         return config
-    model = model_of(path, config.model, getattr(config.data, "seq_len", None))
     raw = config.to_dict()
     raw["model"] = model.model_dump(mode="json")
     try:
@@ -124,7 +135,7 @@ def model_of(path: Path, model: TransformerModel | None = None,
     base = _adapter_base(path) if adapter else path
     hf = read_config(base)
     arch = architecture(hf, str(base / CONFIG))
-    agreed = _agreed(model, arch, base, seq_len)
+    agreed = _agreed(model, arch, base / CONFIG, seq_len)
     refuse_unsupported(hf, agreed.seq_len, str(base / CONFIG))
     if not adapter:
         return agreed
@@ -149,30 +160,47 @@ def _adapter_base(path: Path) -> Path:
     return base
 
 
+# What a run's model gives a run started from it: the maths and the params' shapes.
+ARCHITECTURE = ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "mlp", "mlp_ratio",
+                "mlp_hidden", "norm", "norm_eps", "seq_len", "positions", "rope_theta",
+                "rope_scaling", "tie_embeddings", "bias", "qkv_bias")
+
+
+def _run_architecture(source: TransformerModel) -> Architecture:
+    fields = {name: getattr(source, name) for name in ARCHITECTURE}
+    if source.lora is not None:  # its adapters are params of the model too
+        fields["lora"] = source.lora
+    return Architecture("run", fields, {}, 0)
+
+
 # Fields compared by what they mean: kv_heads None and kv_heads == heads are the same model.
 _EFFECTIVE = {"kv_heads": "kv_key_heads", "head_dim": "attention_head_dim",
               "mlp_hidden": "hidden", "mlp_ratio": "hidden"}
 
 
-def _agreed(model: TransformerModel, arch: Architecture, source: Path,
+def _agreed(model: TransformerModel, arch: Architecture, described_by: Path,
             data_seq_len: int | None) -> TransformerModel:
+    """``model`` with ``arch``'s fields (the file ``described_by`` gives them); a field the
+    model sets to another value is refused, naming both."""
     fields = dict(arch.fields)
     if fields.get("positions") == "rope":  # the context is the run's choice, up to the model's
         wanted = model.seq_len if "seq_len" in model.model_fields_set else (
             data_seq_len or min(arch.max_positions or model.seq_len, model.seq_len))
         if arch.max_positions and wanted > arch.max_positions:
-            raise WeightsError(f"model.seq_len={wanted} is longer than {source / CONFIG}'s "
+            raise WeightsError(f"model.seq_len={wanted} is longer than {described_by}'s "
                                f"max_position_embeddings {arch.max_positions}; shorten it")
         fields["seq_len"] = wanted
-    candidate = TransformerModel.model_validate({**model.model_dump(), **fields})
-    for field in sorted(model.model_fields_set & (set(fields) | {"mlp_ratio"})):
+    candidate = TransformerModel.model_validate({**model.model_dump(), **{
+        k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()}})
+    compared = set(fields) | ({"mlp_ratio"} if "mlp_hidden" in fields else set())
+    for field in sorted(model.model_fields_set & compared):
         attr = _EFFECTIVE.get(field, field)
         mine, theirs = getattr(model, attr), getattr(candidate, attr)
         if mine != theirs:
             key = arch.keys.get("mlp_hidden" if field == "mlp_ratio" else field, field)
             raise WeightsError(f"model.{field} gives {attr}={_show(mine)} in the config, but "
-                               f"{source / CONFIG} has {key} {_show(theirs)}; drop model.{field} "
-                               "(config.json gives it) or make it agree")
+                               f"{described_by} has {key} {_show(theirs)}; drop model.{field} "
+                               "(the source gives it) or make it agree")
     return candidate
 
 

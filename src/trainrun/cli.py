@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainrun.errors import UserError, WriteFailed
+from trainrun.errors import UserError, WriteFailed, printable
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -55,7 +55,7 @@ def _launch(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from trainrun.reporting.report import write_report
 
-    print(f"wrote {write_report(args.run_dir)}")
+    print(f"wrote {printable(str(write_report(args.run_dir)))}")
     return 0
 
 
@@ -64,7 +64,7 @@ def _compare(args: argparse.Namespace) -> int:
 
     png, table = compare(args.run_dirs, args.out)
     print(table)
-    print(f"curves: {png}")
+    print(f"curves: {printable(str(png))}")
     return 0
 
 
@@ -85,8 +85,8 @@ def _export(args: argparse.Namespace) -> int:
     extras.require("huggingface", "trainrun export")
     done = export_run(Path(args.run_dir), Path(args.to), merge=args.merge,
                       replace=args.replace, dtype=args.dtype, shard_size=args.shard_size)
-    print(f"step {done.step} of {args.run_dir} written to {done.path} "
-          f"({', '.join(done.files)})")
+    print(printable(f"step {done.step} of {args.run_dir} written to {done.path} "
+                    f"({', '.join(done.files)})"))
     return 0
 
 
@@ -274,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {printable(str(err))}", file=sys.stderr)
         return 2
     except WriteFailed as err:  # the disk, not the input: exit 1
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {printable(str(err))}", file=sys.stderr)
         return 1
 
 

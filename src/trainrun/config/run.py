@@ -32,7 +32,7 @@ from trainrun.config.sections import (
     Section,
     SingleProcess,
 )
-from trainrun.errors import UserError
+from trainrun.errors import UserError, printable
 
 
 class ConfigError(UserError):
@@ -42,6 +42,7 @@ class ConfigError(UserError):
 # ---- the run ---------------------------------------------------------------------------------
 
 
+NAME_MAX = 255  # bytes in a file name on Linux's and macOS's file systems
 LORA_PARAMS = r"_lora\.(a|b)$"  # the adapters' params: blocks.0.attn.q_lora.a, ...
 
 
@@ -92,6 +93,12 @@ class RunConfig(Section):
         if not value or value in (".", "..") or any(c in value for c in "/\\\0"):
             raise ValueError("a run name is a plain file name (runs/<name>): no '/', not empty, "
                              "not '.' or '..'; give --run-dir to choose a path")
+        if not value.replace(" ", "").isprintable():
+            raise ValueError(f"a run name holds control characters ({printable(value)}); give "
+                             "letters, digits and punctuation")
+        if len(value.encode()) > NAME_MAX:
+            raise ValueError(f"a run name of {len(value.encode())} bytes is longer than a file "
+                             f"name may be ({NAME_MAX}); give a shorter name")
         return value
 
     @pydantic.field_validator("distributed", mode="before")

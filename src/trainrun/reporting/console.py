@@ -13,6 +13,8 @@ from typing import TextIO
 from rich.console import Console as RichConsole
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from trainrun.errors import printable
+
 
 class ConsoleLog:
     """Plain log lines every ``log_every`` steps: step, loss, lr, steps/s, examples/s. Used when
@@ -35,7 +37,7 @@ class ConsoleLog:
         self.out.flush()
 
     def message(self, text: str) -> None:
-        self.out.write(text + "\n")
+        self.out.write(_lines(text) + "\n")
         self.out.flush()
 
     def start_at(self, step: int) -> None:
@@ -73,7 +75,8 @@ class ConsoleProgress:
         self.progress.refresh()
 
     def message(self, text: str) -> None:
-        self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        self.progress.console.print(_lines(text), markup=False, highlight=False,
+                                    soft_wrap=True)
 
     def start_at(self, step: int) -> None:
         """A resumed run: the bar and its rate start from ``step``."""
@@ -93,3 +96,8 @@ def make_console(total_steps: int, examples_per_step: int, out: TextIO,
         return ConsoleProgress(total_steps, examples_per_step, out, unit)
     return ConsoleLog(total_steps, examples_per_step, out, unit)
 
+
+def _lines(text: str) -> str:
+    """``text``'s lines, each with its control characters escaped (a run name or path in a
+    message cannot drive the terminal)."""
+    return "\n".join(printable(line) for line in text.split("\n"))

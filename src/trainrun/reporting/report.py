@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from trainrun import extras, rundir
-from trainrun.errors import UserError
+from trainrun.errors import UserError, printable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -262,10 +262,10 @@ def write_report(run_dir: Path | str) -> Path:
         f"<figcaption>{html.escape(c)}</figcaption></figure>" for c, p in plots)
     split = run.summary.get("wall_time_split_s") or {}
     prov = run.summary.get("provenance") or _read_json(run.path / rundir.PROVENANCE)
-    name = html.escape(str(run.config.get("name", run.path.name)))
+    name = html.escape(printable(str(run.config.get("name", run.path.name))))
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>trainrun report: {name}</title><style>{STYLE}</style></head><body>
-<h1>{name}</h1><p>{html.escape(str(run.path.resolve()))}</p>
+<h1>{name}</h1><p>{html.escape(printable(str(run.path.resolve())))}</p>
 <h2>Summary</h2>{_table(_summary_rows(run))}
 <h2>Plots</h2><div class="plots">{figures or "<p>no metrics written yet</p>"}</div>
 <h2>Wall time</h2>{_table(_split_rows(split, run.summary.get("wall_s") or 0))
@@ -346,11 +346,11 @@ def list_runs(root: Path | str = "runs") -> str:
     for config_file in sorted(configs):
         run = load_run(config_file.parent)
         best = best_eval(run)
-        status = run.status.get("status", "unknown")
+        status = str(run.status.get("status", "unknown"))
         if run.status.get("note"):
             status += f" ({run.status['note']})"
         rows.append([
-            str(run.path.relative_to(root)), status,
+            printable(str(run.path.relative_to(root))), printable(status),
             f"{run.last_step}/{run.config.get('steps')}",
             _fmt(run.train[-1]["loss"]) if run.train else "",
             f"{best[0]} {best[1]:.6g} (step {best[2]})" if best else "",

@@ -103,6 +103,7 @@ def _bench_ceiling(args: argparse.Namespace) -> int:
     if args.size < 64 or args.repeats < 1:
         raise UserError(f"bench ceiling needs --size >= 64 and --repeats >= 1 (got --size "
                         f"{args.size}, --repeats {args.repeats}); the defaults are 2048 and 10")
+    mfu.ceiling_file()  # a cache directory that cannot hold it is refused before measuring
     record = mfu.measure_ceiling(args.size, args.repeats)
     path, best = mfu.save_ceiling(record)
     print(f"{record['size']}x{record['size']} float32 matmul on {record['cpu']} "

@@ -499,10 +499,16 @@ def dotted(tree: PyTree, prefix: str = "") -> dict[str, np.ndarray]:
 
 
 def model_type_of(cfg: TransformerModel) -> str:
-    """The Hugging Face family a transformer's layout is (for a model that came from none)."""
-    if cfg.positions == "learned":
+    """The Hugging Face family a transformer's layout is (for a model that came from none);
+    a layout that is no family's is refused in one line."""
+    if cfg.positions == "learned" and cfg.norm == "layernorm" and cfg.mlp == "gelu":
         return "gpt2"
-    return "qwen2" if cfg.qkv_bias else "llama"
+    if cfg.positions == "rope" and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu":
+        return "qwen2" if cfg.qkv_bias else "llama"
+    raise WeightsError(f"the model's layout ({cfg.norm}, {cfg.mlp} MLP, {cfg.positions} "
+                       "positions) is no Hugging Face family's: train with GPT-2's "
+                       "(model.positions=learned, model.bias=true) or the Llama family's "
+                       "(model.norm=rmsnorm, model.mlp=swiglu) to export")
 
 
 def _write_shard(tensors: dict[str, np.ndarray], file: Path, dtype: str) -> Path:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from trainrun.config import CNNModel, MLPModel, ModelConfig, NNXMLPModel, TransformerModel
+from trainrun.errors import WriteFailed
 
 XLA = "xla_cost_analysis"  # flops_source of a count from XLA
 
@@ -339,11 +340,12 @@ def save_ceiling(record: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     A ceiling is the best the machine has shown: a measurement taken while other work shared
     the cores is far lower, and replacing the figure with it would make every later MFU rise
     past what the machine can do."""
-    path = cache_dir() / "ceiling.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = ceiling_file()
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
+        table = {}
+    if not isinstance(table, dict):  # not what this writes: replaced
         table = {}
     kept = table.get(_machine_key())
     best = record
@@ -353,15 +355,33 @@ def save_ceiling(record: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
         best = {**record, "measurements": (kept or {}).get("measurements", 0) + 1}
     table[_machine_key()] = best
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(table, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(table, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as err:
+        raise WriteFailed(f"cannot write {path}: {err.strerror}; point TRAINRUN_CACHE_DIR at a "
+                          "writable directory") from None
     return path, best
+
+
+def ceiling_file() -> Path:
+    """The file the measured ceilings are kept in, its folder made; a cache directory that
+    cannot be one (a file, no permission) is ``WriteFailed`` naming it."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise WriteFailed(f"cannot use {folder} as trainrun's cache directory: {err.strerror}; "
+                          "point TRAINRUN_CACHE_DIR at a writable directory") from None
+    return folder / "ceiling.json"
 
 
 def cached_ceiling() -> dict[str, Any] | None:
     """The figure ``trainrun bench ceiling`` saved for this machine, if any."""
     path = cache_dir() / "ceiling.json"
     try:
-        return json.loads(path.read_text()).get(_machine_key())
+        table = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    kept = table.get(_machine_key()) if isinstance(table, dict) else None
+    return kept if isinstance(kept, dict) and "flops_per_s" in kept else None

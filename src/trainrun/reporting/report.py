@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from trainrun import extras, rundir
-from trainrun.errors import UserError, printable
+from trainrun.errors import UserError, WriteFailed, printable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -297,6 +297,12 @@ def compare(run_dirs: list[Path | str], out: Path | str = "compare.png") -> tupl
     """Overlay the runs' curves (train loss, eval loss, lr, grad norm) in one PNG; return it
     and a table of their final metrics."""
     extras.require("report", "trainrun compare")
+    out = Path(out)
+    formats = _new_figure().canvas.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in formats:
+        raise ReportError(f"--out {out}: matplotlib writes no {out.suffix or 'suffix-less'} "
+                          f"file; give a name ending in one of "
+                          f"{', '.join('.' + f for f in sorted(formats))}")
     runs = [load_run(p) for p in run_dirs]
     labels = [r.path.name for r in runs]
     if len(set(labels)) < len(labels):
@@ -321,9 +327,12 @@ def compare(run_dirs: list[Path | str], out: Path | str = "compare.png") -> tupl
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "none of the runs has it", ha="center", transform=ax.transAxes)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+    except OSError as err:
+        raise WriteFailed(f"cannot write {out}: {err.strerror}; give --out a writable place "
+                          "(e.g. --out /tmp/compare.png)") from None
     rows = []
     for run, label in zip(runs, labels, strict=True):
         s, best = run.summary, best_eval(run)

@@ -1,0 +1,67 @@
+"""Commands besides `train` answer bad input and a hostile environment in one line: exit 2 for
+input, 1 for the environment, nothing of the user's changed."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from trainrun.cli import main
+from trainrun.config import load_config
+from trainrun.training.loop import run
+
+
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("runs") / "mlp"
+    run(load_config("mlp", ["steps=4", "checkpoint.every=0", "metrics.tensorboard=false"]), path,
+        out=io.StringIO())
+    return path
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_compare_to_an_unknown_format_or_an_unwritable_place(mlp_run, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["compare", str(mlp_run), "--out", str(tmp_path / "thesis.txt")]) == 2
+    assert "matplotlib writes no .txt file" in one_line(capsys)
+    blocked = tmp_path / "a-file"  # a folder that cannot be made: the environment, exit 1
+    blocked.write_text("mine\n")
+    assert main(["compare", str(mlp_run), "--out", str(blocked / "c.png")]) == 1
+    assert "cannot write" in one_line(capsys)
+    assert blocked.read_text() == "mine\n"
+    assert not (tmp_path / "thesis.txt").exists()
+
+
+def test_bench_ceiling_with_a_cache_dir_that_is_a_file(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    cache.write_text("not a directory\n")
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(cache))
+    assert main(["bench", "ceiling", "--size", "64", "--repeats", "1"]) == 1
+    assert "TRAINRUN_CACHE_DIR" in one_line(capsys)
+    assert cache.read_text() == "not a directory\n"
+    # garbage in the cache file is replaced, not a traceback
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "dir"))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "ceiling.json").write_text("[1, 2]")
+    assert main(["bench", "ceiling", "--size", "64", "--repeats", "1"]) == 0
+
+
+@pytest.mark.slow
+def test_export_of_the_default_lm_names_the_layouts_that_export(tmp_path, capsys):
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    config = load_config("lm", ["steps=2", "steps_per_call=1", "checkpoint.every=0",
+                                "eval.every=0", "optimizer.schedule.warmup_steps=1",
+                                "model.d_model=32", "model.layers=1", "model.seq_len=32",
+                                f"data.paths=[{corpus}]", "data.seq_len=32",
+                                "data.batch_size=4", "metrics.tensorboard=false"])
+    run(config, tmp_path / "lm", out=io.StringIO())
+    assert main(["export", str(tmp_path / "lm"), "--to", str(tmp_path / "out")]) == 2
+    assert "no Hugging Face family's" in one_line(capsys)
+    assert not (tmp_path / "out").exists()

@@ -65,3 +65,12 @@ def test_export_of_the_default_lm_names_the_layouts_that_export(tmp_path, capsys
     assert main(["export", str(tmp_path / "lm"), "--to", str(tmp_path / "out")]) == 2
     assert "no Hugging Face family's" in one_line(capsys)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("run_dir", ["runs/" + "x" * 300, "/".join(["runs"] + ["y" * 200] * 22)])
+def test_a_run_dir_the_file_system_would_refuse_is_one_line(tmp_path, monkeypatch, capsys,
+                                                            run_dir):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", "mlp", "--run-dir", run_dir]) == 2
+    assert "--run-dir" in one_line(capsys)
+    assert list(tmp_path.iterdir()) == []  # no runs/ left

@@ -210,6 +210,24 @@ def committed_steps(ckpt_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_dir())
 
 
+NAME_MAX, PATH_MAX = 255, 4096  # bytes in a file name and in a path on Linux
+INSIDE_MAX = 256  # bytes a run's own files add below its folder (a checkpoint's deepest file)
+
+
+def require_fits(path: Path, flag: str) -> None:
+    """A path whose file names, or whose length with the run's files below it, the file
+    system would refuse, refused up front in one line instead of midway."""
+    raw = os.fsencode(os.path.abspath(path))
+    long = [part for part in raw.split(b"/") if len(part) > NAME_MAX]
+    if long:
+        raise UserError(f"{flag} has a folder name of {len(long[0])} bytes; a file name may "
+                        f"have at most {NAME_MAX}: give a shorter one")
+    if len(raw) + INSIDE_MAX > PATH_MAX:
+        raise UserError(f"{flag} is {len(raw)} bytes long as an absolute path; with the files a "
+                        f"run writes below it that passes the {PATH_MAX}-byte limit on a path: "
+                        f"give one under {PATH_MAX - INSIDE_MAX} bytes")
+
+
 def require_utf8(path: Path, flag: str) -> None:
     """Orbax and TensorStore take paths as UTF-8 text: refuse any other bytes up front."""
     raw = os.fsencode(path)
@@ -300,6 +318,7 @@ class RunDirectory:
     def check(self) -> None:
         for path, flag, role in self.folders:
             require_utf8(path, flag)
+            require_fits(path, flag)
             found = inspect(path, role)
             if found.kind == "foreign":
                 raise UserError(_refusal(path, flag, role, found, self.fresh))

@@ -74,3 +74,11 @@ def test_a_run_dir_the_file_system_would_refuse_is_one_line(tmp_path, monkeypatc
     assert main(["train", "--config", "mlp", "--run-dir", run_dir]) == 2
     assert "--run-dir" in one_line(capsys)
     assert list(tmp_path.iterdir()) == []  # no runs/ left
+
+
+def test_a_platform_this_machine_lacks_is_one_line(tmp_path, cli):
+    result = cli("train", "--config", "mlp", cwd=tmp_path, JAX_PLATFORMS="cuda")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "JAX_PLATFORMS=cuda" in lines[0], result.stderr
+    assert list(tmp_path.iterdir()) == []

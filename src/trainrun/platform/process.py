@@ -25,6 +25,7 @@ from importlib import metadata
 
 import jax
 
+from trainrun.errors import UserError
 from trainrun.platform import fast_paths
 
 # flag -> value. Only for jaxlib releases whose XLA knows the flag: XLA aborts the process at
@@ -116,6 +117,24 @@ def backend_started() -> bool:
     from jax._src import xla_bridge  # no public way to ask whether the backend started
 
     return xla_bridge.backends_are_initialized()
+
+
+def require_backend() -> None:
+    """JAX's devices, or one line saying why there are none: a ``JAX_PLATFORMS`` that names a
+    platform this machine lacks (JAX raises, then asserts on every later call), or a plugin
+    that fails to start."""
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as err:
+        asked = os.environ.get("JAX_PLATFORMS")
+        lines = str(err).strip().splitlines()
+        why = f" ({lines[0]})" if lines else ""
+        if asked:
+            raise UserError(f"JAX cannot start a backend for JAX_PLATFORMS={asked}{why}: this "
+                            "machine lacks it or its plugin; name a platform it has (e.g. "
+                            "JAX_PLATFORMS=cpu) or unset it") from None
+        raise UserError(f"JAX cannot start its backend{why}; check the accelerator's driver and "
+                        "JAX plugin, or run on CPU with JAX_PLATFORMS=cpu") from None
 
 
 def run_cpu_calls_inline() -> bool:

@@ -36,7 +36,7 @@ from trainrun.data import (
 from trainrun.models import Model, build_model
 from trainrun.platform import distributed, fast_paths
 from trainrun.platform.fast_paths import FastPaths
-from trainrun.platform.process import calls_run_inline
+from trainrun.platform.process import calls_run_inline, require_backend
 from trainrun.program import sharding
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.optim import Optimizer, build_optimizer
@@ -105,6 +105,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
     fast = fast_paths.selected()  # a name it does not know is refused before anything
     distributed.initialize(config.distributed)  # before anything asks JAX for devices
+    require_backend()  # a platform this machine lacks is one line, not JAX's traceback
     # Inline CPU calls are the process's setting (configure_process): record what is in effect.
     fast = dataclasses.replace(fast, inline_cpu_calls=calls_run_inline())
     primary = jax.process_index() == 0

@@ -21,6 +21,7 @@ from trainrun.program.optim import build_optimizer
 from trainrun.program.state import init_state
 from trainrun.reporting.timing import Stopwatch
 from trainrun.reporting.writers import JsonlWriter, read_metrics
+from trainrun.training.callbacks import Callback
 from trainrun.training.loop import run
 
 SUMMARY_KEYS = {"final_loss", "steps", "compile_s", "step_time_median_s", "steps_per_s",
@@ -198,3 +199,25 @@ def test_a_write_that_fails_on_the_writer_thread_fails_the_run(tmp_path, monkeyp
     with pytest.raises(WriteFailed, match=r"no space left on device writing metrics\.jsonl"):
         run(config, tmp_path, out=io.StringIO())
     assert rundir.read_status(tmp_path)["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_a_failed_run_records_the_step_of_its_last_committed_checkpoint(tmp_path):
+    """Before, status.json kept the step the run started at (0) though checkpoints existed."""
+
+    class Crash(Callback):
+        every = 6
+
+        def at_boundary(self, boundary):
+            if boundary.step == 12:
+                boundary.wait_for_checkpoint()
+                raise RuntimeError("a bug in a callback")
+
+    config = load_config("mlp", ["steps=40", "steps_per_call=2", "checkpoint.every=4",
+                                 "checkpoint.async=false", "metrics.tensorboard=false"])
+    with pytest.raises(RuntimeError, match="a bug in a callback"):
+        run(config, tmp_path, out=io.StringIO(), callbacks=[Crash()])
+    status = rundir.read_status(tmp_path)
+    assert status["status"] == "failed" and "a bug in a callback" in status["reason"]
+    committed = rundir.committed_steps(tmp_path / rundir.CHECKPOINTS)
+    assert committed and status["step"] == committed[-1] > 0

@@ -147,14 +147,18 @@ def write_status(run_dir: Path, status: str, step: int | None = None,
     })
 
 
-def mark_failed(run_dir: Path, reason: str) -> None:
+def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None) -> None:
     """A run this process started that raised is ``failed`` for ``trainrun runs``, with why (a
-    refusal before it started leaves the directory's status as it was). Best effort: the disk
-    may be the reason."""
+    refusal before it started leaves the directory's status as it was), at the step of its last
+    committed checkpoint in ``ckpt_dir`` (where a resume starts). Best effort: the disk may be
+    the reason."""
     with contextlib.suppress(OSError):
         status = read_status(run_dir) if run_dir.exists() else {}
         if status.get("status") != "running" or status.get("pid") != os.getpid():
             return
+        committed = committed_steps(ckpt_dir) if ckpt_dir is not None else []
+        if committed:
+            status["step"] = committed[-1]
         try:
             write_status(run_dir, "failed", status.get("step"), reason)
         except OSError:  # a full disk has no room for a new file: rewrite the old one in place

@@ -129,7 +129,8 @@ def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
     one-line ``WriteFailed`` (returned), after what it left half written is removed."""
     refused = refused_write(err)
     if refused is None:
-        mark_failed(directory.run_dir, " ".join(f"{type(err).__name__}: {err}".split())[:300])
+        mark_failed(directory.run_dir, " ".join(f"{type(err).__name__}: {err}".split())[:300],
+                    directory.ckpt_dir)
         return None
     line = failure_line(*refused, directory.run_dir, directory.ckpt_dir)  # before the removal
     # The write TensorStore abandoned leaves Orbax's serialisation coroutines unawaited; Python
@@ -139,5 +140,5 @@ def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
                             category=RuntimeWarning)
     if directory.locks:  # this process holds the folders: what is half written is its own
         remove_partial(directory.run_dir, directory.ckpt_dir)
-    mark_failed(directory.run_dir, line)
+    mark_failed(directory.run_dir, line, directory.ckpt_dir)
     return WriteFailed(line)

@@ -70,7 +70,8 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
     # failure is recorded).
     directory = run_directory(config, path, fresh)
     with Preemption() as preemption:
-        preemption.on_abort = lambda: rundir.mark_failed(path, "aborted by a second interrupt")
+        preemption.on_abort = lambda: rundir.mark_failed(path, "aborted by a second interrupt",
+                                                         directory.ckpt_dir)
         started = False
         try:
             # `cleanup` closes what setup opened (the checkpoint manager, letting a save in

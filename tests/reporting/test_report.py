@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -133,3 +135,17 @@ def test_report_of_a_path_without_a_run_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no trainrun run" in err
     assert main(["runs", "--root", str(tmp_path / "nowhere")]) == 2
+
+
+def test_runs_flags_a_metrics_file_cut_short(runs_root, tmp_path, capsys):
+    root, _ = runs_root
+    copy = tmp_path / "runs"
+    shutil.copytree(root / "finished", copy / "cut")
+    metrics = copy / "cut" / rundir.METRICS
+    lines = metrics.read_text().splitlines(keepends=True)
+    kept = [json.loads(line) for line in lines[:40]]
+    metrics.write_text("".join(lines[:40]) + lines[40][:12])  # cut in the middle of a line
+    trained = len([r for r in kept if r.get("split", "train") == "train"])
+    assert main(["runs", "--root", str(copy)]) == 0
+    listing = capsys.readouterr().out
+    assert f"[metrics.jsonl: 1 unreadable line, {100 - trained} steps without a row]" in listing

@@ -48,6 +48,7 @@ class RunRecord:
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
     timing: list[dict[str, Any]]
+    problems: list[str] = dataclasses.field(default_factory=list)  # in metrics.jsonl
 
     def series(self, rows: list[dict[str, Any]], name: str,
                most: int = MAX_POINTS) -> tuple[list[int], list[float]]:
@@ -63,16 +64,23 @@ class RunRecord:
         return self.train[-1]["step"] if self.train else 0
 
 
-def _read_jsonl(path: Path) -> dict[str, list[dict[str, Any]]]:
-    """A JSONL file's records by ``split`` (train when absent). A torn last line (a killed
-    writer) is skipped; where steps go back (a resumed run appending), the later pass wins."""
+def _read_jsonl(path: Path, unreadable: list[str] | None = None,
+                ) -> dict[str, list[dict[str, Any]]]:
+    """A JSONL file's records by ``split`` (train when absent). A line that is not a record (a
+    torn last line of a killed writer, a file cut or damaged) is skipped and, with
+    ``unreadable``, listed there; where steps go back (a resumed run appending), the later pass
+    wins."""
     splits: dict[str, list[dict[str, Any]]] = {}
     if not path.exists():
         return splits
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            if unreadable is not None and line.strip():
+                unreadable.append(line)
             continue
         rows = splits.setdefault(record.get("split", "train"), [])
         while rows and rows[-1]["step"] >= record["step"]:
@@ -86,16 +94,37 @@ def load_run(path: Path | str) -> RunRecord:
     if not (path / rundir.CONFIG).exists():
         raise ReportError(f"{path} holds no trainrun run (no {rundir.CONFIG}); give a run "
                           "directory such as runs/mlp (`trainrun runs` lists them)")
-    metrics = _read_jsonl(path / rundir.METRICS)
+    unreadable: list[str] = []
+    metrics = _read_jsonl(path / rundir.METRICS, unreadable)
+    config = yaml.safe_load((path / rundir.CONFIG).read_text()) or {}
+    status = rundir.read_status(path)
+    train = metrics.get("train", [])
     return RunRecord(
-        path=path,
-        config=yaml.safe_load((path / rundir.CONFIG).read_text()) or {},
-        summary=rundir.read_summary(path),
-        status=rundir.read_status(path),
-        train=metrics.get("train", []),
-        eval=metrics.get("eval", []),
+        path=path, config=config, summary=rundir.read_summary(path), status=status,
+        train=train, eval=metrics.get("eval", []),
         timing=_read_jsonl(path / rundir.TIMING).get("train", []),
-    )
+        problems=_metrics_problems(train, unreadable, status, config))
+
+
+def _metrics_problems(train: list[dict[str, Any]], unreadable: list[str],
+                      status: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """What is wrong with a run's metrics file: lines that are not records, and training
+    steps without a row (one row per step is written) before the step the run reached."""
+    problems = []
+    if unreadable:
+        problems.append(f"{len(unreadable)} unreadable line{'s' * (len(unreadable) > 1)}")
+    steps = [row["step"] for row in train]
+    recorded = status.get("step")
+    reached: int = recorded if isinstance(recorded, int) else 0
+    total = config.get("steps")
+    if status.get("status") == "finished" and isinstance(total, int):
+        reached = max(reached, total)
+    start = steps[0] - 1 if steps else reached  # a run started from a checkpoint's step
+    expected = max(reached, steps[-1] if steps else 0) - start
+    missing = expected - len(steps)
+    if missing > 0:
+        problems.append(f"{missing} step{'s' * (missing > 1)} without a row")
+    return problems
 
 
 def best_eval(run: RunRecord) -> tuple[str, float, int] | None:
@@ -358,6 +387,8 @@ def list_runs(root: Path | str = "runs") -> str:
         status = str(run.status.get("status", "unknown"))
         if run.status.get("note"):
             status += f" ({run.status['note']})"
+        if run.problems:
+            status += f" [{rundir.METRICS}: {', '.join(run.problems)}]"
         rows.append([
             printable(str(run.path.relative_to(root))), printable(status),
             f"{run.last_step}/{run.config.get('steps')}",

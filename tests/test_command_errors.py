@@ -82,3 +82,18 @@ def test_a_platform_this_machine_lacks_is_one_line(tmp_path, cli):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "JAX_PLATFORMS=cuda" in lines[0], result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_checkpoint_step_replaced_by_a_link_is_one_line(tmp_path, capsys):
+    """Before, every later run failed deleting it as an old step (rmtree on a link)."""
+    args = ["train", "--config", "mlp", "--run-dir", str(tmp_path / "run"),
+            "checkpoint.every=2", "checkpoint.keep=2", "metrics.tensorboard=false"]
+    assert main([*args, "steps=4"]) == 0
+    capsys.readouterr()
+    step = tmp_path / "run" / "checkpoints" / "2"
+    step.rename(tmp_path / "elsewhere")
+    step.symlink_to(tmp_path / "elsewhere")
+    assert main([*args, "steps=10"]) == 2
+    assert "is a symbolic link" in one_line(capsys)
+    assert step.is_symlink() and (tmp_path / "elsewhere").is_dir()  # nothing of it touched

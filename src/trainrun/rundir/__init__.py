@@ -232,6 +232,17 @@ def require_fits(path: Path, flag: str) -> None:
                         f"give one under {PATH_MAX - INSIDE_MAX} bytes")
 
 
+def require_real_steps(ckpt_dir: Path) -> None:
+    """A checkpoint step that is a symbolic link was not written by trainrun, and deleting it
+    as an old step would fail on every later run: refused in one line naming it."""
+    if not ckpt_dir.is_dir():
+        return
+    links = sorted(p for p in ckpt_dir.iterdir() if p.is_symlink())
+    if links:
+        raise UserError(f"{links[0]} is a symbolic link, not a checkpoint trainrun wrote; "
+                        f"move it out of {ckpt_dir} (trainrun deletes old steps) and start again")
+
+
 def require_utf8(path: Path, flag: str) -> None:
     """Orbax and TensorStore take paths as UTF-8 text: refuse any other bytes up front."""
     raw = os.fsencode(path)
@@ -320,9 +331,12 @@ class RunDirectory:
         self.moved: list[tuple[Path, Path, bool]] = []
 
     def check(self) -> None:
-        for path, flag, role in self.folders:
+        for path, flag, _ in self.folders:
             require_utf8(path, flag)
             require_fits(path, flag)
+        if not self.fresh:  # --fresh moves the old steps aside instead
+            require_real_steps(self.ckpt_dir)
+        for path, flag, role in self.folders:
             found = inspect(path, role)
             if found.kind == "foreign":
                 raise UserError(_refusal(path, flag, role, found, self.fresh))

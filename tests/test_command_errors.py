@@ -4,6 +4,7 @@ input, 1 for the environment, nothing of the user's changed."""
 from __future__ import annotations
 
 import io
+import shutil
 
 import pytest
 
@@ -97,3 +98,27 @@ def test_a_checkpoint_step_replaced_by_a_link_is_one_line(tmp_path, capsys):
     assert main([*args, "steps=10"]) == 2
     assert "is a symbolic link" in one_line(capsys)
     assert step.is_symlink() and (tmp_path / "elsewhere").is_dir()  # nothing of it touched
+
+
+@pytest.mark.slow
+def test_a_half_deleted_step_and_a_garbled_step_record_are_handled_without_absl_lines(
+        tmp_path, cli):
+    """Before, every resume printed `WARNING:absl:Metadata file does not exist` for an old step
+    whose deletion a kill cut short, and `ERROR:absl:Failed to json parse` twice for a step
+    record with garbage in it."""
+    args = ["train", "--config", "mlp", "--run-dir", str(tmp_path / "run"),
+            "checkpoint.every=2", "checkpoint.keep=5", "metrics.tensorboard=false"]
+    assert cli(*args, "steps=6").returncode == 0
+    steps = tmp_path / "run" / "checkpoints"
+    (steps / "2" / "_CHECKPOINT_METADATA").unlink()  # a deletion cut short
+    shutil.rmtree(steps / "2" / "state")
+    (steps / "4" / "_CHECKPOINT_METADATA").write_text("garbage{\n")
+    result = cli(*args, "steps=8")
+    assert result.returncode == 0, result.stderr
+    assert "absl" not in result.stderr + result.stdout, result.stderr
+    assert "removed the rest of step 2" in result.stdout
+    assert "rewrote step 4's _CHECKPOINT_METADATA" in result.stdout
+    assert sorted(int(p.name) for p in steps.iterdir() if p.name.isdigit()) == [4, 6, 8]
+    again = cli(*args, "steps=10")
+    assert again.returncode == 0 and "absl" not in again.stderr + again.stdout
+    assert "rewrote" not in again.stdout and "removed the rest" not in again.stdout

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,46 @@ def newest_readable(steps: Iterable[int], read: Callable[[int], Any]
     return None, None, unreadable
 
 
+STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax writes it when a step is committed
+
+
+def finish_deletions(directory: Path) -> list[str]:
+    """Removes the step directories that lack Orbax's step metadata while a newer step has it:
+    old steps whose deletion (``checkpoint.keep``) a kill cut short. Returns their names."""
+    if not directory.is_dir():
+        return []
+    steps = sorted((int(p.name), p) for p in directory.iterdir()
+                   if p.name.isdigit() and p.is_dir() and not p.is_symlink())
+    complete = [step for step, p in steps if (p / STEP_METADATA).is_file()]
+    if not complete:
+        return []
+    cut = [p for step, p in steps if step < complete[-1] and not (p / STEP_METADATA).exists()]
+    for path in cut:
+        shutil.rmtree(path)
+    return [p.name for p in cut]
+
+
+def repair_step_metadata(directory: Path) -> list[str]:
+    """Rewrites, as an empty record, each step's Orbax metadata file that is not a JSON object:
+    it lies outside trainrun's checksums (the step's own files are checked when it is read),
+    and Orbax would log its parse error on every start. Returns the steps' names."""
+    if not directory.is_dir():
+        return []
+    repaired = []
+    for path in sorted(directory.iterdir()):
+        record = path / STEP_METADATA
+        if not (path.name.isdigit() and record.is_file() and not record.is_symlink()):
+            continue
+        try:
+            ok = isinstance(json.loads(record.read_text()), dict)
+        except (OSError, UnicodeDecodeError, ValueError):
+            ok = False
+        if not ok:
+            rundir.write_text(record, "{}\n")
+            repaired.append(path.name)
+    return repaired
+
+
 class Checkpoints:
     """The run's checkpoint directory: save a step (when: ``checkpoint_policy.py``), keep the
     latest ``keep`` (and the best by ``keep_best``), restore the newest readable one."""
@@ -184,6 +225,10 @@ class Checkpoints:
         self.cfg = cfg = config.checkpoint
         self.provenance = provenance
         self.partial = sorted(p.name for p in self.directory.glob(f"*{TMP_MARK}*"))
+        # old steps a killed run was deleting, finished off (Orbax would warn on each start)
+        primary = jax.process_index() == 0
+        self.half_deleted = finish_deletions(self.directory) if primary else []
+        self.repaired = repair_step_metadata(self.directory) if primary else []
         policies = ocp.checkpoint_managers
         keep = policies.LatestN(cfg.keep)
         best: dict[str, Any] = {}

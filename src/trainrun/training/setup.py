@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from trainrun import extras, rundir
 from trainrun.checkpointing import init_from
-from trainrun.checkpointing.checkpoints import Checkpoints, checkpoint_dir
+from trainrun.checkpointing.checkpoints import STEP_METADATA, Checkpoints, checkpoint_dir
 from trainrun.checkpointing.policy import CheckpointPolicy
 from trainrun.checkpointing.resume import check_config, provenance_changes, schedule_shift
 from trainrun.config import ConfigError, RunConfig
@@ -283,6 +283,13 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Pa
         rundir.start(run_dir, config, prov, step)
     for name in checkpoints.partial:
         console.message(f"removing {name}: a checkpoint whose save never finished")
+    for name in checkpoints.repaired:
+        console.message(f"rewrote step {name}'s {STEP_METADATA}: Orbax's record of the step "
+                        "could not be read (the step's own files are checked by their "
+                        "checksums)")
+    for name in checkpoints.half_deleted:
+        console.message(f"removed the rest of step {name}: an old checkpoint whose deletion "
+                        "was cut short")
     if restored is None:
         if config.init.from_ is not None:
             console.message(f"starting from {config.init.load} of {config.init.from_} "

@@ -122,3 +122,43 @@ def test_a_half_deleted_step_and_a_garbled_step_record_are_handled_without_absl_
     again = cli(*args, "steps=10")
     assert again.returncode == 0 and "absl" not in again.stderr + again.stdout
     assert "rewrote" not in again.stdout and "removed the rest" not in again.stdout
+
+
+def test_a_train_state_that_cannot_fit_is_refused_before_anything(tmp_path, capsys):
+    """Before, `model.hidden=[40000, 40000]` and larger died in XLA's allocator with a
+    traceback (RESOURCE_EXHAUSTED), the run directory left behind."""
+    code = main(["train", "--config", "mlp", "--run-dir", str(tmp_path / "run"),
+                 "model.hidden=[200000,200000]"])
+    assert code == 2
+    err = one_line(capsys)
+    assert "the train state needs" in err and "GiB" in err and "is free" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_an_allocation_that_fails_mid_run_is_one_line_with_the_last_checkpoint(tmp_path,
+                                                                                capsys):
+    from trainrun import rundir
+    from trainrun.training.callbacks import Callback
+
+    class Exhausted(Callback):
+        every = 4
+
+        def at_boundary(self, boundary):
+            if boundary.step == 8:
+                boundary.wait_for_checkpoint()
+                raise MemoryError("Unable to allocate 191. GiB")
+
+    config = load_config("mlp", ["steps=20", "steps_per_call=2", "checkpoint.every=4",
+                                 "checkpoint.async=false", "metrics.tensorboard=false"])
+    with pytest.raises(Exception) as err:
+        run(config, tmp_path, out=io.StringIO(), callbacks=[Exhausted()])
+    assert type(err.value).__name__ == "OutOfMemory"
+    line = str(err.value)
+    last = rundir.committed_steps(tmp_path / rundir.CHECKPOINTS)[-1]
+    assert last > 0 and "\n" not in line
+    assert line.startswith("out of memory (Unable to allocate 191. GiB); the last committed "
+                           f"checkpoint is step {last}; lower data.batch_size")
+    status = rundir.read_status(tmp_path)
+    assert status["status"] == "failed" and status["step"] == last
+    assert status["reason"] == line

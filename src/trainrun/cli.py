@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainrun.errors import UserError, WriteFailed, printable
+from trainrun.errors import OutOfMemory, UserError, WriteFailed, printable
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {printable(str(err))}", file=sys.stderr)
         return 2
-    except WriteFailed as err:  # the disk, not the input: exit 1
+    except (WriteFailed, OutOfMemory) as err:  # the disk or memory, not the input: exit 1
         print(f"error: {printable(str(err))}", file=sys.stderr)
         return 1
 

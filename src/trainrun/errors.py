@@ -12,6 +12,11 @@ class WriteFailed(Exception):
     run stops with one line naming the file and the last committed checkpoint; exit 1."""
 
 
+class OutOfMemory(Exception):
+    """Not bad input as such: an allocation failed mid-run (device or host). The run stops
+    with one line naming what to lower and the last committed checkpoint; exit 1."""
+
+
 def printable(text: str) -> str:
     """``text`` with each control character (C0, DEL, C1: escape sequences, bell, carriage
     return, newline) written as its ``\\x..`` escape, so a run name or path shown on a

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainrun.errors import WriteFailed
+from trainrun.errors import OutOfMemory, WriteFailed
 from trainrun.rundir import ORBAX_TMP, RunDirectory, committed_steps, mark_failed
 
 # errno -> how the line says it (strerror's wording, lower case)
@@ -124,9 +124,27 @@ def quiet_orbax_errors() -> Callable[[], None]:
     return undo
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """A host allocation that failed (``MemoryError``) or a device one (XLA's
+    ``RESOURCE_EXHAUSTED``)."""
+    return isinstance(err, MemoryError) or (
+        type(err).__name__ in ("XlaRuntimeError", "JaxRuntimeError")
+        and "RESOURCE_EXHAUSTED" in str(err))
+
+
 def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
     """Record a run that raised as ``failed`` with the reason. A refused write becomes the
-    one-line ``WriteFailed`` (returned), after what it left half written is removed."""
+    one-line ``WriteFailed`` (returned), after what it left half written is removed; an
+    allocation that failed, the one-line ``OutOfMemory``."""
+    if out_of_memory(err):
+        steps = committed_steps(directory.ckpt_dir)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        last = (f"the last committed checkpoint is step {steps[-1]}" if steps
+                else "no checkpoint was committed")
+        line = (f"out of memory ({first}); {last}; lower data.batch_size or steps_per_call, "
+                "set model.remat, accumulate, or compute in bfloat16 (precision.compute)")
+        mark_failed(directory.run_dir, line, directory.ckpt_dir)
+        return OutOfMemory(line)
     refused = refused_write(err)
     if refused is None:
         mark_failed(directory.run_dir, " ".join(f"{type(err).__name__}: {err}".split())[:300],

@@ -12,8 +12,10 @@ from typing import Any
 
 import grain
 import jax
+import numpy as np
 
 from trainrun.data import DataError
+from trainrun.errors import UserError
 from trainrun.models import Model
 
 
@@ -47,3 +49,55 @@ def check_batch(model: Model, data: Any, params: Any, from_config: bool) -> None
         raise DataError(f"the model ({model.name}) cannot take the data's batches "
                         f"({described}): {first}; make the model's sizes match the "
                         "data") from None
+
+
+def check_state_memory(abstract_state: Any, shardings: Any) -> None:
+    """Refuse, on one line and before anything is allocated, a train state (params, optimizer
+    state, moving average) that does not fit the memory its devices have free: on CPU the host
+    memory every local device shares, on an accelerator each device's own."""
+    leaves = jax.tree.leaves(abstract_state)
+    placements = jax.tree.leaves(shardings)
+    per_device: dict[Any, int] = {}
+    total = 0
+    for leaf, sharding in zip(leaves, placements, strict=True):
+        shard = sharding.shard_shape(leaf.shape) if hasattr(sharding, "shard_shape") else leaf.shape
+        nbytes = int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        for device in sharding.addressable_devices:
+            per_device[device] = per_device.get(device, 0) + nbytes
+        total += int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    if not per_device:
+        return
+    device = max(per_device, key=lambda d: per_device[d])
+    if device.platform == "cpu":
+        need, free, where = sum(per_device.values()), host_memory_available(), "host memory"
+    else:
+        need, free, where = per_device[device], device_memory_available(device), str(device)
+    if free is not None and need > free:
+        raise UserError(f"the train state needs {_size(need)} of {where} ({_size(total)} of "
+                        f"params and optimizer state in all) and {_size(free)} is free: shrink "
+                        "the model, shard it over more devices (mesh.fsdp), or drop optimizer "
+                        "state (optimizer.name=sgd, optimizer.trainable, model.lora)")
+
+
+def host_memory_available() -> int | None:
+    """The host memory the kernel can give this process now (``MemAvailable``), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def device_memory_available(device: Any) -> int | None:
+    """An accelerator's free memory as its allocator reports it, in bytes."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"

@@ -134,6 +134,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     abstract = abstract_state(model, optimizer, config.seed, policy)
     state_sharding = sharding.state_shardings(mesh, abstract, model.logical_axes, optimizer.tx,
                                               config.mesh)
+    preflight.check_state_memory(abstract, state_sharding)  # before data or state is made
     if data is None:
         data = build_dataset(config.data, seed=config.seed, process_index=placement.rows[0],
                              process_count=placement.rows[1])

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from pydantic import BaseModel
 
 from trainrun import extras, rundir
 from trainrun.config import ConfigError, RunConfig, TransformerModel, config_from_dict
@@ -191,7 +192,7 @@ def _agreed(model: TransformerModel, arch: Architecture, described_by: Path,
                                f"max_position_embeddings {arch.max_positions}; shorten it")
         fields["seq_len"] = wanted
     candidate = TransformerModel.model_validate({**model.model_dump(), **{
-        k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()}})
+        k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in fields.items()}})
     compared = set(fields) | ({"mlp_ratio"} if "mlp_hidden" in fields else set())
     for field in sorted(model.model_fields_set & compared):
         attr = _EFFECTIVE.get(field, field)
@@ -205,7 +206,7 @@ def _agreed(model: TransformerModel, arch: Architecture, described_by: Path,
 
 
 def _show(value: Any) -> str:
-    return str(value.model_dump()) if hasattr(value, "model_dump") else repr(value)
+    return str(value.model_dump()) if isinstance(value, BaseModel) else repr(value)
 
 
 # ---- the params ------------------------------------------------------------------------------

@@ -24,13 +24,12 @@ from typing import Any
 import numpy as np
 
 from trainrun.config import LoraConfig, TransformerModel
-from trainrun.models.huggingface import LLAMA_FAMILY, WeightsError
+from trainrun.models.huggingface import LLAMA_FAMILY, MODEL_TYPES, WeightsError
 
 PyTree = Any
 ADAPTER_WEIGHTS, ADAPTER_CONFIG, ADAPTER_BIN = (
     "adapter_model.safetensors", "adapter_config.json", "adapter_model.bin")
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
-MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # trainrun's order, kept in configs
 
 # trainrun target -> (block part, HF module path inside a decoder layer)

@@ -60,11 +60,10 @@ def check_state_memory(abstract_state: Any, shardings: Any) -> None:
     per_device: dict[Any, int] = {}
     total = 0
     for leaf, sharding in zip(leaves, placements, strict=True):
-        shard = sharding.shard_shape(leaf.shape) if hasattr(sharding, "shard_shape") else leaf.shape
-        nbytes = int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        nbytes = _bytes(sharding.shard_shape(leaf.shape), leaf.dtype)
         for device in sharding.addressable_devices:
             per_device[device] = per_device.get(device, 0) + nbytes
-        total += int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        total += _bytes(leaf.shape, leaf.dtype)
     if not per_device:
         return
     device = max(per_device, key=lambda d: per_device[d])
@@ -97,6 +96,10 @@ def device_memory_available(device: Any) -> int | None:
     if "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def _size(nbytes: int) -> str:

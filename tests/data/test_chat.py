@@ -24,23 +24,25 @@ SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_he
                   "<|end_header_id|>", "<|eot_id|>"]
 
 # Written in the style of the published ChatML (Qwen2) and Llama-3 templates, with a default
-# system prompt, role checks and {% generation %} around what the assistant says.
-CHATML_STYLE = r"""
-{%- for message in messages %}
-    {%- if loop.first and message['role'] != 'system' %}
-        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-    {{- '<|im_start|>' + message['role'] + '\n' }}
-    {%- if message['role'] == 'assistant' %}
-        {%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}
-    {%- else %}
-        {{- message['content'] + '<|im_end|>' }}
-    {%- endif %}
-    {{- '\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
+# system prompt, role checks and {% generation %} around what the assistant says. The ChatML
+# one is line-oriented Jinja that relies on trim_blocks and lstrip_blocks (the blank line after
+# {% endgeneration %} is the newline that ends the turn); the Llama-3 one trims with dashes.
+CHATML_STYLE = r"""{% for message in messages %}
+    {% if loop.first and message['role'] != 'system' %}
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+    {% if message['role'] == 'assistant' %}
+{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}
+
+    {% else %}
+{{ message['content'] }}<|im_end|>
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
 """
 LLAMA3_STYLE = r"""
 {{- bos_token }}
@@ -103,7 +105,9 @@ DIALOGUES = {
 
 
 def without_generation_blocks(source: str) -> str:
-    stripped = re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", source)
+    """``source`` without its generation tags, and the newline after each that trim_blocks
+    dropped, so it renders the same text."""
+    stripped = re.sub(r"{%-?\s*(end)?generation\s*-?%}\n?", "", source)
     assert "{% generation" not in stripped.replace("{%- ", "{% ")
     return stripped
 
@@ -246,19 +250,21 @@ def test_a_token_that_starts_before_a_span_counts(tokenizer):
     np.testing.assert_array_equal(mask, want_mask)
 
 
-@pytest.mark.parametrize("source", [
+@pytest.mark.parametrize(("source", "why"), [
     # The generation prompt opens a thinking block that history turns do not have.
-    without_generation_blocks(CHATML).replace("'<|im_start|>assistant\\n'",
-                                              "'<|im_start|>assistant\\n<think>\\n'"),
+    (without_generation_blocks(CHATML).replace("'<|im_start|>assistant\\n'",
+                                               "'<|im_start|>assistant\\n<think>\\n'"),
+     "message 2 cannot be found, as it does not start where the generation prompt ends"),
     # An assistant turn renders differently once later turns follow it.
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if loop.last %} (last)"
-    "{% endif %}\n{% endfor %}",
+    ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+     "{% if loop.last and m['role'] == 'assistant' %} (final){% endif %}\n{% endfor %}",
+     "message 2 cannot be found, as it renders differently once later messages follow"),
 ])
-def test_a_template_that_prefixes_cannot_split_is_refused_in_one_line(source):
+def test_a_template_that_prefixes_cannot_split_is_refused_in_one_line(source, why):
     messages = DIALOGUES["system, two exchanges"]
-    with pytest.raises(DataError) as error:
+    with pytest.raises(DataError, match=re.escape("needs {% generation %} blocks")) as error:
         ChatTemplate(source).assistant_spans(messages)
-    assert "{% generation %} blocks" in str(error.value) and "\n" not in str(error.value)
+    assert why in str(error.value) and "\n" not in str(error.value)
 
 
 def test_template_errors_are_one_line(tokenizer):

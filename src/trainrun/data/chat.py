@@ -76,7 +76,6 @@ NO_SPECIAL_TOKENS: Mapping[str, str] = MappingProxyType({})
 MIN_JINJA = (3, 1, 6)  # older releases have sandbox escapes; model templates are untrusted
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers fills them all
 GENERATION_METHOD = "_mark"  # the extension's method a {% generation %} block calls
-USE_GENERATION = "give the template {% generation %} blocks around assistant content"
 
 
 @dataclasses.dataclass
@@ -184,10 +183,10 @@ class ChatTemplate:
                 continue
             prompt = self.render(messages[:index], add_generation_prompt=True, special=special)
             turn = self.render(messages[:index + 1], special=special)
-            if not (turn.startswith(prompt) and text.startswith(turn)):
-                raise DataError(f"the chat template cannot be split into turns by rendering "
-                                f"(assistant message {index} renders differently inside the "
-                                f"conversation); {USE_GENERATION}")
+            if not turn.startswith(prompt):
+                raise _unsplittable(index, "does not start where the generation prompt ends")
+            if not text.startswith(turn):
+                raise _unsplittable(index, "renders differently once later messages follow")
             end = len(prompt) + len(turn[len(prompt):].rstrip())
             if end > len(prompt):
                 spans.append((len(prompt), end))
@@ -295,6 +294,12 @@ def _context(messages: list[dict], add_generation_prompt: bool,
             "add_generation_prompt": add_generation_prompt}
 
 
+def _unsplittable(index: int, why: str) -> DataError:
+    return DataError(f"the chat template needs {{% generation %}} blocks around assistant "
+                     f"content: without them assistant message {index} cannot be found, as it "
+                     f"{why}")
+
+
 def _refused(error: Exception) -> DataError:
     what = str(error) or type(error).__name__
     return DataError(f"the chat template refused the messages: {printable(what)}; fix the record "
@@ -329,11 +334,12 @@ def _environment() -> Any:
         raise DataError(f"chat templates need jinja2>=3.1.6 (older releases let a template "
                         f"escape its sandbox), not {jinja2.__version__}: "
                         "pip install -U 'jinja2>=3.1.6'")
+
     class Generation(jinja2.ext.Extension):
         """``{% generation %}body{% endgeneration %}``: renders the body and, while
         ``assistant_spans`` records, notes the characters it covers in the output."""
 
-        tags = {"generation"}  # noqa: RUF012 (the type Jinja declares for it)
+        tags = {"generation"}  # noqa: RUF012 (Jinja's Extension types it a plain set)
 
         def parse(self, parser: Any) -> Any:
             line = next(parser.stream).lineno

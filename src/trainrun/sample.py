@@ -1,14 +1,17 @@
-"""Text from a trained byte-level language model: ``trainrun sample RUN_DIR --prompt "def "``.
+"""Text from a trained language model: ``trainrun sample RUN_DIR --prompt "def "``, or the
+answer to a chat turn: ``trainrun sample RUN_DIR --chat "question"``.
 
 Decoding runs as one jitted program: the prompt fills a key/value cache (``prefill``), then a
-``lax.fori_loop`` draws one byte per iteration, attending over the cache, so nothing is
-recompiled per token. The cache holds the model's context (``model.seq_len``); when it is full
-the last half of the text is re-read into a fresh cache and decoding goes on from there.
+``lax.while_loop`` draws one token per iteration, attending over the cache, until the count is
+drawn or a stop id (a chat turn's end) is, so nothing is recompiled per token. The cache
+holds the model's context (``model.seq_len``); when it is full the last half of the text is
+re-read into a fresh cache and decoding goes on from there.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun.checkpointing.reader import latest_state, saved_config
-from trainrun.config import TransformerModel
+from trainrun.config import RecordsData, TransformerModel
 from trainrun.errors import UserError
 from trainrun.models.transformer import Transformer, bind_transformer
 from trainrun.program.precision import DTYPES, cast_floats
@@ -30,8 +33,10 @@ class SampleError(UserError):
 
 
 def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: int, *,
-             temperature: float = 1.0, seed: int = 0, compute: str = "float32") -> np.ndarray:
-    """``prompt`` (1-D token ids) followed by ``tokens`` sampled ones.
+             temperature: float = 1.0, seed: int = 0, compute: str = "float32",
+             stop_ids: Sequence[int] = ()) -> np.ndarray:
+    """``prompt`` (1-D token ids) followed by ``tokens`` sampled ones, or fewer: up to and
+    including the first of ``stop_ids`` drawn.
 
     temperature: logits are divided by it before sampling; 0 takes the most likely token.
     compute: the dtype the model runs in (the run's ``precision.compute``): params and the
@@ -50,9 +55,10 @@ def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: 
     # The prompt's tail that fits the context with room for one generated token.
     context = np.asarray(prompt[-(cfg.seq_len - 1):], np.int32)
     program = _decoder(cfg, int(prompt.size), int(context.size), tokens, compute)
-    out = program(params, jnp.asarray(prompt, jnp.int32), jnp.asarray(context),
-                  jnp.float32(temperature), jax.random.key(seed))
-    return np.asarray(out)
+    stops = np.asarray([*stop_ids, -1], np.int32)  # -1: no id, so the array is never empty
+    out, drawn = program(params, jnp.asarray(prompt, jnp.int32), jnp.asarray(context),
+                         jnp.float32(temperature), jax.random.key(seed), jnp.asarray(stops))
+    return np.asarray(out)[:prompt.size + int(drawn)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -69,7 +75,7 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
         sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
         return jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(jnp.int32)
 
-    def decode(params, prompt, context, temperature, key):
+    def decode(params, prompt, context, temperature, key, stops):
         module: Transformer = module_of(cast_floats(params, dtype))
         # At least ``keep`` long, so the refill's slice is valid even where the text is too
         # short to ever fill the cache (then the refill is traced but never taken).
@@ -83,8 +89,8 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
             _, fresh = module(recent[None], cache=module.empty_cache(1, window, dtype), pos=0)
             return fresh
 
-        def body(i, carry):
-            seq, cache, pos, last = carry
+        def body(carry):
+            i, _, seq, cache, pos, last = carry
             token = pick(last, jax.random.fold_in(key, i), temperature)
             end = prompt_len + i  # the new token's index in seq
             seq = seq.at[end].set(token)
@@ -92,29 +98,40 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
                                       lambda: (refill(seq, end), jnp.int32(keep)),
                                       lambda: (cache, pos))
             logits, cache = module(token[None, None], cache=cache, pos=pos)
-            return seq, cache, pos + 1, logits[0, -1]
+            return i + 1, jnp.any(token == stops), seq, cache, pos + 1, logits[0, -1]
 
-        carry = (seq, filled, jnp.int32(context_len), logits[0, -1])
-        seq, *_ = jax.lax.fori_loop(0, tokens, body, carry)
-        return seq[:length]
+        carry = (jnp.int32(0), jnp.bool_(False), seq, filled, jnp.int32(context_len),
+                 logits[0, -1])
+        drawn, _, seq, *_ = jax.lax.while_loop(
+            lambda carry: (carry[0] < tokens) & ~carry[1], body, carry)
+        return seq[:length], drawn
 
     return jax.jit(decode)
 
 
 def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: float = 0.8,
-               seed: int = 0, ema: bool = False) -> str:
+               seed: int = 0, ema: bool = False, chat: str | None = None) -> str:
     """The prompt and ``tokens`` bytes sampled from the latest checkpoint of an LM run (with
-    ``ema``: from its params' moving average, ``optimizer.ema``)."""
+    ``ema``: from its params' moving average, ``optimizer.ema``). chat: a user turn, rendered
+    with the run's chat template; the answer alone is returned, ended at the turn's end."""
     config = saved_config(Path(run_dir))
-    if config.model.kind != "transformer" or config.data.kind != "text":
+    if config.model.kind != "transformer" or config.data.kind not in ("text", "records"):
         raise SampleError(f"run {run_dir} trains model.kind={config.model.kind} on data.kind="
-                          f"{config.data.kind}; sampling needs a byte-level language model "
-                          "(model.kind=transformer, data.kind=text), e.g. --config lm")
+                          f"{config.data.kind}; sampling needs a language model "
+                          "(model.kind=transformer, data.kind=text or records), e.g. --config lm")
     if ema and config.optimizer.ema is None:
         raise SampleError(f"run {run_dir} keeps no moving average (optimizer.ema is not set); "
                           "sample without --ema")
+    if chat is not None and not isinstance(config.data, RecordsData):
+        raise SampleError(f"run {run_dir} was trained on data.kind={config.data.kind}, which has "
+                          "no chat template; --chat needs a run on chat records "
+                          "(data.kind=records), e.g. --config chat")
     _, state = latest_state(Path(run_dir), config)
     params = state.ema if ema else state.params
+    compute = config.precision.compute
+    if isinstance(config.data, RecordsData):
+        return _sample_records(config.model, params, config.data, prompt, tokens, chat=chat,
+                               temperature=temperature, seed=seed, compute=compute)
     if config.data.tokenizer is not None:  # a tokenized run: text in and out through its own
         from trainrun.data.tokenizer import DOCUMENT_TOKEN, load
 
@@ -122,8 +139,34 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
         # As in training, a document starts with the document token: the prompt opens one.
         ids = [tokenizer.token_to_id(DOCUMENT_TOKEN), *tokenizer.encode(prompt).ids]
         out = generate(config.model, params, np.array(ids, np.int32), tokens,
-                       temperature=temperature, seed=seed, compute=config.precision.compute)
+                       temperature=temperature, seed=seed, compute=compute)
         return tokenizer.decode(out[1:].tolist())
     out = generate(config.model, params, np.frombuffer(prompt.encode(), np.uint8), tokens,
-                   temperature=temperature, seed=seed, compute=config.precision.compute)
+                   temperature=temperature, seed=seed, compute=compute)
     return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _sample_records(model: TransformerModel, params: PyTree, data: RecordsData, prompt: str,
+                    tokens: int, *, chat: str | None, temperature: float, seed: int,
+                    compute: str) -> str:
+    """Text from a run on records, through its tokenizer: the prompt continued, or the answer
+    to a chat turn."""
+    from trainrun.data import model_tokenizer
+    from trainrun.data.examples import require_template
+
+    found = model_tokenizer.load(data.tokenizer or model_tokenizer.BYTES, data.chat_template)
+    lib = found.tokenizer
+    if chat is None:
+        ids = lib.encode(prompt, add_special_tokens=True).ids
+        out = generate(model, params, np.array(ids, np.int32), tokens, temperature=temperature,
+                       seed=seed, compute=compute)
+        return lib.decode(out.tolist())
+    text = require_template(found).render([{"role": "user", "content": chat}],
+                                          add_generation_prompt=True, special=found.special)
+    ids = lib.encode(text, add_special_tokens=False).ids
+    out = generate(model, params, np.array(ids, np.int32), tokens, temperature=temperature,
+                   seed=seed, compute=compute, stop_ids=found.stop_ids)
+    answer = out[len(ids):].tolist()
+    if answer and answer[-1] in found.stop_ids:
+        answer = answer[:-1]
+    return lib.decode(answer)

@@ -30,7 +30,14 @@ import numpy as np
 from pydantic import BaseModel
 
 from trainrun import extras, rundir
-from trainrun.config import ConfigError, RunConfig, TransformerModel, config_from_dict
+from trainrun.config import (
+    ConfigError,
+    RecordsData,
+    RunConfig,
+    TransformerModel,
+    config_from_dict,
+)
+from trainrun.data import model_tokenizer
 from trainrun.models import peft
 from trainrun.models.adapters import Model
 from trainrun.models.huggingface import (
@@ -120,10 +127,26 @@ def resolved(config: RunConfig) -> RunConfig:
         return config
     raw = config.to_dict()
     raw["model"] = model.model_dump(mode="json")
+    if isinstance(config.data, RecordsData) and config.data.tokenizer is None:
+        raw["data"]["tokenizer"] = _tokenizer_of(path, kind)
     try:
         return config_from_dict(raw)
     except ConfigError as err:
         raise ConfigError(f"with the model of {path}: {err}") from None
+
+
+def _tokenizer_of(path: Path, kind: str) -> str:
+    """The tokenizer records are encoded with when a run names none: the model directory's (an
+    adapter directory's own, else its base model's), or the source run's."""
+    if kind == "run":
+        from trainrun.checkpointing.reader import saved_config
+
+        data = saved_config(path).data
+        return (data.tokenizer if isinstance(data, RecordsData) and data.tokenizer
+                else model_tokenizer.BYTES)
+    if kind == "adapter" and not (path / "tokenizer.json").is_file():
+        return str(_adapter_base(path))
+    return str(path)
 
 
 def model_of(path: Path, model: TransformerModel | None = None,

@@ -160,8 +160,8 @@ def _check_model_and_data(config: RunConfig) -> None:
     if model.kind == "transformer":
         if data.kind in ("regression", "digits"):
             raise ConfigError(f"model.kind=transformer needs token data, not data.kind="
-                              f"{data.kind}; use data.kind=text or data.kind=tokens")
-        if data.kind in ("text", "tokens") and data.seq_len > model.seq_len:
+                              f"{data.kind}; use data.kind=text, tokens or records")
+        if data.kind in ("text", "tokens", "records") and data.seq_len > model.seq_len:
             raise ConfigError(f"data.seq_len={data.seq_len} is longer than the model's context "
                               f"model.seq_len={model.seq_len}; set them equal")
         if data.kind == "text" and data.tokenizer is None and model.vocab < 256:

@@ -285,8 +285,72 @@ class TokenData(DataSection):
     seq_len: int = Field(128, gt=0)
 
 
+class RecordFields(Section):
+    """The names of the record fields each format reads."""
+
+    text: str = "text"
+    prompt: str = "prompt"
+    completion: str = "completion"
+    messages: str = "messages"
+
+
+class RecordsData(DataSection):
+    """Records from JSONL (``.jsonl``, ``.jsonl.gz``) and Parquet files, or a synthetic task
+    made on the spot, tokenized and packed into rows of ``seq_len + 1`` with ``segment_ids``,
+    ``positions`` and ``loss_mask``: the targets the loss counts.
+
+    format: ``text`` (a ``text`` field; every token counts), ``completion`` (``prompt`` and
+        ``completion``; the completion counts), ``chat`` (``messages``, rendered with the chat
+        template; the assistant turns count); ``auto``: from the first record's fields.
+    fields: the field names of each format.
+    tokenizer: a Hugging Face model directory, a ``tokenizer.json`` or ``bytes``; none given:
+        ``init.from``'s model when it is a model or adapter directory, else ``bytes``.
+    chat_template: ``chatml``, ``llama3`` or Jinja text, in place of the tokenizer's own.
+    loss: ``answers`` (the completion, the assistant turns) or ``all`` tokens.
+    eval_paths: held-out record files; none given, every ``1 / eval_fraction``-th record is
+        held out (0: no held-out split).
+    bad_records: ``refuse`` (the run stops at the first, naming its file and line) or ``skip``
+        (they are counted and reported).
+    too_long: an example longer than ``seq_len + 1`` tokens is ``cut`` to it, ``dropped``, or
+        ``split`` over rows as text documents are; counted either way.
+    task: ``reverse`` or ``add``: a synthetic chat task whose answer is a function of the
+        prompt, ``task_examples`` records of it (held out as above).
+    """
+
+    kind: Literal["records"] = "records"
+    paths: tuple[str, ...] = ()
+    mix: tuple[MixSource, ...] = ()
+    eval_paths: tuple[str, ...] = ()
+    format: Literal["auto", "text", "completion", "chat"] = "auto"
+    fields: RecordFields = RecordFields()
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    loss: Literal["answers", "all"] = "answers"
+    seq_len: int = Field(128, gt=0)
+    eval_fraction: float = Field(0.01, ge=0, lt=1)
+    bad_records: Literal["refuse", "skip"] = "refuse"
+    too_long: Literal["cut", "drop", "split"] = "cut"
+    task: Literal["reverse", "add"] | None = None
+    task_examples: int = Field(4096, gt=0)
+
+    @pydantic.field_validator("paths", "eval_paths", mode="before")
+    @classmethod
+    def _one_path(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @pydantic.model_validator(mode="after")
+    def _sources(self) -> RecordsData:
+        given = [name for name, value in (("data.paths", self.paths), ("data.mix", self.mix),
+                                          ("data.task", self.task)) if value]
+        if len(given) != 1:
+            raise ValueError("give one of data.paths (record files), data.mix (record files "
+                             "with weights) or data.task (reverse, add)"
+                             + (f"; got {' and '.join(given)}" if given else ""))
+        return self
+
+
 DataConfig = Annotated[
-    Union[RegressionData, DigitsData, TextData, ArrayData, TokenData],  # noqa: UP007
+    Union[RegressionData, DigitsData, TextData, ArrayData, TokenData, RecordsData],  # noqa: UP007
     Field(discriminator="kind")]
 
 

@@ -18,6 +18,7 @@ from trainrun.data.pipeline import (
     stack_batches,
     token_windows,
 )
+from trainrun.data.record_rows import RecordCounts
 
 Splits = dict[str, Any]  # "train", "eval": arrays or None; a mixture: "train" a list, "weights"
 
@@ -34,6 +35,7 @@ def _load(section: type[DataConfig], blob: str) -> Splits:
     cfg = section.model_validate_json(blob)
     from trainrun.data.digits import digits_arrays
     from trainrun.data.files import array_splits, token_splits
+    from trainrun.data.record_rows import record_splits
     from trainrun.data.synthetic import regression_arrays
     from trainrun.data.text import text_splits
 
@@ -41,8 +43,15 @@ def _load(section: type[DataConfig], blob: str) -> Splits:
         return {"train": regression_arrays(cfg), "eval": None}
     sources: dict[str, Callable[[Any], Splits]] = {
         "digits": lambda _: digits_arrays(), "text": text_splits, "arrays": array_splits,
-        "tokens": token_splits}
+        "tokens": token_splits, "records": record_splits}
     return sources[cfg.kind](cfg)
+
+
+def data_counts(cfg) -> RecordCounts | None:
+    """What became of a record source's records (read, skipped, cut, ...); None for the other
+    sources."""
+    counts = _splits(cfg).get("counts")
+    return counts if isinstance(counts, RecordCounts) else None
 
 
 def build_dataset(cfg, seed: int, process_index: int = 0,
@@ -65,7 +74,9 @@ def build_eval_dataset(cfg, batch_size: int | None = None, process_index: int = 
     arrays = _splits(cfg)["eval"]
     if arrays is None:
         hint = {"arrays": "give data.eval (a .npz or name: .npy mapping)",
-                "tokens": "give data.eval (a held-out .bin file)"}.get(
+                "tokens": "give data.eval (a held-out .bin file)",
+                "records": "give data.eval_paths or a data.eval_fraction that leaves at least "
+                           "one record out"}.get(
                     cfg.kind, "use data with a held-out split")
         raise DataError(f"data.kind={cfg.kind} has no held-out split to evaluate on; {hint}, "
                         "or set eval.every=0")
@@ -74,5 +85,6 @@ def build_eval_dataset(cfg, batch_size: int | None = None, process_index: int = 
                         split="eval")
 
 
-__all__ = ["ArrayBatches", "BatchCursor", "DataError", "MixtureBatches", "batch_iterator",
-           "build_dataset", "build_eval_dataset", "eval_batches", "stack_batches", "token_windows"]
+__all__ = ["ArrayBatches", "BatchCursor", "DataError", "MixtureBatches", "RecordCounts",
+           "batch_iterator", "build_dataset", "build_eval_dataset", "data_counts", "eval_batches",
+           "stack_batches", "token_windows"]

@@ -26,12 +26,15 @@ PACKING_BINS = 64  # rows open at once for the shorter pieces (Grain's num_packi
 
 
 def pack_documents(documents: Sequence[np.ndarray], row_len: int,
-                   bins: int = PACKING_BINS) -> dict[str, np.ndarray]:
+                   bins: int = PACKING_BINS,
+                   masks: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """``tokens``, ``segment_ids`` and ``positions``, each ``[rows, row_len]``.
 
     documents: 1-D token ids, each starting with its document token; fewer than two tokens
         leave nothing to predict and are skipped.
     row_len: tokens per row: ``seq_len + 1`` (the inputs and the last target).
+    masks: per document, one boolean per token: whether the loss counts it as a target. Given,
+        the rows also hold ``loss_mask`` (uint8), packed as the tokens are.
     Padding is token 0 in segment 0. Full rows come first, in document order, then packed ones.
     """
     if row_len < 2:
@@ -40,24 +43,35 @@ def pack_documents(documents: Sequence[np.ndarray], row_len: int,
     dtype = documents[0].dtype if len(documents) else np.uint16
     full: list[np.ndarray] = []
     pieces: list[np.ndarray] = []
-    for doc in documents:
+    full_masks: list[np.ndarray] = []
+    piece_masks: list[np.ndarray] = []
+    for n, doc in enumerate(documents):
         if doc.size < 2:
             continue
+        mask = None if masks is None else np.asarray(masks[n], np.uint8)
         count, rest = divmod(doc.size - 1, stride)
         if count:
             full.append(np.lib.stride_tricks.sliding_window_view(doc, row_len)[::stride][:count])
+            if mask is not None:
+                full_masks.append(
+                    np.lib.stride_tricks.sliding_window_view(mask, row_len)[::stride][:count])
         if rest:
             pieces.append(doc[count * stride:])
+            if mask is not None:
+                piece_masks.append(mask[count * stride:])
     packed = first_fit([piece.size for piece in pieces], row_len, bins)
     n_full = sum(len(rows) for rows in full)
     index_dtype = np.uint16 if row_len <= 2**16 else np.uint32
     tokens = np.zeros((n_full + len(packed), row_len), dtype)
     segment_ids = np.zeros(tokens.shape, index_dtype)
     positions = np.zeros(tokens.shape, index_dtype)
+    loss_mask = np.zeros(tokens.shape, np.uint8) if masks is not None else None
     if full:
         tokens[:n_full] = np.concatenate(full)
         segment_ids[:n_full] = 1
         positions[:n_full] = np.arange(row_len)
+        if loss_mask is not None:
+            loss_mask[:n_full] = np.concatenate(full_masks)
     for row, members in enumerate(packed, n_full):
         at = 0
         for segment, i in enumerate(members, 1):
@@ -65,8 +79,13 @@ def pack_documents(documents: Sequence[np.ndarray], row_len: int,
             tokens[row, at:at + size] = pieces[i]
             segment_ids[row, at:at + size] = segment
             positions[row, at:at + size] = np.arange(size)
+            if loss_mask is not None:
+                loss_mask[row, at:at + size] = piece_masks[i]
             at += size
-    return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+    rows = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+    if loss_mask is not None:
+        rows["loss_mask"] = loss_mask
+    return rows
 
 
 def first_fit(lengths: Sequence[int], capacity: int, bins: int) -> list[list[int]]:

@@ -30,7 +30,7 @@ DOCUMENT_TOKEN = "<|endoftext|>"  # before each document (GPT-2's separator)
 INSTALL = "pip install 'trainrun[text]'"
 
 
-def _library() -> Any:
+def library() -> Any:
     try:
         import tokenizers
     except ImportError:
@@ -54,7 +54,7 @@ def load_or_train(path: str, texts: Callable[[], Sequence[str]], vocab_size: int
 def load(path: str, vocab_size: int) -> Any:
     """The tokenizer at ``path`` (checked as ``load_or_train`` checks it); a missing file is a
     DataError."""
-    lib = _library()
+    lib = library()
     file = Path(path).expanduser()
     if file.is_dir():
         raise DataError(f"data.tokenizer {path!r} is a folder; give the path of a "
@@ -81,7 +81,7 @@ def load(path: str, vocab_size: int) -> Any:
 def train(texts: Sequence[str], vocab_size: int) -> Any:
     """A byte-level BPE tokenizer of ``vocab_size`` tokens (fewer when the texts run out of
     pairs to merge) trained on ``texts``."""
-    lib = _library()
+    lib = library()
     tokenizer = lib.Tokenizer(lib.models.BPE())
     tokenizer.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = lib.decoders.ByteLevel()
@@ -99,7 +99,7 @@ def token_bytes(tokenizer: Any) -> np.ndarray:
     table = np.zeros(max(vocab.values()) + 1, np.uint16)
     special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
     decoder = (json.loads(tokenizer.to_str()).get("decoder") or {}).get("type")
-    byte_of = {char: byte for byte, char in _byte_alphabet().items()}
+    byte_of = {char: byte for byte, char in byte_alphabet().items()}
     for token, i in vocab.items():
         if i in special:
             continue
@@ -161,7 +161,7 @@ def _write_atomically(file: Path, data: bytes) -> None:
                         "a writable place") from None
 
 
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for the
     characters from U+0100 on, in byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),

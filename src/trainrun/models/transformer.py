@@ -420,9 +420,11 @@ def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | 
     Rows of packed documents also hold ``segment_ids`` and ``positions`` (``[batch, seq_len +
     1]``, ``data/documents.py``): attention stays in each document, and the loss is the mean
     over the targets in the same document as their input (aux ``weight``: their number), so
-    padding and document boundaries count for nothing. With ``token_bytes`` (the bytes each
-    token stands for) aux ``bits_per_byte`` is the targets' nats / ln 2 / their bytes, and
-    ``weight/bits_per_byte`` those bytes, so eval combines batches by bytes."""
+    padding and document boundaries count for nothing. With ``loss_mask`` (``[batch, seq_len +
+    1]``) only the targets it marks count: an answer's tokens, not its prompt's. With
+    ``token_bytes`` (the bytes each token stands for) aux ``bits_per_byte`` is the targets' nats
+    / ln 2 / their bytes, and ``weight/bits_per_byte`` those bytes, so eval combines batches by
+    bytes."""
     tokens = batch["tokens"]
     if "segment_ids" not in batch:
         features, _ = module.features(tokens[:, :-1], key)
@@ -434,6 +436,8 @@ def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | 
     features, _ = module.features(tokens[:, :-1], key, segments=inputs,
                                   segment_positions=batch["positions"][:, :-1].astype(jnp.int32))
     counted = (segments[:, 1:] == inputs) & (inputs > 0)
+    if "loss_mask" in batch:  # instruction data: only the answers' tokens are targets
+        counted = counted & (batch["loss_mask"][:, 1:] > 0)
     loss, aux = next_token_from_features(features, module.head_table(),
                                          tokens[:, 1:].reshape(-1), chunk, "bits_per_token",
                                          weights=counted.reshape(-1))

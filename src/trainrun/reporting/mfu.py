@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from trainrun.config import CNNModel, MLPModel, ModelConfig, NNXMLPModel, TransformerModel
 from trainrun.errors import WriteFailed
+from trainrun.platform.user_cache import cache_dir
 
 XLA = "xla_cost_analysis"  # flops_source of a count from XLA
 
@@ -280,14 +281,6 @@ def utilization(flops_per_step: float | None, step_s: float | None,
 
 
 # ---- the measured CPU ceiling ----------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """Where measured figures are kept: ``$TRAINRUN_CACHE_DIR``, else the user's cache dir."""
-    if os.environ.get("TRAINRUN_CACHE_DIR"):
-        return Path(os.environ["TRAINRUN_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "trainrun"
 
 
 def _cpu_model() -> str:

@@ -14,6 +14,7 @@ import grain
 import jax
 import numpy as np
 
+from trainrun.config import TransformerModel
 from trainrun.data import DataError
 from trainrun.errors import UserError
 from trainrun.models import Model
@@ -49,6 +50,15 @@ def check_batch(model: Model, data: Any, params: Any, from_config: bool) -> None
         raise DataError(f"the model ({model.name}) cannot take the data's batches "
                         f"({described}): {first}; make the model's sizes match the "
                         "data") from None
+
+
+def check_vocab(vocab: int, model: Any, data: Any) -> None:
+    """Refuse token ids a transformer's embedding has no row for (JAX would clip them to the
+    last row without a word)."""
+    if isinstance(model, TransformerModel) and vocab > model.vocab:
+        raise DataError(f"data.tokenizer {data.tokenizer or 'bytes'!r} has {vocab} tokens, more "
+                        f"than model.vocab={model.vocab}; set model.vocab to at least {vocab} "
+                        "(or train from the tokenizer's model with init.from)")
 
 
 def check_state_memory(abstract_state: Any, shardings: Any) -> None:

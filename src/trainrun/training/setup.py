@@ -32,6 +32,7 @@ from trainrun.data import (
     batch_iterator,
     build_dataset,
     build_eval_dataset,
+    data_counts,
 )
 from trainrun.models import Model, build_model
 from trainrun.platform import distributed, fast_paths
@@ -135,9 +136,13 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     state_sharding = sharding.state_shardings(mesh, abstract, model.logical_axes, optimizer.tx,
                                               config.mesh)
     preflight.check_state_memory(abstract, state_sharding)  # before data or state is made
+    records = None
     if data is None:
         data = build_dataset(config.data, seed=config.seed, process_index=placement.rows[0],
                              process_count=placement.rows[1])
+        records = data_counts(config.data)
+        if records is not None:
+            preflight.check_vocab(records.vocab, config.model, config.data)
     preflight.check_batch(model, data, abstract.params, from_config=counted is not None)
     if config.init.from_ is not None:  # a source that is not there is refused before claiming
         init_from.source_kind(Path(config.init.from_).expanduser())
@@ -170,6 +175,10 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
         config=config.to_dict(), name=config.name)
     if primary:
         rundir.write_status(run_dir, "running", start)
+    if records is not None:  # what became of the records: on the console and in the metrics
+        console.message(f"data: {records.summary()}")
+        if start == 0:
+            output.write(0, records.metrics(), split="data")
     stream = MetricStream(output) if config.metrics.stream else None
     resident = (resident_batches(batches, mesh.size == 1, getattr(batches, "next_index", 0),
                                  start) if fast.resident_batches else None)

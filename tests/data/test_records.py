@@ -1,0 +1,240 @@
+"""Record sources: JSONL and Parquet read as a stream, bad records refused or counted, the
+model's own tokenizer, loss masks on the answers, and rows that a run reads like any other."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainrun.config import RecordsData, TransformerModel
+from trainrun.data import DataError
+from trainrun.data.model_tokenizer import byte_tokenizer
+from trainrun.data.record_rows import record_splits
+from trainrun.models.transformer import make_transformer
+
+
+@pytest.fixture(autouse=True)
+def record_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def chat(i: int, turns: int = 1) -> dict:
+    messages = [{"role": "system", "content": "answer briefly"}]
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"question {i}.{t}"},
+                     {"role": "assistant", "content": f"answer {i}.{t} é"}]
+    return {"messages": messages}
+
+
+def write_jsonl(path: Path, records, extra_lines=()) -> Path:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        for line in extra_lines:
+            out.write(line)
+    return path
+
+
+def segments(rows: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every packed example of ``rows``: (its tokens, its loss mask), sorted."""
+    found = []
+    for r in range(len(rows["tokens"])):
+        seg = np.asarray(rows["segment_ids"][r])
+        for s in range(1, int(seg.max()) + 1):
+            at = seg == s
+            found.append((tuple(np.asarray(rows["tokens"][r])[at].tolist()),
+                          tuple(np.asarray(rows["loss_mask"][r])[at].tolist())))
+    return sorted(found)
+
+
+def data(tmp_path, **settings) -> RecordsData:
+    return RecordsData(**{"seq_len": 64, "batch_size": 4, "eval_fraction": 0.0, **settings})
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+
+def test_jsonl_gzip_and_parquet_give_the_same_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    records = [chat(i) for i in range(40)]
+    plain = write_jsonl(tmp_path / "a.jsonl", records)
+    zipped = write_jsonl(tmp_path / "a.jsonl.gz", records)
+    table = pa.Table.from_pylist(records)
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=7)
+    rows = [record_splits(data(tmp_path, paths=(str(p),)))["train"]
+            for p in (plain, zipped, tmp_path / "a.parquet")]
+    assert len(segments(rows[0])) == 40
+    for other in rows[1:]:
+        for name in rows[0]:
+            np.testing.assert_array_equal(rows[0][name], other[name])
+
+
+@pytest.mark.parametrize("line, what", [
+    ('{"messages": [{"role": "user"}]}\n', "content"),
+    ("{not json}\n", "not valid JSON"),
+    (b"\xff\xfe{}\n", "not UTF-8"),
+    ('[1, 2]\n', "a list, not a JSON object"),
+    ('{"text": "no messages here"}\n', "no 'messages' field"),
+    ('{"messages": "hello"}\n', "messages"),
+])
+def test_a_bad_record_is_refused_naming_its_file_and_line(tmp_path, line, what):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(0), chat(1)])
+    with open(path, "ab") as out:
+        out.write(line if isinstance(line, bytes) else line.encode())
+    with pytest.raises(DataError) as err:
+        record_splits(data(tmp_path, paths=(str(path),)))
+    message = str(err.value)
+    assert f"{path}:3" in message and what in message, message
+    assert "data.bad_records=skip" in message and "\n" not in message
+    assert not list((tmp_path / "cache" / "records").glob("*/manifest.json"))  # nothing kept
+
+
+def test_skipped_records_are_counted_and_the_rest_train(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(10)],
+                       extra_lines=["{cut", "\n", '{"messages": []}\n', "3\n"])
+    splits = record_splits(data(tmp_path, paths=(str(path),), bad_records="skip"))
+    counts = splits["counts"]
+    assert (counts.records, counts.skipped, counts.examples) == (13, 3, 10)
+    assert f"{path}:11" in counts.bad[0]
+    assert len(segments(splits["train"])) == 10
+
+
+def test_a_cut_gzip_file_is_one_line(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl.gz", [chat(i) for i in range(200)])
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(DataError, match="not a whole gzip file"):
+        record_splits(data(tmp_path, paths=(str(path),)))
+
+
+def test_too_long_examples_follow_the_stated_policy(tmp_path):
+    long = {"prompt": "p" * 10, "completion": "c" * 100}
+    path = write_jsonl(tmp_path / "c.jsonl", [long, {"prompt": "q", "completion": "short"}])
+    cut = record_splits(data(tmp_path, paths=(str(path),), too_long="cut"))
+    assert (cut["counts"].cut, cut["counts"].examples) == (1, 2)
+    lengths = sorted(len(t) for t, _ in segments(cut["train"]))
+    assert lengths[-1] == 65  # cut to a row: seq_len + 1 tokens
+    dropped = record_splits(data(tmp_path, paths=(str(path),), too_long="drop"))
+    assert (dropped["counts"].dropped, dropped["counts"].examples) == (1, 1)
+    split = record_splits(data(tmp_path, paths=(str(path),), too_long="split"))
+    assert split["counts"].split == 1
+    assert sum(len(t) for t, _ in segments(split["train"])) > 65
+
+
+# ---- masks ------------------------------------------------------------------------------------
+
+
+def test_completion_records_count_the_completion_and_its_end(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "2+2=", "completion": "4"}])
+    tokens, mask = segments(record_splits(data(tmp_path, paths=(str(path),)))["train"])[0]
+    tok = byte_tokenizer()
+    doc = tok.eos_id
+    assert tokens == (doc, *b"2+2=", *b"4", doc)
+    assert mask == (0, 0, 0, 0, 0, 1, 1)
+    everything = record_splits(data(tmp_path, paths=(str(path),), loss="all"))["train"]
+    assert segments(everything)[0][1] == (1,) * 7
+
+
+def test_chat_rows_hold_the_template_tokens_and_assistant_masks_of_transformers(tmp_path):
+    """The packed rows of a run from a model directory equal what transformers'
+    apply_chat_template gives for each record (ids and assistant masks), multi-turn and
+    with system prompts, on a Llama-3-style template with its special tokens."""
+    transformers = pytest.importorskip("transformers")
+    model_dir = llama3_tokenizer_dir(tmp_path / "model", transformers)
+    records = [chat(i, turns=1 + i % 3) for i in range(12)]
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    rows = record_splits(data(tmp_path, paths=(str(path),), tokenizer=str(model_dir),
+                              seq_len=256))["train"]
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    expected = []
+    for record in records:
+        out = hf.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+        expected.append((tuple(out["input_ids"]), tuple(out["assistant_masks"])))
+    assert segments(rows) == sorted(expected)
+    assert any(sum(mask) for _, mask in expected) and all(0 in mask for _, mask in expected)
+
+
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}")
+
+
+def llama3_tokenizer_dir(path: Path, transformers) -> Path:
+    """A byte-level BPE trained here, with Llama 3's special tokens and a Llama-3-style chat
+    template, saved as transformers saves a model's tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([f"question {i} answer {i} é" for i in range(50)], trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    fast.chat_template = LLAMA3
+    fast.save_pretrained(path)
+    return path
+
+
+# ---- the loss ---------------------------------------------------------------------------------
+
+
+def packed_batch(tokens: np.ndarray, mask: np.ndarray) -> dict:
+    segment = np.ones_like(tokens)
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    return {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(segment),
+            "positions": jnp.asarray(positions), "loss_mask": jnp.asarray(mask, jnp.uint8)}
+
+
+def test_the_loss_counts_answer_targets_alone():
+    """A target is the token after its input; the last token of a row is a target and no
+    input, so changing it changes that one target alone: nothing when the mask leaves it out,
+    the loss and the gradient when it counts. The loss is the mean over counted targets."""
+    cfg = TransformerModel(vocab=64, d_model=32, layers=1, heads=2, seq_len=16)
+    model = make_transformer(cfg)
+    params = model.init(jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 17))
+    changed = tokens.copy()
+    changed[:, -1] = (changed[:, -1] + 1) % 64
+
+    def loss_and_grads(tokens, mask):
+        batch = packed_batch(tokens, mask)
+        return jax.value_and_grad(lambda p: model.loss(p, batch, None, None)[0])(params)
+
+    prompt_last = np.zeros((2, 17), np.uint8)
+    prompt_last[:, 10:16] = 1  # the answer ends before the last token
+    loss, grads = loss_and_grads(tokens, prompt_last)
+    loss_changed, grads_changed = loss_and_grads(changed, prompt_last)
+    assert loss == loss_changed
+    jax.tree.map(np.testing.assert_array_equal, grads, grads_changed)
+
+    answer_last = prompt_last.copy()
+    answer_last[:, 16] = 1
+    loss, grads = loss_and_grads(tokens, answer_last)
+    loss_changed, grads_changed = loss_and_grads(changed, answer_last)
+    assert loss != loss_changed
+    assert any(not np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(grads), jax.tree.leaves(grads_changed), strict=True))
+
+    def masked_loss(positions):
+        mask = np.zeros((2, 17), np.uint8)
+        mask[:, positions] = 1
+        return float(loss_and_grads(tokens, mask)[0])
+
+    both = masked_loss([5, 12])
+    np.testing.assert_allclose(both, (masked_loss([5]) + masked_loss([12])) / 2, rtol=1e-6)

@@ -101,6 +101,24 @@ def test_every_fine_tuning_command_runs_as_written(tmp_path):
     assert (adapter["r"], adapter["lora_alpha"]) == (8, 16)
 
 
+@pytest.mark.slow
+def test_every_instruction_tuning_command_runs_as_written(tmp_path):
+    pytest.importorskip("transformers", reason="the tests' extra holds transformers")
+    pytest.importorskip("peft")
+    commands = bash_commands("guides/instruction-tuning.md")
+    assert sum(c.startswith("trainrun ") for c in commands) == 3, commands
+    out = run_as_written(commands, tmp_path)
+    # What the guide says they print and leave behind.
+    assert "data: 512 records -> 512 examples" in out
+    assert "logits (1, 25, 320)" in out
+    adapter = sorted(p.name for p in (tmp_path / "sft-lora").iterdir())
+    assert {"adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(adapter)
+    rows = [json.loads(line) for line in (tmp_path / "runs/sft/metrics.jsonl").open()]
+    data_row = next(r for r in rows if r.get("split") == "data")
+    assert (data_row["records"], data_row["examples"]) == (512, 512)
+    assert any(r.get("split") == "eval" for r in rows)
+
+
 def test_api_page_documents_every_public_name():
     page = hooks().api_reference()
     documented = re.findall(r"^::: trainrun\.(\w+)$", page, flags=re.M)

@@ -114,23 +114,13 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     """The prompt and ``tokens`` bytes sampled from the latest checkpoint of an LM run (with
     ``ema``: from its params' moving average, ``optimizer.ema``). chat: a user turn, rendered
     with the run's chat template; the answer alone is returned, ended at the turn's end."""
-    config = saved_config(Path(run_dir))
-    if config.model.kind != "transformer" or config.data.kind not in ("text", "records"):
-        raise SampleError(f"run {run_dir} trains model.kind={config.model.kind} on data.kind="
-                          f"{config.data.kind}; sampling needs a language model "
-                          "(model.kind=transformer, data.kind=text or records), e.g. --config lm")
-    if ema and config.optimizer.ema is None:
-        raise SampleError(f"run {run_dir} keeps no moving average (optimizer.ema is not set); "
-                          "sample without --ema")
-    if chat is not None and not isinstance(config.data, RecordsData):
-        raise SampleError(f"run {run_dir} was trained on data.kind={config.data.kind}, which has "
-                          "no chat template; --chat needs a run on chat records "
-                          "(data.kind=records), e.g. --config chat")
-    _, state = latest_state(Path(run_dir), config)
-    params = state.ema if ema else state.params
+    if chat is not None:
+        return chat_answers(run_dir, [chat], tokens, temperature=temperature, seed=seed,
+                            ema=ema)[0]
+    config, params = _trained(run_dir, ema)
     compute = config.precision.compute
     if isinstance(config.data, RecordsData):
-        return _sample_records(config.model, params, config.data, prompt, tokens, chat=chat,
+        return _sample_records(config.model, params, config.data, prompt, tokens, chat=None,
                                temperature=temperature, seed=seed, compute=compute)
     if config.data.tokenizer is not None:  # a tokenized run: text in and out through its own
         from trainrun.data.tokenizer import DOCUMENT_TOKEN, load
@@ -144,6 +134,34 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     out = generate(config.model, params, np.frombuffer(prompt.encode(), np.uint8), tokens,
                    temperature=temperature, seed=seed, compute=compute)
     return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def chat_answers(run_dir: Path | str, questions: Sequence[str], tokens: int, *,
+                 temperature: float = 0.8, seed: int = 0, ema: bool = False) -> list[str]:
+    """The answers of a run on chat records to each question (a user turn), the checkpoint read
+    once: what ``sample --chat`` prints for each."""
+    config, params = _trained(run_dir, ema)
+    if not isinstance(config.data, RecordsData):
+        raise SampleError(f"run {run_dir} was trained on data.kind={config.data.kind}, which has "
+                          "no chat template; --chat needs a run on chat records "
+                          "(data.kind=records), e.g. --config chat")
+    return [_sample_records(config.model, params, config.data, "", tokens, chat=question,
+                            temperature=temperature, seed=seed,
+                            compute=config.precision.compute) for question in questions]
+
+
+def _trained(run_dir: Path | str, ema: bool) -> tuple[Any, PyTree]:
+    """A language-model run's config and its latest params (or their moving average)."""
+    config = saved_config(Path(run_dir))
+    if config.model.kind != "transformer" or config.data.kind not in ("text", "records"):
+        raise SampleError(f"run {run_dir} trains model.kind={config.model.kind} on data.kind="
+                          f"{config.data.kind}; sampling needs a language model "
+                          "(model.kind=transformer, data.kind=text or records), e.g. --config lm")
+    if ema and config.optimizer.ema is None:
+        raise SampleError(f"run {run_dir} keeps no moving average (optimizer.ema is not set); "
+                          "sample without --ema")
+    _, state = latest_state(Path(run_dir), config)
+    return config, state.ema if ema else state.params
 
 
 def _sample_records(model: TransformerModel, params: PyTree, data: RecordsData, prompt: str,

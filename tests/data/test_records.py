@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainrun.config import RecordsData, TransformerModel
-from trainrun.data import DataError
+from trainrun.config import RecordsData, TransformerModel, config_from_dict
+from trainrun.data import DataError, build_dataset, build_eval_dataset
 from trainrun.data.model_tokenizer import byte_tokenizer
 from trainrun.data.record_rows import record_splits
 from trainrun.models.transformer import make_transformer
@@ -238,3 +238,57 @@ def test_the_loss_counts_answer_targets_alone():
 
     both = masked_loss([5, 12])
     np.testing.assert_allclose(both, (masked_loss([5]) + masked_loss([12])) / 2, rtol=1e-6)
+
+
+# ---- a run's rows -----------------------------------------------------------------------------
+
+
+def test_each_process_reads_its_own_rows_of_the_global_batch(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(64)])
+    cfg = data(tmp_path, paths=(str(path),), batch_size=8)
+    whole = build_dataset(cfg, seed=3)
+    halves = [build_dataset(cfg, seed=3, process_index=p, process_count=2) for p in (0, 1)]
+    for i in (0, 5, 9):  # 9: the second epoch, under its own permutation
+        for name, rows in whole[i].items():
+            np.testing.assert_array_equal(
+                rows, np.concatenate([halves[0][i][name], halves[1][i][name]]))
+            assert halves[0][i][name].shape[0] == 4
+
+
+def test_a_mixture_of_record_sources_takes_rows_by_weight(tmp_path):
+    first = write_jsonl(tmp_path / "a.jsonl", [{"text": "a" * 60} for _ in range(64)])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"text": "b" * 60} for _ in range(64)])
+    cfg = RecordsData(mix=({"source": str(first), "weight": 3}, {"source": str(second)}),
+                      seq_len=64, batch_size=16, eval_fraction=0.0)
+    dataset = build_dataset(cfg, seed=0)
+    letters = np.concatenate([dataset[i]["tokens"][:, 1] for i in range(8)])
+    assert np.count_nonzero(letters == ord("a")) == 3 * np.count_nonzero(letters == ord("b"))
+
+
+def test_held_out_records_keep_their_loss_mask(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(40)])
+    cfg = data(tmp_path, paths=(str(path),), eval_fraction=0.25)
+    splits = record_splits(cfg)
+    assert (len(segments(splits["train"])), len(segments(splits["eval"]))) == (30, 10)
+    held = build_eval_dataset(cfg, batch_size=2)[0]
+    assert set(held) == {"tokens", "segment_ids", "positions", "loss_mask"}
+    assert 0 < held["loss_mask"].sum() < (held["segment_ids"] > 0).sum()
+    files = write_jsonl(tmp_path / "held.jsonl", [chat(100 + i) for i in range(6)])
+    given = record_splits(data(tmp_path, paths=(str(path),), eval_paths=(str(files),)))
+    assert (len(segments(given["train"])), len(segments(given["eval"]))) == (40, 6)
+
+
+def test_the_tokenizer_comes_from_init_from_a_model_directory(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from conftest import save_tiny_causal_lm
+
+    from trainrun.checkpointing.init_from import resolved
+
+    model_dir = save_tiny_causal_lm(tmp_path / "model", "llama", vocab_size=300)
+    llama3_tokenizer_dir(model_dir, transformers)
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(8)])
+    raw = {"model": {"kind": "transformer"}, "init": {"from": str(model_dir)},
+           "data": {"kind": "records", "paths": [str(path)], "seq_len": 64}}
+    assert resolved(config_from_dict(raw)).data.tokenizer == str(model_dir)
+    raw["data"]["tokenizer"] = "bytes"
+    assert resolved(config_from_dict(raw)).data.tokenizer == "bytes"  # one the run names stays

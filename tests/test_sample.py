@@ -80,7 +80,10 @@ def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys)
     (tmp_path / "mlp" / rundir.CONFIG).write_text(dump_yaml(load_config("mlp")))
     assert main(["sample", str(tmp_path / "mlp")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "byte-level language model" in err[0]
+    assert len(err) == 1 and "sampling needs a language model" in err[0]
+    assert main(["sample", str(tmp_path / "lm"), "--chat", "hello"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--chat needs a run on chat records" in err[0]
     assert main(["sample", str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
 

@@ -140,23 +140,25 @@ def chat_answers(run_dir: Path | str, questions: Sequence[str], tokens: int, *,
                  temperature: float = 0.8, seed: int = 0, ema: bool = False) -> list[str]:
     """The answers of a run on chat records to each question (a user turn), the checkpoint read
     once: what ``sample --chat`` prints for each."""
-    config, params = _trained(run_dir, ema)
-    if not isinstance(config.data, RecordsData):
-        raise SampleError(f"run {run_dir} was trained on data.kind={config.data.kind}, which has "
-                          "no chat template; --chat needs a run on chat records "
-                          "(data.kind=records), e.g. --config chat")
+    config, params = _trained(run_dir, ema, chat=True)
+    assert isinstance(config.data, RecordsData)
     return [_sample_records(config.model, params, config.data, "", tokens, chat=question,
                             temperature=temperature, seed=seed,
                             compute=config.precision.compute) for question in questions]
 
 
-def _trained(run_dir: Path | str, ema: bool) -> tuple[Any, PyTree]:
-    """A language-model run's config and its latest params (or their moving average)."""
+def _trained(run_dir: Path | str, ema: bool, chat: bool = False) -> tuple[Any, PyTree]:
+    """A language-model run's config and its latest params (or their moving average). chat:
+    the run must be one on records, which have a chat template."""
     config = saved_config(Path(run_dir))
     if config.model.kind != "transformer" or config.data.kind not in ("text", "records"):
         raise SampleError(f"run {run_dir} trains model.kind={config.model.kind} on data.kind="
                           f"{config.data.kind}; sampling needs a language model "
                           "(model.kind=transformer, data.kind=text or records), e.g. --config lm")
+    if chat and not isinstance(config.data, RecordsData):
+        raise SampleError(f"run {run_dir} was trained on data.kind={config.data.kind}, which has "
+                          "no chat template; --chat needs a run on chat records "
+                          "(data.kind=records), e.g. --config chat")
     if ema and config.optimizer.ema is None:
         raise SampleError(f"run {run_dir} keeps no moving average (optimizer.ema is not set); "
                           "sample without --ema")

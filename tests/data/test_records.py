@@ -97,6 +97,18 @@ def test_a_bad_record_is_refused_naming_its_file_and_line(tmp_path, line, what):
     assert not list((tmp_path / "cache" / "records").glob("*/manifest.json"))  # nothing kept
 
 
+def test_a_bad_parquet_row_is_named_by_its_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [{"prompt": "p", "completion": "c"}] * 5 + [{"prompt": "p", "completion": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet", row_group_size=4)
+    with pytest.raises(DataError, match=r"pairs.parquet row 6: field 'completion' is null"):
+        record_splits(data(tmp_path, paths=(str(tmp_path / "pairs.parquet"),)))
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match="cannot read .*junk.parquet.* as Parquet"):
+        record_splits(data(tmp_path, paths=(str(tmp_path / "junk.parquet"),)))
+
+
 def test_skipped_records_are_counted_and_the_rest_train(tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(10)],
                        extra_lines=["{cut", "\n", '{"messages": []}\n', "3\n"])

@@ -226,14 +226,38 @@ def encode_chat(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dic
 
     tokenizer: a ``tokenizers.Tokenizer``; one set to truncate or pad is a DataError (transformers
         turns both off for chat text, and this must not change the caller's tokenizer)."""
+    encoded = encode_chats(tokenizer, template, [messages], special)[0]
+    if isinstance(encoded, DataError):
+        raise encoded
+    return encoded
+
+
+def encode_chats(tokenizer: Tokenizer, template: ChatTemplate, conversations: list[list[dict]],
+                 special: Mapping[str, str]
+                 ) -> list[tuple[np.ndarray, np.ndarray] | DataError]:
+    """``encode_chat`` of each conversation, the texts encoded in one batch (on the tokenizer's
+    own threads); a conversation the template refuses gives its DataError in its place."""
     if tokenizer.truncation is not None or tokenizer.padding is not None:
         raise DataError("the tokenizer truncates or pads every text, which would cut "
                         "conversations; remove 'truncation' and 'padding' from tokenizer.json")
-    text, spans = template.assistant_spans(messages, special=special)
-    encoding = tokenizer.encode(text, add_special_tokens=False)
-    ids = np.asarray(encoding.ids, dtype=np.uint32)
-    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-    return ids, _tokens_in_spans(offsets, spans)
+    rendered: list[tuple[str, list[tuple[int, int]]] | DataError] = []
+    for messages in conversations:
+        try:
+            rendered.append(template.assistant_spans(messages, special=special))
+        except DataError as error:
+            rendered.append(error)
+    texts = [item[0] for item in rendered if not isinstance(item, DataError)]
+    encodings = iter(tokenizer.encode_batch(texts, add_special_tokens=False))
+    encoded: list[tuple[np.ndarray, np.ndarray] | DataError] = []
+    for item in rendered:
+        if isinstance(item, DataError):
+            encoded.append(item)
+            continue
+        encoding = next(encodings)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        encoded.append((np.asarray(encoding.ids, dtype=np.uint32),
+                        _tokens_in_spans(offsets, item[1])))
+    return encoded
 
 
 def _tokens_in_spans(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from trainrun.config import RecordFields
-from trainrun.data.chat import ChatTemplate, check_messages, encode_chat
+from trainrun.data.chat import ChatTemplate, check_messages, encode_chats
 from trainrun.data.model_tokenizer import ModelTokenizer
 from trainrun.data.pipeline import DataError
 from trainrun.data.records import describe
@@ -70,11 +70,12 @@ def require_template(tokenizer: ModelTokenizer) -> ChatTemplate:
 
 
 def encode_examples(records: Sequence[Mapping[str, Any]], form: str, fields: RecordFields,
-                    tokenizer: ModelTokenizer, loss: str) -> list[Example]:
-    """Records already checked by ``problem`` as examples, in order."""
+                    tokenizer: ModelTokenizer, loss: str) -> list[Example | str]:
+    """Records already checked by ``problem`` as examples, in order; a chat record its
+    template refuses (roles out of order, say) gives what is wrong with it in its place."""
     lib = tokenizer.tokenizer
     end = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    examples: list[Example] = []
+    examples: list[Example | str] = []
     if form == "text":
         for encoding in lib.encode_batch([r[fields.text] for r in records],
                                          add_special_tokens=True):
@@ -90,11 +91,11 @@ def encode_examples(records: Sequence[Mapping[str, Any]], form: str, fields: Rec
             mask[len(prompt.ids):] = True
             examples.append((np.asarray(ids, np.uint32), mask))
     else:
-        template = require_template(tokenizer)
-        for record in records:
-            chat_ids, chat_mask = encode_chat(lib, template, record[fields.messages],
-                                              tokenizer.special)
-            examples.append((np.asarray(chat_ids, np.uint32), np.asarray(chat_mask, bool)))
+        chats = encode_chats(lib, require_template(tokenizer),
+                             [record[fields.messages] for record in records], tokenizer.special)
+        for chat in chats:
+            examples.append(str(chat) if isinstance(chat, DataError) else chat)
     if loss == "all":
-        examples = [(example, np.ones(example.size, bool)) for example, _ in examples]
+        examples = [example if isinstance(example, str) else
+                    (example[0], np.ones(example[0].size, bool)) for example in examples]
     return examples

@@ -297,15 +297,14 @@ def _encode(located: Sequence[tuple[str, dict[str, Any]]], form: str, cfg: Recor
             refuse_or_skip: Callable[[str, str], None]) -> list[Example]:
     """The records as examples; a chat record its template refuses (roles out of order, say)
     is a bad record."""
-    if form != "chat":
-        return encode_examples([record for _, record in located], form, cfg.fields, tokenizer,
-                               cfg.loss)
     examples = []
-    for where, record in located:
-        try:
-            examples += encode_examples([record], form, cfg.fields, tokenizer, cfg.loss)
-        except DataError as err:
-            refuse_or_skip(where, str(err))
+    encoded = encode_examples([record for _, record in located], form, cfg.fields, tokenizer,
+                              cfg.loss)
+    for (where, _), example in zip(located, encoded, strict=True):
+        if isinstance(example, str):
+            refuse_or_skip(where, example)
+        else:
+            examples.append(example)
     return examples
 
 

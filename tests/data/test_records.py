@@ -105,7 +105,7 @@ def test_a_bad_parquet_row_is_named_by_its_row(tmp_path):
     with pytest.raises(DataError, match=r"pairs.parquet row 6: field 'completion' is null"):
         record_splits(data(tmp_path, paths=(str(tmp_path / "pairs.parquet"),)))
     (tmp_path / "junk.parquet").write_bytes(b"PAR1 not really")
-    with pytest.raises(DataError, match="cannot read .*junk.parquet.* as Parquet"):
+    with pytest.raises(DataError, match=r"cannot read .*junk\.parquet.* as Parquet"):
         record_splits(data(tmp_path, paths=(str(tmp_path / "junk.parquet"),)))
 
 
@@ -304,3 +304,16 @@ def test_the_tokenizer_comes_from_init_from_a_model_directory(tmp_path):
     assert resolved(config_from_dict(raw)).data.tokenizer == str(model_dir)
     raw["data"]["tokenizer"] = "bytes"
     assert resolved(config_from_dict(raw)).data.tokenizer == "bytes"  # one the run names stays
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_the_run(tmp_path, capsys):
+    from trainrun.cli import main
+
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(8)])
+    run_dir = tmp_path / "runs" / "small"
+    code = main(["train", "--config", "chat", "--run-dir", str(run_dir), "data.task=null",
+                 f"data.paths={path}", "data.batch_size=4", "model.vocab=256"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "has 259 tokens, more than model.vocab=256" in err[0]
+    assert not run_dir.exists()

@@ -317,3 +317,18 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_the_run(tmp_path, c
     assert code == 2 and len(err) == 1, err
     assert "has 259 tokens, more than model.vocab=256" in err[0]
     assert not run_dir.exists()
+
+
+def test_kept_rows_are_read_again_and_damaged_ones_made_anew(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(20)])
+    cfg = data(tmp_path, paths=(str(path),))
+    first = {name: np.array(a) for name, a in record_splits(cfg)["train"].items()}
+    [folder] = [p for p in (tmp_path / "cache" / "records").iterdir() if p.is_dir()]
+    tokens = folder / "train.tokens.bin"
+    made = tokens.stat().st_mtime_ns
+    record_splits(cfg)
+    assert tokens.stat().st_mtime_ns == made  # read, not made again
+    tokens.write_bytes(tokens.read_bytes()[:-7])  # a cut file
+    again = record_splits(cfg)["train"]
+    for name, rows in first.items():
+        np.testing.assert_array_equal(again[name], rows)

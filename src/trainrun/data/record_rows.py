@@ -26,6 +26,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import uuid
@@ -338,9 +339,22 @@ def _open(folder: Path) -> Rows | None:
         splits: dict[str, dict[str, np.ndarray] | None] = {}
         for split, rows in manifest["rows"].items():
             splits[split] = None if not rows else {
-                name: np.memmap(folder / f"{split}.{name}.bin", dtypes[name], "r",
-                                shape=(rows, row_len)) for name in ARRAYS}
+                name: _mapped(folder / f"{split}.{name}.bin", dtypes[name], rows, row_len)
+                for name in ARRAYS}
         return Rows(train=splits["train"], eval=splits["eval"],
                     counts=RecordCounts(**manifest["counts"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _mapped(file: Path, dtype: str, rows: int, row_len: int) -> np.ndarray:
+    """``[rows, row_len]`` of ``file``, read-only through a memory map. Batches read rows at
+    random: the kernel is told so, or each row read would pull in its neighbours as well."""
+    with open(file, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    array = np.frombuffer(mapped, dtype)
+    if array.size != rows * row_len:
+        raise ValueError(f"{file.name} holds {array.size} values, not {rows} x {row_len}")
+    return array.reshape(rows, row_len)

@@ -32,6 +32,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from trainrun.config import RunConfig, dump_yaml
 from trainrun.errors import UserError
 from trainrun.rundir.lock import LOCK, RunLock
@@ -70,8 +72,38 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     write_text(path, json.dumps(payload, indent=2) + "\n")
 
 
+class DamagedFile(UserError):
+    """A file trainrun wrote in a run directory that no longer reads; one line, exit 2."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"{path} is damaged ({why}); trainrun wrote it and it no longer "
+                         "reads: restore it from a copy, or move the run aside")
+        self.path = path
+
+
 def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
+    """A JSON object trainrun wrote; ``DamagedFile`` when the file is not one any more."""
+    return _object(path, json.loads, "JSON")
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A run's ``config.yaml`` as a mapping; ``DamagedFile`` when it is not one any more."""
+    return _object(path, yaml.safe_load, "YAML")
+
+
+def _object(path: Path, parse: Any, kind: str) -> dict[str, Any]:
+    raw = path.read_bytes()
+    try:
+        value = parse(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        why = f"not UTF-8 text: byte {raw[err.start]:#04x} at offset {err.start}"
+    except (ValueError, yaml.YAMLError):
+        why = f"not {kind}"
+    else:
+        if isinstance(value, dict):
+            return value
+        why = f"not a {kind} mapping"
+    raise DamagedFile(path, why)
 
 
 def move_aside(run_dir: Path) -> Path:
@@ -177,7 +209,7 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         return {"status": "finished" if (run_dir / SUMMARY).exists() else "unknown"}
     try:
         status = read_json(path)
-    except ValueError:
+    except DamagedFile:
         return {"status": "unknown"}
     if status.get("status") == "running" and status.get("host") == socket.gethostname():
         try:

@@ -9,14 +9,20 @@ from trainrun.errors import OutOfMemory, UserError, WriteFailed, path_refused, p
 
 
 def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from trainrun.config import load_config
     from trainrun.platform.distributed import session
     from trainrun.platform.process import configure_process
+    from trainrun.rundir import default_run_dir
+    from trainrun.rundir.lock import refuse_joining
     from trainrun.training.loop import run
 
     configure_process()  # before anything starts JAX's backend
     config = load_config(args.config, args.overrides)
-    with session(config.distributed):  # joins the other processes, if any, before JAX starts
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    # joins the other processes, if any, before JAX starts; not a job that runs already
+    with session(config.distributed, lambda: refuse_joining(run_dir)):
         run(config, args.run_dir, fresh=args.fresh,
             allow_config_change=args.allow_config_change)
     return 0
@@ -51,7 +57,23 @@ def _launch(args: argparse.Namespace) -> int:
     from trainrun.platform.distributed import launch
 
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
-    return launch(args.n, command, args.devices_per_process, args.grace_s)
+    return launch(args.n, command, args.devices_per_process, args.grace_s,
+                  on_job_stopped=_record_stopped)
+
+
+def _record_stopped(reason: str, command: list[str], pid: int) -> str:
+    """For ``launch``: a job its processes did not end themselves, recorded in the run that
+    ``command`` (process 0's ``train ...``, run by ``pid``) names; returns the line to print."""
+    from pathlib import Path
+
+    from trainrun import rundir
+    from trainrun.checkpointing.checkpoints import checkpoint_dir
+    from trainrun.config import load_config
+
+    args = build_parser().parse_args(command)
+    config = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else rundir.default_run_dir(config)
+    return rundir.record_stopped(run_dir, checkpoint_dir(config, run_dir), reason, pid)
 
 
 def _report(args: argparse.Namespace) -> int:

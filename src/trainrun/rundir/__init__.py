@@ -179,14 +179,19 @@ def write_status(run_dir: Path, status: str, step: int | None = None,
     })
 
 
-def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None) -> None:
+def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None,
+                pid: int | None = None) -> None:
     """A run this process started that raised is ``failed`` for ``trainrun runs``, with why (a
     refusal before it started leaves the directory's status as it was), at the step of its last
-    committed checkpoint in ``ckpt_dir`` (where a resume starts). Best effort: the disk may be
-    the reason."""
+    committed checkpoint in ``ckpt_dir`` (where a resume starts). pid: the process that ran it
+    (default this one; ``trainrun launch`` records for the processes it started). Best effort:
+    the disk may be the reason."""
     with contextlib.suppress(OSError):
         status = read_status(run_dir) if run_dir.exists() else {}
-        if status.get("status") != "running" or status.get("pid") != os.getpid():
+        # a launched process that died reads as failed ("process gone") to its launcher
+        recorded = ("running",) if pid is None else ("running", "failed")
+        if (status.get("status") not in recorded
+                or status.get("pid") != (os.getpid() if pid is None else pid)):
             return
         committed = committed_steps(ckpt_dir) if ckpt_dir is not None else []
         if committed:
@@ -198,6 +203,16 @@ def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None) -> Non
             with (run_dir / STATUS).open("r+b") as f:
                 f.write(text.encode())
                 f.truncate()
+
+
+def record_stopped(run_dir: Path, ckpt_dir: Path, reason: str, pid: int) -> str:
+    """A run whose processes were stopped from outside (``trainrun launch`` saw it): marked
+    ``failed`` with ``reason`` and where a resume starts, which the returned line says too."""
+    steps = committed_steps(ckpt_dir)
+    line = reason + (f"; the last committed checkpoint is step {steps[-1]} (the same command "
+                     "resumes from it)" if steps else "; no checkpoint was committed")
+    mark_failed(run_dir, line, ckpt_dir, pid=pid)
+    return line
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:

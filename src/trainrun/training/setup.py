@@ -51,6 +51,7 @@ from trainrun.reporting.provenance import provenance
 from trainrun.reporting.stream import MetricStream
 from trainrun.reporting.timing import StepTimer, Stopwatch
 from trainrun.reporting.writers import RunOutput, build_output
+from trainrun.rundir.lock import refuse_joining
 from trainrun.training import preflight
 from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.checkpoint_hook import CheckpointHook
@@ -107,7 +108,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
           ) -> Run | RunSummary:
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
     fast = fast_paths.selected()  # a name it does not know is refused before anything
-    distributed.initialize(config.distributed)  # before anything asks JAX for devices
+    # before anything asks JAX for devices; not into a job that runs in this directory already
+    distributed.initialize(config.distributed, lambda: refuse_joining(directory.run_dir))
     require_backend()  # a platform this machine lacks is one line, not JAX's traceback
     # Inline CPU calls are the process's setting (configure_process): record what is in effect.
     fast = dataclasses.replace(fast, inline_cpu_calls=calls_run_inline())

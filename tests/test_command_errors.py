@@ -4,6 +4,7 @@ input, 1 for the environment, nothing of the user's changed."""
 from __future__ import annotations
 
 import io
+import itertools
 import shutil
 
 import pytest
@@ -162,3 +163,50 @@ def test_an_allocation_that_fails_mid_run_is_one_line_with_the_last_checkpoint(t
     status = rundir.read_status(tmp_path)
     assert status["status"] == "failed" and status["step"] == last
     assert status["reason"] == line
+
+
+def _mlp_state_bytes(hidden: list[int], features: int = 8) -> int:
+    """The MLP's params, Adam's two moments: float32 each (the counters aside)."""
+    widths = [features, *hidden, 1]
+    params = sum(a * b + b for a, b in itertools.pairwise(widths))
+    return 3 * 4 * params
+
+
+def test_a_step_program_that_cannot_fit_is_refused_before_anything(tmp_path, monkeypatch,
+                                                                    capsys):
+    """The state fits; the compiled step (its gradients and Adam's temporaries on top) does
+    not. Before, only the state was checked: the run started and died in the allocator."""
+    from trainrun.training import preflight
+
+    hidden = [1000, 1000]
+    free = int(1.5 * _mlp_state_bytes(hidden))  # room for the state, not for the step
+    monkeypatch.setattr(preflight, "host_memory_available", lambda: free)
+    code = main(["train", "--config", "mlp", "--run-dir", str(tmp_path / "run"),
+                 f"model.hidden=[{hidden[0]},{hidden[1]}]", "steps_per_call=2"])
+    assert code == 2
+    err = one_line(capsys)
+    assert "the compiled training step needs" in err and "a 2-step call" in err
+    needed = float(err.split("needs ")[1].split(" MiB")[0])
+    assert needed * 2**20 > free  # XLA's figure, above what was free
+    assert f"and {free / 2**20:,.1f} MiB is free" in err and "steps_per_call" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_program_that_fits_is_compiled_once(tmp_path, monkeypatch, caplog):
+    """The program set-up compiles on shapes to check its memory is the one the calls run:
+    JAX lowers `train_steps` once (a second lowering would be a second compile)."""
+    import logging
+
+    from trainrun.training import preflight
+
+    hidden = [1000, 1000]
+    monkeypatch.setattr(preflight, "host_memory_available",
+                        lambda: 10 * _mlp_state_bytes(hidden))
+    caplog.set_level(logging.DEBUG, logger="jax._src.interpreters.pxla")
+    summary = run(load_config("mlp", [f"model.hidden=[{hidden[0]},{hidden[1]}]", "steps=4",
+                                      "steps_per_call=2", "checkpoint.every=0",
+                                      "metrics.tensorboard=false"]),
+                  tmp_path / "run", out=io.StringIO())
+    assert summary.steps_done == 4
+    lowered = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(train_steps)")]
+    assert len(lowered) == 1, [r.getMessage()[:120] for r in lowered]

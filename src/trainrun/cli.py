@@ -5,26 +5,34 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainrun.errors import OutOfMemory, UserError, WriteFailed, printable
+from trainrun.errors import OutOfMemory, UserError, WriteFailed, path_refused, printable
 
 
 def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from trainrun.config import load_config
     from trainrun.platform.distributed import session
     from trainrun.platform.process import configure_process
+    from trainrun.rundir import default_run_dir
+    from trainrun.rundir.lock import refuse_joining
     from trainrun.training.loop import run
 
     configure_process()  # before anything starts JAX's backend
     config = load_config(args.config, args.overrides)
-    with session(config.distributed):  # joins the other processes, if any, before JAX starts
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    # joins the other processes, if any, before JAX starts; not a job that runs already
+    with session(config.distributed, lambda: refuse_joining(run_dir)):
         run(config, args.run_dir, fresh=args.fresh,
             allow_config_change=args.allow_config_change)
     return 0
 
 
 def _verify_resume(args: argparse.Namespace) -> int:
+    from trainrun.platform.process import require_backend
     from trainrun.verify_resume import verify_resume
 
+    require_backend()  # the runs' states are compared here: one line if JAX cannot start
     return verify_resume(args.config, args.overrides, kill_at=args.kill_at,
                          kill_in_save=args.kill_in_save, work_dir=args.work_dir,
                          keep=args.keep)
@@ -49,28 +57,51 @@ def _launch(args: argparse.Namespace) -> int:
     from trainrun.platform.distributed import launch
 
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
-    return launch(args.n, command, args.devices_per_process, args.grace_s)
+    return launch(args.n, command, args.devices_per_process, args.grace_s,
+                  on_job_stopped=_record_stopped)
+
+
+def _record_stopped(reason: str, command: list[str], pid: int) -> str:
+    """For ``launch``: a job its processes did not end themselves, recorded in the run that
+    ``command`` (process 0's ``train ...``, run by ``pid``) names; returns the line to print."""
+    from pathlib import Path
+
+    from trainrun import rundir
+    from trainrun.checkpointing.checkpoints import checkpoint_dir
+    from trainrun.config import load_config
+
+    args = build_parser().parse_args(command)
+    config = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else rundir.default_run_dir(config)
+    return rundir.record_stopped(run_dir, checkpoint_dir(config, run_dir), reason, pid)
 
 
 def _report(args: argparse.Namespace) -> int:
     from trainrun.reporting.report import write_report
 
-    print(f"wrote {printable(str(write_report(args.run_dir)))}")
+    path, notes = write_report(args.run_dir)
+    print(f"wrote {printable(str(path))}")
+    for note in notes:
+        print(f"warning: {printable(note)}", file=sys.stderr)
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
     from trainrun.reporting.report import compare
 
-    png, table = compare(args.run_dirs, args.out)
+    png, table, notes = compare(args.run_dirs, args.out)
     print(table)
     print(f"curves: {printable(str(png))}")
+    for note in notes:
+        print(f"warning: {printable(note)}", file=sys.stderr)
     return 0
 
 
 def _sample(args: argparse.Namespace) -> int:
+    from trainrun.platform.process import require_backend
     from trainrun.sample import sample_run
 
+    require_backend()
     print(sample_run(args.run_dir, args.prompt, args.tokens, temperature=args.temperature,
                      seed=args.seed, ema=args.ema, chat=args.chat))
     return 0
@@ -81,8 +112,10 @@ def _export(args: argparse.Namespace) -> int:
 
     from trainrun import extras
     from trainrun.export import export_run
+    from trainrun.platform.process import require_backend
 
     extras.require("huggingface", "trainrun export")
+    require_backend()
     done = export_run(Path(args.run_dir), Path(args.to), merge=args.merge,
                       replace=args.replace, dtype=args.dtype, shard_size=args.shard_size)
     print(printable(f"step {done.step} of {args.run_dir} written to {done.path} "
@@ -98,12 +131,14 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _bench_ceiling(args: argparse.Namespace) -> int:
+    from trainrun.platform.process import require_backend
     from trainrun.reporting import mfu
 
     if args.size < 64 or args.repeats < 1:
         raise UserError(f"bench ceiling needs --size >= 64 and --repeats >= 1 (got --size "
                         f"{args.size}, --repeats {args.repeats}); the defaults are 2048 and 10")
     mfu.ceiling_file()  # a cache directory that cannot hold it is refused before measuring
+    require_backend()
     record = mfu.measure_ceiling(args.size, args.repeats)
     path, best = mfu.save_ceiling(record)
     print(f"{record['size']}x{record['size']} float32 matmul on {record['cpu']} "
@@ -285,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     except (WriteFailed, OutOfMemory) as err:  # the disk or memory, not the input: exit 1
         print(f"error: {printable(str(err))}", file=sys.stderr)
         return 1
+    except OSError as err:  # a path the system refused where no command checked it first
+        line, code = path_refused(err)
+        print(f"error: {line}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

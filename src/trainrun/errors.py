@@ -1,6 +1,8 @@
 """Errors the CLI reports on one line: bad input the user fixes (exit 2), and a write the file
-system refused (exit 1); and ``printable``, which keeps a name in such a line from driving the
-terminal."""
+system refused (exit 1); ``path_refused``, the line for a path the system would not take; and
+``printable``, which keeps a name in such a line from driving the terminal."""
+
+import errno
 
 
 class UserError(Exception):
@@ -28,3 +30,34 @@ def printable(text: str) -> str:
 def _escape(char: str) -> str:
     code = ord(char)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+# errno -> what a path the user gave cannot be, and what to do: the input's fault, exit 2
+_BAD_PATH = {
+    errno.ENAMETOOLONG: ("is too long for the file system", "give a shorter path"),
+    errno.ENOENT: ("does not exist", "give an existing path"),
+    errno.ENOTDIR: ("runs through a file as if it were a folder", "give a path of folders"),
+    errno.EISDIR: ("is a folder where a file is expected", "give a file"),
+    errno.ELOOP: ("is a loop of symbolic links", "give a path that resolves"),
+}
+# errno -> what the system refused, and what to do: the environment's fault, exit 1
+_REFUSED = {
+    errno.EACCES: ("permission denied", "give this user access or another path"),
+    errno.EPERM: ("operation not permitted", "give this user access or another path"),
+    errno.EROFS: ("read-only file system", "give a writable place"),
+    errno.ENOSPC: ("no space left on device", "free some space or give another place"),
+    errno.EDQUOT: ("disk quota exceeded", "free some space or give another place"),
+}
+
+
+def path_refused(err: OSError) -> tuple[str, int]:
+    """The one line (without ``error: ``) and exit code for a path the system refused: a path
+    that cannot be what the command was given (exit 2), or a system that would not read or
+    write it (exit 1)."""
+    name = printable(str(err.filename)) if err.filename is not None else "a path"
+    if err.errno in _BAD_PATH:
+        what, fix = _BAD_PATH[err.errno]
+        return f"{name} {what}: {fix}", 2
+    what, fix = _REFUSED.get(err.errno or 0, (
+        (err.strerror or type(err).__name__).lower(), "check the path and the system"))
+    return f"{what}: {name}; {fix}", 1

@@ -18,7 +18,7 @@ import numpy as np
 
 from trainrun import rundir
 from trainrun.config import TransformerModel
-from trainrun.errors import UserError
+from trainrun.errors import UserError, path_refused
 from trainrun.program.precision import DTYPES, cast_floats
 
 PyTree = Any
@@ -89,7 +89,16 @@ def load(path: str | Path, *, ema: bool = False) -> LanguageModel:
     """The model at ``path``: a run directory, a Hugging Face model directory or a PEFT adapter
     directory (with its base model where ``base_model_name_or_path`` says). ``ema``: a run's
     moving average of the params instead of the params."""
+    from trainrun.platform.process import require_backend
+
+    require_backend()  # one line, not JAX's assertion, when JAX cannot start
     path = Path(path).expanduser()
+    try:
+        path.stat()
+    except OSError as err:
+        line, code = path_refused(err)
+        if code == 2:  # a path no file system holds: said in one line
+            raise LoadError(line) from None
     if (path / rundir.CONFIG).is_file():
         from trainrun.checkpointing.reader import latest_state, saved_config
 
@@ -108,7 +117,7 @@ def load(path: str | Path, *, ema: bool = False) -> LanguageModel:
     from trainrun.checkpointing.init_from import model_of, placed_params, readers, source_kind
     from trainrun.models import build_model
 
-    kind = source_kind(path)
+    kind = source_kind(path, what="trainrun.load")
     if kind not in ("huggingface", "adapter"):
         raise LoadError(f"{path} is a lone weights file: load its model directory (with "
                         "config.json), a run directory or an adapter directory")

@@ -67,6 +67,8 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
                                            "checkpoint.every_seconds=0",
                                            f"checkpoint.every={config.steps // 2}"])
     kills = _kill_points(config, kill_at, kill_in_save)
+    if work_dir and Path(work_dir).exists() and not Path(work_dir).is_dir():
+        raise UserError(f"--work-dir {work_dir} is a file; give a new or empty directory")
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
     if base.exists() and any(base.iterdir()):
         raise UserError(f"--work-dir {base} is not empty; its runs would be resumed, not "

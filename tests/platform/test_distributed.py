@@ -3,12 +3,15 @@ process holding the same devices, and what happens when a process dies or fails.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import cli_env, run_cli
@@ -157,3 +160,130 @@ def test_auto_without_a_cluster_is_a_one_line_error(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("error: distributed=auto found no cluster to join (SLURM, ")
     assert done.stderr.count("\n") == 1
+
+
+# ---- what the coordinator trusts -------------------------------------------------------------
+
+
+def test_a_job_running_here_refuses_a_process_that_would_join_it(tmp_path):
+    """Its process 0's sign is found under any spelling of this host; with it gone, or for a
+    coordinator elsewhere, nothing is refused."""
+    from trainrun.platform import coordinator
+
+    port = distributed.free_port()
+    presence = coordinator.JobPresence(f"127.0.0.1:{port}", 2)
+    presence.start()
+    try:
+        with pytest.raises(coordinator.JobRunning, match=(
+                rf"a job is already running with its coordinator at localhost:{port} \(process "
+                rf"0 is pid {os.getpid()} on .*, 2 processes\): joining it as process 1 would "
+                "stop that job")):
+            coordinator.refuse_if_running(f"localhost:{port}", 1)
+    finally:
+        presence.stop()
+    coordinator.refuse_if_running(f"localhost:{port}", 1)
+    coordinator.refuse_if_running(f"10.255.0.1:{port}", 1)
+
+
+def test_a_run_directory_in_use_is_refused_before_its_coordinator_is_reached(tmp_path):
+    from trainrun.rundir.lock import RunDirLocked, RunLock, refuse_joining
+
+    held = RunLock(tmp_path)
+    held.acquire(create=True)
+    held.record_holder()
+    reached = []
+    try:
+        with pytest.raises(RunDirLocked, match=rf"in use by another trainrun run \(pid "
+                                               rf"{os.getpid()} .*joining that job's coordinator"):
+            distributed.initialize(
+                ExplicitDistributed(coordinator=f"127.0.0.1:{distributed.free_port()}",
+                                    num_processes=2, process_id=1),
+                before_joining=lambda: (reached.append("checked"), refuse_joining(tmp_path)))
+    finally:
+        held.release()
+    assert reached == ["checked"] and not jax.distributed.is_initialized()
+
+
+def test_a_joiner_whose_coordinator_goes_away_stops_at_once():
+    """Instead of JAX's retries for init_timeout_s (the job it would have joined is gone)."""
+    script = """
+import socket, threading, time
+from trainrun.platform.coordinator import JoinWatch
+server = socket.create_server(("127.0.0.1", 0))
+port = server.getsockname()[1]
+threading.Timer(1.0, server.close).start()
+with JoinWatch(f"127.0.0.1:{port}").watching():
+    time.sleep(60)
+"""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=cli_env())
+    assert done.returncode == 1 and time.monotonic() - started < 30, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(
+        "error: the coordinator at 127.0.0.1:")
+    assert "went away while this process was joining it" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_stranger_at_the_coordinator_is_refused_or_ends_the_job_in_one_line(tmp_path):
+    """A trainrun process that names a running job's coordinator and one of its ids is refused
+    and the job goes on; a bare JAX process doing the same, which nothing can refuse, makes
+    JAX's coordinator stop the job: the launcher says so in one line and records it. Before,
+    the launcher exited 134 with XLA's stack traces, status.json said running, and the
+    stranger waited silently."""
+    run_dir = tmp_path / "run"
+    train = ["train", "--run-dir", str(run_dir), *RUN, "log_every=100", "checkpoint.every=100",
+             "distributed.peer_timeout_s=5", "steps=10000000"]
+    proc = subprocess.Popen([sys.executable, "-m", "trainrun", "launch", "-n", "2", "--",
+                             *train], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=cli_env(None))
+    lines: list[str] = []
+
+    def read_until(done) -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if done():
+                return
+
+    def committed() -> list[int]:
+        steps = run_dir / "checkpoints"
+        return sorted(int(p.name) for p in steps.iterdir() if p.name.isdigit()) if (
+            steps.is_dir()) else []
+
+    try:
+        read_until(lambda: bool(committed()))
+        pid = int(next(line for line in lines if "process 0 of 2: pid" in line).split()[-1])
+        port = next(a for a in Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+                    if a.startswith("distributed.coordinator=")).rsplit(":", 1)[1]
+        joining = ["distributed.kind=explicit", f"distributed.coordinator=localhost:{port}",
+                   "distributed.num_processes=2", "distributed.process_id=1"]
+        stranger = run_cli("train", "--run-dir", str(tmp_path / "other"), *RUN, *joining)
+        assert stranger.returncode == 2, stranger.stderr
+        assert stranger.stderr.count("\n") == 1 and stranger.stderr.startswith(
+            f"error: a job is already running with its coordinator at localhost:{port}")
+        assert not (tmp_path / "other").exists()
+        seen = committed()[-1]
+        read_until(lambda: committed()[-1] > seen)  # the job goes on
+        bare = subprocess.Popen([sys.executable, "-c", "import jax; jax.distributed.initialize("
+                                 f"'127.0.0.1:{port}', 2, 1, initialization_timeout=5)"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=cli_env(JAX_PLATFORMS="cpu"))
+        rest, _ = proc.communicate(timeout=120)
+        bare.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode == distributed.JOB_STOPPED_EXIT, out[-3000:]
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    last = committed()[-1]
+    assert errors == [
+        f"[launch] error: a process that is not this job's joined its coordinator at "
+        f"127.0.0.1:{port} as process 1 (another job's, a stale one, or a wrong "
+        "distributed.process_id); JAX's coordinator cannot refuse it and stopped every "
+        f"process of this job; the last committed checkpoint is step {last} (the same command "
+        "resumes from it)"], out[-3000:]
+    assert "Check failure" not in out and "RPC:" not in out  # XLA's own lines held back
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and status["step"] == last
+    assert status["reason"] == errors[0][len("[launch] error: "):]

@@ -66,36 +66,36 @@ ADAPTER = "_lora."  # params a source may lack: they keep their fresh init
 Reader = Callable[[tuple[slice, ...] | None], np.ndarray]  # a param, or a slice of it
 
 
-def source_kind(path: Path) -> str:
+def source_kind(path: Path, what: str = "init.from") -> str:
     """"run", "huggingface", "adapter" or "safetensors"; anything else is refused in one line
-    that says what was found and what is read."""
+    that says what was found and what is read. what: how the line names the path's origin."""
     if path.is_dir() and (path / rundir.CONFIG).is_file():
         return "run"
     if path.is_dir() and (path / peft.ADAPTER_CONFIG).is_file():
-        extras.require("huggingface", f"init.from {path}")
+        extras.require("huggingface", f"{what} {path}")
         return "adapter"
     if path.is_dir() and (path / CONFIG).is_file():
         if (path / WEIGHTS).is_file() or (path / INDEX).is_file():
-            extras.require("huggingface", f"init.from {path}")
+            extras.require("huggingface", f"{what} {path}")
             return "huggingface"
         if any(path.glob("pytorch_model*.bin")):
-            raise WeightsError(f"init.from {path}: its weights are pytorch_model.bin, which "
+            raise WeightsError(f"{what} {path}: its weights are pytorch_model.bin, which "
                                "trainrun does not read; save them as safetensors "
                                "(save_pretrained(..., safe_serialization=True))")
-        raise WeightsError(f"init.from {path}: config.json but no {WEIGHTS} or {INDEX}; the "
+        raise WeightsError(f"{what} {path}: config.json but no {WEIGHTS} or {INDEX}; the "
                            "weights are missing (an incomplete download?)")
     if path.is_file() and path.suffix == ".safetensors":
-        extras.require("huggingface", f"init.from {path}")
+        extras.require("huggingface", f"{what} {path}")
         return "safetensors"
     if path.is_file() and path.suffix == ".bin":
-        raise WeightsError(f"init.from {path}: a PyTorch .bin file, which trainrun does not "
+        raise WeightsError(f"{what} {path}: a PyTorch .bin file, which trainrun does not "
                            "read; save the model as safetensors")
     if not path.exists():
         hub = "/" in str(path) and not str(path).startswith((".", "/", "~"))
         hint = (f"; a hub name is not fetched: download it (e.g. `hf download {path} "
                 "--local-dir DIR`) and give DIR" if hub else "")
-        raise WeightsError(f"init.from {path}: no such file or directory{hint}")
-    raise WeightsError(f"init.from {path}: not a trainrun run directory, a Hugging Face model "
+        raise WeightsError(f"{what} {path}: no such file or directory{hint}")
+    raise WeightsError(f"{what} {path}: not a trainrun run directory, a Hugging Face model "
                        "directory (config.json + model.safetensors), a PEFT adapter directory "
                        "or a .safetensors file")
 

@@ -99,19 +99,14 @@ def _verify_item(item: Path, step_dir: Path, result: Verified) -> list[str]:
 def verify_run_checkpoint(run_dir: Path, step: int | None = None) -> tuple[bool, str]:
     """``trainrun verify-checkpoint``: the checksums of one committed step of a run (default
     its newest), without training. Returns (every file matches, a line saying what was found)."""
-    import yaml
-
     from trainrun.errors import UserError
-    from trainrun.rundir import CHECKPOINTS, CONFIG, committed_steps
+    from trainrun.rundir import CHECKPOINTS, CONFIG, committed_steps, read_yaml
 
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG).is_file():
         raise UserError(f"{run_dir} holds no trainrun run (no {CONFIG}); give a run directory")
-    try:
-        saved = yaml.safe_load((run_dir / CONFIG).read_text()) or {}
-        ckpt = (saved.get("checkpoint") or {}).get("dir")
-    except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
-        raise UserError(f"{run_dir / CONFIG} cannot be read as a config") from None
+    section = read_yaml(run_dir / CONFIG).get("checkpoint")
+    ckpt = section.get("dir") if isinstance(section, dict) else None
     ckpt_dir = Path(ckpt) if ckpt else run_dir / CHECKPOINTS
     steps = committed_steps(ckpt_dir)
     if not steps:

@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-import yaml
 
 from trainrun import rundir
 from trainrun.checkpointing.checkpoints import (
@@ -44,7 +43,7 @@ def saved_config(run_dir: Path) -> RunConfig:
         raise RunReadError(f"{run_dir} is not a run directory (no {rundir.CONFIG}); give the "
                           "directory a training run wrote, e.g. runs/lm")
     try:
-        return config_from_dict(yaml.safe_load(path.read_text()))
+        return config_from_dict(rundir.read_yaml(path))
     except ConfigError as err:
         raise RunReadError(f"the config saved in {path} no longer loads: {err}") from None
 
@@ -94,16 +93,20 @@ def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
         if step is not None and state is not None:  # state: a step was read
             return step, state
     raise RunReadError(f"no checkpoint in {directory} can be read ("
-                      + "; ".join(f"step {s}: {why}" for s, why in problems) + ")")
+                      + "; ".join(f"step {s}: {why}" for s, why in problems)
+                      + "): restore its files from a copy, or train the run again")
 
 
 @contextlib.contextmanager
 def _without_read_only_notice() -> Iterator[None]:
     """Orbax logs a warning for every read-only manager it opens, which is what reading a run's
-    checkpoint is: that record is dropped while it is open, the process's logging left as is."""
+    checkpoint is, and an error for a step whose own record (``_CHECKPOINT_METADATA``) is
+    garbled, which a read does not need (the step's files are checked by their checksums):
+    those records are dropped while it is open, the process's logging left as is."""
 
     def keep(record: logging.LogRecord) -> bool:
-        return "is read only" not in record.getMessage()
+        message = record.getMessage()
+        return "is read only" not in message and "Failed to read Metadata file" not in message
 
     absl = logging.getLogger("absl")
     absl.addFilter(keep)

@@ -7,6 +7,7 @@ value; ``load_config`` merges the layers and validates the result."""
 from __future__ import annotations
 
 import difflib
+import errno
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from trainrun.config.run import ConfigError, RunConfig, config_from_dict
+from trainrun.errors import path_refused
 
 CONFIG_PACKAGE = "trainrun.configs"
 
@@ -53,6 +55,12 @@ def resolve_config_path(name_or_path: str, relative_to: Path | None = None) -> P
         return builtin
     names = ", ".join(builtin_config_names())
     path = Path(name_or_path) if relative_to is None else relative_to / name_or_path
+    try:
+        path.stat()
+    except OSError as err:  # a path no file system holds (too long, a loop) is the input's
+        line, code = path_refused(err)
+        if code == 2 and err.errno != errno.ENOENT:
+            raise ConfigError(f"config {line}") from None
     if path.is_dir():
         raise ConfigError(f"config {name_or_path!r} is a folder, not a YAML file; give the path "
                           f"of a .yaml file or a built-in name ({names})")

@@ -20,13 +20,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import jax
 
 from trainrun.config import AutoDistributed, ExplicitDistributed, SingleProcess
 from trainrun.errors import UserError
+from trainrun.platform import coordinator
 from trainrun.platform.process import with_device_count
 
 DistributedConfig = SingleProcess | AutoDistributed | ExplicitDistributed
@@ -40,12 +41,18 @@ class DistributedError(UserError):
 # ---- joining ---------------------------------------------------------------------------------
 
 _watch: PeerWatch | None = None
+_presence: coordinator.JobPresence | None = None
 
 
-def initialize(cfg: DistributedConfig) -> PeerWatch | None:
+def initialize(cfg: DistributedConfig,
+               before_joining: Callable[[], None] | None = None) -> PeerWatch | None:
     """Join the process group ``cfg`` describes (once per process) and start watching the other
-    processes. Must run before anything else touches JAX's devices. ``none``: nothing to do."""
-    global _watch
+    processes. Must run before anything else touches JAX's devices. ``none``: nothing to do.
+
+    before_joining: a check that may refuse this process before it reaches the coordinator
+    (a run directory a running job holds). A coordinator named here is checked too: a job
+    already running with it on this host is refused (``coordinator.py``)."""
+    global _watch, _presence
     if cfg.kind == "none" or jax.distributed.is_initialized():
         return _watch
     options: dict[str, Any] = {
@@ -56,11 +63,19 @@ def initialize(cfg: DistributedConfig) -> PeerWatch | None:
     }
     if isinstance(cfg, ExplicitDistributed):
         options.update(_explicit_options(cfg))
+    address, me = options.get("coordinator_address"), options.get("process_id")
+    if address is not None:  # JAX's coordinator cannot refuse a second process of an id
+        coordinator.refuse_if_running(address, me)
+    if before_joining is not None:
+        before_joining()
     # Cross-process collectives on CPU go over gloo (TCP); GPUs and TPUs bring their own.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = options.get("coordinator_address", "the detected cluster")
+    joining = (coordinator.JoinWatch(address).watching() if address is not None and me != 0
+               else contextlib.nullcontext())
     try:
-        jax.distributed.initialize(**options)
+        with joining:
+            jax.distributed.initialize(**options)
     except RuntimeError as err:
         if "must be called before" in str(err):
             raise DistributedError("distributed start-up must come before any use of JAX "
@@ -81,6 +96,9 @@ def initialize(cfg: DistributedConfig) -> PeerWatch | None:
     if jax.process_count() > 1:
         _watch = PeerWatch(jax.process_index(), jax.process_count(), cfg.peer_timeout_s)
         _watch.start()
+        if jax.process_index() == 0 and address is not None:  # the job has formed
+            _presence = coordinator.JobPresence(address, jax.process_count())
+            _presence.start()
     return _watch
 
 
@@ -221,11 +239,12 @@ class PeerWatch:
 
 
 @contextlib.contextmanager
-def session(cfg: DistributedConfig) -> Iterator[None]:
-    """Joined for the ``with`` body. If the body fails in a multi-process run, the others are
-    told (and stop with this process's message) and this process exits at once: waiting for
-    them in JAX's orderly shutdown would only hang."""
-    watch = initialize(cfg)
+def session(cfg: DistributedConfig,
+            before_joining: Callable[[], None] | None = None) -> Iterator[None]:
+    """Joined for the ``with`` body (``initialize``). If the body fails in a multi-process run,
+    the others are told (and stop with this process's message) and this process exits at once:
+    waiting for them in JAX's orderly shutdown would only hang."""
+    watch = initialize(cfg, before_joining)
     try:
         yield
     except BaseException as err:
@@ -268,8 +287,19 @@ def process_env(devices_per_process: int | None, port: int) -> dict[str, str]:
     return env
 
 
+# A line of XLA's own log (absl's format) or of the stack trace of a check that failed: held
+# back by the launcher, shown only when they explain a failure it cannot name itself.
+NATIVE_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]|\*\*\* Check failure"
+                        r"|\s+@\s+0x|terminate called|  what\(\):")
+NATIVE_MORE = re.compile(r"$|\s|RPC: |absl::Status|\[type\.googleapis")  # the lines after one
+# What JAX's coordination service says when a process joins under an id the job has.
+INTRUDER = re.compile(r"(?:task:)?(\d+) unexpectedly tried to connect")
+JOB_STOPPED_EXIT = 1  # the environment stopped the job, not its input
+
+
 def launch(n: int, train_args: list[str], devices_per_process: int | None = None,
-           grace_s: float = 90.0, out: TextIO = sys.stdout) -> int:
+           grace_s: float = 90.0, out: TextIO = sys.stdout,
+           on_job_stopped: Callable[[str, list[str], int], str] | None = None) -> int:
     """Run ``trainrun <train_args>`` as ``n`` processes of one run on this machine.
 
     Each gets ``distributed.kind=explicit`` with a coordinator on 127.0.0.1 at a free port;
@@ -277,6 +307,11 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
     status of the first to fail (128 + signal for a killed one). Once one has failed the others
     get ``grace_s`` seconds to stop by themselves (they do, within their peer timeout) before
     they are terminated.
+
+    A process that is not the job's joining its coordinator under an id the job has makes JAX's
+    coordination service abort every process (``coordinator.py``): that is said in one line
+    (exit 1) instead of their native logs, and ``on_job_stopped(line, process 0's train
+    command, its pid)`` records it (the run's status) and returns the line to print.
     """
     if not train_args or train_args[0] != "train":
         raise DistributedError("trainrun launch runs a training command: "
@@ -293,17 +328,40 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
             out.flush()
 
     procs: list[subprocess.Popen[str]] = []
-    for i in range(n):
-        joining = ["distributed.kind=explicit", f"distributed.coordinator=127.0.0.1:{port}",
-                   f"distributed.num_processes={n}", f"distributed.process_id={i}"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainrun", *train_args, *joining],
+    commands = [[*train_args, "distributed.kind=explicit",
+                 f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={n}",
+                 f"distributed.process_id={i}"] for i in range(n)]
+    for i, command in enumerate(commands):
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainrun", *command],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, bufsize=1, env=env))
         say(f"[launch] process {i} of {n}: pid {procs[-1].pid}")
-    pumps = [threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", say), daemon=True)
-             for i, p in enumerate(procs)]
+    held: list[list[str]] = [[] for _ in procs]  # each process's native log lines
+    pumps = [threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", say, held[i]),
+                              daemon=True) for i, p in enumerate(procs)]
     for pump in pumps:
         pump.start()
+    stopped_by: str | None = None  # the id a process that is not the job's joined under
+
+    def exited(i: int, code: int) -> None:
+        nonlocal stopped_by
+        pumps[i].join(timeout=5)  # its last lines read
+        # process 0 hosts the coordinator: its log names the intruder before anyone aborts
+        found = INTRUDER.search("\n".join(line for lines in held for line in lines))
+        if code != 0 and found is not None:
+            if stopped_by is None:
+                stopped_by = found.group(1)
+                line = (f"a process that is not this job's joined its coordinator at "
+                        f"127.0.0.1:{port} as process {stopped_by} (another job's, a stale one, "
+                        "or a wrong distributed.process_id); JAX's coordinator cannot refuse "
+                        "it and stopped every process of this job")
+                if on_job_stopped is not None:
+                    with contextlib.suppress(Exception):  # the line goes out however it fares
+                        line = on_job_stopped(line, commands[0], procs[0].pid)
+                say(f"[launch] error: {line}")
+            return
+        for text in held[i]:  # not a stop it can name: XLA's own words
+            say(f"[{i}] {text}")
 
     first_failure: int | None = None
     deadline: float | None = None
@@ -317,9 +375,10 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
         while any(p.returncode is None for p in procs):
             for i, p in enumerate(procs):
                 if p.returncode is None and (code := p.poll()) is not None:
+                    exited(i, code)
                     say(f"[launch] process {i} exited with {_describe(code)}")
                     if code != 0 and first_failure is None:
-                        first_failure = _status(code)
+                        first_failure = JOB_STOPPED_EXIT if stopped_by else _status(code)
                         deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
                 for i, p in enumerate(procs):
@@ -340,9 +399,17 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
     return first_failure or 0
 
 
-def _pump(stream: TextIO, prefix: str, say: Any) -> None:
+def _pump(stream: TextIO, prefix: str, say: Any, held: list[str]) -> None:
+    """Say each line of ``stream`` with ``prefix``, but hold XLA's native log lines (and the
+    lines of one such message: a fatal status runs over several) in ``held``."""
+    holding = False
     for line in stream:
-        say(prefix + line.rstrip("\n"))
+        line = line.rstrip("\n")
+        holding = bool(NATIVE_LOG.match(line)) or (holding and NATIVE_MORE.match(line) is not None)
+        if holding:
+            held.append(line)
+        else:
+            say(prefix + line)
 
 
 def _status(returncode: int) -> int:

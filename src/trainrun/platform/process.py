@@ -19,6 +19,8 @@ import importlib.util
 import os
 import pkgutil
 import platform
+import re
+import shlex
 import sys
 from collections.abc import Mapping, MutableMapping
 from importlib import metadata
@@ -120,9 +122,12 @@ def backend_started() -> bool:
 
 
 def require_backend() -> None:
-    """JAX's devices, or one line saying why there are none: a ``JAX_PLATFORMS`` that names a
-    platform this machine lacks (JAX raises, then asserts on every later call), or a plugin
-    that fails to start."""
+    """JAX's devices, or one line saying why there are none: an ``XLA_FLAGS`` word that is no
+    XLA flag (XLA would abort the process as its backend starts), a ``JAX_PLATFORMS`` that
+    names a platform this machine lacks (JAX raises, then asserts on every later call), or a
+    plugin that fails to start."""
+    if not backend_started():
+        check_xla_flags()
     try:
         jax.devices()
     except (RuntimeError, AssertionError) as err:
@@ -135,6 +140,21 @@ def require_backend() -> None:
                             "JAX_PLATFORMS=cpu) or unset it") from None
         raise UserError(f"JAX cannot start its backend{why}; check the accelerator's driver and "
                         "JAX plugin, or run on CPU with JAX_PLATFORMS=cpu") from None
+
+
+def check_xla_flags(environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse, on one line, an ``XLA_FLAGS`` word that is not ``--xla_name`` or
+    ``--xla_name=value``: XLA's own check, at backend start, ends the process with a fatal log
+    line instead. (A well-formed name XLA does not know still meets XLA's check.)"""
+    flags = environ.get("XLA_FLAGS", "")
+    try:
+        words = shlex.split(flags)
+    except ValueError:
+        words = [flags]  # an unclosed quote
+    for word in words:
+        if not re.fullmatch(r"--?xla_\w+(=.*)?", word, flags=re.DOTALL):
+            raise UserError(f"XLA_FLAGS holds {word!r}, which is not an XLA flag "
+                            "(--xla_name=value); correct it or unset XLA_FLAGS")
 
 
 def run_cpu_calls_inline() -> bool:

@@ -67,6 +67,7 @@ class CompiledSteps:
         if self.packing is not None:
             self._carry, self._state = jax.jit(self.packing.pack), jax.jit(self.packing.unpack)
             body = _on_packed(body, self.packing)
+        self.state_sharding = state_sharding
         self.fn = _jit_donated(body, state_sharding if self.packing is None else None,
                                batch_sharding, resident is not None)
         self.watch = watch
@@ -82,8 +83,28 @@ class CompiledSteps:
         ``carried`` while they are still in use)."""
         return self._state(carried) if self.packing else carried
 
-    def compile(self, k: int, carried: Any, batch: Batch) -> None:
-        """Compile the program for calls of ``k`` steps (before its call is timed)."""
+    def carried_shapes(self) -> Any:
+        """The shapes, dtypes and placements of what the calls carry, from the abstract state:
+        enough to compile a program before any state exists. The calls then find that
+        executable in JAX's cache (they take arrays placed as these say)."""
+        assert self.abstract is not None, "built without the abstract state"
+        state = self.abstract if self.state_sharding is None else jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract,
+            self.state_sharding)
+        if self.packing is None:
+            return state
+        packed = jax.eval_shape(self.packing.pack, self.abstract)
+        if self.state_sharding is None:
+            return packed
+        # one device: the packed buffers come out of ``carry`` whole, on the state's mesh
+        mesh = jax.tree.leaves(self.state_sharding)[0].mesh
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
+                            packed)
+
+    def compile(self, k: int, carried: Any, batch: Batch) -> jax.stages.Compiled:
+        """Compile the program for calls of ``k`` steps (before its call is timed); ``carried``
+        and ``batch`` may be arrays or their shapes (``jax.ShapeDtypeStruct``)."""
         if not self.metric_names:
             state = self.abstract if self.abstract is not None else carried
             step, example = ((self.one_step, self.resident.example(1)) if self.resident
@@ -91,6 +112,7 @@ class CompiledSteps:
             self.metric_names = sorted(jax.eval_shape(step, state, example)[1])
         with self.watch.phase("compile"):
             self.programs[k] = self.fn.lower(carried, batch).compile()
+        return self.programs[k]
 
     def flops_per_step(self, example: Batch, counted: Any,
                        batch_size: int) -> tuple[float | None, str | None]:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from trainrun import extras, rundir
-from trainrun.errors import UserError, WriteFailed, printable
+from trainrun.errors import UserError, WriteFailed, path_refused, printable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -96,7 +97,7 @@ def load_run(path: Path | str) -> RunRecord:
                           "directory such as runs/mlp (`trainrun runs` lists them)")
     unreadable: list[str] = []
     metrics = _read_jsonl(path / rundir.METRICS, unreadable)
-    config = yaml.safe_load((path / rundir.CONFIG).read_text()) or {}
+    config = rundir.read_yaml(path / rundir.CONFIG)
     status = rundir.read_status(path)
     train = metrics.get("train", [])
     return RunRecord(
@@ -143,8 +144,14 @@ def best_eval(run: RunRecord) -> tuple[str, float, int] | None:
 
 
 def _new_figure(**kwargs: Any) -> Figure:
-    from matplotlib.figure import Figure  # the object API: files only, no pyplot state or window
-
+    # Without a writable home matplotlib warns, on import, that its cache is a temporary folder:
+    # the plots do not need a lasting cache, so that record is left out.
+    quiet = logging.getLogger("matplotlib")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        from matplotlib.figure import Figure  # the object API: files only, no pyplot state
+    finally:
+        quiet.setLevel(level)
     return Figure(layout="constrained", **kwargs)
 
 
@@ -281,8 +288,9 @@ figure{margin:0}figcaption{font-size:13px;color:#555}pre{background:#f7f7f7;padd
 font-size:12px;overflow:auto}"""
 
 
-def write_report(run_dir: Path | str) -> Path:
-    """Write ``report.html`` and its PNGs into the run directory; returns the HTML's path."""
+def write_report(run_dir: Path | str) -> tuple[Path, list[str]]:
+    """Write ``report.html`` and its PNGs into the run directory; returns the HTML's path and
+    what is wrong with the run's metrics file (its rows that could not be plotted)."""
     extras.require("report", "trainrun report")
     run = load_run(run_dir)
     plots = _plot_run(run, run.path / PLOT_DIR)
@@ -305,7 +313,7 @@ def write_report(run_dir: Path | str) -> Path:
 """
     out = run.path / REPORT_HTML
     out.write_text(page)
-    return out
+    return out, metrics_notes([run])
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -322,9 +330,17 @@ def _text_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def compare(run_dirs: list[Path | str], out: Path | str = "compare.png") -> tuple[Path, str]:
-    """Overlay the runs' curves (train loss, eval loss, lr, grad norm) in one PNG; return it
-    and a table of their final metrics."""
+def metrics_notes(runs: list[RunRecord]) -> list[str]:
+    """A line for each run whose metrics file has lines that are not records or steps without
+    a row: plots and tables leave those out."""
+    return [f"{run.path / rundir.METRICS}: {', '.join(run.problems)}; plotted without them"
+            for run in runs if run.problems]
+
+
+def compare(run_dirs: list[Path | str], out: Path | str = "compare.png",
+            ) -> tuple[Path, str, list[str]]:
+    """Overlay the runs' curves (train loss, eval loss, lr, grad norm) in one PNG; return it,
+    a table of their final metrics and what is wrong with their metrics files."""
     extras.require("report", "trainrun compare")
     out = Path(out)
     formats = _new_figure().canvas.get_supported_filetypes()
@@ -360,6 +376,9 @@ def compare(run_dirs: list[Path | str], out: Path | str = "compare.png") -> tupl
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out)
     except OSError as err:
+        line, code = path_refused(err)
+        if code == 2:  # a name no file system takes: the input's
+            raise ReportError(f"--out {line}") from None
         raise WriteFailed(f"cannot write {out}: {err.strerror}; give --out a writable place "
                           "(e.g. --out /tmp/compare.png)") from None
     rows = []
@@ -371,7 +390,7 @@ def compare(run_dirs: list[Path | str], out: Path | str = "compare.png") -> tupl
             f"{best[0]} {best[1]:.6g}" if best else "",
             _fmt(s.get("steps_per_s")), _fmt(s.get("mfu")), _fmt(s.get("goodput"))])
     header = ["run", "status", "step", "final loss", "best eval", "steps/s", "mfu", "goodput"]
-    return out, _text_table(header, rows)
+    return out, _text_table(header, rows), metrics_notes(runs)
 
 
 def list_runs(root: Path | str = "runs") -> str:
@@ -382,7 +401,13 @@ def list_runs(root: Path | str = "runs") -> str:
     rows = []
     configs = [*root.glob(f"*/{rundir.CONFIG}"), *root.glob(f"*/*/{rundir.CONFIG}")]
     for config_file in sorted(configs):
-        run = load_run(config_file.parent)
+        try:
+            run = load_run(config_file.parent)
+        except rundir.DamagedFile as err:  # one damaged run does not hide the others
+            rows.append([printable(str(config_file.parent.relative_to(root))),
+                         printable(f"unreadable ({err.path.name} is damaged)"),
+                         "", "", "", ""])
+            continue
         best = best_eval(run)
         status = str(run.status.get("status", "unknown"))
         if run.status.get("note"):

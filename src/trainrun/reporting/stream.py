@@ -52,9 +52,12 @@ def streamed(step: StepFn, emit: Emit) -> StepFn:
 
 
 class MetricStream:
-    """The host end: each arriving row goes straight to the run's writers and console."""
+    """The host end: each arriving row goes straight to the run's writers and console.
 
-    def __init__(self, output: RunOutput):
+    output: the run's writers; a run compiles its step (with this stream in it) before its
+    files exist, and gives the stream its writers once they do, before the first call."""
+
+    def __init__(self, output: RunOutput | None = None):
         self.output = output
         self.last_step: int | None = None
         self.received = 0
@@ -62,4 +65,5 @@ class MetricStream:
     def __call__(self, row: Table) -> None:
         self.last_step = row.first
         self.received += 1
+        assert self.output is not None, "a row arrived before the run's writers were given"
         self.output.write_table(row)  # the very text the loop's reads write

@@ -32,6 +32,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from trainrun.config import RunConfig, dump_yaml
 from trainrun.errors import UserError
 from trainrun.rundir.lock import LOCK, RunLock
@@ -70,8 +72,38 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     write_text(path, json.dumps(payload, indent=2) + "\n")
 
 
+class DamagedFile(UserError):
+    """A file trainrun wrote in a run directory that no longer reads; one line, exit 2."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"{path} is damaged ({why}); trainrun wrote it and it no longer "
+                         "reads: restore it from a copy, or move the run aside")
+        self.path = path
+
+
 def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
+    """A JSON object trainrun wrote; ``DamagedFile`` when the file is not one any more."""
+    return _object(path, json.loads, "JSON")
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A run's ``config.yaml`` as a mapping; ``DamagedFile`` when it is not one any more."""
+    return _object(path, yaml.safe_load, "YAML")
+
+
+def _object(path: Path, parse: Any, kind: str) -> dict[str, Any]:
+    raw = path.read_bytes()
+    try:
+        value = parse(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        why = f"not UTF-8 text: byte {raw[err.start]:#04x} at offset {err.start}"
+    except (ValueError, yaml.YAMLError):
+        why = f"not {kind}"
+    else:
+        if isinstance(value, dict):
+            return value
+        why = f"not a {kind} mapping"
+    raise DamagedFile(path, why)
 
 
 def move_aside(run_dir: Path) -> Path:
@@ -147,14 +179,19 @@ def write_status(run_dir: Path, status: str, step: int | None = None,
     })
 
 
-def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None) -> None:
+def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None,
+                pid: int | None = None) -> None:
     """A run this process started that raised is ``failed`` for ``trainrun runs``, with why (a
     refusal before it started leaves the directory's status as it was), at the step of its last
-    committed checkpoint in ``ckpt_dir`` (where a resume starts). Best effort: the disk may be
-    the reason."""
+    committed checkpoint in ``ckpt_dir`` (where a resume starts). pid: the process that ran it
+    (default this one; ``trainrun launch`` records for the processes it started). Best effort:
+    the disk may be the reason."""
     with contextlib.suppress(OSError):
         status = read_status(run_dir) if run_dir.exists() else {}
-        if status.get("status") != "running" or status.get("pid") != os.getpid():
+        # a launched process that died reads as failed ("process gone") to its launcher
+        recorded = ("running",) if pid is None else ("running", "failed")
+        if (status.get("status") not in recorded
+                or status.get("pid") != (os.getpid() if pid is None else pid)):
             return
         committed = committed_steps(ckpt_dir) if ckpt_dir is not None else []
         if committed:
@@ -168,6 +205,16 @@ def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None) -> Non
                 f.truncate()
 
 
+def record_stopped(run_dir: Path, ckpt_dir: Path, reason: str, pid: int) -> str:
+    """A run whose processes were stopped from outside (``trainrun launch`` saw it): marked
+    ``failed`` with ``reason`` and where a resume starts, which the returned line says too."""
+    steps = committed_steps(ckpt_dir)
+    line = reason + (f"; the last committed checkpoint is step {steps[-1]} (the same command "
+                     "resumes from it)" if steps else "; no checkpoint was committed")
+    mark_failed(run_dir, line, ckpt_dir, pid=pid)
+    return line
+
+
 def read_status(run_dir: Path) -> dict[str, Any]:
     """The recorded status; ``running`` whose process is gone from this host reads as
     ``failed``. A run without a status file (written before there were any) reads as
@@ -177,7 +224,7 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         return {"status": "finished" if (run_dir / SUMMARY).exists() else "unknown"}
     try:
         status = read_json(path)
-    except ValueError:
+    except DamagedFile:
         return {"status": "unknown"}
     if status.get("status") == "running" and status.get("host") == socket.gethostname():
         try:

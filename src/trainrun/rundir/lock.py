@@ -113,3 +113,14 @@ def is_locked(directory: Path) -> bool:
     if held:
         lock.release()
     return False
+
+
+def refuse_joining(directory: Path) -> None:
+    """Before a process joins a multi-process job: refuse, on one line, when the run directory
+    is held, since its job is running and a process joining that job's coordinator under an id
+    the job already has would stop it (``platform/coordinator.py``)."""
+    if is_locked(directory):
+        raise RunDirLocked(
+            f"run directory {directory} is in use by {holder(directory / LOCK)}: its job is "
+            "running, and joining that job's coordinator as a process it already has would "
+            "stop it; wait for that run to end, or give another --run-dir")

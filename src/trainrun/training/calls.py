@@ -28,6 +28,7 @@ class CallRunner:
         self.run = run
         self.in_flight: collections.deque[jax.Array] = collections.deque()
         self.example: Any = None  # the last host batch placed: its shapes count the FLOPs
+        self.ran: set[int] = set()  # the call sizes whose program has run once
 
     def next_batch(self, k: int) -> Any:
         """What the call of the next ``k`` steps takes: the device's resident batches, or the
@@ -53,9 +54,11 @@ class CallRunner:
         batch = self.next_batch(k)
         dispatched = clock()
         run.watch.add("data", dispatched - start)
-        first_run = k not in run.programs.programs
-        if first_run:
-            run.programs.compile(k, carried, batch)
+        first_run = k not in self.ran
+        if first_run:  # set-up may have compiled it already (its memory checked)
+            if k not in run.programs.programs:
+                run.programs.compile(k, carried, batch)
+            self.ran.add(k)
             run.output.reset_rate(step)
             dispatched = clock()
         carried, packed = run.programs(k, carried, batch)

@@ -88,6 +88,37 @@ def check_state_memory(abstract_state: Any, shardings: Any) -> None:
                         "state (optimizer.name=sgd, optimizer.trainable, model.lora)")
 
 
+def check_program_memory(compiled: jax.stages.Compiled, devices: list[Any], steps: int) -> None:
+    """Refuse, on one line, a compiled step program whose buffers do not fit the memory its
+    devices have free, before the state exists: XLA's buffer assignment for the call of
+    ``steps`` steps (its arguments, outputs less the donated state they reuse, temporaries,
+    code) per device, summed over the host's devices on CPU, which share its memory."""
+    stats = compiled.memory_analysis()
+    if stats is None or not devices:  # a backend that does not say
+        return
+    temp = int(stats.temp_size_in_bytes)
+    per_device = (int(stats.argument_size_in_bytes) + int(stats.output_size_in_bytes)
+                  - int(stats.alias_size_in_bytes) + temp
+                  + int(stats.generated_code_size_in_bytes))
+    if devices[0].platform == "cpu":
+        count = len(devices)
+        need, free, where = per_device * count, host_memory_available(), "host memory"
+        temp *= count
+    else:
+        available = {d: device_memory_available(d) for d in devices}
+        known = [d for d in devices if available[d] is not None]
+        if not known:
+            return
+        device = min(known, key=lambda d: available[d] or 0)
+        need, free, where = per_device, available[device], str(device)
+    if free is not None and need > free:
+        raise UserError(f"the compiled training step needs {_size(need)} of {where} (state and "
+                        f"batches of a {steps}-step call, with {_size(temp)} of intermediates) "
+                        f"and {_size(free)} is free: lower data.batch_size or steps_per_call, "
+                        "split batches (accumulate), recompute activations (model.remat), "
+                        "compute in bfloat16 (precision.compute), or shrink the model")
+
+
 def host_memory_available() -> int | None:
     """The host memory the kernel can give this process now (``MemAvailable``), in bytes."""
     try:

@@ -1,11 +1,12 @@
 """Set-up: what a run needs, built once before its first step (``setup``), and its hooks.
 
     mesh, batch placement -> model, optimizer, precision -> abstract state and its shardings
-    -> data -> evaluator -> init.from's state -> run directory claimed -> checkpoints
-    -> state (restored or fresh) -> writers -> compiled step programs
+    -> data -> evaluator -> step program compiled on shapes -> init.from's state
+    -> run directory claimed -> checkpoints -> state (restored or fresh) -> writers
 
-Every input is checked (mesh, model, data, init.from's source) before anything is written; a
-refusal after the claim has the run (``loop.run``) withdraw it. ``Run`` is the frozen
+Every input is checked (mesh, model, data, init.from's source, the memory the state and the
+compiled step need) before anything is written; a refusal after the claim has the run
+(``loop.run``) withdraw it. ``Run`` is the frozen
 record of what set-up made; ``build_hooks`` lists what acts between the calls (``hooks.py``).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any, TextIO
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trainrun import extras, rundir
 from trainrun.checkpointing import init_from
@@ -49,6 +52,7 @@ from trainrun.reporting.provenance import provenance
 from trainrun.reporting.stream import MetricStream
 from trainrun.reporting.timing import StepTimer, Stopwatch
 from trainrun.reporting.writers import RunOutput, build_output
+from trainrun.rundir.lock import refuse_joining
 from trainrun.training import preflight
 from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.checkpoint_hook import CheckpointHook
@@ -105,7 +109,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
           ) -> Run | RunSummary:
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
     fast = fast_paths.selected()  # a name it does not know is refused before anything
-    distributed.initialize(config.distributed)  # before anything asks JAX for devices
+    # before anything asks JAX for devices; not into a job that runs in this directory already
+    distributed.initialize(config.distributed, lambda: refuse_joining(directory.run_dir))
     require_backend()  # a platform this machine lacks is one line, not JAX's traceback
     # Inline CPU calls are the process's setting (configure_process): record what is in effect.
     fast = dataclasses.replace(fast, inline_cpu_calls=calls_run_inline())
@@ -152,6 +157,20 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
                            state_sharding.model_state)
     _require_writers(config)
     watch = Stopwatch()
+    stream = MetricStream() if config.metrics.stream else None  # its writers come after the claim
+    # Batches on the device are cut at the data position less the state's step: 0 unless a
+    # checkpoint says otherwise (then the programs are built again below).
+    resident = (resident_batches(batches, mesh.size == 1, 0, 0) if fast.resident_batches
+                else None)
+    compiled_steps = functools.partial(
+        CompiledSteps, model, optimizer, config.steps_per_call, watch, abstract=abstract,
+        accumulate=config.accumulate, policy=policy, state_sharding=state_sharding,
+        batch_sharding=placement.sharding, stream=stream, fast=fast)
+    programs = compiled_steps(resident=resident)
+    # The step is compiled on shapes alone, before any state exists, and its memory checked;
+    # the first call runs that executable.
+    _check_program_memory(programs, config, data, placement, mesh,
+                          start=0 if directory.fresh or latest is None else latest)
     loaded = None
     if config.init.from_ is not None and (directory.fresh or latest is None):
         with watch.phase("init"):  # the source is loaded, or refused, before the claim
@@ -179,13 +198,12 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
         console.message(f"data: {records.summary()}")
         if start == 0:
             output.write(0, records.metrics(), split="data")
-    stream = MetricStream(output) if config.metrics.stream else None
-    resident = (resident_batches(batches, mesh.size == 1, getattr(batches, "next_index", 0),
-                                 start) if fast.resident_batches else None)
-    programs = CompiledSteps(model, optimizer, config.steps_per_call, watch, abstract=abstract,
-                             accumulate=config.accumulate, policy=policy,
-                             state_sharding=state_sharding, batch_sharding=placement.sharding,
-                             stream=stream, resident=resident, fast=fast)
+    if stream is not None:
+        stream.output = output
+    offset = getattr(batches, "next_index", 0) - start
+    if resident is not None and offset != resident.offset:  # traced into the programs
+        resident = ResidentBatches(resident.dataset, offset)
+        programs = compiled_steps(resident=resident)
     console.message(f"training {model.name} for {config.steps} steps, "
                     f"{config.steps_per_call} per call -> {run_dir}")
     return Run(config=config, run_dir=run_dir, primary=primary, provenance=prov,
@@ -251,6 +269,35 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
     return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
                      policy=policy, put=placement.put,
                      shardings=(params_sharding, placement.sharding, model_state_sharding))
+
+
+def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,
+                          placement: sharding.BatchPlacement, mesh: Any, start: int) -> None:
+    """Compile the program of the run's usual call (K steps, or what is left from ``start``) on
+    the shapes of the state and of the data's first batch, and refuse it if its buffers do not
+    fit (``preflight.check_program_memory``). Data that is a plain iterator cannot be looked
+    at: its program is compiled at the first call, unchecked."""
+    k = min(config.steps_per_call, config.steps - start)
+    if programs.resident is not None:
+        batch = programs.resident.args(k)
+    elif isinstance(data, grain.MapDataset):
+        stacked = config.steps_per_call > 1
+        batch = jax.tree.map(lambda leaf: _global_shape(np.asarray(leaf), placement, k, stacked),
+                             data[0])
+    else:
+        return
+    compiled = programs.compile(k, programs.carried_shapes(), batch)
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    preflight.check_program_memory(compiled, local, k)
+
+
+def _global_shape(leaf: np.ndarray, placement: sharding.BatchPlacement, k: int,
+                  stacked: bool) -> jax.ShapeDtypeStruct:
+    """The global batch a call takes, for this process's rows ``leaf`` of one batch: placed
+    as ``placement.put`` places it (one process: host arrays, placed by the call itself)."""
+    rows = (placement.global_size, *leaf.shape[1:])
+    return jax.ShapeDtypeStruct((k, *rows) if stacked else rows, leaf.dtype,
+                                sharding=placement.sharding if jax.process_count() > 1 else None)
 
 
 def _require_writers(config: RunConfig) -> None:

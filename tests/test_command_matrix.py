@@ -164,7 +164,7 @@ CASES = [
     Case("sample-foreign-folder", lambda s: ["sample", str(s.folder())], 2, "not a run dir"),
     Case("sample-too-long", lambda s: ["sample", str(s.long)], 2, "too long for the file sys"),
     Case("sample-an-mlp-run", lambda s: ["sample", str(s.mlp)], 2,
-         "sampling needs a byte-level language model"),
+         "sampling needs a language model"),
     Case("sample-garbage-config", lambda s: ["sample", str(s.garbage("lm", "config.yaml"))],
          2, r"config\.yaml is damaged"),
     Case("sample-garbage-array", lambda s: [

@@ -254,5 +254,5 @@ def test_sampling_runs_the_transformer_in_the_compute_dtype(compute):
     params = build_model(cfg).init(jax.random.key(0))
     decode = _decoder(cfg, 4, 4, 6, compute)
     found = matmuls(decode, params, jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32),
-                    jnp.float32(1.0), jax.random.key(0))
+                    jnp.float32(1.0), jax.random.key(0), jnp.array([-1], jnp.int32))
     assert found and {m.operands for m in found} == {(compute, compute)}

@@ -61,7 +61,7 @@ def pack_documents(documents: Sequence[np.ndarray], row_len: int,
                 piece_masks.append(mask[count * stride:])
     packed = first_fit([piece.size for piece in pieces], row_len, bins)
     n_full = sum(len(rows) for rows in full)
-    index_dtype = np.uint16 if row_len <= 2**16 else np.uint32
+    index_dtype = row_index_dtype(row_len)
     tokens = np.zeros((n_full + len(packed), row_len), dtype)
     segment_ids = np.zeros(tokens.shape, index_dtype)
     positions = np.zeros(tokens.shape, index_dtype)
@@ -86,6 +86,11 @@ def pack_documents(documents: Sequence[np.ndarray], row_len: int,
     if loss_mask is not None:
         rows["loss_mask"] = loss_mask
     return rows
+
+
+def row_index_dtype(row_len: int) -> type[np.unsignedinteger]:
+    """The dtype of ``segment_ids`` and ``positions`` in rows of ``row_len`` tokens."""
+    return np.uint16 if row_len <= 2**16 else np.uint32
 
 
 def first_fit(lengths: Sequence[int], capacity: int, bins: int) -> list[list[int]]:

@@ -38,7 +38,7 @@ import numpy as np
 
 from trainrun.config import RecordsData
 from trainrun.data import model_tokenizer
-from trainrun.data.documents import pack_documents
+from trainrun.data.documents import pack_documents, row_index_dtype
 from trainrun.data.examples import (
     Example,
     detect_format,
@@ -226,7 +226,7 @@ def _build(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: 
 
 
 def _dtypes(vocab: int, row_len: int) -> dict[str, str]:
-    index = "uint16" if row_len <= 2**16 else "uint32"
+    index = np.dtype(row_index_dtype(row_len)).name
     return {"tokens": "uint16" if vocab <= 2**16 else "uint32", "segment_ids": index,
             "positions": index, "loss_mask": "uint8"}
 

@@ -173,6 +173,10 @@ CASES = [
     Case("sample-garbage-step-record", lambda s: [
         "sample", str(s.garbage("lm", "checkpoints/1/_CHECKPOINT_METADATA")), "--tokens", "3"],
         0, ".", stream="out"),  # the record is not needed: sampled, no absl line
+    Case("sample-seed-past-64-bits", lambda s: [
+        "sample", str(s.lm), "--seed", "18446744073709551617"], 2, "give a seed from 0 to"),
+    Case("sample-temperature-nan", lambda s: ["sample", str(s.lm), "--temperature", "nan"], 2,
+         "give a finite temperature >= 0"),
     Case("sample-unreadable", lambda s: ["sample", str(s.unreadable(s.lm))], 1,
          "permission denied", unreadable=True),
     # ---- export RUN_DIR --to DIR ----
@@ -257,6 +261,9 @@ CASES = [
          2, "loop of symbolic links"),
     Case("config-show-bad-override", lambda s: ["config", "show", "steps=abc"], 2,
          "config key 'steps' expects int"),
+    Case("config-show-run-dir-garbage-config", lambda s: [
+        "config", "show", "--run-dir", str(s.garbage("mlp", "config.yaml"))], 2,
+        "is not UTF-8 text"),
     Case("config-show-unreadable", lambda s: [
         "config", "show", "--config", str(s.unreadable(s.file("c.yaml", "steps: 3\n")))], 1,
         "permission denied", unreadable=True),

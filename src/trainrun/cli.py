@@ -9,21 +9,22 @@ from trainrun.errors import OutOfMemory, UserError, WriteFailed, path_refused, p
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
-    from trainrun.config import load_config
     from trainrun.platform.distributed import session
     from trainrun.platform.process import configure_process
-    from trainrun.rundir import default_run_dir
     from trainrun.rundir.lock import refuse_joining
+    from trainrun.rundir.run_config import command_config
     from trainrun.training.loop import run
 
     configure_process()  # before anything starts JAX's backend
-    config = load_config(args.config, args.overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(config)
+    resolved = command_config(args.config, args.overrides, args.run_dir)
+    if resolved.saved is not None:
+        print(printable(f"config: {resolved.saved} (the run's own; --config starts from "
+                        "another)"))
+    run_dir = resolved.run_dir
     # joins the other processes, if any, before JAX starts; not a job that runs already
-    with session(config.distributed, lambda: refuse_joining(run_dir)):
-        run(config, args.run_dir, fresh=args.fresh,
+    with session(resolved.config.distributed, lambda: refuse_joining(run_dir)):
+        run(resolved.config, run_dir, fresh=args.fresh,
             allow_config_change=args.allow_config_change)
     return 0
 
@@ -39,9 +40,10 @@ def _verify_resume(args: argparse.Namespace) -> int:
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from trainrun.config import show_config
+    from trainrun.config import show_layers
+    from trainrun.rundir.run_config import command_config
 
-    print(show_config(args.config, args.overrides), end="")
+    print(show_layers(command_config(args.config, args.overrides, args.run_dir).layers), end="")
     return 0
 
 
@@ -64,16 +66,14 @@ def _launch(args: argparse.Namespace) -> int:
 def _record_stopped(reason: str, command: list[str], pid: int) -> str:
     """For ``launch``: a job its processes did not end themselves, recorded in the run that
     ``command`` (process 0's ``train ...``, run by ``pid``) names; returns the line to print."""
-    from pathlib import Path
-
     from trainrun import rundir
     from trainrun.checkpointing.checkpoints import checkpoint_dir
-    from trainrun.config import load_config
+    from trainrun.rundir.run_config import command_config
 
     args = build_parser().parse_args(command)
-    config = load_config(args.config, args.overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else rundir.default_run_dir(config)
-    return rundir.record_stopped(run_dir, checkpoint_dir(config, run_dir), reason, pid)
+    resolved = command_config(args.config, args.overrides, args.run_dir)
+    return rundir.record_stopped(resolved.run_dir,
+                                 checkpoint_dir(resolved.config, resolved.run_dir), reason, pid)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="run a training run (resumes one that has a checkpoint)",
         description="Train a config. Overrides are key.path=value, e.g. optimizer.lr=0.003.")
-    train.add_argument("--config", default="mlp", help=CONFIG_HELP)
+    train.add_argument("--config", default=None,
+                       help=CONFIG_HELP + "; default: the run directory's own config when it "
+                            "holds a run (to resume or extend it), else mlp")
     train.add_argument("--run-dir", default=None,
                        help="where the run writes its files (default runs/<config name>)")
     train.add_argument("--fresh", action="store_true",
@@ -214,7 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the config a run would use, as YAML, each value followed by its "
                     "origin: default, file (the --config file), base (a file it extends "
                     "through base:) or override (a key.path=value).")
-    show.add_argument("--config", default="mlp", help=CONFIG_HELP)
+    show.add_argument("--config", default=None,
+                      help=CONFIG_HELP + "; default: --run-dir's own config, else mlp")
+    show.add_argument("--run-dir", default=None,
+                      help="a run directory: its saved config is the base (as train "
+                           "--run-dir DIR without --config takes it)")
     show.add_argument("overrides", nargs="*", metavar="key.path=value")
     show.set_defaults(handler=_config_show)
 

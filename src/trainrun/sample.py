@@ -45,11 +45,7 @@ def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: 
     if prompt.size == 0:
         raise SampleError("the prompt is empty; give at least one character (e.g. --prompt "
                           "'\\n')")
-    if tokens < 1:
-        raise SampleError(f"--tokens {tokens}: give at least 1 token to generate")
-    if temperature < 0:
-        raise SampleError(f"--temperature {temperature}: give a temperature >= 0 (0: the most "
-                          "likely token each time)")
+    require_settings(tokens, temperature, seed)
     if cfg.seq_len < 2:
         raise SampleError(f"model.seq_len={cfg.seq_len} leaves no room to generate")
     # The prompt's tail that fits the context with room for one generated token.
@@ -59,6 +55,20 @@ def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: 
     out, drawn = program(params, jnp.asarray(prompt, jnp.int32), jnp.asarray(context),
                          jnp.float32(temperature), jax.random.key(seed), jnp.asarray(stops))
     return np.asarray(out)[:prompt.size + int(drawn)]
+
+
+SEED_MAX = 2**32 - 1  # jax.random.key's range without wrapping, as the config's seed
+
+
+def require_settings(tokens: int, temperature: float, seed: int) -> None:
+    """Decoding settings refused in one line, before a checkpoint is read."""
+    if tokens < 1:
+        raise SampleError(f"--tokens {tokens}: give at least 1 token to generate")
+    if not temperature >= 0 or temperature == float("inf"):  # NaN fails the first test
+        raise SampleError(f"--temperature {temperature}: give a finite temperature >= 0 (0: "
+                          "the most likely token each time)")
+    if not 0 <= seed <= SEED_MAX:
+        raise SampleError(f"--seed {seed}: give a seed from 0 to {SEED_MAX}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -114,6 +124,7 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     """The prompt and ``tokens`` bytes sampled from the latest checkpoint of an LM run (with
     ``ema``: from its params' moving average, ``optimizer.ema``). chat: a user turn, rendered
     with the run's chat template; the answer alone is returned, ended at the turn's end."""
+    require_settings(tokens, temperature, seed)
     if chat is not None:
         return chat_answers(run_dir, [chat], tokens, temperature=temperature, seed=seed,
                             ema=ema)[0]
@@ -140,6 +151,7 @@ def chat_answers(run_dir: Path | str, questions: Sequence[str], tokens: int, *,
                  temperature: float = 0.8, seed: int = 0, ema: bool = False) -> list[str]:
     """The answers of a run on chat records to each question (a user turn), the checkpoint read
     once: what ``sample --chat`` prints for each."""
+    require_settings(tokens, temperature, seed)
     config, params = _trained(run_dir, ema, chat=True)
     assert isinstance(config.data, RecordsData)
     return [_sample_records(config.model, params, config.data, "", tokens, chat=question,

@@ -32,6 +32,7 @@ from typing import TextIO
 
 import numpy as np
 
+from trainrun.checkpointing import init_from
 from trainrun.checkpointing.checkpoints import TMP_MARK
 from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
 from trainrun.errors import UserError
@@ -66,6 +67,9 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
         config = load_config(config_name, [*overrides, "checkpoint.dir=null",
                                            "checkpoint.every_seconds=0",
                                            f"checkpoint.every={config.steps // 2}"])
+    # Written resolved: an init.from source's architecture (and tokenizer) as the runs' own
+    # values, which that source then agrees with (the defaults it replaces would not).
+    config = init_from.resolved(config)
     kills = _kill_points(config, kill_at, kill_in_save)
     if work_dir and Path(work_dir).exists() and not Path(work_dir).is_dir():
         raise UserError(f"--work-dir {work_dir} is a file; give a new or empty directory")
@@ -144,12 +148,12 @@ def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
         killed = _train(config_path, chain.run_dir, log, kill=chain.kill)
         if killed.returncode != -9:
             chain.problems.append(f"the run was to be killed at {chain.kill} but exited with "
-                                  f"{killed.returncode} (log {log})")
+                                  f"{killed.returncode}{_why(log)} (log {log})")
             return
         chain.kill_note = _after_kill(chain, chain.kill)
     done = _train(config_path, chain.run_dir, log)
     if done.returncode != 0:
-        chain.problems.append(f"exit code {done.returncode}; log {log}")
+        chain.problems.append(f"exit code {done.returncode}{_why(log)}; log {log}")
         return
     chain.resumed_from = str(read_summary(chain.run_dir).get("start_step", "?"))
     for record in read_metrics(chain.run_dir / METRICS):
@@ -158,6 +162,16 @@ def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
             return
         chain.steps[record["step"]] = record
     chain.digest = state_digest(chain.run_dir / CHECKPOINTS, _final_step(chain))
+
+
+def _why(log: Path) -> str:
+    """The last ``error:`` line a run wrote to its log, as ``: <line>``; empty if none."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in lines if line.startswith("error: ")]
+    return f": {errors[-1].removeprefix('error: ')}" if errors else ""
 
 
 def _after_kill(chain: Chain, kill: str) -> str:

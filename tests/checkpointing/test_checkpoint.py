@@ -257,3 +257,13 @@ def test_metrics_cut_back_to_the_restored_step(tmp_path):
     assert rundir.truncate_metrics(path, 3) == 3
     assert [(r["step"], r.get("split")) for r in map(json.loads, path.read_text().splitlines())
             ] == [(1, None), (2, None), (3, None), (2, "eval")]
+
+
+def test_a_garbled_metrics_line_is_dropped_with_the_steps_after_the_restore(tmp_path):
+    """Extending a run whose metrics.jsonl held a non-UTF-8 line ended in a traceback
+    (UnicodeDecodeError); the line is no record, like a torn one, and is dropped."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"".join(json.dumps({"step": s}).encode() + b"\n" for s in (1, 2, 3))
+                     + b"\xff\xfe garbage\n" + json.dumps({"step": 4}).encode() + b"\n")
+    assert rundir.truncate_metrics(path, 3) == 2
+    assert [r["step"] for r in map(json.loads, path.read_text().splitlines())] == [1, 2, 3]

@@ -39,6 +39,9 @@ NUMERIC_PROVENANCE = ("trainrun", "jax", "jaxlib", "lock", "backend", "device_ki
                       "device_count", "process_count")
 
 
+SHOWN_CHANGES = 6  # changed keys a refusal names; a whole other config would fill a screen
+
+
 class ConfigChangedError(UserError):
     """Resuming with config keys that change the trajectory, without asking for it."""
 
@@ -69,10 +72,13 @@ def check_config(saved: dict[str, Any], config: RunConfig, allow: bool, where: P
     raises unless ``allow``."""
     changes = config_changes(saved, config.to_dict())
     if changes and not allow:
+        shown = "; ".join(changes[:SHOWN_CHANGES]) + (
+            f"; and {len(changes) - SHOWN_CHANGES} more" if len(changes) > SHOWN_CHANGES else "")
         raise ConfigChangedError(
-            f"{where} was trained with a different config ({'; '.join(changes)}); resuming "
-            "with these changes alters the run. Use the saved values, pass "
-            "--allow-config-change to resume anyway, or --fresh to move the run aside")
+            f"{where} was trained with a different config ({shown}); resuming with these "
+            "changes alters the run. Leave out --config to resume with the run's own config "
+            "(overrides apply over it), pass --allow-config-change to resume anyway, or "
+            "--fresh to move the run aside")
     return changes
 
 

@@ -7,12 +7,15 @@ from trainrun.config.files import (
     CONFIG_PACKAGE,
     Layer,
     builtin_config_names,
+    config_from_layers,
     config_layers,
     load_config,
     merge,
     parse_overrides,
     resolve_config_path,
+    saved_layers,
     show_config,
+    show_layers,
 )
 from trainrun.config.run import (
     ConfigError,
@@ -71,6 +74,7 @@ __all__ = [
     "RopeScaling", "RunConfig",
     "ScheduleConfig", "Section", "SingleProcess", "TextData", "TokenData", "TransformerModel",
     "WSDSchedule", "WarmupSchedule", "builtin_config_names", "config_from_dict",
-    "config_layers", "describe_validation_error", "dump_yaml", "load_config", "merge",
-    "parse_overrides", "resolve_config_path", "show_config",
+    "config_from_layers", "config_layers", "describe_validation_error", "dump_yaml",
+    "load_config", "merge", "parse_overrides", "resolve_config_path", "saved_layers",
+    "show_config", "show_layers",
 ]

@@ -170,6 +170,24 @@ def config_layers(name_or_path: str = "mlp", overrides: list[str] | None = None)
     return layers
 
 
+def saved_layers(path: Path, overrides: list[str] | None = None) -> list[Layer]:
+    """A run's saved ``config.yaml`` (every value resolved when it was written) and overrides
+    over it: the config that resumes or extends that run as it was."""
+    layers = [Layer(f"run: {os.path.normpath(path.parent)}",
+                    _read_yaml(path, os.path.normpath(path)))]
+    if overrides:
+        layers.append(Layer("override", parse_overrides(overrides)))
+    return layers
+
+
+def config_from_layers(layers: list[Layer]) -> RunConfig:
+    """The validated config the layers give, each over the ones before it."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = merge(merged, layer.tree)
+    return config_from_dict(merged)
+
+
 def load_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -> RunConfig:
     """The validated config of a built-in name or YAML file, its bases, and overrides.
 
@@ -187,10 +205,7 @@ def load_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -
     Example:
         ``trainrun.load_config("mlp", ["steps=300", "optimizer.lr=0.003"])``
     """
-    merged: dict[str, Any] = {}
-    for layer in config_layers(name_or_path, overrides):
-        merged = merge(merged, layer.tree)
-    return config_from_dict(merged)
+    return config_from_layers(config_layers(name_or_path, overrides))
 
 
 # ---- config show -----------------------------------------------------------------------------
@@ -239,9 +254,14 @@ def show_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -
     """The resolved config as YAML, each value followed by where it came from.
 
     The text loads back as the same config: the origins are comments."""
+    return show_layers(config_layers(name_or_path, overrides))
+
+
+def show_layers(layers: list[Layer]) -> str:
+    """``show_config`` of the config that ``layers`` give."""
     merged: dict[str, Any] = {}
     origins: dict[KeyPath, str] = {}
-    for layer in config_layers(name_or_path, overrides):
+    for layer in layers:
         _track(merged, layer.tree, (), layer.origin, origins)
         merged = merge(merged, layer.tree)
     resolved = config_from_dict(merged).to_dict()

@@ -136,19 +136,21 @@ def truncate_metrics(path: Path, step: int) -> int:
     returns how many were dropped. Rewritten to a temporary name and renamed, like JSON."""
     if not path.exists():
         return 0
-    lines = path.read_text().splitlines(keepends=True)
+    lines = path.read_bytes().splitlines(keepends=True)
     kept = [line for line in lines if line.strip() and _line_step(line) <= step]
     if len(kept) == len(lines):
         return 0
-    write_text(path, "".join(kept))
+    write_text(path, b"".join(kept).decode("utf-8"))
     return len(lines) - len(kept)
 
 
-def _line_step(line: str) -> int:
+def _line_step(line: bytes) -> int:
+    """A record's step; a line that is no record (torn by a kill, or garbled bytes) is past
+    every step, so it is dropped."""
     try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return 1 << 62  # a torn last line from a kill: dropped
+        return int(json.loads(line.decode("utf-8"))["step"])
+    except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+        return 1 << 62
 
 
 def finished_message(run_dir: Path, step: int, steps: int) -> str:

@@ -18,9 +18,6 @@ def _train(args: argparse.Namespace) -> int:
 
     configure_process()  # before anything starts JAX's backend
     resolved = command_config(args.config, args.overrides, args.run_dir)
-    if resolved.saved is not None:
-        print(printable(f"config: {resolved.saved} (the run's own; --config starts from "
-                        "another)"))
     run_dir = resolved.run_dir
     # joins the other processes, if any, before JAX starts; not a job that runs already
     with session(resolved.config.distributed, lambda: refuse_joining(run_dir)):

@@ -63,7 +63,7 @@ def test_matmul_only_flops_equal_the_hand_count(tmp_path, steps_per_call):
     assert summary.flops_per_s > 0
 
 
-def test_mlp_mfu_is_reported_and_between_zero_and_one(tmp_path, monkeypatch, capsys):
+def test_mlp_mfu_is_reported_against_the_measured_ceiling(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["bench", "ceiling", "--size", "512", "--repeats", "3"]) == 0
     assert "GFLOP/s" in capsys.readouterr().out
@@ -72,7 +72,9 @@ def test_mlp_mfu_is_reported_and_between_zero_and_one(tmp_path, monkeypatch, cap
 
     summary = run(load_config("mlp", ["steps=100", "log_every=10", "checkpoint.every=0"]),
                   tmp_path / "run", out=io.StringIO())
-    assert 0 < summary.mfu < 1
+    # Not "< 1": a ceiling measured while other work loads the cores is low, and a run timed
+    # in a quieter moment then passes it.
+    assert summary.mfu > 0
     assert summary.mfu == pytest.approx(summary.flops_per_s / ceiling["flops_per_s"])
     assert "bench ceiling" in summary.peak["source"]
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())

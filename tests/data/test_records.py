@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -84,6 +85,14 @@ def test_jsonl_gzip_and_parquet_give_the_same_rows(tmp_path):
     ('[1, 2]\n', "a list, not a JSON object"),
     ('{"text": "no messages here"}\n', "no 'messages' field"),
     ('{"messages": "hello"}\n', "messages"),
+    # What Python's json would crash on, or read into what no tokenizer takes
+    ('{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}\n",
+     "nested more than 500 levels deep"),
+    ('{"id": ' + "9" * 5000 + ', "messages": []}\n', "an integer of more than 4300 digits"),
+    ('{"messages": [{"role": "user", "content": "\\ud800"}, '
+     '{"role": "assistant", "content": "a"}]}\n',
+     r"field messages[0].content holds a lone UTF-16 surrogate (\ud800"),
+    ('{"messages": [], "\\udc00": 1}\n', r"a key of the record holds a lone UTF-16 surrogate"),
 ])
 def test_a_bad_record_is_refused_naming_its_file_and_line(tmp_path, line, what):
     path = write_jsonl(tmp_path / "chat.jsonl", [chat(0), chat(1)])
@@ -95,6 +104,51 @@ def test_a_bad_record_is_refused_naming_its_file_and_line(tmp_path, line, what):
     assert f"{path}:3" in message and what in message, message
     assert "data.bad_records=skip" in message and "\n" not in message
     assert not list((tmp_path / "cache" / "records").glob("*/manifest.json"))  # nothing kept
+
+
+def test_records_json_would_crash_on_are_skipped_and_counted(tmp_path):
+    """Under data.bad_records=skip the records nested too deep, with a 5,000-digit integer or a
+    lone surrogate are counted and left out; an escaped surrogate pair (an emoji) is text."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(6)], extra_lines=[
+        '{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}\n",
+        '{"n": ' + "1" * 5000 + "}\n",
+        '{"messages": [{"role": "user", "content": "\\udfff"}]}\n',
+        '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}, '
+        '{"role": "assistant", "content": "\\\\ud800 is an escape"}]}\n'])
+    splits = record_splits(data(tmp_path, paths=(str(path),), bad_records="skip"))
+    counts = splits["counts"]
+    assert (counts.records, counts.skipped, counts.examples) == (10, 3, 7)
+    assert [bad.split(": ", 1)[0] for bad in counts.bad] == [f"{path}:{n}" for n in (7, 8, 9)]
+    emoji = "\N{GRINNING FACE}".encode()
+    texts = [bytes(t for t in tokens if t < 256) for tokens, _ in segments(splits["train"])]
+    assert sum(emoji in text for text in texts) == 1  # one token per byte: the emoji's bytes
+
+
+def test_parquet_strings_that_are_not_utf8_are_named_by_row_and_column(tmp_path):
+    """Arrow checks no UTF-8 as it reads a Parquet file's strings: such a row is a bad record,
+    refused or skipped, not a UnicodeDecodeError."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    # "\ud800" as CESU-8 bytes: what a writer that does not check would store for it
+    texts = [b"fine one", b"\xed\xa0\x80 half a character", b"fine two"]
+    column = pa.array(texts, type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": column}), tmp_path / "texts.parquet")
+    path = str(tmp_path / "texts.parquet")
+    with pytest.raises(DataError, match=re.escape(
+            f"record {path} row 2: column 'text' holds a string that is not UTF-8")):
+        record_splits(data(tmp_path, paths=(path,)))
+    counts = record_splits(data(tmp_path, paths=(path,), bad_records="skip"))["counts"]
+    assert (counts.records, counts.skipped, counts.examples) == (3, 1, 2)
+
+
+def test_a_template_that_recurses_without_end_refuses_the_run_whatever_the_policy(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(4)])
+    endless = "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"
+    for policy in ("refuse", "skip"):
+        with pytest.raises(DataError, match=re.escape(
+                "the chat template (data.chat_template) recurses without end")):
+            record_splits(data(tmp_path, paths=(str(path),), chat_template=endless,
+                               bad_records=policy))
 
 
 def test_a_bad_parquet_row_is_named_by_its_row(tmp_path):
@@ -332,3 +386,4 @@ def test_kept_rows_are_read_again_and_damaged_ones_made_anew(tmp_path):
     again = record_splits(cfg)["train"]
     for name, rows in first.items():
         np.testing.assert_array_equal(again[name], rows)
+

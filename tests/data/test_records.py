@@ -3,8 +3,10 @@ model's own tokenizer, loss masks on the answers, and rows that a run reads like
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
+import os
 import re
 from pathlib import Path
 
@@ -383,7 +385,115 @@ def test_kept_rows_are_read_again_and_damaged_ones_made_anew(tmp_path):
     record_splits(cfg)
     assert tokens.stat().st_mtime_ns == made  # read, not made again
     tokens.write_bytes(tokens.read_bytes()[:-7])  # a cut file
-    again = record_splits(cfg)["train"]
+    again = record_splits(cfg)
     for name, rows in first.items():
-        np.testing.assert_array_equal(again[name], rows)
+        np.testing.assert_array_equal(again["train"][name], rows)
+    [notice] = again["notices"]
+    assert "train.tokens.bin holds" in notice and notice.endswith("making them anew")
 
+
+def test_a_file_rewritten_with_the_same_size_and_time_trains_on_its_new_records(tmp_path):
+    """`cp -p` and `rsync -t` leave other records with the size and modification time of the
+    old ones: the rows come from the new records, not from the kept rows of the old."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(10, 30)])
+    cfg = data(tmp_path, paths=(str(path),))
+    old = segments(record_splits(cfg)["train"])
+    before = path.stat()
+    new_records = [chat(i) for i in range(50, 70)]  # as many digits: the same size
+    path.write_bytes(write_jsonl(tmp_path / "new.jsonl", new_records).read_bytes())  # in place
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # as cp -p sets it
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    rows = segments(record_splits(cfg)["train"])
+    expected = write_jsonl(tmp_path / "expected.jsonl", new_records)
+    assert rows == segments(record_splits(data(tmp_path, paths=(str(expected),)))["train"])
+    assert rows != old
+
+
+def test_a_file_touched_but_unchanged_keeps_its_rows(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(20)])
+    cfg = data(tmp_path, paths=(str(path),))
+    record_splits(cfg)
+    [tokens] = (tmp_path / "cache" / "records").glob("*/train.tokens.bin")
+    made = tokens.stat().st_mtime_ns
+    os.utime(path, ns=(made + 10**9, made + 10**9))
+    record_splits(cfg)
+    assert list((tmp_path / "cache" / "records").glob("*/train.tokens.bin")) == [tokens]
+    assert tokens.stat().st_mtime_ns == made  # read, not made again
+
+
+def test_a_byte_changed_in_kept_rows_is_found_and_the_rows_made_anew(tmp_path):
+    """The kept rows carry the sha256 of each file: a token id changed in place (the size the
+    same) is found when the rows are opened, and they are made again, with a notice."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(20)])
+    cfg = data(tmp_path, paths=(str(path),))
+    first = record_splits(cfg)
+    assert first["notices"] == []
+    rows = {name: np.array(a) for name, a in first["train"].items()}
+    [folder] = [p for p in (tmp_path / "cache" / "records").iterdir() if p.is_dir()]
+    tokens = folder / "train.tokens.bin"
+    damaged = bytearray(tokens.read_bytes())
+    damaged[100] ^= 0x01  # one token id, off by one
+    tokens.write_bytes(bytes(damaged))
+    again = record_splits(cfg)
+    assert again["notices"] == [f"the tokenized records kept in {folder} were damaged "
+                                "(train.tokens.bin does not match its sha256); making them anew"]
+    for name, kept in rows.items():
+        np.testing.assert_array_equal(again["train"][name], kept)
+    assert record_splits(cfg)["notices"] == []  # made anew: whole again
+
+
+def test_a_full_cache_directory_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A cache directory without room (ENOSPC as the rows are written) is one line naming the
+    directory, the cause and TRAINRUN_CACHE_DIR; no half-made rows are left."""
+    from trainrun.data import record_rows
+    from trainrun.errors import WriteFailed
+
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(20)])
+
+    class Full:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.file.name)
+
+    def full_open(file, mode="r", *args, **kwargs):
+        opened = open(file, mode, *args, **kwargs)  # noqa: SIM115 (closed by the caller)
+        return Full(opened) if str(file).endswith(".bin") else opened
+
+    monkeypatch.setattr(record_rows, "open", full_open, raising=False)
+    with pytest.raises(WriteFailed) as err:
+        record_splits(data(tmp_path, paths=(str(path),)))
+    root = tmp_path / "cache" / "records"
+    assert str(err.value) == (f"cannot keep the tokenized records in {root}: no space left on "
+                              "device; free space there, or set TRAINRUN_CACHE_DIR to a "
+                              "directory with room")
+    assert err.value.__context__ is None  # nothing below it for a report to name instead
+    assert [p for p in root.iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.slow
+def test_a_run_says_when_it_makes_damaged_rows_anew(tmp_path, cli):
+    from trainrun.cli import main
+
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(16)])
+    argv = ["train", "--config", "chat", "data.task=null", f"data.paths={path}", "steps=1",
+            "steps_per_call=1", "eval.every=0", "checkpoint.every=0", "data.batch_size=2",
+            "optimizer.schedule.kind=constant", "model.d_model=16", "model.layers=1",
+            "model.heads=2", "metrics.tensorboard=false"]
+    assert main([*argv, "--run-dir", str(tmp_path / "first")]) == 0
+    [tokens] = (tmp_path / "cache" / "records").glob("*/train.tokens.bin")
+    tokens.write_bytes(tokens.read_bytes()[:-1] + b"\xff")
+    again = cli(*argv, "--run-dir", str(tmp_path / "second"),
+                TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))  # a process of its own reads them
+    assert again.returncode == 0, again.stderr[-3000:]
+    notices = [line for line in again.stdout.splitlines() if "were damaged" in line]
+    assert notices == [f"the tokenized records kept in {tokens.parent} were damaged "
+                       "(train.tokens.bin does not match its sha256); making them anew"], \
+        again.stdout

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -104,6 +105,17 @@ class Sandbox:
         target.write_bytes(os.urandom(4096))
         return path
 
+    def records_run(self, line: str, *settings: str) -> list[str]:
+        """`train` on chat records: four good ones, then ``line`` (the fifth)."""
+        path = self.tmp / "records.jsonl"
+        good = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                         {"role": "assistant", "content": f"a{i}"}]})
+                for i in range(4)]
+        path.write_text("\n".join([*good, line]) + "\n")
+        return ["train", "--config", "chat", "--run-dir", str(self.tmp / "run"),
+                "data.task=null", f"data.paths={path}", "steps=2",
+                "optimizer.schedule.kind=constant", *settings]
+
     def unreadable(self, path: Path) -> Path:
         path.chmod(0)
         return path
@@ -159,6 +171,21 @@ CASES = [
     Case("report-read-only", lambda s: ["report", str(s.read_only(s.mlp))], 1, RO),
     Case("report-unreadable", lambda s: ["report", str(s.unreadable(s.mlp))], 1,
          "permission denied", unreadable=True),
+    # ---- train on records (JSON Python's json would crash on, a template that never ends) ----
+    Case("train-records-nested-too-deep", lambda s: s.records_run(
+        '{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}"), 2,
+        r"record .*records\.jsonl:5: nested more than 500 levels deep.*data\.bad_records=skip"),
+    Case("train-records-huge-integer", lambda s: s.records_run('{"n": ' + "7" * 5000 + "}"), 2,
+         r"record .*records\.jsonl:5: an integer of more than 4300 digits"),
+    Case("train-records-lone-surrogate", lambda s: s.records_run(
+        '{"messages": [{"role": "user", "content": "\\ud800"}, '
+        '{"role": "assistant", "content": "a"}]}'), 2,
+        r"records\.jsonl:5: field messages\[0\]\.content holds a lone UTF-16 surrogate "
+        r"\(\\ud800"),
+    Case("train-records-endless-template", lambda s: s.records_run(
+        "{}", "data.bad_records=skip",
+        "data.chat_template='{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}'"), 2,
+        r"the chat template \(data\.chat_template\) recurses without end.*fix the template"),
     # ---- sample RUN_DIR ----
     Case("sample-missing", lambda s: ["sample", str(s.missing)], 2, "is not a run directory"),
     Case("sample-foreign-folder", lambda s: ["sample", str(s.folder())], 2, "not a run dir"),
@@ -304,11 +331,13 @@ def one_line(text: str, says: str, prefix: str) -> str:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_each_command_answers_in_one_line(case, trained, tmp_path, monkeypatch, capsys,
-                                          caplog):
+def test_each_command_answers_in_one_line(case, trained, tmp_path, tmp_path_factory,
+                                          monkeypatch, capsys, caplog):
     if case.unreadable and ROOT:
         pytest.skip("root reads through mode bits")
     monkeypatch.chdir(tmp_path)  # a default folder (runs/, compare.png) would land here
+    # what a command keeps there (tokenized records) is no change to the user's files
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     sandbox = Sandbox(tmp_path, trained)
     try:
         argv = case.argv(sandbox)
@@ -390,6 +419,9 @@ COMMANDS = {  # name -> argv, on the trained runs
     "train": lambda t, w: ["train", "--run-dir", str(w / "run"), "steps=2"],
     "report": lambda t, w: ["report", str(w / "mlp")],
     "compare": lambda t, w: ["compare", str(w / "mlp"), "--out", str(w / "c.png")],
+    "train records": lambda t, w: [
+        "train", "--config", "chat", "--run-dir", str(w / "run"), "data.task=null",
+        f"data.paths={w / 'chat.jsonl'}", "steps=2", "optimizer.schedule.kind=constant"],
 }
 ENVIRONMENTS = [  # variable, value, commands, expected exit code, what the line says
     ("JAX_PLATFORMS", "cuda", ["sample", "export", "bench ceiling", "verify-resume", "train"],
@@ -398,6 +430,12 @@ ENVIRONMENTS = [  # variable, value, commands, expected exit code, what the line
      ["sample", "export", "bench ceiling", "verify-resume", "train"], 2,
      "XLA_FLAGS holds 'garbage', which is not an XLA flag"),
     ("HOME", "a-file", ["report", "compare", "bench ceiling"], None, "cache directory"),
+    ("TRAINRUN_CACHE_DIR", "read-only", ["train records"], 1,
+     r"^error: cannot keep the tokenized records in /.*/records: (read-only file system|"
+     r"permission denied); make it writable, or set TRAINRUN_CACHE_DIR"),
+    ("TRAINRUN_CACHE_DIR", "full", ["train records"], 1,
+     r"^error: cannot keep the tokenized records in /.*/records: no space left on device; free "
+     r"space there, or set TRAINRUN_CACHE_DIR to a directory with room$"),
 ]
 RUN_EACH = """
 import contextlib, io, json, sys
@@ -412,17 +450,45 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.parametrize("variable, value, names, code, says", ENVIRONMENTS,
-                         ids=[e[0] for e in ENVIRONMENTS])
+def refusing_cache(kind: str, request: pytest.FixtureRequest) -> Path:
+    """A cache directory outside the test's folder that the file system refuses: ``read-only``
+    (a read-only tmpfs as root, mode bits otherwise) or ``full`` (a 64 KiB tmpfs, root only)."""
+    folder = Path(tempfile.mkdtemp(prefix="trainrun-cache-"))
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
+    if not ROOT:
+        if kind == "full":
+            pytest.skip("a full file system is a tmpfs mount here, which needs root")
+        folder.chmod(0o555)
+        request.addfinalizer(lambda: folder.chmod(0o755))  # before the removal above
+        return folder
+    options = "size=64k,ro" if kind == "read-only" else "size=64k"
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"a {kind} cache directory needs a tmpfs mount: {done.stderr.strip()}")
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(folder)], check=False))
+    return folder
+
+
+@pytest.mark.parametrize("variable, value, names, code, says", [
+    pytest.param(*e, id=e[0]) if e[0] != "TRAINRUN_CACHE_DIR" else  # a run, then its refusal
+    pytest.param(*e, id=f"{e[0]}-{e[1]}", marks=pytest.mark.slow) for e in ENVIRONMENTS])
 def test_a_hostile_environment_is_one_line(variable, value, names, code, says, trained,
-                                           tmp_path):
+                                           tmp_path, request):
     shutil.copytree(trained / "mlp", tmp_path / "mlp")
     if value == "a-file":  # a home that is a file: nothing can be made under it
         value = str(tmp_path / "home")
         Path(value).write_text("mine\n")
+    if value in ("read-only", "full"):  # a cache directory with no room for the records' rows
+        value = str(refusing_cache(value, request))
+    if "train records" in names:  # more rows than 64 KiB
+        (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": f"question {i}"},
+            {"role": "assistant", "content": f"answer {i} " * 4}]}) + "\n" for i in range(400)))
     before = tree(tmp_path)
     env = cli_env(**{variable: value})
-    env.pop("TRAINRUN_CACHE_DIR", None)
+    if variable != "TRAINRUN_CACHE_DIR":
+        env.pop("TRAINRUN_CACHE_DIR", None)
     argv = {name: COMMANDS[name](trained, tmp_path) for name in names}
     done = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(argv)],
                           capture_output=True, text=True, timeout=300, env=env,

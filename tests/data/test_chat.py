@@ -14,7 +14,15 @@ from datetime import datetime
 import numpy as np
 import pytest
 
-from trainrun.data.chat import CHATML, LLAMA3, ChatTemplate, check_messages, encode_chat
+from trainrun.data.chat import (
+    CHATML,
+    LLAMA3,
+    ChatTemplate,
+    TemplateFailed,
+    check_messages,
+    encode_chat,
+    encode_chats,
+)
 from trainrun.data.pipeline import DataError
 
 transformers = pytest.importorskip("transformers", reason="the tests' extra holds transformers")
@@ -382,3 +390,49 @@ def test_check_messages_names_what_is_wrong(messages, problem):
 def test_check_messages_returns_good_messages():
     messages = DIALOGUES["system, two exchanges"] + [{"role": "user", "content": "x", "id": 3}]
     assert check_messages(messages) is messages
+
+
+ENDLESS = "{% macro turn(m) %}{{ turn(m) }}{% endmacro %}{% for m in messages %}{{ turn(m) }}" \
+          "{% endfor %}"
+
+
+def test_a_template_that_recurses_without_end_is_refused_as_a_template(tokenizer, tmp_path):
+    """Python's recursion limit stops the render; the template is refused in one line naming
+    where it comes from, for any conversation (not one bad record among good ones), with or
+    without {% generation %} blocks."""
+    messages = DIALOGUES["system, two exchanges"]
+    marked = ENDLESS.replace("{{ turn(m) }}{% endfor", "{% generation %}{{ turn(m) }}"
+                                                        "{% endgeneration %}{% endfor")
+    for template in (ChatTemplate.named(ENDLESS), ChatTemplate.named(marked)):
+        for refused in (lambda t: t.render(messages),
+                        lambda t: encode_chats(tokenizer, t, [messages, messages], {})):
+            with pytest.raises(TemplateFailed) as error:
+                refused(template)
+            line = str(error.value)
+            assert line.startswith("the chat template (data.chat_template) recurses without "
+                                   "end") and "fix the template" in line and "\n" not in line
+    (tmp_path / "chat_template.jinja").write_text(ENDLESS)
+    with pytest.raises(TemplateFailed, match=re.escape(
+            f"the chat template ({tmp_path / 'chat_template.jinja'}) recurses without end")):
+        ChatTemplate.from_model_dir(tmp_path).render(messages)
+
+
+def test_a_template_that_cannot_be_text_or_compiled_is_refused_in_one_line():
+    with pytest.raises(TemplateFailed, match=re.escape(
+            r"the chat template (data.chat_template) holds a lone UTF-16 surrogate (\ud800) on "
+            "line 2")) as error:
+        ChatTemplate.named("{{ messages[0]['content'] }}\n\ud800{{ 1 }}")
+    assert "\n" not in str(error.value)
+    deep = "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}"
+    with pytest.raises(TemplateFailed, match="nests expressions or blocks too deep to compile"):
+        ChatTemplate(deep)
+
+
+def test_a_rendered_conversation_that_is_no_text_is_that_records_error(tokenizer):
+    """A special token with a lone surrogate (from a tokenizer_config.json's escapes) reaches
+    the rendered text; the tokenizer cannot take it, so that conversation is refused."""
+    template = ChatTemplate("{{ bos_token }}" + CHATML)
+    [encoded] = encode_chats(tokenizer, template, [DIALOGUES["system, two exchanges"]],
+                             {"bos_token": "\udfff"})
+    assert isinstance(encoded, DataError)
+    assert r"holds a lone UTF-16 surrogate (\udfff) at character 0" in str(encoded)

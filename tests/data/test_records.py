@@ -3,8 +3,11 @@ model's own tokenizer, loss masks on the answers, and rows that a run reads like
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
+import os
+import re
 from pathlib import Path
 
 import jax
@@ -84,6 +87,14 @@ def test_jsonl_gzip_and_parquet_give_the_same_rows(tmp_path):
     ('[1, 2]\n', "a list, not a JSON object"),
     ('{"text": "no messages here"}\n', "no 'messages' field"),
     ('{"messages": "hello"}\n', "messages"),
+    # What Python's json would crash on, or read into what no tokenizer takes
+    ('{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}\n",
+     "nested more than 500 levels deep"),
+    ('{"id": ' + "9" * 5000 + ', "messages": []}\n', "an integer of more than 4300 digits"),
+    ('{"messages": [{"role": "user", "content": "\\ud800"}, '
+     '{"role": "assistant", "content": "a"}]}\n',
+     r"field messages[0].content holds a lone UTF-16 surrogate (\ud800"),
+    ('{"messages": [], "\\udc00": 1}\n', r"a key of the record holds a lone UTF-16 surrogate"),
 ])
 def test_a_bad_record_is_refused_naming_its_file_and_line(tmp_path, line, what):
     path = write_jsonl(tmp_path / "chat.jsonl", [chat(0), chat(1)])
@@ -95,6 +106,51 @@ def test_a_bad_record_is_refused_naming_its_file_and_line(tmp_path, line, what):
     assert f"{path}:3" in message and what in message, message
     assert "data.bad_records=skip" in message and "\n" not in message
     assert not list((tmp_path / "cache" / "records").glob("*/manifest.json"))  # nothing kept
+
+
+def test_records_json_would_crash_on_are_skipped_and_counted(tmp_path):
+    """Under data.bad_records=skip the records nested too deep, with a 5,000-digit integer or a
+    lone surrogate are counted and left out; an escaped surrogate pair (an emoji) is text."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(6)], extra_lines=[
+        '{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}\n",
+        '{"n": ' + "1" * 5000 + "}\n",
+        '{"messages": [{"role": "user", "content": "\\udfff"}]}\n',
+        '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}, '
+        '{"role": "assistant", "content": "\\\\ud800 is an escape"}]}\n'])
+    splits = record_splits(data(tmp_path, paths=(str(path),), bad_records="skip"))
+    counts = splits["counts"]
+    assert (counts.records, counts.skipped, counts.examples) == (10, 3, 7)
+    assert [bad.split(": ", 1)[0] for bad in counts.bad] == [f"{path}:{n}" for n in (7, 8, 9)]
+    emoji = "\N{GRINNING FACE}".encode()
+    texts = [bytes(t for t in tokens if t < 256) for tokens, _ in segments(splits["train"])]
+    assert sum(emoji in text for text in texts) == 1  # one token per byte: the emoji's bytes
+
+
+def test_parquet_strings_that_are_not_utf8_are_named_by_row_and_column(tmp_path):
+    """Arrow checks no UTF-8 as it reads a Parquet file's strings: such a row is a bad record,
+    refused or skipped, not a UnicodeDecodeError."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    # "\ud800" as CESU-8 bytes: what a writer that does not check would store for it
+    texts = [b"fine one", b"\xed\xa0\x80 half a character", b"fine two"]
+    column = pa.array(texts, type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": column}), tmp_path / "texts.parquet")
+    path = str(tmp_path / "texts.parquet")
+    with pytest.raises(DataError, match=re.escape(
+            f"record {path} row 2: column 'text' holds a string that is not UTF-8")):
+        record_splits(data(tmp_path, paths=(path,)))
+    counts = record_splits(data(tmp_path, paths=(path,), bad_records="skip"))["counts"]
+    assert (counts.records, counts.skipped, counts.examples) == (3, 1, 2)
+
+
+def test_a_template_that_recurses_without_end_refuses_the_run_whatever_the_policy(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(4)])
+    endless = "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"
+    for policy in ("refuse", "skip"):
+        with pytest.raises(DataError, match=re.escape(
+                "the chat template (data.chat_template) recurses without end")):
+            record_splits(data(tmp_path, paths=(str(path),), chat_template=endless,
+                               bad_records=policy))
 
 
 def test_a_bad_parquet_row_is_named_by_its_row(tmp_path):
@@ -329,6 +385,115 @@ def test_kept_rows_are_read_again_and_damaged_ones_made_anew(tmp_path):
     record_splits(cfg)
     assert tokens.stat().st_mtime_ns == made  # read, not made again
     tokens.write_bytes(tokens.read_bytes()[:-7])  # a cut file
-    again = record_splits(cfg)["train"]
+    again = record_splits(cfg)
     for name, rows in first.items():
-        np.testing.assert_array_equal(again[name], rows)
+        np.testing.assert_array_equal(again["train"][name], rows)
+    [notice] = again["notices"]
+    assert "train.tokens.bin holds" in notice and notice.endswith("making them anew")
+
+
+def test_a_file_rewritten_with_the_same_size_and_time_trains_on_its_new_records(tmp_path):
+    """`cp -p` and `rsync -t` leave other records with the size and modification time of the
+    old ones: the rows come from the new records, not from the kept rows of the old."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(10, 30)])
+    cfg = data(tmp_path, paths=(str(path),))
+    old = segments(record_splits(cfg)["train"])
+    before = path.stat()
+    new_records = [chat(i) for i in range(50, 70)]  # as many digits: the same size
+    path.write_bytes(write_jsonl(tmp_path / "new.jsonl", new_records).read_bytes())  # in place
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # as cp -p sets it
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    rows = segments(record_splits(cfg)["train"])
+    expected = write_jsonl(tmp_path / "expected.jsonl", new_records)
+    assert rows == segments(record_splits(data(tmp_path, paths=(str(expected),)))["train"])
+    assert rows != old
+
+
+def test_a_file_touched_but_unchanged_keeps_its_rows(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(20)])
+    cfg = data(tmp_path, paths=(str(path),))
+    record_splits(cfg)
+    [tokens] = (tmp_path / "cache" / "records").glob("*/train.tokens.bin")
+    made = tokens.stat().st_mtime_ns
+    os.utime(path, ns=(made + 10**9, made + 10**9))
+    record_splits(cfg)
+    assert list((tmp_path / "cache" / "records").glob("*/train.tokens.bin")) == [tokens]
+    assert tokens.stat().st_mtime_ns == made  # read, not made again
+
+
+def test_a_byte_changed_in_kept_rows_is_found_and_the_rows_made_anew(tmp_path):
+    """The kept rows carry the sha256 of each file: a token id changed in place (the size the
+    same) is found when the rows are opened, and they are made again, with a notice."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(20)])
+    cfg = data(tmp_path, paths=(str(path),))
+    first = record_splits(cfg)
+    assert first["notices"] == []
+    rows = {name: np.array(a) for name, a in first["train"].items()}
+    [folder] = [p for p in (tmp_path / "cache" / "records").iterdir() if p.is_dir()]
+    tokens = folder / "train.tokens.bin"
+    damaged = bytearray(tokens.read_bytes())
+    damaged[100] ^= 0x01  # one token id, off by one
+    tokens.write_bytes(bytes(damaged))
+    again = record_splits(cfg)
+    assert again["notices"] == [f"the tokenized records kept in {folder} were damaged "
+                                "(train.tokens.bin does not match its sha256); making them anew"]
+    for name, kept in rows.items():
+        np.testing.assert_array_equal(again["train"][name], kept)
+    assert record_splits(cfg)["notices"] == []  # made anew: whole again
+
+
+def test_a_full_cache_directory_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A cache directory without room (ENOSPC as the rows are written) is one line naming the
+    directory, the cause and TRAINRUN_CACHE_DIR; no half-made rows are left."""
+    from trainrun.data import record_rows
+    from trainrun.errors import WriteFailed
+
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(20)])
+
+    class Full:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.file.name)
+
+    def full_open(file, mode="r", *args, **kwargs):
+        opened = open(file, mode, *args, **kwargs)  # noqa: SIM115 (closed by the caller)
+        return Full(opened) if str(file).endswith(".bin") else opened
+
+    monkeypatch.setattr(record_rows, "open", full_open, raising=False)
+    with pytest.raises(WriteFailed) as err:
+        record_splits(data(tmp_path, paths=(str(path),)))
+    root = tmp_path / "cache" / "records"
+    assert str(err.value) == (f"cannot keep the tokenized records in {root}: no space left on "
+                              "device; free space there, or set TRAINRUN_CACHE_DIR to a "
+                              "directory with room")
+    assert err.value.__context__ is None  # nothing below it for a report to name instead
+    assert [p for p in root.iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.slow
+def test_a_run_says_when_it_makes_damaged_rows_anew(tmp_path, cli):
+    from trainrun.cli import main
+
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(16)])
+    argv = ["train", "--config", "chat", "data.task=null", f"data.paths={path}", "steps=1",
+            "steps_per_call=1", "eval.every=0", "checkpoint.every=0", "data.batch_size=2",
+            "optimizer.schedule.kind=constant", "model.d_model=16", "model.layers=1",
+            "model.heads=2", "metrics.tensorboard=false"]
+    assert main([*argv, "--run-dir", str(tmp_path / "first")]) == 0
+    [tokens] = (tmp_path / "cache" / "records").glob("*/train.tokens.bin")
+    tokens.write_bytes(tokens.read_bytes()[:-1] + b"\xff")
+    again = cli(*argv, "--run-dir", str(tmp_path / "second"),
+                TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))  # a process of its own reads them
+    assert again.returncode == 0, again.stderr[-3000:]
+    notices = [line for line in again.stdout.splitlines() if "were damaged" in line]
+    assert notices == [f"the tokenized records kept in {tokens.parent} were damaged "
+                       "(train.tokens.bin does not match its sha256); making them anew"], \
+        again.stdout

@@ -19,6 +19,7 @@ from conftest import cli_env, losses
 
 from trainrun import rundir
 from trainrun.config import load_config
+from trainrun.errors import WriteFailed
 from trainrun.reporting import writers
 from trainrun.reporting.writers import JsonlWriter, read_metrics
 from trainrun.rundir import storage
@@ -173,3 +174,19 @@ def test_a_path_in_an_errors_text_is_taken_from_one_line():
     assert what == "no space left on device" and "\n" not in path
     stray = "opened '/mnt/a\nline two' then \"/mnt/run/f\": No space left on device"
     assert storage.refused_write(ValueError(stray))[1] == "/mnt/run/f"
+
+
+def test_a_write_failed_outside_the_run_keeps_its_own_line(tmp_path):
+    """A WriteFailed already names its place (the data cache, say): the run's report does not
+    trade it for the OSError behind it, which names no file and so read "in RUN_DIR"."""
+    directory = rundir.RunDirectory(tmp_path / "run", tmp_path / "run" / "checkpoints")
+    line = "cannot keep the tokenized records in /cache/records: no space left on device; ..."
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise WriteFailed(line)  # noqa: B904 (its context is what the report must not use)
+    except WriteFailed as err:
+        failure = storage.on_failure(err, directory)
+    assert isinstance(failure, WriteFailed) and str(failure) == line
+    assert not (tmp_path / "run").exists()

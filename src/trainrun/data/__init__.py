@@ -54,6 +54,12 @@ def data_counts(cfg) -> RecordCounts | None:
     return counts if isinstance(counts, RecordCounts) else None
 
 
+def data_notices(cfg) -> list[str]:
+    """What the console says of a data section's loading (kept record rows found damaged and
+    made anew, say): lines; none for most sources."""
+    return list(_splits(cfg).get("notices", ()))
+
+
 def build_dataset(cfg, seed: int, process_index: int = 0,
                   process_count: int = 1) -> ArrayBatches | MixtureBatches:
     """The training dataset a config's ``data`` section names (this process's rows of it): a
@@ -86,5 +92,5 @@ def build_eval_dataset(cfg, batch_size: int | None = None, process_index: int = 
 
 
 __all__ = ["ArrayBatches", "BatchCursor", "DataError", "MixtureBatches", "RecordCounts",
-           "batch_iterator", "build_dataset", "build_eval_dataset", "data_counts", "eval_batches",
-           "stack_batches", "token_windows"]
+           "batch_iterator", "build_dataset", "build_eval_dataset", "data_counts", "data_notices",
+           "eval_batches", "stack_batches", "token_windows"]

@@ -25,6 +25,10 @@ What the loss counts (``ChatTemplate.assistant_spans``):
 
 A token counts when its characters overlap a span (transformers 5's rule), so a token that
 starts just before the span, such as a word with its leading space, counts too.
+
+A template that cannot render any conversation is refused as a whole (``TemplateFailed``), not
+record by record: one that recurses without end (a macro that calls itself) or nests too deep
+to compile, or whose text holds a lone UTF-16 surrogate (no text: no tokenizer takes it).
 """
 
 from __future__ import annotations
@@ -91,38 +95,60 @@ class _Recording:
 _RECORDING: ContextVar[_Recording | None] = ContextVar("chat_recording", default=None)
 
 
+class TemplateFailed(DataError):
+    """A chat template that cannot render any conversation: the template is at fault, not a
+    record, so no record policy skips it."""
+
+
 class ChatTemplate:
     """A Jinja chat template, rendered the way Hugging Face transformers' apply_chat_template
     renders it.
 
     source: the template text; compiled at construction (a syntax error is a DataError).
+    origin: where the template comes from (a setting or a file), for messages; None: unsaid.
     generation_blocks: whether the template marks assistant text with ``{% generation %}``.
     """
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, origin: str | None = None) -> None:
         self.source = source
+        self.origin = origin
+        surrogate = _first_surrogate(source)
+        if surrogate is not None:
+            line = source.count("\n", 0, surrogate) + 1
+            raise TemplateFailed(f"{self.named_as()} holds a lone UTF-16 surrogate "
+                                 f"(\\u{ord(source[surrogate]):04x}) on line {line}, which is no "
+                                 "text; fix the template")
         environment = _environment()
         try:
             tree = environment.parse(source)
             self._template = environment.from_string(tree)
         except _jinja().TemplateSyntaxError as error:
-            raise DataError(f"chat template has a Jinja syntax error on line {error.lineno}: "
+            raise DataError(f"{self.named_as()} has a Jinja syntax error on line {error.lineno}: "
                             f"{printable(error.message or '')}; fix the template") from None
+        except RecursionError:  # Jinja's parser and compiler recurse per level of nesting
+            raise TemplateFailed(f"{self.named_as()} nests expressions or blocks too deep to "
+                                 "compile; simplify the template") from None
         self.generation_blocks = any(
             isinstance(block.call.node, _jinja().nodes.ExtensionAttribute)
             and block.call.node.name == GENERATION_METHOD
             for block in tree.find_all(_jinja().nodes.CallBlock))
 
     @classmethod
-    def named(cls, name_or_text: str) -> ChatTemplate:
+    def named(cls, name_or_text: str, origin: str = "data.chat_template") -> ChatTemplate:
         """A built-in template by name ("chatml", "llama3"), else ``name_or_text`` as a
-        template. Text with no Jinja tag in it is a misspelt name, not a template: DataError."""
+        template. Text with no Jinja tag in it is a misspelt name, not a template: DataError.
+        origin: the setting that names it, for messages."""
         if name_or_text in BUILT_IN:
-            return cls(BUILT_IN[name_or_text])
+            return cls(BUILT_IN[name_or_text], f"{origin}={name_or_text}")
         if not re.search(r"{{|{%", name_or_text):
             raise DataError(f"chat template {printable(name_or_text)!r} is neither a built-in "
                             f"name ({', '.join(BUILT_IN)}) nor a Jinja template")
-        return cls(name_or_text)
+        return cls(name_or_text, origin)
+
+    def named_as(self) -> str:
+        """The template as a message names it: by where it comes from."""
+        return ("the chat template" if self.origin is None else
+                f"the chat template ({printable(self.origin)})")
 
     @classmethod
     def from_model_dir(cls, path: Path) -> ChatTemplate | None:
@@ -132,7 +158,7 @@ class ChatTemplate:
         ``{"name", "template"}`` of which "default" is taken); None when there is neither."""
         jinja_file = Path(path) / TEMPLATE_FILE
         if jinja_file.is_file():
-            return cls(_read(jinja_file))
+            return cls(_read(jinja_file), str(jinja_file))
         config_file = Path(path) / CONFIG_FILE
         if not config_file.is_file():
             return None
@@ -156,7 +182,7 @@ class ChatTemplate:
         if not isinstance(found, str):
             raise DataError(f"{printable(str(config_file))}: chat_template is a "
                             f"{type(found).__name__}, not a string; fix the file")
-        return cls(found)
+        return cls(found, f"chat_template of {config_file}")
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
                special: Mapping[str, str] = NO_SPECIAL_TOKENS) -> str:
@@ -166,6 +192,8 @@ class ChatTemplate:
         context = _context(messages, add_generation_prompt, special)
         try:
             return str(self._template.render(context))
+        except RecursionError:
+            raise self._endless() from None
         except _render_errors() as error:
             raise _refused(error) from None
 
@@ -202,17 +230,26 @@ class ChatTemplate:
             for part in self._template.generate(context):
                 parts.append(part)
                 recording.length += len(part)
+        except RecursionError:
+            raise self._endless() from None
         except _render_errors() as error:
             raise _refused(error) from None
         finally:
             _RECORDING.reset(reset)
         return "".join(parts), recording.spans
 
-    def __getstate__(self) -> dict[str, str]:
-        return {"source": self.source}  # a compiled template does not pickle; its text does
+    def _endless(self) -> TemplateFailed:
+        # Python's own limit stops it: the frames unwind, and the process goes on
+        return TemplateFailed(f"{self.named_as()} recurses without end (a macro or include "
+                              "that calls itself reached Python's recursion limit); fix the "
+                              "template so that each call ends")
+
+    def __getstate__(self) -> dict[str, str | None]:
+        # a compiled template does not pickle; its text does
+        return {"source": self.source, "origin": self.origin}
 
     def __setstate__(self, state: dict[str, str]) -> None:
-        self.__dict__.update(ChatTemplate(state["source"]).__dict__)
+        self.__dict__.update(ChatTemplate(state["source"], state.get("origin")).__dict__)
 
     def __repr__(self) -> str:
         name = next((key for key, text in BUILT_IN.items() if text == self.source), None)
@@ -243,9 +280,20 @@ def encode_chats(tokenizer: Tokenizer, template: ChatTemplate, conversations: li
     rendered: list[tuple[str, list[tuple[int, int]]] | DataError] = []
     for messages in conversations:
         try:
-            rendered.append(template.assistant_spans(messages, special=special))
+            text, spans = template.assistant_spans(messages, special=special)
+        except TemplateFailed:
+            raise  # no conversation renders: not one record's fault
         except DataError as error:
             rendered.append(error)
+            continue
+        surrogate = _first_surrogate(text)
+        if surrogate is None:
+            rendered.append((text, spans))
+        else:  # a special token or a value the template made: the tokenizer takes text alone
+            rendered.append(DataError(
+                f"the rendered conversation holds a lone UTF-16 surrogate "
+                f"(\\u{ord(text[surrogate]):04x}) at character {surrogate}, which is no text; "
+                "fix the record, the template or its special tokens"))
     texts = [item[0] for item in rendered if not isinstance(item, DataError)]
     encodings = iter(tokenizer.encode_batch(texts, add_special_tokens=False))
     encoded: list[tuple[np.ndarray, np.ndarray] | DataError] = []
@@ -289,6 +337,16 @@ def check_messages(messages: object) -> list[dict] | str:
     if not any(message["role"] == "assistant" for message in messages):
         return "no message has role 'assistant', so there is nothing to learn from"
     return messages
+
+
+def _first_surrogate(text: str) -> int | None:
+    """Where ``text`` holds its first lone UTF-16 surrogate (None: nowhere): the one kind of
+    Python string that is not text UTF-8 can write, nor a tokenizer take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
 
 
 def _kind(value: object) -> str:

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainrun.data.chat import ChatTemplate
+from trainrun.data.chat import CHATML, ChatTemplate
 from trainrun.data.pipeline import DataError
 from trainrun.data.tokenizer import DOCUMENT_TOKEN, byte_alphabet, library
 
@@ -109,7 +109,7 @@ def byte_tokenizer() -> ModelTokenizer:
     return ModelTokenizer(
         tokenizer=tokenizer, special={"bos_token": DOCUMENT_TOKEN, "eos_token": DOCUMENT_TOKEN},
         eos_id=document, stop_ids=(document,),
-        template=ChatTemplate.named("chatml"), source=BYTES)
+        template=ChatTemplate(CHATML, "built-in chatml"), source=BYTES)
 
 
 def _read_tokenizer(file: Path, source: str) -> Any:

@@ -11,10 +11,21 @@ rows of each batch, and a run's data position is one index in its checkpoint. Ho
 one chunk while the cache is built and one batch (and the permutation, 8 bytes a row) while
 training; the file pages the kernel keeps are cache it can drop.
 
-The key names everything that decides the rows: the files (path, size, modification time), the
-tokenizer and template, the data settings. Another run with the same ones reads the cache; a
+The key names everything that decides the rows: the files (path and the sha256 of their bytes),
+the tokenizer and template, the data settings. Another run with the same ones reads the cache; a
 process that finds it being built waits for it (a file lock), so processes on one machine build
-it once.
+it once. The files' bytes, not their size and modification time: a file rewritten with other
+records of the same size and time (``cp -p``, ``rsync -t``) is another key, while one touched or
+copied unchanged keeps its rows. Each start reads the files once to hash them (streamed, a block
+at a time; ``BENCHMARKS.md`` has the cost), as it reads the kept rows to check them.
+
+The kept rows carry the sha256 of each of their files in the cache's manifest, computed as they
+are written and checked as a run opens them (each file read through once, a block at a time,
+before it is mapped): rows changed in place or cut short, by a disk or a hand, are made anew,
+with a one-line notice (``Rows.notice``) that the run prints.
+
+A cache directory that cannot take the rows (full, read-only, not permitted) is one line naming
+the directory, the cause and ``TRAINRUN_CACHE_DIR``, exit 1.
 
 Held-out split: ``data.eval_paths``, or every ``round(1 / eval_fraction)``-th usable record of
 each source (a rule that needs no count of the records in advance).
@@ -22,7 +33,9 @@ each source (a rule that needs no count of the records in advance).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -53,7 +66,7 @@ from trainrun.data.text import corpus_files
 from trainrun.errors import WriteFailed
 from trainrun.platform.user_cache import cache_dir
 
-CACHE_FORMAT = 1  # raised when the files' layout changes, so old caches are not read
+CACHE_FORMAT = 2  # raised when the files' layout changes, so old caches are not read
 CHUNK_RECORDS = 2048  # records encoded and packed at a time
 SHOWN_BAD = 3  # bad records quoted in the counts
 ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -104,8 +117,9 @@ class RecordCounts:
 
 
 def record_splits(cfg: RecordsData) -> dict[str, Any]:
-    """``{"train": arrays, "eval": arrays or None, "counts": RecordCounts}``; for ``data.mix``
-    ``"train"`` is a list (one per source) beside ``"weights"``."""
+    """``{"train": arrays, "eval": arrays or None, "counts": RecordCounts, "notices": lines}``
+    (``notices``: kept rows found damaged and made anew); for ``data.mix`` ``"train"`` is a
+    list (one per source) beside ``"weights"``."""
     tokenizer = model_tokenizer.load(cfg.tokenizer or model_tokenizer.BYTES, cfg.chat_template)
     sources: list[Source] = (
         [Source(task=cfg.task)] if cfg.task else
@@ -114,28 +128,24 @@ def record_splits(cfg: RecordsData) -> dict[str, Any]:
     held_out = (Source(files=tuple(corpus_files(cfg.eval_paths))) if cfg.eval_paths else None)
     every = 0 if held_out is not None or not cfg.eval_fraction else round(1 / cfg.eval_fraction)
     counts = RecordCounts(vocab=tokenizer.size)
-    parts = []
-    for source in sources:
-        part = cached_rows(cfg, tokenizer, source, every)
+    parts = [cached_rows(cfg, tokenizer, source, every) for source in sources]
+    held = [] if held_out is None else [cached_rows(cfg, tokenizer, held_out, -1)]
+    for part in (*parts, *held):
         counts.add(part.counts)
-        parts.append(part)
-    if held_out is not None:
-        part = cached_rows(cfg, tokenizer, held_out, -1)
-        counts.add(part.counts)
-        evals = [part.eval]
-    else:
-        evals = [part.eval for part in parts]
+    evals = [part.eval for part in held or parts]
     for part, source in zip(parts, sources, strict=True):
         if part.train is None:
             raise DataError(f"no training examples in {source.describe()} ({part.counts.summary()}"
                             "); check data.format and data.fields against the records")
     found = [rows for rows in evals if rows is not None]
-    held = (None if not found else found[0] if len(found) == 1 else
-            {name: np.concatenate([rows[name] for rows in found]) for name in found[0]})
+    eval_rows = (None if not found else found[0] if len(found) == 1 else
+                 {name: np.concatenate([rows[name] for rows in found]) for name in found[0]})
+    notices = [part.notice for part in (*parts, *held) if part.notice]
     if not cfg.mix:
-        return {"train": parts[0].train, "eval": held, "counts": counts}
+        return {"train": parts[0].train, "eval": eval_rows, "counts": counts, "notices": notices}
     return {"train": [part.train for part in parts],
-            "weights": [mix.weight for mix in cfg.mix], "eval": held, "counts": counts}
+            "weights": [mix.weight for mix in cfg.mix], "eval": eval_rows, "counts": counts,
+            "notices": notices}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,11 +164,7 @@ class Source:
     def key(self) -> list[Any]:
         if self.task:
             return ["task", self.task]
-        key: list[Any] = []
-        for file in self.files:
-            stat = file.stat()
-            key.append([str(file.resolve()), stat.st_size, stat.st_mtime_ns])
-        return key
+        return [[str(file.resolve()), _content_digest(file)] for file in self.files]
 
     def records(self, cfg: RecordsData) -> Iterator[Located]:
         if self.task:
@@ -170,11 +176,26 @@ class Source:
             yield from read_records(file, columns)
 
 
+def _content_digest(file: Path) -> str:
+    """The sha256 of a file's bytes, read a block at a time."""
+    try:
+        with open(file, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as err:
+        raise DataError(f"data.paths: cannot read {str(file)!r} ({err.strerror or err}); "
+                        "check the file and its permissions") from None
+
+
 @dataclasses.dataclass
 class Rows:
     train: dict[str, np.ndarray] | None
     eval: dict[str, np.ndarray] | None
     counts: RecordCounts
+    notice: str | None = None  # kept rows were damaged and made anew: what the run says
+
+
+class Damaged(Exception):
+    """Kept rows that do not read back as they were written; the message says how."""
 
 
 def cached_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
@@ -188,22 +209,76 @@ def cached_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     root = cache_dir() / "records"
     folder = root / key
+    refused: OSError | None = None
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        with open(root / f"{key}.lock", "a") as lock:  # one builder per machine
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            rows = _open(folder)
-            if rows is None:  # missing, or damaged: made anew
-                shutil.rmtree(folder, ignore_errors=True)
-                _build(cfg, tokenizer, source, every, folder)
-                rows = _open(folder)
+        rows = _kept_or_built(cfg, tokenizer, source, every, root, folder)
     except OSError as err:
-        raise WriteFailed(f"cannot keep the tokenized records in {root} ({err.strerror or err}); "
-                          "point TRAINRUN_CACHE_DIR at a writable directory") from None
-    if rows is None:
-        raise WriteFailed(f"the tokenized records written to {folder} do not read back; check "
-                          "the disk, or point TRAINRUN_CACHE_DIR elsewhere")
+        refused = err
+    if refused is not None:  # raised here, so the line carries no OSError as its context
+        raise _cache_refused(refused, root)
     return rows
+
+
+def _kept_or_built(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
+                   every: int, root: Path, folder: Path) -> Rows:
+    """The rows kept in ``folder`` when they check out; else made there first. Processes on
+    one machine check kept rows side by side (a shared lock) and make them one at a time."""
+    root.mkdir(parents=True, exist_ok=True)
+    lock_file = root / f"{folder.name}.lock"
+    with _locked(lock_file, fcntl.LOCK_SH), contextlib.suppress(Damaged):
+        rows = _open(folder)
+        if rows is not None:
+            return rows
+    with _locked(lock_file, fcntl.LOCK_EX):  # one builder per machine
+        notice = None
+        try:  # again: another process may have made them meanwhile
+            rows = _open(folder)
+        except Damaged as damage:
+            notice = (f"the tokenized records kept in {folder} were damaged ({damage}); "
+                      "making them anew")
+            rows = None
+            if folder.is_symlink():  # not a folder this cache made: not followed, not removed
+                raise WriteFailed(f"{folder} is a symbolic link where trainrun keeps tokenized "
+                                  "records; remove the link") from None
+            shutil.rmtree(folder)
+        if rows is None:
+            _build(cfg, tokenizer, source, every, folder)
+            try:
+                rows = _open(folder)
+            except Damaged as damage:
+                raise WriteFailed(f"the tokenized records written to {folder} do not read back "
+                                  f"({damage}); check the disk, or point TRAINRUN_CACHE_DIR "
+                                  "elsewhere") from None
+            if rows is None:
+                raise WriteFailed(f"the tokenized records written to {folder} are gone; check "
+                                  "what else removes files from TRAINRUN_CACHE_DIR")
+    return dataclasses.replace(rows, notice=notice)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, kind: int) -> Iterator[None]:
+    """``path`` locked (``fcntl.LOCK_SH`` or ``LOCK_EX``) for the block. A shared lock takes
+    a lock file that exists in a directory this process cannot write (rows made by another
+    user, say: they are checked all the same)."""
+    try:
+        lock = open(path, "a")  # noqa: SIM115 (closed below)
+    except OSError:
+        if kind != fcntl.LOCK_SH or not path.is_file():
+            raise
+        lock = open(path)  # noqa: SIM115 (closed below)
+    with lock:
+        fcntl.flock(lock, kind)
+        yield
+
+
+def _cache_refused(err: OSError, root: Path) -> WriteFailed:
+    """The one line for a cache directory the system would not write to: where, why, what to
+    do."""
+    cause = (err.strerror or type(err).__name__).lower()
+    fix = ("free space there, or set TRAINRUN_CACHE_DIR to a directory with room"
+           if err.errno in (errno.ENOSPC, errno.EDQUOT) else
+           "make it writable, or set TRAINRUN_CACHE_DIR to a directory this user can write")
+    return WriteFailed(f"cannot keep the tokenized records in {root}: {cause}; {fix}")
 
 
 def _build(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
@@ -213,11 +288,11 @@ def _build(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: 
     staging = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
-        counts = _write_rows(cfg, tokenizer, source, every, staging)
+        counts, digests = _write_rows(cfg, tokenizer, source, every, staging)
         rows = {split: _row_count(staging, split, cfg.seq_len + 1) for split in ("train", "eval")}
         manifest = {"row_len": cfg.seq_len + 1, "rows": rows,
                     "dtypes": _dtypes(tokenizer.size, cfg.seq_len + 1),
-                    "counts": dataclasses.asdict(counts)}
+                    "sha256": digests, "counts": dataclasses.asdict(counts)}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
         os.replace(staging, folder)
     finally:
@@ -237,8 +312,11 @@ def _row_count(folder: Path, split: str, row_len: int) -> int:
 
 
 def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-                every: int, folder: Path) -> RecordCounts:
+                every: int, folder: Path) -> tuple[RecordCounts, dict[str, str]]:
+    """The rows' files written into ``folder``; what became of the records, and the sha256 of
+    each file written (hashed as its bytes go out, so nothing is read back for it)."""
     counts = RecordCounts()
+    digests: dict[str, Any] = {}
     form: str | None = None if cfg.format == "auto" else cfg.format
     pending: dict[str, list[tuple[str, dict[str, Any]]]] = {"train": [], "eval": []}
     dtypes = _dtypes(tokenizer.size, cfg.seq_len + 1)
@@ -261,8 +339,11 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
         rows = pack_documents([ids.astype(dtypes["tokens"]) for ids, _ in kept],
                               cfg.seq_len + 1, masks=[mask for _, mask in kept])
         for name in ARRAYS:
-            with open(folder / f"{split}.{name}.bin", "ab") as out:
-                out.write(np.ascontiguousarray(rows[name], dtypes[name]).tobytes())
+            data = np.ascontiguousarray(rows[name], dtypes[name]).tobytes()
+            file = f"{split}.{name}.bin"
+            digests.setdefault(file, hashlib.sha256()).update(data)
+            with open(folder / file, "ab") as out:
+                out.write(data)
 
     for where, record in source.records(cfg):
         counts.records += 1
@@ -290,7 +371,7 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
     for split in pending:
         if pending[split]:
             flush(split)
-    return counts
+    return counts, {file: digest.hexdigest() for file, digest in digests.items()}
 
 
 def _encode(located: Sequence[tuple[str, dict[str, Any]]], form: str, cfg: RecordsData,
@@ -332,29 +413,42 @@ def _fit(examples: list[Example], cfg: RecordsData, counts: RecordCounts) -> lis
 
 
 def _open(folder: Path) -> Rows | None:
-    """The rows in ``folder``; None when it is missing or damaged."""
+    """The rows in ``folder``, each file checked against its sha256; None when there is no
+    such folder (never made); ``Damaged`` when it does not read back as written."""
+    if not folder.exists():
+        return None
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
-        row_len, dtypes = manifest["row_len"], manifest["dtypes"]
+        row_len, dtypes, digests = manifest["row_len"], manifest["dtypes"], manifest["sha256"]
         splits: dict[str, dict[str, np.ndarray] | None] = {}
         for split, rows in manifest["rows"].items():
             splits[split] = None if not rows else {
-                name: _mapped(folder / f"{split}.{name}.bin", dtypes[name], rows, row_len)
+                name: _mapped(folder / f"{split}.{name}.bin", dtypes[name], rows, row_len,
+                              digests[f"{split}.{name}.bin"])
                 for name in ARRAYS}
         return Rows(train=splits["train"], eval=splits["eval"],
                     counts=RecordCounts(**manifest["counts"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except FileNotFoundError as err:
+        raise Damaged(f"{Path(err.filename or '?').name} is missing") from None
+    except OSError as err:
+        raise Damaged(f"{Path(err.filename or '?').name}: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise Damaged(f"manifest.json is not as written ({type(err).__name__}: {err})") from None
 
 
-def _mapped(file: Path, dtype: str, rows: int, row_len: int) -> np.ndarray:
-    """``[rows, row_len]`` of ``file``, read-only through a memory map. Batches read rows at
-    random: the kernel is told so, or each row read would pull in its neighbours as well."""
+def _mapped(file: Path, dtype: str, rows: int, row_len: int, sha256: str) -> np.ndarray:
+    """``[rows, row_len]`` of ``file``, read-only through a memory map, once its bytes are
+    checked against ``sha256`` (read, not mapped, for that: the pages stay out of the process).
+    Batches read rows at random: the kernel is told so, or each row read would pull in its
+    neighbours as well."""
     with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != rows * row_len * np.dtype(dtype).itemsize:
+            raise Damaged(f"{file.name} holds {size} bytes, not {rows} rows of {row_len} "
+                          f"{dtype}")
+        if hashlib.file_digest(f, "sha256").hexdigest() != sha256:
+            raise Damaged(f"{file.name} does not match its sha256")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if hasattr(mmap, "MADV_RANDOM"):
         mapped.madvise(mmap.MADV_RANDOM)
-    array = np.frombuffer(mapped, dtype)
-    if array.size != rows * row_len:
-        raise ValueError(f"{file.name} holds {array.size} values, not {rows} x {row_len}")
-    return array.reshape(rows, row_len)
+    return np.frombuffer(mapped, dtype).reshape(rows, row_len)

@@ -5,6 +5,13 @@ bad record is named by its file and line and the others are still read. Parquet 
 pyarrow one batch of rows at a time (only the columns asked for), so neither format is ever
 held whole in memory.
 
+A line ``json`` would crash on, or read into a value nothing after it can use, is a bad record
+too: arrays and objects nested more than ``MAX_DEPTH`` deep (found by counting brackets before
+``json`` recurses into them), an integer longer than Python converts from text, and a string
+holding a lone UTF-16 surrogate (``"\\ud800"``: no text, so no tokenizer takes it). Arrow does
+not check the UTF-8 of the strings a Parquet file holds when it reads them: a row whose strings
+are not UTF-8 is named by its row and column.
+
 Each record comes with where it is (``file:line``, ``file row N``); one that cannot be used comes
 as a description of what is wrong with it in its place, and the caller's policy refuses or
 skips it.
@@ -14,14 +21,25 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import sys
 import zlib
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainrun.data.pipeline import DataError
 
 PARQUET_ROWS = 1024  # rows per read from a Parquet file
+# Python's json recurses per level, within the interpreter's recursion limit (1000 frames by
+# default); half of it leaves room for the frames below the reader and for what walks a record
+# later (a template's tojson).
+MAX_DEPTH = 500
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')  # a JSON string, escapes included
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate gets into a line
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
 
@@ -62,13 +80,28 @@ def _jsonl(path: Path) -> Iterator[Located]:
                 except UnicodeDecodeError as err:
                     yield where, f"not UTF-8 (byte {err.start + 1})"
                     continue
+                if _depth(line) > MAX_DEPTH:
+                    yield where, _TOO_DEEP
+                    continue
                 try:
                     value = json.loads(text)
                 except json.JSONDecodeError as err:
                     yield where, f"not valid JSON ({err.msg} at column {err.colno})"
                     continue
+                except RecursionError:  # deeper than the stack left here, though within the cap
+                    yield where, _TOO_DEEP
+                    continue
+                except ValueError:  # the one other refusal of json: an integer's digits
+                    yield where, (f"an integer of more than {sys.get_int_max_str_digits()} "
+                                  "digits, more than Python reads (write it as a string)")
+                    continue
                 if not isinstance(value, dict):
                     yield where, f"{describe(value)}, not a JSON object"
+                    continue
+                # a lone surrogate can only come from a \u escape: other lines are not walked
+                surrogate = lone_surrogate(value) if _SURROGATE_ESCAPE.search(line) else None
+                if surrogate is not None:
+                    yield where, surrogate
                     continue
                 yield where, value
     except (gzip.BadGzipFile, EOFError, zlib.error) as err:
@@ -93,13 +126,86 @@ def _parquet(path: Path, columns: Sequence[str]) -> Iterator[Located]:
         wanted = [name for name in columns if name in present] or None
         row = 0
         for batch in file.iter_batches(batch_size=PARQUET_ROWS, columns=wanted):
-            for value in batch.to_pylist():
+            for value in _rows(batch):
                 row += 1
                 yield f"{path} row {row}", value
     except (pa.ArrowException, OSError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"data.paths: cannot read {str(path)!r} as Parquet ({first}); check "
                         "that the file is whole") from None
+
+
+def _rows(batch: Any) -> list[dict[str, Any] | str]:
+    """A Parquet batch's rows; one whose strings are not UTF-8 as what is wrong with it."""
+    try:
+        return list(batch.to_pylist())
+    except UnicodeDecodeError:  # Arrow leaves string columns unchecked: find the rows
+        pass
+    rows: list[dict[str, Any] | str] = []
+    for index in range(batch.num_rows):
+        try:
+            rows.append(batch.slice(index, 1).to_pylist()[0])
+        except UnicodeDecodeError:
+            bad = [name for name, column in zip(batch.schema.names, batch.columns, strict=True)
+                   if _undecodable(column, index)]
+            rows.append(f"column {', '.join(map(repr, bad))} holds a string that is not UTF-8")
+    return rows
+
+
+def _undecodable(column: Any, index: int) -> bool:
+    try:
+        column[index].as_py()
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+_TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep (arrays and objects within each other)"
+
+
+def _depth(line: bytes) -> int:
+    """How deep arrays and objects nest in a JSON line, brackets inside strings not counted.
+    Only a line with more brackets than the limit is looked into."""
+    if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+        return 0
+    code = np.frombuffer(_STRING.sub(b"", line), np.uint8)
+    steps = (np.isin(code, (ord("["), ord("{"))).astype(np.int64)
+             - np.isin(code, (ord("]"), ord("}"))))
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """Where in ``value`` (a record's JSON value) a string or key holds a lone UTF-16 surrogate,
+    as what is wrong with the record; None when no string does. Walked without recursion."""
+    pending: deque[tuple[str, Any]] = deque([("", value)])
+    while pending:
+        where, item = pending.popleft()
+        if isinstance(item, str):
+            if not _is_text(item):
+                return (f"field {where or 'value'} holds a lone UTF-16 surrogate "
+                        f"({_first_surrogate(item)}: half a character, no text)")
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                if not _is_text(key):
+                    return (f"a key of {where or 'the record'} holds a lone UTF-16 surrogate "
+                            f"({_first_surrogate(key)}: half a character, no text)")
+                pending.append((f"{where}.{key}" if where else key, inner))
+        elif isinstance(item, list):
+            pending.extend((f"{where}[{i}]", inner) for i, inner in enumerate(item))
+    return None
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_surrogate(text: str) -> str:
+    code = next(ord(char) for char in text if 0xD800 <= ord(char) <= 0xDFFF)
+    return f"\\u{code:04x}"
 
 
 def describe(value: Any) -> str:

@@ -134,8 +134,9 @@ def out_of_memory(err: BaseException) -> bool:
 
 def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
     """Record a run that raised as ``failed`` with the reason. A refused write becomes the
-    one-line ``WriteFailed`` (returned), after what it left half written is removed; an
-    allocation that failed, the one-line ``OutOfMemory``."""
+    one-line ``WriteFailed`` (returned), after what it left half written is removed (one
+    raised as ``WriteFailed`` keeps its own line); an allocation that failed, the one-line
+    ``OutOfMemory``."""
     if out_of_memory(err):
         steps = committed_steps(directory.ckpt_dir)
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
@@ -145,12 +146,15 @@ def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
                 "set model.remat, accumulate, or compute in bfloat16 (precision.compute)")
         mark_failed(directory.run_dir, line, directory.ckpt_dir)
         return OutOfMemory(line)
-    refused = refused_write(err)
-    if refused is None:
-        mark_failed(directory.run_dir, " ".join(f"{type(err).__name__}: {err}".split())[:300],
-                    directory.ckpt_dir)
-        return None
-    line = failure_line(*refused, directory.run_dir, directory.ckpt_dir)  # before the removal
+    if isinstance(err, WriteFailed):  # its own line already, naming its place (the data cache)
+        line = str(err)
+    else:
+        refused = refused_write(err)
+        if refused is None:
+            mark_failed(directory.run_dir,
+                        " ".join(f"{type(err).__name__}: {err}".split())[:300], directory.ckpt_dir)
+            return None
+        line = failure_line(*refused, directory.run_dir, directory.ckpt_dir)  # before removal
     # The write TensorStore abandoned leaves Orbax's serialisation coroutines unawaited; Python
     # warns of each when it is collected, often at exit, after the one line (seen with the disk
     # all but full). Those were the failed write itself, which the line already reports.

@@ -36,6 +36,7 @@ from trainrun.data import (
     build_dataset,
     build_eval_dataset,
     data_counts,
+    data_notices,
 )
 from trainrun.models import Model, build_model
 from trainrun.platform import distributed, fast_paths
@@ -145,6 +146,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     if data is None:
         data = build_dataset(config.data, seed=config.seed, process_index=placement.rows[0],
                              process_count=placement.rows[1])
+        for notice in data_notices(config.data):
+            console.message(notice)
         records = data_counts(config.data)
         if records is not None:
             preflight.check_vocab(records.vocab, config.model, config.data)

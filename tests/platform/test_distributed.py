@@ -59,7 +59,8 @@ def test_two_processes_equal_one_process_and_checkpoints_restore_across(tmp_path
     single = run_cli("train", "--run-dir", str(one), *RUN, "steps=20", devices=4)
     assert single.returncode == 0, single.stderr[-3000:]
     # (5 steps per call: each process also feeds its rows of stacked [K, B, ...] batches)
-    launched = launch("train", "--run-dir", str(two), *RUN, "steps=20", "steps_per_call=5",
+    # An option between the overrides: launch appends its own after them.
+    launched = launch("train", *RUN, "steps=20", "--run-dir", str(two), "steps_per_call=5",
                       devices=2)
     assert launched.returncode == 0, launched.stdout[-3000:]
     assert len(losses(one)) == len(losses(two)) == 20  # process 0 wrote each step once

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import io
 import itertools
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
+from conftest import cli_env
 
 from trainrun.cli import main
 from trainrun.config import load_config
+from trainrun.platform.host_memory import HostMemory
 from trainrun.training.loop import run
 
 
@@ -180,7 +185,8 @@ def test_a_step_program_that_cannot_fit_is_refused_before_anything(tmp_path, mon
 
     hidden = [1000, 1000]
     free = int(1.5 * _mlp_state_bytes(hidden))  # room for the state, not for the step
-    monkeypatch.setattr(preflight, "host_memory_available", lambda: free)
+    monkeypatch.setattr(preflight, "host_memory_free",
+                        lambda: HostMemory(free, "(MemAvailable)", False))
     code = main(["train", "--config", "mlp", "--run-dir", str(tmp_path / "run"),
                  f"model.hidden=[{hidden[0]},{hidden[1]}]", "steps_per_call=2"])
     assert code == 2
@@ -192,6 +198,41 @@ def test_a_step_program_that_cannot_fit_is_refused_before_anything(tmp_path, mon
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_a_step_program_over_the_address_space_limit_is_refused_before_anything(tmp_path):
+    """``ulimit -v`` bounds what a process can map, whatever MemAvailable says; JAX and XLA map
+    much of it at start, so what counts is the limit less what the process maps already. The
+    limit here leaves about 1 GiB over what a process with JAX's backend started maps; the step
+    needs 4 GiB. Before, the check passed and the first step died out of memory, after the run
+    directory existed."""
+    probe = subprocess.run([sys.executable, "-c", (
+        "import re, jax, jax.numpy as jnp, trainrun\n"
+        "jax.jit(lambda x: x @ x)(jnp.ones((64, 64))).block_until_ready()\n"
+        "print(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1))")],
+        capture_output=True, text=True, timeout=120, env=cli_env())
+    limit = int(probe.stdout) * 1024 + 2**30
+    run_dir = tmp_path / "run"
+    under_limit = ("import os, resource, sys\n"  # set, then exec: no fork of this process
+                   "resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]),) * 2)\n"
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+    done = subprocess.run(
+        [sys.executable, "-c", under_limit, str(limit), "-m", "trainrun", "train", "--run-dir",
+         str(run_dir), "model.hidden=[1024]", "data.batch_size=524288", "data.examples=524288",
+         "steps=2", "metrics.tensorboard=false"], capture_output=True, text=True, timeout=300,
+        env=cli_env())
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1, done.stderr
+    line = done.stderr
+    assert line.startswith("error: the compiled training step needs "), line
+    assert "is free (under the address-space limit: ulimit -v " in line, line
+    assert line.rstrip().endswith("; or raise that limit"), line
+    found = re.search(r"needs ([\d.]+) GiB of host memory .* and ([\d.]+) GiB is free", line)
+    assert found is not None, line
+    needed, free = float(found.group(1)), float(found.group(2))
+    assert free < 2 < needed  # XLA's figure against what the limit leaves, not MemAvailable
+    assert not run_dir.exists()
+
+
 def test_a_step_program_that_fits_is_compiled_once(tmp_path, monkeypatch, caplog):
     """The program set-up compiles on shapes to check its memory is the one the calls run:
     JAX lowers `train_steps` once (a second lowering would be a second compile)."""
@@ -200,8 +241,8 @@ def test_a_step_program_that_fits_is_compiled_once(tmp_path, monkeypatch, caplog
     from trainrun.training import preflight
 
     hidden = [1000, 1000]
-    monkeypatch.setattr(preflight, "host_memory_available",
-                        lambda: 10 * _mlp_state_bytes(hidden))
+    monkeypatch.setattr(preflight, "host_memory_free",
+                        lambda: HostMemory(10 * _mlp_state_bytes(hidden), "(MemAvailable)"))
     caplog.set_level(logging.DEBUG, logger="jax._src.interpreters.pxla")
     summary = run(load_config("mlp", [f"model.hidden=[{hidden[0]},{hidden[1]}]", "steps=4",
                                       "steps_per_call=2", "checkpoint.every=0",

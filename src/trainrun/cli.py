@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 from trainrun.errors import OutOfMemory, UserError, WriteFailed, path_refused, printable
 
@@ -150,6 +152,27 @@ def _bench_ceiling(args: argparse.Namespace) -> int:
     return 0
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """A command's options may come before, between or after its ``key.path=value`` overrides
+    (``train steps=5 --run-dir x steps_per_call=2``; ``launch`` appends its overrides after
+    the user's options): argparse's intermixed parsing, for every command it can parse."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args: Iterable[str] | None = None,
+                         namespace: Any = None) -> tuple[Any, list[str]]:
+        # argparse cannot intermix a command that has subcommands or takes the rest verbatim
+        verbatim = any(action.nargs in (argparse.PARSER, argparse.REMAINDER)
+                       for action in self._actions if not action.option_strings)
+        if verbatim or self._intermixing:  # the intermixed parse calls back in, per pass
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 CONFIG_HELP = ("a built-in config's name (mlp, digits, lm, ...), which wins over a file or "
                "folder of that name (write ./NAME for the file), or a path to a YAML file")
 
@@ -158,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainrun",
         description="JAX training runs: fast, sharded, and resumable bit for bit.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                     parser_class=_IntermixedParser)
 
     train = commands.add_parser(
         "train", help="run a training run (resumes one that has a checkpoint)",

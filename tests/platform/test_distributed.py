@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,7 +60,8 @@ def test_two_processes_equal_one_process_and_checkpoints_restore_across(tmp_path
     single = run_cli("train", "--run-dir", str(one), *RUN, "steps=20", devices=4)
     assert single.returncode == 0, single.stderr[-3000:]
     # (5 steps per call: each process also feeds its rows of stacked [K, B, ...] batches)
-    launched = launch("train", "--run-dir", str(two), *RUN, "steps=20", "steps_per_call=5",
+    # An option between the overrides: launch appends its own after them.
+    launched = launch("train", *RUN, "steps=20", "--run-dir", str(two), "steps_per_call=5",
                       devices=2)
     assert launched.returncode == 0, launched.stdout[-3000:]
     assert len(losses(one)) == len(losses(two)) == 20  # process 0 wrote each step once
@@ -85,11 +87,11 @@ def test_two_processes_equal_one_process_and_checkpoints_restore_across(tmp_path
     np.testing.assert_allclose(b, a, rtol=1e-6, atol=0)
 
 
-@pytest.mark.slow
-def test_a_lost_process_stops_the_others_naming_it_and_a_relaunch_resumes(tmp_path):
-    run_dir = tmp_path / "run"
-    train = ["train", "--run-dir", str(run_dir), *RUN, "log_every=100", "checkpoint.every=100",
-             "distributed.peer_timeout_s=5"]
+def kill_one_while_training(run_dir: Path, victim: int, busy: int = 0, *train: str):
+    """``trainrun launch -n 2 -- train ...``, with ``busy`` busy-loop processes beside it; once
+    its first checkpoint is committed, ``kill -9`` process ``victim``. Returns the launcher's
+    return code, its output, the victim's pid and how long the job took to end after the kill."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     proc = subprocess.Popen([sys.executable, "-m", "trainrun", "launch", "-n", "2", "--", *train,
                              "steps=10000000"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=cli_env(None))
@@ -101,28 +103,91 @@ def test_a_lost_process_stops_the_others_naming_it_and_a_relaunch_resumes(tmp_pa
                 pids[int(line.split()[2])] = int(line.split()[-1])
             if line.startswith("[0] step") and (run_dir / "checkpoints" / "100").is_dir():
                 break
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[victim], signal.SIGKILL)
         killed_at = time.monotonic()
-        rest, _ = proc.communicate(timeout=120)
+        rest, _ = proc.communicate(timeout=180)
         stopped_after = time.monotonic() - killed_at
     finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
         if proc.poll() is None:
             proc.kill()
-    out = "".join(lines) + rest
-    assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]  # the first failure
+    return proc.returncode, "".join(lines) + rest, pids[victim], stopped_after
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def assert_no_native_lines(out: str) -> None:
+    """XLA's and gRPC's own lines (a log line, a check's stack, a status's details) held back."""
+    for line in out.splitlines():
+        text = line.split("] ", 1)[-1] if line.startswith("[") else line
+        assert not distributed.NATIVE_LOG.match(text), line
+        assert not re.search(r"Check failure|GRPC|grpc_|@\s+0x|absl::|coordination_service",
+                             text), line
+
+
+def assert_ended_by_the_launcher(out: str, run_dir: Path, victim: int, pid: int) -> None:
+    """The launcher's own last line names the dead process and its signal; the run is
+    ``failed`` with that reason, at the last committed step."""
+    last = committed_steps(run_dir)[-1]
+    line = (f"process {victim} of 2 (pid {pid}) died of signal SIGKILL (killed from outside: "
+            "kill -9, or the system's out-of-memory killer), which stopped the job; the last "
+            f"committed checkpoint is step {last} (the same command resumes from it)")
+    assert out.splitlines()[-1] == f"[launch] error: {line}", out[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["step"], status["reason"]) == ("failed", last, line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("busy", [0, 4], ids=["idle", "4-busy-processes"])
+def test_a_lost_process_stops_the_others_naming_it_and_a_relaunch_resumes(tmp_path, busy):
+    """Also with two busy processes per core beside it, where JAX's coordination service may
+    abort process 0 before its own watch names process 1: either way the launcher's line says
+    what happened and the run's status records it. Before, that abort ended the job with
+    XLA's stack trace, exit 134."""
+    run_dir = tmp_path / "run"
+    train = ["train", "--run-dir", str(run_dir), *RUN, "log_every=100", "checkpoint.every=100",
+             "distributed.peer_timeout_s=5"]
+    code, out, pid, stopped_after = kill_one_while_training(run_dir, 1, busy, *train)
+    assert code == 128 + signal.SIGKILL, out[-3000:]  # the first failure
     assert "[launch] process 1 exited with signal SIGKILL" in out
-    assert ("[0] error: process 1 of 2 stopped responding (no heartbeat for 5 s: it died, hung "
-            "or lost the network); stopping this process too") in out, out[-3000:]
-    assert f"[launch] process 0 exited with status {distributed.PEER_LOST_EXIT}" in out
+    watched = ("[0] error: process 1 of 2 stopped responding (no heartbeat for 5 s: it died, "
+               "hung or lost the network); stopping this process too")
+    if busy == 0:
+        assert watched in out, out[-3000:]
+        assert f"[launch] process 0 exited with status {distributed.PEER_LOST_EXIT}" in out
+    else:  # whichever noticed first
+        assert (watched in out) != ("[launch] process 0 exited with signal SIGABRT" in out)
+    assert_ended_by_the_launcher(out, run_dir, 1, pid)
+    assert_no_native_lines(out)
     assert stopped_after < 60, out[-3000:]
 
     # The same command again resumes from the newest committed checkpoint and finishes.
-    latest = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    latest = committed_steps(run_dir)[-1]
     done = launch(*train, f"steps={latest + 10}")
     assert done.returncode == 0, done.stdout[-3000:]
     assert f"[0] resumed from step {latest} " in done.stdout
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, latest + 11))
+
+
+@pytest.mark.slow
+def test_a_dead_process_0_ends_the_job_in_the_launchers_line(tmp_path):
+    """Process 0 hosts JAX's coordinator: when it dies, JAX aborts the others at once. Before,
+    the job ended with their gRPC errors and XLA's stack traces and status.json still said
+    ``running``."""
+    run_dir = tmp_path / "run"
+    train = ["train", "--run-dir", str(run_dir), *RUN, "log_every=100", "checkpoint.every=100",
+             "distributed.peer_timeout_s=5"]
+    code, out, pid, stopped_after = kill_one_while_training(run_dir, 0, 0, *train)
+    assert code == 128 + signal.SIGKILL, out[-3000:]
+    assert "[launch] process 0 exited with signal SIGKILL" in out
+    assert_ended_by_the_launcher(out, run_dir, 0, pid)
+    assert_no_native_lines(out)
+    assert stopped_after < 60, out[-3000:]
 
 
 @pytest.mark.slow

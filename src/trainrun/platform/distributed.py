@@ -290,8 +290,14 @@ def process_env(devices_per_process: int | None, port: int) -> dict[str, str]:
 # A line of XLA's own log (absl's format) or of the stack trace of a check that failed: held
 # back by the launcher, shown only when they explain a failure it cannot name itself.
 NATIVE_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]|\*\*\* Check failure"
-                        r"|\s+@\s+0x|terminate called|  what\(\):")
-NATIVE_MORE = re.compile(r"$|\s|RPC: |absl::Status|\[type\.googleapis")  # the lines after one
+                        r"|\s+@\s+0x|terminate called|  what\(\):|Additional GRPC error")
+# The lines after one: a status's details, gRPC's, the ids of the tasks a status names.
+NATIVE_MORE = re.compile(r"$|\s|RPC: |absl::Status|\[type\.googleapis|Additional GRPC error"
+                         r"|:[A-Z_]+:Error received from peer|\d+(,\d+)*$|The tasks have crashed")
+# What JAX's coordination client logs when it aborts its process because the job broke
+# (another process died or stopped answering): that process is not the one that failed.
+STOPPED_BY_JAX = re.compile(r"JAX distributed service detected fatal errors"
+                            r"|Polled an error from coordination service")
 # What JAX's coordination service says when a process joins under an id the job has.
 INTRUDER = re.compile(r"(?:task:)?(\d+) unexpectedly tried to connect")
 JOB_STOPPED_EXIT = 1  # the environment stopped the job, not its input
@@ -308,10 +314,14 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
     get ``grace_s`` seconds to stop by themselves (they do, within their peer timeout) before
     they are terminated.
 
+    A process that died of a signal (``kill -9``, the out-of-memory killer, a crash) cannot say
+    so itself, and when it is process 0 the coordinator goes with it and JAX aborts the others
+    with its native logs: the launcher says it in one ``[launch] error:`` line, holds back the
+    logs of the processes that stopped because of it, and ``on_job_stopped(line, process 0's
+    train command, its pid)`` records it (the run's status) and returns the line to print.
     A process that is not the job's joining its coordinator under an id the job has makes JAX's
-    coordination service abort every process (``coordinator.py``): that is said in one line
-    (exit 1) instead of their native logs, and ``on_job_stopped(line, process 0's train
-    command, its pid)`` records it (the run's status) and returns the line to print.
+    coordination service abort every process (``coordinator.py``): that is said and recorded
+    the same way (exit 1).
     """
     if not train_args or train_args[0] != "train":
         raise DistributedError("trainrun launch runs a training command: "
@@ -326,6 +336,13 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
         with lock:
             out.write(text + "\n")
             out.flush()
+
+    def stopped(line: str) -> None:
+        """The job was stopped by what no process could report: recorded, then said."""
+        if on_job_stopped is not None:
+            with contextlib.suppress(Exception):  # the line goes out however it fares
+                line = on_job_stopped(line, commands[0], procs[0].pid)
+        say(f"[launch] error: {line}")
 
     procs: list[subprocess.Popen[str]] = []
     commands = [[*train_args, "distributed.kind=explicit",
@@ -343,27 +360,31 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
         pump.start()
     stopped_by: str | None = None  # the id a process that is not the job's joined under
 
-    def exited(i: int, code: int) -> None:
+    def echo(i: int, code: int) -> bool:
+        """Whether process ``i`` stopped because another failed (trainrun's watch or JAX's
+        coordination client stopped it), rather than failing itself."""
+        return code == PEER_LOST_EXIT or (
+            code < 0 and any(STOPPED_BY_JAX.search(line) for line in held[i]))
+
+    def exited(i: int, code: int, first: bool) -> None:
         nonlocal stopped_by
-        pumps[i].join(timeout=5)  # its last lines read
         # process 0 hosts the coordinator: its log names the intruder before anyone aborts
         found = INTRUDER.search("\n".join(line for lines in held for line in lines))
         if code != 0 and found is not None:
             if stopped_by is None:
                 stopped_by = found.group(1)
-                line = (f"a process that is not this job's joined its coordinator at "
+                stopped(f"a process that is not this job's joined its coordinator at "
                         f"127.0.0.1:{port} as process {stopped_by} (another job's, a stale one, "
-                        "or a wrong distributed.process_id); JAX's coordinator cannot refuse "
-                        "it and stopped every process of this job")
-                if on_job_stopped is not None:
-                    with contextlib.suppress(Exception):  # the line goes out however it fares
-                        line = on_job_stopped(line, commands[0], procs[0].pid)
-                say(f"[launch] error: {line}")
+                        "or a wrong distributed.process_id); JAX's coordinator cannot refuse it "
+                        "and stopped every process of this job")
             return
+        if code != 0 and (not first or echo(i, code)):
+            return  # stopped by another's failure: its logs only echo that failure
         for text in held[i]:  # not a stop it can name: XLA's own words
             say(f"[{i}] {text}")
 
     first_failure: int | None = None
+    cause: tuple[int, int] | None = None  # the first process to fail and its return code
     deadline: float | None = None
     terminated = False
     def forward_signal(signum: int, _frame: Any) -> None:
@@ -373,13 +394,17 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
     forward = {sig: signal.signal(sig, forward_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while any(p.returncode is None for p in procs):
-            for i, p in enumerate(procs):
-                if p.returncode is None and (code := p.poll()) is not None:
-                    exited(i, code)
-                    say(f"[launch] process {i} exited with {_describe(code)}")
-                    if code != 0 and first_failure is None:
-                        first_failure = JOB_STOPPED_EXIT if stopped_by else _status(code)
-                        deadline = time.monotonic() + grace_s
+            ended = [(i, code) for i, p in enumerate(procs)
+                     if p.returncode is None and (code := p.poll()) is not None]
+            for i, _ in ended:
+                pumps[i].join(timeout=5)  # its last lines read
+            # Found ended together: the one that failed before those its failure stopped.
+            for i, code in sorted(ended, key=lambda item: echo(*item)):
+                exited(i, code, first=first_failure is None)
+                say(f"[launch] process {i} exited with {_describe(code)}")
+                if code != 0 and first_failure is None:
+                    first_failure = JOB_STOPPED_EXIT if stopped_by else _status(code)
+                    cause, deadline = (i, code), time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
                 for i, p in enumerate(procs):
                     if p.poll() is None:
@@ -396,6 +421,9 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
                 p.kill()
     for pump in pumps:
         pump.join(timeout=5)
+    if cause is not None and cause[1] < 0 and stopped_by is None:
+        i, code = cause  # every process has exited: what the run's status says is final
+        stopped(_died(i, n, procs[i].pid, code, echo(i, code)))
     return first_failure or 0
 
 
@@ -412,11 +440,30 @@ def _pump(stream: TextIO, prefix: str, say: Any, held: list[str]) -> None:
             say(prefix + line)
 
 
+def _died(i: int, n: int, pid: int, returncode: int, stopped_by_jax: bool) -> str:
+    """The line for process ``i`` of ``n`` that died of signal ``-returncode``."""
+    name = _signal_name(-returncode)
+    if stopped_by_jax:  # the process it lost is still running: hung, or cut off
+        why = "JAX's coordination client aborted it: another process stopped answering"
+    else:
+        why = {"SIGKILL": "killed from outside: kill -9, or the system's out-of-memory killer",
+               "SIGABRT": "a native crash: its log is above", "SIGSEGV": "a native crash",
+               "SIGBUS": "a native crash"}.get(name, "stopped from outside")
+    return f"process {i} of {n} (pid {pid}) died of signal {name} ({why}), which stopped the job"
+
+
 def _status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name of its own
+        return str(number)
+
+
 def _describe(returncode: int) -> str:
     if returncode < 0:
-        return f"signal {signal.Signals(-returncode).name} (status {_status(returncode)})"
+        return f"signal {_signal_name(-returncode)} (status {_status(returncode)})"
     return f"status {returncode}"

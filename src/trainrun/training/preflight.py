@@ -18,6 +18,7 @@ from trainrun.config import TransformerModel
 from trainrun.data import DataError
 from trainrun.errors import UserError
 from trainrun.models import Model
+from trainrun.platform.host_memory import host_memory_free
 
 
 def check_batch(model: Model, data: Any, params: Any, from_config: bool) -> None:
@@ -78,14 +79,16 @@ def check_state_memory(abstract_state: Any, shardings: Any) -> None:
         return
     device = max(per_device, key=lambda d: per_device[d])
     if device.platform == "cpu":
-        need, free, where = sum(per_device.values()), host_memory_available(), "host memory"
+        need, where, (free, bound, fix) = sum(per_device.values()), "host memory", _host()
     else:
-        need, free, where = per_device[device], device_memory_available(device), str(device)
+        need, where, free, bound, fix = (per_device[device], str(device),
+                                         device_memory_available(device), "", "")
     if free is not None and need > free:
         raise UserError(f"the train state needs {_size(need)} of {where} ({_size(total)} of "
-                        f"params and optimizer state in all) and {_size(free)} is free: shrink "
-                        "the model, shard it over more devices (mesh.fsdp), or drop optimizer "
-                        "state (optimizer.name=sgd, optimizer.trainable, model.lora)")
+                        f"params and optimizer state in all) and {_size(free)} is free{bound}: "
+                        "shrink the model, shard it over more devices (mesh.fsdp), or drop "
+                        "optimizer state (optimizer.name=sgd, optimizer.trainable, "
+                        f"model.lora){fix}")
 
 
 def check_program_memory(compiled: jax.stages.Compiled, devices: list[Any], steps: int) -> None:
@@ -102,7 +105,7 @@ def check_program_memory(compiled: jax.stages.Compiled, devices: list[Any], step
                   + int(stats.generated_code_size_in_bytes))
     if devices[0].platform == "cpu":
         count = len(devices)
-        need, free, where = per_device * count, host_memory_available(), "host memory"
+        need, where, (free, bound, fix) = per_device * count, "host memory", _host()
         temp *= count
     else:
         available = {d: device_memory_available(d) for d in devices}
@@ -110,25 +113,23 @@ def check_program_memory(compiled: jax.stages.Compiled, devices: list[Any], step
         if not known:
             return
         device = min(known, key=lambda d: available[d] or 0)
-        need, free, where = per_device, available[device], str(device)
+        need, free, where, bound, fix = per_device, available[device], str(device), "", ""
     if free is not None and need > free:
         raise UserError(f"the compiled training step needs {_size(need)} of {where} (state and "
                         f"batches of a {steps}-step call, with {_size(temp)} of intermediates) "
-                        f"and {_size(free)} is free: lower data.batch_size or steps_per_call, "
-                        "split batches (accumulate), recompute activations (model.remat), "
-                        "compute in bfloat16 (precision.compute), or shrink the model")
+                        f"and {_size(free)} is free{bound}: lower data.batch_size or "
+                        "steps_per_call, split batches (accumulate), recompute activations "
+                        "(model.remat), compute in bfloat16 (precision.compute), or shrink the "
+                        f"model{fix}")
 
 
-def host_memory_available() -> int | None:
-    """The host memory the kernel can give this process now (``MemAvailable``), in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+def _host() -> tuple[int | None, str, str]:
+    """Free host memory, which limit bounds it (after a space) and, for a limit set on this
+    process or its cgroup, the fix that raising it is (``host_memory.py``)."""
+    host = host_memory_free()
+    if host is None:
+        return None, "", ""
+    return host.free, f" {host.limit}", "; or raise that limit" if host.raisable else ""
 
 
 def device_memory_available(device: Any) -> int | None:

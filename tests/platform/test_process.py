@@ -172,6 +172,21 @@ def test_configure_process_after_the_backend_started_changes_nothing_and_says_so
     assert notice.startswith("process settings not applied: JAX's backend had already started")
 
 
+def test_settings_made_before_the_backend_started_are_reported_as_made_after_it():
+    """trainrun train makes them, joins jax.distributed (the backend starts), then run() asks
+    again: every launched process 0 printed 'process settings not applied'."""
+    done = python("""
+        import jax, jax.numpy as jnp
+        import trainrun
+        first = trainrun.configure_process()
+        jnp.ones(2).block_until_ready()
+        again = trainrun.configure_process()
+        print(first.applied(), again.applied(), again == first, repr(again.notice))
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True", "True", "''"]
+
+
 def test_child_device_count_flag_replaces_any_count_already_set():
     flags = f"--xla_foo=1 {DEVICE_COUNT_FLAG}=8"
     assert with_device_count(flags, 2) == f"--xla_foo=1 {DEVICE_COUNT_FLAG}=2"

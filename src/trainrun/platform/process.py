@@ -193,7 +193,10 @@ def configure_process(inline_cpu_calls: bool | None = None) -> ProcessSettings:
     ``TRAINRUN_FAST_PATHS``). Call it once, before the first JAX computation; ``trainrun
     train`` and ``trainrun.run()`` call it themselves when they can. After JAX's backend has
     started nothing is changed and ``notice`` says so."""
+    global _made
     if backend_started():
+        if _made is not None:  # made before the backend started (trainrun train, then run())
+            return _made
         return ProcessSettings([], False, False, notice=(
             "process settings not applied: JAX's backend had already started (call "
             "trainrun.configure_process() before the first computation for trainrun's "
@@ -203,7 +206,11 @@ def configure_process(inline_cpu_calls: bool | None = None) -> ProcessSettings:
     flags = apply_default_flags()
     allocator = reuse_freed_memory()
     inline = run_cpu_calls_inline() if inline_cpu_calls else False
-    return ProcessSettings(flags, allocator, inline)
+    _made = ProcessSettings(flags, allocator, inline)
+    return _made
+
+
+_made: ProcessSettings | None = None  # what this process's first call made, before JAX started
 
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

@@ -18,6 +18,7 @@ from trainrun.config import TransformerModel
 from trainrun.data import DataError
 from trainrun.errors import UserError
 from trainrun.models import Model
+from trainrun.models.transformer import parameter_count
 
 
 def check_batch(model: Model, data: Any, params: Any, from_config: bool) -> None:
@@ -86,6 +87,34 @@ def check_state_memory(abstract_state: Any, shardings: Any) -> None:
                         f"params and optimizer state in all) and {_size(free)} is free: shrink "
                         "the model, shard it over more devices (mesh.fsdp), or drop optimizer "
                         "state (optimizer.name=sgd, optimizer.trainable, model.lora)")
+
+
+def check_model_memory(cfg: TransformerModel, devices: list[Any], dtype: str,
+                       described: str = "the model") -> None:
+    """Refuse, on one line and before a layer of it is built, a transformer whose params alone
+    (counted from its config, in ``dtype``) exceed the memory free on ``devices`` (the mesh's,
+    over which the params may be sharded): a config.json of a trillion layers would otherwise
+    be built module by module without end. ``check_state_memory`` counts the whole state once
+    the model is built."""
+    count = parameter_count(cfg)
+    need = count * np.dtype(dtype).itemsize
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    if not local:
+        return
+    if local[0].platform == "cpu":  # the host's memory, which its devices share
+        free, where = host_memory_available(), "host memory"
+    else:
+        known = [m for m in map(device_memory_available, local) if m is not None]
+        free, where = (sum(known) if known else None), f"{local[0].platform} memory"
+    if free is None:
+        return
+    free = free * len(devices) // len(local)  # other hosts' devices hold shards of it too
+    if need > free:
+        sizes = (f"layers={cfg.layers}, d_model={cfg.d_model}, heads={cfg.heads}, "
+                 f"mlp_hidden={cfg.hidden}, vocab={cfg.vocab}")
+        raise UserError(f"{described} ({sizes}) has {count:,} params, {_size(need)} as {dtype} "
+                        f"alone, and {_size(free)} of {where} is free: check its sizes (is its "
+                        "config.json damaged?) or give a smaller model")
 
 
 def check_program_memory(compiled: jax.stages.Compiled, devices: list[Any], steps: int) -> None:

@@ -21,11 +21,10 @@ one line and exit 2 with nothing created.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import dataclasses
 
 import jax
 import numpy as np

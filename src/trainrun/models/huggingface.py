@@ -32,6 +32,7 @@ GENERATION_CONFIG = "generation_config.json"
 HEAD = "lm_head.weight"
 # safetensors' float dtypes that numpy (or JAX, for bfloat16) reads as the values they hold
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+BLOCK_ELEMENTS = 2**24  # of a large table compared a block at a time, never read whole
 PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's names lack it
 LLAMA_FAMILY = ("llama", "qwen2", "mistral")
 MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
@@ -466,7 +467,7 @@ def separate_head(tensors: Tensors, model_type: str) -> bool:
         return True
     if not shape:
         return not np.array_equal(tensors.read(HEAD), tensors.read(embedding))
-    rows = max(1, 2**24 // max(1, math.prod(shape[1:])))  # 64 MiB of float32 at a time
+    rows = max(1, BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))
     for start in range(0, shape[0], rows):
         block = (slice(start, min(start + rows, shape[0])), *(slice(None),) * (len(shape) - 1))
         if not np.array_equal(tensors.read(HEAD, block), tensors.read(embedding, block)):

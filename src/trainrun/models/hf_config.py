@@ -35,11 +35,11 @@ class HFConfigError(UserError):
     """A value of ``config.json`` or ``adapter_config.json`` that is not what its key takes."""
 
 
-class _File(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
+class _JsonFile(BaseModel):
+    model_config = ConfigDict(extra="allow")  # keys trainrun does not read pass unchecked
 
 
-class RopeParameters(_File):
+class RopeParameters(_JsonFile):
     """``rope_parameters`` (transformers 5) or ``rope_scaling`` (hub checkpoints)."""
 
     rope_type: Text | None = Field(None, description="a rotary scheme's name")
@@ -52,7 +52,7 @@ class RopeParameters(_File):
     partial_rotary_factor: Positive | None = Field(None, description=POSITIVE)
 
 
-class _ModelConfig(_File):
+class _ModelConfig(_JsonFile):
     model_type: Text = Field(description="a model type's name")
     vocab_size: Count | None = Field(None, description=COUNT)
     tie_word_embeddings: Flag | None = Field(None, description=FLAG)
@@ -123,7 +123,7 @@ def _compiles(pattern: str, what: str) -> None:
         raise ValueError(f"{what} is not a regular expression ({err})") from None
 
 
-class AdapterConfig(_File):
+class AdapterConfig(_JsonFile):
     """The keys of PEFT's ``adapter_config.json`` that trainrun reads."""
 
     peft_type: Text | None = Field(None, description="a PEFT method's name")
@@ -147,9 +147,8 @@ class AdapterConfig(_File):
         if isinstance(self.target_modules, str):  # PEFT matches it whole against module names
             _compiles(self.target_modules, f"target_modules {self.target_modules!r}")
         for name in ("rank_pattern", "alpha_pattern"):
-            for key in getattr(self, name) or {}:
-                # as PEFT matches a key: against a dotted suffix of the module's name
-                _compiles(rf"(.*\.)?({key})$", f"{name} key {key!r}")
+            for key in getattr(self, name) or {}:  # PEFT matches (.*\.)?(KEY)$ with each
+                _compiles(key, f"{name} key {key!r}")
         return self
 
 
@@ -184,6 +183,7 @@ def checked(model: type[BaseModel], raw: dict[str, Any], where: str, fix: str) -
 
 def describe(err: pydantic.ValidationError, model: type[BaseModel], raw: dict[str, Any],
              where: str, fix: str) -> str:
+    """The one line for the first problem ``err`` found in ``raw``."""
     first = err.errors()[0]
     if first["type"] == "value_error":  # a check across keys, or a pattern: its own words
         return f"{where}: {first['msg'].removeprefix('Value error, ')}; {fix}"

@@ -37,7 +37,9 @@ LOGGERS = ("absl", "orbax", "jax", "matplotlib")
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """``mlp``: 4 steps, checkpoints 2 and 4. ``lm``: a 1-layer byte LM in GPT-2's layout
-    (learned positions, biases), 1 step: what `sample`, `export` and `load` read."""
+    (learned positions, biases), 1 step: what `sample`, `export` and `load` read. Hugging Face
+    directories for `train`'s init.from and `load`: ``hf-gpt2``, ``lm`` exported; ``hf-llama``,
+    a 1-layer byte LM in the Llama layout; ``adapter``, LoRA adapters on ``hf-gpt2``."""
     root = tmp_path_factory.mktemp("trained")
     trainrun.run(load_config("mlp", ["steps=4", "checkpoint.every=2",
                                      "metrics.tensorboard=false"]), root / "mlp", out=io.StringIO())
@@ -49,7 +51,33 @@ def trained(tmp_path_factory) -> Path:
         "model.heads=2", "model.seq_len=16", "model.positions=learned", "model.bias=true",
         f"data.paths=[{corpus}]", "data.seq_len=16", "data.batch_size=2",
         "metrics.tensorboard=false"]), root / "lm", out=io.StringIO())
+    hugging_face_dirs(root)
     return root
+
+
+def hugging_face_dirs(root: Path) -> None:
+    import jax
+    import numpy as np
+
+    from trainrun.checkpointing.reader import saved_config
+    from trainrun.config import LoraConfig, TransformerModel
+    from trainrun.export import export_run
+    from trainrun.models import build_model
+    from trainrun.models.huggingface import write_model_dir
+    from trainrun.models.peft import write_adapter_dir
+
+    export_run(root / "lm", root / "hf-gpt2")
+    llama = TransformerModel(vocab=256, d_model=16, layers=1, heads=2, seq_len=16, mlp="swiglu",
+                             mlp_hidden=32, norm="rmsnorm", tie_embeddings=False)
+    params = jax.tree.map(np.asarray, build_model(llama).init(jax.random.key(0)))
+    write_model_dir(params, llama, root / "hf-llama", model_type="llama")
+    rng = np.random.default_rng(0)
+    adapters = {"blocks": {"0": {"attn": {t: {
+        "a": rng.normal(size=(16, 2)).astype(np.float32),
+        "b": rng.normal(size=(2, 16)).astype(np.float32)} for t in ("q_lora", "v_lora")}}}}
+    gpt2 = saved_config(root / "lm").model
+    write_adapter_dir(adapters, gpt2.model_copy(update={"lora": LoraConfig(
+        rank=2, alpha=4.0, targets=("q", "v"))}), "gpt2", str(root / "hf-gpt2"), root / "adapter")
 
 
 class Sandbox:
@@ -116,6 +144,21 @@ class Sandbox:
                 "data.task=null", f"data.paths={path}", "steps=2",
                 "optimizer.schedule.kind=constant", *settings]
 
+    def hf(self, name: str = "hf-gpt2", weights: str | None = None, **config) -> Path:
+        """A copy of the Hugging Face directory ``name`` (an adapter directory too) with
+        ``config`` in its config.json (adapter_config.json); ``weights``: a tensor of its
+        model.safetensors stored as integers."""
+        path = self.copy(name)
+        file = path / ("adapter_config.json" if name == "adapter" else "config.json")
+        file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
+        if weights is not None:
+            from safetensors.numpy import load_file, save_file
+
+            tensors = load_file(str(path / "model.safetensors"))
+            tensors[weights] = (tensors[weights] * 100).astype("int64")
+            save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+
     def unreadable(self, path: Path) -> Path:
         path.chmod(0)
         return path
@@ -152,6 +195,17 @@ class Case:
 
 
 RO = r"read-only file system|permission denied"
+
+
+def finetune(s: Sandbox, source: Path) -> list[str]:
+    """`train --config finetune` from ``source`` on a small corpus, into ``run``."""
+    corpus = s.file("corpus.txt", "the quick brown fox jumps over the lazy dog.\n" * 60)
+    return ["train", "--config", "finetune", "--run-dir", str(s.tmp / "run"),
+            f"init.from={source}", "steps=2", "optimizer.schedule.warmup_steps=0",
+            "eval.every=0", f"data.paths=[{corpus}]", "data.seq_len=16", "data.batch_size=2",
+            "metrics.tensorboard=false"]
+
+
 CASES = [
     # ---- report RUN_DIR ----
     Case("report-missing", lambda s: ["report", str(s.missing)], 2, "holds no trainrun run"),
@@ -300,6 +354,41 @@ CASES = [
          "runs a training command"),
     Case("launch-no-processes", lambda s: ["launch", "-n", "0", "--", "train"], 2,
          "needs -n >= 1"),
+    # ---- train --config finetune init.from=DIR (a Hugging Face or PEFT adapter directory) ----
+    Case("train-init-from-config-json-zero-heads", lambda s: finetune(s, s.hf(n_head=0)), 2,
+         r"config\.json has n_head 0, which is not a whole number from 1 .*save_pretrained"),
+    Case("train-init-from-config-json-rope-list", lambda s: finetune(s, s.hf(
+        "hf-llama", rope_parameters=[1, 2])), 2, r"config\.json has rope_parameters \[1, 2\], "
+        "which is not an object of rotary settings"),
+    Case("train-init-from-config-json-partial-rotary-text", lambda s: finetune(s, s.hf(
+        "hf-llama", partial_rotary_factor="abc")), 2, "partial_rotary_factor 'abc', which is "
+        "not a finite number above 0"),
+    Case("train-init-from-config-json-sliding-window-text", lambda s: finetune(s, s.hf(
+        "hf-llama", model_type="mistral", sliding_window="abc")), 2,
+        "sliding_window 'abc', which is not a whole number"),
+    Case("train-init-from-config-json-negative-width", lambda s: finetune(s, s.hf(
+        "hf-llama", hidden_size=-32)), 2, "hidden_size -32, which is not a whole number"),
+    Case("train-init-from-larger-than-memory", lambda s: finetune(s, s.hf(n_layer=10**12)), 2,
+         r"the model of init\.from .*layers=1000000000000.* params, .* and .* of host memory "
+         "is free"),
+    Case("train-init-from-integer-weights", lambda s: finetune(s, s.hf(
+        "hf-llama", weights="model.layers.0.mlp.up_proj.weight")), 2,
+        r"tensor model\.layers\.0\.mlp\.up_proj\.weight in .*model\.safetensors has dtype "
+        "I64; trainrun reads float weights"),
+    Case("train-init-from-adapter-rank-text", lambda s: finetune(s, s.hf("adapter", r="eight")),
+         2, r"adapter_config\.json has r 'eight', which is not a whole number"),
+    Case("train-init-from-adapter-alpha-text", lambda s: finetune(s, s.hf(
+        "adapter", lora_alpha="x")), 2, "lora_alpha 'x', which is not a finite number"),
+    Case("train-init-from-adapter-number-in-targets", lambda s: finetune(s, s.hf(
+        "adapter", target_modules=["c_attn", 3])), 2, r"target_modules\[1\] 3, which is not"),
+    Case("train-init-from-adapter-rank-pattern-list", lambda s: finetune(s, s.hf(
+        "adapter", rank_pattern=[1])), 2, r"rank_pattern \[1\], which is not an object"),
+    Case("train-init-from-adapter-rank-pattern-bad-regex", lambda s: finetune(s, s.hf(
+        "adapter", rank_pattern={"c_attn(": 4})), 2,
+        r"rank_pattern key 'c_attn\(' is not a regular expression"),
+    Case("train-init-from-unreadable-weights", lambda s: finetune(s, s.unreadable(
+        s.hf() / "model.safetensors").parent), 1, r"permission denied: .*model\.safetensors",
+        unreadable=True),
     # ---- bench ceiling ----
     Case("bench-ceiling-too-small", lambda s: ["bench", "ceiling", "--size", "3"], 2,
          "--size >= 64"),
@@ -383,6 +472,23 @@ def test_load_refuses_in_one_line(what, expected, trained, tmp_path):
     sandbox = Sandbox(tmp_path, trained)
     path = {"missing": sandbox.missing, "long": sandbox.long, "file": sandbox.file(),
             "mlp": sandbox.mlp, "garbage": sandbox.garbage("lm", "config.yaml")}[what]
+    with pytest.raises(trainrun.UserError) as err:
+        trainrun.load(path)
+    assert "\n" not in str(err.value) and re.search(expected, str(err.value)), err.value
+
+
+@pytest.mark.parametrize("name, changes, expected", [
+    ("hf-gpt2", {"n_head": 0}, r"config\.json has n_head 0, which is not a whole number"),
+    ("hf-llama", {"rope_parameters": [1, 2]}, r"rope_parameters \[1, 2\], which is not"),
+    ("hf-llama", {"num_attention_heads": 0}, "num_attention_heads 0, which is not"),
+    ("hf-gpt2", {"n_layer": 10**12}, r"layers=1000000000000.* params, .* is free"),
+    ("hf-llama", {"weights": "model.norm.weight"}, "model.norm.weight in .* has dtype I64"),
+    ("adapter", {"r": "eight"}, r"adapter_config\.json has r 'eight', which is not"),
+    ("adapter", {"rank_pattern": {"(": 4}}, "rank_pattern key '\\(' is not a regular"),
+])
+def test_load_refuses_a_bad_hugging_face_directory_in_one_line(name, changes, expected,
+                                                               trained, tmp_path):
+    path = Sandbox(tmp_path, trained).hf(name, **changes)
     with pytest.raises(trainrun.UserError) as err:
         trainrun.load(path)
     assert "\n" not in str(err.value) and re.search(expected, str(err.value)), err.value

@@ -7,7 +7,14 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from trainrun.errors import OutOfMemory, UserError, WriteFailed, path_refused, printable
+from trainrun.errors import (
+    OutOfMemory,
+    ReadFailed,
+    UserError,
+    WriteFailed,
+    path_refused,
+    printable,
+)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -344,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {printable(str(err))}", file=sys.stderr)
         return 2
-    except (WriteFailed, OutOfMemory) as err:  # the disk or memory, not the input: exit 1
+    except (WriteFailed, ReadFailed, OutOfMemory) as err:  # the system, not the input: exit 1
         print(f"error: {printable(str(err))}", file=sys.stderr)
         return 1
     except OSError as err:  # a path the system refused where no command checked it first

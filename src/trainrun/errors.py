@@ -1,6 +1,7 @@
-"""Errors the CLI reports on one line: bad input the user fixes (exit 2), and a write the file
-system refused (exit 1); ``path_refused``, the line for a path the system would not take; and
-``printable``, which keeps a name in such a line from driving the terminal."""
+"""Errors the CLI reports on one line: bad input the user fixes (exit 2), and a write or a read
+the file system refused (exit 1); ``path_refused``, the line for a path the system would not
+take, and ``read_refused``, the error for a file it would not read; and ``printable``, which
+keeps a name in such a line from driving the terminal."""
 
 import errno
 
@@ -12,6 +13,11 @@ class UserError(Exception):
 class WriteFailed(Exception):
     """Not bad input: the file system refused a write (a full disk, a read-only folder). The
     run stops with one line naming the file and the last committed checkpoint; exit 1."""
+
+
+class ReadFailed(Exception):
+    """Not bad input: the system refused to read a file the input names (no permission, an I/O
+    error). One line naming the file and the cause; exit 1."""
 
 
 class OutOfMemory(Exception):
@@ -61,3 +67,10 @@ def path_refused(err: OSError) -> tuple[str, int]:
     what, fix = _REFUSED.get(err.errno or 0, (
         (err.strerror or type(err).__name__).lower(), "check the path and the system"))
     return f"{what}: {name}; {fix}", 1
+
+
+def read_refused(err: OSError) -> Exception:
+    """What to raise for a file the system would not read: ``ReadFailed`` where the system
+    refused (exit 1), ``UserError`` where the path cannot be what was given (exit 2)."""
+    line, code = path_refused(err)
+    return ReadFailed(line) if code == 1 else UserError(line)

@@ -122,6 +122,10 @@ def load(path: str | Path, *, ema: bool = False) -> LanguageModel:
         raise LoadError(f"{path} is a lone weights file: load its model directory (with "
                         "config.json), a run directory or an adapter directory")
     cfg = model_of(path)
+    from trainrun.training.preflight import check_model_memory
+
+    # the params go whole onto the first device: refused there before a layer is built
+    check_model_memory(cfg, jax.local_devices()[:1], "float32", f"the model of {path}")
     model = build_model(cfg)
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     params = placed_params(readers(str(path), cfg, abstract), model, 0, abstract, None)

@@ -3,6 +3,7 @@ its whole state; a source that does not fit is one line, exit 2, nothing written
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import re
@@ -174,3 +175,68 @@ def test_a_run_as_init_from_gives_its_model(finetuned, tmp_path):
     with pytest.raises(WeightsError, match=r"d_model=48 in the config, but .*config\.yaml has "
                                            r"d_model 32"):
         resolved(load_config("finetune", [f"init.from={base_dir}", "model.d_model=48"]))
+
+
+@pytest.mark.slow
+def test_a_tied_config_whose_file_holds_another_head_starts_untied_from_that_head(tmp_path):
+    """transformers loads such a head as its own (PreTrainedModel.tie_weights ties only equal
+    tensors); the run starting from it had tied it to the embedding, logits ~1 apart."""
+    path = save_tiny_gpt2(tmp_path / "gpt2", vocab=256, tie_word_embeddings=False)
+    hf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**hf, "tie_word_embeddings": True}))
+    config = finetune(tmp_path, path)
+    model, optimizer, policy, abstract = start_of(config)
+    start = initial_state(config, model, optimizer, policy, None, abstract)
+    logits = np.asarray(bind_transformer(config.model)(start.params)(jnp.asarray(TOKENS))[0])
+    np.testing.assert_allclose(logits, hf_logits(path), rtol=0, atol=1e-4)
+    assert config.model.tie_embeddings is False and "head" in start.params
+
+
+def deny_reading(monkeypatch, file: Path) -> None:
+    """Reading ``file`` fails as it does for a user without permission (the tests run as root,
+    whom mode bits do not stop): ``open`` raises EACCES, and safetensors, which reports any
+    failure to open as a missing file, says "No such file or directory"."""
+    import builtins
+
+    import safetensors
+
+    real_open, real_safe_open = builtins.open, safetensors.safe_open
+
+    def opened(name, *args, **kwargs):
+        if Path(name) == file:
+            raise PermissionError(errno.EACCES, "Permission denied", str(name))
+        return real_open(name, *args, **kwargs)
+
+    def safe_opened(name, *args, **kwargs):
+        if Path(name) == file:
+            raise FileNotFoundError(f"No such file or directory: {name}")
+        return real_safe_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", opened)
+    monkeypatch.setattr(safetensors, "safe_open", safe_opened)
+
+
+# read while the model is resolved (tied: the head is compared), or at init, after the data
+@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_weights_the_user_cannot_read_are_named_as_permission_denied(tmp_path, monkeypatch,
+                                                                    capsys, tied):
+    path = save_tiny_gpt2(tmp_path / "gpt2", vocab=256, tie_word_embeddings=tied)
+    weights = path / "model.safetensors"
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    deny_reading(monkeypatch, weights)
+    capsys.readouterr()
+    code = main(["train", "--config", "finetune", "--run-dir", str(tmp_path / "run"),
+                 f"init.from={path}", "steps=2", "optimizer.schedule.warmup_steps=0",
+                 "eval.every=0", f"data.paths=[{corpus}]", "data.seq_len=32",
+                 "data.batch_size=2", "metrics.tensorboard=false"])
+    err = capsys.readouterr().err
+    # was: "error: cannot read ...: No such file or directory ...", exit 2
+    assert (code, err) == (1, f"error: permission denied: {weights}; give this user access or "
+                              "another path\n")
+    assert not (tmp_path / "run").exists()
+    import trainrun
+    from trainrun.errors import ReadFailed
+
+    with pytest.raises(ReadFailed, match=f"^permission denied: {re.escape(str(weights))};"):
+        trainrun.load(path)

@@ -6,6 +6,7 @@ trainrun does not compute is refused in one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -14,7 +15,9 @@ from conftest import hf_logits, save_tiny_causal_lm, save_tiny_gpt2
 
 import trainrun
 from trainrun.checkpointing.init_from import model_of
+from trainrun.config import TransformerModel
 from trainrun.models.huggingface import INDEX, Tensors, WeightsError, write_model_dir
+from trainrun.platform.host_memory import HostMemory
 
 pytest.importorskip("transformers", reason="the tests' extra holds transformers")
 
@@ -148,3 +151,145 @@ def test_a_truncated_or_mismatched_file_is_one_line_naming_it(family_dirs, tmp_p
     (changed / "config.json").write_text(json.dumps({**hf, "intermediate_size": 64}))
     with pytest.raises(WeightsError, match=r"mlp\.gate_proj\.weight has shape \(96, 64\)"):
         trainrun.load(changed)
+
+
+# ---- every value of config.json checked before use ------------------------------------------
+
+
+def edited_copy(source, to, **changes):
+    """A copy of the model directory ``source`` at ``to`` with ``changes`` in its config.json
+    (a value None: the key removed)."""
+    to.mkdir()
+    for file in source.iterdir():
+        (to / file.name).write_bytes(file.read_bytes())
+    hf = json.loads((to / "config.json").read_text())
+    hf.update(changes)
+    (to / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
+    return to
+
+
+@pytest.mark.parametrize(("family", "changes", "says"), [
+    # each was a traceback (AttributeError, ValueError, ZeroDivisionError or pydantic's)
+    ("llama", {"rope_parameters": [1, 2]}, r"rope_parameters \[1, 2\], which is not an object"),
+    ("llama", {"partial_rotary_factor": "abc"}, "partial_rotary_factor 'abc', which is not"),
+    ("llama", {"num_attention_heads": 0}, "num_attention_heads 0, which is not a whole number"),
+    ("llama", {"hidden_size": -32}, "hidden_size -32, which is not a whole number from 1"),
+    ("mistral", {"sliding_window": "abc"}, "sliding_window 'abc', which is not a whole number"),
+    ("qwen2", {"sliding_window": "abc", "use_sliding_window": True}, "sliding_window 'abc'"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": "x"}},
+     "rope_parameters.factor 'x', which is not a finite number above 0"),
+    ("llama", {"layer_types": ["full_attention", 3]}, r"layer_types\[1\] 3, which is not"),
+    ("llama", {"rms_norm_eps": float("nan")}, "rms_norm_eps nan, which is not a finite number"),
+    # accepted before and converted: a damaged file, not a value to guess at
+    ("llama", {"intermediate_size": "96"}, "intermediate_size '96', which is not a whole"),
+    ("qwen2", {"tie_word_embeddings": "false"}, "tie_word_embeddings 'false', which is not "
+                                                "true or false"),
+    ("llama", {"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of "
+                                          "num_key_value_heads 3"),
+    ("gpt2", {"n_head": 3}, "n_embd 32 is not a multiple of n_head 3"),
+    ("gpt2", {"n_layer": 2.0}, "n_layer 2.0, which is not a whole number"),
+])
+def test_each_config_json_value_is_checked_before_use(family_dirs, tmp_path, family, changes,
+                                                      says):
+    source = (save_tiny_gpt2(tmp_path / "gpt2", vocab=96) if family == "gpt2"
+              else family_dirs[family])
+    path = edited_copy(source, tmp_path / "edited", **changes)
+    with pytest.raises(trainrun.UserError) as err:
+        trainrun.load(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path / "config.json") in message, message
+    assert re.search(says, message), message
+
+
+def test_a_model_larger_than_memory_is_refused_before_a_layer_is_built(family_dirs, tmp_path,
+                                                                      monkeypatch):
+    import trainrun.models
+    from trainrun.training import preflight
+
+    built = []
+    build = trainrun.models.build_model
+
+    def recorded(cfg):  # building 10**12 blocks ran for hours with no output
+        built.append(cfg)
+        assert cfg.layers < 1000, f"a model of {cfg.layers} layers is being built"
+        return build(cfg)
+
+    monkeypatch.setattr(trainrun.models, "build_model", recorded)
+    huge = edited_copy(family_dirs["llama"], tmp_path / "huge", num_hidden_layers=10**12)
+    with pytest.raises(trainrun.UserError, match=r"layers=1000000000000.* has "
+                       r"30,848,000,000,012,352 params, .* as float32 alone, and .* of host "
+                       r"memory is free") as err:
+        trainrun.load(huge)
+    assert "\n" not in str(err.value) and built == []
+    # the check weighs params against the memory there is, not against a fixed limit
+    model = trainrun.load(family_dirs["llama"])
+    params = sum(np.size(x) for x in jax.tree.leaves(model.params))
+    monkeypatch.setattr(preflight, "host_memory_free",
+                        lambda: HostMemory(4 * params - 1, "(MemAvailable)", False))
+    with pytest.raises(trainrun.UserError, match=f"has {params:,} params"):
+        trainrun.load(family_dirs["llama"])
+    monkeypatch.setattr(preflight, "host_memory_free",
+                        lambda: HostMemory(4 * params, "(MemAvailable)", False))
+    assert trainrun.load(family_dirs["llama"]).config.layers == 2
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+
+def rewritten(path, to, **tensors):
+    """A copy of the one-file model directory ``path`` at ``to`` whose model.safetensors has
+    ``tensors`` in place of (or beside) its own."""
+    from safetensors.numpy import load_file, save_file
+
+    to.mkdir()
+    for file in path.iterdir():
+        (to / file.name).write_bytes(file.read_bytes())
+    weights = load_file(str(to / "model.safetensors"))
+    save_file({**weights, **tensors}, str(to / "model.safetensors"), metadata={"format": "pt"})
+    return to
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_tied_config_whose_file_holds_another_head_loads_untied_as_transformers_does(
+        family_dirs, tmp_path, family):
+    """transformers ties lm_head to the embedding only when the file's two are equal
+    (PreTrainedModel.tie_weights); trainrun tied them and its logits differed by ~1."""
+    source = (save_tiny_gpt2(tmp_path / "gpt2", vocab=96, tie_word_embeddings=False)
+              if family == "gpt2" else family_dirs["llama"])
+    path = edited_copy(source, tmp_path / "tied", tie_word_embeddings=True)
+    model = trainrun.load(path)
+    np.testing.assert_allclose(model(TOKENS), hf_logits(path, TOKENS), rtol=0, atol=1e-4)
+    assert not model.config.tie_embeddings and "head" in model.params
+
+
+def test_a_tied_config_whose_file_holds_a_copy_of_the_embedding_stays_tied(family_dirs,
+                                                                          tmp_path):
+    from safetensors.numpy import load_file
+
+    source = family_dirs["qwen2"]  # tied: transformers saved no lm_head.weight
+    embedding = load_file(str(source / "model.safetensors"))["model.embed_tokens.weight"]
+    path = rewritten(source, tmp_path / "copy", **{"lm_head.weight": embedding.copy()})
+    model = trainrun.load(path)
+    assert model.config.tie_embeddings and "head" not in model.params
+    np.testing.assert_allclose(model(TOKENS), hf_logits(path, TOKENS), rtol=0, atol=1e-4)
+    # the run's model section may not tie what the file unties
+    other = rewritten(source, tmp_path / "other", **{"lm_head.weight": embedding * 2})
+    with pytest.raises(WeightsError, match=r"lm_head\.weight that differs from the embedding"):
+        model_of(other, TransformerModel(tie_embeddings=True))
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int8, np.bool_])
+def test_integer_and_bool_weights_are_refused_naming_the_tensor_its_dtype_and_file(
+        family_dirs, tmp_path, dtype):
+    from safetensors.numpy import load_file
+
+    source = family_dirs["qwen2"]
+    name = "model.layers.1.mlp.up_proj.weight"
+    weight = load_file(str(source / "model.safetensors"))[name]
+    path = rewritten(source, tmp_path / "ints", **{name: (weight * 10).astype(dtype)})
+    with pytest.raises(WeightsError) as err:
+        trainrun.load(path)  # was: loaded, and trained, as floats
+    kind = {np.int64: "I64", np.int8: "I8", np.bool_: "BOOL"}[dtype]
+    assert str(err.value) == (f"tensor {name} in {path / 'model.safetensors'} has dtype {kind}; "
+                              "trainrun reads float weights (F16, BF16, F32, F64): give the "
+                              "model's float weights")

@@ -6,6 +6,7 @@ same delta; what trainrun's adapters cannot express is refused on one line."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -339,6 +340,50 @@ def edit_config(path: Path, **fields: Any) -> None:
 def test_config_fields_that_change_the_maths_are_refused(written, fields, match):
     edit_config(written, **fields)
     refused(written, match)
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    # each was a traceback (ValueError, TypeError, AttributeError or re.error)
+    ({"r": "eight"}, "r 'eight', which is not a whole number from 1"),
+    ({"lora_alpha": "x"}, "lora_alpha 'x', which is not a finite number"),
+    ({"target_modules": ["q_proj", 3]}, r"target_modules\[1\] 3, which is not a list of module "
+                                        "names, or one regular expression"),
+    ({"rank_pattern": [1]}, r"rank_pattern \[1\], which is not an object of regular "
+                            "expressions to ranks"),
+    ({"rank_pattern": {"q_proj(": 4}}, r"rank_pattern key 'q_proj\(' is not a regular "
+                                       "expression"),
+    ({"alpha_pattern": {"[v": 8}}, r"alpha_pattern key '\[v' is not a regular expression"),
+    ({"target_modules": "(q|v)_proj("}, "target_modules .* is not a regular expression"),
+    # accepted before and converted
+    ({"r": 4.0}, "r 4.0, which is not a whole number"),
+    ({"rank_pattern": {"q_proj": "4"}}, "rank_pattern.q_proj '4', which is not an object"),
+    ({"layers_to_transform": [0, -1]}, r"layers_to_transform\[1\] -1, which is not a layer "
+                                       "index"),
+    ({"use_rslora": "no"}, "use_rslora 'no', which is not true or false"),
+])
+def test_each_adapter_config_value_is_checked_before_use(written, fields, says):
+    edit_config(written, **fields)
+    with pytest.raises(UserError) as err:
+        read_adapter_dir(written, trainrun_cfg("llama"), "llama")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(written / ADAPTER_CONFIG)), message
+    assert re.search(says, message), message
+    assert message.endswith("correct it, or save the adapter again with PEFT's "
+                            "save_pretrained"), message
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+def test_integer_and_bool_adapter_weights_are_refused(written, dtype):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(written / ADAPTER_WEIGHTS))
+    name = "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"
+    save_file({**tensors, name: (tensors[name] * 10).astype(dtype)},
+              str(written / ADAPTER_WEIGHTS))
+    message = refused(written, "has dtype")  # was: read, and trained, as floats
+    assert message == (f"tensor {name} in {written / ADAPTER_WEIGHTS} has dtype "
+                       f"{np.dtype(dtype)}; LoRA weights are floats: save the adapter's float "
+                       "weights")
 
 
 def test_peft_dora_is_refused(tmp_path):

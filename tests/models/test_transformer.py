@@ -88,3 +88,19 @@ def test_remat_under_scanned_layers_lowers_the_steps_temporaries():
     temp = {remat: temporaries(big.model_copy(update={"remat": remat}))
             for remat in ("none", "dots_saveable", "full")}
     assert temp["full"] < temp["dots_saveable"] < 0.5 * temp["none"], temp
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"positions": "learned", "bias": True},
+    {"kv_heads": 1, "head_dim": 6, "mlp_hidden": 20, "tie_embeddings": False},
+    {"llama": True},
+    {"bias": True, "mlp": "swiglu", "lora": {"rank": 3, "alpha": 2.0, "targets": ["all-linear"]}},
+    {"lora": {"rank": 2, "alpha": 2.0, "targets": ["q", "down"]}, "scan_layers": True},
+])
+def test_parameter_count_is_the_count_of_the_params_init_makes(changes):
+    from trainrun.models.transformer import parameter_count
+
+    cfg = (llama_shaped(BASE, kv_heads=1) if changes.get("llama")
+           else TransformerModel.model_validate({**BASE.model_dump(), **changes}))
+    abstract = jax.eval_shape(build_model(cfg).init, jax.random.key(0))
+    assert parameter_count(cfg) == sum(x.size for x in jax.tree.leaves(abstract))

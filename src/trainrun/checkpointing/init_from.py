@@ -21,12 +21,14 @@ one line and exit 2 with nothing created.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+import pydantic
 from pydantic import BaseModel
 
 from trainrun import extras, rundir
@@ -55,6 +57,7 @@ from trainrun.models.huggingface import (
     read_config,
     read_param,
     refuse_unsupported,
+    separate_head,
     tensor_map,
 )
 from trainrun.program.optim import Optimizer, param_name
@@ -159,6 +162,14 @@ def model_of(path: Path, model: TransformerModel | None = None,
     base = _adapter_base(path) if adapter else path
     hf = read_config(base)
     arch = architecture(hf, str(base / CONFIG))
+    if arch.fields["tie_embeddings"] and separate_head(Tensors.of(base), arch.model_type):
+        if "tie_embeddings" in model.model_fields_set and model.tie_embeddings:
+            raise WeightsError(f"model.tie_embeddings=true in the config, but the weights of "
+                               f"{base} hold an lm_head.weight that differs from the "
+                               "embedding, which transformers loads as a head of its own: drop "
+                               "model.tie_embeddings")
+        # as transformers loads it: tie_word_embeddings holds only for an equal head
+        arch = dataclasses.replace(arch, fields={**arch.fields, "tie_embeddings": False})
     agreed = _agreed(model, arch, base / CONFIG, seq_len)
     refuse_unsupported(hf, agreed.seq_len, str(base / CONFIG))
     if not adapter:
@@ -214,8 +225,22 @@ def _agreed(model: TransformerModel, arch: Architecture, described_by: Path,
             raise WeightsError(f"model.seq_len={wanted} is longer than {described_by}'s "
                                f"max_position_embeddings {arch.max_positions}; shorten it")
         fields["seq_len"] = wanted
-    candidate = TransformerModel.model_validate({**model.model_dump(), **{
-        k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in fields.items()}})
+    try:
+        candidate = TransformerModel.model_validate({**model.model_dump(), **{
+            k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in fields.items()}})
+    except pydantic.ValidationError as err:  # a value, or sizes that do not fit together
+        first = err.errors()[0]
+        message = first["msg"].removeprefix("Value error, ")
+        field = str(first["loc"][0]) if first["loc"] else None
+        if field is None:
+            raise WeightsError(f"the model {described_by} describes cannot be built: "
+                               f"{message}") from None
+        if field in fields:
+            raise WeightsError(f"{described_by} has {arch.keys.get(field, field)} "
+                               f"{first['input']!r}, which trainrun's transformer does not take "
+                               f"({message})") from None
+        raise WeightsError(f"model.{field}={first['input']!r} does not fit the model of "
+                           f"{described_by} ({message})") from None
     compared = set(fields) | ({"mlp_ratio"} if "mlp_hidden" in fields else set())
     for field in sorted(model.model_fields_set & compared):
         attr = _EFFECTIVE.get(field, field)
@@ -272,12 +297,17 @@ def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reade
         return _from_hf(tensors, base_cfg, "qwen2" if cfg.qkv_bias else LLAMA_FAMILY[0],
                         shapes, str(path))
     sizes = {n: tensors.shape(n) for n in names}
+    tensors.check_floats(names)
     return _checked({n: _tensor_reader(tensors, Source(n)) for n in names}, sizes, shapes,
                     str(path))
 
 
 def _from_hf(tensors: Tensors, cfg: TransformerModel, model_type: str,
              shapes: dict[str, tuple[int, ...]], where: str) -> dict[str, Reader]:
+    if cfg.tie_embeddings and separate_head(tensors, model_type):
+        raise WeightsError(f"{where} holds an lm_head.weight that differs from the embedding, "
+                           "but model.tie_embeddings is true: set model.tie_embeddings=false "
+                           "to load it as the output head")
     wanted = tensor_map(cfg, model_type)
     unknown = sorted(set(wanted) - set(shapes))
     if unknown:  # the model lacks a param the layout has (bias, head, positions)

@@ -23,11 +23,16 @@ from typing import Any
 import numpy as np
 
 from trainrun.config import RopeScaling, TransformerModel
-from trainrun.errors import UserError
+from trainrun.errors import UserError, read_refused
+from trainrun.models.hf_config import checked_model_config
 
 PyTree = Any
 WEIGHTS, CONFIG, INDEX = "model.safetensors", "config.json", "model.safetensors.index.json"
 GENERATION_CONFIG = "generation_config.json"
+HEAD = "lm_head.weight"
+# safetensors' float dtypes that numpy (or JAX, for bfloat16) reads as the values they hold
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+BLOCK_ELEMENTS = 2**24  # of a large table compared a block at a time, never read whole
 PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's names lack it
 LLAMA_FAMILY = ("llama", "qwen2", "mistral")
 MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
@@ -56,12 +61,13 @@ class Architecture:
 
 
 def architecture(hf: dict[str, Any], where: str = CONFIG) -> Architecture:
-    """The transformer a ``config.json`` describes; a field trainrun cannot compute is refused
-    in one line naming it."""
+    """The transformer a ``config.json`` describes; a value of the wrong type or out of range,
+    or a field trainrun cannot compute, is refused in one line naming it."""
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise WeightsError(f"{where} has model_type {model_type!r}; trainrun reads "
                            + ", ".join(MODEL_TYPES))
+    checked_model_config(hf, where)
     if hf.get("quantization_config"):
         raise WeightsError(f"{where} describes quantized weights (quantization_config); "
                            "trainrun reads float weights: give the unquantized model")
@@ -158,6 +164,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 def refuse_unsupported(hf: dict[str, Any], seq_len: int, where: str = CONFIG) -> None:
     """What ``config.json`` asks that holds only up to some sequence length: a sliding window
     (Mistral, Qwen2) shorter than ``seq_len`` would need a banded mask trainrun does not have."""
+    if hf.get("model_type") in MODEL_TYPES:
+        checked_model_config(hf, where)
     window = hf.get("sliding_window")
     sliding = (hf.get("model_type") == "mistral"
                or hf.get("use_sliding_window")
@@ -227,8 +235,12 @@ def read_config(path: Path) -> dict[str, Any]:
     """A model directory's ``config.json`` as a dict; unreadable is one line."""
     file = path / CONFIG
     try:
-        hf = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+        data = file.read_bytes()
+    except OSError as err:  # not the file's fault: the system's cause, said as such
+        raise read_refused(err) from None
+    try:
+        hf = json.loads(data)
+    except ValueError as err:  # not JSON, or not UTF-8 text
         raise WeightsError(f"cannot read {file}: {err}".replace("\n", " ")) from None
     if not isinstance(hf, dict):
         raise WeightsError(f"{file} is not a JSON object; is it a Hugging Face config.json?")
@@ -288,7 +300,7 @@ def tensor_map(cfg: TransformerModel, model_type: str) -> dict[str, Source]:
                 names[f"{ours}mlp.{proj}.kernel"] = Source(f"{hf}mlp.{proj}_proj.weight",
                                                            transpose=True)
     if not cfg.tie_embeddings:
-        names["head"] = Source("lm_head.weight")
+        names["head"] = Source(HEAD)
     return names
 
 
@@ -307,7 +319,7 @@ class Tensors:
             n.startswith("h.") or n == "wte.weight" for n in stored)
         for file, header in headers.items():
             for name, entry in header.items():
-                asked = PREFIX + name if gpt2_body and name != "lm_head.weight" else name
+                asked = PREFIX + name if gpt2_body and name != HEAD else name
                 self._where[asked] = (file, name)
                 self._header[asked] = entry
 
@@ -324,9 +336,13 @@ class Tensors:
             raise WeightsError(f"{path} has neither {WEIGHTS} nor {INDEX}; save the model with "
                                "save_pretrained (safetensors)")
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            text = index.read_bytes()
+        except OSError as err:  # the system's refusal, said as such
+            raise read_refused(err) from None
+        try:
+            weight_map = json.loads(text)["weight_map"]
             files = {str(name): path / str(file) for name, file in weight_map.items()}
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise WeightsError(f"{index} is not a safetensors index (a JSON object with a "
                                "weight_map); save the model again") from None
         headers = {}
@@ -349,6 +365,23 @@ class Tensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._header[name][0]
 
+    def dtype(self, name: str) -> str:
+        """safetensors' name of the tensor's dtype: F32, BF16, I64, BOOL, ..."""
+        return self._header[name][1]
+
+    def file(self, name: str) -> Path:
+        return self._where[name][0]
+
+    def check_floats(self, names: set[str] | list[str]) -> None:
+        """Each of ``names`` holds floats: an integer or boolean tensor would be trained as
+        floats, so it is refused on one line naming it, its dtype and its file."""
+        for name in sorted(names):
+            if self.dtype(name) not in FLOAT_DTYPES:
+                raise WeightsError(f"tensor {name} in {self.file(name)} has dtype "
+                                   f"{self.dtype(name)}; trainrun reads float weights "
+                                   f"({', '.join(FLOAT_DTYPES)}): give the model's float "
+                                   "weights")
+
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """``name``'s values (``index``: a slice of them) as float32."""
         from safetensors import safe_open
@@ -365,15 +398,27 @@ class Tensors:
                 with safe_open(str(file), framework="numpy") as f:
                     value = f.get_slice(stored)[index or ...]
         except Exception as err:  # safetensors' own error types are not importable from numpy
+            refuse_unreadable(file)  # safetensors says "No such file" for a denied read too
             raise WeightsError(f"cannot read tensor {name} from {file}: {err}"
                                .replace("\n", " ")) from None
         return np.asarray(value, np.float32)
+
+
+def refuse_unreadable(file: Path) -> None:
+    """Raise the system's own refusal to read ``file`` (permission denied: exit 1), if any;
+    safetensors reports every failure to open a file as "No such file or directory"."""
+    try:
+        with open(file, "rb"):
+            pass
+    except OSError as err:
+        raise read_refused(err) from None
 
 
 def _header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Each tensor's shape and dtype in a safetensors file, from its header."""
     from safetensors import safe_open
 
+    refuse_unreadable(file)
     try:
         with safe_open(str(file), framework="numpy") as f:
             return {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
@@ -385,8 +430,8 @@ def _header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 def check_tensors(tensors: Tensors, wanted: dict[str, Source], shapes: dict[str, tuple[int, ...]],
                   where: str) -> None:
-    """Every source tensor present and of the shape its params need, and none left over (a
-    tied head's copy of the embedding excepted)."""
+    """Every source tensor present, of floats and of the shape its params need, and none left
+    over (a tied head's copy of the embedding excepted: ``separate_head`` tells a copy)."""
     needed: dict[str, tuple[int, ...]] = {}
     for param, source in wanted.items():
         shape = shapes[param]
@@ -394,7 +439,7 @@ def check_tensors(tensors: Tensors, wanted: dict[str, Source], shapes: dict[str,
         if source.span is not None:  # GPT-2's fused q/k/v: three params side by side
             full = (*full[:-1], 3 * full[-1])
         needed[source.name] = full
-    leftover = sorted(tensors.names - set(needed) - {"lm_head.weight"}  # tied: a copy
+    leftover = sorted(tensors.names - set(needed) - {HEAD}  # tied: a copy
                       - {n for n in tensors.names if n.endswith(".attn.bias")
                          or n.endswith(".attn.masked_bias")})  # GPT-2's causal-mask buffers
     if leftover:
@@ -406,6 +451,28 @@ def check_tensors(tensors: Tensors, wanted: dict[str, Source], shapes: dict[str,
         if tensors.shape(name) != shape:
             raise WeightsError(f"tensor {name} has shape {tensors.shape(name)} in {where}; the "
                                f"model needs {shape} (does config.json match the weights?)")
+    tensors.check_floats(set(needed))
+
+
+def separate_head(tensors: Tensors, model_type: str) -> bool:
+    """Whether the weights hold an ``lm_head.weight`` that is not a copy of the embedding.
+    ``transformers`` then loads it as a head of its own whatever ``tie_word_embeddings`` says
+    (``PreTrainedModel.tie_weights`` ties only equal tensors), so trainrun unties it too. The
+    two are compared a block of rows at a time, never whole in memory."""
+    embedding = PREFIX + "wte.weight" if model_type == "gpt2" else "model.embed_tokens.weight"
+    if HEAD not in tensors.names or embedding not in tensors.names:
+        return False  # no head: tied; no embedding: check_tensors names it missing
+    shape = tensors.shape(HEAD)
+    if shape != tensors.shape(embedding):
+        return True
+    if not shape:
+        return not np.array_equal(tensors.read(HEAD), tensors.read(embedding))
+    rows = max(1, BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))
+    for start in range(0, shape[0], rows):
+        block = (slice(start, min(start + rows, shape[0])), *(slice(None),) * (len(shape) - 1))
+        if not np.array_equal(tensors.read(HEAD, block), tensors.read(embedding, block)):
+            return True
+    return False
 
 
 def read_param(tensors: Tensors, source: Source,

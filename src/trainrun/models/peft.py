@@ -24,7 +24,14 @@ from typing import Any
 import numpy as np
 
 from trainrun.config import LoraConfig, TransformerModel
-from trainrun.models.huggingface import LLAMA_FAMILY, MODEL_TYPES, WeightsError
+from trainrun.errors import read_refused
+from trainrun.models.hf_config import checked_adapter_config
+from trainrun.models.huggingface import (
+    LLAMA_FAMILY,
+    MODEL_TYPES,
+    WeightsError,
+    refuse_unreadable,
+)
 
 PyTree = Any
 ADAPTER_WEIGHTS, ADAPTER_CONFIG, ADAPTER_BIN = (
@@ -292,7 +299,7 @@ def _check_config(config: dict[str, Any], cfg: TransformerModel) -> None:
     layers = config.get("layers_to_transform")
     if layers is not None:
         chosen = {layers} if isinstance(layers, int) else set(layers)
-        if chosen != set(range(cfg.layers)):
+        if len(chosen) != cfg.layers or chosen != set(range(cfg.layers)):
             raise WeightsError(f"layers_to_transform {layers} adapts only some layers; trainrun "
                                "adapts every layer: train the adapter on all of them")
     if config.get("use_rslora") and (config.get("rank_pattern") or config.get("alpha_pattern")):
@@ -357,13 +364,17 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise WeightsError(f"{path} is not a PEFT adapter directory: {ADAPTER_CONFIG} is "
                            "missing (PeftModel.save_pretrained writes it)")
     try:
-        config = json.loads((path / ADAPTER_CONFIG).read_text())
-    except (ValueError, OSError) as err:
+        data = (path / ADAPTER_CONFIG).read_bytes()
+    except OSError as err:  # the system's refusal, said as such
+        raise read_refused(err) from None
+    try:
+        config = json.loads(data)
+    except ValueError as err:  # not JSON, or not UTF-8 text
         raise WeightsError(f"cannot read {path / ADAPTER_CONFIG}: {err}"
                            .replace("\n", " ")) from None
     if not isinstance(config, dict):
         raise WeightsError(f"{path / ADAPTER_CONFIG} is not a JSON object")
-    return config
+    return checked_adapter_config(config, str(path / ADAPTER_CONFIG))
 
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -377,11 +388,16 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
                                "save it with save_pretrained(..., safe_serialization=True)")
         raise WeightsError(f"{path} has no {ADAPTER_WEIGHTS}; PeftModel.save_pretrained "
                            "writes it")
+    refuse_unreadable(weights)  # safetensors says "No such file" for a denied read too
     try:
         tensors = load_file(str(weights))
     except (SafetensorError, ValueError, OSError) as err:
         raise WeightsError(f"cannot read {weights} ({err}); is it complete? save it "
                            "again".replace("\n", " ")) from None
+    for name, value in sorted(tensors.items()):
+        if value.dtype.kind != "f":  # an integer or boolean tensor would be trained as floats
+            raise WeightsError(f"tensor {name} in {weights} has dtype {value.dtype}; LoRA "
+                               "weights are floats: save the adapter's float weights")
     return {name.removeprefix(PREFIX): np.asarray(value, np.float32)
             for name, value in tensors.items()}
 

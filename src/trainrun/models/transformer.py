@@ -456,6 +456,28 @@ def make_transformer(cfg: TransformerModel) -> Model:
                     eval_loss=lambda module, batch: loss(module, batch, None))
 
 
+def parameter_count(cfg: TransformerModel) -> int:
+    """How many params ``Transformer(cfg)`` has, counted from the config alone: a model too
+    large for memory is refused on this before a layer of it is built."""
+    d, hidden, head_dim = cfg.d_model, cfg.hidden, cfg.attention_head_dim
+    inner, kv_inner = cfg.heads * head_dim, cfg.kv_key_heads * head_dim
+    norm = 2 * d if cfg.norm == "layernorm" else d
+    qkv_bias = cfg.bias or cfg.qkv_bias
+    attention = (d * inner + 2 * d * kv_inner + inner * d
+                 + (inner + 2 * kv_inner if qkv_bias else 0) + (d if cfg.bias else 0))
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * hidden
+    if cfg.bias:
+        mlp += (2 if cfg.mlp == "swiglu" else 1) * hidden + d
+    shapes = {"q": (d, inner), "k": (d, kv_inner), "v": (d, kv_inner), "o": (inner, d),
+              "gate": (d, hidden), "up": (d, hidden), "down": (hidden, d)}
+    rank = cfg.lora.rank if cfg.lora is not None else 0
+    adapters = sum(rank * sum(shapes[t]) for t in cfg.adapted)
+    block = 2 * norm + attention + mlp + adapters
+    table = cfg.vocab * d
+    return (table + (cfg.seq_len * d if cfg.positions == "learned" else 0)
+            + cfg.layers * block + norm + (0 if cfg.tie_embeddings else table))
+
+
 def bind_transformer(cfg: TransformerModel):
     """``params -> Transformer`` holding them (for sampling from trained params)."""
     return bind_params(lambda rngs: Transformer(cfg, rngs), name="transformer")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainrun.errors import OutOfMemory, WriteFailed
+from trainrun.errors import OutOfMemory, ReadFailed, WriteFailed
 from trainrun.rundir import ORBAX_TMP, RunDirectory, committed_steps, mark_failed
 
 # errno -> how the line says it (strerror's wording, lower case)
@@ -49,7 +49,7 @@ def refused_write(err: BaseException) -> tuple[str, str | None] | None:
     stack: list[BaseException | None] = [err]  # an error's cause and context may be None
     while stack:
         e = stack.pop()
-        if e is None or id(e) in seen:
+        if e is None or id(e) in seen or isinstance(e, ReadFailed):  # a read, said as one
             continue
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in REFUSED:

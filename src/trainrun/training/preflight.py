@@ -18,6 +18,7 @@ from trainrun.config import TransformerModel
 from trainrun.data import DataError
 from trainrun.errors import UserError
 from trainrun.models import Model
+from trainrun.models.transformer import parameter_count
 from trainrun.platform.host_memory import host_memory_free
 
 
@@ -89,6 +90,35 @@ def check_state_memory(abstract_state: Any, shardings: Any) -> None:
                         "shrink the model, shard it over more devices (mesh.fsdp), or drop "
                         "optimizer state (optimizer.name=sgd, optimizer.trainable, "
                         f"model.lora){fix}")
+
+
+def check_model_memory(cfg: TransformerModel, devices: list[Any], dtype: str,
+                       described: str = "the model") -> None:
+    """Refuse, on one line and before a layer of it is built, a transformer whose params alone
+    (counted from its config, in ``dtype``) exceed the memory free on ``devices`` (the mesh's,
+    over which the params may be sharded): a config.json of a trillion layers would otherwise
+    be built module by module without end. ``check_state_memory`` counts the whole state once
+    the model is built."""
+    count = parameter_count(cfg)
+    need = count * np.dtype(dtype).itemsize
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    if not local:
+        return
+    bound = fix = ""
+    if local[0].platform == "cpu":  # the host's memory, which its devices share
+        (free, bound, fix), where = _host(), "host memory"
+    else:
+        known = [m for m in map(device_memory_available, local) if m is not None]
+        free, where = (sum(known) if known else None), f"{local[0].platform} memory"
+    if free is None:
+        return
+    free = free * len(devices) // len(local)  # other hosts' devices hold shards of it too
+    if need > free:
+        sizes = (f"layers={cfg.layers}, d_model={cfg.d_model}, heads={cfg.heads}, "
+                 f"mlp_hidden={cfg.hidden}, vocab={cfg.vocab}")
+        raise UserError(f"{described} ({sizes}) has {count:,} params, {_size(need)} as {dtype} "
+                        f"alone, and {_size(free)} of {where} is free{bound}: check its sizes "
+                        f"(is its config.json damaged?) or give a smaller model{fix}")
 
 
 def check_program_memory(compiled: jax.stages.Compiled, devices: list[Any], steps: int) -> None:

@@ -30,7 +30,7 @@ from trainrun.checkpointing import init_from
 from trainrun.checkpointing.checkpoints import STEP_METADATA, Checkpoints, checkpoint_dir
 from trainrun.checkpointing.policy import CheckpointPolicy
 from trainrun.checkpointing.resume import check_config, provenance_changes, schedule_shift
-from trainrun.config import ConfigError, RunConfig
+from trainrun.config import ConfigError, RunConfig, TransformerModel
 from trainrun.data import (
     batch_iterator,
     build_dataset,
@@ -135,6 +135,10 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     mesh = sharding.build_mesh(config.mesh)
     placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
     counted = None if model else config.model
+    if model is None and isinstance(config.model, TransformerModel):  # before it is built
+        preflight.check_model_memory(
+            config.model, list(mesh.devices.flat), config.precision.params,
+            f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
     model = model or build_model(config.model)
     optimizer = build_optimizer(config.optimizer, config.steps)
     policy = policy_from_config(config.precision)

@@ -309,6 +309,15 @@ def _by_trainrun(path: Path) -> bool:
             or (isinstance(prov, dict) and {"trainrun", "jax", "config_digest"} <= prov.keys()))
 
 
+def enclosing_run(path: Path) -> Path | None:
+    """The nearest folder at or above ``path`` that is trainrun's: one with its marker (a run
+    or a checkpoint directory) or a run from before the marker; None when there is none."""
+    for folder in [path, *path.parents]:
+        if (folder / MARKER).is_file() or ((folder / CONFIG).is_file() and _by_trainrun(folder)):
+            return folder
+    return None
+
+
 def inspect(path: Path, role: str = "run") -> Found:
     """What ``path`` holds, read without writing anything."""
     if not path.exists():

@@ -245,6 +245,9 @@ def test_replace_leaves_a_folder_that_is_not_a_model_directory(lm_run, tmp_path,
     code, err = export_cli(capfd, str(lm_run), "--to", str(target), "--replace")
     assert code == 2 and err.count("\n") == 1, err
     assert re.search(says, err), err
+    code, err = export_cli(capfd, str(lm_run), "--to", str(target))
+    assert code == 2 and err.count("\n") == 1 and "is not empty" in err, err
+    assert "--replace" not in err  # which would refuse it too
     assert listing(tmp_path) == before
 
 

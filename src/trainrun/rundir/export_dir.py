@@ -70,22 +70,27 @@ def check_target(to: Path, replace: bool, run_dir: Path) -> None:
     entries = sorted(target.iterdir(), key=lambda p: p.name) if target.is_dir() else []
     if not entries:
         return
-    if not replace:
-        raise ExportRefused(f"--to {to} is not empty (it holds {_shown(entries)}); pass "
-                            "--replace to replace it with this export, or give a new or empty "
-                            "directory")
     if Path(os.path.realpath(run_dir)).is_relative_to(target):
         raise ExportRefused(f"--to {to} holds the run being exported ({run_dir}); --replace "
                             "never deletes a run: give a new or empty directory outside it")
+    why = _not_a_model_dir(to, entries)
+    if not replace:
+        hint = ("pass --replace to replace it with this export, or give a new or empty "
+                "directory" if why is None else "give a new or empty directory")
+        raise ExportRefused(f"--to {to} is not empty (it holds {_shown(entries)}); {hint}")
+    if why is not None:
+        raise ExportRefused(f"{why}: it is not a model directory, so --replace leaves it as it "
+                            "is; give a new or empty directory, or an earlier export to replace")
+
+
+def _not_a_model_dir(to: Path, entries: list[Path]) -> str | None:
+    """What makes ``to`` (holding ``entries``) no model directory, or None if it is one."""
     foreign = [p for p in entries if not _replaceable(p)]
     if foreign:
-        raise ExportRefused(f"--to {to} holds {_shown(foreign)}, which no export writes: it is "
-                            "not a model directory, so --replace leaves it as it is; give a new "
-                            "or empty directory, or an earlier export to replace")
+        return f"--to {to} holds {_shown(foreign)}, which no export writes"
     if not any(p.name in WEIGHT_FILES or SHARD.fullmatch(p.name) for p in entries):
-        raise ExportRefused(f"--to {to} holds {_shown(entries)} and no weights: it is not a "
-                            "model directory, so --replace leaves it as it is; give a new or "
-                            "empty directory, or an earlier export to replace")
+        return f"--to {to} holds {_shown(entries)} and no weights"
+    return None
 
 
 def check_reads(to: Path, reads: list[tuple[Path, str]]) -> None:

@@ -126,6 +126,24 @@ class Sandbox:
         path.symlink_to(self.mlp)
         return path
 
+    def project(self) -> Path:
+        """A user's folder with a config.json of theirs beside sources and a thesis."""
+        path = self.folder("myproject", "thesis.txt")
+        (path / "config.json").write_text('{"mine": true}\n')
+        (path / "src").mkdir()
+        return path
+
+    def run_in_project(self) -> Path:
+        """A copy of the LM run inside ``proj/`` (``proj/runs/lm``), beside a config.json."""
+        project = self.folder("proj", "config.json")
+        shutil.copytree(self.trained / "lm", project / "runs" / "lm")
+        return project / "runs" / "lm"
+
+    def plots_linked(self) -> Path:
+        """A copy of the MLP run whose ``report/`` is a link to a folder elsewhere."""
+        (self.mlp / "report").symlink_to(self.folder("elsewhere", None))
+        return self.mlp
+
     def garbage(self, run: str, relative: str) -> Path:
         """A copy of ``run`` with the file at ``relative`` (a glob) replaced by random bytes."""
         path = self.copy(run)
@@ -222,6 +240,8 @@ CASES = [
     Case("report-garbage-metrics", lambda s: ["report", str(s.garbage("mlp", "metrics.jsonl"))],
          0, r"^warning: .*metrics\.jsonl: \d+ unreadable lines; plotted without them",
          writes="mlp/report*"),
+    Case("report-plot-folder-a-link", lambda s: ["report", str(s.plots_linked())], 2,
+         r"mlp/report is a symbolic link \(to .*elsewhere\), not the folder .*remove the link"),
     Case("report-read-only", lambda s: ["report", str(s.read_only(s.mlp))], 1, RO),
     Case("report-unreadable", lambda s: ["report", str(s.unreadable(s.mlp))], 1,
          "permission denied", unreadable=True),
@@ -267,6 +287,14 @@ CASES = [
          2, "export writes transformers"),
     Case("export-to-a-file", lambda s: ["export", str(s.lm), "--to", str(s.file())], 2,
          "is a file, not a directory"),
+    Case("export-replace-a-users-folder", lambda s: [
+        "export", str(s.lm), "--to", str(s.project()), "--replace"], 2,
+        r"--to .*myproject holds src/, thesis\.txt, which no export writes: it is not a model"),
+    Case("export-replace-the-folder-holding-the-run", lambda s: [
+        "export", str(s.run_in_project()), "--to", str(s.tmp / "proj"), "--replace"], 2,
+        r"--to .*proj holds the run being exported \(.*proj/runs/lm\); --replace never"),
+    Case("export-into-the-run", lambda s: ["export", str(s.lm), "--to", str(s.lm / "hf")], 2,
+         r"--to .*lm/hf is inside the trainrun folder .*lm \(it has trainrun\.json\)"),
     Case("export-to-too-long", lambda s: ["export", str(s.lm), "--to", str(s.long)], 2,
          "too long for the file system"),
     Case("export-to-read-only", lambda s: [

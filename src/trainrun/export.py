@@ -3,21 +3,25 @@ directory (the family its ``init.from`` source was, else the one its layout is),
 with LoRA adapters and no ``--merge``, as a PEFT adapter directory for its base model.
 
 Beside the weights go the source directory's tokenizer files and generation config, or the
-run's own ``data.tokenizer``; ``bos_token_id`` and ``eos_token_id`` come from them.
+run's own ``data.tokenizer``; ``bos_token_id`` and ``eos_token_id`` come from them. A file of
+the source that is a symbolic link is read only where the link stays inside the source (its
+real path) or, for a Hugging Face hub snapshot (``.../snapshots/<revision>``), inside the
+repository's ``blobs/`` beside ``snapshots/``, where the hub keeps the files its snapshots link
+to; a link anywhere else (a ``special_tokens_map.json`` pointing at a key) is refused on one
+line naming the link and its target, before anything is written. The run's own
+``data.tokenizer`` is the file its config names, read wherever that is.
 
-The directory is written under a temporary name beside ``to`` and renamed into place once
-complete, so a failure midway (a full disk) leaves ``to`` as it was. ``to`` must be new or
-empty; ``replace`` swaps a model directory already there for the new export, nothing of the
-old one kept.
+Where the export may go, and what ``--replace`` may replace: ``rundir.export_dir``. The
+directory is written under a temporary name beside ``to`` and renamed into place once
+complete, so a failure midway (a full disk) leaves ``to`` as it was, and is reported on one
+line naming ``to`` and the cause (exit 1).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,15 +30,15 @@ import jax
 import numpy as np
 
 from trainrun import rundir
+from trainrun.checkpointing.checkpoints import checkpoint_dir
 from trainrun.checkpointing.reader import latest_params, saved_config
 from trainrun.config import RunConfig
-from trainrun.errors import UserError
+from trainrun.errors import UserError, WriteFailed, path_refused
 from trainrun.models import peft
 from trainrun.models.huggingface import (
     CONFIG,
-    INDEX,
+    GENERATION_CONFIG,
     TOKENIZER_FILES,
-    WEIGHTS,
     WeightsError,
     model_type_of,
     parse_size,
@@ -42,14 +46,12 @@ from trainrun.models.huggingface import (
     write_model_dir,
 )
 from trainrun.models.transformer import merge_adapters
+from trainrun.rundir import export_dir, storage
+from trainrun.rundir.atomic import create_new
+from trainrun.rundir.export_dir import ExportRefused, check_target
 
 DTYPES = ("float32", "bfloat16", "float16")
-# What makes a directory a model directory, which --replace may replace.
-MODEL_FILES = (CONFIG, WEIGHTS, INDEX, peft.ADAPTER_CONFIG, peft.ADAPTER_WEIGHTS)
-
-
-class ExportRefused(UserError):
-    """A ``--to`` that export will not write to; the CLI prints it on one line and exits 2."""
+_ERRNO = {what: code for code, what in storage.REFUSED.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +68,12 @@ def export_run(run_dir: Path, to: Path, *, merge: bool = False, replace: bool = 
     """A run's newest readable checkpoint as a model directory (``merge``: adapters folded
     into the weights) or, with LoRA adapters and no ``merge``, an adapter directory.
     ``to`` must be new or empty, or, with ``replace``, a model directory, which then holds the
-    new export only. ``dtype``: the weights' dtype in the files; ``shard_size``: the most bytes
-    per file."""
-    to = Path(to)
-    check_target(to, replace)
+    new export only (``rundir.export_dir`` says which folders are refused). ``dtype``: the
+    weights' dtype in the files; ``shard_size``: the most bytes per file."""
+    run_dir, to = Path(run_dir), Path(to)
+    target = Path(os.path.realpath(to))  # a link to a directory: the directory is replaced
+    export_dir.restore_interrupted(target)
+    check_target(to, replace, run_dir)
     if dtype not in DTYPES:
         raise WeightsError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(shard_size)
@@ -78,89 +82,123 @@ def export_run(run_dir: Path, to: Path, *, merge: bool = False, replace: bool = 
     if cfg.kind != "transformer":
         raise WeightsError(f"run {run_dir} trains model.kind={cfg.kind}; export writes "
                            "transformers in Hugging Face's layout")
-    source = _source_dir(config)
-    hf = read_config(source) if source is not None else None
+    source, reads = _lineage(run_dir, config)
+    own = _tokenizer_file(config)
+    export_dir.check_reads(to, [
+        (run_dir, "the run being exported"),
+        (checkpoint_dir(config, run_dir), f"the checkpoints of {run_dir}"), *reads,
+        *([(own, f"the data.tokenizer of {run_dir}")] if own is not None else [])])
+    copies = _source_files(source, TOKENIZER_FILES) if source is not None else {}
+    hf = None
+    if source is not None:
+        _source_files(source, (CONFIG,))  # its fields go into the export: a link is checked
+        hf = read_config(source)
     model_type = str(hf["model_type"]) if hf is not None else model_type_of(cfg)
     step, params = latest_params(run_dir, config)
     params = jax.tree.map(np.asarray, params)
-    target = Path(os.path.realpath(to))  # a link to a directory: the directory is replaced
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.export-{os.getpid()}-{secrets.token_hex(4)}")
-    staging.mkdir()
+    export_dir.remove_leftovers(target)
     try:
-        if cfg.lora is not None and not merge:
-            peft.write_adapter_dir(params, cfg, model_type,
-                                   str(source.absolute()) if source is not None else None,
-                                   staging)
-        else:
-            cfg, params = merge_adapters(cfg, params)
-            hf = {**(hf or {}), **_token_ids(config, source)}
-            write_model_dir(params, cfg, staging, model_type=model_type, source=hf,
-                            dtype=dtype, shard_bytes=shard_bytes)
-        _copy_tokenizer(config, source, staging)
-        files = tuple(sorted(p.name for p in staging.iterdir()))
-        _swap(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = export_dir.staging_dir(target)
+        try:
+            if cfg.lora is not None and not merge:
+                peft.write_adapter_dir(params, cfg, model_type,
+                                       str(source.absolute()) if source is not None else None,
+                                       staging)
+            else:
+                cfg, params = merge_adapters(cfg, params)
+                hf = {**(hf or {}), **_token_ids(config, copies)}
+                write_model_dir(params, cfg, staging, model_type=model_type, source=hf,
+                                dtype=dtype, shard_bytes=shard_bytes)
+            _copy_tokenizer(copies, own, staging)
+            files = tuple(sorted(p.name for p in staging.iterdir()))
+            export_dir.swap(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    except Exception as err:
+        what = _refused_write(err, target)
+        if what is None:
+            raise
+        line, _ = path_refused(OSError(_ERRNO[what], what, str(to)))
+        raise WriteFailed(f"{line} (the export was not written; {to} is as it was)") from None
     return Export(step, to, files)
 
 
-def check_target(to: Path, replace: bool) -> None:
-    """Refuse a ``--to`` that is a file, or a directory with files in it (unless ``replace``
-    and it is a model directory), before anything is read or written."""
-    if to.exists() and not to.is_dir():
-        raise ExportRefused(f"--to {to} is a file, not a directory; give a directory for the "
-                            "export (a new or empty one)")
-    names = sorted(p.name for p in to.iterdir()) if to.is_dir() else []
-    if not names:
-        return
-    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    if not replace:
-        raise ExportRefused(f"--to {to} is not empty (it holds {shown}); pass --replace to "
-                            "replace it with this export, or give a new or empty directory")
-    if not set(MODEL_FILES) & set(names):
-        raise ExportRefused(f"--to {to} holds {shown} and no {CONFIG} or weights: it is not "
-                            "a model directory, so --replace does not delete it; give a new "
-                            "or empty directory or a model directory")
+def _refused_write(err: BaseException, target: Path) -> str | None:
+    """What the file system refused (``storage.REFUSED``'s words) when ``err`` is a write of
+    the export beside ``target`` it refused (safetensors reports one in its own error's text);
+    None for anything else, a file read elsewhere included (the CLI names that one)."""
+    refused = storage.refused_write(err)
+    if refused is None:
+        return None
+    what, file = refused
+    if file is not None and not Path(file).is_relative_to(target.parent):
+        return None
+    return what
 
 
-def _swap(staging: Path, target: Path) -> None:
-    """``staging`` renamed to ``target``; an old ``target`` is moved aside first, put back if
-    the rename fails, and deleted once the new one is in place."""
-    if not target.exists():
-        staging.rename(target)
-        return
-    old = staging.with_name(staging.name + ".old")
-    target.rename(old)
-    try:
-        staging.rename(target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            old.rename(target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _source_dir(config: RunConfig) -> Path | None:
-    """The Hugging Face directory the run started from, where it still is: through an adapter
-    directory to its base model, and through runs that started from other runs."""
+def _lineage(run_dir: Path, config: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The Hugging Face directory the run started from, where it still is (through an adapter
+    directory to its base model, and through runs that started from other runs), and every
+    path along that ``init.from`` chain, each with what it is to the export."""
+    reads: list[tuple[Path, str]] = []
     seen: set[Path] = set()
+    name = run_dir
     while config.init.from_ is not None:
         path = Path(config.init.from_).expanduser()
+        reads.append((path, f"the init.from of {name}"))
         if (path / peft.ADAPTER_CONFIG).is_file():
-            name = peft.base_model_name(path)
-            path = Path(name).expanduser() if name else path
+            base = _adapter_base(path)
+            if base is not None:
+                reads.append((base, f"the base model of the adapters in {path}"))
+                path = base
         if (path / CONFIG).is_file():
-            return path
+            return path, reads
         if path.resolve() in seen or not (path / rundir.CONFIG).is_file():
-            return None
+            return None, reads
         seen.add(path.resolve())
         try:
             config = saved_config(path)
         except UserError:
-            return None
-    return None
+            return None, reads
+        name = path
+    return None, reads
+
+
+def _adapter_base(adapters: Path) -> Path | None:
+    """An adapter directory's base model as a path, as ``init.from`` reads it: relative to the
+    adapter directory when it is there, else as written."""
+    name = peft.base_model_name(adapters)
+    if not name:
+        return None
+    base = Path(name).expanduser()
+    return adapters / base if not base.is_absolute() and (adapters / base).is_dir() else base
+
+
+def _source_files(source: Path, names: tuple[str, ...]) -> dict[str, Path]:
+    """The files of ``names`` the source directory has, each as the path to read: a symbolic
+    link only where it stays inside the source or its hub repository's ``blobs/``; any other
+    link is refused on one line naming it and its target."""
+    home = Path(os.path.realpath(source))
+    inside = [home]
+    if home.parent.name == "snapshots":  # a hub snapshot: its files link into ../../blobs
+        inside.append(home.parent.parent / "blobs")
+    found = {}
+    for name in names:
+        path = source / name
+        if not path.is_symlink():
+            if path.is_file():
+                found[name] = path
+            continue
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(folder) for folder in inside):
+            raise ExportRefused(f"{path} is a symbolic link to {real}, outside {source}: export "
+                                "copies a model directory's files only from inside it; put the "
+                                "file itself there, or remove the link")
+        if real.is_file():
+            found[name] = real
+    return found
 
 
 def _tokenizer_file(config: RunConfig) -> Path | None:
@@ -168,7 +206,7 @@ def _tokenizer_file(config: RunConfig) -> Path | None:
     return Path(name).expanduser() if name and Path(name).expanduser().is_file() else None
 
 
-def _token_ids(config: RunConfig, source: Path | None) -> dict[str, Any]:
+def _token_ids(config: RunConfig, copies: dict[str, Path]) -> dict[str, Any]:
     """bos/eos ids: the run's own tokenizer's document token, the source's ids, or those in
     the source's generation config."""
     own = _tokenizer_file(config)
@@ -180,22 +218,22 @@ def _token_ids(config: RunConfig, source: Path | None) -> dict[str, Any]:
         token = Tokenizer.from_file(str(own)).token_to_id(DOCUMENT_TOKEN)
         if token is not None:  # each document starts with it: the model's bos and eos
             return {"bos_token_id": token, "eos_token_id": token}
-    if source is not None and (source / "generation_config.json").is_file():
+    if GENERATION_CONFIG in copies:
         try:
-            generation = json.loads((source / "generation_config.json").read_text())
+            generation = json.loads(copies[GENERATION_CONFIG].read_text())
         except (OSError, ValueError):
             return {}
         return {k: generation[k] for k in ("bos_token_id", "eos_token_id") if k in generation}
     return {}
 
 
-def _copy_tokenizer(config: RunConfig, source: Path | None, to: Path) -> None:
-    """The source's tokenizer files and generation config; the run's own tokenizer.json over
-    them (it is what the run was trained with)."""
-    if source is not None:
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, to / name)
-    own = _tokenizer_file(config)
+def _copy_tokenizer(copies: dict[str, Path], own: Path | None, to: Path) -> None:
+    """The source's tokenizer files and generation config (``copies``: name -> the file to
+    read); the run's own tokenizer.json (``own``) over them (it is what the run was trained
+    with). Each is created new in ``to`` and never written through a link."""
+    files = dict(copies)
     if own is not None:
-        shutil.copyfile(own, to / "tokenizer.json")
+        files["tokenizer.json"] = own
+    for name, path in files.items():
+        with path.open("rb") as read, create_new(to / name) as write:
+            shutil.copyfileobj(read, write)

@@ -149,3 +149,53 @@ def test_runs_flags_a_metrics_file_cut_short(runs_root, tmp_path, capsys):
     assert main(["runs", "--root", str(copy)]) == 0
     listing = capsys.readouterr().out
     assert f"[metrics.jsonl: 1 unreadable line, {100 - trained} steps without a row]" in listing
+
+
+def fresh_copy(run_dir, to):
+    """A copy of a run directory without any report written into it."""
+    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns("report", "report.html"))
+    return to
+
+
+@pytest.mark.slow
+def test_report_and_compare_replace_a_link_and_never_write_through_it(runs_root, tmp_path,
+                                                                      capsys):
+    """Before, a report.html, a plot in report/ or a compare --out that was a link to a file
+    elsewhere had that file overwritten."""
+    root, _ = runs_root
+    run_dir = fresh_copy(root / "finished", tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("notes.html", "plot.png", "figure.png"):
+        (elsewhere / name).write_text(f"mine: {name}\n")
+    (run_dir / "report.html").symlink_to(elsewhere / "notes.html")
+    (run_dir / "report").mkdir()
+    (run_dir / "report" / "learning_rate.png").symlink_to(elsewhere / "plot.png")
+    (tmp_path / "compare.png").symlink_to(elsewhere / "figure.png")
+    assert main(["report", str(run_dir)]) == 0
+    assert main(["compare", str(run_dir), "--out", str(tmp_path / "compare.png")]) == 0
+    assert {p.name: p.read_text() for p in elsewhere.iterdir()} == {
+        name: f"mine: {name}\n" for name in ("notes.html", "plot.png", "figure.png")}
+    written = [run_dir / "report.html", run_dir / "report" / "learning_rate.png",
+               tmp_path / "compare.png"]
+    assert not any(p.is_symlink() for p in written)
+    assert "<h2>Plots</h2>" in written[0].read_text()
+    for png in written[1:]:
+        with Image.open(png) as image:
+            assert image.format == "PNG"
+    capsys.readouterr()
+
+
+def test_report_refuses_a_plot_folder_that_is_a_link(runs_root, tmp_path, capsys):
+    """Before, the plots were written into whatever folder report/ linked to."""
+    root, _ = runs_root
+    run_dir = fresh_copy(root / "finished", tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run_dir / "report").symlink_to(elsewhere)
+    assert main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {run_dir}/report is a symbolic link (to {elsewhere}), not the folder "
+                   "trainrun report writes its plots in; remove the link (what it points to is "
+                   "left alone) and run the report again\n")
+    assert list(elsewhere.iterdir()) == [] and not (run_dir / "report.html").exists()

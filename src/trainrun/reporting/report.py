@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import io
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,7 @@ import yaml
 
 from trainrun import extras, rundir
 from trainrun.errors import UserError, WriteFailed, path_refused, printable
+from trainrun.rundir.atomic import replace_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -222,9 +225,17 @@ def _plot_run(run: RunRecord, out_dir: Path) -> list[tuple[str, Path]]:
     written = []
     for caption, fig in plots:
         path = out_dir / (caption.replace(" ", "_").replace("-", "_") + ".png")
-        fig.savefig(path)
+        replace_file(path, _image(fig))
         written.append((caption, path))
     return written
+
+
+def _image(fig: Figure, image_format: str = "png") -> bytes:
+    """The figure as the bytes of an image file, for ``replace_file``: matplotlib's own
+    ``savefig(path)`` would write through a link at that name."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=image_format)
+    return buffer.getvalue()
 
 
 # ---- the HTML report -------------------------------------------------------------------------
@@ -293,7 +304,12 @@ def write_report(run_dir: Path | str) -> tuple[Path, list[str]]:
     what is wrong with the run's metrics file (its rows that could not be plotted)."""
     extras.require("report", "trainrun report")
     run = load_run(run_dir)
-    plots = _plot_run(run, run.path / PLOT_DIR)
+    plot_dir = run.path / PLOT_DIR
+    if plot_dir.is_symlink():
+        raise ReportError(f"{plot_dir} is a symbolic link (to {os.readlink(plot_dir)}), not the "
+                          "folder trainrun report writes its plots in; remove the link (what it "
+                          "points to is left alone) and run the report again")
+    plots = _plot_run(run, plot_dir)
     figures = "".join(
         f'<figure><img src="{PLOT_DIR}/{p.name}" alt="{html.escape(c)}">'
         f"<figcaption>{html.escape(c)}</figcaption></figure>" for c, p in plots)
@@ -312,7 +328,7 @@ def write_report(run_dir: Path | str) -> tuple[Path, list[str]]:
 </body></html>
 """
     out = run.path / REPORT_HTML
-    out.write_text(page)
+    replace_file(out, page)  # a link there is replaced by the report, never written through
     return out, metrics_notes([run])
 
 
@@ -374,7 +390,8 @@ def compare(run_dirs: list[Path | str], out: Path | str = "compare.png",
             ax.text(0.5, 0.5, "none of the runs has it", ha="center", transform=ax.transAxes)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out)
+        # the format from the name, as savefig(out) would; the bytes never go through a link
+        replace_file(out, _image(fig, out.suffix.lstrip(".").lower()))
     except OSError as err:
         line, code = path_refused(err)
         if code == 2:  # a name no file system takes: the input's

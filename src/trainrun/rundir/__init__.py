@@ -36,6 +36,7 @@ import yaml
 
 from trainrun.config import RunConfig, dump_yaml
 from trainrun.errors import UserError
+from trainrun.rundir.atomic import replace_file
 from trainrun.rundir.lock import LOCK, RunLock
 
 MARKER = "trainrun.json"
@@ -54,18 +55,10 @@ def default_run_dir(config: RunConfig) -> Path:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Written to a temporary name and renamed: a reader never sees half a file, and a write
-    that fails (a full disk) leaves the old file and no temporary one."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(err, OSError) and err.filename is None:  # a failed write() names none
-            raise OSError(err.errno, err.strerror, str(path)) from err
-        raise
+    """Written to a new temporary name and renamed (``atomic.replace_file``): a reader never
+    sees half a file, a write that fails (a full disk) leaves the old file and no temporary
+    one, and neither the file nor a name placed in advance is written through as a link."""
+    replace_file(path, text)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -202,7 +195,8 @@ def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None,
             write_status(run_dir, "failed", status.get("step"), reason)
         except OSError:  # a full disk has no room for a new file: rewrite the old one in place
             text = json.dumps({**status, "status": "failed", "reason": reason}, indent=2) + "\n"
-            with (run_dir / STATUS).open("r+b") as f:
+            # never through a link: status.json is trainrun's own file, not one it points to
+            with os.fdopen(os.open(run_dir / STATUS, os.O_RDWR | os.O_NOFOLLOW), "r+b") as f:
                 f.write(text.encode())
                 f.truncate()
 
@@ -315,6 +309,15 @@ def _by_trainrun(path: Path) -> bool:
     return ((isinstance(status, dict) and status.get("status") in STATUSES
              and {"pid", "host", "updated"} <= status.keys())
             or (isinstance(prov, dict) and {"trainrun", "jax", "config_digest"} <= prov.keys()))
+
+
+def enclosing_run(path: Path) -> Path | None:
+    """The nearest folder at or above ``path`` that is trainrun's: one with its marker (a run
+    or a checkpoint directory) or a run from before the marker; None when there is none."""
+    for folder in [path, *path.parents]:
+        if (folder / MARKER).is_file() or ((folder / CONFIG).is_file() and _by_trainrun(folder)):
+            return folder
+    return None
 
 
 def inspect(path: Path, role: str = "run") -> Found:

@@ -23,6 +23,7 @@ from typing import Any
 
 from trainrun.errors import OutOfMemory, ReadFailed, WriteFailed
 from trainrun.rundir import ORBAX_TMP, RunDirectory, committed_steps, mark_failed
+from trainrun.rundir.atomic import TMP_SUFFIX
 
 # errno -> how the line says it (strerror's wording, lower case)
 REFUSED = {
@@ -39,7 +40,6 @@ _TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.E
 # A quoted absolute path on one line: the text can hold a whole traceback, whose quotes around
 # other lines must not make a "path" of several lines (the report is one line).
 _PATH = re.compile(r"""["'](/[^"'\n]+)["']""")
-TMP_SUFFIX = ".tmp"
 
 
 def refused_write(err: BaseException) -> tuple[str, str | None] | None:

@@ -1,0 +1,199 @@
+"""An export's folder (``trainrun export --to``): where an export may go, what ``--replace``
+may replace, and how the new one is staged beside it and swapped in.
+
+``--to`` is new, empty, or, with ``--replace``, a model directory: every entry in it is a
+regular file of a name in ``REPLACEABLE`` (what an export, or ``save_pretrained`` of
+transformers 5.x and peft, writes: a subfolder, a link or any other file makes it something
+else) and weights among them. It is never at or inside a run directory, never the run being
+exported or a folder holding it, and never at, inside or around anything the export reads (the
+run's ``init.from`` chain, an adapter's base model, its tokenizer file). Anything else is
+refused on one line naming what is in the way, before anything is read or written.
+
+The export is written into a folder made for it beside the target,
+``.<target>.export-<pid>-<hex>`` (``mkdir`` fails if the name exists, so nothing in it is a
+link or a file placed in advance), and renamed into place; an old target is first renamed to
+the same name plus ``.old`` and deleted once the new one is in place. A ``kill -9`` can leave
+either folder behind: the next export to that target deletes those whose process (the pid in
+the name) is gone from this host, after putting a ``.old`` back where the target is missing
+(killed between the two renames), so the old export is never lost. A folder of a process that
+is still running (an export in progress) is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+from trainrun import rundir
+from trainrun.errors import UserError
+from trainrun.models.huggingface import (
+    CONFIG,
+    GENERATION_CONFIG,
+    INDEX,
+    TOKENIZER_FILES,
+    WEIGHTS,
+)
+from trainrun.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+# Every file an export writes, and every file transformers 5.x's save_pretrained (model,
+# tokenizer, generation config; safetensors only) and peft's (adapter, model card) write for
+# a causal LM: a directory of these alone is a model directory --replace may replace.
+REPLACEABLE = frozenset({CONFIG, GENERATION_CONFIG, WEIGHTS, INDEX, ADAPTER_CONFIG,
+                         ADAPTER_WEIGHTS, "README.md", *TOKENIZER_FILES})
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # save_pretrained's sharded weights
+WEIGHT_FILES = (WEIGHTS, INDEX, ADAPTER_WEIGHTS)
+
+
+class ExportRefused(UserError):
+    """A ``--to`` that export will not write to; the CLI prints it on one line and exits 2."""
+
+
+def check_target(to: Path, replace: bool, run_dir: Path) -> None:
+    """Refuse a ``--to`` (before the run is read) that is a file, at or inside a run
+    directory, or a directory with files in it unless ``replace`` and it is a model directory
+    that does not hold ``run_dir``."""
+    to = Path(to)
+    if to.exists() and not to.is_dir():
+        raise ExportRefused(f"--to {to} is a file, not a directory; give a directory for the "
+                            "export (a new or empty one)")
+    target = Path(os.path.realpath(to))
+    run = rundir.enclosing_run(target)
+    if run is not None:
+        where = "is the" if run == target else "is inside the"
+        raise ExportRefused(f"--to {to} {where} trainrun folder {run} (it has "
+                            f"{rundir.MARKER}): an export is never written into a run; give "
+                            "a directory outside it")
+    entries = sorted(target.iterdir(), key=lambda p: p.name) if target.is_dir() else []
+    if not entries:
+        return
+    if Path(os.path.realpath(run_dir)).is_relative_to(target):
+        raise ExportRefused(f"--to {to} holds the run being exported ({run_dir}); --replace "
+                            "never deletes a run: give a new or empty directory outside it")
+    why = _not_a_model_dir(to, entries)
+    if not replace:
+        hint = ("pass --replace to replace it with this export, or give a new or empty "
+                "directory" if why is None else "give a new or empty directory")
+        raise ExportRefused(f"--to {to} is not empty (it holds {_shown(entries)}); {hint}")
+    if why is not None:
+        raise ExportRefused(f"{why}: it is not a model directory, so --replace leaves it as it "
+                            "is; give a new or empty directory, or an earlier export to replace")
+
+
+def _not_a_model_dir(to: Path, entries: list[Path]) -> str | None:
+    """What makes ``to`` (holding ``entries``) no model directory, or None if it is one."""
+    foreign = [p for p in entries if not _replaceable(p)]
+    if foreign:
+        return f"--to {to} holds {_shown(foreign)}, which no export writes"
+    if not any(p.name in WEIGHT_FILES or SHARD.fullmatch(p.name) for p in entries):
+        return f"--to {to} holds {_shown(entries)} and no weights"
+    return None
+
+
+def check_reads(to: Path, reads: list[tuple[Path, str]]) -> None:
+    """Refuse a ``--to`` that is, holds or lies inside a path the export reads; ``reads``:
+    ``(path, what it is to the run)``, e.g. ``(llama, "the init.from of runs/sft")``."""
+    target = Path(os.path.realpath(to))
+    for path, what in reads:
+        real = Path(os.path.realpath(path))
+        if real == target:
+            relation = f"is {what}"
+        elif real.is_relative_to(target):
+            relation = f"holds {path}, {what}"
+        elif target.is_relative_to(real):
+            relation = f"is inside {path}, {what}"
+        else:
+            continue
+        raise ExportRefused(f"--to {to} {relation}: the export reads it, and never writes "
+                            "over, into or around what it reads; give another directory")
+
+
+def _replaceable(entry: Path) -> bool:
+    return (not entry.is_symlink() and entry.is_file()
+            and (entry.name in REPLACEABLE or SHARD.fullmatch(entry.name) is not None))
+
+
+def _shown(entries: list[Path]) -> str:
+    """Up to four entries: a folder as ``name/``, a link as ``name (a symbolic link)``."""
+    def show(p: Path) -> str:
+        if p.is_symlink():
+            return f"{p.name} (a symbolic link)"
+        return p.name + "/" if p.is_dir() else p.name
+    return ", ".join(show(p) for p in entries[:4]) + (", ..." if len(entries) > 4 else "")
+
+
+# ---- staging, the swap, and what a killed export left ----------------------------------------
+
+
+def staging_dir(target: Path) -> Path:
+    """A new folder beside ``target`` named for this process, where the export is written."""
+    staging = target.with_name(f".{target.name}.export-{os.getpid()}-{secrets.token_hex(4)}")
+    staging.mkdir()
+    return staging
+
+
+def swap(staging: Path, target: Path) -> None:
+    """``staging`` renamed to ``target``; an old ``target`` is moved aside first, put back if
+    the rename fails, and deleted once the new one is in place."""
+    if not target.exists():
+        staging.rename(target)
+        return
+    old = staging.with_name(staging.name + ".old")
+    target.rename(old)
+    try:
+        staging.rename(target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            old.rename(target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def leftovers(target: Path) -> list[Path]:
+    """The staging folders (and ``.old`` folders) beside ``target`` of exports to it whose
+    process is gone from this host: real folders named exactly as ``staging_dir`` names them."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.export-(\d+)-[0-9a-f]{{8}}(\.old)?")
+    found = []
+    for entry in target.parent.iterdir() if target.parent.is_dir() else ():
+        match = pattern.fullmatch(entry.name)
+        if (match and entry.is_dir() and not entry.is_symlink()
+                and not _alive(int(match.group(1)))):
+            found.append(entry)
+    return sorted(found, key=lambda p: p.name)
+
+
+def restore_interrupted(target: Path) -> Path | None:
+    """A killed export's old target put back where the target is missing (the kill came
+    between moving it aside and renaming the new one in); returns what was put back."""
+    if target.exists() or target.is_symlink():
+        return None
+    olds = [p for p in leftovers(target) if p.name.endswith(".old")]
+    if not olds:
+        return None
+    newest = max(olds, key=lambda p: p.stat().st_mtime)
+    newest.rename(target)
+    return newest
+
+
+def remove_leftovers(target: Path) -> list[Path]:
+    """Delete what killed exports to ``target`` left beside it (see ``leftovers``)."""
+    found = leftovers(target)
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True

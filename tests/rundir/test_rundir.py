@@ -458,3 +458,20 @@ def test_html_in_a_run_name_is_escaped_in_the_report(tmp_path, capfd):
     assert cli(capfd, "report", str(run_dir))[0] == 0
     page = (run_dir / "report.html").read_text()
     assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+
+
+@pytest.mark.parametrize("name", [rundir.METRICS, "trainrun.lock", rundir.STATUS])
+def test_a_run_file_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path, capfd, name):
+    """metrics.jsonl as a link was appended to through it, and trainrun.lock's target was
+    truncated when the lock recorded its holder."""
+    run_dir = tmp_path / "run"
+    train(run_dir)
+    elsewhere = tmp_path / "notes.txt"
+    elsewhere.write_text("mine\n")
+    (run_dir / name).unlink(missing_ok=True)
+    (run_dir / name).symlink_to(elsewhere)
+    before = listing(run_dir)
+    code, err = cli(capfd, "train", "--run-dir", str(run_dir), *SMALL, "steps=30")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{run_dir / name} is a symbolic link" in err and "remove the link" in err
+    assert elsewhere.read_text() == "mine\n" and listing(run_dir) == before

@@ -97,8 +97,8 @@ class JsonlWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        self.fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                                      0o644)
+        self.fd: int | None = os.open(
+            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         self.pending: list[str] = []
         self.pending_chars = 0
         self.keys: dict[str, str] = {}  # metric name -> ', "name": '

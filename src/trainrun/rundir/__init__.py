@@ -286,6 +286,21 @@ def require_real_steps(ckpt_dir: Path) -> None:
                         f"move it out of {ckpt_dir} (trainrun deletes old steps) and start again")
 
 
+# The files a run writes at its top: none may be a link, which a write would follow out of it.
+RUN_FILES = (MARKER, LOCK, CONFIG, PROVENANCE, METRICS, SUMMARY, TIMING, STATUS)
+
+
+def require_no_links(folder: Path) -> None:
+    """A run's own file that is a symbolic link was not made by trainrun, and appending to it
+    or truncating it would change the file it points to: refused in one line naming it."""
+    for name in RUN_FILES:
+        path = folder / name
+        if path.is_symlink():
+            raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}), not a file "
+                            f"trainrun wrote; trainrun writes only its own files in a run "
+                            f"directory: remove the link (what it points to is left alone)")
+
+
 def require_utf8(path: Path, flag: str) -> None:
     """Orbax and TensorStore take paths as UTF-8 text: refuse any other bytes up front."""
     raw = os.fsencode(path)
@@ -386,6 +401,7 @@ class RunDirectory:
         for path, flag, _ in self.folders:
             require_utf8(path, flag)
             require_fits(path, flag)
+            require_no_links(path)
         if not self.fresh:  # --fresh moves the old steps aside instead
             require_real_steps(self.ckpt_dir)
         for path, flag, role in self.folders:

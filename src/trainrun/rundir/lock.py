@@ -51,7 +51,8 @@ class RunLock:
         ``RunDirLocked`` naming the holder when another process has it."""
         if self.fd is not None:
             return True
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        # Never through a link: record_holder truncates the file (check() names a link first).
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
         try:
             fd = os.open(self.path, flags, 0o644)
         except FileNotFoundError:

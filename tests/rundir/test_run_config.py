@@ -40,6 +40,24 @@ def test_without_config_a_run_directory_gives_its_own_config(lm_run):
     assert resolved.config.steps == 4  # the override over the saved config
 
 
+def test_the_saved_config_leaves_out_how_its_job_joined_its_processes(lm_run, tmp_path):
+    """A run written by `launch -n 2` saved its process id and coordinator: resumed on one
+    process from that config, it waited for a coordinator that was gone."""
+    import shutil
+
+    import yaml
+
+    copy = tmp_path / "run"
+    shutil.copytree(lm_run, copy)
+    saved = yaml.safe_load((copy / rundir.CONFIG).read_text())
+    saved["distributed"] = {"kind": "explicit", "coordinator": "127.0.0.1:1234",
+                            "num_processes": 2, "process_id": 1}
+    (copy / rundir.CONFIG).write_text(yaml.safe_dump(saved))
+    assert command_config(None, [], copy).config.distributed.kind == "none"
+    assert command_config(None, ["distributed.kind=auto"], copy).config.distributed.kind == \
+        "auto"
+
+
 def test_a_config_named_or_a_folder_without_a_run_keeps_the_named_or_default(lm_run, tmp_path):
     assert command_config("lm", [], lm_run).saved is None  # --config wins
     for folder in (tmp_path / "new", tmp_path):  # absent; a folder that is not a run

@@ -172,9 +172,13 @@ def config_layers(name_or_path: str = "mlp", overrides: list[str] | None = None)
 
 def saved_layers(path: Path, overrides: list[str] | None = None) -> list[Layer]:
     """A run's saved ``config.yaml`` (every value resolved when it was written) and overrides
-    over it: the config that resumes or extends that run as it was."""
-    layers = [Layer(f"run: {os.path.normpath(path.parent)}",
-                    _read_yaml(path, os.path.normpath(path)))]
+    over it: the config that resumes or extends that run as it was. Its ``distributed``
+    section is left out: it says how the job that wrote it joined its processes (``launch``
+    gives each its id and coordinator), not what the run computes, and a resume on one
+    process would wait for the others."""
+    tree = _read_yaml(path, os.path.normpath(path))
+    tree.pop("distributed", None)
+    layers = [Layer(f"run: {os.path.normpath(path.parent)}", tree)]
     if overrides:
         layers.append(Layer("override", parse_overrides(overrides)))
     return layers

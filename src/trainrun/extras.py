@@ -6,6 +6,7 @@
     tensorboard    tensorboardX   metrics.tensorboard (on by default where it is installed)
     wandb          wandb          metrics.wandb=offline or online
     huggingface    safetensors    init.from a Hugging Face model or .safetensors, trainrun export
+    cloud          gcsfs, s3fs    gs:// and s3:// locations (run directories, data, init.from)
     bench          torch          the benchmarks
 
 A training run needs none of them. A feature whose package is missing stops with one line that
@@ -18,9 +19,11 @@ import importlib.util
 
 from trainrun.errors import UserError
 
-# extra -> the module it installs (the one trainrun imports)
-MODULES = {"report": "matplotlib", "datasets": "sklearn", "tensorboard": "tensorboardX",
-           "wandb": "wandb", "huggingface": "safetensors", "bench": "torch"}
+# extra -> the modules it installs (those trainrun imports)
+MODULES: dict[str, tuple[str, ...]] = {
+    "report": ("matplotlib",), "datasets": ("sklearn",), "tensorboard": ("tensorboardX",),
+    "wandb": ("wandb",), "huggingface": ("safetensors",), "cloud": ("gcsfs", "s3fs"),
+    "bench": ("torch",)}
 
 
 class MissingExtra(UserError):
@@ -28,9 +31,9 @@ class MissingExtra(UserError):
 
 
 def installed(extra: str) -> bool:
-    """Whether ``extra``'s package can be imported (found, not imported: no import cost)."""
+    """Whether ``extra``'s packages can be imported (found, not imported: no import cost)."""
     try:
-        return importlib.util.find_spec(MODULES[extra]) is not None
+        return all(importlib.util.find_spec(module) is not None for module in MODULES[extra])
     except (ImportError, ValueError):  # hidden (sys.modules[name] = None) or a broken install
         return False
 

@@ -32,7 +32,7 @@ from trainrun.program.optim import build_schedule
 # not change a bit (tests/training/test_parity.py), eval reads the params without changing them,
 # the rest are bookkeeping. Any other change is refused unless the user asks for it.
 RESUMABLE_KEYS = ("name", "steps", "steps_per_call", "log_every", "checkpoint", "eval",
-                  "data.prefetch_threads", "distributed", "metrics", "profile")
+                  "data.prefetch_threads", "distributed", "metrics", "profile", "storage")
 # Provenance fields that, when they differ, void the promise of bitwise equality ("lock": the
 # digest of requirements.lock, the whole tested set of packages).
 NUMERIC_PROVENANCE = ("trainrun", "jax", "jaxlib", "lock", "backend", "device_kind",

@@ -31,6 +31,7 @@ from trainrun.config.sections import (
     RegressionData,
     Section,
     SingleProcess,
+    StorageConfig,
 )
 from trainrun.errors import UserError, printable
 
@@ -72,6 +73,7 @@ class RunConfig(Section):
     distributed: DistributedConfig = Field(default_factory=SingleProcess)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
 
     @pydantic.model_validator(mode="before")
     @classmethod

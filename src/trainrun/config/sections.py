@@ -643,6 +643,24 @@ class MetricsConfig(Section):
         return value
 
 
+class StorageConfig(Section):
+    """How a run keeps its directory on object storage (``gs://``, ``s3://``;
+    ``rundir/remote.py``); a local run directory ignores it.
+
+    lease_s: how long the run's lock holds without renewal. The run renews it four times per
+        lease; a job whose process died leaves it to expire, and another may then take it.
+    deadline_s: how long requests may keep failing for reasons that may pass (the store not
+        answering, errors 5xx) before the run stops in one line, status ``failed``, at its last
+        committed checkpoint.
+    sync_every_s: the most seconds between uploads of the appended files (``metrics.jsonl``,
+        ``timing.jsonl``, TensorBoard events), which also go up at each checkpoint and at the end.
+    """
+
+    lease_s: float = Field(60.0, ge=5)
+    deadline_s: float = Field(300.0, gt=0)
+    sync_every_s: float = Field(30.0, gt=0)
+
+
 class ProfileConfig(Section):
     """``steps: [a, b]`` writes a jax.profiler trace of steps a..b to ``<run dir>/profile``;
     empty (the default) traces nothing."""

@@ -1,0 +1,326 @@
+"""Object storage: ``gs://bucket/...`` and ``s3://bucket/...`` locations, read and written through
+fsspec (gcsfs, s3fs: the clients Orbax reaches object storage with, through ``etils.epath``).
+
+A location on object storage is an ``etils.epath.Path``; a local one stays a ``pathlib.Path``
+(its guarantees are the file system's: renames, ``flock``, ``O_NOFOLLOW``). Everything here
+works on whole objects:
+
+    write_bytes   one PUT: a reader sees the old object or the new one, never half of one
+    create        one PUT only if no object has the name (GCS ``ifGenerationMatch=0``, S3
+                  ``If-None-Match: *``): exactly one of several writers succeeds
+    stat          size, the version the store gives each write (GCS generation, S3 ETag) and
+                  the store's own time of it (no clock of this machine involved)
+    list_names, delete, delete_tree, read_bytes, read_range, open_read (streamed)
+
+Credentials and endpoints come from where each ecosystem's own tools look: for GCS,
+``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's login or the metadata server, and
+``STORAGE_EMULATOR_HOST`` for an emulator; for S3, ``AWS_*`` variables, profiles and
+``AWS_ENDPOINT_URL``. Nothing of them is written anywhere.
+
+A request that fails for a reason that may pass (the store not answering, a timeout, a 5xx, a
+429) is tried again with exponential backoff until ``deadline_s`` (``storage.deadline_s``) has
+passed; then ``StorageUnavailable``: one line naming the location and how long it was tried. A
+refusal that will not pass (no credentials, no such bucket, permission) is one line at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import errno
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+from trainrun import extras
+from trainrun.errors import UserError, WriteFailed
+
+SCHEMES = ("gs", "s3")
+REQUEST_TIMEOUT_S = 20.0  # one request that has not answered by then is retried
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0
+
+T = TypeVar("T")
+
+
+class StorageUnavailable(WriteFailed):
+    """Object storage did not answer within the deadline; one line, exit 1."""
+
+
+class StorageRefused(UserError):
+    """Object storage refused a request for a reason that will not pass by trying again (no
+    credentials, no such bucket, no permission); one line, exit 2."""
+
+
+def is_remote(path: Any) -> bool:
+    """Whether ``path`` (a string, ``pathlib`` or ``epath`` path) names an object store."""
+    text = str(path)
+    return any(text.startswith(f"{scheme}://") for scheme in SCHEMES)
+
+
+def scheme_of(path: Any) -> str:
+    return str(path).split("://", 1)[0]
+
+
+def bucket_of(path: Any) -> str:
+    return str(path).split("://", 1)[1].split("/", 1)[0]
+
+
+Location = Any  # pathlib.Path locally, etils.epath.Path on object storage
+
+
+def location(path: str | os.PathLike[str] | Any) -> Location:
+    """``path`` as the path type its store takes: an ``epath.Path`` for ``gs://`` and ``s3://``
+    (whose client is set up first), a ``pathlib.Path`` otherwise."""
+    if not is_remote(path):
+        return Path(path)
+    text = str(path).rstrip("/")
+    if not bucket_of(text):
+        raise UserError(f"{text!r} names no bucket; give {scheme_of(text)}://BUCKET/PATH")
+    filesystem(text)  # the extra's hint, and the client configured, before any use
+    from etils import epath
+
+    return epath.Path(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One object: its size, the version the store gave its last write, and when."""
+
+    size: int
+    version: str
+    updated: datetime.datetime | None
+
+
+_settings = {"deadline_s": 300.0}
+_lock = threading.Lock()
+
+
+def set_deadline(seconds: float) -> None:
+    """How long a request may keep failing for reasons that may pass before it is given up
+    (``storage.deadline_s``)."""
+    _settings["deadline_s"] = float(seconds)
+
+
+def deadline_s() -> float:
+    return _settings["deadline_s"]
+
+
+def filesystem(path: Any) -> Any:
+    """The fsspec filesystem for ``path``'s scheme, made once per process."""
+    scheme = scheme_of(path)
+    extras.require("cloud", f"{scheme}:// locations")
+    with _lock:
+        if scheme == "gs":
+            # gcsfs picks its class when imported: the plain one, not the one that asks a gRPC
+            # service for the bucket's type on every bucket (it then warns and falls back).
+            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+            import fsspec
+
+            return fsspec.filesystem("gcs", requests_timeout=REQUEST_TIMEOUT_S)
+        import fsspec
+
+        return fsspec.filesystem("s3", config_kwargs={
+            "connect_timeout": REQUEST_TIMEOUT_S, "read_timeout": REQUEST_TIMEOUT_S,
+            "retries": {"max_attempts": 1}})  # retried here, up to the deadline
+
+
+def _key(path: Any) -> str:
+    """``bucket/key`` as fsspec names an object."""
+    return str(path).split("://", 1)[1]
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+def _status(err: BaseException) -> int | None:
+    """The HTTP status an error of gcsfs or botocore carries, if any."""
+    for attr in ("code", "status", "status_code"):
+        value = getattr(err, attr, None)
+        if isinstance(value, int) and 100 <= value < 600:
+            return value
+    response = getattr(err, "response", None)
+    if isinstance(response, dict):
+        meta = response.get("ResponseMetadata", {})
+        if isinstance(meta.get("HTTPStatusCode"), int):
+            return int(meta["HTTPStatusCode"])
+    return None
+
+
+def transient(err: BaseException) -> bool:
+    """A failure that may pass by trying again: the store not answering, a dropped
+    connection, a timeout, a 5xx, a 429 (too many requests)."""
+    status = _status(err)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    if isinstance(err, FileNotFoundError | FileExistsError | PermissionError):
+        return False
+    if isinstance(err, TimeoutError | ConnectionError):
+        return True
+    names = {type(e).__name__ for e in _chain(err)}
+    return bool(names & {"ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
+                         "ServerTimeoutError", "EndpointConnectionError", "ConnectTimeoutError",
+                         "ReadTimeoutError", "ConnectionClosedError", "TimeoutError",
+                         "ClientPayloadError", "ResponseParserError", "RetryError"})
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack += [e.__cause__, e.__context__]
+
+
+def _credentials_missing(err: BaseException) -> bool:
+    names = {type(e).__name__ for e in _chain(err)}
+    status = _status(err)
+    return bool(names & {"NoCredentialsError", "DefaultCredentialsError", "PartialCredentialsError",
+                         "RefreshError"}) or status == 401
+
+
+def refused_line(path: Any, err: BaseException, doing: str) -> str:
+    """The one line for a request the store refused for good."""
+    scheme = scheme_of(path)
+    if _credentials_missing(err):
+        where = ("GOOGLE_APPLICATION_CREDENTIALS (a service account key), `gcloud auth "
+                 "application-default login`, or a machine with a service account; "
+                 "STORAGE_EMULATOR_HOST for an emulator" if scheme == "gs" else
+                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a machine role; "
+                 "AWS_ENDPOINT_URL for another endpoint")
+        return f"no credentials for {path} ({doing}): give them through {where}"
+    status = _status(err)
+    if status == 403 or isinstance(err, PermissionError):
+        return (f"permission denied {doing} {path}: give these credentials access to bucket "
+                f"{bucket_of(path)!r}, or another location")
+    text = " ".join(str(err).split())[:200] or type(err).__name__
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower() or (
+            status == 404 and "bucket" in text.lower()):
+        return (f"bucket {bucket_of(path)!r} does not exist ({doing} {path}): create it, or "
+                "give another location")
+    return f"{doing} {path} failed: {text}"
+
+
+def with_retries(path: Any, doing: str, request: Callable[[], T]) -> T:
+    """``request()``, tried again with backoff while it fails for reasons that may pass, until
+    the deadline; a lasting refusal is ``StorageRefused`` at once."""
+    start = time.monotonic()
+    backoff = FIRST_BACKOFF_S
+    while True:
+        try:
+            return request()
+        except (FileNotFoundError, FileExistsError):
+            raise
+        except Exception as err:
+            if not transient(err):
+                if isinstance(err, OSError) and err.errno in (errno.ENOENT, errno.EEXIST):
+                    raise
+                raise StorageRefused(refused_line(path, err, doing)) from err
+            waited = time.monotonic() - start
+            if waited + backoff > deadline_s():
+                raise StorageUnavailable(
+                    f"object storage did not answer {doing} {path} for {waited:.0f} s "
+                    f"(storage.deadline_s={deadline_s():g}): {type(err).__name__}") from err
+            time.sleep(backoff * (0.5 + random.random() / 2))
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+
+# ---- whole objects ---------------------------------------------------------------------------
+
+
+def read_bytes(path: Any) -> bytes:
+    fs = filesystem(path)
+    return with_retries(path, "reading", lambda: fs.cat_file(_key(path)))
+
+
+def read_range(path: Any, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an object."""
+    fs = filesystem(path)
+    return with_retries(path, "reading", lambda: fs.cat_file(_key(path), start=start, end=end))
+
+
+def write_bytes(path: Any, data: bytes) -> None:
+    """The object holds ``data``: one request, all or nothing."""
+    fs = filesystem(path)
+    with_retries(path, "writing", lambda: fs.pipe_file(_key(path), data))
+
+
+def create(path: Any, data: bytes) -> bool:
+    """Write ``data`` only if no object has that name; returns whether this call made it."""
+    fs = filesystem(path)
+    try:
+        with_retries(path, "creating", lambda: fs.pipe_file(_key(path), data, mode="create"))
+    except FileExistsError:
+        return False
+    except StorageRefused as err:
+        if _status(err.__cause__ or err) == 412:  # a precondition that failed: it exists
+            return False
+        raise
+    return True
+
+
+def stat(path: Any) -> ObjectInfo | None:
+    """The object's size, version and time, or None when there is none."""
+    fs = filesystem(path)
+    try:
+        info = with_retries(path, "reading", lambda: fs.info(_key(path), refresh=True))
+    except FileNotFoundError:
+        return None
+    if info.get("type") == "directory":
+        return None
+    version = str(info.get("generation") or info.get("ETag") or info.get("etag") or "")
+    updated = info.get("updated") or info.get("LastModified") or info.get("mtime")
+    if isinstance(updated, str):
+        updated = datetime.datetime.fromisoformat(updated.replace("Z", "+00:00"))
+    return ObjectInfo(int(info.get("size") or 0), version,
+                      updated if isinstance(updated, datetime.datetime) else None)
+
+
+def list_names(path: Any) -> list[str]:
+    """The names directly below ``path`` (objects and the "folders" their keys imply)."""
+    fs = filesystem(path)
+    try:
+        entries = with_retries(path, "listing",
+                               lambda: fs.ls(_key(path), detail=False, refresh=True))
+    except FileNotFoundError:
+        return []
+    prefix = _key(path).rstrip("/") + "/"
+    names = {e.rstrip("/")[len(prefix):] for e in entries if e.rstrip("/").startswith(prefix)}
+    return sorted(n for n in names if n and "/" not in n)
+
+
+def exists(path: Any) -> bool:
+    fs = filesystem(path)
+    return bool(with_retries(path, "reading", lambda: fs.exists(_key(path))))
+
+
+def is_dir(path: Any) -> bool:
+    """Whether any object's key lies below ``path``."""
+    return bool(list_names(path))
+
+
+def delete(path: Any) -> None:
+    fs = filesystem(path)
+    with contextlib.suppress(FileNotFoundError):
+        with_retries(path, "deleting", lambda: fs.rm_file(_key(path)))
+
+
+def delete_tree(path: Any) -> None:
+    """Every object whose key lies below ``path``."""
+    fs = filesystem(path)
+    with contextlib.suppress(FileNotFoundError):
+        with_retries(path, "deleting", lambda: fs.rm(_key(path), recursive=True))
+
+
+def open_read(path: Any) -> IO[bytes]:
+    """The object as a file read a block at a time (ranged requests), for streamed records."""
+    fs = filesystem(path)
+    return with_retries(path, "reading", lambda: fs.open(_key(path), "rb"))

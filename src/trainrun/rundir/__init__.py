@@ -36,7 +36,7 @@ import yaml
 
 from trainrun.config import RunConfig, dump_yaml
 from trainrun.errors import UserError
-from trainrun.rundir.atomic import replace_file
+from trainrun.rundir import location
 from trainrun.rundir.lock import LOCK, RunLock
 
 MARKER = "trainrun.json"
@@ -55,10 +55,11 @@ def default_run_dir(config: RunConfig) -> Path:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Written to a new temporary name and renamed (``atomic.replace_file``): a reader never
-    sees half a file, a write that fails (a full disk) leaves the old file and no temporary
-    one, and neither the file nor a name placed in advance is written through as a link."""
-    replace_file(path, text)
+    """Written whole (``location.write_bytes``): locally to a new temporary name and renamed
+    (``atomic.replace_file``), so a reader never sees half a file, a write that fails (a full
+    disk) leaves the old file and no temporary one, and neither the file nor a name placed in
+    advance is written through as a link; on object storage, one PUT."""
+    location.write_text(path, text)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -85,7 +86,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _object(path: Path, parse: Any, kind: str) -> dict[str, Any]:
-    raw = path.read_bytes()
+    raw = location.read_bytes(path)
     try:
         value = parse(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -154,7 +155,7 @@ def finished_message(run_dir: Path, step: int, steps: int) -> str:
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
     path = run_dir / SUMMARY
-    return read_json(path) if path.exists() else {}
+    return read_json(path) if location.exists(path) else {}
 
 
 def write_status(run_dir: Path, status: str, step: int | None = None,
@@ -216,8 +217,8 @@ def read_status(run_dir: Path) -> dict[str, Any]:
     ``failed``. A run without a status file (written before there were any) reads as
     ``finished`` if it has a summary, else ``unknown``."""
     path = run_dir / STATUS
-    if not path.exists():
-        return {"status": "finished" if (run_dir / SUMMARY).exists() else "unknown"}
+    if not location.exists(path):
+        return {"status": "finished" if location.exists(run_dir / SUMMARY) else "unknown"}
     try:
         status = read_json(path)
     except DamagedFile:
@@ -249,9 +250,16 @@ class Found:
     why: str = ""
 
 
+COMMIT_FILE = "commit_success.txt"  # Orbax's mark of a committed step on object storage
+
+
 def committed_steps(ckpt_dir: Path) -> list[int]:
-    """The step directories in a checkpoint directory (Orbax renames a step to its number only
-    once every file is written), oldest first."""
+    """The committed steps of a checkpoint directory, oldest first: locally the step folders
+    (Orbax renames a step to its number only once every file is written); on object storage,
+    which has no rename, the step folders holding Orbax's commit file (written last)."""
+    if location.is_remote(ckpt_dir):
+        return sorted(int(name) for name in location.list_names(ckpt_dir)
+                      if name.isdigit() and location.exists(ckpt_dir / name / COMMIT_FILE))
     if not ckpt_dir.is_dir():
         return []
     return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_dir())

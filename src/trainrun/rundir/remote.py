@@ -41,7 +41,7 @@ from trainrun import extras
 from trainrun.errors import UserError, WriteFailed
 
 SCHEMES = ("gs", "s3")
-REQUEST_TIMEOUT_S = 20.0  # one request that has not answered by then is retried
+REQUEST_TIMEOUT_S = 20.0  # a request not answered by then is abandoned and tried again
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0
 
 T = TypeVar("T")
@@ -119,14 +119,18 @@ def filesystem(path: Any) -> Any:
             # gcsfs picks its class when imported: the plain one, not the one that asks a gRPC
             # service for the bucket's type on every bucket (it then warns and falls back).
             os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-            import fsspec
+            from gcsfs.core import GCSFileSystem
 
-            return fsspec.filesystem("gcs", requests_timeout=REQUEST_TIMEOUT_S)
+            # An emulator takes no credentials: none are looked for (nor a metadata server).
+            token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
+            return GCSFileSystem(requests_timeout=REQUEST_TIMEOUT_S, token=token)
         import fsspec
 
-        return fsspec.filesystem("s3", config_kwargs={
+        fs = fsspec.filesystem("s3", config_kwargs={
             "connect_timeout": REQUEST_TIMEOUT_S, "read_timeout": REQUEST_TIMEOUT_S,
-            "retries": {"max_attempts": 1}})  # retried here, up to the deadline
+            "retries": {"mode": "standard", "total_max_attempts": 1}})
+        fs.retries = 1  # one attempt per call, by s3fs and botocore: retried here to the deadline
+        return fs
 
 
 def _key(path: Any) -> str:
@@ -204,8 +208,7 @@ def refused_line(path: Any, err: BaseException, doing: str) -> str:
     text = " ".join(str(err).split())[:200] or type(err).__name__
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower() or (
             status == 404 and "bucket" in text.lower()):
-        return (f"bucket {bucket_of(path)!r} does not exist ({doing} {path}): create it, or "
-                "give another location")
+        return _no_bucket(path, doing)
     return f"{doing} {path} failed: {text}"
 
 
@@ -238,28 +241,41 @@ def with_retries(path: Any, doing: str, request: Callable[[], T]) -> T:
 
 def read_bytes(path: Any) -> bytes:
     fs = filesystem(path)
-    return with_retries(path, "reading", lambda: fs.cat_file(_key(path)))
+    return with_retries(path, "reading", lambda: fs.cat_file(_key(path), timeout=REQUEST_TIMEOUT_S))
 
 
 def read_range(path: Any, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of an object."""
     fs = filesystem(path)
-    return with_retries(path, "reading", lambda: fs.cat_file(_key(path), start=start, end=end))
+    return with_retries(path, "reading", lambda: fs.cat_file(
+        _key(path), start=start, end=end, timeout=REQUEST_TIMEOUT_S))
 
 
 def write_bytes(path: Any, data: bytes) -> None:
     """The object holds ``data``: one request, all or nothing."""
     fs = filesystem(path)
-    with_retries(path, "writing", lambda: fs.pipe_file(_key(path), data))
+    try:
+        with_retries(path, "writing", lambda: fs.pipe_file(_key(path), data,
+                                                           timeout=REQUEST_TIMEOUT_S))
+    except FileNotFoundError:  # a write finds no object missing, only the bucket
+        raise StorageRefused(_no_bucket(path, "writing")) from None
+
+
+def _no_bucket(path: Any, doing: str) -> str:
+    return (f"bucket {bucket_of(path)!r} does not exist ({doing} {path}): create it, or give "
+            "another location")
 
 
 def create(path: Any, data: bytes) -> bool:
     """Write ``data`` only if no object has that name; returns whether this call made it."""
     fs = filesystem(path)
     try:
-        with_retries(path, "creating", lambda: fs.pipe_file(_key(path), data, mode="create"))
+        with_retries(path, "creating", lambda: fs.pipe_file(
+            _key(path), data, mode="create", timeout=REQUEST_TIMEOUT_S))
     except FileExistsError:
         return False
+    except FileNotFoundError:
+        raise StorageRefused(_no_bucket(path, "creating")) from None
     except StorageRefused as err:
         if _status(err.__cause__ or err) == 412:  # a precondition that failed: it exists
             return False
@@ -271,7 +287,8 @@ def stat(path: Any) -> ObjectInfo | None:
     """The object's size, version and time, or None when there is none."""
     fs = filesystem(path)
     try:
-        info = with_retries(path, "reading", lambda: fs.info(_key(path), refresh=True))
+        info = with_retries(path, "reading", lambda: fs.info(
+            _key(path), refresh=True, timeout=REQUEST_TIMEOUT_S))
     except FileNotFoundError:
         return None
     if info.get("type") == "directory":
@@ -289,7 +306,8 @@ def list_names(path: Any) -> list[str]:
     fs = filesystem(path)
     try:
         entries = with_retries(path, "listing",
-                               lambda: fs.ls(_key(path), detail=False, refresh=True))
+                               lambda: fs.ls(
+            _key(path), detail=False, refresh=True, timeout=REQUEST_TIMEOUT_S))
     except FileNotFoundError:
         return []
     prefix = _key(path).rstrip("/") + "/"
@@ -299,7 +317,8 @@ def list_names(path: Any) -> list[str]:
 
 def exists(path: Any) -> bool:
     fs = filesystem(path)
-    return bool(with_retries(path, "reading", lambda: fs.exists(_key(path))))
+    return bool(with_retries(path, "reading", lambda: fs.exists(
+        _key(path), timeout=REQUEST_TIMEOUT_S)))
 
 
 def is_dir(path: Any) -> bool:
@@ -310,14 +329,15 @@ def is_dir(path: Any) -> bool:
 def delete(path: Any) -> None:
     fs = filesystem(path)
     with contextlib.suppress(FileNotFoundError):
-        with_retries(path, "deleting", lambda: fs.rm_file(_key(path)))
+        with_retries(path, "deleting", lambda: fs.rm_file(_key(path), timeout=REQUEST_TIMEOUT_S))
 
 
 def delete_tree(path: Any) -> None:
     """Every object whose key lies below ``path``."""
     fs = filesystem(path)
     with contextlib.suppress(FileNotFoundError):
-        with_retries(path, "deleting", lambda: fs.rm(_key(path), recursive=True))
+        with_retries(path, "deleting", lambda: fs.rm(
+            _key(path), recursive=True, timeout=REQUEST_TIMEOUT_S))
 
 
 def open_read(path: Any) -> IO[bytes]:

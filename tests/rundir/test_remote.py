@@ -1,0 +1,88 @@
+"""The object-storage layer against real servers (fake-gcs-server, moto): whole objects,
+create-if-absent with one winner, versions and listings, and one line for a store that refuses
+or stops answering."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from trainrun.rundir import location, remote
+
+
+def test_whole_objects_read_back_listed_and_deleted(bucket):
+    root = location.location(f"{bucket}/runs/x")
+    location.write_text(root / "config.yaml", "steps: 3\n")
+    location.write_bytes(root / "sub" / "a.bin", b"0123456789")
+    assert location.read_text(root / "config.yaml") == "steps: 3\n"
+    assert remote.read_range(root / "sub" / "a.bin", 2, 5) == b"234"
+    assert location.list_names(root) == ["config.yaml", "sub"]
+    assert location.is_dir(root / "sub") and not location.is_dir(root / "nothing")
+    assert location.is_file(root / "config.yaml") and not location.is_file(root / "sub")
+    with location.open_read(root / "sub" / "a.bin") as f:
+        assert f.read() == b"0123456789"
+    location.delete_tree(root / "sub")
+    location.delete(root / "missing")  # nothing there: nothing to do
+    assert location.list_names(root) == ["config.yaml"]
+
+
+def test_create_if_absent_has_one_winner_and_each_write_a_new_version(bucket):
+    path = location.location(f"{bucket}/lock")
+    won: list[int] = []
+
+    def contend(i: int) -> None:
+        if remote.create(path, f"{i}".encode()):
+            won.append(i)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and location.read_text(path) == str(won[0])
+    first = remote.stat(path)
+    location.write_text(path, f"{won[0]} again")
+    second = remote.stat(path)
+    assert first is not None and second is not None and first.version != second.version
+    assert second.updated is not None and remote.stat(path.parent / "none") is None
+
+
+def test_a_missing_bucket_is_one_line(object_store_servers):
+    for scheme in ("gs", "s3"):
+        with pytest.raises(remote.StorageRefused, match=r"bucket .* does not exist") as err:
+            location.write_text(location.location(f"{scheme}://no-such-bucket-here/x"), "1")
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_store_that_stops_answering_is_retried_then_one_line(object_store_servers, scheme,
+                                                               monkeypatch):
+    server = object_store_servers[scheme]
+    path = location.location(f"{server.new_bucket()}/x")
+    monkeypatch.setattr(remote, "REQUEST_TIMEOUT_S", 1.0)
+    remote.set_deadline(60)
+    # Paused for 3 s: the write waits, is tried again and succeeds.
+    server.pause()
+    timer = threading.Timer(3, server.resume)
+    timer.start()
+    try:
+        location.write_text(path, "after the pause")
+    finally:
+        timer.join()
+        server.resume()
+    assert location.read_text(path) == "after the pause"
+    # Paused past the deadline: one line naming the location and the deadline.
+    remote.set_deadline(4)
+    server.pause()
+    start = time.monotonic()
+    try:
+        with pytest.raises(remote.StorageUnavailable, match=r"did not answer writing .* for "
+                           r"\d+ s \(storage\.deadline_s=4\)") as err:
+            location.write_text(path, "never")
+    finally:
+        server.resume()
+        remote.set_deadline(300)
+    assert time.monotonic() - start < 60 and "\n" not in str(err.value)

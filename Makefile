@@ -4,7 +4,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+TRAIN_STAMP := $(VENV)/.installed-train
+
 .PHONY: train test test-fast lint typecheck bench docs lock clean
+
+# What a training run needs and nothing more (requirements-train.lock: trainrun's own
+# dependencies, no extras, at the versions of requirements.lock), then trainrun from this
+# checkout: the lean core `pip install trainrun` gives, hashes checked.
+$(TRAIN_STAMP): pyproject.toml requirements-train.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --require-hashes -r requirements-train.lock
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(TRAIN_STAMP)
 
 # The exact tested set with every extra (requirements.lock, hashes checked), torch for the
 # benchmarks (requirements-bench.lock), then trainrun from this checkout, resolving nothing anew.
@@ -17,7 +29,7 @@ $(STAMP): pyproject.toml requirements.lock requirements-bench.lock
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 
-train: $(STAMP)
+train: $(TRAIN_STAMP)
 	$(BIN)/trainrun train $(ARGS)
 
 # One pytest worker per core (pytest-xdist), four at most: most tests wait on a compile or a
@@ -54,7 +66,8 @@ docs: $(VENV)/.installed-docs
 
 # requirements.lock from pyproject.toml's ranges (all extras but bench, and the test tools) for
 # CPython 3.11 on Linux x86_64, with pip-tools in a venv of its own, against PyPI alone. It keeps
-# the pins the ranges still allow; make lock LOCK_ARGS=--upgrade takes the newest. Then make test.
+# the pins the ranges still allow; make lock LOCK_ARGS=--upgrade takes the newest. Then
+# requirements-train.lock, the core alone, constrained to the same versions. Then make test.
 LOCK_EXTRAS := report datasets tensorboard wandb huggingface text records cloud test
 lock:
 	test -x build/lock/bin/pip-compile || ($(PYTHON) -m venv build/lock && \
@@ -63,6 +76,10 @@ lock:
 	  --allow-unsafe --strip-extras --no-emit-find-links --no-emit-index-url \
 	  --pip-args=--isolated $(LOCK_EXTRAS:%=--extra %) $(LOCK_ARGS) \
 	  --output-file requirements.lock pyproject.toml
+	CUSTOM_COMPILE_COMMAND="make lock" build/lock/bin/pip-compile --quiet --generate-hashes \
+	  --allow-unsafe --strip-extras --no-emit-find-links --no-emit-index-url \
+	  --pip-args=--isolated --constraint requirements.lock \
+	  --output-file requirements-train.lock pyproject.toml
 
 clean:
 	rm -rf $(VENV) runs

@@ -17,7 +17,8 @@ from trainrun.reporting.provenance import lock_digest, provenance
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 # the extras requirements.lock holds (make lock); bench's torch is in requirements-bench.lock
-LOCKED_EXTRAS = ("report", "datasets", "tensorboard", "wandb", "huggingface", "test")
+LOCKED_EXTRAS = ("report", "datasets", "tensorboard", "wandb", "huggingface", "text",
+                 "records", "cloud", "test")
 
 
 def pins(lock: Path) -> dict[str, str]:
@@ -38,6 +39,18 @@ def test_every_locked_version_is_in_its_range():
         assert name in locked, f"{req.name} is not in the lock: make lock"
         assert req.specifier.contains(locked[name], prereleases=True), \
             f"the lock's {req.name}=={locked[name]} is outside pyproject.toml's {req}"
+
+
+def test_the_training_lock_is_the_core_at_the_full_locks_versions():
+    """make train installs requirements-train.lock alone: every core dependency, nothing of
+    an extra's that the core does not need, each at the version make test installs (the
+    bitwise promises hold per lock)."""
+    train, full = pins(REPO / "requirements-train.lock"), pins(REPO / "requirements.lock")
+    assert {canonicalize_name(r.name) for r in requirements("core")} <= train.keys()
+    assert all(full.get(name) == version for name, version in train.items()), \
+        {n: (v, full.get(n)) for n, v in train.items() if full.get(n) != v}
+    assert not {"matplotlib", "torch", "safetensors", "tokenizers", "gcsfs", "pytest"} & \
+        train.keys()
 
 
 def test_every_direct_dependency_has_a_tested_lower_bound_and_no_exact_pin():

@@ -298,3 +298,21 @@ def object_store_servers():
 def bucket(request, object_store_servers) -> str:
     """A new bucket on each emulator in turn: ``gs://bucket-...`` then ``s3://bucket-...``."""
     return object_store_servers[request.param].new_bucket()
+
+
+def upload_run(local: Path, url: str):
+    """Every file of the local run ``local`` as an object of the same name under ``url``, with
+    each committed step's ``commit_success.txt`` (what marks a step committed on object
+    storage; Orbax writes it on disk too): how a run is moved to a bucket. Returns the
+    location."""
+    from trainrun.rundir import location
+
+    root = location.location(url)
+    for path in sorted(local.rglob("*")):
+        if path.is_file() and path.name != "trainrun.lock":  # the local writer's lock
+            location.write_bytes(root / path.relative_to(local).as_posix(), path.read_bytes())
+    for step in rundir.committed_steps(local / rundir.CHECKPOINTS):
+        mark = root / rundir.CHECKPOINTS / str(step) / rundir.COMMIT_FILE
+        if not location.exists(mark):
+            location.write_bytes(mark, b"")
+    return root

@@ -3,8 +3,11 @@ names the problem and the fix, exit 2 for input and 1 for the environment, nothi
 changed, no folder made that was not there, and no absl, Orbax, JAX or matplotlib log line.
 
 One table, run in-process on copies of two tiny trained runs (an MLP, and a GPT-2-shaped LM
-that `sample` and `export` take); the environment's cases run each variable once in a
-subprocess, every command in it (JAX's backend and matplotlib read them once per process)."""
+that `sample` and `export` take); a second table gives the commands locations on object storage
+(``gs://``, ``s3://``, each emulator in turn) that hold no run or name no bucket, where nothing
+in the bucket may change and no local folder (``gs:``) be made; the environment's cases run
+each variable once in a subprocess, every command in it (JAX's backend and matplotlib read them
+once per process)."""
 
 from __future__ import annotations
 
@@ -22,13 +25,15 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import cli_env
+from conftest import cli_env, upload_run
 
 import trainrun
 from trainrun.cli import main
 from trainrun.config import load_config
+from trainrun.rundir import location, remote
 
 ROOT = os.geteuid() == 0  # root reads and writes through any mode bits
 LOGGERS = ("absl", "orbax", "jax", "matplotlib")
@@ -84,8 +89,8 @@ class Sandbox:
     """A test's folder: copies of the trained runs made on first use, and the paths the table
     names. The command may change nothing in it (but for a case's declared outputs)."""
 
-    def __init__(self, tmp: Path, trained: Path):
-        self.tmp, self.trained = tmp, trained
+    def __init__(self, tmp: Path, trained: Path, bucket: str = ""):
+        self.tmp, self.trained, self.bucket = tmp, trained, bucket
         self.missing = tmp / "missing"
         self.long = tmp / ("x" * 300)
         self.deep = Path("/".join([str(tmp)] + ["y" * 200] * 22))
@@ -176,6 +181,23 @@ class Sandbox:
             tensors[weights] = (tensors[weights] * 100).astype("int64")
             save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         return path
+
+    # ---- on object storage: ``bucket`` is a new bucket on one of the emulators ----
+
+    @property
+    def nowhere(self) -> str:
+        """A run in a bucket that does not exist, on the store of ``bucket``."""
+        return f"{remote.scheme_of(self.bucket)}://trainrun-no-such-bucket/runs/x"
+
+    def uploaded(self, name: str) -> str:
+        """The trained run ``name`` in the bucket, as ``<bucket>/runs/<name>``."""
+        return str(upload_run(self.trained / name, f"{self.bucket}/runs/{name}"))
+
+    def prefix(self, name: str, **objects: str) -> str:
+        """``<bucket>/<name>`` holding ``objects`` (name -> text)."""
+        for key, text in objects.items():
+            location.write_text(location.location(f"{self.bucket}/{name}/{key}"), text)
+        return f"{self.bucket}/{name}"
 
     def unreadable(self, path: Path) -> Path:
         path.chmod(0)
@@ -450,15 +472,24 @@ def one_line(text: str, says: str, prefix: str) -> str:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_each_command_answers_in_one_line(case, trained, tmp_path, tmp_path_factory,
                                           monkeypatch, capsys, caplog):
+    answers_in_one_line(case, Sandbox(tmp_path, trained), tmp_path_factory, monkeypatch,
+                        capsys, caplog)
+
+
+def answers_in_one_line(case: Case, sandbox: Sandbox, tmp_path_factory: Any,
+                        monkeypatch: pytest.MonkeyPatch, capsys: Any, caplog: Any) -> None:
+    """Run ``case`` in ``sandbox`` and check its one line, that nothing but its declared
+    output changed (in the sandbox, and in its bucket if it has one), and no log line."""
     if case.unreadable and ROOT:
         pytest.skip("root reads through mode bits")
+    tmp_path = sandbox.tmp
     monkeypatch.chdir(tmp_path)  # a default folder (runs/, compare.png) would land here
     # what a command keeps there (tokenized records) is no change to the user's files
     monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    sandbox = Sandbox(tmp_path, trained)
     try:
         argv = case.argv(sandbox)
         before = tree(tmp_path)
+        stored = bucket_objects(sandbox.bucket)
         caplog.set_level(logging.WARNING)
         code = main(argv)
         out, err = capsys.readouterr()
@@ -484,6 +515,83 @@ def test_each_command_answers_in_one_line(case, trained, tmp_path, tmp_path_fact
     logged = [f"{r.name}: {r.getMessage()[:120]}" for r in caplog.records
               if r.name.startswith(LOGGERS)]
     assert logged == [], logged
+    assert bucket_objects(sandbox.bucket) == stored  # nothing in the bucket changed either
+
+
+def bucket_objects(bucket: str) -> dict[str, str]:
+    """Every object in ``bucket`` and the sha1 of its bytes ({} without a bucket)."""
+    if not bucket:
+        return {}
+    root = location.location(bucket)
+    return {name: hashlib.sha1(location.read_bytes(root / name)).hexdigest()
+            for name in location.list_tree(root)}
+
+
+NO_BUCKET = (r"bucket 'trainrun-no-such-bucket' does not exist \(reading (gs|s3)://.*/runs/x\): "
+             r"check its name, or give another location")
+NO_BUCKET_TO_WRITE = (r"bucket 'trainrun-no-such-bucket' does not exist \(writing (gs|s3)://"
+                      r".*\): create it, or give another location")
+
+REMOTE_CASES = [  # the same commands given locations on object storage
+    Case("report-remote-missing", lambda s: ["report", f"{s.bucket}/runs/none"], 2,
+         r"^error: (gs|s3)://bucket-.*/runs/none holds no trainrun run \(no config\.yaml\)"),
+    Case("report-remote-no-bucket", lambda s: ["report", s.nowhere], 2, NO_BUCKET),
+    Case("compare-remote-missing", lambda s: [
+        "compare", str(s.mlp), f"{s.bucket}/runs/none", "--out", str(s.tmp / "c.png")], 2,
+        "/runs/none holds no trainrun run"),
+    Case("compare-remote-no-bucket", lambda s: [
+        "compare", s.nowhere, "--out", str(s.tmp / "c.png")], 2, NO_BUCKET),
+    Case("compare-out-remote-no-bucket", lambda s: [
+        "compare", str(s.mlp), "--out", s.nowhere + "/c.png"], 2, NO_BUCKET_TO_WRITE),
+    Case("runs-remote-missing", lambda s: ["runs", "--root", f"{s.bucket}/runs"], 2,
+         r"no runs directory (gs|s3)://bucket-.*/runs; train a run first"),
+    Case("runs-remote-no-bucket", lambda s: ["runs", "--root", s.nowhere], 2, NO_BUCKET),
+    Case("verify-checkpoint-remote-missing", lambda s: [
+        "verify-checkpoint", f"{s.bucket}/runs/none"], 2, "holds no trainrun run"),
+    Case("verify-checkpoint-remote-no-bucket", lambda s: ["verify-checkpoint", s.nowhere], 2,
+         NO_BUCKET),
+    Case("verify-checkpoint-remote-no-such-step", lambda s: [
+        "verify-checkpoint", s.uploaded("mlp"), "7"], 2,
+        "has no checkpoint of step 7; its steps: 2, 4"),
+    Case("sample-remote-missing", lambda s: ["sample", f"{s.bucket}/runs/none"], 2,
+         "is not a run directory"),
+    Case("sample-remote-no-bucket", lambda s: ["sample", s.nowhere], 2, NO_BUCKET),
+    Case("sample-remote-an-mlp-run", lambda s: ["sample", s.uploaded("mlp")], 2,
+         "sampling needs a language model"),
+    Case("export-remote-missing", lambda s: [
+        "export", f"{s.bucket}/runs/none", "--to", str(s.tmp / "out")], 2,
+        "is not a run directory"),
+    Case("export-remote-no-bucket", lambda s: ["export", s.nowhere, "--to", str(s.tmp / "out")],
+         2, NO_BUCKET),
+    Case("export-to-remote-no-bucket", lambda s: [
+        "export", str(s.lm), "--to", s.nowhere + "/hf"], 2, NO_BUCKET_TO_WRITE),
+    Case("export-to-remote-an-object", lambda s: [
+        "export", str(s.lm), "--to", s.prefix("models", lm="mine\n") + "/lm"], 2,
+        r"--to .*/models/lm is an object, not a folder"),
+    Case("export-to-remote-inside-a-run", lambda s: [
+        "export", str(s.lm), "--to", s.uploaded("mlp") + "/hf"], 2,
+        r"--to .*/runs/mlp/hf is inside the trainrun folder .*/runs/mlp \(it has trainrun\.json"),
+    Case("export-replace-remote-a-users-prefix", lambda s: [
+        "export", str(s.lm), "--to", s.prefix("mine", **{"config.json": "{}", "src/a.py": "1"}),
+        "--replace"], 2, r"--to .*/mine holds src/, which no export writes: it is not a model"),
+    Case("export-to-remote-not-empty", lambda s: [
+        "export", str(s.lm), "--to", s.prefix("models", **{"config.json": "{}",
+                                                            "model.safetensors": "x"})], 2,
+        r"--to .*/models is not empty \(it holds config\.json, model\.safetensors\); pass "
+        "--replace"),
+    Case("train-init-from-remote-missing", lambda s: finetune(s, f"{s.bucket}/runs/none"), 2,
+         r"init\.from (gs|s3)://.*/runs/none: no trainrun run there \(no config\.yaml\); on "
+         "object storage init.from reads run directories"),
+    Case("train-init-from-remote-no-bucket", lambda s: finetune(s, s.nowhere), 2, NO_BUCKET),
+]
+
+
+@pytest.mark.parametrize("case", REMOTE_CASES, ids=lambda c: c.id)
+def test_each_command_answers_a_bad_remote_location_in_one_line(case, bucket, trained, tmp_path,
+                                                                tmp_path_factory, monkeypatch,
+                                                                capsys, caplog):
+    answers_in_one_line(case, Sandbox(tmp_path, trained, bucket), tmp_path_factory,
+                        monkeypatch, capsys, caplog)
 
 
 # ---- the Python entry points -----------------------------------------------------------------
@@ -503,6 +611,24 @@ def test_load_refuses_in_one_line(what, expected, trained, tmp_path):
     with pytest.raises(trainrun.UserError) as err:
         trainrun.load(path)
     assert "\n" not in str(err.value) and re.search(expected, str(err.value)), err.value
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("none", r"(gs|s3)://bucket-.*/runs/none holds no trainrun run \(no config\.yaml\); on "
+             "object storage trainrun.load reads run directories"),
+    ("nowhere", NO_BUCKET),
+    ("mlp", r"(gs|s3)://bucket-.*/runs/mlp trains model.kind=mlp; load reads transformer"),
+])
+def test_load_refuses_a_bad_remote_location_in_one_line(where, expected, bucket, trained,
+                                                        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sandbox = Sandbox(tmp_path, trained, bucket)
+    path = {"none": f"{bucket}/runs/none", "nowhere": sandbox.nowhere,
+            "mlp": sandbox.uploaded("mlp") if where == "mlp" else ""}[where]
+    with pytest.raises(trainrun.UserError) as err:
+        trainrun.load(path)
+    assert "\n" not in str(err.value) and re.search(expected, str(err.value)), err.value
+    assert list(tmp_path.iterdir()) == []  # no local folder named gs: or s3:
 
 
 @pytest.mark.parametrize("name, changes, expected", [

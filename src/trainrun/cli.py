@@ -114,15 +114,13 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from trainrun import extras
     from trainrun.export import export_run
     from trainrun.platform.process import require_backend
 
     extras.require("huggingface", "trainrun export")
     require_backend()
-    done = export_run(Path(args.run_dir), Path(args.to), merge=args.merge,
+    done = export_run(args.run_dir, args.to, merge=args.merge,
                       replace=args.replace, dtype=args.dtype, shard_size=args.shard_size)
     print(printable(f"step {done.step} of {args.run_dir} written to {done.path} "
                     f"({', '.join(done.files)})"))

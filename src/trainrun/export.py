@@ -15,6 +15,10 @@ Where the export may go, and what ``--replace`` may replace: ``rundir.export_dir
 directory is written under a temporary name beside ``to`` and renamed into place once
 complete, so a failure midway (a full disk) leaves ``to`` as it was, and is reported on one
 line naming ``to`` and the cause (exit 1).
+
+The run may be on object storage (``gs://``, ``s3://``: read as any run is), and so may ``to``:
+there the export is written in a local temporary folder and uploaded, its ``config.json`` (or
+``adapter_config.json``) last, as the mark that it is whole (``rundir.export_dir``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,7 @@ import numpy as np
 
 from trainrun import rundir
 from trainrun.checkpointing.checkpoints import checkpoint_dir
+from trainrun.checkpointing.init_from import source_path
 from trainrun.checkpointing.reader import latest_params, saved_config
 from trainrun.config import RunConfig
 from trainrun.errors import UserError, WriteFailed, path_refused
@@ -46,7 +52,7 @@ from trainrun.models.huggingface import (
     write_model_dir,
 )
 from trainrun.models.transformer import merge_adapters
-from trainrun.rundir import export_dir, storage
+from trainrun.rundir import export_dir, location, storage
 from trainrun.rundir.atomic import create_new
 from trainrun.rundir.export_dir import ExportRefused, check_target
 
@@ -59,21 +65,27 @@ class Export:
     """What ``export_run`` wrote: the checkpoint's step, the directory, and its files."""
 
     step: int
-    path: Path
+    path: location.Location
     files: tuple[str, ...]
 
 
-def export_run(run_dir: Path, to: Path, *, merge: bool = False, replace: bool = False,
-               dtype: str = "float32", shard_size: str = "5GB") -> Export:
+def export_run(run_dir: location.Location | str, to: location.Location | str, *,
+               merge: bool = False, replace: bool = False, dtype: str = "float32",
+               shard_size: str = "5GB") -> Export:
     """A run's newest readable checkpoint as a model directory (``merge``: adapters folded
     into the weights) or, with LoRA adapters and no ``merge``, an adapter directory.
     ``to`` must be new or empty, or, with ``replace``, a model directory, which then holds the
     new export only (``rundir.export_dir`` says which folders are refused). ``dtype``: the
-    weights' dtype in the files; ``shard_size``: the most bytes per file."""
-    run_dir, to = Path(run_dir), Path(to)
-    target = Path(os.path.realpath(to))  # a link to a directory: the directory is replaced
-    export_dir.restore_interrupted(target)
-    check_target(to, replace, run_dir)
+    weights' dtype in the files; ``shard_size``: the most bytes per file. Either path may be
+    on object storage (``gs://``, ``s3://``)."""
+    run_dir, to = location.location(run_dir), location.location(to)
+    remote_to = location.is_remote(to)
+    target = to if remote_to else Path(os.path.realpath(to))  # a link: its directory replaced
+    if remote_to:
+        export_dir.check_remote_target(to, replace, run_dir)
+    else:
+        export_dir.restore_interrupted(target)
+        check_target(to, replace, run_dir)
     if dtype not in DTYPES:
         raise WeightsError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(shard_size)
@@ -96,22 +108,33 @@ def export_run(run_dir: Path, to: Path, *, merge: bool = False, replace: bool = 
     model_type = str(hf["model_type"]) if hf is not None else model_type_of(cfg)
     step, params = latest_params(run_dir, config)
     params = jax.tree.map(np.asarray, params)
+
+    def write(staging: Path) -> tuple[str, ...]:
+        """The export's files written into the new folder ``staging``; their names."""
+        model, weights, source_config = cfg, params, hf
+        if model.lora is not None and not merge:
+            peft.write_adapter_dir(weights, model, model_type,
+                                   str(source.absolute()) if source is not None else None,
+                                   staging)
+        else:
+            model, weights = merge_adapters(model, weights)
+            source_config = {**(source_config or {}), **_token_ids(config, copies)}
+            write_model_dir(weights, model, staging, model_type=model_type,
+                            source=source_config, dtype=dtype, shard_bytes=shard_bytes)
+        _copy_tokenizer(copies, own, staging)
+        return tuple(sorted(p.name for p in staging.iterdir()))
+
+    if remote_to:  # no rename there: staged here, uploaded with its mark last
+        with tempfile.TemporaryDirectory(prefix="trainrun-export-") as staged:
+            files = write(Path(staged))
+            export_dir.publish(Path(staged), to)
+        return Export(step, to, files)
     export_dir.remove_leftovers(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = export_dir.staging_dir(target)
         try:
-            if cfg.lora is not None and not merge:
-                peft.write_adapter_dir(params, cfg, model_type,
-                                       str(source.absolute()) if source is not None else None,
-                                       staging)
-            else:
-                cfg, params = merge_adapters(cfg, params)
-                hf = {**(hf or {}), **_token_ids(config, copies)}
-                write_model_dir(params, cfg, staging, model_type=model_type, source=hf,
-                                dtype=dtype, shard_bytes=shard_bytes)
-            _copy_tokenizer(copies, own, staging)
-            files = tuple(sorted(p.name for p in staging.iterdir()))
+            files = write(staging)
             export_dir.swap(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -138,26 +161,30 @@ def _refused_write(err: BaseException, target: Path) -> str | None:
     return what
 
 
-def _lineage(run_dir: Path, config: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
+def _lineage(run_dir: location.Location, config: RunConfig,
+             ) -> tuple[Path | None, list[tuple[location.Location, str]]]:
     """The Hugging Face directory the run started from, where it still is (through an adapter
-    directory to its base model, and through runs that started from other runs), and every
-    path along that ``init.from`` chain, each with what it is to the export."""
-    reads: list[tuple[Path, str]] = []
-    seen: set[Path] = set()
+    directory to its base model, and through runs that started from other runs, on disk or on
+    object storage), and every path along that ``init.from`` chain, each with what it is to
+    the export."""
+    reads: list[tuple[location.Location, str]] = []
+    seen: set[object] = set()
     name = run_dir
     while config.init.from_ is not None:
-        path = Path(config.init.from_).expanduser()
+        path = source_path(config.init.from_)
         reads.append((path, f"the init.from of {name}"))
-        if (path / peft.ADAPTER_CONFIG).is_file():
-            base = _adapter_base(path)
-            if base is not None:
-                reads.append((base, f"the base model of the adapters in {path}"))
-                path = base
-        if (path / CONFIG).is_file():
-            return path, reads
-        if path.resolve() in seen or not (path / rundir.CONFIG).is_file():
+        if not location.is_remote(path):  # a model or adapter directory is local
+            if (path / peft.ADAPTER_CONFIG).is_file():
+                base = _adapter_base(path)
+                if base is not None:
+                    reads.append((base, f"the base model of the adapters in {path}"))
+                    path = base
+            if (path / CONFIG).is_file():
+                return path, reads
+        key = export_dir.comparable(path)
+        if key in seen or not location.is_file(path / rundir.CONFIG):
             return None, reads
-        seen.add(path.resolve())
+        seen.add(key)
         try:
             config = saved_config(path)
         except UserError:

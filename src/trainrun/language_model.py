@@ -20,6 +20,7 @@ from trainrun import rundir
 from trainrun.config import TransformerModel
 from trainrun.errors import UserError, path_refused
 from trainrun.program.precision import DTYPES, cast_floats
+from trainrun.rundir import location
 
 PyTree = Any
 
@@ -87,11 +88,20 @@ def _forward(cfg: TransformerModel, compute: str) -> Callable[..., jax.Array]:
 
 def load(path: str | Path, *, ema: bool = False) -> LanguageModel:
     """The model at ``path``: a run directory, a Hugging Face model directory or a PEFT adapter
-    directory (with its base model where ``base_model_name_or_path`` says). ``ema``: a run's
-    moving average of the params instead of the params."""
+    directory (with its base model where ``base_model_name_or_path`` says); a run directory
+    may be on object storage (``gs://bucket/runs/lm``, ``s3://...``). ``ema``: a run's moving
+    average of the params instead of the params."""
     from trainrun.platform.process import require_backend
 
     require_backend()  # one line, not JAX's assertion, when JAX cannot start
+    if location.is_remote(path):
+        run = location.location(path)
+        if not location.is_file(run / rundir.CONFIG):
+            location.require_bucket(run)
+            raise LoadError(f"{run} holds no trainrun run (no {rundir.CONFIG}); on object "
+                            "storage trainrun.load reads run directories: give one, or the "
+                            "local path of a Hugging Face or adapter directory")
+        return _load_run(run, ema)
     path = Path(path).expanduser()
     try:
         path.stat()
@@ -100,18 +110,7 @@ def load(path: str | Path, *, ema: bool = False) -> LanguageModel:
         if code == 2:  # a path no file system holds: said in one line
             raise LoadError(line) from None
     if (path / rundir.CONFIG).is_file():
-        from trainrun.checkpointing.reader import latest_state, saved_config
-
-        config = saved_config(path)
-        if not isinstance(config.model, TransformerModel):
-            raise LoadError(f"{path} trains model.kind={config.model.kind}; load reads "
-                            "transformer language models")
-        if ema and config.optimizer.ema is None:
-            raise LoadError(f"{path} keeps no moving average (optimizer.ema is not set); "
-                            "load it without ema")
-        step, state = latest_state(path, config)
-        return LanguageModel(config.model, state.ema if ema else state.params,
-                             config.precision.compute, step)
+        return _load_run(path, ema)
     if ema:
         raise LoadError(f"{path} is not a run directory: only a run keeps a moving average")
     from trainrun.checkpointing.init_from import model_of, placed_params, readers, source_kind
@@ -130,3 +129,20 @@ def load(path: str | Path, *, ema: bool = False) -> LanguageModel:
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     params = placed_params(readers(str(path), cfg, abstract), model, 0, abstract, None)
     return LanguageModel(cfg, params)
+
+
+def _load_run(path: location.Location, ema: bool) -> LanguageModel:
+    """A run directory's model at its newest readable checkpoint (local or on object storage,
+    where only run directories are read)."""
+    from trainrun.checkpointing.reader import latest_state, saved_config
+
+    config = saved_config(path)
+    if not isinstance(config.model, TransformerModel):
+        raise LoadError(f"{path} trains model.kind={config.model.kind}; load reads "
+                        "transformer language models")
+    if ema and config.optimizer.ema is None:
+        raise LoadError(f"{path} keeps no moving average (optimizer.ema is not set); "
+                        "load it without ema")
+    step, state = latest_state(path, config)
+    return LanguageModel(config.model, state.ema if ema else state.params,
+                         config.precision.compute, step)

@@ -24,6 +24,7 @@ from trainrun.config import RecordsData, TransformerModel
 from trainrun.errors import UserError
 from trainrun.models.transformer import Transformer, bind_transformer
 from trainrun.program.precision import DTYPES, cast_floats
+from trainrun.rundir import location
 
 PyTree = Any
 
@@ -162,7 +163,8 @@ def chat_answers(run_dir: Path | str, questions: Sequence[str], tokens: int, *,
 def _trained(run_dir: Path | str, ema: bool, chat: bool = False) -> tuple[Any, PyTree]:
     """A language-model run's config and its latest params (or their moving average). chat:
     the run must be one on records, which have a chat template."""
-    config = saved_config(Path(run_dir))
+    run_dir = location.location(run_dir)
+    config = saved_config(run_dir)
     if config.model.kind != "transformer" or config.data.kind not in ("text", "records"):
         raise SampleError(f"run {run_dir} trains model.kind={config.model.kind} on data.kind="
                           f"{config.data.kind}; sampling needs a language model "
@@ -174,7 +176,7 @@ def _trained(run_dir: Path | str, ema: bool, chat: bool = False) -> tuple[Any, P
     if ema and config.optimizer.ema is None:
         raise SampleError(f"run {run_dir} keeps no moving average (optimizer.ema is not set); "
                           "sample without --ema")
-    _, state = latest_state(Path(run_dir), config)
+    _, state = latest_state(run_dir, config)
     return config, state.ema if ema else state.params
 
 

@@ -34,7 +34,7 @@ from trainrun import rundir
 from trainrun.checkpointing import integrity
 from trainrun.config import RunConfig
 from trainrun.errors import UserError
-from trainrun.rundir import storage
+from trainrun.rundir import location, storage
 
 DEFAULT_DIR = rundir.CHECKPOINTS
 CORRUPT_DIR = "corrupt"  # unreadable steps are moved here, never deleted
@@ -48,7 +48,9 @@ class CheckpointError(UserError):
 
 
 def checkpoint_dir(config: RunConfig, run_dir: Path) -> Path:
-    return Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / DEFAULT_DIR
+    """``checkpoint.dir``, else the run directory's; a ``gs://``/``s3://`` one stays remote."""
+    return (location.location(config.checkpoint.dir) if config.checkpoint.dir
+            else run_dir / DEFAULT_DIR)
 
 
 def has_position(iterator: Any) -> bool:

@@ -2,7 +2,8 @@
 
     a trainrun run directory      its newest readable checkpoint: the params (``init.load:
                                   params``) or the whole state (``state``: optimizer moments,
-                                  step, key and loss scale too: a fork of that run)
+                                  step, key and loss scale too: a fork of that run); on disk
+                                  or on object storage (``gs://``, ``s3://``)
     a Hugging Face directory      ``config.json`` + ``model.safetensors`` (or shards and their
                                   index) of model_type gpt2, llama, qwen2 or mistral
     a PEFT adapter directory      ``adapter_config.json`` + ``adapter_model.safetensors``: its
@@ -63,15 +64,28 @@ from trainrun.models.huggingface import (
 from trainrun.program.optim import Optimizer, param_name
 from trainrun.program.precision import Policy
 from trainrun.program.state import INIT_COMPILER_OPTIONS, TrainState, root_keys
+from trainrun.rundir import location
 
 PyTree = Any
 ADAPTER = "_lora."  # params a source may lack: they keep their fresh init
 Reader = Callable[[tuple[slice, ...] | None], np.ndarray]  # a param, or a slice of it
 
 
-def source_kind(path: Path, what: str = "init.from") -> str:
+def source_path(source: str) -> location.Location:
+    """``init.from`` as a path: a ``gs://``/``s3://`` location stays one; ``~`` is expanded."""
+    return location.location(source) if location.is_remote(source) else Path(source).expanduser()
+
+
+def source_kind(path: location.Location, what: str = "init.from") -> str:
     """"run", "huggingface", "adapter" or "safetensors"; anything else is refused in one line
     that says what was found and what is read. what: how the line names the path's origin."""
+    if location.is_remote(path):  # only a run is read there (through Orbax)
+        if location.is_file(path / rundir.CONFIG):
+            return "run"
+        location.require_bucket(path)
+        raise WeightsError(f"{what} {path}: no trainrun run there (no {rundir.CONFIG}); on "
+                           f"object storage {what} reads run directories: give one, or the "
+                           "local path of a Hugging Face directory or .safetensors file")
     if path.is_dir() and (path / rundir.CONFIG).is_file():
         return "run"
     if path.is_dir() and (path / peft.ADAPTER_CONFIG).is_file():
@@ -113,7 +127,7 @@ def resolved(config: RunConfig) -> RunConfig:
     in one line naming both."""
     if config.init.from_ is None or not isinstance(config.model, TransformerModel):
         return config
-    path = Path(config.init.from_).expanduser()
+    path = source_path(config.init.from_)
     kind = source_kind(path)
     seq_len = getattr(config.data, "seq_len", None)
     if kind == "run":
@@ -138,7 +152,7 @@ def resolved(config: RunConfig) -> RunConfig:
         raise ConfigError(f"with the model of {path}: {err}") from None
 
 
-def _tokenizer_of(path: Path, kind: str) -> str:
+def _tokenizer_of(path: location.Location, kind: str) -> str:
     """The tokenizer records are encoded with when a run names none: the model directory's (an
     adapter directory's own, else its base model's), or the source run's."""
     if kind == "run":
@@ -263,7 +277,7 @@ def _show(value: Any) -> str:
 def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reader]:
     """Dotted param name -> a reader of it, for every param the source has; checked against
     the model's params (``abstract_params``): names, shapes, and no base param missing."""
-    path = Path(source).expanduser()
+    path = source_path(source)
     kind = source_kind(path)
     shapes = {param_name(p): tuple(a.shape)
               for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
@@ -424,7 +438,7 @@ def initial_state(config: RunConfig, model: Model, optimizer: Optimizer, policy:
             model_state = jax.jit(lambda: model.init_model_state(  # type: ignore[misc]
                 root_keys(config.seed)[0]))()
         return state_from_params(params, optimizer, config.seed, policy, shardings, model_state)
-    path = Path(source).expanduser()
+    path = source_path(source)
     if source_kind(path) != "run":
         raise WeightsError(f"init.load=state needs a trainrun run directory; {path} holds "
                            "weights only (use init.load=params)")

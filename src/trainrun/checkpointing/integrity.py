@@ -10,7 +10,8 @@ committed name, so a committed step always has its checksums.
 
 Verification reads every file of a step and compares: a changed, missing or unlisted file makes
 the step unreadable (the caller falls back to the step before). A step without any checksum file
-was written by a trainrun from before them; it is restored unverified, and said so.
+was written by a trainrun from before them; it is restored unverified, and said so. A step on
+object storage is listed and read through the storage layer (``rundir.location``) alike.
 """
 
 from __future__ import annotations
@@ -20,15 +21,21 @@ import hashlib
 import json
 from pathlib import Path
 
+from trainrun.rundir import location
+
 MANIFEST = "trainrun-checksums.json"
 ITEMS = ("state", "data", "meta")
 # Orbax's own commit marks, written after the items are finalized (so after the checksums).
 ORBAX_MARKS = frozenset({"commit_success.txt", "_CHECKPOINT_METADATA"})
+BLOCK = 1 << 20  # bytes hashed at a time: a file of any size in little memory
 
 
-def file_digest(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def file_digest(path: location.Location) -> str:
+    digest = hashlib.sha256()
+    with location.open_read(path) as f:
+        for block in iter(lambda: f.read(BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _files(directory: Path) -> list[Path]:
@@ -55,59 +62,60 @@ class Verified:
     bytes: int = 0
 
 
-def verify_step(step_dir: Path) -> Verified:
+def verify_step(step_dir: location.Location) -> Verified:
     """Compare every file of the step at ``step_dir`` with the checksums saved with it."""
-    items = [step_dir / name for name in ITEMS if (step_dir / name).is_dir()]
-    if not any((item / MANIFEST).exists() for item in items):
+    items = [step_dir / name for name in ITEMS if location.is_dir(step_dir / name)]
+    if not any(location.exists(item / MANIFEST) for item in items):
         return Verified([], checked=False)
     result = Verified([], checked=True)
     for item in items:
-        result.problems += _verify_item(item, step_dir, result)
+        result.problems += _verify_item(item, result)
     return result
 
 
-def _verify_item(item: Path, step_dir: Path, result: Verified) -> list[str]:
+def _verify_item(item: location.Location, result: Verified) -> list[str]:
     try:
-        listed = json.loads((item / MANIFEST).read_text())["files"]
+        listed = json.loads(location.read_text(item / MANIFEST))["files"]
     except FileNotFoundError:
         return [f"{item.name}/ has no {MANIFEST}"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return [f"{item.name}/{MANIFEST} cannot be read ({type(err).__name__})"]
     problems = []
-    present = {str(p.relative_to(item)): p for p in _files(item)}
+    present = {name: size for name, size in location.list_tree(item).items()
+               if name.rsplit("/", 1)[-1] not in ORBAX_MARKS | {MANIFEST}}
     for name, saved in listed.items():
-        where = f"{item.relative_to(step_dir)}/{name}"
-        path = present.pop(name, None)
-        if path is None:
+        where = f"{item.name}/{name}"
+        size = present.pop(name, None)
+        if size is None:
             problems.append(f"{where} is missing")
             continue
-        size = path.stat().st_size
         result.files += 1
         result.bytes += size
         if size != saved["bytes"]:
             problems.append(f"{where} has {size} bytes, {saved['bytes']} when saved")
             continue
-        digest = file_digest(path)
+        digest = file_digest(item / name)
         if digest != saved["sha256"]:
             problems.append(f"checksum mismatch in {where} (sha256 {digest[:12]}, saved "
                             f"{saved['sha256'][:12]})")
-    problems += [f"{item.relative_to(step_dir)}/{name} is not in the saved checksums"
-                 for name in present]
+    problems += [f"{item.name}/{name} is not in the saved checksums" for name in present]
     return problems
 
 
-def verify_run_checkpoint(run_dir: Path, step: int | None = None) -> tuple[bool, str]:
+def verify_run_checkpoint(run_dir: location.Location | str,
+                          step: int | None = None) -> tuple[bool, str]:
     """``trainrun verify-checkpoint``: the checksums of one committed step of a run (default
     its newest), without training. Returns (every file matches, a line saying what was found)."""
     from trainrun.errors import UserError
     from trainrun.rundir import CHECKPOINTS, CONFIG, committed_steps, read_yaml
 
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG).is_file():
+    run_dir = location.location(run_dir)
+    if not location.is_file(run_dir / CONFIG):
+        location.require_bucket(run_dir)
         raise UserError(f"{run_dir} holds no trainrun run (no {CONFIG}); give a run directory")
     section = read_yaml(run_dir / CONFIG).get("checkpoint")
     ckpt = section.get("dir") if isinstance(section, dict) else None
-    ckpt_dir = Path(ckpt) if ckpt else run_dir / CHECKPOINTS
+    ckpt_dir = location.location(ckpt) if ckpt else run_dir / CHECKPOINTS
     steps = committed_steps(ckpt_dir)
     if not steps:
         raise UserError(f"{ckpt_dir} holds no committed checkpoint")

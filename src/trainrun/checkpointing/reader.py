@@ -1,19 +1,21 @@
 """The one read-only reader of a run directory: its saved config and its newest readable
 checkpoint, for sampling, export and ``init.from``. It opens nothing for writing, so it is
-safe while the run is still training and saving."""
+safe while the run is still training and saving. A run on object storage (``gs://``, ``s3://``)
+is read through the storage layer and Orbax alike; there only the steps whose commit file
+Orbax wrote (``rundir.committed_steps``) are read."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 from trainrun import rundir
+from trainrun.checkpointing import object_store
 from trainrun.checkpointing.checkpoints import (
     Unreadable,
     checkpoint_dir,
@@ -27,6 +29,7 @@ from trainrun.models import build_model
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import abstract_state
+from trainrun.rundir import location
 
 PyTree = Any
 
@@ -35,11 +38,12 @@ class RunReadError(UserError):
     """A run directory that cannot be read as asked; one line, exit 2."""
 
 
-def saved_config(run_dir: Path) -> RunConfig:
+def saved_config(run_dir: location.Location) -> RunConfig:
     """The resolved config a run directory was trained with (its ``config.yaml``); read by
     sampling, export and ``init.from``."""
     path = run_dir / rundir.CONFIG
-    if not path.is_file():
+    if not location.is_file(path):
+        location.require_bucket(run_dir)
         raise RunReadError(f"{run_dir} is not a run directory (no {rundir.CONFIG}); give the "
                           "directory a training run wrote, e.g. runs/lm")
     try:
@@ -48,13 +52,13 @@ def saved_config(run_dir: Path) -> RunConfig:
         raise RunReadError(f"the config saved in {path} no longer loads: {err}") from None
 
 
-def latest_params(run_dir: Path, config: RunConfig) -> tuple[int, PyTree]:
+def latest_params(run_dir: location.Location, config: RunConfig) -> tuple[int, PyTree]:
     """``(step, params)`` of the run's newest readable checkpoint (see ``latest_state``)."""
     step, state = latest_state(run_dir, config)
     return step, state.params
 
 
-def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
+def latest_state(run_dir: location.Location, config: RunConfig) -> tuple[int, Any]:
     """``(step, TrainState)`` of the run's newest readable checkpoint, on one device.
 
     Read-only: the checkpoint directory is opened without creating, cleaning or deleting
@@ -62,16 +66,23 @@ def latest_state(run_dir: Path, config: RunConfig) -> tuple[int, Any]:
     that cannot be read, or whose files do not match their checksums, is skipped for the one
     before it, as a resume would.
     """
-    directory = checkpoint_dir(config, run_dir).absolute()
-    if not directory.is_dir():
+    directory = checkpoint_dir(config, run_dir)
+    remote = location.is_remote(directory)
+    if not remote:
+        directory = directory.absolute()
+    if not location.is_dir(directory):
         raise RunReadError(f"{run_dir} has no checkpoints ({directory} does not exist); train "
                           "it first, e.g. trainrun train --config lm")
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
-                                           enable_async_checkpointing=False)
+    if remote:  # Orbax and TensorStore told how to reach the store and what commits a step
+        object_store.prepare(directory)
+    options = ocp.CheckpointManagerOptions(
+        read_only=True, create=False, save_interval_steps=0, enable_async_checkpointing=False,
+        **(object_store.manager_options() if remote else {}))
     with _without_read_only_notice(), ocp.CheckpointManager(
             directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler()}) as ckpt:
-        steps = sorted(ckpt.all_steps(), reverse=True)
+        steps = sorted(rundir.committed_steps(directory) if remote else ckpt.all_steps(),
+                       reverse=True)
         if not steps:
             raise RunReadError(f"{directory} holds no committed checkpoint yet; let the run "
                               "reach its first checkpoint (checkpoint.every) and try again")

@@ -7,7 +7,9 @@
     runs                  every run under runs/: status, last step, best eval metric
 
 Everything is read from the files a run leaves (see ``rundir``); nothing here imports JAX.
-The plots need the report extra (matplotlib); ``runs`` does not.
+The plots need the report extra (matplotlib); ``runs`` does not. A run directory, ``--root`` or
+``--out`` may be on object storage (``gs://``, ``s3://``): every file is read and written
+through ``rundir.location``, a report's files and a plot each as one whole object.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import io
 import json
 import logging
 import os
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from trainrun import extras, rundir
 from trainrun.errors import UserError, WriteFailed, path_refused, printable
-from trainrun.rundir.atomic import replace_file
+from trainrun.rundir import location
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -45,7 +47,7 @@ class ReportError(UserError):
 class RunRecord:
     """The files of one run directory, parsed."""
 
-    path: Path
+    path: location.Location
     config: dict[str, Any]
     summary: dict[str, Any]
     status: dict[str, Any]
@@ -68,16 +70,16 @@ class RunRecord:
         return self.train[-1]["step"] if self.train else 0
 
 
-def _read_jsonl(path: Path, unreadable: list[str] | None = None,
+def _read_jsonl(path: location.Location, unreadable: list[str] | None = None,
                 ) -> dict[str, list[dict[str, Any]]]:
     """A JSONL file's records by ``split`` (train when absent). A line that is not a record (a
     torn last line of a killed writer, a file cut or damaged) is skipped and, with
     ``unreadable``, listed there; where steps go back (a resumed run appending), the later pass
     wins."""
     splits: dict[str, list[dict[str, Any]]] = {}
-    if not path.exists():
+    if not location.exists(path):
         return splits
-    for line in path.read_text(errors="replace").splitlines():
+    for line in location.read_bytes(path).decode("utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
@@ -93,9 +95,10 @@ def _read_jsonl(path: Path, unreadable: list[str] | None = None,
     return splits
 
 
-def load_run(path: Path | str) -> RunRecord:
-    path = Path(path)
-    if not (path / rundir.CONFIG).exists():
+def load_run(path: location.Location | str) -> RunRecord:
+    path = location.location(path)
+    if not location.exists(path / rundir.CONFIG):
+        location.require_bucket(path)
         raise ReportError(f"{path} holds no trainrun run (no {rundir.CONFIG}); give a run "
                           "directory such as runs/mlp (`trainrun runs` lists them)")
     unreadable: list[str] = []
@@ -174,7 +177,8 @@ def _log_scale_if_wide(ax: Any, values: list[float]) -> None:
         ax.set_yscale("log")
 
 
-def _plot_run(run: RunRecord, out_dir: Path) -> list[tuple[str, Path]]:
+def _plot_run(run: RunRecord, out_dir: location.Location,
+              ) -> list[tuple[str, location.Location]]:
     """Each plot the run's files allow, as ``(caption, png path)``."""
     plots: list[tuple[str, Figure]] = []
     steps, loss = run.series(run.train, "loss")
@@ -221,17 +225,17 @@ def _plot_run(run: RunRecord, out_dir: Path) -> list[tuple[str, Path]]:
         ax.invert_yaxis()
         plots.append(("wall-time split", fig))
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    location.make_dirs(out_dir)
     written = []
     for caption, fig in plots:
         path = out_dir / (caption.replace(" ", "_").replace("-", "_") + ".png")
-        replace_file(path, _image(fig))
+        location.write_bytes(path, _image(fig))
         written.append((caption, path))
     return written
 
 
 def _image(fig: Figure, image_format: str = "png") -> bytes:
-    """The figure as the bytes of an image file, for ``replace_file``: matplotlib's own
+    """The figure as the bytes of an image file, for ``location.write_bytes``: matplotlib's own
     ``savefig(path)`` would write through a link at that name."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format=image_format)
@@ -299,13 +303,14 @@ figure{margin:0}figcaption{font-size:13px;color:#555}pre{background:#f7f7f7;padd
 font-size:12px;overflow:auto}"""
 
 
-def write_report(run_dir: Path | str) -> tuple[Path, list[str]]:
+def write_report(run_dir: location.Location | str) -> tuple[location.Location, list[str]]:
     """Write ``report.html`` and its PNGs into the run directory; returns the HTML's path and
     what is wrong with the run's metrics file (its rows that could not be plotted)."""
     extras.require("report", "trainrun report")
     run = load_run(run_dir)
     plot_dir = run.path / PLOT_DIR
-    if plot_dir.is_symlink():
+    remote = location.is_remote(plot_dir)
+    if not remote and plot_dir.is_symlink():
         raise ReportError(f"{plot_dir} is a symbolic link (to {os.readlink(plot_dir)}), not the "
                           "folder trainrun report writes its plots in; remove the link (what it "
                           "points to is left alone) and run the report again")
@@ -318,7 +323,7 @@ def write_report(run_dir: Path | str) -> tuple[Path, list[str]]:
     name = html.escape(printable(str(run.config.get("name", run.path.name))))
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>trainrun report: {name}</title><style>{STYLE}</style></head><body>
-<h1>{name}</h1><p>{html.escape(printable(str(run.path.resolve())))}</p>
+<h1>{name}</h1><p>{html.escape(printable(str(run.path if remote else run.path.resolve())))}</p>
 <h2>Summary</h2>{_table(_summary_rows(run))}
 <h2>Plots</h2><div class="plots">{figures or "<p>no metrics written yet</p>"}</div>
 <h2>Wall time</h2>{_table(_split_rows(split, run.summary.get("wall_s") or 0))
@@ -328,12 +333,12 @@ def write_report(run_dir: Path | str) -> tuple[Path, list[str]]:
 </body></html>
 """
     out = run.path / REPORT_HTML
-    replace_file(out, page)  # a link there is replaced by the report, never written through
+    location.write_text(out, page)  # a link there is replaced by the report, never written through
     return out, metrics_notes([run])
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return rundir.read_json(path) if path.exists() else {}
+def _read_json(path: location.Location) -> dict[str, Any]:
+    return rundir.read_json(path) if location.exists(path) else {}
 
 
 # ---- compare and list ------------------------------------------------------------------------
@@ -353,12 +358,12 @@ def metrics_notes(runs: list[RunRecord]) -> list[str]:
             for run in runs if run.problems]
 
 
-def compare(run_dirs: list[Path | str], out: Path | str = "compare.png",
-            ) -> tuple[Path, str, list[str]]:
+def compare(run_dirs: list[location.Location | str], out: location.Location | str = "compare.png",
+            ) -> tuple[location.Location, str, list[str]]:
     """Overlay the runs' curves (train loss, eval loss, lr, grad norm) in one PNG; return it,
     a table of their final metrics and what is wrong with their metrics files."""
     extras.require("report", "trainrun compare")
-    out = Path(out)
+    out = location.location(out)
     formats = _new_figure().canvas.get_supported_filetypes()
     if out.suffix.lstrip(".").lower() not in formats:
         raise ReportError(f"--out {out}: matplotlib writes no {out.suffix or 'suffix-less'} "
@@ -389,9 +394,9 @@ def compare(run_dirs: list[Path | str], out: Path | str = "compare.png",
         else:
             ax.text(0.5, 0.5, "none of the runs has it", ha="center", transform=ax.transAxes)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        location.make_dirs(out.parent)
         # the format from the name, as savefig(out) would; the bytes never go through a link
-        replace_file(out, _image(fig, out.suffix.lstrip(".").lower()))
+        location.write_bytes(out, _image(fig, out.suffix.lstrip(".").lower()))
     except OSError as err:
         line, code = path_refused(err)
         if code == 2:  # a name no file system takes: the input's
@@ -410,19 +415,19 @@ def compare(run_dirs: list[Path | str], out: Path | str = "compare.png",
     return out, _text_table(header, rows), metrics_notes(runs)
 
 
-def list_runs(root: Path | str = "runs") -> str:
-    """A table of the runs under ``root`` (any directory holding a ``config.yaml``)."""
-    root = Path(root)
-    if not root.is_dir():
+def list_runs(root: location.Location | str = "runs") -> str:
+    """A table of the runs under ``root`` (any directory holding a ``config.yaml``, one or two
+    levels down)."""
+    root = location.location(root)
+    if not location.is_dir(root):
+        location.require_bucket(root)
         raise ReportError(f"no runs directory {root}; train a run first, or pass --root DIR")
     rows = []
-    configs = [*root.glob(f"*/{rundir.CONFIG}"), *root.glob(f"*/*/{rundir.CONFIG}")]
-    for config_file in sorted(configs):
+    for name, run_dir in _run_dirs(root):
         try:
-            run = load_run(config_file.parent)
+            run = load_run(run_dir)
         except rundir.DamagedFile as err:  # one damaged run does not hide the others
-            rows.append([printable(str(config_file.parent.relative_to(root))),
-                         printable(f"unreadable ({err.path.name} is damaged)"),
+            rows.append([printable(name), printable(f"unreadable ({err.path.name} is damaged)"),
                          "", "", "", ""])
             continue
         best = best_eval(run)
@@ -432,7 +437,7 @@ def list_runs(root: Path | str = "runs") -> str:
         if run.problems:
             status += f" [{rundir.METRICS}: {', '.join(run.problems)}]"
         rows.append([
-            printable(str(run.path.relative_to(root))), printable(status),
+            printable(name), printable(status),
             f"{run.last_step}/{run.config.get('steps')}",
             _fmt(run.train[-1]["loss"]) if run.train else "",
             f"{best[0]} {best[1]:.6g} (step {best[2]})" if best else "",
@@ -440,3 +445,22 @@ def list_runs(root: Path | str = "runs") -> str:
     if not rows:
         return f"no runs under {root}"
     return _text_table(["run", "status", "step", "last loss", "best eval", "updated"], rows)
+
+
+def _run_dirs(root: location.Location) -> list[tuple[str, location.Location]]:
+    """``(name relative to root, path)`` of each folder one or two levels below ``root`` that
+    holds a ``config.yaml``, in the order of those files' paths. On object storage each level
+    is one listing by prefix (a run's own files are not listed further)."""
+    if not location.is_remote(root):
+        configs = [*root.glob(f"*/{rundir.CONFIG}"), *root.glob(f"*/*/{rundir.CONFIG}")]
+        return [(str(c.parent.relative_to(root)), c.parent) for c in sorted(configs)]
+    found = []
+    for name in location.list_names(root):
+        names = location.list_names(root / name)
+        if rundir.CONFIG in names:
+            found.append((name, root / name))
+        for inner in names:
+            if inner not in rundir.RUN_FILES and inner != REPORT_HTML and rundir.CONFIG in (
+                    location.list_names(root / name / inner)):
+                found.append((f"{name}/{inner}", root / name / inner))
+    return sorted(found, key=lambda pair: PurePosixPath(pair[0], rundir.CONFIG))

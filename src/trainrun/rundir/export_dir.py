@@ -17,6 +17,14 @@ either folder behind: the next export to that target deletes those whose process
 the name) is gone from this host, after putting a ``.old`` back where the target is missing
 (killed between the two renames), so the old export is never lost. A folder of a process that
 is still running (an export in progress) is left alone.
+
+On object storage (``--to gs://bucket/...`` or ``s3://...``), which has no rename, the export
+is written in a local temporary folder and uploaded object by object under ``--to``, its mark
+(``config.json``, or ``adapter_config.json``) last: a prefix without it is no whole export.
+The same refusals hold there (a prefix inside a run, one holding a run or any object no export
+writes); ``--replace`` deletes the old export's mark first, then writes the new objects,
+deletes the old ones the new export does not have, and writes the new mark. A kill midway
+leaves a prefix without a mark, which the next ``export --replace`` to it replaces.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import os
 import re
 import secrets
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 
 from trainrun import rundir
 from trainrun.errors import UserError
@@ -38,6 +46,7 @@ from trainrun.models.huggingface import (
     WEIGHTS,
 )
 from trainrun.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from trainrun.rundir import location, remote
 
 # Every file an export writes, and every file transformers 5.x's save_pretrained (model,
 # tokenizer, generation config; safetensors only) and peft's (adapter, model card) write for
@@ -46,6 +55,7 @@ REPLACEABLE = frozenset({CONFIG, GENERATION_CONFIG, WEIGHTS, INDEX, ADAPTER_CONF
                          ADAPTER_WEIGHTS, "README.md", *TOKENIZER_FILES})
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # save_pretrained's sharded weights
 WEIGHT_FILES = (WEIGHTS, INDEX, ADAPTER_WEIGHTS)
+MARKS = (ADAPTER_CONFIG, CONFIG)  # written last on object storage: the export is whole
 
 
 class ExportRefused(UserError):
@@ -70,17 +80,36 @@ def check_target(to: Path, replace: bool, run_dir: Path) -> None:
     entries = sorted(target.iterdir(), key=lambda p: p.name) if target.is_dir() else []
     if not entries:
         return
-    if Path(os.path.realpath(run_dir)).is_relative_to(target):
+    _refuse_holding_the_run(to, run_dir)
+    _require_replaceable(to, replace, _shown(entries), _not_a_model_dir(to, entries))
+
+
+def _refuse_holding_the_run(to: location.Location, run_dir: location.Location) -> None:
+    if location.is_remote(run_dir) == location.is_remote(to) and (
+            comparable(run_dir).is_relative_to(comparable(to))):
         raise ExportRefused(f"--to {to} holds the run being exported ({run_dir}); --replace "
                             "never deletes a run: give a new or empty directory outside it")
-    why = _not_a_model_dir(to, entries)
+
+
+def _require_replaceable(to: location.Location, replace: bool, shown: str,
+                         why: str | None) -> None:
+    """A ``--to`` that holds ``shown``: refused unless ``replace`` and it is a model
+    directory (``why`` None, else what makes it none)."""
     if not replace:
         hint = ("pass --replace to replace it with this export, or give a new or empty "
                 "directory" if why is None else "give a new or empty directory")
-        raise ExportRefused(f"--to {to} is not empty (it holds {_shown(entries)}); {hint}")
+        raise ExportRefused(f"--to {to} is not empty (it holds {shown}); {hint}")
     if why is not None:
         raise ExportRefused(f"{why}: it is not a model directory, so --replace leaves it as it "
                             "is; give a new or empty directory, or an earlier export to replace")
+
+
+def comparable(path: location.Location) -> PurePath:
+    """A path as two are compared for one lying in the other: a local one resolved (links
+    followed), a remote one as ``/<scheme>/<bucket>/<key>``."""
+    if location.is_remote(path):
+        return PurePosixPath("/", remote.scheme_of(path), str(path).split("://", 1)[1])
+    return Path(os.path.realpath(path))
 
 
 def _not_a_model_dir(to: Path, entries: list[Path]) -> str | None:
@@ -93,12 +122,14 @@ def _not_a_model_dir(to: Path, entries: list[Path]) -> str | None:
     return None
 
 
-def check_reads(to: Path, reads: list[tuple[Path, str]]) -> None:
+def check_reads(to: location.Location, reads: list[tuple[location.Location, str]]) -> None:
     """Refuse a ``--to`` that is, holds or lies inside a path the export reads; ``reads``:
     ``(path, what it is to the run)``, e.g. ``(llama, "the init.from of runs/sft")``."""
-    target = Path(os.path.realpath(to))
+    target = comparable(to)
     for path, what in reads:
-        real = Path(os.path.realpath(path))
+        if location.is_remote(path) != location.is_remote(to):  # one local, one not: apart
+            continue
+        real = comparable(path)
         if real == target:
             relation = f"is {what}"
         elif real.is_relative_to(target):
@@ -112,8 +143,11 @@ def check_reads(to: Path, reads: list[tuple[Path, str]]) -> None:
 
 
 def _replaceable(entry: Path) -> bool:
-    return (not entry.is_symlink() and entry.is_file()
-            and (entry.name in REPLACEABLE or SHARD.fullmatch(entry.name) is not None))
+    return not entry.is_symlink() and entry.is_file() and _export_file(entry.name)
+
+
+def _export_file(name: str) -> bool:
+    return name in REPLACEABLE or SHARD.fullmatch(name) is not None
 
 
 def _shown(entries: list[Path]) -> str:
@@ -123,6 +157,77 @@ def _shown(entries: list[Path]) -> str:
             return f"{p.name} (a symbolic link)"
         return p.name + "/" if p.is_dir() else p.name
     return ", ".join(show(p) for p in entries[:4]) + (", ..." if len(entries) > 4 else "")
+
+
+# ---- on object storage -----------------------------------------------------------------------
+
+
+def check_remote_target(to: location.Location, replace: bool,
+                        run_dir: location.Location) -> None:
+    """``check_target`` for a ``--to`` on object storage: a prefix in a bucket that exists,
+    not an object, not in or at a run, and empty unless ``replace`` and every object below it
+    is one an export writes (weights among them)."""
+    remote.require_bucket(to, "writing")
+    if remote.stat(to) is not None:
+        raise ExportRefused(f"--to {to} is an object, not a folder; give a prefix for the "
+                            "export (a new or empty one)")
+    run = _enclosing_remote_run(to)
+    if run is not None:
+        where = "is the" if str(run) == str(to) else "is inside the"
+        raise ExportRefused(f"--to {to} {where} trainrun folder {run} (it has "
+                            f"{rundir.MARKER}): an export is never written into a run; give "
+                            "a prefix outside it")
+    objects = location.list_tree(to)
+    if not objects:
+        return
+    _refuse_holding_the_run(to, run_dir)
+    # the names right below --to: a folder (a key with more parts) as "name/"
+    names = sorted({name.split("/", 1)[0] + ("/" if "/" in name else "") for name in objects})
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    foreign = [n for n in names if n.endswith("/") or not _export_file(n)]
+    why = None
+    if foreign:
+        why = (f"--to {to} holds {', '.join(foreign[:4])}{', ...' * (len(foreign) > 4)}, "
+               "which no export writes")
+    elif not any(n in WEIGHT_FILES or SHARD.fullmatch(n) for n in names):
+        why = f"--to {to} holds {shown} and no weights"
+    _require_replaceable(to, replace, shown, why)
+
+
+def _enclosing_remote_run(to: location.Location) -> location.Location | None:
+    """``to`` or the nearest prefix above it in its bucket that holds a run's marker, or a
+    ``config.yaml`` beside the status or provenance trainrun writes; None when none does."""
+    bucket = f"{remote.scheme_of(to)}://{remote.bucket_of(to)}"
+    folder = to
+    while True:
+        if location.is_file(folder / rundir.MARKER) or (
+                location.is_file(folder / rundir.CONFIG)
+                and (location.is_file(folder / rundir.STATUS)
+                     or location.is_file(folder / rundir.PROVENANCE))):
+            return folder
+        if str(folder).rstrip("/") == bucket:
+            return None
+        folder = folder.parent
+
+
+def publish(staging: Path, to: location.Location) -> None:
+    """The export written in the local folder ``staging`` uploaded under ``to`` on object
+    storage, each file as one object, the marks (``config.json``, ``adapter_config.json``)
+    last; an old export there (checked replaceable) loses its marks first and, once the new
+    files are up, the objects the new export does not have."""
+    files = sorted(p.name for p in staging.iterdir())
+    old = location.list_tree(to)
+    for mark in MARKS:  # no longer whole from here until the new marks are up
+        if mark in old:
+            location.delete(to / mark)
+    for name in files:
+        if name not in MARKS:
+            remote.upload(staging / name, to / name)
+    for name in sorted(set(old) - set(files) - set(MARKS)):
+        location.delete(to / name)
+    for mark in MARKS:
+        if mark in files:
+            remote.upload(staging / mark, to / mark)
 
 
 # ---- staging, the swap, and what a killed export left ----------------------------------------

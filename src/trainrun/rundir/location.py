@@ -80,6 +80,23 @@ def list_names(path: Location) -> list[str]:
     return sorted(p.name for p in local.iterdir()) if local.is_dir() else []
 
 
+def list_tree(path: Location) -> dict[str, int]:
+    """Every file below a folder (every object below a remote prefix): its name relative to
+    ``path`` (``a/b``) and its size. Locally, links are followed as a read follows them."""
+    if is_remote(path):
+        return dict(sorted(remote.list_tree(path).items()))
+    local = Path(path)
+    return {str(p.relative_to(local)): p.stat().st_size
+            for p in sorted(local.rglob("*")) if p.is_file()}
+
+
+def require_bucket(path: Location, doing: str = "reading") -> None:
+    """On object storage, one line when ``path``'s bucket does not exist (a command that
+    finds nothing there says so, not that nothing is there); nothing to check locally."""
+    if is_remote(path):
+        remote.require_bucket(path, doing)
+
+
 def delete(path: Location) -> None:
     if is_remote(path):
         remote.delete(path)

@@ -11,6 +11,8 @@ works on whole objects:
     stat          size, the version the store gives each write (GCS generation, S3 ETag) and
                   the store's own time of it (no clock of this machine involved)
     list_names, delete, delete_tree, read_bytes, read_range, open_read (streamed)
+    list_tree     every object below a prefix with its size (a checkpoint step's files)
+    upload        a local file as one object, streamed
 
 Credentials and endpoints come from where each ecosystem's own tools look: for GCS,
 ``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's login or the metadata server, and
@@ -262,7 +264,8 @@ def write_bytes(path: Any, data: bytes) -> None:
 
 
 def _no_bucket(path: Any, doing: str) -> str:
-    return (f"bucket {bucket_of(path)!r} does not exist ({doing} {path}): create it, or give "
+    fix = "check its name" if doing in ("reading", "listing") else "create it"
+    return (f"bucket {bucket_of(path)!r} does not exist ({doing} {path}): {fix}, or give "
             "another location")
 
 
@@ -313,6 +316,51 @@ def list_names(path: Any) -> list[str]:
     prefix = _key(path).rstrip("/") + "/"
     names = {e.rstrip("/")[len(prefix):] for e in entries if e.rstrip("/").startswith(prefix)}
     return sorted(n for n in names if n and "/" not in n)
+
+
+def list_tree(path: Any) -> dict[str, int]:
+    """Every object whose key lies below ``path``: its name relative to ``path`` (``a/b``) and
+    its size. ``StorageRefused`` when the bucket does not exist (an empty prefix is {})."""
+    fs = filesystem(path)
+    prefix = _key(path).rstrip("/") + "/"
+    try:
+        found = with_retries(path, "listing", lambda: fs.find(
+            _key(path), detail=True, refresh=True, timeout=REQUEST_TIMEOUT_S))
+    except FileNotFoundError:
+        raise StorageRefused(_no_bucket(path, "reading")) from None
+    return {name[len(prefix):]: int(info.get("size") or 0) for name, info in found.items()
+            if name.startswith(prefix) and info.get("type") != "directory"}
+
+
+def bucket_exists(path: Any) -> bool:
+    """Whether ``path``'s bucket exists (asked by listing it: the permission a reader of its
+    objects has, where asking for the bucket itself needs one more)."""
+    fs = filesystem(path)
+    try:
+        with_retries(path, "listing", lambda: fs.ls(
+            bucket_of(path), detail=False, refresh=True, timeout=REQUEST_TIMEOUT_S))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def require_bucket(path: Any, doing: str = "reading") -> None:
+    """``StorageRefused`` when ``path``'s bucket does not exist: said, where a missing object
+    would otherwise be taken for a missing run."""
+    if not bucket_exists(path):
+        raise StorageRefused(_no_bucket(path, doing))
+
+
+def upload(local: Path, path: Any) -> None:
+    """The local file ``local`` as the object ``path``, streamed from disk: the object appears
+    whole once the upload is complete (a multipart or resumable upload), never in part."""
+    fs = filesystem(path)
+    try:
+        with_retries(path, "writing", lambda: fs.put_file(str(local), _key(path)))
+    except FileNotFoundError:
+        if not Path(local).is_file():
+            raise
+        raise StorageRefused(_no_bucket(path, "writing")) from None
 
 
 def exists(path: Any) -> bool:

@@ -125,6 +125,20 @@ def test_each_tensor_of_a_sharded_llama_in_a_bucket_is_read_by_ranges_as_from_di
     assert [path for path in made if temp_files().get(path) in shards] == []
 
 
+def test_bfloat16_weights_in_a_bucket_read_as_from_disk(bucket, tmp_path):
+    """numpy has no bfloat16: a local file is read through JAX, an object through ml_dtypes;
+    both widen the same bits to float32."""
+    path = save_tiny_causal_lm(tmp_path / "bf16", "qwen2", vocab_size=256, dtype="bfloat16")
+    url = upload(path, f"{bucket}/models/bf16")
+    file = location.location(f"{url}/model.safetensors")
+    assert source_kind(file) == "safetensors" and source_kind(location.location(url)) == (
+        "huggingface")
+    here, there = Tensors.of(file), Tensors.of(path / "model.safetensors")
+    assert {here.dtype(name) for name in here.names} == {"BF16"}
+    for name in sorted(there.names):
+        np.testing.assert_array_equal(here.read(name), there.read(name))
+
+
 @pytest.mark.slow
 def test_a_sharded_llama_in_a_bucket_starts_a_run_with_the_local_logits(llama_dir, bucket,
                                                                        tmp_path):

@@ -77,11 +77,10 @@ def load(path: str, vocab_size: int) -> Any:
         raise DataError(f"data.tokenizer {path!r} not found (a relative path is taken from the "
                         "directory you run in); run from where the run was trained, or give the "
                         "tokenizer's path")
+    text = _object_text(file) if location.is_remote(file) else None
     try:
-        tokenizer = (lib.Tokenizer.from_str(_object_text(file)) if location.is_remote(file)
-                     else lib.Tokenizer.from_file(str(file)))
-    except DataError:
-        raise
+        tokenizer = (lib.Tokenizer.from_file(str(file)) if text is None
+                     else lib.Tokenizer.from_str(text))
     except Exception as err:  # the library raises a bare Exception for bad JSON
         raise DataError(f"data.tokenizer: cannot read {path!r} as a tokenizer.json of the "
                         f"tokenizers library ({err})") from None

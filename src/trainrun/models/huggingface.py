@@ -456,7 +456,8 @@ def _remote_header(file: Location) -> dict[str, ranges.Entry]:
     try:
         return ranges.read_header(file)
     except FileNotFoundError:
-        raise WeightsError(remote.missing_line(file, "object")) from None
+        raise WeightsError(f"{remote.missing_line(file, 'object')}; the model directory is "
+                           "incomplete: copy it again") from None
     except ranges.Unreadable as err:
         raise WeightsError(f"cannot read {file}: {err}; is the file complete?") from None
 

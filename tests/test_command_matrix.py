@@ -237,7 +237,7 @@ class Case:
 RO = r"read-only file system|permission denied"
 
 
-def finetune(s: Sandbox, source: Path) -> list[str]:
+def finetune(s: Sandbox, source: Path | str) -> list[str]:
     """`train --config finetune` from ``source`` on a small corpus, into ``run``."""
     corpus = s.file("corpus.txt", "the quick brown fox jumps over the lazy dog.\n" * 60)
     return ["train", "--config", "finetune", "--run-dir", str(s.tmp / "run"),
@@ -580,8 +580,8 @@ REMOTE_CASES = [  # the same commands given locations on object storage
         r"--to .*/models is not empty \(it holds config\.json, model\.safetensors\); pass "
         "--replace"),
     Case("train-init-from-remote-missing", lambda s: finetune(s, f"{s.bucket}/runs/none"), 2,
-         r"init\.from (gs|s3)://.*/runs/none: no trainrun run there \(no config\.yaml\); on "
-         "object storage init.from reads run directories"),
+         r"init\.from: no object or folder (gs|s3)://.*/runs/none; give the location of a run, "
+         "a model directory or an adapter directory"),
     Case("train-init-from-remote-no-bucket", lambda s: finetune(s, s.nowhere), 2, NO_BUCKET),
 ]
 
@@ -592,6 +592,84 @@ def test_each_command_answers_a_bad_remote_location_in_one_line(case, bucket, tr
                                                                 capsys, caplog):
     answers_in_one_line(case, Sandbox(tmp_path, trained, bucket), tmp_path_factory,
                         monkeypatch, capsys, caplog)
+
+
+# ---- data and init.from on object storage (both emulators) ---------------------------------
+
+
+def put(source: Path, url: str, cut: int = 0) -> str:
+    """``source`` (a file, or a folder's files) uploaded to ``url``; ``cut``: bytes left off
+    the end of each ``.safetensors`` file."""
+    from trainrun.rundir import location
+
+    for file in [source] if source.is_file() else sorted(source.iterdir()):
+        data = file.read_bytes()
+        if cut and file.suffix == ".safetensors":
+            data = data[:-cut]
+        target = url if source.is_file() else f"{url}/{file.name}"
+        location.write_bytes(location.location(target), data)
+    return url
+
+
+def text_run(s: Sandbox, paths: str, *settings: str) -> list[str]:
+    """`train` of a byte LM on ``paths`` (a list), into ``run``."""
+    return ["train", "--config", "lm", "--run-dir", str(s.tmp / "run"), "steps=2",
+            "optimizer.schedule.kind=constant", f"data.paths={paths}", "data.seq_len=16",
+            "data.batch_size=2", "metrics.tensorboard=false", *settings]
+
+
+def glob_matching_nothing(s: Sandbox, bucket: str) -> list[str]:
+    put(s.file(), f"{bucket}/corpus/a.txt")
+    return text_run(s, f"[{bucket}/corpus/*.md]")
+
+
+def cut_weights(s: Sandbox, bucket: str) -> list[str]:
+    return finetune(s, put(s.trained / "hf-llama", f"{bucket}/models/llama", cut=100))
+
+
+REMOTE_CASES = [  # id, argv(sandbox, bucket), what the one line says (exit 2)
+    ("train-data-glob-matching-nothing", glob_matching_nothing,
+     r"data\.paths pattern '.*/corpus/\*\.md' matches no objects; check the bucket"),
+    ("train-data-missing-object", lambda s, b: text_run(s, f"[{b}/corpus/x.txt]"),
+     r"data\.paths: no object .*/corpus/x\.txt; check the bucket and the path"),
+    ("train-data-missing-bucket", lambda s, b: text_run(
+        s, f"[{b.split(':')[0]}://no-such-bucket-here/*.txt]"),
+     r"bucket 'no-such-bucket-here' does not exist \(reading .*\): "
+     r"(create it|check its name), or give"),
+    ("train-records-missing-object", lambda s, b: [
+        *s.records_run("{}")[:5], "data.task=null", f"data.paths={b}/chat.jsonl", "steps=2",
+        "optimizer.schedule.kind=constant"],
+     r"data\.paths: no object .*/chat\.jsonl"),
+    ("train-records-tokenizer-missing", lambda s, b: s.records_run(
+        "{}", f"data.tokenizer={b}/tokenizers/none"),
+     r"data\.tokenizer: no object or folder .*/tokenizers/none; give a Hugging Face model"),
+    ("train-init-from-missing", lambda s, b: finetune(s, f"{b}/models/none"),
+     r"init\.from: no object or folder .*/models/none; give the location of a model dir"),
+    ("train-init-from-cut-weights", cut_weights,
+     r"cannot read .*/models/llama/model\.safetensors: tensor '.*' \(F32 .*\) has "
+     r"data_offsets .* outside the object's \d+ bytes .*is the file complete\?"),
+]
+
+
+@pytest.mark.parametrize("case", REMOTE_CASES, ids=lambda c: c[0])
+def test_object_storage_inputs_answer_in_one_line(case, bucket, trained, tmp_path,
+                                                  tmp_path_factory, monkeypatch, capsys,
+                                                  caplog):
+    """Bad data and init.from locations on gs:// and s3://: one line, exit 2, nothing made
+    (no run directory, and no folder named gs: or s3: where the command runs)."""
+    _, argv, says = case
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    sandbox = Sandbox(tmp_path, trained)
+    args = argv(sandbox, bucket)
+    before = tree(tmp_path)
+    caplog.set_level(logging.WARNING)
+    code = main(args)
+    _, err = capsys.readouterr()
+    assert code == 2, err
+    one_line(err, says, "error: ")
+    assert tree(tmp_path) == before  # no run directory, no gs: or s3: folder
+    assert [r for r in caplog.records if r.name.startswith(LOGGERS)] == []
 
 
 # ---- the Python entry points -----------------------------------------------------------------

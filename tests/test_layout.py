@@ -13,6 +13,8 @@ FLOORS = [
     ("trainrun.errors", "trainrun.extras"),
     ("trainrun.config",),
     ("trainrun.platform",),
+    # the storage layer: models' weights and data are read from object storage through it too
+    ("trainrun.rundir.atomic", "trainrun.rundir.remote", "trainrun.rundir.location"),
     ("trainrun.models", "trainrun.data"),
     ("trainrun.rundir",),
     ("trainrun.reporting",),

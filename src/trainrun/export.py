@@ -36,7 +36,7 @@ import numpy as np
 
 from trainrun import rundir
 from trainrun.checkpointing.checkpoints import checkpoint_dir
-from trainrun.checkpointing.init_from import source_path
+from trainrun.checkpointing.init_from import source_location
 from trainrun.checkpointing.reader import latest_params, saved_config
 from trainrun.config import RunConfig
 from trainrun.errors import UserError, WriteFailed, path_refused
@@ -171,7 +171,7 @@ def _lineage(run_dir: location.Location, config: RunConfig,
     seen: set[object] = set()
     name = run_dir
     while config.init.from_ is not None:
-        path = source_path(config.init.from_)
+        path = source_location(config.init.from_)
         reads.append((path, f"the init.from of {name}"))
         if not location.is_remote(path):  # a model or adapter directory is local
             if (path / peft.ADAPTER_CONFIG).is_file():

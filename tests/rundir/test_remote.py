@@ -4,6 +4,7 @@ or stops answering."""
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 
@@ -86,3 +87,75 @@ def test_a_store_that_stops_answering_is_retried_then_one_line(object_store_serv
         server.resume()
         remote.set_deadline(300)
     assert time.monotonic() - start < 60 and "\n" not in str(err.value)
+
+
+def test_a_streamed_read_is_ranged_requests_that_seek(bucket, monkeypatch):
+    path = location.location(f"{bucket}/data/big.bin")
+    data = bytes(range(256)) * 40
+    location.write_bytes(path, data)
+    monkeypatch.setattr(remote, "READ_BLOCK", 1000)
+    asked: list[tuple[int, int]] = []
+    read_range = remote.read_range
+
+    def spy(where, start: int, end: int) -> bytes:
+        asked.append((start, end))
+        return read_range(where, start, end)
+
+    monkeypatch.setattr(remote, "read_range", spy)
+    with location.open_read(path) as f:
+        assert f.read(10) == data[:10] and f.tell() == 10
+        f.seek(5000)
+        assert f.read(3000) == data[5000:8000]
+        f.seek(-10, io.SEEK_END)
+        assert f.read() == data[-10:] and f.read() == b""
+    assert asked[0] == (0, 1000) and all(end <= len(data) for _, end in asked)
+    assert sum(end - start for start, end in asked) < len(data)  # not the whole object
+    with pytest.raises(FileNotFoundError):
+        location.open_read(path.parent / "missing.bin")
+
+
+def test_a_glob_matches_objects_below_prefixes_never_the_prefixes(bucket):
+    for name in ("a.txt", "b.md", "sub/c.txt", "sub/deeper/d.txt"):
+        location.write_text(location.location(f"{bucket}/corpus/{name}"), name)
+    assert remote.glob(f"{bucket}/corpus/*.txt") == [f"{bucket}/corpus/a.txt"]
+    assert remote.glob(f"{bucket}/corpus/**/*.txt") == [
+        f"{bucket}/corpus/{n}" for n in ("a.txt", "sub/c.txt", "sub/deeper/d.txt")]
+    assert remote.glob(f"{bucket}/corpus/**") == [
+        f"{bucket}/corpus/{n}" for n in ("a.txt", "b.md", "sub/c.txt", "sub/deeper/d.txt")]
+    location.write_text(location.location(f"{bucket}/corpus/e.txt"), "new")  # seen at once
+    assert f"{bucket}/corpus/e.txt" in remote.glob(f"{bucket}/corpus/*.txt")
+    assert remote.glob(f"{bucket}/nothing/*") == []
+    scheme = remote.scheme_of(bucket)
+    assert remote.glob(f"{scheme}://no-such-bucket-here/*") == []
+    assert remote.bucket_exists(bucket) and not remote.bucket_exists(
+        f"{scheme}://no-such-bucket-here/x")
+    with pytest.raises(remote.StorageRefused, match="bucket 'no-such-bucket-here' does not"):
+        remote.missing_line(f"{scheme}://no-such-bucket-here/x", "object")
+    assert remote.missing_line(f"{bucket}/x", "object") == f"no object {bucket}/x"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_store_that_stops_answering_mid_stream_is_waited_for(object_store_servers, scheme,
+                                                               monkeypatch):
+    server = object_store_servers[scheme]
+    path = location.location(f"{server.new_bucket()}/x.bin")
+    data = bytes(range(256)) * 16
+    location.write_bytes(path, data)
+    monkeypatch.setattr(remote, "READ_BLOCK", 1024)
+    monkeypatch.setattr(remote, "REQUEST_TIMEOUT_S", 1.0)
+    remote.set_deadline(60)
+    try:
+        with location.open_read(path) as f:
+            first = f.read(1024)
+            server.pause()
+            timer = threading.Timer(3, server.resume)
+            timer.start()
+            try:
+                rest = f.read()
+            finally:
+                timer.join()
+                server.resume()
+    finally:
+        remote.set_deadline(300)
+    assert first + rest == data

@@ -2,8 +2,7 @@
 
     a trainrun run directory      its newest readable checkpoint: the params (``init.load:
                                   params``) or the whole state (``state``: optimizer moments,
-                                  step, key and loss scale too: a fork of that run); on disk
-                                  or on object storage (``gs://``, ``s3://``)
+                                  step, key and loss scale too: a fork of that run)
     a Hugging Face directory      ``config.json`` + ``model.safetensors`` (or shards and their
                                   index) of model_type gpt2, llama, qwen2 or mistral
     a PEFT adapter directory      ``adapter_config.json`` + ``adapter_model.safetensors``: its
@@ -18,6 +17,10 @@ LoRA adapters, which keep their fresh init (a fine-tune adds them to a pretraine
 param is read from its file a slice at a time and placed straight into its sharded device
 array. Loading happens before the run directory is written, so a source that does not fit is
 one line and exit 2 with nothing created.
+
+A Hugging Face or adapter directory (or a ``.safetensors`` file) may be on object storage
+(``gs://``, ``s3://``, an adapter's base model too): read through the storage layer, each
+shard's tensors by ranged reads, as from disk, with nothing copied to this machine.
 """
 
 from __future__ import annotations
@@ -64,50 +67,52 @@ from trainrun.models.huggingface import (
 from trainrun.program.optim import Optimizer, param_name
 from trainrun.program.precision import Policy
 from trainrun.program.state import INIT_COMPILER_OPTIONS, TrainState, root_keys
-from trainrun.rundir import location
+from trainrun.rundir import location, remote
 
 PyTree = Any
+Location = location.Location  # a local path, or a gs:// or s3:// one
 ADAPTER = "_lora."  # params a source may lack: they keep their fresh init
 Reader = Callable[[tuple[slice, ...] | None], np.ndarray]  # a param, or a slice of it
 
 
-def source_path(source: str) -> location.Location:
-    """``init.from`` as a path: a ``gs://``/``s3://`` location stays one; ``~`` is expanded."""
+def source_location(source: str) -> Location:
+    """``init.from`` as its store's path type: a ``gs://``/``s3://`` location, or a local
+    path (``~`` expanded)."""
     return location.location(source) if location.is_remote(source) else Path(source).expanduser()
 
 
-def source_kind(path: location.Location, what: str = "init.from") -> str:
+def source_kind(path: Location, what: str = "init.from") -> str:
     """"run", "huggingface", "adapter" or "safetensors"; anything else is refused in one line
-    that says what was found and what is read. what: how the line names the path's origin."""
-    if location.is_remote(path):  # only a run is read there (through Orbax)
-        if location.is_file(path / rundir.CONFIG):
-            return "run"
-        location.require_bucket(path)
-        raise WeightsError(f"{what} {path}: no trainrun run there (no {rundir.CONFIG}); on "
-                           f"object storage {what} reads run directories: give one, or the "
-                           "local path of a Hugging Face directory or .safetensors file")
-    if path.is_dir() and (path / rundir.CONFIG).is_file():
+    that says what was found and what is read. what: how the line names the path's origin.
+    ``path``: local, or on object storage (``source_location``)."""
+    if location.is_file(path / rundir.CONFIG):
         return "run"
-    if path.is_dir() and (path / peft.ADAPTER_CONFIG).is_file():
+    if location.is_file(path / peft.ADAPTER_CONFIG):
         extras.require("huggingface", f"{what} {path}")
         return "adapter"
-    if path.is_dir() and (path / CONFIG).is_file():
-        if (path / WEIGHTS).is_file() or (path / INDEX).is_file():
+    if location.is_file(path / CONFIG):
+        if location.is_file(path / WEIGHTS) or location.is_file(path / INDEX):
             extras.require("huggingface", f"{what} {path}")
             return "huggingface"
-        if any(path.glob("pytorch_model*.bin")):
+        if any(name.startswith("pytorch_model") and name.endswith(".bin")
+               for name in location.list_names(path)):
             raise WeightsError(f"{what} {path}: its weights are pytorch_model.bin, which "
                                "trainrun does not read; save them as safetensors "
                                "(save_pretrained(..., safe_serialization=True))")
         raise WeightsError(f"{what} {path}: config.json but no {WEIGHTS} or {INDEX}; the "
                            "weights are missing (an incomplete download?)")
-    if path.is_file() and path.suffix == ".safetensors":
+    if path.suffix == ".safetensors" and location.is_file(path):
         extras.require("huggingface", f"{what} {path}")
         return "safetensors"
-    if path.is_file() and path.suffix == ".bin":
+    if path.suffix == ".bin" and location.is_file(path):
         raise WeightsError(f"{what} {path}: a PyTorch .bin file, which trainrun does not "
                            "read; save the model as safetensors")
-    if not path.exists():
+    if location.is_remote(path):
+        if not location.is_file(path) and not location.is_dir(path):
+            raise WeightsError(f"{what}: {remote.missing_line(path, 'object or folder')}; "
+                               "give the location of a run, a model directory or an adapter "
+                               "directory")
+    elif not path.exists():
         hub = "/" in str(path) and not str(path).startswith((".", "/", "~"))
         hint = (f"; a hub name is not fetched: download it (e.g. `hf download {path} "
                 "--local-dir DIR`) and give DIR" if hub else "")
@@ -127,7 +132,7 @@ def resolved(config: RunConfig) -> RunConfig:
     in one line naming both."""
     if config.init.from_ is None or not isinstance(config.model, TransformerModel):
         return config
-    path = source_path(config.init.from_)
+    path = source_location(config.init.from_)
     kind = source_kind(path)
     seq_len = getattr(config.data, "seq_len", None)
     if kind == "run":
@@ -152,7 +157,7 @@ def resolved(config: RunConfig) -> RunConfig:
         raise ConfigError(f"with the model of {path}: {err}") from None
 
 
-def _tokenizer_of(path: location.Location, kind: str) -> str:
+def _tokenizer_of(path: Location, kind: str) -> str:
     """The tokenizer records are encoded with when a run names none: the model directory's (an
     adapter directory's own, else its base model's), or the source run's."""
     if kind == "run":
@@ -161,18 +166,18 @@ def _tokenizer_of(path: location.Location, kind: str) -> str:
         data = saved_config(path).data
         return (data.tokenizer if isinstance(data, RecordsData) and data.tokenizer
                 else model_tokenizer.BYTES)
-    if kind == "adapter" and not (path / "tokenizer.json").is_file():
+    if kind == "adapter" and not location.is_file(path / "tokenizer.json"):
         return str(_adapter_base(path))
     return str(path)
 
 
-def model_of(path: Path, model: TransformerModel | None = None,
+def model_of(path: Location, model: TransformerModel | None = None,
              seq_len: int | None = None) -> TransformerModel:
     """The transformer a Hugging Face or adapter directory holds. ``model``: the run's model
     section, whose other fields (dropout, remat, ...) are kept and whose repeated fields must
     agree; ``seq_len``: the run's sequence length, the context of a rotary model."""
     model = model or TransformerModel()
-    adapter = (path / peft.ADAPTER_CONFIG).is_file()
+    adapter = location.is_file(path / peft.ADAPTER_CONFIG)
     base = _adapter_base(path) if adapter else path
     hf = read_config(base)
     arch = architecture(hf, str(base / CONFIG))
@@ -197,15 +202,25 @@ def model_of(path: Path, model: TransformerModel | None = None,
     return agreed.model_copy(update={"lora": wanted})
 
 
-def _adapter_base(path: Path) -> Path:
+def _adapter_base(path: Location) -> Location:
+    """The base model an adapter directory names: a local path (relative ones tried inside the
+    adapter directory first) or a ``gs://``/``s3://`` location."""
     name = peft.base_model_name(path)
-    base = Path(name).expanduser() if name else None
-    if base is not None and not base.is_absolute():
-        base = (path / base) if (path / base).is_dir() else base
-    if base is None or not (base / CONFIG).is_file():
+    base: Location | None = None
+    if name and location.is_remote(name):
+        base = location.location(name)
+    elif name and location.is_remote(path) and not name.startswith(("/", "~")) and \
+            location.is_dir(path / name):
+        base = path / name  # a relative name beside remote adapters: inside their folder
+    elif name:
+        base = Path(name).expanduser()
+        if not base.is_absolute() and not location.is_remote(path):
+            base = (path / base) if (path / base).is_dir() else base
+    if base is None or not location.is_file(base / CONFIG):
         raise WeightsError(f"init.from {path}: its base model {name!r} "
-                           "(base_model_name_or_path) is not a local Hugging Face directory; "
-                           "download it and set base_model_name_or_path in adapter_config.json")
+                           "(base_model_name_or_path) is not a Hugging Face directory here or "
+                           "on object storage; download it and set base_model_name_or_path in "
+                           "adapter_config.json")
     return base
 
 
@@ -277,7 +292,7 @@ def _show(value: Any) -> str:
 def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reader]:
     """Dotted param name -> a reader of it, for every param the source has; checked against
     the model's params (``abstract_params``): names, shapes, and no base param missing."""
-    path = source_path(source)
+    path = source_location(source)
     kind = source_kind(path)
     shapes = {param_name(p): tuple(a.shape)
               for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
@@ -438,7 +453,7 @@ def initial_state(config: RunConfig, model: Model, optimizer: Optimizer, policy:
             model_state = jax.jit(lambda: model.init_model_state(  # type: ignore[misc]
                 root_keys(config.seed)[0]))()
         return state_from_params(params, optimizer, config.seed, policy, shardings, model_state)
-    path = source_path(source)
+    path = source_location(source)
     if source_kind(path) != "run":
         raise WeightsError(f"init.load=state needs a trainrun run directory; {path} holds "
                            "weights only (use init.load=params)")

@@ -48,6 +48,7 @@ import numpy as np
 
 from trainrun.data.pipeline import DataError
 from trainrun.errors import printable
+from trainrun.rundir import location
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -151,16 +152,17 @@ class ChatTemplate:
                 f"the chat template ({printable(self.origin)})")
 
     @classmethod
-    def from_model_dir(cls, path: Path) -> ChatTemplate | None:
+    def from_model_dir(cls, path: Any) -> ChatTemplate | None:
         """The template saved with a Hugging Face tokenizer in the folder ``path``:
         ``chat_template.jinja`` when there is one (transformers reads it first), else the
         ``"chat_template"`` of ``tokenizer_config.json`` (a string, or a list of
         ``{"name", "template"}`` of which "default" is taken); None when there is neither."""
-        jinja_file = Path(path) / TEMPLATE_FILE
-        if jinja_file.is_file():
+        folder = path if location.is_remote(path) else Path(path)
+        jinja_file = folder / TEMPLATE_FILE
+        if location.is_file(jinja_file):
             return cls(_read(jinja_file), str(jinja_file))
-        config_file = Path(path) / CONFIG_FILE
-        if not config_file.is_file():
+        config_file = folder / CONFIG_FILE
+        if not location.is_file(config_file):
             return None
         try:
             config = json.loads(_read(config_file))
@@ -354,8 +356,12 @@ def _kind(value: object) -> str:
     return "null" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
-def _read(file: Path) -> str:
+def _read(file: Any) -> str:
+    """A template file's text, local or on object storage (its line ends read as a local
+    file's are, in text mode)."""
     try:
+        if location.is_remote(file):
+            return location.read_text(file).replace("\r\n", "\n").replace("\r", "\n")
         return file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise DataError(f"cannot read {printable(str(file))}: {printable(str(error))}") from None

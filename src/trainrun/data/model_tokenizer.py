@@ -12,6 +12,9 @@ its special tokens, the ids that end a document and a turn, and its chat templat
   chat template (``tokenizer_config.json`` or ``chat_template.jinja``) and the end-of-turn ids of
   ``generation_config.json``.
 - a ``tokenizer.json`` file alone (no template; ``<|endoftext|>`` ends a text when it has one).
+
+Either may be on object storage (``gs://``, ``s3://``), its files read through the storage
+layer.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from typing import Any
 from trainrun.data.chat import CHATML, ChatTemplate
 from trainrun.data.pipeline import DataError
 from trainrun.data.tokenizer import DOCUMENT_TOKEN, byte_alphabet, library
+from trainrun.rundir import location, remote
+
+Location = location.Location
 
 BYTES = "bytes"
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"  # the chatml template's
@@ -69,11 +75,15 @@ def load(source: str, chat_template: str | None = None) -> ModelTokenizer:
     if source == BYTES:
         found = byte_tokenizer()
     else:
-        path = Path(source).expanduser()
-        if path.is_dir():
-            found = _model_dir(path, source)
-        elif path.is_file():
+        path = location.location(source) if location.is_remote(source) else Path(
+            source).expanduser()
+        if location.is_file(path):
             found = _tokenizer_file(path, source)
+        elif location.is_dir(path):
+            found = _model_dir(path, source)
+        elif location.is_remote(path):
+            raise DataError(f"data.tokenizer: {remote.missing_line(path, 'object or folder')}; "
+                            "give a Hugging Face model directory, a tokenizer.json, or 'bytes'")
         else:
             raise DataError(f"data.tokenizer {source!r} not found; give a Hugging Face model "
                             "directory, a tokenizer.json, or 'bytes'")
@@ -112,17 +122,27 @@ def byte_tokenizer() -> ModelTokenizer:
         template=ChatTemplate(CHATML, "built-in chatml"), source=BYTES)
 
 
-def _read_tokenizer(file: Path, source: str) -> Any:
+def _read_tokenizer(file: Location, source: str) -> Any:
     lib = library()
+    text = _text(file, source) if location.is_remote(file) else None
     try:
-        return lib.Tokenizer.from_file(str(file))
+        return lib.Tokenizer.from_file(str(file)) if text is None else lib.Tokenizer.from_str(text)
     except Exception as err:  # the library raises a bare Exception for bad JSON
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"data.tokenizer {source!r}: cannot read {file.name} as a tokenizer of "
                         f"the tokenizers library ({first})") from None
 
 
-def _tokenizer_file(file: Path, source: str) -> ModelTokenizer:
+def _text(file: Location, source: str) -> str:
+    """A file of the tokenizer as UTF-8 text; unreadable is one line."""
+    try:
+        return location.read_text(file)
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"data.tokenizer {source!r}: cannot read {file.name} ({err}); restore "
+                        "the file from the model's release") from None
+
+
+def _tokenizer_file(file: Location, source: str) -> ModelTokenizer:
     tokenizer = _read_tokenizer(file, source)
     end = tokenizer.token_to_id(DOCUMENT_TOKEN)
     special = {} if end is None else {"eos_token": DOCUMENT_TOKEN}
@@ -130,9 +150,9 @@ def _tokenizer_file(file: Path, source: str) -> ModelTokenizer:
                           stop_ids=() if end is None else (end,), template=None, source=source)
 
 
-def _model_dir(path: Path, source: str) -> ModelTokenizer:
+def _model_dir(path: Location, source: str) -> ModelTokenizer:
     file = path / "tokenizer.json"
-    if not file.is_file():
+    if not location.is_file(file):
         raise DataError(f"data.tokenizer {source!r} has no tokenizer.json (a tokenizer saved by "
                         "an older transformers as vocab files alone is not read); save it with a "
                         "recent transformers, or name a tokenizer.json")
@@ -157,12 +177,12 @@ def _model_dir(path: Path, source: str) -> ModelTokenizer:
                           source=source)
 
 
-def _json_object(file: Path, source: str) -> dict[str, Any]:
+def _json_object(file: Location, source: str) -> dict[str, Any]:
     """The JSON object in ``file`` ({} when there is no file)."""
-    if not file.is_file():
+    if not location.is_file(file):
         return {}
     try:
-        value = json.loads(file.read_text(encoding="utf-8"))
+        value = json.loads(location.read_text(file))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DataError(f"data.tokenizer {source!r}: {file.name} is not readable JSON ({err}); "
                         "restore the file from the model's release") from None

@@ -11,8 +11,10 @@ rows of each batch, and a run's data position is one index in its checkpoint. Ho
 one chunk while the cache is built and one batch (and the permutation, 8 bytes a row) while
 training; the file pages the kernel keeps are cache it can drop.
 
-The key names everything that decides the rows: the files (path and the sha256 of their bytes),
-the tokenizer and template, the data settings. Another run with the same ones reads the cache; a
+The key names everything that decides the rows: the files (path and the sha256 of their bytes;
+for an object on ``gs://`` or ``s3://``, its URL and the version and size the store gives it:
+``_object_identity``), the tokenizer and template, the data settings. The rows are kept on
+local disk whatever the files' location. Another run with the same ones reads the cache; a
 process that finds it being built waits for it (a file lock), so processes on one machine build
 it once. The files' bytes, not their size and modification time: a file rewritten with other
 records of the same size and time (``cp -p``, ``rsync -t``) is another key, while one touched or
@@ -65,6 +67,9 @@ from trainrun.data.tasks import task_records
 from trainrun.data.text import corpus_files
 from trainrun.errors import WriteFailed
 from trainrun.platform.user_cache import cache_dir
+from trainrun.rundir import location, remote
+
+Location = location.Location  # a local path, or a gs:// or s3:// one
 
 CACHE_FORMAT = 2  # raised when the files' layout changes, so old caches are not read
 CHUNK_RECORDS = 2048  # records encoded and packed at a time
@@ -152,7 +157,7 @@ def record_splits(cfg: RecordsData) -> dict[str, Any]:
 class Source:
     """Record files, or a synthetic task."""
 
-    files: tuple[Path, ...] = ()
+    files: tuple[Location, ...] = ()
     task: str | None = None
 
     def describe(self) -> str:
@@ -164,7 +169,8 @@ class Source:
     def key(self) -> list[Any]:
         if self.task:
             return ["task", self.task]
-        return [[str(file.resolve()), _content_digest(file)] for file in self.files]
+        return [_object_identity(file) if location.is_remote(file) else
+                [str(file.resolve()), _content_digest(file)] for file in self.files]
 
     def records(self, cfg: RecordsData) -> Iterator[Located]:
         if self.task:
@@ -174,6 +180,21 @@ class Source:
         columns = list(cfg.fields.model_dump().values())
         for file in self.files:
             yield from read_records(file, columns)
+
+
+def _object_identity(file: Location) -> list[Any]:
+    """What identifies the content of an object on ``gs://`` or ``s3://``: the version the store
+    gave its last write (GCS: its generation; S3: its ETag) and its size, asked of the store
+    without reading the bytes. Different bytes never keep the version: every write of a GCS
+    object gets a new generation, and an S3 ETag is a digest of the content (the MD5 of the
+    bytes, or of its parts' MD5s for a multipart upload), which the size then backs. The same
+    bytes written again keep an S3 ETag but get a new GCS generation: at worst the rows are
+    made again."""
+    info = remote.stat(file)
+    if info is None:
+        raise DataError(f"data.paths: {remote.missing_line(file, 'object')}; it was listed but "
+                        "is gone: run again once the data stops changing")
+    return [str(file), "version", info.version, info.size]
 
 
 def _content_digest(file: Path) -> str:

@@ -3,7 +3,8 @@
 JSONL is read line by line with Python's own ``json``, each line decoded as strict UTF-8, so a
 bad record is named by its file and line and the others are still read. Parquet is read by
 pyarrow one batch of rows at a time (only the columns asked for), so neither format is ever
-held whole in memory.
+held whole in memory. A file on object storage (``gs://``, ``s3://``) is streamed the same way,
+through the storage layer's ranged reads: nothing of it is copied to disk.
 
 A line ``json`` would crash on, or read into a value nothing after it can use, is a bad record
 too: arrays and objects nested more than ``MAX_DEPTH`` deep (found by counting brackets before
@@ -19,19 +20,22 @@ skips it.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import re
 import sys
 import zlib
 from collections import deque
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from trainrun.data.pipeline import DataError
+from trainrun.rundir import location
+
+Location = location.Location  # a local path, or a gs:// or s3:// one
 
 PARQUET_ROWS = 1024  # rows per read from a Parquet file
 # Python's json recurses per level, within the interpreter's recursion limit (1000 frames by
@@ -46,7 +50,7 @@ SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 Located = tuple[str, dict[str, Any] | str]  # where; the record, or what is wrong with it
 
 
-def record_format(path: Path) -> str:
+def record_format(path: Location) -> str:
     """``jsonl`` or ``parquet`` from a file's name; another suffix is a DataError."""
     name = path.name.lower()
     if name.endswith(".parquet"):
@@ -57,7 +61,7 @@ def record_format(path: Path) -> str:
                     "Parquet (.parquet); convert it, or name the record files alone")
 
 
-def read_records(path: Path, columns: Sequence[str] = ()) -> Iterator[Located]:
+def read_records(path: Location, columns: Sequence[str] = ()) -> Iterator[Located]:
     """The records of one file in order, each with where it is; a line that is not UTF-8, not
     JSON or not a JSON object comes as what is wrong with it. columns: Parquet reads only these
     (those the file has); JSONL records are whole."""
@@ -67,10 +71,26 @@ def read_records(path: Path, columns: Sequence[str] = ()) -> Iterator[Located]:
         yield from _jsonl(path)
 
 
-def _jsonl(path: Path) -> Iterator[Located]:
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
+@contextlib.contextmanager
+def _opened(path: Location) -> Iterator[Iterable[bytes]]:
+    """A JSONL file's bytes, decompressed when it is gzipped: read from disk, or streamed from
+    object storage a block at a time (ranged requests)."""
+    gzipped = path.name.lower().endswith(".gz")
+    if not location.is_remote(path):
+        with gzip.open(path, "rb") if gzipped else open(path, "rb") as file:
+            yield file
+        return
+    with location.open_read(path) as raw:
+        if not gzipped:
+            yield raw
+            return
+        with gzip.GzipFile(fileobj=raw) as file:
+            yield file
+
+
+def _jsonl(path: Location) -> Iterator[Located]:
     try:
-        with opener(path, "rb") as lines:
+        with _opened(path) as lines:
             for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue  # a blank line (the last one, often) is no record
@@ -112,7 +132,7 @@ def _jsonl(path: Path) -> Iterator[Located]:
                         "check the file and its permissions") from None
 
 
-def _parquet(path: Path, columns: Sequence[str]) -> Iterator[Located]:
+def _parquet(path: Location, columns: Sequence[str]) -> Iterator[Located]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -121,14 +141,19 @@ def _parquet(path: Path, columns: Sequence[str]) -> Iterator[Located]:
     import pyarrow as pa
 
     try:
-        file = pq.ParquetFile(path)
-        present = set(file.schema_arrow.names)
-        wanted = [name for name in columns if name in present] or None
-        row = 0
-        for batch in file.iter_batches(batch_size=PARQUET_ROWS, columns=wanted):
-            for value in _rows(batch):
-                row += 1
-                yield f"{path} row {row}", value
+        with contextlib.ExitStack() as stack:
+            # on object storage, a seekable file of ranged reads: pyarrow reads the footer,
+            # then only the wanted columns' chunks, never the whole object
+            source = (stack.enter_context(location.open_read(path))
+                      if location.is_remote(path) else path)
+            file = pq.ParquetFile(source)
+            present = set(file.schema_arrow.names)
+            wanted = [name for name in columns if name in present] or None
+            row = 0
+            for batch in file.iter_batches(batch_size=PARQUET_ROWS, columns=wanted):
+                for value in _rows(batch):
+                    row += 1
+                    yield f"{path} row {row}", value
     except (pa.ArrowException, OSError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"data.paths: cannot read {str(path)!r} as Parquet ({first}); check "

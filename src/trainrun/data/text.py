@@ -7,6 +7,11 @@ the last ``eval_fraction`` of it is held out. As bytes, each example is a window
 rows (``packed_sources``: ``tokenizer.py``, ``documents.py``); the held-out split is then the
 very same bytes.
 
+``data.paths`` (and each source of ``data.mix``) may name ``gs://bucket/...`` and
+``s3://bucket/...`` objects, globs included (``gs://b/corpus/*.txt``), read through the
+storage layer (``rundir/remote.py``): the patterns are matched by the store's listing and each
+object read whole into memory, as a local file is.
+
 The default corpus is the ``.py`` files of the running Python's standard library (installed
 packages excluded): real code present on every machine. It differs between Python versions
 (each release adds, removes and edits modules), so byte counts and losses differ slightly too.
@@ -22,6 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from trainrun.data.pipeline import DataError, token_windows
+from trainrun.rundir import location, remote
+
+Location = location.Location
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -30,22 +38,55 @@ def stdlib_patterns() -> tuple[str, ...]:
     return (str(Path(sysconfig.get_paths()["stdlib"]) / "**" / "*.py"),)
 
 
-def corpus_files(patterns: Sequence[str]) -> list[Path]:
-    """The files the patterns match (``**`` recurses), sorted and without duplicates."""
+def corpus_files(patterns: Sequence[str]) -> list[Location]:
+    """The files the patterns match (``**`` recurses), sorted and without duplicates: local
+    paths, then objects of ``gs://`` and ``s3://`` patterns (matched by the store's listing)."""
     found: set[Path] = set()
+    objects: set[str] = set()
     for pattern in patterns:
+        if location.is_remote(pattern):
+            names = _matching_objects(pattern)
+            objects.update(names)
+            continue
         matches = [Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True)]
         files = [p for p in matches if p.is_file() and not EXCLUDED_DIRS & set(p.parts)]
         if not files:
             raise DataError(f"data.paths pattern {pattern!r} matches no files; check the path "
                             "(use ** to search subdirectories)")
         found.update(files)
-    return sorted(found)
+    return [*sorted(found), *(location.location(name) for name in sorted(objects))]
+
+
+def _matching_objects(pattern: str) -> list[str]:
+    """The objects a ``gs://``/``s3://`` pattern matches; none is one line, naming a bucket
+    that does not exist as such."""
+    location.location(pattern)  # a pattern naming no bucket, or no client installed: one line
+    names = [name for name in remote.glob(pattern)
+             if not EXCLUDED_DIRS & set(name.split("/"))]
+    if not names:
+        missing = remote.missing_line(pattern, "object")  # no bucket: its own line
+        if not glob.has_magic(pattern):
+            raise DataError(f"data.paths: {missing}; check the bucket and the path")
+        raise DataError(f"data.paths pattern {pattern!r} matches no objects; check the bucket "
+                        "and the path (use ** to search below prefixes)")
+    return names
+
+
+def read_file(path: Location) -> bytes:
+    """A corpus file's bytes, local or on object storage (one that went away after it was
+    listed is one line)."""
+    try:
+        return location.read_bytes(path)
+    except FileNotFoundError:
+        if not location.is_remote(path):
+            raise
+        raise DataError(f"data.paths: {path} is no longer there (deleted after it was "
+                        "listed); run again once the data stops changing") from None
 
 
 def read_corpus(patterns: Sequence[str]) -> np.ndarray:
     """The matched files' bytes, joined, as a uint8 array."""
-    blob = b"".join(path.read_bytes() for path in corpus_files(patterns))
+    blob = b"".join(read_file(path) for path in corpus_files(patterns))
     return np.frombuffer(blob, np.uint8)
 
 
@@ -69,7 +110,7 @@ def split_documents(patterns: Sequence[str],
     """The matched files as documents, split as ``text_arrays`` splits their bytes: the last
     ``eval_fraction`` of the joined bytes is held out, and the file that the cut falls in
     becomes two documents. Empty documents are left out."""
-    documents = [path.read_bytes() for path in corpus_files(patterns)]
+    documents = [read_file(path) for path in corpus_files(patterns)]
     total = sum(len(doc) for doc in documents)
     if total == 0:
         raise DataError(f"the text corpus {list(patterns)} is empty (0 bytes); point data.paths "
@@ -117,7 +158,7 @@ def packed_sources(cfg, sources: Sequence[Sequence[str]]) -> list[dict[str, dict
     (a tokenizer that normalizes text), as the bytes a token covers are then unknown.
 
     The tokenizer is trained at first use on every source's training documents; the encoded
-    ids are kept in ``<tokenizer>.cache/`` beside it for the next run."""
+    ids are kept for the next run (``tokenizer.encoded_cache``)."""
     from trainrun.data import tokenizer as tokenizers
     from trainrun.data.documents import pack_documents
 
@@ -130,8 +171,7 @@ def packed_sources(cfg, sources: Sequence[Sequence[str]]) -> list[dict[str, dict
         cfg.tokenizer, lambda: [text for split in texts for text in split["train"]],
         cfg.vocab_size)
     table = tokenizers.token_bytes(tokenizer)
-    file = Path(cfg.tokenizer).expanduser()
-    cache = file.with_name(file.name + ".cache")
+    cache = tokenizers.encoded_cache(cfg.tokenizer)
     parts, lossless = [], True
     for split in texts:
         part = {}

@@ -1,5 +1,6 @@
 """Tokenizers of the ``tokenizers`` library: a ``tokenizer.json`` loaded, or trained on the
-training documents at first use and written to that path for the runs after.
+training documents at first use and written to that path for the runs after. The path may be a
+``gs://`` or ``s3://`` object, read and written through the storage layer.
 
 A trained tokenizer is byte-level BPE, GPT-2's scheme: text is read as UTF-8 bytes, each byte a
 character of a 256-letter alphabet, so every text encodes (no unknown token) and every token
@@ -25,6 +26,10 @@ from typing import Any
 import numpy as np
 
 from trainrun.data.pipeline import DataError
+from trainrun.platform.user_cache import cache_dir
+from trainrun.rundir import location, remote
+
+Location = location.Location
 
 DOCUMENT_TOKEN = "<|endoftext|>"  # before each document (GPT-2's separator)
 INSTALL = "pip install 'trainrun[text]'"
@@ -41,13 +46,19 @@ def library() -> Any:
 
 def load_or_train(path: str, texts: Callable[[], Sequence[str]], vocab_size: int) -> Any:
     """The tokenizer at ``path``; when there is no file there, one trained on ``texts()`` with
-    at most ``vocab_size`` tokens, written to ``path`` (folders made as needed).
+    at most ``vocab_size`` tokens, written to ``path`` (folders made as needed; on object
+    storage, only if no other run wrote it meanwhile: the first one written is used).
 
     Raises DataError for a file that is not a tokenizer, one with more tokens than
     ``vocab_size`` or one without the document token."""
-    file = Path(path).expanduser()
-    if not file.exists() and not file.is_symlink():
-        _write_atomically(file, train(texts(), vocab_size).to_str().encode())
+    if location.is_remote(path):
+        file = location.location(path)
+        if remote.stat(file) is None and not remote.is_dir(file):
+            remote.create(file, train(texts(), vocab_size).to_str().encode())
+        return load(path, vocab_size)
+    local = Path(path).expanduser()
+    if not local.exists() and not local.is_symlink():
+        _write_atomically(local, train(texts(), vocab_size).to_str().encode())
     return load(path, vocab_size)
 
 
@@ -55,16 +66,21 @@ def load(path: str, vocab_size: int) -> Any:
     """The tokenizer at ``path`` (checked as ``load_or_train`` checks it); a missing file is a
     DataError."""
     lib = library()
-    file = Path(path).expanduser()
-    if file.is_dir():
+    file = location.location(path) if location.is_remote(path) else Path(path).expanduser()
+    if location.is_dir(file) and not location.is_file(file):
         raise DataError(f"data.tokenizer {path!r} is a folder; give the path of a "
                         "tokenizer.json file (it is trained and written there when missing)")
-    if not file.is_file():
+    if not location.is_file(file):
+        if location.is_remote(file):
+            raise DataError(f"data.tokenizer: {remote.missing_line(file, 'object')}; give the "
+                            "location of a tokenizer.json")
         raise DataError(f"data.tokenizer {path!r} not found (a relative path is taken from the "
                         "directory you run in); run from where the run was trained, or give the "
                         "tokenizer's path")
+    text = _object_text(file) if location.is_remote(file) else None
     try:
-        tokenizer = lib.Tokenizer.from_file(str(file))
+        tokenizer = (lib.Tokenizer.from_file(str(file)) if text is None
+                     else lib.Tokenizer.from_str(text))
     except Exception as err:  # the library raises a bare Exception for bad JSON
         raise DataError(f"data.tokenizer: cannot read {path!r} as a tokenizer.json of the "
                         f"tokenizers library ({err})") from None
@@ -90,6 +106,28 @@ def train(texts: Sequence[str], vocab_size: int) -> Any:
         initial_alphabet=lib.pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer, length=len(texts))
     return tokenizer
+
+
+def _object_text(file: Location) -> str:
+    """A tokenizer file on object storage as text; not UTF-8 is one line."""
+    try:
+        return location.read_text(file)
+    except UnicodeDecodeError as err:
+        raise DataError(f"data.tokenizer: {file} is not UTF-8 text ({err.reason} at byte "
+                        f"{err.start}); give a tokenizer.json") from None
+    except FileNotFoundError:
+        raise DataError(f"data.tokenizer: {remote.missing_line(file, 'object')}; give the "
+                        "location of a tokenizer.json") from None
+
+
+def encoded_cache(path: str) -> Path:
+    """Where token ids encoded with the tokenizer at ``path`` are kept: ``<tokenizer>.cache/``
+    beside a local file, the local cache directory for one on object storage (its entries are
+    keyed by the tokenizer and the texts, so tokenizers share it safely)."""
+    if location.is_remote(path):
+        return cache_dir() / "encoded-text"
+    file = Path(path).expanduser()
+    return file.with_name(file.name + ".cache")
 
 
 def token_bytes(tokenizer: Any) -> np.ndarray:

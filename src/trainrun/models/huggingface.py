@@ -4,6 +4,9 @@ of shards listed in ``model.safetensors.index.json``, as ``transformers``' ``sav
 writes it and ``from_pretrained`` reads it. Through ``safetensors`` alone: neither
 ``transformers`` nor PyTorch is imported.
 
+A model directory may be on object storage (``gs://``, ``s3://``): its files are read through
+the storage layer, each shard's header and tensors by ranged reads, never copied whole.
+
 ``config.json`` gives the architecture: every field that changes the maths is either carried
 into the transformer's config or refused on one line. Tensors are read lazily, a slice at a
 time, so a model can be placed shard by shard on a mesh without the host holding it whole. The
@@ -24,7 +27,11 @@ import numpy as np
 
 from trainrun.config import RopeScaling, TransformerModel
 from trainrun.errors import UserError, read_refused
+from trainrun.models import safetensors_ranges as ranges
 from trainrun.models.hf_config import checked_model_config
+from trainrun.rundir import location, remote
+
+Location = location.Location  # a local path, or a gs:// or s3:// one
 
 PyTree = Any
 WEIGHTS, CONFIG, INDEX = "model.safetensors", "config.json", "model.safetensors.index.json"
@@ -231,13 +238,10 @@ def config_json(cfg: TransformerModel, model_type: str,
     return out
 
 
-def read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Location) -> dict[str, Any]:
     """A model directory's ``config.json`` as a dict; unreadable is one line."""
     file = path / CONFIG
-    try:
-        data = file.read_bytes()
-    except OSError as err:  # not the file's fault: the system's cause, said as such
-        raise read_refused(err) from None
+    data = read_file(file)
     try:
         hf = json.loads(data)
     except ValueError as err:  # not JSON, or not UTF-8 text
@@ -245,6 +249,21 @@ def read_config(path: Path) -> dict[str, Any]:
     if not isinstance(hf, dict):
         raise WeightsError(f"{file} is not a JSON object; is it a Hugging Face config.json?")
     return hf
+
+
+def read_file(file: Location) -> bytes:
+    """A file of a model directory, local or on object storage; a local file the system will
+    not read is its one line, a missing object one naming it (or its missing bucket)."""
+    if location.is_remote(file):
+        try:
+            return location.read_bytes(file)
+        except FileNotFoundError:
+            raise WeightsError(f"{remote.missing_line(file, 'object')}; the model "
+                               "directory is incomplete: copy it again") from None
+    try:
+        return Path(file).read_bytes()
+    except OSError as err:  # not the file's fault: the system's cause, said as such
+        raise read_refused(err) from None
 
 
 # ---- tensors ---------------------------------------------------------------------------------
@@ -309,10 +328,16 @@ class Tensors:
     slice of one, is read from its file when asked for, as float32 (bfloat16 and float16 files
     included), and the file is let go again, so its pages do not stay mapped into the process
     while the rest loads. Names of GPT-2 files saved without the ``transformer.`` prefix are
-    given it."""
+    given it. On object storage (``gs://``, ``s3://``) each file's header and each tensor (or
+    the rows of it asked for) is a ranged read (``safetensors_ranges.py``): no file is copied
+    to this machine.
 
-    def __init__(self, headers: dict[Path, dict[str, tuple[tuple[int, ...], str]]]):
-        self._where: dict[str, tuple[Path, str]] = {}  # name as asked -> (file, name as stored)
+    entries: for files on object storage, (file, name as stored) -> where its bytes lie."""
+
+    def __init__(self, headers: dict[Location, dict[str, tuple[tuple[int, ...], str]]],
+                 entries: dict[tuple[str, str], ranges.Entry] | None = None):
+        self._entries = entries or {}
+        self._where: dict[str, tuple[Location, str]] = {}  # name asked -> (file, name stored)
         self._header: dict[str, tuple[tuple[int, ...], str]] = {}  # name -> (shape, dtype)
         stored = [name for header in headers.values() for name in header]
         gpt2_body = not any(n.startswith(PREFIX) for n in stored) and any(
@@ -324,21 +349,27 @@ class Tensors:
                 self._header[asked] = entry
 
     @classmethod
-    def of(cls, path: Path) -> Tensors:
+    def of(cls, path: Location) -> Tensors:
         """The tensors of a ``.safetensors`` file, or of a model directory (one file, or the
-        shards its ``model.safetensors.index.json`` lists)."""
-        if path.is_file():
-            return cls({path: _header(path)})
+        shards its ``model.safetensors.index.json`` lists), local or on object storage."""
+        entries: dict[tuple[str, str], ranges.Entry] = {}
+
+        def header(file: Location) -> dict[str, tuple[tuple[int, ...], str]]:
+            if not location.is_remote(file):
+                return _header(file)
+            found = _remote_header(file)
+            entries.update({(str(file), name): entry for name, entry in found.items()})
+            return {name: (entry.shape, entry.dtype) for name, entry in found.items()}
+
+        if location.is_file(path):
+            return cls({path: header(path)}, entries)
         index = path / INDEX
-        if (path / WEIGHTS).is_file():
-            return cls({path / WEIGHTS: _header(path / WEIGHTS)})
-        if not index.is_file():
+        if location.is_file(path / WEIGHTS):
+            return cls({path / WEIGHTS: header(path / WEIGHTS)}, entries)
+        if not location.is_file(index):
             raise WeightsError(f"{path} has neither {WEIGHTS} nor {INDEX}; save the model with "
                                "save_pretrained (safetensors)")
-        try:
-            text = index.read_bytes()
-        except OSError as err:  # the system's refusal, said as such
-            raise read_refused(err) from None
+        text = read_file(index)
         try:
             weight_map = json.loads(text)["weight_map"]
             files = {str(name): path / str(file) for name, file in weight_map.items()}
@@ -346,17 +377,17 @@ class Tensors:
             raise WeightsError(f"{index} is not a safetensors index (a JSON object with a "
                                "weight_map); save the model again") from None
         headers = {}
-        for file in sorted(set(files.values())):
-            if file.parent != path or not file.is_file():
+        for file in sorted(set(files.values()), key=str):
+            if str(file.parent) != str(path) or not location.is_file(file):
                 raise WeightsError(f"{index} lists {file.name}, which is not in {path}; the "
                                    "download is incomplete")
-            header = _header(file)
+            found = header(file)
             listed = {n for n, f in files.items() if f == file}
-            if listed - set(header):
-                raise WeightsError(f"{file.name} lacks tensor {sorted(listed - set(header))[0]!r} "
+            if listed - set(found):
+                raise WeightsError(f"{file.name} lacks tensor {sorted(listed - set(found))[0]!r} "
                                    f"that {INDEX} places there; the download is incomplete")
-            headers[file] = {n: e for n, e in header.items() if n in listed}
-        return cls(headers)
+            headers[file] = {n: e for n, e in found.items() if n in listed}
+        return cls(headers, entries)
 
     @property
     def names(self) -> set[str]:
@@ -369,7 +400,7 @@ class Tensors:
         """safetensors' name of the tensor's dtype: F32, BF16, I64, BOOL, ..."""
         return self._header[name][1]
 
-    def file(self, name: str) -> Path:
+    def file(self, name: str) -> Location:
         return self._where[name][0]
 
     def check_floats(self, names: set[str] | list[str]) -> None:
@@ -387,6 +418,12 @@ class Tensors:
         from safetensors import safe_open
 
         file, stored = self._where[name]
+        if location.is_remote(file):
+            try:
+                value = ranges.read_tensor(file, self._entries[str(file), stored], index)
+            except ranges.Unreadable as err:
+                raise WeightsError(f"cannot read tensor {name} from {file}: {err}") from None
+            return np.asarray(value, np.float32)
         try:
             if self._header[name][1] == "BF16":  # numpy has no bfloat16: read through JAX
                 import jax
@@ -412,6 +449,17 @@ def refuse_unreadable(file: Path) -> None:
             pass
     except OSError as err:
         raise read_refused(err) from None
+
+
+def _remote_header(file: Location) -> dict[str, ranges.Entry]:
+    """Each tensor's entry in a safetensors object, from its header (ranged reads)."""
+    try:
+        return ranges.read_header(file)
+    except FileNotFoundError:
+        raise WeightsError(f"{remote.missing_line(file, 'object')}; the model directory is "
+                           "incomplete: copy it again") from None
+    except ranges.Unreadable as err:
+        raise WeightsError(f"cannot read {file}: {err}; is the file complete?") from None
 
 
 def _header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -10,6 +10,9 @@ and the scalings are equal. Two model families: the Llama family (``llama``, ``q
 ``mistral``), one HF module per trainrun layer; GPT-2, whose ``attn.c_attn`` holds q, k and v in
 one Conv1D, so trainrun's q/k/v adapters travel as one ``c_attn`` adapter of the summed rank
 (``rank_pattern`` / ``alpha_pattern`` keep its scale).
+
+An adapter directory may be on object storage (``gs://``, ``s3://``), its files read through
+the storage layer, as may the base model its ``base_model_name_or_path`` names.
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ from typing import Any
 import numpy as np
 
 from trainrun.config import LoraConfig, TransformerModel
-from trainrun.errors import read_refused
 from trainrun.models.hf_config import checked_adapter_config
 from trainrun.models.huggingface import (
     LLAMA_FAMILY,
     MODEL_TYPES,
     WeightsError,
+    read_file,
     refuse_unreadable,
 )
+from trainrun.rundir import location
+
+Location = location.Location  # a local path, or a gs:// or s3:// one
 
 PyTree = Any
 ADAPTER_WEIGHTS, ADAPTER_CONFIG, ADAPTER_BIN = (
@@ -66,15 +72,20 @@ class LoraSettings:
         return LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)
 
 
-def is_adapter_dir(path: Path) -> bool:
+def is_adapter_dir(path: Location) -> bool:
     """Whether ``path`` is a PEFT adapter directory (it has ``adapter_config.json``)."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
+    return location.is_file(_folder(path) / ADAPTER_CONFIG)
 
 
-def base_model_name(path: Path) -> str | None:
+def _folder(path: Location) -> Location:
+    """``path`` as its store's path type: a remote one is kept, a local one made a Path."""
+    return path if location.is_remote(path) else Path(path)
+
+
+def base_model_name(path: Location) -> str | None:
     """``base_model_name_or_path`` of an adapter directory: the model its adapters were trained
-    on, as PEFT recorded it (a hub id or a path), or None."""
-    name = _read_config(Path(path)).get("base_model_name_or_path")
+    on, as PEFT recorded it (a hub id, a path or a ``gs://``/``s3://`` location), or None."""
+    name = _read_config(_folder(path)).get("base_model_name_or_path")
     return name if isinstance(name, str) and name else None
 
 
@@ -151,14 +162,14 @@ def write_adapter_dir(params: PyTree, cfg: TransformerModel, model_type: str,
     return path
 
 
-def read_adapter_dir(path: Path, cfg: TransformerModel,
+def read_adapter_dir(path: Location, cfg: TransformerModel,
                      model_type: str) -> tuple[LoraSettings, dict[str, np.ndarray]]:
     """(settings, trainrun adapter params by dotted name, e.g. ``blocks.0.attn.q_lora.a``) of a
     PEFT LoRA adapter directory for a ``model_type`` base model whose trainrun config is ``cfg``
     (its ``lora`` is not consulted). What trainrun's adapters cannot express exactly raises
     ``WeightsError`` on one line, naming the field and what to do."""
     _check_model_type(model_type)
-    path = Path(path)
+    path = _folder(path)
     config = _read_config(path)
     _check_config(config, cfg)
     kinds = _module_kinds(model_type)
@@ -359,14 +370,11 @@ def _modules(tensors: dict[str, np.ndarray], cfg: TransformerModel, model_type: 
     return modules
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    if not (path / ADAPTER_CONFIG).is_file():
+def _read_config(path: Location) -> dict[str, Any]:
+    if not location.is_file(path / ADAPTER_CONFIG):
         raise WeightsError(f"{path} is not a PEFT adapter directory: {ADAPTER_CONFIG} is "
                            "missing (PeftModel.save_pretrained writes it)")
-    try:
-        data = (path / ADAPTER_CONFIG).read_bytes()
-    except OSError as err:  # the system's refusal, said as such
-        raise read_refused(err) from None
+    data = read_file(path / ADAPTER_CONFIG)
     try:
         config = json.loads(data)
     except ValueError as err:  # not JSON, or not UTF-8 text
@@ -377,20 +385,24 @@ def _read_config(path: Path) -> dict[str, Any]:
     return checked_adapter_config(config, str(path / ADAPTER_CONFIG))
 
 
-def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+def _read_tensors(path: Location) -> dict[str, np.ndarray]:
+    """The adapter's tensors, whole (they are small beside the model): read from disk, or as
+    one object's bytes from object storage."""
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load, load_file
 
     weights = path / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        if (path / ADAPTER_BIN).is_file():
+    if not location.is_file(weights):
+        if location.is_file(path / ADAPTER_BIN):
             raise WeightsError(f"{path} has {ADAPTER_BIN} (a pickle) but no {ADAPTER_WEIGHTS}; "
                                "save it with save_pretrained(..., safe_serialization=True)")
         raise WeightsError(f"{path} has no {ADAPTER_WEIGHTS}; PeftModel.save_pretrained "
                            "writes it")
-    refuse_unreadable(weights)  # safetensors says "No such file" for a denied read too
+    if not location.is_remote(weights):  # safetensors says "No such file" for a denied read
+        refuse_unreadable(weights)
+    data = read_file(weights) if location.is_remote(weights) else None
     try:
-        tensors = load_file(str(weights))
+        tensors = load_file(str(weights)) if data is None else load(data)
     except (SafetensorError, ValueError, OSError) as err:
         raise WeightsError(f"cannot read {weights} ({err}); is it complete? save it "
                            "again".replace("\n", " ")) from None

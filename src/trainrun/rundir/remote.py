@@ -10,8 +10,9 @@ works on whole objects:
                   ``If-None-Match: *``): exactly one of several writers succeeds
     stat          size, the version the store gives each write (GCS generation, S3 ETag) and
                   the store's own time of it (no clock of this machine involved)
-    list_names, delete, delete_tree, read_bytes, read_range, open_read (streamed)
+    list_names, glob, delete, delete_tree, read_bytes, read_range
     list_tree     every object below a prefix with its size (a checkpoint step's files)
+    open_read     a file read a block at a time, each block one ranged request
     upload        a local file as one object, streamed
 
 Credentials and endpoints come from where each ecosystem's own tools look: for GCS,
@@ -31,6 +32,7 @@ import contextlib
 import dataclasses
 import datetime
 import errno
+import io
 import os
 import random
 import threading
@@ -45,6 +47,7 @@ from trainrun.errors import UserError, WriteFailed
 SCHEMES = ("gs", "s3")
 REQUEST_TIMEOUT_S = 20.0  # a request not answered by then is abandoned and tried again
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0
+READ_BLOCK = 4 * 2**20  # bytes per ranged request of a streamed read
 
 T = TypeVar("T")
 
@@ -389,6 +392,68 @@ def delete_tree(path: Any) -> None:
 
 
 def open_read(path: Any) -> IO[bytes]:
-    """The object as a file read a block at a time (ranged requests), for streamed records."""
-    fs = filesystem(path)
-    return with_retries(path, "reading", lambda: fs.open(_key(path), "rb"))
+    """The object as a file read a block at a time, each block one ranged request retried as
+    ``read_range`` is (a store that stops answering mid-stream is waited for, up to the
+    deadline): for streamed records, and a seekable file for Parquet. ``FileNotFoundError``
+    when there is no such object."""
+    info = stat(path)
+    if info is None:
+        raise FileNotFoundError(errno.ENOENT, "no such object", str(path))
+    return io.BufferedReader(_RangedObject(path, info.size), buffer_size=READ_BLOCK)
+
+
+class _RangedObject(io.RawIOBase):
+    """An object of ``size`` bytes as a raw, seekable file whose reads are ranged requests."""
+
+    def __init__(self, path: Any, size: int):
+        super().__init__()
+        self.path, self.size, self.position = path, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise OSError(errno.EINVAL, "seek before the start of the object", str(self.path))
+        self.position = base + offset
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        end = min(self.position + len(view), self.size)
+        if end <= self.position:
+            return 0
+        data = read_range(self.path, self.position, end)
+        view[:len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def glob(pattern: str) -> list[str]:
+    """The objects a pattern matches (``*``, ``?``, ``[...]``; ``**`` across ``/``), as
+    ``scheme://bucket/key`` names, sorted; the "folders" their keys imply are left out."""
+    fs = filesystem(pattern)
+    scheme = scheme_of(pattern)
+    fs.invalidate_cache()  # listings fsspec kept from earlier calls may predate new objects
+    try:
+        found = with_retries(pattern, "listing", lambda: fs.glob(
+            _key(pattern), detail=True, timeout=REQUEST_TIMEOUT_S))
+    except FileNotFoundError:  # gcsfs, for a bucket that is not there
+        found = {}
+    return sorted(f"{scheme}://{name}" for name, info in found.items()
+                  if info.get("type") != "directory")
+
+
+def missing_line(path: Any, what: str) -> str:
+    """The line for nothing at ``path``: ``no {what} {path}``, for the caller's error; a
+    bucket that does not exist is ``StorageRefused`` at once, on its own line."""
+    if not bucket_exists(path):
+        raise StorageRefused(_no_bucket(path, "reading"))
+    return f"no {what} {path}"

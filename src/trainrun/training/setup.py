@@ -157,7 +157,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
             preflight.check_vocab(records.vocab, config.model, config.data)
     preflight.check_batch(model, data, abstract.params, from_config=counted is not None)
     if config.init.from_ is not None:  # a source that is not there is refused before claiming
-        init_from.source_kind(init_from.source_path(config.init.from_))
+        init_from.source_kind(init_from.source_location(config.init.from_))
     batches = (batch_iterator(data, config.data.prefetch_threads)
                if isinstance(data, grain.MapDataset) else iter(data))
     evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params,

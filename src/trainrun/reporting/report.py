@@ -27,6 +27,7 @@ import yaml
 
 from trainrun import extras, rundir
 from trainrun.errors import UserError, WriteFailed, path_refused, printable
+from trainrun.reporting.units import duration
 from trainrun.rundir import location
 
 if TYPE_CHECKING:
@@ -275,7 +276,8 @@ def _summary_rows(run: RunRecord) -> list[tuple[str, Any]]:
     if s:
         peak = s.get("peak") or {}
         rows += [
-            ("median step time", _num(s.get("step_time_median_s"), ",.1f", 1e6, " µs")),
+            ("median step time", None if s.get("step_time_median_s") is None
+             else duration(s["step_time_median_s"])),
             ("throughput", f"{_num(s.get('steps_per_s'), ',.1f')} steps/s, "
                            f"{_num(s.get('examples_per_s'), ',.0f')} examples/s"),
             ("compile", _num(s.get("compile_s"), ".2f", suffix=" s")),

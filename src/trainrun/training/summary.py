@@ -18,6 +18,7 @@ import jax
 
 from trainrun.reporting import mfu
 from trainrun.reporting.timing import StepTimer, Stopwatch
+from trainrun.reporting.units import duration
 
 if TYPE_CHECKING:
     from trainrun.config import RunConfig
@@ -109,7 +110,7 @@ class RunSummary:
         return (
             f"done: {self.steps_done} steps{stopped}, final loss {self.final_loss:.8g}\n"
             f"  compile      {self.compile_s:.3f} s (separate from step time)\n"
-            f"  step time    {step_s * 1e6:,.1f} µs median over {self.timed_windows} windows "
+            f"  step time    {duration(step_s)} median over {self.timed_windows} windows "
             f"after {self.warmup_windows} warmup{skipped} (step compute only{first})\n"
             f"  throughput   {self.steps_per_s or 0:,.1f} steps/s, "
             f"{self.examples_per_s or 0:,.0f} examples/s\n"

@@ -1,0 +1,18 @@
+"""Measured figures as a reader takes them in: a time in the unit that reads best."""
+
+from __future__ import annotations
+
+# (the largest value, in seconds, a unit is used for; the unit's size in seconds; its name)
+_UNITS = ((1e-6, 1e-9, "ns"), (1e-3, 1e-6, "µs"), (1.0, 1e-3, "ms"), (1000.0, 1.0, "s"))
+
+
+def duration(seconds: float) -> str:
+    """``0.415453`` -> ``415.5 ms``; ``3.16e-5`` -> ``31.6 µs``; ``12.5`` -> ``12.5 s``: four
+    significant digits at most, in the largest unit that keeps the number at 1 or more (a
+    thousand seconds and more: whole seconds with separators)."""
+    if seconds != seconds or seconds < 0:  # NaN or negative: no unit reads better
+        return f"{seconds} s"
+    for bound, size, name in _UNITS:
+        if seconds < bound * 0.99995:  # what rounds up to the next unit's 1 goes there
+            return f"{seconds / size:.4g} {name}"
+    return f"{seconds:,.0f} s"

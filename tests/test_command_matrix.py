@@ -644,7 +644,7 @@ REMOTE_CASES = [  # id, argv(sandbox, bucket), what the one line says (exit 2)
         "{}", f"data.tokenizer={b}/tokenizers/none"),
      r"data\.tokenizer: no object or folder .*/tokenizers/none; give a Hugging Face model"),
     ("train-init-from-missing", lambda s, b: finetune(s, f"{b}/models/none"),
-     r"init\.from: no object or folder .*/models/none; give the location of a model dir"),
+     r"init\.from: no object or folder .*/models/none; give the location of a run, a model dir"),
     ("train-init-from-cut-weights", cut_weights,
      r"cannot read .*/models/llama/model\.safetensors: tensor '.*' \(F32 .*\) has "
      r"data_offsets .* outside the object's \d+ bytes .*is the file complete\?"),

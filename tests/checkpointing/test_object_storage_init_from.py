@@ -205,7 +205,7 @@ def test_a_peft_adapter_directory_in_a_bucket_loads_its_adapters_and_remote_base
 def test_a_damaged_or_missing_source_in_a_bucket_is_one_line(llama_dir, bucket, tmp_path):
     url = upload(llama_dir, f"{bucket}/models/llama")
     with pytest.raises(WeightsError, match=r"init\.from: no object or folder .*/models/nothing; "
-                       "give the location of a model directory") as err:
+                       "give the location of a run, a model directory") as err:
         finetune(tmp_path, f"{bucket}/models/nothing")
     assert "\n" not in str(err.value)
     scheme = remote.scheme_of(bucket)

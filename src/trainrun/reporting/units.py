@@ -7,9 +7,9 @@ _UNITS = ((1e-6, 1e-9, "ns"), (1e-3, 1e-6, "µs"), (1.0, 1e-3, "ms"), (1000.0, 1
 
 
 def duration(seconds: float) -> str:
-    """``0.415453`` -> ``415.5 ms``; ``3.16e-5`` -> ``31.6 µs``; ``12.5`` -> ``12.5 s``: four
-    significant digits at most, in the largest unit that keeps the number at 1 or more (a
-    thousand seconds and more: whole seconds with separators)."""
+    """A time in seconds as text: four significant digits at most, in the largest unit (ns,
+    µs, ms, s) that keeps the number at 1 or more; a thousand seconds and more are whole seconds
+    with separators. tests/reporting/test_units.py shows examples."""
     if seconds != seconds or seconds < 0:  # NaN or negative: no unit reads better
         return f"{seconds} s"
     for bound, size, name in _UNITS:

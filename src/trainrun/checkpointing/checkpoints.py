@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from trainrun import rundir
-from trainrun.checkpointing import integrity
+from trainrun.checkpointing import integrity, object_store
 from trainrun.config import RunConfig
 from trainrun.errors import UserError
 from trainrun.rundir import location, storage
@@ -222,15 +222,22 @@ class Checkpoints:
     latest ``keep`` (and the best by ``keep_best``), restore the newest readable one."""
 
     def __init__(self, directory: Path, config: RunConfig, provenance: dict[str, Any]):
-        self.directory = Path(directory).absolute()
+        self.remote = location.is_remote(directory)
+        self.directory = (location.location(directory) if self.remote
+                          else Path(directory).absolute())
         self.config = config
         self.cfg = cfg = config.checkpoint
         self.provenance = provenance
-        self.partial = sorted(p.name for p in self.directory.glob(f"*{TMP_MARK}*"))
-        # old steps a killed run was deleting, finished off (Orbax would warn on each start)
         primary = jax.process_index() == 0
-        self.half_deleted = finish_deletions(self.directory) if primary else []
-        self.repaired = repair_step_metadata(self.directory) if primary else []
+        if self.remote:  # Orbax's commit file marks a step committed; one without is partial
+            object_store.prepare(self.directory)
+            self.partial = rundir.uncommitted_steps(self.directory) if primary else []
+            self.half_deleted, self.repaired = [], []
+        else:
+            self.partial = sorted(p.name for p in self.directory.glob(f"*{TMP_MARK}*"))
+            # old steps a killed run was deleting, finished off (Orbax warns on each start)
+            self.half_deleted = finish_deletions(self.directory) if primary else []
+            self.repaired = repair_step_metadata(self.directory) if primary else []
         policies = ocp.checkpoint_managers
         keep = policies.LatestN(cfg.keep)
         best: dict[str, Any] = {}
@@ -245,6 +252,7 @@ class Checkpoints:
             preservation_policy=keep,  # the latest `keep` always: a resume never goes back
             cleanup_tmp_directories=True,  # partial saves of a killed run
             **best,
+            **(object_store.manager_options() if self.remote else {}),
         )
         # A refused write (a full disk) is reported by the run on one line, not by Orbax's
         # threads with a traceback each.
@@ -257,6 +265,8 @@ class Checkpoints:
         self._closed = False
 
     def steps(self) -> list[int]:
+        if self.remote:  # only what the commit file marks, whatever Orbax lists
+            return rundir.committed_steps(self.directory)
         return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -344,8 +354,7 @@ class Checkpoints:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
         target = self.directory / CORRUPT_DIR / f"{step}-{stamp}"
         if jax.process_index() == 0:
-            target.parent.mkdir(exist_ok=True)
-            (self.directory / str(step)).rename(target)
+            location.move_tree(self.directory / str(step), target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"trainrun: moved step {step} aside")
         self.manager.reload()

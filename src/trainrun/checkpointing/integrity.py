@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from pathlib import Path
 
 from trainrun.rundir import location
 
@@ -38,17 +37,14 @@ def file_digest(path: location.Location) -> str:
     return digest.hexdigest()
 
 
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*")
-                  if p.is_file() and p.name not in ORBAX_MARKS and p.name != MANIFEST)
-
-
-def write_manifest(directory: Path) -> None:
-    """The checksums of every file under ``directory`` (an item being finalized)."""
-    directory = Path(directory)
-    files = {str(p.relative_to(directory)): {"sha256": file_digest(p), "bytes": p.stat().st_size}
-             for p in _files(directory)}
-    (directory / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=1))
+def write_manifest(directory: location.Location) -> None:
+    """The checksums of every file under ``directory`` (an item being finalized), local or on
+    object storage."""
+    directory = location.location(directory)
+    files = {name: {"sha256": file_digest(directory / name), "bytes": size}
+             for name, size in location.list_tree(directory).items()
+             if name.rsplit("/", 1)[-1] not in ORBAX_MARKS | {MANIFEST}}
+    location.write_text(directory / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1))
 
 
 @dataclasses.dataclass

@@ -176,9 +176,12 @@ def saved_layers(path: Path, overrides: list[str] | None = None) -> list[Layer]:
     section is left out: it says how the job that wrote it joined its processes (``launch``
     gives each its id and coordinator), not what the run computes, and a resume on one
     process would wait for the others."""
-    tree = _read_yaml(path, os.path.normpath(path))
+    remote = "://" in str(path)  # gs:// or s3://: a location, read as its own path type reads
+    label = str(path) if remote else os.path.normpath(path)
+    tree = _read_yaml(path, label)
     tree.pop("distributed", None)
-    layers = [Layer(f"run: {os.path.normpath(path.parent)}", tree)]
+    layers = [Layer(f"run: {str(path.parent) if remote else os.path.normpath(path.parent)}",
+                    tree)]
     if overrides:
         layers.append(Layer("override", parse_overrides(overrides)))
     return layers

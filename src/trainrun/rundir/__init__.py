@@ -265,6 +265,13 @@ def committed_steps(ckpt_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_dir())
 
 
+def uncommitted_steps(ckpt_dir: Path) -> list[str]:
+    """On object storage, the step folders without Orbax's commit file: saves cut short (or
+    still being written), never read as checkpoints."""
+    return [name for name in location.list_names(ckpt_dir)
+            if name.isdigit() and not location.exists(ckpt_dir / name / COMMIT_FILE)]
+
+
 NAME_MAX, PATH_MAX = 255, 4096  # bytes in a file name and in a path on Linux
 INSIDE_MAX = 256  # bytes a run's own files add below its folder (a checkpoint's deepest file)
 
@@ -404,6 +411,14 @@ class RunDirectory:
         self.created: list[Path] = []
         self.held_before: dict[Path, set[str]] = {}
         self.moved: list[tuple[Path, Path, bool]] = []
+
+    @property
+    def display(self) -> Any:
+        """The run directory as the user named it (a stage's bucket location)."""
+        return self.run_dir
+
+    def finish(self) -> None:
+        """The run ended as it should: nothing left to do for a local directory."""
 
     def check(self) -> None:
         for path, flag, _ in self.folders:

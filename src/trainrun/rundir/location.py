@@ -114,6 +114,17 @@ def delete_tree(path: Location) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def move_tree(path: Location, target: Location) -> None:
+    """A folder to a new place: renamed locally (its parent made first); on object storage,
+    which cannot rename, each object copied, then the originals deleted."""
+    if is_remote(path):
+        remote.copy_tree(path, target)
+        remote.delete_tree(path)
+    else:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).rename(target)
+
+
 def make_dirs(path: Location) -> None:
     """A local folder and its parents; nothing to make on object storage (a prefix exists
     once an object lies below it)."""

@@ -366,6 +366,14 @@ def upload(local: Path, path: Any) -> None:
         raise StorageRefused(_no_bucket(path, "writing")) from None
 
 
+def copy_tree(path: Any, target: Any) -> None:
+    """Every object below ``path`` copied below ``target`` (server-side copies)."""
+    fs = filesystem(path)
+    for name in list_tree(path):
+        source, dest = f"{_key(path)}/{name}", f"{_key(target)}/{name}"
+        with_retries(path, "copying", lambda s=source, d=dest: fs.copy(s, d))
+
+
 def exists(path: Any) -> bool:
     fs = filesystem(path)
     return bool(with_retries(path, "reading", lambda: fs.exists(

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from trainrun.config import Layer, RunConfig, config_from_layers, config_layers, saved_layers
-from trainrun.rundir import CONFIG, default_run_dir, inspect
+from trainrun.rundir import CONFIG, MARKER, default_run_dir, inspect, location
 
 DEFAULT_CONFIG = "mlp"  # the built-in config of a command that names none and no run
 
@@ -21,13 +22,17 @@ class CommandConfig:
 
     config: RunConfig
     layers: list[Layer]
-    run_dir: Path
-    saved: Path | None
+    run_dir: Any  # a Path, or an epath location on object storage
+    saved: Any
 
 
-def saved_config_file(run_dir: Path) -> Path | None:
+def saved_config_file(run_dir: Any) -> Any:
     """The ``config.yaml`` of a trainrun run directory (marked, or from before the marker);
-    None for any other folder, or a run that had not written it yet."""
+    None for any other folder, or a run that had not written it yet. On object storage, a
+    location with trainrun's marker."""
+    if location.is_remote(run_dir):
+        path = run_dir / CONFIG
+        return path if (location.is_file(run_dir / MARKER) and location.is_file(path)) else None
     if inspect(run_dir).kind not in ("marked", "legacy"):
         return None
     path = run_dir / CONFIG
@@ -42,7 +47,7 @@ def command_config(config_name: str | None, overrides: list[str],
     config's name gives) that holds a trainrun run's saved config makes that config the base;
     otherwise the built-in ``mlp`` is."""
     if config_name is None:
-        path = Path(run_dir) if run_dir is not None else None
+        path = _location(run_dir) if run_dir is not None else None
         if path is None:  # the default run directory follows the config's (or overrides') name
             path = default_run_dir(config_from_layers(config_layers(DEFAULT_CONFIG, overrides)))
         saved = saved_config_file(path)
@@ -52,5 +57,10 @@ def command_config(config_name: str | None, overrides: list[str],
         config_name = DEFAULT_CONFIG
     layers = config_layers(config_name, overrides)
     config = config_from_layers(layers)
-    path = Path(run_dir) if run_dir is not None else default_run_dir(config)
+    path = _location(run_dir) if run_dir is not None else default_run_dir(config)
     return CommandConfig(config, layers, path, None)
+
+
+def _location(run_dir: str | Path) -> Any:
+    """A local path, or a ``gs://``/``s3://`` location kept as one (never a folder ``gs:``)."""
+    return location.location(run_dir) if location.is_remote(run_dir) else Path(run_dir)

@@ -22,8 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.errors import OutOfMemory, ReadFailed, WriteFailed
-from trainrun.rundir import ORBAX_TMP, RunDirectory, committed_steps, mark_failed
+from trainrun.rundir import (
+    ORBAX_TMP,
+    RunDirectory,
+    committed_steps,
+    mark_failed,
+    uncommitted_steps,
+)
 from trainrun.rundir.atomic import TMP_SUFFIX
+from trainrun.rundir.location import is_remote
 
 # errno -> how the line says it (strerror's wording, lower case)
 REFUSED = {
@@ -69,6 +76,8 @@ def remove_partial(run_dir: Path, ckpt_dir: Path) -> None:
     for path in (run_dir.glob(f"*{TMP_SUFFIX}") if run_dir.is_dir() else ()):
         with contextlib.suppress(OSError):
             path.unlink()
+    if is_remote(ckpt_dir):  # a step without its commit file: Orbax removes it at the next start
+        return
     for path in (ckpt_dir.glob(f"*{ORBAX_TMP}*") if ckpt_dir.is_dir() else ()):
         shutil.rmtree(path, ignore_errors=True)
 
@@ -76,9 +85,11 @@ def remove_partial(run_dir: Path, ckpt_dir: Path) -> None:
 def failure_line(what: str, file: str | None, run_dir: Path, ckpt_dir: Path) -> str:
     """The one line: what was refused, where, and what a resume starts from."""
     if file is None:  # Orbax's threads do not say which file: name the save in flight
-        partial = sorted(ckpt_dir.glob(f"*{ORBAX_TMP}*")) if ckpt_dir.is_dir() else []
-        file = (f"the checkpoint of step {partial[0].name.split('.')[0]} ({ckpt_dir})"
-                if partial else f"in {run_dir}")
+        partial = (uncommitted_steps(ckpt_dir) if is_remote(ckpt_dir) else
+                   [p.name.split(".")[0] for p in sorted(ckpt_dir.glob(f"*{ORBAX_TMP}*"))]
+                   if ckpt_dir.is_dir() else [])
+        file = (f"the checkpoint of step {partial[0]} ({ckpt_dir})" if partial
+                else f"in {run_dir}")
     steps = committed_steps(ckpt_dir)
     last = (f"the last committed checkpoint is step {steps[-1]} (the same command resumes "
             "from it once the write can succeed)" if steps else "no checkpoint was committed")

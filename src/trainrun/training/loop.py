@@ -24,7 +24,7 @@ from trainrun.checkpointing import init_from
 from trainrun.errors import UserError
 from trainrun.platform.process import configure_process
 from trainrun.program.compiled import MetricsReader
-from trainrun.rundir import storage
+from trainrun.rundir import location, storage
 from trainrun.training.calls import CallRunner
 from trainrun.training.hooks import Boundary, HookRunner
 from trainrun.training.metric_log import MetricLog
@@ -63,12 +63,16 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
     """
     settings = configure_process()  # while JAX's backend has not started; else a notice
     config = init_from.resolved(config)  # a Hugging Face source's config.json: the model
-    path = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
-    if fresh:  # `--run-dir . --fresh`: the new run goes where `.` was, not into the old one
-        path = Path(os.path.abspath(path))
-    # The folders' claim: checked, then locked for the run's life (released last, after a
-    # failure is recorded).
-    directory = run_directory(config, path, fresh)
+    if run_dir is not None and location.is_remote(run_dir):  # written through a local stage
+        directory = run_directory(config, run_dir, fresh)
+        path = directory.run_dir
+    else:
+        path = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
+        if fresh:  # `--run-dir . --fresh`: the new run goes where `.` was, not into the old one
+            path = Path(os.path.abspath(path))
+        # The folders' claim: checked, then locked for the run's life (released last, after a
+        # failure is recorded).
+        directory = run_directory(config, path, fresh)
     with Preemption() as preemption:
         preemption.on_abort = lambda: rundir.mark_failed(path, "aborted by a second interrupt",
                                                          directory.ckpt_dir)
@@ -92,7 +96,9 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
                                    built.programs.state, built.params_copy)
                 calls = CallRunner(built)
                 boundary = _train(built, hooks, calls)
-                return _finish(built, boundary, log, calls, wall_start)
+                summary = _finish(built, boundary, log, calls, wall_start)
+            directory.finish()  # a run on object storage: its files all uploaded
+            return summary
         except BaseException as err:
             if isinstance(err, UserError) and not started:  # refused: leave the disk as found
                 directory.withdraw()

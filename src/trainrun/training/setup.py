@@ -53,7 +53,9 @@ from trainrun.reporting.provenance import provenance
 from trainrun.reporting.stream import MetricStream
 from trainrun.reporting.timing import StepTimer, Stopwatch
 from trainrun.reporting.writers import RunOutput, build_output
+from trainrun.rundir import location, remote
 from trainrun.rundir.lock import refuse_joining
+from trainrun.rundir.remote_run import RemoteRunDirectory, RunMirror
 from trainrun.training import preflight
 from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.checkpoint_hook import CheckpointHook
@@ -63,6 +65,7 @@ from trainrun.training.metric_log import MetricLog
 from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
 from trainrun.training.profiling import ProfileWindow
+from trainrun.training.storage_hook import StorageHook
 from trainrun.training.summary import RunSummary
 
 
@@ -93,14 +96,22 @@ class Run:
     timer: StepTimer
     stream: MetricStream | None
     fast: FastPaths  # the fast paths on (platform/fast_paths.py)
+    mirror: RunMirror | None  # uploads a run on object storage from its stage (process 0)
 
     def params_copy(self, state: TrainState) -> Any:
         """Params that the next call cannot donate away (packed states unpack to new ones)."""
         return state.params if self.programs.packing else jax.tree.map(jnp.copy, state.params)
 
 
-def run_directory(config: RunConfig, run_dir: Path, fresh: bool) -> rundir.RunDirectory:
-    """The run's folders (run and checkpoints), to be checked, claimed and locked."""
+def run_directory(config: RunConfig, run_dir: Any, fresh: bool) -> rundir.RunDirectory:
+    """The run's folders (run and checkpoints), to be checked, claimed and locked; a run
+    directory on object storage is written through a local stage (``rundir/remote_run.py``)."""
+    if location.is_remote(run_dir):
+        url = location.location(run_dir)
+        remote.set_deadline(config.storage.deadline_s)
+        return RemoteRunDirectory(url, checkpoint_dir(config, url), fresh,
+                                  lease_s=config.storage.lease_s,
+                                  sync_every_s=config.storage.sync_every_s)
     return rundir.RunDirectory(run_dir, checkpoint_dir(config, run_dir), fresh)
 
 
@@ -127,7 +138,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     committed = rundir.committed_steps(directory.ckpt_dir)
     latest = committed[-1] if committed else None
     if latest is not None and latest >= config.steps and not directory.fresh:
-        console.message(rundir.finished_message(run_dir, latest, config.steps))
+        console.message(rundir.finished_message(directory.display, latest, config.steps))
         return RunSummary.from_dict(rundir.read_summary(run_dir))
     if config.checkpoint.keep_best and not config.eval.every:
         raise ConfigError(f"checkpoint.keep_best={config.checkpoint.keep_best} needs "
@@ -212,7 +223,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
         resident = ResidentBatches(resident.dataset, offset)
         programs = compiled_steps(resident=resident)
     console.message(f"training {model.name} for {config.steps} steps, "
-                    f"{config.steps_per_call} per call -> {run_dir}")
+                    f"{config.steps_per_call} per call -> {directory.display}")
     return Run(config=config, run_dir=run_dir, primary=primary, provenance=prov,
                console=console, output=output, model=model, counted=counted,
                abstract=abstract, placement=placement, batches=batches, resident=resident,
@@ -220,7 +231,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
                start_state=programs.carry(state), start_step=start,
                start_nonfinite=int(state.nonfinite_steps), batch_size=batch_size,
                watch=watch, timer=StepTimer(inline=fast.inline_cpu_calls), stream=stream,
-               fast=fast)
+               fast=fast, mirror=getattr(directory, "mirror", None) if primary else None)
 
 
 def build_hooks(run: Run, preemption: Preemption,
@@ -255,9 +266,12 @@ def build_hooks(run: Run, preemption: Preemption,
         hooks.append(hook)
     policy = CheckpointPolicy(config.checkpoint.every, config.checkpoint.every_seconds,
                               check_every=config.log_every)
+    listeners = [c.on_checkpoint for c in callbacks]
+    if run.mirror is not None:  # a run on object storage: its files go up with each save
+        hooks.append(StorageHook(run.mirror))
+        listeners.append(run.mirror.poke)
     hooks.append(CheckpointHook(run.checkpoints, policy, run.batches, log, watch,
-                                keep_best=config.checkpoint.keep_best,
-                                listeners=[c.on_checkpoint for c in callbacks]))
+                                keep_best=config.checkpoint.keep_best, listeners=listeners))
     return hooks, log
 
 

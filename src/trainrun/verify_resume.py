@@ -32,12 +32,12 @@ from typing import TextIO
 
 import numpy as np
 
-from trainrun.checkpointing import init_from
+from trainrun.checkpointing import init_from, object_store
 from trainrun.checkpointing.checkpoints import TMP_MARK
+from trainrun.checkpointing.integrity import MANIFEST
 from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
 from trainrun.errors import UserError
-from trainrun.reporting.writers import read_metrics
-from trainrun.rundir import CHECKPOINTS, METRICS, read_summary
+from trainrun.rundir import CHECKPOINTS, METRICS, committed_steps, location, read_summary, remote
 from trainrun.training.callbacks import Boundary, Callback
 
 COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)
@@ -71,14 +71,23 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
     # values, which that source then agrees with (the defaults it replaces would not).
     config = init_from.resolved(config)
     kills = _kill_points(config, kill_at, kill_in_save)
-    if work_dir and Path(work_dir).exists() and not Path(work_dir).is_dir():
-        raise UserError(f"--work-dir {work_dir} is a file; give a new or empty directory")
-    base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
-    if base.exists() and any(base.iterdir()):
-        raise UserError(f"--work-dir {base} is not empty; its runs would be resumed, not "
-                        "redone. Give a new or empty directory")
-    base.mkdir(parents=True, exist_ok=True)
-    config_path = base / "config.yaml"
+    if work_dir and location.is_remote(work_dir):  # the runs on object storage, the config here
+        base = location.location(work_dir)
+        if location.list_names(base) or not remote.bucket_exists(base):
+            location.require_bucket(base, "writing")
+            raise UserError(f"--work-dir {base} is not empty; its runs would be resumed, not "
+                            "redone. Give a new or empty location")
+        local = Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
+    else:
+        if work_dir and Path(work_dir).exists() and not Path(work_dir).is_dir():
+            raise UserError(f"--work-dir {work_dir} is a file; give a new or empty directory")
+        base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
+        if base.exists() and any(base.iterdir()):
+            raise UserError(f"--work-dir {base} is not empty; its runs would be resumed, not "
+                            "redone. Give a new or empty directory")
+        base.mkdir(parents=True, exist_ok=True)
+        local = base
+    config_path = local / "config.yaml"
     config_path.write_text(dump_yaml(config))
 
     chains = [Chain("uninterrupted", base / "uninterrupted")]
@@ -92,7 +101,7 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
     out.flush()
     jobs = jobs or min(len(chains), os.cpu_count() or 1)
     with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(lambda c: _run_chain(c, config_path, base), chains))
+        list(pool.map(lambda c: _run_chain(c, config_path, local), chains))
 
     reference = chains[0]
     for chain in chains[1:]:
@@ -103,7 +112,9 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
         out.write(f"PASS: every step's {' and '.join(COMPARED)} and the final state (params, "
                   "optimizer state, step, key, data position) are bitwise equal\n")
         if not keep:
-            shutil.rmtree(base)
+            location.delete_tree(base)
+            if local != base:
+                shutil.rmtree(local)
     else:
         for chain in chains:
             for problem in chain.problems:
@@ -142,8 +153,8 @@ def _train(config_path: Path, run_dir: Path, log: Path,
              *([kill] if kill else [])], stdout=f, stderr=subprocess.STDOUT, check=False)
 
 
-def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
-    log = base / f"{chain.run_dir.name}.log"
+def _run_chain(chain: Chain, config_path: Path, logs: Path) -> None:
+    log = logs / f"{chain.run_dir.name}.log"
     if chain.kill:
         killed = _train(config_path, chain.run_dir, log, kill=chain.kill)
         if killed.returncode != -9:
@@ -156,12 +167,19 @@ def _run_chain(chain: Chain, config_path: Path, base: Path) -> None:
         chain.problems.append(f"exit code {done.returncode}{_why(log)}; log {log}")
         return
     chain.resumed_from = str(read_summary(chain.run_dir).get("start_step", "?"))
-    for record in read_metrics(chain.run_dir / METRICS):
+    for record in _metrics(chain.run_dir / METRICS):
         if record["step"] in chain.steps:
             chain.problems.append(f"metrics.jsonl holds step {record['step']} twice")
             return
         chain.steps[record["step"]] = record
     chain.digest = state_digest(chain.run_dir / CHECKPOINTS, _final_step(chain))
+
+
+def _metrics(path: location.Location) -> list[dict]:
+    """The training records of a run's ``metrics.jsonl``, local or on object storage."""
+    records = [json.loads(line) for line in location.read_text(path).splitlines()
+               if line.strip()]
+    return [r for r in records if r.get("split", "train") == "train"]
 
 
 def _why(log: Path) -> str:
@@ -177,9 +195,14 @@ def _why(log: Path) -> str:
 def _after_kill(chain: Chain, kill: str) -> str:
     """What the kill left behind: for a kill during a save, whether it really was in flight."""
     step, when = kill.split(":")
-    names = os.listdir(chain.run_dir / CHECKPOINTS)
-    committed = step in names
-    partial = any(n.startswith(step + TMP_MARK) for n in names)
+    ckpt_dir = chain.run_dir / CHECKPOINTS
+    names = location.list_names(ckpt_dir)
+    if location.is_remote(ckpt_dir):  # committed by its commit file; a step without is partial
+        committed = int(step) in committed_steps(ckpt_dir)
+        partial = step in names and not committed
+    else:
+        committed = step in names
+        partial = any(n.startswith(step + TMP_MARK) for n in names)
     if when == "committed":
         if not committed:
             chain.problems.append(f"checkpoint {step} was not committed at the kill")
@@ -192,14 +215,18 @@ def _after_kill(chain: Chain, kill: str) -> str:
 
 
 def _final_step(chain: Chain) -> int:
-    return max(int(n) for n in os.listdir(chain.run_dir / CHECKPOINTS) if n.isdigit())
+    return committed_steps(chain.run_dir / CHECKPOINTS)[-1]
 
 
 def state_digest(ckpt_dir: Path, step: int) -> str:
     """sha256 over a checkpoint's state arrays (name, dtype, shape, bytes) and data position."""
     import orbax.checkpoint as ocp
 
-    step_dir = (ckpt_dir / str(step)).absolute()
+    step_dir = ckpt_dir / str(step)
+    if location.is_remote(step_dir):
+        object_store.prepare(step_dir)
+    else:
+        step_dir = step_dir.absolute()
     handler = ocp.PyTreeCheckpointHandler()
     meta = handler.metadata(step_dir / "state").tree
     restore_args = _tree_map_dict(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
@@ -213,8 +240,10 @@ def state_digest(ckpt_dir: Path, step: int) -> str:
             continue
         digest.update(f"{name}|{leaf.dtype}|{leaf.shape}|".encode())
         digest.update(np.ascontiguousarray(leaf).tobytes())
-    for path in sorted((step_dir / "data").glob("*.json")):
-        digest.update(json.dumps(json.loads(path.read_text()), sort_keys=True).encode())
+    for name in location.list_names(step_dir / "data"):
+        if name.endswith(".json") and name != MANIFEST:
+            text = location.read_text(step_dir / "data" / name)
+            digest.update(json.dumps(json.loads(text), sort_keys=True).encode())
     return digest.hexdigest()
 
 

@@ -11,7 +11,7 @@ The holder rewrites its object every quarter of the lease (``storage.lease_s``);
 each write with its own time. A lease whose object the store last wrote more than ``lease_s``
 ago (measured on the store's clock, against an object written just then: no machine's clock is
 compared with another's) belongs to a job that is gone, and the next job takes it by creating
-the next number. A job that finds a newer number than its own when it renews has lost the run
+the next number; so does one held by a process of this host that no longer exists. A job that finds a newer number than its own when it renews has lost the run
 (it was cut off from the store for longer than its lease) and stops. A job that ends writes
 ``released`` into its object, so the next one need not wait.
 """
@@ -39,6 +39,20 @@ class LeaseLost(RunDirLocked):
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _gone(record: dict[str, Any]) -> bool:
+    """Whether the holder was a process of this host that no longer exists (killed): its lease
+    need not run out."""
+    if record.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(record["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, KeyError, TypeError, ValueError):
+        pass
+    return False
 
 
 class Lease:
@@ -102,7 +116,7 @@ class Lease:
             return  # deleted by the job that created a newer one: it lists on the next try
         except ValueError:
             record = {}
-        if not isinstance(record, dict) or record.get("released"):
+        if not isinstance(record, dict) or record.get("released") or _gone(record):
             return
         info = remote.stat(path)
         now = self._store_time()

@@ -21,8 +21,12 @@ class CheckpointHook(Hook):
 
     def __init__(self, checkpoints: Checkpoints, policy: CheckpointPolicy, batches: Any,
                  output: MetricLog, watch: Stopwatch, keep_best: str | None = None,
-                 listeners: list[Callable[[Boundary], None]] | None = None):
+                 listeners: list[Callable[[Boundary], None]] | None = None,
+                 before_save: Callable[[], None] | None = None):
         self.listeners = listeners or []  # told of each save once it has started
+        # The run's files put where a resume reads them (a run on object storage uploads its
+        # metrics), so a committed step never lacks the rows before it.
+        self.before_save = before_save
         self.checkpoints = checkpoints
         self.policy = policy
         self.batches = batches
@@ -45,6 +49,9 @@ class CheckpointHook(Hook):
             return
         boundary.sync()
         self.output.flush()
+        if self.before_save is not None:
+            with self.watch.phase("checkpoint"):
+                self.before_save()
         evals = boundary.eval if scored else None
         metrics = None if best is None or evals is None else {f"eval/{best}": evals[best]}
         with self.watch.phase("checkpoint"):

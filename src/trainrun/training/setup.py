@@ -266,12 +266,12 @@ def build_hooks(run: Run, preemption: Preemption,
         hooks.append(hook)
     policy = CheckpointPolicy(config.checkpoint.every, config.checkpoint.every_seconds,
                               check_every=config.log_every)
-    listeners = [c.on_checkpoint for c in callbacks]
-    if run.mirror is not None:  # a run on object storage: its files go up with each save
+    if run.mirror is not None:  # a run on object storage: its files go up before each save
         hooks.append(StorageHook(run.mirror))
-        listeners.append(run.mirror.poke)
     hooks.append(CheckpointHook(run.checkpoints, policy, run.batches, log, watch,
-                                keep_best=config.checkpoint.keep_best, listeners=listeners))
+                                keep_best=config.checkpoint.keep_best,
+                                listeners=[c.on_checkpoint for c in callbacks],
+                                before_save=run.mirror.sync if run.mirror else None))
     return hooks, log
 
 

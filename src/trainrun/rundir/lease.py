@@ -11,9 +11,10 @@ The holder rewrites its object every quarter of the lease (``storage.lease_s``);
 each write with its own time. A lease whose object the store last wrote more than ``lease_s``
 ago (measured on the store's clock, against an object written just then: no machine's clock is
 compared with another's) belongs to a job that is gone, and the next job takes it by creating
-the next number; so does one held by a process of this host that no longer exists. A job that finds a newer number than its own when it renews has lost the run
-(it was cut off from the store for longer than its lease) and stops. A job that ends writes
-``released`` into its object, so the next one need not wait.
+the next number; so does one held by a process of this host that no longer exists. A job that
+finds a newer number than its own when it renews has lost the run (it was cut off from the
+store for longer than its lease) and stops. A job that ends writes ``released`` into its
+object, so the next one need not wait.
 """
 
 from __future__ import annotations

@@ -144,6 +144,27 @@ class Sandbox:
         shutil.copytree(self.trained / "lm", project / "runs" / "lm")
         return project / "runs" / "lm"
 
+    def report_linked(self) -> Path:
+        """A copy of the MLP run whose ``report.html`` is a link to a file of the user's."""
+        (self.mlp / "report.html").symlink_to(self.file("elsewhere.html"))
+        return self.mlp
+
+    def started_from(self, source: Path) -> Path:
+        """A copy of the LM run whose saved config says it started from ``source``."""
+        import yaml
+
+        config = self.lm / "config.yaml"
+        saved = yaml.safe_load(config.read_text())
+        saved["init"]["from"] = str(source)
+        config.write_text(yaml.safe_dump(saved, sort_keys=False))
+        return self.lm
+
+    def linked_outside(self) -> Path:
+        """A copy of ``hf-gpt2`` whose special_tokens_map.json links to a file outside it."""
+        model = self.copy("hf-gpt2")
+        (model / "special_tokens_map.json").symlink_to(self.file("secret", "api key\n"))
+        return model
+
     def plots_linked(self) -> Path:
         """A copy of the MLP run whose ``report/`` is a link to a folder elsewhere."""
         (self.mlp / "report").symlink_to(self.folder("elsewhere", None))
@@ -264,6 +285,8 @@ CASES = [
          writes="mlp/report*"),
     Case("report-plot-folder-a-link", lambda s: ["report", str(s.plots_linked())], 2,
          r"mlp/report is a symbolic link \(to .*elsewhere\), not the folder .*remove the link"),
+    Case("report-html-a-link", lambda s: ["report", str(s.report_linked())], 0,
+         r"wrote .*mlp/report\.html", stream="out", writes="mlp/report*"),  # not through it
     Case("report-read-only", lambda s: ["report", str(s.read_only(s.mlp))], 1, RO),
     Case("report-unreadable", lambda s: ["report", str(s.unreadable(s.mlp))], 1,
          "permission denied", unreadable=True),
@@ -317,6 +340,12 @@ CASES = [
         r"--to .*proj holds the run being exported \(.*proj/runs/lm\); --replace never"),
     Case("export-into-the-run", lambda s: ["export", str(s.lm), "--to", str(s.lm / "hf")], 2,
          r"--to .*lm/hf is inside the trainrun folder .*lm \(it has trainrun\.json\)"),
+    Case("export-replace-the-runs-init-from", lambda s: [
+        "export", str(s.started_from(s.copy("hf-gpt2"))), "--to", str(s.tmp / "hf-gpt2"),
+        "--replace"], 2, r"--to .*hf-gpt2 is the init\.from of .*lm: the export reads it"),
+    Case("export-a-source-file-linking-outside", lambda s: [
+        "export", str(s.started_from(s.linked_outside())), "--to", str(s.tmp / "out")], 2,
+        r"hf-gpt2/special_tokens_map\.json is a symbolic link to .*/secret, outside .*hf-gpt2"),
     Case("export-to-too-long", lambda s: ["export", str(s.lm), "--to", str(s.long)], 2,
          "too long for the file system"),
     Case("export-to-read-only", lambda s: [

@@ -1,6 +1,7 @@
 """``trainrun verify-resume`` proves bitwise resume on every kind of run: from a Hugging Face
 model (``init.from``), with LoRA adapters on chat records, and from a PEFT adapter directory
-(the built-in MLP, the resnet and records on their own are checked in their own tests)."""
+(the built-in MLP, the resnet and records on their own are checked in their own tests); and
+such runs extend by their run directory alone, as the README's resume form says."""
 
 from __future__ import annotations
 
@@ -80,3 +81,40 @@ def test_a_refused_run_is_named_by_its_own_error_line(cli, tmp_path, llama):
                  f"init.from={llama}", "data.paths=[/nonexistent/*.py]")
     assert result.returncode != 0
     assert "/nonexistent/*.py" in result.stdout + result.stderr
+
+
+def chat_records(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"messages": [
+        {"role": "system", "content": "Count."},
+        {"role": "user", "content": f"after {i}"},
+        {"role": "assistant", "content": f"{i + 1}"}]}) + "\n" for i in range(200)))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["full-fine-tune", "lora-on-chat-records"])
+def test_a_fine_tuning_run_extends_by_its_run_directory_alone(tmp_path, llama, corpus, kind,
+                                                              monkeypatch, capfd):
+    """`trainrun train --run-dir DIR steps=N` takes DIR's saved config as the base, init.from
+    and records included; before, the default mlp config was, and the run was refused as
+    changed. `config show --run-dir DIR` shows that config."""
+    from trainrun.cli import main
+
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+    data = [f"data.paths=[{corpus}]"] if kind == "full-fine-tune" else [
+        "model.lora={targets: all-linear, rank: 4}", "data.kind=records",
+        f"data.paths=[{chat_records(tmp_path / 'chat.jsonl')}]", "data.tokenizer=bytes",
+        "data.chat_template=chatml", "data.eval_fraction=0", "data.seq_len=96"]
+    first = [a for a in SHORT if not a.startswith(("steps=", "checkpoint.every=", "optim"))]
+    run_dir = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run_dir), *first, "steps=2", "checkpoint.every=2",
+                 "optimizer.schedule.warmup_steps=1", f"init.from={llama}", *data]) == 0, \
+        capfd.readouterr().err
+    capfd.readouterr()
+    assert main(["train", "--run-dir", str(run_dir), "steps=4"]) == 0, capfd.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["start_step"], summary["steps_done"]) == (2, 4)
+    assert main(["config", "show", "--run-dir", str(run_dir)]) == 0
+    shown = capfd.readouterr().out.splitlines()
+    assert any(line.startswith(f"  from: {llama} ") and line.endswith(f"# run: {run_dir}")
+               for line in shown), shown

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -351,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (WriteFailed, ReadFailed, OutOfMemory) as err:  # the system, not the input: exit 1
         print(f"error: {printable(str(err))}", file=sys.stderr)
+        checkpoints = sys.modules.get("trainrun.checkpointing.checkpoints")
+        if checkpoints is not None and checkpoints.abandoned():
+            sys.stdout.flush()  # a save the store stopped answering: its thread is not joined
+            sys.stderr.flush()
+            os._exit(1)
         return 1
     except OSError as err:  # a path the system refused where no command checked it first
         line, code = path_refused(err)

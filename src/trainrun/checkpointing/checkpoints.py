@@ -21,6 +21,8 @@ import dataclasses
 import datetime
 import json
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from jax.experimental import multihost_utils
 from trainrun import rundir
 from trainrun.checkpointing import integrity, object_store
 from trainrun.config import RunConfig
-from trainrun.errors import UserError
+from trainrun.errors import UserError, WriteFailed
 from trainrun.rundir import location, storage
 
 DEFAULT_DIR = rundir.CHECKPOINTS
@@ -263,6 +265,12 @@ class Checkpoints:
                            "meta": MetaHandler()})
         self._in_flight = False  # a save may still be being written in the background
         self._closed = False
+        # On object storage: what stops a wait for a save the store no longer answers (the
+        # run's mirror failed past storage.deadline_s), and where progress is said.
+        self.stalled: Callable[[], Exception | None] | None = None
+        self.say: Callable[[str], None] | None = None
+        self.in_flight_step: int | None = None
+        self.last_committed: int | None = None
 
     def steps(self) -> list[int]:
         if self.remote:  # only what the commit file marks, whatever Orbax lists
@@ -278,6 +286,7 @@ class Checkpoints:
         (the caller may donate it afterwards); the write continues in the background unless
         ``wait`` or ``async: false``. metrics: what ``keep_best`` ranks this step by."""
         path = self.directory / str(step)
+        self._wait_watched()  # Orbax waits for the save before; on a bucket it is watched
         if step not in self.manager.all_steps():
             items = {"state": StateSave(state),
                      "meta": MetaSave(self._metadata(step, state, iterator))}
@@ -285,7 +294,7 @@ class Checkpoints:
                 items["data"] = DataSave(iterator)
             self.manager.save(step, args=ocp.args.Composite(**items), force=True,
                               metrics=metrics)
-            self._in_flight = True
+            self._in_flight, self.in_flight_step = True, step
         if wait:
             self.manager.wait_until_finished()
         return path
@@ -361,13 +370,43 @@ class Checkpoints:
         return target
 
     def wait(self) -> None:
+        self._wait_watched()
         self.manager.wait_until_finished()
+        self._committed()
+
+    def _committed(self) -> None:
+        if self.in_flight_step is not None:
+            self.last_committed, self.in_flight_step = self.in_flight_step, None
+
+    def _wait_watched(self) -> None:
+        """On object storage, wait for a save in flight while watching the store: a mirror
+        that failed ends the wait with its error (the save is abandoned, ``abandoned()``),
+        and every ``PROGRESS_S`` the console says what is still uploading."""
+        if not (self.remote and self.stalled is not None and self._in_flight):
+            return
+        start = said = time.monotonic()
+        while self.manager.is_saving_in_progress():
+            failure = self.stalled()
+            if failure is not None:
+                _ABANDONED.set()
+                self._closed = True  # closing would wait for the save the store never takes
+                self._unquiet()
+                raise failure
+            now = time.monotonic()
+            if self.say is not None and now - said >= PROGRESS_S:
+                said = now
+                self.say(f"waiting for checkpoint step {self.in_flight_step} to finish "
+                         f"uploading to {self.directory} ({now - start:.0f} s so far)")
+            time.sleep(0.05)
+        self._committed()
 
     def saving(self) -> bool:
         """Whether a save is still being written in the background (asked once a call: cheap
         when none was started)."""
         if self._in_flight and not self._closed:
             self._in_flight = self.manager.is_saving_in_progress()
+            if not self._in_flight:
+                self._committed()
         return self._in_flight and not self._closed
 
     def best(self) -> dict[str, Any] | None:
@@ -390,8 +429,24 @@ class Checkpoints:
     def __enter__(self) -> Checkpoints:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, err: object, tb: object) -> None:
+        if (self.remote and isinstance(err, WriteFailed) and not self._closed
+                and self.manager.is_saving_in_progress()):
+            _ABANDONED.set()  # the store is lost: closing would wait for it without end
+            self._closed = True
+            self._unquiet()
+            return
         self.close()
+
+
+PROGRESS_S = 10.0  # seconds between the lines of a wait for an upload
+_ABANDONED = threading.Event()
+
+
+def abandoned() -> bool:
+    """Whether this process gave up on a save the store stopped answering: Orbax's thread for
+    it still waits, so the process ends without joining it (``cli.main``)."""
+    return _ABANDONED.is_set()
 
 
 def _reason(err: Exception) -> str:

@@ -176,7 +176,7 @@ def write_status(run_dir: Path, status: str, step: int | None = None,
 
 
 def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None,
-                pid: int | None = None) -> None:
+                pid: int | None = None, step: int | None = None) -> None:
     """A run this process started that raised is ``failed`` for ``trainrun runs``, with why (a
     refusal before it started leaves the directory's status as it was), at the step of its last
     committed checkpoint in ``ckpt_dir`` (where a resume starts). pid: the process that ran it
@@ -190,8 +190,8 @@ def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None,
                 or status.get("pid") != (os.getpid() if pid is None else pid)):
             return
         committed = committed_steps(ckpt_dir) if ckpt_dir is not None else []
-        if committed:
-            status["step"] = committed[-1]
+        if committed or step is not None:
+            status["step"] = step if step is not None else committed[-1]
         try:
             write_status(run_dir, "failed", status.get("step"), reason)
         except OSError:  # a full disk has no room for a new file: rewrite the old one in place
@@ -223,6 +223,12 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         status = read_json(path)
     except DamagedFile:
         return {"status": "unknown"}
+    if status.get("status") == "running" and location.is_remote(run_dir):
+        from trainrun.rundir.lease import job_gone  # the lease, on object storage
+
+        if job_gone(run_dir):
+            return {**status, "status": "failed", "note": "its job stopped renewing its lease"}
+        return status
     if status.get("status") == "running" and status.get("host") == socket.gethostname():
         try:
             os.kill(int(status["pid"]), 0)

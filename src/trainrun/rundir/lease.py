@@ -161,3 +161,18 @@ class Lease:
         number, self.number = self.number, None
         with contextlib.suppress(Exception):
             remote.delete(self._object(number))
+
+
+def job_gone(url: Any) -> bool:
+    """Whether the job that last held the run at ``url`` is gone: its lease released, run out,
+    or held by a dead process of this host (what ``trainrun runs`` says of a run whose status
+    still reads running)."""
+    probe = Lease(url, 60.0)
+    numbers = probe._numbers()
+    if not numbers:
+        return True
+    try:
+        probe._refuse_if_live(numbers[-1])
+    except RunDirLocked:
+        return False
+    return True

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainrun.errors import UserError
+from trainrun.errors import UserError, WriteFailed
 from trainrun.platform.user_cache import cache_dir
 from trainrun.rundir import (
     CHECKPOINTS,
@@ -40,10 +40,17 @@ from trainrun.rundir import (
     write_json,
 )
 from trainrun.rundir.atomic import TMP_SUFFIX
-from trainrun.rundir.lease import LEASES, Lease
+from trainrun.rundir.lease import LEASES, Lease, LeaseLost
 from trainrun.rundir.lock import LOCK, RunLock
 
-STAGE = "remote-runs"  # the cache directory's folder of stages
+STAGE = "remote-runs"
+
+
+class RunStopped(WriteFailed):
+    """A run on object storage stopped: its store did not answer past storage.deadline_s, or
+    another job took its lease. One line, exit 1; ``step`` is where a resume starts."""
+
+    step: int | None = None  # the cache directory's folder of stages
 
 
 def stage_of(url: Any) -> Path:
@@ -94,6 +101,16 @@ class RunMirror:
                 remote.upload(self.stage / name, self.url / name)
                 self.uploaded[name] = files[name]
 
+    def sync_before_save(self, last_committed: int | None) -> None:
+        """``sync`` on the run's thread, before a checkpoint: a failure is the run's stop."""
+        try:
+            self.sync()
+        except Exception as err:
+            if self.failure is None:
+                self.failure = err
+            stop = self.stopped(last_committed)
+            raise (stop if stop is not None else err) from err
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._work, name="trainrun-mirror", daemon=True)
         self._thread.start()
@@ -120,11 +137,31 @@ class RunMirror:
             wait = min(next_sync, next_renewal) - time.monotonic()
             self._poked.wait(max(wait, 0.05))
 
-    def stop(self) -> None:
+    def stopped(self, last_committed: int | None) -> Exception | None:
+        """The error the run stops on, once the mirror failed: its line says where a resume
+        starts (``step``); None while all is well."""
+        failure = self.failure
+        if failure is None:
+            return None
+        where = (f"the last committed checkpoint is step {last_committed}" if last_committed
+                 is not None else "no checkpoint was committed")
+        if isinstance(failure, LeaseLost):
+            line = f"{failure}; {where}"
+        else:
+            line = (f"{failure}; {where} (the same command resumes from it once the store "
+                    "answers)")
+        stop = RunStopped(line)
+        stop.step = last_committed
+        return stop
+
+    def stop(self, wait: bool = True) -> None:
+        """End the thread; ``wait=False`` leaves it (a daemon) to a request the store never
+        answers."""
         self._stop.set()
         self._poked.set()
         if self._thread is not None:
-            self._thread.join()
+            if wait:
+                self._thread.join()
             self._thread = None
 
 
@@ -144,6 +181,7 @@ class RemoteRunDirectory(RunDirectory):
         self.mirror = RunMirror(stage, url, self.lease, sync_every_s)
         self.stage_lock = RunLock(stage)
         self.existed = False  # the bucket held this run before this start
+        self.claimed = False  # claim wrote in the bucket (a location it found empty or its own)
 
     @property
     def display(self) -> Any:
@@ -159,7 +197,7 @@ class RemoteRunDirectory(RunDirectory):
                             "on object storage keeps its checkpoints in its own checkpoints/; "
                             "leave checkpoint.dir unset")
         remote.require_bucket(self.url, "writing")
-        names = set(remote.list_names(self.url))
+        names = set(remote.list_names(self.url)) - {LEASES}  # a lease alone: a run's start
         if names and MARKER not in names:
             shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
             raise UserError(f"--run-dir {self.url} is not a trainrun run directory (it holds "
@@ -211,6 +249,7 @@ class RemoteRunDirectory(RunDirectory):
             write_json(self.run_dir / MARKER, {
                 "format": FORMAT, "holds": "run",
                 "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+        self.claimed = True
         self.mirror.sync()  # the marker first: the location is a trainrun run from now on
         if self.existed and not committed_steps(self.ckpt_dir):
             notices.append(f"taking over {self.url}: it holds no checkpoint (its run stopped "
@@ -219,10 +258,10 @@ class RemoteRunDirectory(RunDirectory):
         return notices
 
     def withdraw(self) -> None:
-        """A run refused before it started: what it wrote in the bucket goes (everything, for
-        a location it found empty; nothing else there is touched)."""
+        """A run refused before it started: what it wrote in the bucket goes (everything below
+        a location it found empty and claimed, under its lease; nothing else, ever)."""
         self.mirror.stop()
-        if not self.existed:
+        if self.claimed and not self.existed:
             with contextlib.suppress(Exception):
                 for name in remote.list_tree(self.url):
                     if name.split("/", 1)[0] != LEASES:
@@ -239,8 +278,11 @@ class RemoteRunDirectory(RunDirectory):
     def release(self) -> None:
         """Best effort at the very end, however the run ended: the files (a failure's status)
         uploaded, then the lease released."""
-        self.mirror.stop()
-        if self.lease.held:
+        lost = isinstance(self.mirror.failure, remote.StorageUnavailable)
+        self.mirror.stop(wait=not lost)
+        # A store that stopped answering is not asked again: the lease left to run out says
+        # the job is gone (``trainrun runs`` reads it so), and the stage holds the status.
+        if self.lease.held and not lost:
             with contextlib.suppress(Exception):
                 self.mirror.sync()
             self.lease.release()

@@ -173,5 +173,7 @@ def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
                             category=RuntimeWarning)
     if directory.locks:  # this process holds the folders: what is half written is its own
         remove_partial(directory.run_dir, directory.ckpt_dir)
-    mark_failed(directory.run_dir, line, directory.ckpt_dir)
-    return WriteFailed(line)
+    step = getattr(err, "step", None)  # known to a run that lost its store: not asked of it
+    mark_failed(directory.run_dir, line, None if step is not None else directory.ckpt_dir,
+                step=step)
+    return err if isinstance(err, WriteFailed) else WriteFailed(line)

@@ -197,6 +197,10 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
         for notice in directory.claim():
             console.message(notice)
     checkpoints = cleanup.enter_context(Checkpoints(directory.ckpt_dir, config, prov))
+    mirror = getattr(directory, "mirror", None) if primary else None
+    if mirror is not None:  # a wait for an upload ends when the store is lost, and says so
+        checkpoints.stalled = lambda: mirror.stopped(checkpoints.last_committed)
+        checkpoints.say = console.message
     with watch.phase("init"):
         state = _restore_or_init(
             checkpoints, config, run_dir=run_dir, prov=prov,
@@ -231,7 +235,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
                start_state=programs.carry(state), start_step=start,
                start_nonfinite=int(state.nonfinite_steps), batch_size=batch_size,
                watch=watch, timer=StepTimer(inline=fast.inline_cpu_calls), stream=stream,
-               fast=fast, mirror=getattr(directory, "mirror", None) if primary else None)
+               fast=fast, mirror=mirror)
 
 
 def build_hooks(run: Run, preemption: Preemption,
@@ -267,11 +271,13 @@ def build_hooks(run: Run, preemption: Preemption,
     policy = CheckpointPolicy(config.checkpoint.every, config.checkpoint.every_seconds,
                               check_every=config.log_every)
     if run.mirror is not None:  # a run on object storage: its files go up before each save
-        hooks.append(StorageHook(run.mirror))
+        mirror, checkpoints = run.mirror, run.checkpoints
+        hooks.append(StorageHook(lambda: mirror.stopped(checkpoints.last_committed)))
     hooks.append(CheckpointHook(run.checkpoints, policy, run.batches, log, watch,
                                 keep_best=config.checkpoint.keep_best,
                                 listeners=[c.on_checkpoint for c in callbacks],
-                                before_save=run.mirror.sync if run.mirror else None))
+                                before_save=None if run.mirror is None else lambda: (
+                                    mirror.sync_before_save(checkpoints.last_committed))))
     return hooks, log
 
 
@@ -357,6 +363,7 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Pa
         step = int(state.step)
     else:
         state, step = restored.state, restored.step
+        checkpoints.last_committed = step
     if primary:
         rundir.start(run_dir, config, prov, step)
     for name in checkpoints.partial:

@@ -5,19 +5,21 @@ resume starts."""
 
 from __future__ import annotations
 
-from trainrun.rundir.remote_run import RunMirror
+from collections.abc import Callable
+
 from trainrun.training.hooks import Boundary, Hook
 
 
 class StorageHook(Hook):
     every_boundary = False  # only when ``poll`` has seen the failure, and at the end
 
-    def __init__(self, mirror: RunMirror):
-        self.mirror = mirror
+    def __init__(self, stopped: Callable[[], Exception | None]):
+        self.stopped = stopped  # ``RunMirror.stopped`` at the last committed step
 
     def poll(self, step: int) -> bool:
-        return self.mirror.failure is not None
+        return self.stopped() is not None
 
     def at_boundary(self, boundary: Boundary) -> None:
-        if self.mirror.failure is not None:
-            raise self.mirror.failure
+        failure = self.stopped()
+        if failure is not None:
+            raise failure

@@ -1,0 +1,210 @@
+"""Training into a run directory on object storage (``--run-dir gs://...``, ``s3://...``),
+against the real emulators of ``conftest.py``: the run's files and committed checkpoints are in
+the bucket, another machine (another stage) resumes it bit for bit, one job holds it by its
+lease, a store that pauses is waited for and one gone past the deadline stops the run in one
+line at its last committed step, from which it resumes bitwise. Nothing makes a local folder
+named ``gs:`` or ``s3:``: each test runs in an empty working directory that must stay empty."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import cli_env, losses, run_cli
+
+import trainrun
+from trainrun import rundir
+from trainrun.config import load_config
+from trainrun.errors import UserError
+from trainrun.rundir import location, remote
+from trainrun.rundir.lease import LEASES, Lease, LeaseLost, job_gone
+from trainrun.rundir.lock import RunDirLocked
+
+MLP = ["metrics.tensorboard=false", "checkpoint.every=2"]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """An empty working directory that stays empty (no folder named ``gs:`` or ``s3:``)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    yield work
+    assert sorted(os.listdir(work)) == []
+
+
+def train(url: str, steps: int, cache: Path, monkeypatch, *extra: str):
+    """The mlp for ``steps`` into ``url``, with the stage in ``cache`` (one machine's)."""
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(cache))
+    return trainrun.run(load_config("mlp", [*MLP, f"steps={steps}", *extra]), url,
+                        out=io.StringIO())
+
+
+def remote_losses(url: str) -> np.ndarray:
+    text = location.read_text(location.location(url) / rundir.METRICS)
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return np.array([r["loss"] for r in records if r.get("split", "train") == "train"],
+                    np.float32)
+
+
+def local_losses(tmp_path: Path, *overrides: str) -> np.ndarray:
+    run_dir = tmp_path / "local"
+    trainrun.run(load_config("mlp", list(overrides)), run_dir, out=io.StringIO())
+    return losses(run_dir)
+
+
+def test_a_run_in_a_bucket_resumes_on_another_machine_bit_for_bit(bucket, workdir, tmp_path,
+                                                                  monkeypatch):
+    url = f"{bucket}/runs/a"
+    train(url, 4, tmp_path / "machine-1", monkeypatch)
+    root = location.location(url)
+    names = set(location.list_tree(root))
+    assert {"trainrun.json", "config.yaml", "provenance.json", "metrics.jsonl", "status.json",
+            "summary.json", "timing.jsonl", "checkpoints/2/commit_success.txt",
+            "checkpoints/4/commit_success.txt", f"{LEASES}/00000001"} <= names
+    assert rundir.read_json(root / rundir.STATUS)["status"] == "finished"
+    assert rundir.committed_steps(root / rundir.CHECKPOINTS) == [2, 4]
+    assert json.loads(location.read_bytes(root / LEASES / "00000001"))["released"]
+
+    summary = train(url, 6, tmp_path / "machine-2", monkeypatch)  # a new stage: from the bucket
+    assert summary.start_step == 4 and summary.steps_done == 6
+    got = remote_losses(url)
+    want = local_losses(tmp_path, *MLP, "steps=6")
+    assert len(got) == 6
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert rundir.read_status(root)["step"] == 6
+
+
+def test_one_job_holds_a_bucket_run_until_its_lease_runs_out(bucket, workdir, tmp_path,
+                                                            monkeypatch):
+    url = f"{bucket}/runs/held"
+    root = location.location(url)
+    other = Lease(root, 5)  # another job, alive, that stops renewing
+    other.acquire()
+    with pytest.raises(RunDirLocked, match=r"is held by another job \(pid \d+ on host .*\); "
+                       r"its lease was renewed \d+ s ago and runs out \d+ s from now .*"
+                       r"storage\.lease_s=5\)") as refused:
+        train(url, 2, tmp_path / "m", monkeypatch, "storage.lease_s=5")
+    assert "\n" not in str(refused.value)
+    assert set(location.list_tree(root)) == {f"{LEASES}/00000001"}  # nothing else written
+    assert not job_gone(root)
+    deadline = time.monotonic() + 30
+    while not job_gone(root):  # the store's clock: the object's age passes the lease
+        assert time.monotonic() < deadline, "the lease did not run out"
+        time.sleep(0.5)
+    train(url, 2, tmp_path / "m", monkeypatch, "storage.lease_s=5")  # takes it over
+    assert location.list_names(root / LEASES) == ["00000002"]
+    with pytest.raises(LeaseLost, match="taken over by another job"):
+        other.renew()
+    # a lease released by a job that ended is taken at once, however long the lease
+    summary = train(url, 4, tmp_path / "m", monkeypatch, "storage.lease_s=3600")
+    assert summary.start_step == 2
+    assert location.list_names(root / LEASES) == ["00000003"]
+
+
+def test_a_refused_run_leaves_a_bucket_location_as_it_found_it(bucket, workdir, tmp_path,
+                                                                monkeypatch):
+    url = f"{bucket}/runs/refused"
+    root = location.location(url)
+    with pytest.raises(UserError, match="init.from"):
+        train(url, 2, tmp_path / "m", monkeypatch, f"init.from={tmp_path / 'no-such-model'}")
+    assert location.list_tree(root) == {}
+
+    location.write_bytes(root / "notes.txt", b"mine")
+    with pytest.raises(UserError, match=r"--run-dir .*/runs/refused is not a trainrun run "
+                       r"directory \(it holds notes\.txt and no trainrun\.json\)"):
+        train(url, 2, tmp_path / "m", monkeypatch)
+    assert location.list_tree(root) == {"notes.txt": 4}
+
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "m"))
+    with pytest.raises(UserError, match="object storage cannot rename: give a new --run-dir"):
+        trainrun.run(load_config("mlp", MLP), f"{bucket}/runs/fresh", fresh=True,
+                     out=io.StringIO())
+    assert location.list_tree(location.location(f"{bucket}/runs/fresh")) == {}
+
+
+@pytest.mark.slow
+def test_verify_resume_on_a_bucket_kills_mid_upload_and_passes(bucket, workdir, tmp_path):
+    done = run_cli("verify-resume", "steps=12", "checkpoint.every=4", "metrics.tensorboard=false",
+                   "--work-dir", f"{bucket}/verify", TRAINRUN_CACHE_DIR=str(tmp_path / "c"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "kill -9 during async save of 8        in flight (partial dir left)" in done.stdout
+    assert "PASS: every step's loss and grad_norm and the final state" in done.stdout
+
+
+LONG = ["steps=20000", "checkpoint.every=1000", "metrics.tensorboard=false",
+        "storage.sync_every_s=1"]
+
+
+def _start(url: str, cache: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "trainrun", "train", "--run-dir", url,
+                             *LONG, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(TRAINRUN_CACHE_DIR=str(cache)))
+
+
+def _first_commit(url: str, proc: subprocess.Popen[str]) -> None:
+    ckpt = location.location(url) / rundir.CHECKPOINTS
+    deadline = time.monotonic() + 240
+    while not rundir.committed_steps(ckpt):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint was committed"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_store_that_stops_answering_for_30_s_is_waited_for(object_store_servers, bucket,
+                                                           workdir, tmp_path):
+    server = object_store_servers[remote.scheme_of(bucket)]
+    url = f"{bucket}/runs/paused"
+    proc = _start(url, tmp_path / "m")
+    _first_commit(url, proc)
+    server.pause()
+    paused = time.monotonic()
+    try:
+        time.sleep(30)
+        still_running = proc.poll() is None  # it cannot end while its last save waits
+    finally:
+        server.resume()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert still_running and time.monotonic() - paused >= 30
+    got = remote_losses(url)
+    np.testing.assert_array_equal(got.view(np.uint32),
+                                  local_losses(tmp_path, *LONG).view(np.uint32))
+
+
+@pytest.mark.slow
+def test_a_store_gone_past_the_deadline_stops_the_run_in_one_line_and_it_resumes(
+        object_store_servers, bucket, workdir, tmp_path):
+    server = object_store_servers[remote.scheme_of(bucket)]
+    url = f"{bucket}/runs/gone"
+    proc = _start(url, tmp_path / "m", "storage.deadline_s=5")
+    _first_commit(url, proc)
+    server.pause()
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        server.resume()
+    assert proc.returncode == 1, out + err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    assert "object storage did not answer" in errors[0] and "storage.deadline_s=5" in errors[0]
+    assert "; the last committed checkpoint is step " in errors[0]
+    step = int(errors[0].split("the last committed checkpoint is step ")[1].split()[0])
+    stage = next((tmp_path / "m" / "remote-runs").iterdir())
+    status = json.loads((stage / rundir.STATUS).read_text())
+    assert status["status"] == "failed" and status["step"] == step
+
+    again = run_cli("train", "--run-dir", url, *LONG, TRAINRUN_CACHE_DIR=str(tmp_path / "n"))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from step {step}" in again.stdout
+    got = remote_losses(url)
+    np.testing.assert_array_equal(got.view(np.uint32),
+                                  local_losses(tmp_path, *LONG).view(np.uint32))

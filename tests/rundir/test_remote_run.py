@@ -113,7 +113,7 @@ def test_a_refused_run_leaves_a_bucket_location_as_it_found_it(bucket, workdir, 
                                                                 monkeypatch):
     url = f"{bucket}/runs/refused"
     root = location.location(url)
-    with pytest.raises(UserError, match="init.from"):
+    with pytest.raises(UserError, match=r"init\.from"):
         train(url, 2, tmp_path / "m", monkeypatch, f"init.from={tmp_path / 'no-such-model'}")
     assert location.list_tree(root) == {}
 

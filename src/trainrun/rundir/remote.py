@@ -369,9 +369,11 @@ def upload(local: Path, path: Any) -> None:
 def copy_tree(path: Any, target: Any) -> None:
     """Every object below ``path`` copied below ``target`` (server-side copies)."""
     fs = filesystem(path)
+    def copy(source: str, dest: str) -> Callable[[], Any]:
+        return lambda: fs.copy(source, dest)
+
     for name in list_tree(path):
-        source, dest = f"{_key(path)}/{name}", f"{_key(target)}/{name}"
-        with_retries(path, "copying", lambda s=source, d=dest: fs.copy(s, d))
+        with_retries(path, "copying", copy(f"{_key(path)}/{name}", f"{_key(target)}/{name}"))
 
 
 def exists(path: Any) -> bool:

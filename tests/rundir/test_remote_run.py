@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -80,6 +81,29 @@ def test_a_run_in_a_bucket_resumes_on_another_machine_bit_for_bit(bucket, workdi
     assert len(got) == 6
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert rundir.read_status(root)["step"] == 6
+
+
+def test_a_changed_byte_in_a_bucket_step_moves_it_aside_and_resumes_from_the_one_before(
+        bucket, workdir, tmp_path, monkeypatch):
+    url = f"{bucket}/runs/flipped"
+    train(url, 4, tmp_path / "m", monkeypatch)
+    step4 = location.location(url) / rundir.CHECKPOINTS / "4"
+    name = max((n for n in location.list_tree(step4 / "state") if "/d/" in f"/{n}"),
+               key=lambda n: location.list_tree(step4 / "state")[n])
+    data = bytearray(location.read_bytes(step4 / "state" / name))
+    data[len(data) // 2] ^= 0xFF
+    location.write_bytes(step4 / "state" / name, bytes(data))
+    out = io.StringIO()
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "m2"))
+    summary = trainrun.run(load_config("mlp", [*MLP, "steps=6"]), url, out=out)
+    assert summary.start_step == 2
+    assert re.search(r"warning: checkpoint step 4 cannot be read \(checksum mismatch in state/"
+                     r".*\); moved it to .*/checkpoints/corrupt/4-", out.getvalue()), out.getvalue()
+    ckpt = location.location(url) / rundir.CHECKPOINTS
+    assert rundir.committed_steps(ckpt) == [4, 6]  # 4 saved again on the way to 6
+    assert [n.split("-")[0] for n in location.list_names(ckpt / "corrupt")] == ["4"]
+    np.testing.assert_array_equal(remote_losses(url).view(np.uint32),
+                                  local_losses(tmp_path, *MLP, "steps=6").view(np.uint32))
 
 
 def test_one_job_holds_a_bucket_run_until_its_lease_runs_out(bucket, workdir, tmp_path,

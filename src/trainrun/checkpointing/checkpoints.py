@@ -292,8 +292,8 @@ class Checkpoints:
                      "meta": MetaSave(self._metadata(step, state, iterator))}
             if has_position(iterator):
                 items["data"] = DataSave(iterator)
-            self.manager.save(step, args=ocp.args.Composite(**items), force=True,
-                              metrics=metrics)
+            self._watched(step, lambda: self.manager.save(
+                step, args=ocp.args.Composite(**items), force=True, metrics=metrics))
             self._in_flight, self.in_flight_step = True, step
         if wait:
             self.manager.wait_until_finished()
@@ -379,19 +379,13 @@ class Checkpoints:
             self.last_committed, self.in_flight_step = self.in_flight_step, None
 
     def _wait_watched(self) -> None:
-        """On object storage, wait for a save in flight while watching the store: a mirror
-        that failed ends the wait with its error (the save is abandoned, ``abandoned()``),
-        and every ``PROGRESS_S`` the console says what is still uploading."""
+        """On object storage, wait for a save in flight while watching the store (``_watched``);
+        every ``PROGRESS_S`` the console says what is still uploading."""
         if not (self.remote and self.stalled is not None and self._in_flight):
             return
         start = said = time.monotonic()
         while self.manager.is_saving_in_progress():
-            failure = self.stalled()
-            if failure is not None:
-                _ABANDONED.set()
-                self._closed = True  # closing would wait for the save the store never takes
-                self._unquiet()
-                raise failure
+            self._give_up_if_stalled()
             now = time.monotonic()
             if self.say is not None and now - said >= PROGRESS_S:
                 said = now
@@ -399,6 +393,39 @@ class Checkpoints:
                          f"uploading to {self.directory} ({now - start:.0f} s so far)")
             time.sleep(0.05)
         self._committed()
+
+    def _watched(self, step: int, call: Callable[[], Any]) -> None:
+        """``call()`` (Orbax's save, which creates the step's folder on the store before it
+        hands the rest to its thread); on object storage in a thread of its own, watched: a
+        mirror that failed (the store gone past storage.deadline_s) ends the wait."""
+        if not (self.remote and self.stalled is not None):
+            call()
+            return
+        failed: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                call()
+            except BaseException as err:
+                failed.append(err)
+
+        worker = threading.Thread(target=target, name=f"trainrun-save-{step}", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            self._give_up_if_stalled()
+            worker.join(0.05)
+        if failed:
+            raise failed[0]
+
+    def _give_up_if_stalled(self) -> None:
+        """Raise the mirror's failure, giving up the save in flight (``abandoned()``): closing
+        would wait for a store that does not answer."""
+        failure = self.stalled() if self.stalled is not None else None
+        if failure is not None:
+            _ABANDONED.set()
+            self._closed = True
+            self._unquiet()
+            raise failure
 
     def saving(self) -> bool:
         """Whether a save is still being written in the background (asked once a call: cheap

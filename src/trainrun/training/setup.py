@@ -203,7 +203,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
         checkpoints.say = console.message
     with watch.phase("init"):
         state = _restore_or_init(
-            checkpoints, config, run_dir=run_dir, prov=prov,
+            checkpoints, config, run_dir=run_dir, shown=directory.display, prov=prov,
             fresh=lambda: loaded if loaded is not None else _fresh_state(
                 config, model, optimizer, policy, state_sharding, abstract),
             abstract=abstract, state_sharding=state_sharding, batches=batches,
@@ -346,7 +346,7 @@ def _fresh_state(config: RunConfig, model: Model, optimizer: Optimizer, policy: 
         init_state(model, optimizer, config.seed, policy, state_sharding))
 
 
-def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Path,
+def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Path, shown: Any,
                      prov: dict[str, Any], fresh: Callable[[], TrainState],
                      abstract: TrainState, state_sharding: TrainState, batches: Any,
                      allow_config_change: bool, console: Console, primary: bool) -> TrainState:
@@ -357,7 +357,7 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Pa
                           abstract, state_sharding)
     changes: list[str] = []
     restored = checkpoints.restore(target, batches, lambda meta: changes.extend(
-        check_config(meta["config"], config, allow_config_change, run_dir)))
+        check_config(meta["config"], config, allow_config_change, shown)))
     if restored is None:
         state = fresh()
         step = int(state.step)

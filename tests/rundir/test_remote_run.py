@@ -100,7 +100,7 @@ def test_a_changed_byte_in_a_bucket_step_moves_it_aside_and_resumes_from_the_one
     assert re.search(r"warning: checkpoint step 4 cannot be read \(checksum mismatch in state/"
                      r".*\); moved it to .*/checkpoints/corrupt/4-", out.getvalue()), out.getvalue()
     ckpt = location.location(url) / rundir.CHECKPOINTS
-    assert rundir.committed_steps(ckpt) == [4, 6]  # 4 saved again on the way to 6
+    assert rundir.committed_steps(ckpt)[-2:] == [4, 6]  # 4 saved again on the way to 6
     assert [n.split("-")[0] for n in location.list_names(ckpt / "corrupt")] == ["4"]
     np.testing.assert_array_equal(remote_losses(url).view(np.uint32),
                                   local_losses(tmp_path, *MLP, "steps=6").view(np.uint32))
@@ -232,3 +232,58 @@ def test_a_store_gone_past_the_deadline_stops_the_run_in_one_line_and_it_resumes
     got = remote_losses(url)
     np.testing.assert_array_equal(got.view(np.uint32),
                                   local_losses(tmp_path, *LONG).view(np.uint32))
+
+
+RUN = ["model.hidden=[32]", "data.examples=512", "data.batch_size=64", "data.shuffle=true",
+       "log_every=10", "metrics.tensorboard=false", "checkpoint.every=10"]
+
+
+@pytest.mark.slow
+def test_two_processes_train_into_one_bucket_and_it_resumes_on_one_process_and_another_mesh(
+        bucket, workdir, tmp_path):
+    reference = tmp_path / "one"  # one process holding the same 4 devices, on disk
+    single = run_cli("train", "--run-dir", str(reference), *RUN, "steps=30", devices=4)
+    assert single.returncode == 0, single.stderr[-3000:]
+    url = f"{bucket}/runs/two"
+    launched = run_cli("launch", "-n", "2", "--devices-per-process", "2", "--", "train",
+                       "--run-dir", url, *RUN, "steps=20", TRAINRUN_CACHE_DIR=str(tmp_path / "a"))
+    assert launched.returncode == 0, launched.stdout[-3000:]
+    step = location.location(url) / rundir.CHECKPOINTS / "20"
+    names = set(location.list_tree(step))
+    # each process wrote its own shards and data position into the one bucket
+    assert {"data/process_0-of-2.json", "data/process_1-of-2.json",
+            "state/ocdbt.process_0/manifest.ocdbt", "state/ocdbt.process_1/manifest.ocdbt",
+            "commit_success.txt"} <= names
+    assert len(remote_losses(url)) == 20  # process 0 wrote each step once
+
+    # one process, 4 devices (another machine's stage) goes on to 30 ...
+    resumed = run_cli("train", "--run-dir", url, *RUN, "steps=30", devices=4,
+                      TRAINRUN_CACHE_DIR=str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step 20 ({url}/checkpoints/20)" in resumed.stdout
+    # Not bitwise across process counts (gloo sums in another order): as from disk, within
+    # 1e-6, where a fresh state or a wrong data position would be far off.
+    np.testing.assert_allclose(remote_losses(url), losses(reference), rtol=1e-6, atol=0)
+    # ... and its step 20 restores onto another mesh: 2 devices, FSDP
+    other = run_cli("train", "--run-dir", url, *RUN, "steps=40", "mesh.data=1", "mesh.fsdp=2",
+                    "--allow-config-change", devices=2, TRAINRUN_CACHE_DIR=str(tmp_path / "c"))
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert f"resumed from step 30 ({url}/checkpoints/30)" in other.stdout
+    assert len(remote_losses(url)) == 40
+
+
+@pytest.mark.slow
+def test_credentials_are_never_written_to_the_run_or_its_stage(bucket, workdir, tmp_path):
+    secret = "k3y-" + os.urandom(8).hex()  # the emulators take any key
+    variable = ("AWS_SECRET_ACCESS_KEY" if remote.scheme_of(bucket) == "s3"
+                else "GOOGLE_AUTH_TOKEN_FOR_TESTING")
+    url = f"{bucket}/runs/secret"
+    done = run_cli("train", "--run-dir", url, *MLP, "steps=2",
+                   TRAINRUN_CACHE_DIR=str(tmp_path / "c"), **{variable: secret})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert secret not in done.stdout + done.stderr
+    root = location.location(url)
+    for name in location.list_tree(root):
+        assert secret.encode() not in location.read_bytes(root / name), name
+    for path in (tmp_path / "c").rglob("*"):
+        assert not path.is_file() or secret.encode() not in path.read_bytes(), path

@@ -399,6 +399,15 @@ def delete_tree(path: Any) -> None:
     with contextlib.suppress(FileNotFoundError):
         with_retries(path, "deleting", lambda: fs.rm(
             _key(path), recursive=True, timeout=REQUEST_TIMEOUT_S))
+    forget_listings(path)
+
+
+def forget_listings(path: Any) -> None:
+    """Drop the listings every client of ``path``'s store keeps in this process (fsspec caches
+    them per filesystem object; Orbax reaches the store through ``epath``'s own): a folder
+    removed here is not found again in an old listing."""
+    for client in list(type(filesystem(path))._cache.values()):
+        client.invalidate_cache()
 
 
 def open_read(path: Any) -> IO[bytes]:

@@ -24,6 +24,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -319,10 +320,7 @@ class Checkpoints:
             (a changed config).
         """
 
-        def read(step: int) -> tuple[dict[str, Any], Any, bool, integrity.Verified]:
-            verified = integrity.verify_step(self.directory / str(step))
-            if verified.problems:  # a changed or missing file: as unreadable as a torn one
-                raise Unreadable("; ".join(verified.problems[:2]))
+        def load(step: int) -> tuple[dict[str, Any], Any, bool]:
             meta = readable(lambda: self._restore(step, meta=MetaRestore())["meta"])
             saved_tree = readable(lambda: self.manager.item_metadata(step)["state"].tree)
             check(meta)
@@ -338,7 +336,29 @@ class Checkpoints:
             saved_position = has_position(iterator) and meta.get("data_position", True)
             if saved_position:
                 items["data"] = DataRestore(iterator)
-            return meta, readable(lambda: self._restore(step, **items)), saved_position, verified
+            return meta, readable(lambda: self._restore(step, **items)), saved_position
+
+        def read(step: int) -> tuple[dict[str, Any], Any, bool, integrity.Verified]:
+            step_dir = self.directory / str(step)
+            if not self.remote:  # checked first: nothing of a changed step is read
+                verified = integrity.verify_step(step_dir)
+                if verified.problems:  # a changed or missing file: as unreadable as a torn one
+                    raise Unreadable("; ".join(verified.problems[:2]))
+                return (*load(step), verified)
+            # On object storage every byte is read twice, once to check it: both at once, and
+            # nothing read is used unless every checksum matches.
+            with ThreadPoolExecutor(1) as pool:
+                checking = pool.submit(integrity.verify_step, step_dir)
+                try:
+                    loaded = load(step)
+                except BaseException:
+                    if checking.result().problems:
+                        raise Unreadable("; ".join(checking.result().problems[:2])) from None
+                    raise
+                verified = checking.result()
+            if verified.problems:
+                raise Unreadable("; ".join(verified.problems[:2]))
+            return (*loaded, verified)
 
         step, found, unreadable = newest_readable(self.steps(), read)
         if step is None or found is None:  # found: a step was read

@@ -28,7 +28,9 @@ ITEMS = ("state", "data", "meta")
 # Orbax's own commit marks, written after the items are finalized (so after the checksums).
 ORBAX_MARKS = frozenset({"commit_success.txt", "_CHECKPOINT_METADATA"})
 BLOCK = 1 << 20  # bytes hashed at a time: a file of any size in little memory
-RANGE, RANGES_AT_ONCE = 8 << 20, 8  # a large object's ranged reads: their size, how many at once
+# A large object's ranged reads: their size and how many at once (32 MiB each, 4 at once: what
+# one file holds in memory while it is hashed; BENCHMARKS.md, "Object storage").
+RANGE, RANGES_AT_ONCE = 32 << 20, 4
 
 
 def file_digest(path: location.Location, size: int | None = None) -> str:
@@ -48,18 +50,20 @@ def file_digest(path: location.Location, size: int | None = None) -> str:
     return digest.hexdigest()
 
 
-REMOTE_READERS = 16  # files hashed at once on object storage, where each read is a round trip
+REMOTE_READERS = 8  # small files hashed at once on object storage: each read is a round trip
 
 
 def digests(directory: location.Location, sizes: dict[str, int]) -> dict[str, str]:
     """``{name: sha256}`` of files below ``directory`` (of the given sizes): one after another
     locally, several at once on object storage."""
-    names = list(sizes)
-    if not location.is_remote(directory) or len(names) < 2:
-        return {name: file_digest(directory / name, sizes[name]) for name in names}
-    with ThreadPoolExecutor(min(REMOTE_READERS, len(names))) as pool:
-        return dict(zip(names, pool.map(
-            lambda name: file_digest(directory / name, sizes[name]), names), strict=True))
+    small = [name for name in sizes if location.is_remote(directory) and sizes[name] <= RANGE]
+    found = {}
+    if len(small) > 1:  # several at once; a large one alone, its ranges several at once
+        with ThreadPoolExecutor(min(REMOTE_READERS, len(small))) as pool:
+            found = dict(zip(small, pool.map(
+                lambda name: file_digest(directory / name, sizes[name]), small), strict=True))
+    return {name: found.get(name) or file_digest(directory / name, sizes[name])
+            for name in sizes}
 
 
 def write_manifest(directory: location.Location) -> None:

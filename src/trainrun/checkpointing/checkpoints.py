@@ -431,9 +431,15 @@ class Checkpoints:
 
         worker = threading.Thread(target=target, name=f"trainrun-save-{step}", daemon=True)
         worker.start()
+        start = said = time.monotonic()
         while worker.is_alive():
             self._give_up_if_stalled()
             worker.join(0.05)
+            now = time.monotonic()
+            if self.say is not None and now - said >= PROGRESS_S:
+                said = now
+                self.say(f"waiting for checkpoint step {step} to start uploading to "
+                         f"{self.directory} ({now - start:.0f} s so far)")
         if failed:
             raise failed[0]
 

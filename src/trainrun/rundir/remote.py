@@ -115,6 +115,15 @@ def deadline_s() -> float:
     return _settings["deadline_s"]
 
 
+_notices: list[Callable[[str], None]] = []
+NOTICE_AFTER_S = 10.0  # a request retried this long is said on the console, once
+
+
+def set_notice(say: Callable[[str], None] | None) -> None:
+    """Where a request that keeps failing is said (a run's console); None: nowhere."""
+    _notices[:] = [say] if say is not None else []
+
+
 def filesystem(path: Any) -> Any:
     """The fsspec filesystem for ``path``'s scheme, made once per process."""
     scheme = scheme_of(path)
@@ -221,7 +230,7 @@ def with_retries(path: Any, doing: str, request: Callable[[], T]) -> T:
     """``request()``, tried again with backoff while it fails for reasons that may pass, until
     the deadline; a lasting refusal is ``StorageRefused`` at once."""
     start = time.monotonic()
-    backoff = FIRST_BACKOFF_S
+    backoff, said = FIRST_BACKOFF_S, False
     while True:
         try:
             return request()
@@ -233,6 +242,11 @@ def with_retries(path: Any, doing: str, request: Callable[[], T]) -> T:
                     raise
                 raise StorageRefused(refused_line(path, err, doing)) from err
             waited = time.monotonic() - start
+            if waited >= NOTICE_AFTER_S and _notices and not said:
+                said = True
+                _notices[0](f"object storage has not answered {doing} {path} for {waited:.0f} s "
+                            f"({type(err).__name__}); trying again until "
+                            f"storage.deadline_s={deadline_s():g}")
             if waited + backoff > deadline_s():
                 raise StorageUnavailable(
                     f"object storage did not answer {doing} {path} for {waited:.0f} s "

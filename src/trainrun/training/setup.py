@@ -201,6 +201,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     if mirror is not None:  # a wait for an upload ends when the store is lost, and says so
         checkpoints.stalled = lambda: mirror.stopped(checkpoints.last_committed)
         checkpoints.say = console.message
+        remote.set_notice(console.message)
+        cleanup.callback(remote.set_notice, None)
     with watch.phase("init"):
         state = _restore_or_init(
             checkpoints, config, run_dir=run_dir, shown=directory.display, prov=prov,

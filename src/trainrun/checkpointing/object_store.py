@@ -23,6 +23,7 @@ from typing import Any
 from trainrun.errors import UserError
 from trainrun.rundir import remote
 
+S3_ATTEMPTS = 16  # botocore's tries of one request Orbax makes itself (about 4 minutes)
 _patched = threading.Lock()
 _done: set[str] = set()
 
@@ -48,6 +49,11 @@ def prepare(directory: Any) -> None:
                 os.environ["TENSORSTORE_GCS_HTTP_URL"] = url
         elif scheme == "s3":
             _route_s3_through_tensorstore()
+            # Orbax's own folder requests go through etils' s3fs client, whose botocore tries a
+            # request 3 times within a second: a store answering 503 for longer failed the save.
+            # botocore's standard mode backs off up to 20 s a try (the user's settings win).
+            os.environ.setdefault("AWS_RETRY_MODE", "standard")
+            os.environ.setdefault("AWS_MAX_ATTEMPTS", str(S3_ATTEMPTS))
         _done.add(scheme)
 
 

@@ -177,6 +177,8 @@ def transient(err: BaseException) -> bool:
         return status >= 500 or status in (408, 429)
     if isinstance(err, FileNotFoundError | FileExistsError | PermissionError):
         return False
+    if isinstance(err, OSError) and err.errno in (errno.EBUSY, errno.EAGAIN):
+        return True  # s3fs's word for a 503 (Service Unavailable, SlowDown)
     if isinstance(err, TimeoutError | ConnectionError):
         return True
     names = {type(e).__name__ for e in _chain(err)}

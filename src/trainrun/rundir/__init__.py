@@ -100,6 +100,13 @@ def _object(path: Path, parse: Any, kind: str) -> dict[str, Any]:
     raise DamagedFile(path, why)
 
 
+def write_marker(folder: Path, role: str) -> None:
+    """The marker that says ``folder`` is trainrun's: a run, or a checkpoint directory."""
+    write_json(folder / MARKER, {
+        "format": FORMAT, "holds": role,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+
+
 def move_aside(run_dir: Path) -> Path:
     """``runs/x`` -> ``runs/x.old-<UTC time>``: a fresh start never deletes a run. The path is
     made absolute first, so ``.`` (the working directory) moves too."""
@@ -475,9 +482,7 @@ class RunDirectory:
             if now.kind == "foreign":
                 raise UserError(_refusal(path, flag, role, now, self.fresh))
             if now.kind != "marked":
-                write_json(path / MARKER, {
-                    "format": FORMAT, "holds": role,
-                    "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+                write_marker(path, role)
             if found.kind == "legacy":
                 notices.append(f"{path} was written by an earlier trainrun: marked it as "
                                f"trainrun's ({MARKER})")

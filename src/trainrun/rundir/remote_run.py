@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import shutil
 import threading
 import time
@@ -37,7 +38,7 @@ from trainrun.rundir import (
     RunDirectory,
     committed_steps,
     remote,
-    write_json,
+    write_marker,
 )
 from trainrun.rundir.atomic import TMP_SUFFIX
 from trainrun.rundir.lease import LEASES, Lease, LeaseLost
@@ -211,8 +212,6 @@ class RemoteRunDirectory(RunDirectory):
         self._stage()
 
     def _check_marker(self) -> None:
-        import json
-
         try:
             marker = json.loads(remote.read_bytes(self.url / MARKER))
         except ValueError:
@@ -244,11 +243,7 @@ class RemoteRunDirectory(RunDirectory):
     def claim(self) -> list[str]:
         notices = []
         if not (self.run_dir / MARKER).is_file():
-            import datetime
-
-            write_json(self.run_dir / MARKER, {
-                "format": FORMAT, "holds": "run",
-                "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+            write_marker(self.run_dir, "run")
         self.claimed = True
         self.mirror.sync()  # the marker first: the location is a trainrun run from now on
         if self.existed and not committed_steps(self.ckpt_dir):

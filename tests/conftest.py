@@ -164,6 +164,59 @@ def save_tiny_causal_lm(path: Path, family: str, *, max_shard_size: str | None =
     return path
 
 
+FAMILY_CONFIGS = {  # (transformers' config class, what sets the family apart)
+    "qwen3": ("Qwen3Config", dict(head_dim=24, attention_bias=True)),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=20, rope_local_base_freq=100.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    "phi3": ("Phi3Config", dict(sliding_window=12, pad_token_id=0)),
+    "llama_biases": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+    "mistral_window": ("MistralConfig", dict(sliding_window=6, head_dim=24)),
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=7,
+                                         max_window_layers=1)),
+}
+
+
+def save_tiny_family(path: Path, family: str, *, max_shard_size: str | None = "60KB",
+                     **changes) -> Path:
+    """A random tiny model of one of ``FAMILY_CONFIGS`` from ``transformers``, three layers,
+    saved in shards, with every weight drawn at random (norms and biases included, so none is
+    left at its initial ones or zeros and a weight read into the wrong place shows)."""
+    transformers, torch = _hf()
+    name, settings = FAMILY_CONFIGS[family]
+    config = getattr(transformers, name)(**{**TINY, "num_hidden_layers": 3,
+                                            "num_key_value_heads": 2,
+                                            "max_position_embeddings": 256,
+                                            "tie_word_embeddings": False, **settings,
+                                            **changes})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param.ndim == 1:  # norms and biases
+                param.normal_(0.0 if "norm" not in param_name or family.startswith("gemma")
+                              else 1.0, 0.3)
+            else:
+                param.normal_(0, 0.15)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    return path
+
+
+def hf_greedy(path: Path, prompt: np.ndarray, tokens: int) -> np.ndarray:
+    """``transformers``' greedy ``generate`` of ``tokens`` ids after ``prompt`` (no stop id)."""
+    transformers, torch = _hf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(np.asarray(prompt, np.int64)[None]),
+                             max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             pad_token_id=0)
+    return out[0].numpy()
+
+
 def _hf():
     return (pytest.importorskip("transformers", reason="the tests' extra holds transformers"),
             pytest.importorskip("torch"))

@@ -86,11 +86,13 @@ def _forward(cfg: TransformerModel, compute: str) -> Callable[..., jax.Array]:
     return jax.jit(logits)
 
 
-def load(path: str | Path, *, ema: bool = False) -> LanguageModel:
+def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> LanguageModel:
     """The model at ``path``: a run directory, a Hugging Face model directory or a PEFT adapter
     directory (with its base model where ``base_model_name_or_path`` says); a run directory
     may be on object storage (``gs://bucket/runs/lm``, ``s3://...``). ``ema``: a run's moving
-    average of the params instead of the params."""
+    average of the params instead of the params. ``context``: the longest text the model
+    reads and generates within, for a Hugging Face or adapter directory (default: its
+    ``max_position_embeddings``); a run keeps its own ``model.seq_len``."""
     from trainrun.platform.process import require_backend
 
     require_backend()  # one line, not JAX's assertion, when JAX cannot start
@@ -120,7 +122,9 @@ def load(path: str | Path, *, ema: bool = False) -> LanguageModel:
     if kind not in ("huggingface", "adapter"):
         raise LoadError(f"{path} is a lone weights file: load its model directory (with "
                         "config.json), a run directory or an adapter directory")
-    cfg = model_of(path)
+    if context is not None and not (isinstance(context, int) and context > 1):
+        raise LoadError(f"context={context!r}: give a number of positions above 1")
+    cfg = model_of(path, seq_len=context, full_context=True)
     from trainrun.training.preflight import check_model_memory
 
     # the params go whole onto the first device: refused there before a layer is built

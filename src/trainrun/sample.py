@@ -79,7 +79,9 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
     for every token, seed and temperature."""
     module_of = bind_transformer(cfg)
     dtype = DTYPES[compute]
-    window = cfg.seq_len
+    # The cache holds what this call needs, up to the model's context: a model made for a long
+    # context is not given a cache of that length for a short answer.
+    window = min(cfg.seq_len, prompt_len + tokens)
     keep = window // 2  # tokens carried into a fresh cache when the cache is full
 
     def pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:

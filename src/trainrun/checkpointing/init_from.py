@@ -172,10 +172,12 @@ def _tokenizer_of(path: Location, kind: str) -> str:
 
 
 def model_of(path: Location, model: TransformerModel | None = None,
-             seq_len: int | None = None) -> TransformerModel:
+             seq_len: int | None = None, *, full_context: bool = False) -> TransformerModel:
     """The transformer a Hugging Face or adapter directory holds. ``model``: the run's model
     section, whose other fields (dropout, remat, ...) are kept and whose repeated fields must
-    agree; ``seq_len``: the run's sequence length, the context of a rotary model."""
+    agree; ``seq_len``: the run's sequence length, the context of a rotary model;
+    ``full_context``: without ``seq_len``, the context config.json gives
+    (``max_position_embeddings``)."""
     model = model or TransformerModel()
     adapter = location.is_file(path / peft.ADAPTER_CONFIG)
     base = _adapter_base(path) if adapter else path
@@ -189,6 +191,8 @@ def model_of(path: Location, model: TransformerModel | None = None,
                                "model.tie_embeddings")
         # as transformers loads it: tie_word_embeddings holds only for an equal head
         arch = dataclasses.replace(arch, fields={**arch.fields, "tie_embeddings": False})
+    if seq_len is None and full_context and arch.max_positions:
+        seq_len = arch.max_positions
     agreed = _agreed(model, arch, base / CONFIG, seq_len)
     refuse_unsupported(hf, agreed.seq_len, str(base / CONFIG))
     if not adapter:
@@ -227,7 +231,9 @@ def _adapter_base(path: Location) -> Location:
 # What a run's model gives a run started from it: the maths and the params' shapes.
 ARCHITECTURE = ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "mlp", "mlp_ratio",
                 "mlp_hidden", "norm", "norm_eps", "seq_len", "positions", "rope_theta",
-                "rope_scaling", "tie_embeddings", "bias", "qkv_bias")
+                "rope_scaling", "tie_embeddings", "bias", "qkv_bias", "attention_bias",
+                "mlp_bias", "qk_norm", "norm_plus_one", "post_norms", "embed_scale",
+                "query_scale", "sliding_window", "sliding_layers", "local_rope_theta")
 
 
 def _run_architecture(source: TransformerModel) -> Architecture:
@@ -323,8 +329,9 @@ def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reade
     if any(n.startswith(PREFIX) for n in names):
         return _from_hf(tensors, base_cfg, "gpt2", shapes, str(path))
     if "model.embed_tokens.weight" in names:
-        return _from_hf(tensors, base_cfg, "qwen2" if cfg.qkv_bias else LLAMA_FAMILY[0],
-                        shapes, str(path))
+        fused = any(".self_attn.qkv_proj." in n for n in names)  # Phi-3's layout
+        return _from_hf(tensors, base_cfg, "phi3" if fused else "qwen2" if cfg.qkv_bias
+                        else LLAMA_FAMILY[0], shapes, str(path))
     sizes = {n: tensors.shape(n) for n in names}
     tensors.check_floats(names)
     return _checked({n: _tensor_reader(tensors, Source(n)) for n in names}, sizes, shapes,

@@ -114,7 +114,7 @@ class TransformerModel(Section):
     heads: int = Field(4, gt=0)
     kv_heads: int | None = Field(None, gt=0)  # grouped-query attention; None: one per head
     head_dim: int | None = Field(None, gt=0)  # None: d_model // heads
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"  # geglu: down(gelu_tanh(gate(x)) * up(x))
     mlp_ratio: int = Field(4, gt=0)
     mlp_hidden: int | None = Field(None, gt=0)  # the MLP's width; None: mlp_ratio * d_model
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
@@ -128,6 +128,19 @@ class TransformerModel(Section):
     init_std: float = Field(0.02, gt=0)
     bias: bool = False  # biases on every linear layer (GPT-2's layout)
     qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2's)
+    attention_bias: bool = False  # biases on q, k, v and the output projection (Llama's option)
+    mlp_bias: bool = False  # biases on the MLP's projections (Llama's option)
+    qk_norm: bool = False  # an RMSNorm over each head's queries and keys (Qwen3, Gemma 3)
+    norm_plus_one: bool = False  # RMSNorm scales by 1 + w, w starting at 0 (Gemma)
+    post_norms: bool = False  # a norm on each sublayer's output before the residual (Gemma)
+    embed_scale: bool = False  # the embedding rows times sqrt(d_model) (Gemma)
+    query_scale: float | None = Field(None, gt=0)  # attention logits' scale; 1/sqrt(head_dim)
+    # Attention to the last sliding_window positions (the token's own included) on the layers
+    # sliding_layers lists (None: every layer); those layers' rotary base is local_rope_theta
+    # where set, unscaled (Gemma 3's local layers).
+    sliding_window: int | None = Field(None, gt=0)
+    sliding_layers: tuple[int, ...] | None = None
+    local_rope_theta: float | None = Field(None, gt=0)
     lora: LoraConfig | None = None  # adapters; with them only the adapters train by default
     # How the program is built; the maths and the params' layout stay the same, so a checkpoint
     # written under one setting restores under any other.
@@ -147,6 +160,17 @@ class TransformerModel(Section):
         if self.positions == "rope" and self.attention_head_dim % 2:
             raise ValueError(f"rotary positions need an even head dimension, not "
                              f"{self.attention_head_dim}; change d_model, heads or head_dim")
+        if self.sliding_layers is not None and any(not 0 <= i < self.layers
+                                                   for i in self.sliding_layers):
+            raise ValueError(f"model.sliding_layers={list(self.sliding_layers)} names a layer "
+                             f"outside 0..{self.layers - 1}")
+        if self.sliding_layers is not None and self.sliding_window is None:
+            raise ValueError("model.sliding_layers is set without model.sliding_window; give "
+                             "the window's length")
+        if self.scan_layers and len({self.local_layer(i) for i in range(self.layers)}) > 1:
+            raise ValueError("model.scan_layers=true needs every layer alike, but "
+                             "model.sliding_layers makes some local and some global; set "
+                             "scan_layers=false")
         if self.lora is not None and self.mlp == "gelu" and "gate" in self.lora.targets:
             raise ValueError("model.lora.targets names gate, which only model.mlp=swiglu has; "
                              "drop it, or give all-linear")
@@ -159,8 +183,18 @@ class TransformerModel(Section):
             return frozenset()
         if "all-linear" in self.lora.targets:
             return frozenset(("q", "k", "v", "o", "up", "down")
-                             + (("gate",) if self.mlp == "swiglu" else ()))
+                             + (("gate",) if self.gated else ()))
         return frozenset(self.lora.targets)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP has a gate projection (SwiGLU, GeGLU)."""
+        return self.mlp != "gelu"
+
+    def local_layer(self, index: int) -> bool:
+        """Whether layer ``index`` attends within the sliding window."""
+        return self.sliding_window is not None and (
+            self.sliding_layers is None or index in self.sliding_layers)
 
     @property
     def kv_key_heads(self) -> int:

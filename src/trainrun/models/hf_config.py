@@ -85,7 +85,8 @@ class GPT2Config(_ModelConfig):
 
 
 class LlamaConfig(_ModelConfig):
-    """The keys of a ``llama``, ``qwen2`` or ``mistral`` config.json that trainrun reads."""
+    """The keys of a config.json of the Llama layout's families (``llama``, ``qwen2``,
+    ``mistral``, ``qwen3``, ``gemma3_text``, ``phi3``) that trainrun reads."""
 
     hidden_size: Count | None = Field(None, description=COUNT)
     num_hidden_layers: Count | None = Field(None, description=COUNT)
@@ -101,9 +102,13 @@ class LlamaConfig(_ModelConfig):
     hidden_act: Text | None = Field(None, description="an activation's name")
     attention_bias: Flag | None = Field(None, description=FLAG)
     mlp_bias: Flag | None = Field(None, description=FLAG)
-    sliding_window: Count | None = Field(None, description=COUNT)
+    sliding_window: Index | None = Field(None, description="a whole number from 0")
     use_sliding_window: Flag | None = Field(None, description=FLAG)
+    max_window_layers: Index | None = Field(None, description="a whole number from 0")
     layer_types: list[Text] | None = Field(None, description="a list of layer kinds' names")
+    hidden_activation: Text | None = Field(None, description="an activation's name")
+    query_pre_attn_scalar: Positive | None = Field(None, description=POSITIVE)
+    rope_local_base_freq: Positive | None = Field(None, description=POSITIVE)
 
     @pydantic.model_validator(mode="after")
     def _heads_divide(self) -> LlamaConfig:
@@ -153,7 +158,8 @@ class AdapterConfig(_JsonFile):
 
 
 MODEL_CONFIGS: dict[str, type[_ModelConfig]] = {
-    "gpt2": GPT2Config, "llama": LlamaConfig, "qwen2": LlamaConfig, "mistral": LlamaConfig}
+    "gpt2": GPT2Config, "llama": LlamaConfig, "qwen2": LlamaConfig, "mistral": LlamaConfig,
+    "qwen3": LlamaConfig, "gemma3_text": LlamaConfig, "phi3": LlamaConfig}
 MODEL_FIX = "correct it, or save the model again with save_pretrained"
 ADAPTER_FIX = "correct it, or save the adapter again with PEFT's save_pretrained"
 

@@ -41,7 +41,7 @@ HEAD = "lm_head.weight"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 BLOCK_ELEMENTS = 2**24  # of a large table compared a block at a time, never read whole
 PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's names lack it
-LLAMA_FAMILY = ("llama", "qwen2", "mistral")
+LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "phi3")
 MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
 # Files a model directory carries beside its weights, copied by an export from its source.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -117,70 +117,139 @@ def _gpt2(hf: dict[str, Any]) -> Architecture:
     return Architecture("gpt2", fields, keys, int(hf["n_positions"]))
 
 
+# What sets each family of the Llama layout apart (transformers' modeling files).
+QKV_BIAS = ("qwen2",)  # biases on q/k/v alone
+ATTENTION_BIAS = ("llama", "qwen3", "gemma3_text")  # attention_bias: on q/k/v and o
+MLP_BIAS = ("llama",)  # mlp_bias
+QK_NORM = ("qwen3", "gemma3_text")
+GEMMA = ("gemma3_text",)  # 1 + w norms, norms after each sublayer, scaled embeddings
+FUSED = ("phi3",)  # one qkv_proj and one gate_up_proj per layer
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
+
+
 def _llama_family(hf: dict[str, Any], model_type: str) -> Architecture:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise WeightsError(f"hidden_act {hf['hidden_act']!r} is not supported; the Llama "
-                           "family's MLP is SwiGLU (silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise WeightsError(f"{key}=true is not supported: trainrun's Llama-family layers "
-                               "have no such biases (Qwen2's q/k/v biases are)")
+    act_key = "hidden_activation" if model_type in GEMMA else "hidden_act"
+    activation = hf.get(act_key, "gelu_pytorch_tanh" if model_type in GEMMA else "silu")
+    if activation not in ACTIVATIONS:
+        raise WeightsError(f"{act_key} {activation!r} is not supported; trainrun's gated MLPs "
+                           "take silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)")
+    for key, families in (("attention_bias", ATTENTION_BIAS), ("mlp_bias", MLP_BIAS)):
+        if hf.get(key) and model_type not in families:
+            raise WeightsError(f"{key}=true is not supported for {model_type}: transformers' "
+                               f"{model_type} layers have no such biases")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None and model_type in GEMMA:
+            raise WeightsError(f"{key}={hf[key]} is not supported; trainrun's attention and "
+                               "output head do not soft-cap")
+    if model_type in GEMMA and hf.get("use_bidirectional_attention"):
+        raise WeightsError("use_bidirectional_attention=true is not supported; trainrun's "
+                           "attention is causal")
     d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    layers = int(hf["num_hidden_layers"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or d // heads)
-    theta, scaling = _rope(hf)
+    theta, scaling, local_theta = _rope(hf)
+    window, sliding = _sliding(hf, model_type, layers)
+    gemma = model_type in GEMMA
     keys = {"vocab": "vocab_size", "d_model": "hidden_size", "layers": "num_hidden_layers",
             "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
             "head_dim": "head_dim", "mlp_hidden": "intermediate_size",
             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
-            "rope_scaling": "rope_scaling", "tie_embeddings": "tie_word_embeddings"}
-    fields = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": int(hf["num_hidden_layers"]),
+            "rope_scaling": "rope_scaling", "tie_embeddings": "tie_word_embeddings",
+            "mlp": act_key, "sliding_window": "sliding_window", "sliding_layers": "layer_types"}
+    fields = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": layers,
               "heads": heads, "kv_heads": kv_heads if kv_heads != heads else None,
               "head_dim": head_dim if head_dim * heads != d else None,
-              "mlp": "swiglu", "mlp_hidden": int(hf["intermediate_size"]),
+              "mlp": ACTIVATIONS[activation], "mlp_hidden": int(hf["intermediate_size"]),
               "norm": "rmsnorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
               "positions": "rope", "rope_theta": theta, "rope_scaling": scaling, "bias": False,
-              "qkv_bias": model_type == "qwen2",
-              "tie_embeddings": bool(hf.get("tie_word_embeddings", model_type == "qwen2"))}
+              "qkv_bias": model_type in QKV_BIAS,
+              "attention_bias": bool(hf.get("attention_bias", False)),
+              "mlp_bias": bool(hf.get("mlp_bias", False)),
+              "qk_norm": model_type in QK_NORM, "norm_plus_one": gemma, "post_norms": gemma,
+              "embed_scale": gemma,
+              "query_scale": (float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5
+                              if gemma else None),
+              "sliding_window": window, "sliding_layers": sliding,
+              "local_rope_theta": local_theta if window is not None else None,
+              "tie_embeddings": bool(hf.get("tie_word_embeddings",
+                                            model_type in ("qwen2", *GEMMA)))}
     return Architecture(model_type, fields, keys, int(hf.get("max_position_embeddings") or 0))
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from ``rope_theta`` and ``rope_scaling`` (the form hub checkpoints
-    carry) or ``rope_parameters`` (the form ``transformers`` 5 writes)."""
+def _sliding(hf: dict[str, Any], model_type: str, layers: int
+             ) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, the layers it applies to, None: every layer) as transformers' ``model_type``
+    builds its masks: from ``layer_types`` where the config has them (Qwen2, Qwen3, Gemma 3),
+    else on every layer where ``sliding_window`` is set (Mistral, Phi-3)."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if types is None and model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        start = int(hf.get("max_window_layers", layers))
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if types is None and model_type in GEMMA:
+        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers)]
+    if types is not None:
+        if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise WeightsError(f"layer_types {types!r} is not one of sliding_attention or "
+                               f"full_attention per layer ({layers} layers)")
+        sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        if not sliding:
+            return None, None
+        if not window:
+            raise WeightsError("layer_types names sliding_attention layers but sliding_window "
+                               "is not set; give the window's length")
+        return int(window), None if len(sliding) == layers else sliding
+    if model_type in ("mistral", "phi3") and window:
+        return int(window), None
+    return None, None
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
+    """(theta, scaling, the local layers' theta) from ``rope_theta`` and ``rope_scaling`` (the
+    form hub checkpoints carry) or ``rope_parameters`` (the form ``transformers`` 5 writes;
+    per layer type for Gemma 3, whose local layers have a base of their own, unscaled)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    if params and "rope_type" not in params and "type" not in params and "rope_theta" not in params:
-        raise WeightsError("rope_parameters per layer type are not supported; trainrun's "
-                           "layers share one rotary scheme")
+    local = hf.get("rope_local_base_freq")
+    if "full_attention" in params or "sliding_attention" in params:
+        sliding = dict(params.get("sliding_attention") or {})
+        if sliding.get("rope_type", "default") != "default":
+            raise WeightsError(f"rope_parameters.sliding_attention has rope_type "
+                               f"{sliding['rope_type']!r}; trainrun's local layers take the "
+                               "default rotary scheme")
+        local = sliding.get("rope_theta", local)
+        params = dict(params.get("full_attention") or {})
+    elif params and "rope_type" not in params and "type" not in params \
+            and "rope_theta" not in params:
+        raise WeightsError("rope_parameters per layer type other than full_attention and "
+                           "sliding_attention are not supported")
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    local_theta = None if local is None else float(local)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("default", None):
-        return theta, None
+        return theta, None, local_theta
     if kind == "linear":
-        return theta, RopeScaling(type="linear", factor=float(params["factor"]))
+        return theta, RopeScaling(type="linear", factor=float(params["factor"])), local_theta
     if kind == "llama3":
         return theta, RopeScaling(
             type="llama3", factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
-            original_max_positions=int(params["original_max_position_embeddings"]))
+            original_max_positions=int(params["original_max_position_embeddings"])), local_theta
     raise WeightsError(f"rope_scaling type {kind!r} is not supported; trainrun computes "
                        "default, linear and llama3 rotary frequencies")
 
 
 def refuse_unsupported(hf: dict[str, Any], seq_len: int, where: str = CONFIG) -> None:
-    """What ``config.json`` asks that holds only up to some sequence length: a sliding window
-    (Mistral, Qwen2) shorter than ``seq_len`` would need a banded mask trainrun does not have."""
+    """What ``config.json`` asks checked before a run of ``seq_len`` tokens uses it (every
+    value trainrun reads holds what its key takes; sliding windows are computed)."""
     if hf.get("model_type") in MODEL_TYPES:
         checked_model_config(hf, where)
-    window = hf.get("sliding_window")
-    sliding = (hf.get("model_type") == "mistral"
-               or hf.get("use_sliding_window")
-               or "sliding_attention" in (hf.get("layer_types") or ()))
-    if sliding and window is not None and int(window) < seq_len:
-        raise WeightsError(f"{where} has sliding_window {window}, shorter than the sequence "
-                           f"({seq_len} tokens); trainrun's attention sees the whole sequence: "
-                           f"set model.seq_len and data.seq_len to at most {window}")
 
 
 def config_json(cfg: TransformerModel, model_type: str,
@@ -203,12 +272,9 @@ def config_json(cfg: TransformerModel, model_type: str,
         out.setdefault("bos_token_id", None)
         out.setdefault("eos_token_id", None)
         return out
-    if (cfg.positions != "rope" or cfg.bias or cfg.norm != "rmsnorm" or cfg.mlp != "swiglu"
-            or cfg.qkv_bias != (model_type == "qwen2")):
-        qkv = "with" if model_type == "qwen2" else "without"
-        raise WeightsError(f"only a transformer with the {model_type} layout exports as "
-                           f"{model_type} (positions=rope, rmsnorm, swiglu MLP, no biases but "
-                           f"{qkv} q/k/v biases)")
+    if model_type not in LLAMA_FAMILY:
+        raise WeightsError(f"model_type {model_type!r} is not one trainrun writes; it writes "
+                           + ", ".join(MODEL_TYPES))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     scaling = cfg.rope_scaling
     if scaling is not None and scaling.type == "linear":
@@ -218,24 +284,74 @@ def config_json(cfg: TransformerModel, model_type: str,
                 "low_freq_factor": scaling.low_freq_factor,
                 "high_freq_factor": scaling.high_freq_factor,
                 "original_max_position_embeddings": scaling.original_max_positions}
-    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "mistral": "MistralForCausalLM"}[model_type]
-    out = {k: v for k, v in (source or {}).items() if k not in ("rope_scaling", "rope_theta")}
+    gemma = model_type in GEMMA
+    dropped = ("rope_scaling", "rope_theta", "rope_local_base_freq", "layer_types",
+               "use_sliding_window", "max_window_layers", "sliding_window")
+    out = {k: v for k, v in (source or {}).items() if k not in dropped}
     out.update({
-        "model_type": model_type, "architectures": [architectures], "hidden_act": "silu",
+        "model_type": model_type, "architectures": [ARCHITECTURES[model_type]],
         "vocab_size": cfg.vocab, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_key_heads,
         "head_dim": cfg.attention_head_dim, "intermediate_size": cfg.hidden,
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-        "attention_bias": False, "mlp_bias": False})
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std})
+    activation = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}.get(cfg.mlp, cfg.mlp)
+    out["hidden_activation" if gemma else "hidden_act"] = activation
+    if model_type in ATTENTION_BIAS:
+        out["attention_bias"] = cfg.attention_bias
+    if model_type in MLP_BIAS:
+        out["mlp_bias"] = cfg.mlp_bias
+    if gemma:
+        scalar = (cfg.attention_head_dim if cfg.query_scale is None
+                  else cfg.query_scale ** -2)
+        # transformers takes a whole number here; 1/sqrt round trips within float error
+        out["query_pre_attn_scalar"] = (round(scalar) if math.isclose(scalar, round(scalar))
+                                        else scalar)
+        local = {"rope_type": "default",
+                 "rope_theta": cfg.local_rope_theta or cfg.rope_theta}
+        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+    if cfg.sliding_window is not None:
+        out["sliding_window"] = cfg.sliding_window
+        if model_type in ("qwen2", "qwen3", *GEMMA):
+            out["layer_types"] = ["sliding_attention" if cfg.local_layer(i) else
+                                  "full_attention" for i in range(cfg.layers)]
+            out["use_sliding_window"] = True
+            out["max_window_layers"] = 0
+    elif model_type in ("mistral", "phi3"):
+        out["sliding_window"] = None
+    elif gemma:  # every layer global
+        out["sliding_window"] = 4096
+        out["layer_types"] = ["full_attention"] * cfg.layers
     out["max_position_embeddings"] = max(int(out.get("max_position_embeddings") or 0),
                                          cfg.seq_len)
-    if scaling is not None:  # hub checkpoints' key, read by older transformers
+    if scaling is not None and not gemma:  # hub checkpoints' key, read by older transformers
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if model_type != "mistral":
-        out.pop("sliding_window", None)
+    _refuse_unwritten(cfg, out, model_type)
     return out
+
+
+def _refuse_unwritten(cfg: TransformerModel, out: dict[str, Any], model_type: str) -> None:
+    """A layout ``model_type``'s config.json cannot say (read back, it would describe another
+    model) is refused in one line naming the first field that differs."""
+    back = architecture(out).fields
+    for field, value in back.items():
+        if field in ("seq_len",):
+            continue
+        mine = getattr(cfg, field)
+        if field == "kv_heads":
+            mine, value = cfg.kv_key_heads, value or cfg.heads
+        elif field == "head_dim":
+            mine, value = cfg.attention_head_dim, value or cfg.d_model // cfg.heads
+        elif field == "mlp_hidden":
+            mine = cfg.hidden
+        elif field == "query_scale" and value is not None and mine is None:
+            mine = cfg.attention_head_dim ** -0.5
+        if isinstance(mine, float) and isinstance(value, float) and math.isclose(mine, value):
+            continue
+        if mine != value and not (field == "local_rope_theta" and mine is None):
+            raise WeightsError(f"the model has {field}={mine!r}, which a {model_type} "
+                               f"config.json cannot say (it would read {value!r}): export it "
+                               "as the family it was trained from")
 
 
 def read_config(path: Location) -> dict[str, Any]:
@@ -272,11 +388,13 @@ def read_file(file: Location) -> bytes:
 @dataclasses.dataclass(frozen=True)
 class Source:
     """Where a param comes from in Hugging Face's tensors: ``name``, transposed (a ``Linear``'s
-    ``[out, in]`` weight), and for GPT-2's fused q/k/v the range of its last axis."""
+    ``[out, in]`` weight), and for a fused tensor (GPT-2's and Phi-3's q/k/v, Phi-3's gate and
+    up) the range of the param's last axis in it, of ``fused`` in all."""
 
     name: str
     transpose: bool = False
     span: tuple[int, int] | None = None
+    fused: int = 0
 
 
 def tensor_map(cfg: TransformerModel, model_type: str) -> dict[str, Source]:
@@ -296,8 +414,10 @@ def tensor_map(cfg: TransformerModel, model_type: str) -> dict[str, Source]:
                 names[f"{ours}{norm}.bias"] = Source(f"{hf}{theirs}.bias")
             for j, proj in enumerate("qkv"):
                 span = (j * d, (j + 1) * d)
-                names[f"{ours}attn.{proj}.kernel"] = Source(f"{hf}attn.c_attn.weight", span=span)
-                names[f"{ours}attn.{proj}.bias"] = Source(f"{hf}attn.c_attn.bias", span=span)
+                names[f"{ours}attn.{proj}.kernel"] = Source(f"{hf}attn.c_attn.weight", span=span,
+                                                            fused=3 * d)
+                names[f"{ours}attn.{proj}.bias"] = Source(f"{hf}attn.c_attn.bias", span=span,
+                                                          fused=3 * d)
             for theirs, layer in (("attn.c_proj", "attn.o"), ("mlp.c_fc", "mlp.up"),
                                   ("mlp.c_proj", "mlp.down")):
                 names[f"{ours}{layer}.kernel"] = Source(f"{hf}{theirs}.weight")
@@ -305,19 +425,49 @@ def tensor_map(cfg: TransformerModel, model_type: str) -> dict[str, Source]:
     else:
         names["embed.embedding"] = Source("model.embed_tokens.weight")
         names["ln_f.scale"] = Source("model.norm.weight")
+        head_dim = cfg.attention_head_dim
+        inner, kv_inner = cfg.heads * head_dim, cfg.kv_key_heads * head_dim
+        qkv_spans = {"q": (0, inner), "k": (inner, inner + kv_inner),
+                     "v": (inner + kv_inner, inner + 2 * kv_inner)}
+        norms = (("ln1", "input_layernorm"), ("ln2", "pre_feedforward_layernorm"),
+                 ("attn_out_norm", "post_attention_layernorm"),
+                 ("mlp_out_norm", "post_feedforward_layernorm")) if cfg.post_norms else (
+                 ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))
+        qkv_bias = cfg.qkv_bias or cfg.attention_bias
+        mlp_bias = cfg.mlp_bias
         for i in range(cfg.layers):
             hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-            names[f"{ours}ln1.scale"] = Source(f"{hf}input_layernorm.weight")
-            names[f"{ours}ln2.scale"] = Source(f"{hf}post_attention_layernorm.weight")
-            for proj in "qkvo":
-                names[f"{ours}attn.{proj}.kernel"] = Source(f"{hf}self_attn.{proj}_proj.weight",
-                                                            transpose=True)
-            if cfg.qkv_bias:
-                for proj in "qkv":
+            for norm, theirs in norms:
+                names[f"{ours}{norm}.scale"] = Source(f"{hf}{theirs}.weight")
+            if cfg.qk_norm:
+                for proj in "qk":
+                    names[f"{ours}attn.{proj}_norm.scale"] = Source(
+                        f"{hf}self_attn.{proj}_norm.weight")
+            for proj in "qkv":
+                if model_type in FUSED:
+                    names[f"{ours}attn.{proj}.kernel"] = Source(
+                        f"{hf}self_attn.qkv_proj.weight", transpose=True, span=qkv_spans[proj],
+                        fused=inner + 2 * kv_inner)
+                else:
+                    names[f"{ours}attn.{proj}.kernel"] = Source(
+                        f"{hf}self_attn.{proj}_proj.weight", transpose=True)
+                if qkv_bias:
                     names[f"{ours}attn.{proj}.bias"] = Source(f"{hf}self_attn.{proj}_proj.bias")
-            for proj in ("gate", "up", "down"):
-                names[f"{ours}mlp.{proj}.kernel"] = Source(f"{hf}mlp.{proj}_proj.weight",
-                                                           transpose=True)
+            names[f"{ours}attn.o.kernel"] = Source(f"{hf}self_attn.o_proj.weight", transpose=True)
+            if cfg.attention_bias:
+                names[f"{ours}attn.o.bias"] = Source(f"{hf}self_attn.o_proj.bias")
+            for j, proj in enumerate(("gate", "up")):
+                if model_type in FUSED:
+                    names[f"{ours}mlp.{proj}.kernel"] = Source(
+                        f"{hf}mlp.gate_up_proj.weight", transpose=True,
+                        span=(j * cfg.hidden, (j + 1) * cfg.hidden), fused=2 * cfg.hidden)
+                else:
+                    names[f"{ours}mlp.{proj}.kernel"] = Source(f"{hf}mlp.{proj}_proj.weight",
+                                                               transpose=True)
+            names[f"{ours}mlp.down.kernel"] = Source(f"{hf}mlp.down_proj.weight", transpose=True)
+            if mlp_bias:
+                for proj in ("gate", "up", "down"):
+                    names[f"{ours}mlp.{proj}.bias"] = Source(f"{hf}mlp.{proj}_proj.bias")
     if not cfg.tie_embeddings:
         names["head"] = Source(HEAD)
     return names
@@ -483,9 +633,9 @@ def check_tensors(tensors: Tensors, wanted: dict[str, Source], shapes: dict[str,
     needed: dict[str, tuple[int, ...]] = {}
     for param, source in wanted.items():
         shape = shapes[param]
+        if source.span is not None:  # a fused tensor: params side by side on the last axis
+            shape = (*shape[:-1], source.fused)
         full = shape[::-1] if source.transpose else shape
-        if source.span is not None:  # GPT-2's fused q/k/v: three params side by side
-            full = (*full[:-1], 3 * full[-1])
         needed[source.name] = full
     leftover = sorted(tensors.names - set(needed) - {HEAD}  # tied: a copy
                       - {n for n in tensors.names if n.endswith(".attn.bias")
@@ -526,12 +676,12 @@ def separate_head(tensors: Tensors, model_type: str) -> bool:
 def read_param(tensors: Tensors, source: Source,
                index: tuple[slice, ...] | None = None) -> np.ndarray:
     """The param ``source`` gives (``index``: the part of it in trainrun's layout), float32."""
-    if source.span is not None:  # GPT-2's fused q/k/v: this param's columns of it
+    if source.span is not None:  # a fused tensor: this param's part of its last axis
         lo, hi = source.span
         index = index or (slice(None),) * len(tensors.shape(source.name))
         start, stop, _ = index[-1].indices(hi - lo)
         index = (*index[:-1], slice(lo + start, lo + stop))
-    elif index is not None and source.transpose:
+    if index is not None and source.transpose:
         index = index[::-1]
     value = tensors.read(source.name, index)
     return value.T if source.transpose else value
@@ -544,15 +694,17 @@ def hf_tensors(params: dict[str, np.ndarray], cfg: TransformerModel,
                model_type: str) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, float32 tensor)`` in Hugging Face's layout from trainrun's dotted params."""
     fused: dict[str, list[tuple[int, np.ndarray]]] = {}
+    transposed: dict[str, bool] = {}
     for param, source in tensor_map(cfg, model_type).items():
         value = np.asarray(params[param], np.float32)
         if source.span is not None:
             fused.setdefault(source.name, []).append((source.span[0], value))
+            transposed[source.name] = source.transpose
             continue
         yield source.name, np.ascontiguousarray(value.T if source.transpose else value)
     for name, parts in fused.items():
-        yield name, np.ascontiguousarray(np.concatenate(
-            [v for _, v in sorted(parts, key=lambda p: p[0])], axis=-1))
+        whole = np.concatenate([v for _, v in sorted(parts, key=lambda p: p[0])], axis=-1)
+        yield name, np.ascontiguousarray(whole.T if transposed[name] else whole)
 
 
 def write_weights(tensors: Iterator[tuple[str, np.ndarray]], path: Path, *,

@@ -92,7 +92,8 @@ ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (docs/in
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     segments: jax.Array | None = None) -> jax.Array:
+                     segments: jax.Array | None = None, *, scale: float | None = None,
+                     window: int | None = None) -> jax.Array:
     """Causal self-attention of ``[batch, seq, heads, head_dim]`` queries, keys and values: the
     maths of ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` (scaled logits in
     float32, masked to a large negative number, softmax, weighted sum of values).
@@ -100,6 +101,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     segments: ``[batch, seq]`` ids of the documents packed in each row: a token then attends
     only to earlier tokens of its own segment, on every path below (padding, segment 0, attends
     to padding). None: the plain causal program.
+    scale: of the logits (None: ``1 / sqrt(head_dim)``). window: a token attends to the last
+    ``window`` positions, its own included (a sliding window; None: to every earlier one).
 
     On CPU it runs head-major and in blocks of query rows, each block against only the keys up
     to its own last row: XLA:CPU then skips most of the masked upper triangle (3/8 of the
@@ -108,6 +111,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     itself; elsewhere ``dot_product_attention``'s XLA form.
     """
     backend = jax.default_backend()
+    local = None if window is None else (window - 1, 0)  # positions before and after a query
     if backend != "cpu":
         same = (None if segments is None else
                 segments[:, None, :, None] == segments[:, None, None, :])  # [batch, 1, q, k]
@@ -117,23 +121,32 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
             # reached only through JAX's private API.) Where it refuses, the XLA form masks.
             try:
                 return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True,
+                                                    scale=scale, local_window_size=local,
                                                     implementation="cudnn")
             except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a shape
                 pass
-        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True)
-    seq, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
+        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, scale=scale,
+                                            local_window_size=local)
+    seq = q.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [batch, heads, seq, head_dim]
     masked = jnp.asarray(-0.7 * float(jnp.finfo(jnp.float32).max), jnp.float32)
     blocks = []
     for lo in range(0, seq, ATTENTION_BLOCK):
         hi = min(lo + ATTENTION_BLOCK, seq)
-        logits = float32_dot(q[:, :, lo:hi], k[:, :, :hi],
+        first = 0 if window is None else max(0, lo - window + 1)  # keys any row here sees
+        logits = float32_dot(q[:, :, lo:hi], k[:, :, first:hi],
                              (((3,), (3,)), ((0, 1), (0, 1)))) * jnp.float32(scale)
-        visible = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
+        keys, rows = jnp.arange(first, hi)[None, :], jnp.arange(lo, hi)[:, None]
+        visible = keys <= rows
+        if window is not None:
+            visible = visible & (keys > rows - window)
         if segments is not None:  # [batch, 1, block rows, keys]
-            visible = visible & (segments[:, lo:hi, None] == segments[:, None, :hi])[:, None]
+            visible = visible & (segments[:, lo:hi, None]
+                                 == segments[:, None, first:hi])[:, None]
         probs = jax.nn.softmax(jnp.where(visible, logits, masked), axis=-1)
-        blocks.append(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v[:, :, :hi]))
+        blocks.append(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype),
+                                 v[:, :, first:hi]))
     return jnp.concatenate(blocks, axis=2).transpose(0, 2, 1, 3)
 
 
@@ -169,28 +182,51 @@ def _project(layer: nnx.Linear, adapter: LoRA | None, x: jax.Array) -> jax.Array
     return layer(x) if adapter is None else layer(x) + adapter(x)
 
 
-def _norm(cfg: TransformerModel, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm:
+class RMSNormPlusOne(nnx.Module):
+    """RMSNorm scaling by ``1 + w`` (``w`` from zero), computed in float32 and cast back to the
+    input's dtype, as Gemma's checkpoints expect."""
+
+    def __init__(self, dim: int, eps: float, axes: tuple[str | None, ...]):
+        self.scale = nnx.Param(jnp.zeros((dim,)), axes=axes)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def _rms_norm(cfg: TransformerModel, dim: int, axes: tuple[str | None, ...],
+              rngs: nnx.Rngs) -> nnx.RMSNorm | RMSNormPlusOne:
+    if cfg.norm_plus_one:
+        return RMSNormPlusOne(dim, cfg.norm_eps, axes)
+    return nnx.RMSNorm(dim, epsilon=cfg.norm_eps, rngs=rngs, scale_metadata={"axes": axes})
+
+
+def _norm(cfg: TransformerModel, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm | RMSNormPlusOne:
     if cfg.norm == "rmsnorm":
-        return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs,
-                           scale_metadata={"axes": ("embed",)})
+        return _rms_norm(cfg, cfg.d_model, ("embed",), rngs)
     return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs,
                          scale_metadata={"axes": ("embed",)}, bias_metadata={"axes": ("embed",)})
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs, window: int | None = None):
         d, std = cfg.d_model, cfg.init_std
         self.heads, self.kv_heads = cfg.heads, cfg.kv_key_heads
         self.head_dim = cfg.attention_head_dim
+        self.scale, self.window = cfg.query_scale, window
         inner, kv_inner = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        qkv_bias = cfg.bias or cfg.qkv_bias
+        qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attention_bias
         self.q = _linear(d, inner, ("embed", "heads"), std, rngs, qkv_bias)
         self.k = _linear(d, kv_inner, ("embed", "heads"), std, rngs, qkv_bias)
         self.v = _linear(d, kv_inner, ("embed", "heads"), std, rngs, qkv_bias)
         # Residual projections start smaller, so the residual stream's variance does not grow
         # with depth (GPT-2).
         self.o = _linear(inner, d, ("heads", "embed"), std / math.sqrt(2 * cfg.layers), rngs,
-                         cfg.bias)
+                         cfg.bias or cfg.attention_bias)
+        self.q_norm = _rms_norm(cfg, self.head_dim, (None,), rngs) if cfg.qk_norm else None
+        self.k_norm = _rms_norm(cfg, self.head_dim, (None,), rngs) if cfg.qk_norm else None
         # Created after the base layers, so a model without adapters draws the same init.
         self.q_lora = _adapter("q", d, inner, ("embed", "heads"), cfg, rngs)
         self.k_lora, self.v_lora = (_adapter(name, d, kv_inner, ("embed", "heads"), cfg, rngs)
@@ -210,34 +246,42 @@ class Attention(nnx.Module):
                    for proj, adapter, heads in ((self.q, self.q_lora, self.heads),
                                                 (self.k, self.k_lora, self.kv_heads),
                                                 (self.v, self.v_lora, self.kv_heads)))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rope.apply(q), rope.apply(k)
         if cache is None:
             group = self.heads // self.kv_heads  # query heads sharing a key/value head
             if group > 1:
                 k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-            y = causal_attention(q, k, v, segments)
+            y = causal_attention(q, k, v, segments, scale=self.scale, window=self.window)
         else:
             cache = KV(jax.lax.dynamic_update_slice(cache.k, k, (0, pos, 0, 0)),
                        jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
-            visible = jnp.arange(cache.k.shape[1])[None, :] <= pos + jnp.arange(c)[:, None]
+            keys, rows = jnp.arange(cache.k.shape[1])[None, :], pos + jnp.arange(c)[:, None]
+            visible = keys <= rows
+            if self.window is not None:
+                visible = visible & (keys > rows - self.window)
             # grouped-query attention as dot_product_attention takes it: fewer key/value heads
-            y = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=visible[None, None])
+            y = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=visible[None, None],
+                                             scale=self.scale)
         y = y.reshape(b * c, self.heads * self.head_dim)
         return _project(self.o, self.o_lora, y).reshape(b, c, d), cache
 
 
 class MLP(nnx.Module):
-    """GELU (``down(gelu(up(x)))``) or SwiGLU (``down(silu(gate(x)) * up(x))``)."""
+    """GELU (``down(gelu(up(x)))``), SwiGLU (``down(silu(gate(x)) * up(x))``) or GeGLU (the
+    same with tanh-approximated GELU for silu)."""
 
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
         d, hidden = cfg.d_model, cfg.hidden
-        self.gated = cfg.mlp == "swiglu"
-        self.up = _linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, cfg.bias)
+        bias = cfg.bias or cfg.mlp_bias
+        self.kind = cfg.mlp
+        self.up = _linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, bias)
         self.down = _linear(hidden, d, ("mlp", "embed"),
-                            cfg.init_std / math.sqrt(2 * cfg.layers), rngs, cfg.bias)
-        self.gate = (_linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, cfg.bias)
-                     if self.gated else None)
+                            cfg.init_std / math.sqrt(2 * cfg.layers), rngs, bias)
+        self.gate = (_linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, bias)
+                     if cfg.gated else None)
         self.up_lora = _adapter("up", d, hidden, ("embed", "mlp"), cfg, rngs)
         self.down_lora = _adapter("down", hidden, d, ("mlp", "embed"), cfg, rngs)
         self.gate_lora = _adapter("gate", d, hidden, ("embed", "mlp"), cfg, rngs)
@@ -248,27 +292,39 @@ class MLP(nnx.Module):
         # transposed for them (a strided pass over the 4 x d_model wide activations).
         rows = x.reshape(-1, x.shape[-1])
         if self.gate is not None:
-            hidden = (jax.nn.silu(_project(self.gate, self.gate_lora, rows))
-                      * _project(self.up, self.up_lora, rows))
+            gate = _project(self.gate, self.gate_lora, rows)
+            gate = (jax.nn.silu(gate) if self.kind == "swiglu"
+                    else jax.nn.gelu(gate, approximate=True))
+            hidden = gate * _project(self.up, self.up_lora, rows)
         else:
             hidden = jax.nn.gelu(_project(self.up, self.up_lora, rows), approximate=True)
         return _project(self.down, self.down_lora, hidden).reshape(x.shape)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
+    """One layer: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``; with
+    ``post_norms`` each sublayer's output is normed before it is added (Gemma)."""
+
+    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs, index: int = 0):
         self.ln1 = _norm(cfg, rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = Attention(cfg, rngs, cfg.sliding_window if cfg.local_layer(index) else None)
         self.ln2 = _norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
+        self.attn_out_norm = _norm(cfg, rngs) if cfg.post_norms else None
+        self.mlp_out_norm = _norm(cfg, rngs) if cfg.post_norms else None
 
     def __call__(self, x: jax.Array, rope: Rope | None, key: jax.Array | None,
                  cache: KV | None = None, pos: jax.Array | int = 0,
                  segments: jax.Array | None = None) -> tuple[jax.Array, KV | None]:
         y, cache = self.attn(self.ln1(x), rope, cache, pos, segments)
+        if self.attn_out_norm is not None:
+            y = self.attn_out_norm(y)
         x = x + _dropout(self.drop, y, key, 0)
-        x = x + _dropout(self.drop, self.mlp(self.ln2(x)), key, 1)
+        y = self.mlp(self.ln2(x))
+        if self.mlp_out_norm is not None:
+            y = self.mlp_out_norm(y)
+        x = x + _dropout(self.drop, y, key, 1)
         return x, cache
 
 
@@ -292,6 +348,12 @@ class Transformer(nnx.Module):
         self.layers, self.kv_heads = cfg.layers, cfg.kv_key_heads
         self.head_dim = cfg.attention_head_dim
         self.rotary = (self.head_dim, cfg.rope_theta, cfg.rope_scaling)  # rotary_frequencies
+        # Layers with a rotary scheme of their own (Gemma 3's local ones): their frequencies.
+        self.local_rotary = (None if cfg.local_rope_theta is None else
+                             (self.head_dim, cfg.local_rope_theta, None))
+        self.own_rotary = tuple(self.local_rotary is not None and cfg.local_layer(i)
+                                for i in range(cfg.layers))
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs,
                                embedding_init=nnx.initializers.normal(cfg.init_std),
@@ -299,7 +361,7 @@ class Transformer(nnx.Module):
         self.positions = (nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.seq_len, cfg.d_model)), axes=(None, "embed"))
             if cfg.positions == "learned" else None)
-        self.blocks = nnx.Dict({f"{i}": Block(cfg, rngs) for i in range(cfg.layers)})
+        self.blocks = nnx.Dict({f"{i}": Block(cfg, rngs, i) for i in range(cfg.layers)})
         self.ln_f = _norm(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
         # An output head of its own, [vocab, d_model] as the embedding table (and as
@@ -339,41 +401,49 @@ class Transformer(nnx.Module):
         # it was created in, and the whole residual stream with them.
         table = self.embed.embedding[...]
         x = jnp.take(table, tokens.astype(jnp.int32), axis=0)
-        rope = None
+        if self.embed_scale is not None:  # in the table's dtype, as Gemma scales it
+            x = x * jnp.asarray(self.embed_scale, x.dtype)
+        if self.positions is not None:
+            at = positions[None] if segment_positions is None else segment_positions
+            x = x + jnp.take(self.positions[...], at, axis=0).astype(x.dtype)
+            ropes: list[Rope | None] = [None] * self.layers
+        else:
+            global_rope = self._rope(self.rotary, chunk, pos, segment_positions)
+            local_rope = (None if self.local_rotary is None else
+                          self._rope(self.local_rotary, chunk, pos, segment_positions))
+            ropes = [local_rope if own else global_rope for own in self.own_rotary]
+        x = _dropout(self.drop, x, key, 0)
+        if cache is not None:
+            new_cache: list[KV] = []
+            for i in range(self.layers):
+                x, kv = self.blocks[f"{i}"](x, ropes[i], None, cache[i], pos)
+                assert kv is not None  # a block given its cache returns it updated
+                new_cache.append(kv)
+            return self.ln_f(x).reshape(batch * chunk, -1), new_cache
+        return (self.ln_f(self._blocks(x, ropes, key, segments)).reshape(batch * chunk, -1),
+                None)
+
+    @staticmethod
+    def _rope(rotary: tuple[Any, ...], chunk: int, pos: jax.Array | int,
+              segment_positions: jax.Array | None) -> Rope:
+        """The rotary angles of the chunk's positions for one rotary scheme."""
         if segment_positions is not None:
             # Packed rows: positions restart in each document. The rotary table stays a
             # constant (see below), gathered per token.
-            if self.positions is None:
-                with jax.ensure_compile_time_eval():
-                    angles = Rope.at(jnp.arange(chunk), rotary_frequencies(*self.rotary))
-                rope = Rope(*(jnp.take(np.asarray(t), segment_positions, axis=0)
-                              for t in angles))
-            else:
-                x = x + jnp.take(self.positions[...], segment_positions, axis=0).astype(x.dtype)
-        elif self.positions is None and isinstance(pos, int | np.integer):
+            with jax.ensure_compile_time_eval():
+                angles = Rope.at(jnp.arange(chunk), rotary_frequencies(*rotary))
+            return Rope(*(jnp.take(np.asarray(t), segment_positions, axis=0) for t in angles))
+        if isinstance(pos, int | np.integer):
             # Static positions (training, a prefill at 0): the table becomes a constant. Left in
             # the program, XLA:CPU fuses sin and cos into their consumers and evaluates them
             # again for every element they scale (BENCHMARKS.md, "The byte LM against PyTorch
             # on CPU": the rotary table computed in the step).
             with jax.ensure_compile_time_eval():
-                angles = Rope.at(pos + jnp.arange(chunk), rotary_frequencies(*self.rotary))
-            rope = Rope(*(np.asarray(t) for t in angles))
-        elif self.positions is None:
-            rope = Rope.at(positions, rotary_frequencies(*self.rotary))
-        else:
-            x = x + jnp.take(self.positions[...], positions, axis=0)[None].astype(x.dtype)
-        x = _dropout(self.drop, x, key, 0)
-        if cache is not None:
-            new_cache: list[KV] = []
-            for i in range(self.layers):
-                x, kv = self.blocks[f"{i}"](x, rope, None, cache[i], pos)
-                assert kv is not None  # a block given its cache returns it updated
-                new_cache.append(kv)
-            return self.ln_f(x).reshape(batch * chunk, -1), new_cache
-        return (self.ln_f(self._blocks(x, rope, key, segments)).reshape(batch * chunk, -1),
-                None)
+                angles = Rope.at(pos + jnp.arange(chunk), rotary_frequencies(*rotary))
+            return Rope(*(np.asarray(t) for t in angles))
+        return Rope.at(pos + jnp.arange(chunk), rotary_frequencies(*rotary))
 
-    def _blocks(self, x: jax.Array, rope: Rope | None, key: jax.Array | None,
+    def _blocks(self, x: jax.Array, ropes: list[Rope | None], key: jax.Array | None,
                 segments: jax.Array | None = None) -> jax.Array:
         """The layers in training and eval: unrolled, or one block under ``lax.scan`` over the
         layers' params stacked on the fly; each optionally rematerialized. The params keep one
@@ -382,26 +452,33 @@ class Transformer(nnx.Module):
         if not self.scan_layers and self.remat == "none":
             for i in range(self.layers):
                 layer_key = None if key is None else jax.random.fold_in(key, i + 1)
-                x, _ = self.blocks[f"{i}"](x, rope, layer_key, segments=segments)
+                x, _ = self.blocks[f"{i}"](x, ropes[i], layer_key, segments=segments)
             return x
-        graphdef, _ = nnx.split(self.blocks["0"])
-        states = [nnx.split(self.blocks[f"{i}"])[1] for i in range(self.layers)]
+        split = [nnx.split(self.blocks[f"{i}"]) for i in range(self.layers)]
+        states = [state for _, state in split]
+        rope = ropes[0]  # under scan every layer is alike (TransformerModel checks)
 
-        def block(state: nnx.State, x: jax.Array, index: jax.Array) -> jax.Array:
-            layer_key = None if key is None else jax.random.fold_in(key, index)
-            return nnx.merge(graphdef, state)(x, rope, layer_key, segments=segments)[0]
+        def layer(graphdef: nnx.GraphDef, rope: Rope | None):
+            def block(state: nnx.State, x: jax.Array, index: jax.Array) -> jax.Array:
+                layer_key = None if key is None else jax.random.fold_in(key, index)
+                return nnx.merge(graphdef, state)(x, rope, layer_key, segments=segments)[0]
+            return block
 
-        if self.remat != "none":
+        def remat(block):
+            if self.remat == "none":
+                return block
             # Under scan the loop already keeps the recomputation in the backward pass, so the
             # barrier against CSE is not needed (JAX's advice for checkpoint inside scan).
             # Unrolled, XLA:CPU is free to schedule the recomputation early: there remat did
             # not lower the step's temporaries (BENCHMARKS.md, "Layers under scan").
-            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat],
-                                   prevent_cse=not self.scan_layers)
+            return jax.checkpoint(block, policy=REMAT_POLICIES[self.remat],
+                                  prevent_cse=not self.scan_layers)
+
         if not self.scan_layers:
-            for i, state in enumerate(states):
-                x = block(state, x, jnp.uint32(i + 1))
+            for i, (graphdef, state) in enumerate(split):
+                x = remat(layer(graphdef, ropes[i]))(state, x, jnp.uint32(i + 1))
             return x
+        block = remat(layer(split[0][0], rope))
         stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *states)
         x, _ = jax.lax.scan(lambda x, layer: (block(layer[0], x, layer[1]), None), x,
                             (stacked, jnp.arange(1, self.layers + 1, dtype=jnp.uint32)))
@@ -462,17 +539,19 @@ def parameter_count(cfg: TransformerModel) -> int:
     d, hidden, head_dim = cfg.d_model, cfg.hidden, cfg.attention_head_dim
     inner, kv_inner = cfg.heads * head_dim, cfg.kv_key_heads * head_dim
     norm = 2 * d if cfg.norm == "layernorm" else d
-    qkv_bias = cfg.bias or cfg.qkv_bias
+    qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attention_bias
+    o_bias, mlp_bias = cfg.bias or cfg.attention_bias, cfg.bias or cfg.mlp_bias
     attention = (d * inner + 2 * d * kv_inner + inner * d
-                 + (inner + 2 * kv_inner if qkv_bias else 0) + (d if cfg.bias else 0))
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * hidden
-    if cfg.bias:
-        mlp += (2 if cfg.mlp == "swiglu" else 1) * hidden + d
+                 + (inner + 2 * kv_inner if qkv_bias else 0) + (d if o_bias else 0)
+                 + (2 * head_dim if cfg.qk_norm else 0))
+    mlp = (3 if cfg.gated else 2) * d * hidden
+    if mlp_bias:
+        mlp += (2 if cfg.gated else 1) * hidden + d
     shapes = {"q": (d, inner), "k": (d, kv_inner), "v": (d, kv_inner), "o": (inner, d),
               "gate": (d, hidden), "up": (d, hidden), "down": (hidden, d)}
     rank = cfg.lora.rank if cfg.lora is not None else 0
     adapters = sum(rank * sum(shapes[t]) for t in cfg.adapted)
-    block = 2 * norm + attention + mlp + adapters
+    block = (4 if cfg.post_norms else 2) * norm + attention + mlp + adapters
     table = cfg.vocab * d
     return (table + (cfg.seq_len * d if cfg.positions == "learned" else 0)
             + cfg.layers * block + norm + (0 if cfg.tie_embeddings else table))

@@ -213,7 +213,7 @@ def transformer_flops(cfg: TransformerModel, examples: int, seq_len: int | None 
     tokens = examples * seq
     d, inner = cfg.d_model, cfg.heads * cfg.attention_head_dim
     kv_inner = cfg.kv_key_heads * cfg.attention_head_dim
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * cfg.hidden
+    mlp = (3 if cfg.gated else 2) * d * cfg.hidden
     matmul_weights = cfg.vocab * d + cfg.layers * (2 * d * inner + 2 * d * kv_inner + mlp)
     return float(6 * matmul_weights * tokens + 12 * cfg.layers * seq * inner * tokens)
 

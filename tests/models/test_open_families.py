@@ -1,0 +1,106 @@
+"""The families fine-tuned today beside Llama, Qwen2 and Mistral: Qwen3 (q/k norms), Gemma 3
+(1 + w norms around each sublayer, scaled embeddings, local layers with their own rotary base
+and a sliding window), Phi-3 (fused q/k/v and gate/up), Llama's bias options and sliding windows
+in Mistral and Qwen2. Each is a random model saved in shards by `transformers`, every weight
+drawn: trainrun's logits are `transformers`' within 1e-4, its greedy decoding of 200 tokens is
+`transformers`' `generate` token for token (past the 128 positions `load` once capped the
+context at), and what trainrun writes loads in `transformers` with trainrun's logits."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import FAMILY_CONFIGS, hf_greedy, hf_logits, save_tiny_family
+
+import trainrun
+from trainrun.models.huggingface import INDEX, write_model_dir
+
+pytest.importorskip("transformers", reason="the tests' extra holds transformers")
+
+FAMILIES = sorted(FAMILY_CONFIGS)
+TOKENS = np.random.default_rng(1).integers(0, 96, (2, 40))
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("open-families")
+    return {family: save_tiny_family(root / family, family) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_loads_with_the_logits_transformers_computes(family_dirs, family):
+    path = family_dirs[family]
+    assert (path / INDEX).is_file()  # saved in shards
+    model = trainrun.load(path)
+    cfg = model.config
+    expected = {"qwen3": dict(qk_norm=True, attention_bias=True),
+                "gemma3_text": dict(norm_plus_one=True, post_norms=True, embed_scale=True,
+                                    mlp="geglu", sliding_window=8, sliding_layers=(0, 2),
+                                    local_rope_theta=100.0, rope_theta=50000.0),
+                "phi3": dict(sliding_window=12, sliding_layers=None),
+                "llama_biases": dict(attention_bias=True, mlp_bias=True),
+                "mistral_window": dict(sliding_window=6, sliding_layers=None),
+                "qwen2_window": dict(sliding_window=7, sliding_layers=(1, 2), qkv_bias=True)}
+    for field, value in expected[family].items():
+        assert getattr(cfg, field) == value, field
+    assert cfg.seq_len == 256  # the model's own context, not a cap
+    want = hf_logits(path, TOKENS)
+    assert float(np.abs(want).max()) > 0.5
+    np.testing.assert_allclose(model(TOKENS), want, rtol=0, atol=1e-4)
+
+
+def test_each_family_trait_changes_the_logits(family_dirs):
+    """Without the sliding window (or with another window) the logits differ, so the test
+    above would catch a window that is ignored."""
+    model = trainrun.load(family_dirs["mistral_window"])
+    wider = trainrun.LanguageModel(model.config.model_copy(update={"sliding_window": 7}),
+                                   model.params)
+    assert not np.allclose(wider(TOKENS), model(TOKENS), atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_of_200_tokens_is_transformers_generate(family_dirs, family):
+    path = family_dirs[family]
+    prompt = TOKENS[0, :16]
+    want = hf_greedy(path, prompt, 200)
+    got = trainrun.load(path).generate(prompt, 200)
+    assert len(got) == len(want) == 216
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_written_params_load_back_in_transformers_with_the_same_logits(family_dirs, family,
+                                                                       tmp_path):
+    source = family_dirs[family]
+    model = trainrun.load(source)
+    params = jax.tree.map(lambda x: np.asarray(x) * 1.25, model.params)
+    hf = json.loads((source / "config.json").read_text())
+    out = write_model_dir(params, model.config, tmp_path / "out", model_type=hf["model_type"],
+                          source=hf, shard_bytes=60_000)
+    ours = trainrun.LanguageModel(model.config, params)(TOKENS)
+    assert not np.allclose(ours, model(TOKENS), atol=1e-3)
+    np.testing.assert_allclose(hf_logits(out, TOKENS), ours, rtol=0, atol=1e-4)
+    assert trainrun.load(out).config == model.config
+
+
+def test_what_gemma_asks_and_trainrun_does_not_compute_is_refused(tmp_path):
+    from trainrun.checkpointing.init_from import model_of
+    from trainrun.models.huggingface import WeightsError
+
+    path = save_tiny_family(tmp_path / "capped", "gemma3_text", final_logit_softcapping=30.0)
+    with pytest.raises(WeightsError, match=r"final_logit_softcapping=30\.0") as err:
+        model_of(path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_context_given_to_load_sizes_the_model(family_dirs):
+    model = trainrun.load(family_dirs["qwen3"], context=64)
+    assert model.config.seq_len == 64
+    from trainrun.language_model import LoadError
+
+    with pytest.raises(LoadError, match="context=1"):
+        trainrun.load(family_dirs["qwen3"], context=1)

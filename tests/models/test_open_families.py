@@ -104,3 +104,43 @@ def test_a_context_given_to_load_sizes_the_model(family_dirs):
 
     with pytest.raises(LoadError, match="context=1"):
         trainrun.load(family_dirs["qwen3"], context=1)
+
+
+@pytest.fixture(scope="module")
+def byte_vocab_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("byte-vocab-families")
+    return {family: save_tiny_family(root / family, family, vocab_size=256)
+            for family in FAMILIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lora_fine_tune_exports_adapters_peft_loads_with_trainruns_logits(byte_vocab_dirs,
+                                                                             family, tmp_path):
+    import io
+
+    pytest.importorskip("peft")
+    from conftest import hf_logits as logits_of
+
+    from trainrun.checkpointing.init_from import resolved
+    from trainrun.cli import main
+    from trainrun.config import load_config
+    from trainrun.training.loop import run
+
+    targets = "[o, down]" if family == "phi3" else "all-linear"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(32, 96)) * 40)
+    config = resolved(load_config("finetune", [
+        "steps=6", "steps_per_call=3", "checkpoint.every=0", "eval.every=0",
+        "optimizer.lr=0.01", "optimizer.schedule.warmup_steps=1",
+        f"init.from={byte_vocab_dirs[family]}", f"data.paths=[{corpus}]", "data.seq_len=24",
+        "data.batch_size=2", f"model.lora={{rank: 4, alpha: 8, targets: {targets}}}"]))
+    run(config, tmp_path / "run", out=io.StringIO())
+    trained = trainrun.load(tmp_path / "run")
+    base = trainrun.load(byte_vocab_dirs[family])
+    tokens = TOKENS[:, :24]
+    assert not np.allclose(trained(tokens), base(tokens), atol=1e-4)  # the adapters count
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "adapters")]) == 0
+    np.testing.assert_allclose(logits_of(byte_vocab_dirs[family], tokens,
+                                         adapters=tmp_path / "adapters"),
+                               trained(tokens), rtol=0, atol=1e-4)

@@ -104,6 +104,11 @@ def adapter_files(params: PyTree, cfg: TransformerModel, model_type: str,
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, float] = {}
     if model_type in LLAMA_FAMILY:
+        fused = [t for t in targets if t in ("q", "k", "v", "gate", "up")]
+        if model_type == "phi3" and fused:
+            raise WeightsError(f"LoRA on {', '.join(fused)} of a phi3 model does not export: "
+                               "Phi-3 fuses them into qkv_proj and gate_up_proj; train "
+                               "adapters on o and down (model.lora.targets=[o, down])")
         for i in range(cfg.layers):
             for t in targets:
                 a, b = _adapter(params, i, t, rank)

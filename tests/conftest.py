@@ -178,6 +178,17 @@ FAMILY_CONFIGS = {  # (transformers' config class, what sets the family apart)
     "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=7,
                                          max_window_layers=1)),
 }
+MOE_CONFIGS = {  # 8 experts, top-2, as the benchmarks' layer
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2,
+                                      router_aux_loss_coef=0.02)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, head_dim=16,
+                                         moe_intermediate_size=32, norm_topk_prob=True,
+                                         mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48)),
+}
+FAMILY_CONFIGS.update(MOE_CONFIGS)
 
 
 def save_tiny_family(path: Path, family: str, *, max_shard_size: str | None = "60KB",

@@ -1,10 +1,12 @@
 """The families fine-tuned today beside Llama, Qwen2 and Mistral: Qwen3 (q/k norms), Gemma 3
 (1 + w norms around each sublayer, scaled embeddings, local layers with their own rotary base
-and a sliding window), Phi-3 (fused q/k/v and gate/up), Llama's bias options and sliding windows
-in Mistral and Qwen2. Each is a random model saved in shards by `transformers`, every weight
-drawn: trainrun's logits are `transformers`' within 1e-4, its greedy decoding of 200 tokens is
-`transformers`' `generate` token for token (past the 128 positions `load` once capped the
-context at), and what trainrun writes loads in `transformers` with trainrun's logits."""
+and a sliding window), Phi-3 (fused q/k/v and gate/up), Llama's bias options, sliding windows
+in Mistral and Qwen2, and the mixtures of experts Mixtral, Qwen3-MoE (with a dense layer) and
+Qwen2-MoE (with its gated shared expert), 8 experts top-2. Each is a random model saved in
+shards by `transformers`, every weight drawn: trainrun's logits are `transformers`' within
+1e-4, its greedy decoding of 200 tokens is `transformers`' `generate` token for token (past the
+128 positions `load` once capped the context at), and what trainrun writes loads in
+`transformers` with trainrun's logits."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import FAMILY_CONFIGS, hf_greedy, hf_logits, save_tiny_family
+from conftest import FAMILY_CONFIGS, MOE_CONFIGS, hf_greedy, hf_logits, save_tiny_family
 
 import trainrun
 from trainrun.models.huggingface import INDEX, write_model_dir
@@ -43,7 +45,13 @@ def test_a_family_loads_with_the_logits_transformers_computes(family_dirs, famil
                 "phi3": dict(sliding_window=12, sliding_layers=None),
                 "llama_biases": dict(attention_bias=True, mlp_bias=True),
                 "mistral_window": dict(sliding_window=6, sliding_layers=None),
-                "qwen2_window": dict(sliding_window=7, sliding_layers=(1, 2), qkv_bias=True)}
+                "qwen2_window": dict(sliding_window=7, sliding_layers=(1, 2), qkv_bias=True),
+                "mixtral": dict(experts=8, experts_per_token=2, router_renormalise=True,
+                                router_aux_loss=0.02),
+                "qwen3_moe": dict(experts=8, expert_hidden=32, dense_layers=(1,),
+                                  qk_norm=True, router_renormalise=True),
+                "qwen2_moe": dict(experts=8, shared_expert_hidden=48, qkv_bias=True,
+                                  router_renormalise=False)}
     for field, value in expected[family].items():
         assert getattr(cfg, field) == value, field
     assert cfg.seq_len == 256  # the model's own context, not a cap
@@ -127,7 +135,8 @@ def test_a_lora_fine_tune_exports_adapters_peft_loads_with_trainruns_logits(byte
     from trainrun.config import load_config
     from trainrun.training.loop import run
 
-    targets = "[o, down]" if family == "phi3" else "all-linear"
+    targets = ("[o, down]" if family == "phi3" else "[q, k, v, o]" if family in MOE_CONFIGS
+               else "all-linear")
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(32, 96)) * 40)
     config = resolved(load_config("finetune", [
@@ -144,3 +153,30 @@ def test_a_lora_fine_tune_exports_adapters_peft_loads_with_trainruns_logits(byte
     np.testing.assert_allclose(logits_of(byte_vocab_dirs[family], tokens,
                                          adapters=tmp_path / "adapters"),
                                trained(tokens), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+def test_the_training_loss_is_transformers_loss_with_its_router_term(family_dirs, family):
+    """The loss trainrun trains on is transformers' with output_router_logits: the next-token
+    loss plus router_aux_loss_coef times the load-balancing loss over every expert layer."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from trainrun.models import build_model
+
+    path = family_dirs[family]
+    model = trainrun.load(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32).eval()
+    ids = torch.from_numpy(np.asarray(TOKENS, np.int64))
+    with torch.no_grad():  # the router sees the inputs: every token but the last
+        out = reference(ids[:, :-1], labels=ids[:, :-1], output_router_logits=True)
+        full = reference(ids, labels=ids)
+    assert float(out.aux_loss) > 0
+    coefficient = reference.config.router_aux_loss_coef
+    lm = build_model(model.config)
+    loss, aux, _ = lm.loss(model.params, {"tokens": np.asarray(TOKENS, np.int32)},
+                           jax.random.key(0), None)
+    assert abs(float(aux["router_aux_loss"]) - float(out.aux_loss)) < 1e-5
+    assert abs(float(loss) - (float(full.loss) + coefficient * float(out.aux_loss))) < 1e-5
+    shares = [float(aux[f"expert_share/{e}"]) for e in range(8)]
+    assert abs(sum(shares) - 1.0) < 1e-5 and max(shares) < 1.0

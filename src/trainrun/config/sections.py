@@ -141,6 +141,18 @@ class TransformerModel(Section):
     sliding_window: int | None = Field(None, gt=0)
     sliding_layers: tuple[int, ...] | None = None
     local_rope_theta: float | None = Field(None, gt=0)
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of each layer but
+    # dense_layers is experts gated MLPs of width expert_hidden, each token through the
+    # experts_per_token its router picks (weights renormalised to sum 1 where
+    # router_renormalise), beside a shared expert of width shared_expert_hidden where set.
+    # The load-balancing loss is added times router_aux_loss.
+    experts: int | None = Field(None, gt=1)
+    experts_per_token: int = Field(2, gt=0)
+    expert_hidden: int | None = Field(None, gt=0)
+    shared_expert_hidden: int | None = Field(None, gt=0)
+    router_renormalise: bool = True
+    router_aux_loss: float = Field(0.01, ge=0)
+    dense_layers: tuple[int, ...] = ()
     lora: LoraConfig | None = None  # adapters; with them only the adapters train by default
     # How the program is built; the maths and the params' layout stay the same, so a checkpoint
     # written under one setting restores under any other.
@@ -167,10 +179,20 @@ class TransformerModel(Section):
         if self.sliding_layers is not None and self.sliding_window is None:
             raise ValueError("model.sliding_layers is set without model.sliding_window; give "
                              "the window's length")
-        if self.scan_layers and len({self.local_layer(i) for i in range(self.layers)}) > 1:
+        if self.scan_layers and len({(self.local_layer(i), self.expert_layer(i))
+                                     for i in range(self.layers)}) > 1:
             raise ValueError("model.scan_layers=true needs every layer alike, but "
-                             "model.sliding_layers makes some local and some global; set "
-                             "scan_layers=false")
+                             "model.sliding_layers or model.dense_layers make them differ; "
+                             "set scan_layers=false")
+        if self.experts is not None:
+            if self.experts_per_token > self.experts:
+                raise ValueError(f"model.experts_per_token={self.experts_per_token} is more "
+                                 f"than model.experts={self.experts}")
+            if not self.gated:
+                raise ValueError("model.experts needs a gated MLP (model.mlp=swiglu or geglu)")
+            if self.lora is not None and self.adapted & {"gate", "up", "down"}:
+                raise ValueError("model.lora on gate, up or down of a mixture-of-experts "
+                                 "model is not supported; target the attention (q, k, v, o)")
         if self.lora is not None and self.mlp == "gelu" and "gate" in self.lora.targets:
             raise ValueError("model.lora.targets names gate, which only model.mlp=swiglu has; "
                              "drop it, or give all-linear")
@@ -190,6 +212,14 @@ class TransformerModel(Section):
     def gated(self) -> bool:
         """Whether the MLP has a gate projection (SwiGLU, GeGLU)."""
         return self.mlp != "gelu"
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_hidden or self.hidden
+
+    def expert_layer(self, index: int) -> bool:
+        """Whether layer ``index``'s MLP is a mixture of experts."""
+        return self.experts is not None and index not in self.dense_layers
 
     def local_layer(self, index: int) -> bool:
         """Whether layer ``index`` attends within the sliding window."""

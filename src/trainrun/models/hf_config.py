@@ -159,7 +159,8 @@ class AdapterConfig(_JsonFile):
 
 MODEL_CONFIGS: dict[str, type[_ModelConfig]] = {
     "gpt2": GPT2Config, "llama": LlamaConfig, "qwen2": LlamaConfig, "mistral": LlamaConfig,
-    "qwen3": LlamaConfig, "gemma3_text": LlamaConfig, "phi3": LlamaConfig}
+    "qwen3": LlamaConfig, "gemma3_text": LlamaConfig, "phi3": LlamaConfig,
+    "mixtral": LlamaConfig, "qwen2_moe": LlamaConfig, "qwen3_moe": LlamaConfig}
 MODEL_FIX = "correct it, or save the model again with save_pretrained"
 ADAPTER_FIX = "correct it, or save the adapter again with PEFT's save_pretrained"
 

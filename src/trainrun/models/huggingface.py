@@ -41,7 +41,8 @@ HEAD = "lm_head.weight"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 BLOCK_ELEMENTS = 2**24  # of a large table compared a block at a time, never read whole
 PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's names lack it
-LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "phi3")
+MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "phi3", *MOE_FAMILY)
 MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
 # Files a model directory carries beside its weights, copied by an export from its source.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -118,15 +119,17 @@ def _gpt2(hf: dict[str, Any]) -> Architecture:
 
 
 # What sets each family of the Llama layout apart (transformers' modeling files).
-QKV_BIAS = ("qwen2",)  # biases on q/k/v alone
-ATTENTION_BIAS = ("llama", "qwen3", "gemma3_text")  # attention_bias: on q/k/v and o
+QKV_BIAS = ("qwen2", "qwen2_moe")  # biases on q/k/v alone
+ATTENTION_BIAS = ("llama", "qwen3", "gemma3_text", "qwen3_moe")  # on q/k/v and o
 MLP_BIAS = ("llama",)  # mlp_bias
-QK_NORM = ("qwen3", "gemma3_text")
+QK_NORM = ("qwen3", "gemma3_text", "qwen3_moe")
 GEMMA = ("gemma3_text",)  # 1 + w norms, norms after each sublayer, scaled embeddings
 FUSED = ("phi3",)  # one qkv_proj and one gate_up_proj per layer
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
 
 
@@ -166,7 +169,8 @@ def _llama_family(hf: dict[str, Any], model_type: str) -> Architecture:
               "mlp": ACTIVATIONS[activation], "mlp_hidden": int(hf["intermediate_size"]),
               "norm": "rmsnorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
               "positions": "rope", "rope_theta": theta, "rope_scaling": scaling, "bias": False,
-              "qkv_bias": model_type in QKV_BIAS,
+              "qkv_bias": (bool(hf.get("qkv_bias", True)) if model_type == "qwen2_moe"
+                           else model_type in QKV_BIAS),
               "attention_bias": bool(hf.get("attention_bias", False)),
               "mlp_bias": bool(hf.get("mlp_bias", False)),
               "qk_norm": model_type in QK_NORM, "norm_plus_one": gemma, "post_norms": gemma,
@@ -176,8 +180,39 @@ def _llama_family(hf: dict[str, Any], model_type: str) -> Architecture:
               "sliding_window": window, "sliding_layers": sliding,
               "local_rope_theta": local_theta if window is not None else None,
               "tie_embeddings": bool(hf.get("tie_word_embeddings",
-                                            model_type in ("qwen2", *GEMMA)))}
+                                            model_type in ("qwen2", *GEMMA))),
+              **(_experts(hf, model_type, layers) if model_type in MOE_FAMILY else {})}
+    if model_type in MOE_FAMILY:
+        keys.update(experts="num_experts", experts_per_token="num_experts_per_tok",
+                    expert_hidden="moe_intermediate_size",
+                    shared_expert_hidden="shared_expert_intermediate_size",
+                    router_aux_loss="router_aux_loss_coef", dense_layers="mlp_only_layers")
     return Architecture(model_type, fields, keys, int(hf.get("max_position_embeddings") or 0))
+
+
+def _experts(hf: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json."""
+    if float(hf.get("router_jitter_noise") or 0.0):
+        raise WeightsError(f"router_jitter_noise {hf['router_jitter_noise']} is not supported; "
+                           "trainrun's router adds no noise: set it to 0")
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if experts < 2:
+        raise WeightsError(f"num_experts {experts} names no mixture; a dense model has its "
+                           "own model_type")
+    if model_type == "mixtral":
+        return {"experts": experts, "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
+                "expert_hidden": None, "router_renormalise": True, "dense_layers": (),
+                "shared_expert_hidden": None,
+                "router_aux_loss": float(hf.get("router_aux_loss_coef", 0.001))}
+    step = int(hf.get("decoder_sparse_step", 1))
+    only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
+    return {"experts": experts, "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
+            "expert_hidden": int(hf["moe_intermediate_size"]),
+            "router_renormalise": bool(hf.get("norm_topk_prob", model_type == "qwen3_moe")),
+            "dense_layers": dense, "shared_expert_hidden": int(shared) if shared else None,
+            "router_aux_loss": float(hf.get("router_aux_loss_coef", 0.001))}
 
 
 def _sliding(hf: dict[str, Any], model_type: str, layers: int
@@ -205,7 +240,7 @@ def _sliding(hf: dict[str, Any], model_type: str, layers: int
             raise WeightsError("layer_types names sliding_attention layers but sliding_window "
                                "is not set; give the window's length")
         return int(window), None if len(sliding) == layers else sliding
-    if model_type in ("mistral", "phi3") and window:
+    if model_type in ("mistral", "phi3", "mixtral") and window:
         return int(window), None
     return None, None
 
@@ -317,17 +352,57 @@ def config_json(cfg: TransformerModel, model_type: str,
                                   "full_attention" for i in range(cfg.layers)]
             out["use_sliding_window"] = True
             out["max_window_layers"] = 0
-    elif model_type in ("mistral", "phi3"):
+    elif model_type in ("mistral", "phi3", "mixtral"):
         out["sliding_window"] = None
     elif gemma:  # every layer global
         out["sliding_window"] = 4096
         out["layer_types"] = ["full_attention"] * cfg.layers
+    if model_type in MOE_FAMILY:
+        out.update(_experts_json(cfg, model_type))
     out["max_position_embeddings"] = max(int(out.get("max_position_embeddings") or 0),
                                          cfg.seq_len)
     if scaling is not None and not gemma:  # hub checkpoints' key, read by older transformers
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     _refuse_unwritten(cfg, out, model_type)
     return out
+
+
+def _experts_json(cfg: TransformerModel, model_type: str) -> dict[str, Any]:
+    if cfg.experts is None:
+        raise WeightsError(f"the model has no experts, which {model_type} has: export it as "
+                           "the dense family it was trained from")
+    out: dict[str, Any] = {"num_experts_per_tok": cfg.experts_per_token,
+                           "router_aux_loss_coef": cfg.router_aux_loss,
+                           "output_router_logits": False}
+    if model_type == "mixtral":
+        return {**out, "num_local_experts": cfg.experts}
+    out.update(num_experts=cfg.experts, moe_intermediate_size=cfg.expert_width,
+               norm_topk_prob=cfg.router_renormalise, decoder_sparse_step=1,
+               mlp_only_layers=list(cfg.dense_layers))
+    if model_type == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_hidden or 0,
+                   qkv_bias=cfg.qkv_bias)
+    return out
+
+
+def _expert_sources(cfg: TransformerModel, model_type: str, hf: str, ours: str
+                    ) -> dict[str, Source]:
+    """The sources of one expert layer's params (``hf``: the layer's prefix)."""
+    assert cfg.experts is not None
+    if model_type == "mixtral":
+        moe, parts = f"{hf}block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
+    else:
+        moe, parts = f"{hf}mlp.", {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    names = {f"{ours}router": Source(f"{moe}gate.weight", transpose=True)}
+    for ours_name, theirs in parts.items():
+        stack = tuple(f"{moe}experts.{e}.{theirs}.weight" for e in range(cfg.experts))
+        names[f"{ours}{ours_name}"] = Source(stack[0], transpose=True, stack=stack)
+    if cfg.shared_expert_hidden is not None:
+        names[f"{ours}shared_gate"] = Source(f"{moe}shared_expert_gate.weight", transpose=True)
+        for p in ("gate", "up", "down"):
+            key = "shared_gate_proj" if p == "gate" else f"shared_{p}"
+            names[f"{ours}{key}"] = Source(f"{moe}shared_expert.{p}_proj.weight", transpose=True)
+    return names
 
 
 def _refuse_unwritten(cfg: TransformerModel, out: dict[str, Any], model_type: str) -> None:
@@ -395,6 +470,7 @@ class Source:
     transpose: bool = False
     span: tuple[int, int] | None = None
     fused: int = 0
+    stack: tuple[str, ...] = ()  # the tensors of each expert, stacked on the param's first axis
 
 
 def tensor_map(cfg: TransformerModel, model_type: str) -> dict[str, Source]:
@@ -456,6 +532,9 @@ def tensor_map(cfg: TransformerModel, model_type: str) -> dict[str, Source]:
             names[f"{ours}attn.o.kernel"] = Source(f"{hf}self_attn.o_proj.weight", transpose=True)
             if cfg.attention_bias:
                 names[f"{ours}attn.o.bias"] = Source(f"{hf}self_attn.o_proj.bias")
+            if cfg.expert_layer(i):
+                names.update(_expert_sources(cfg, model_type, hf, f"{ours}mlp."))
+                continue
             for j, proj in enumerate(("gate", "up")):
                 if model_type in FUSED:
                     names[f"{ours}mlp.{proj}.kernel"] = Source(
@@ -633,6 +712,10 @@ def check_tensors(tensors: Tensors, wanted: dict[str, Source], shapes: dict[str,
     needed: dict[str, tuple[int, ...]] = {}
     for param, source in wanted.items():
         shape = shapes[param]
+        if source.stack:  # one tensor per expert, each the param's shape less its first axis
+            for name in source.stack:
+                needed[name] = shape[1:][::-1] if source.transpose else shape[1:]
+            continue
         if source.span is not None:  # a fused tensor: params side by side on the last axis
             shape = (*shape[:-1], source.fused)
         full = shape[::-1] if source.transpose else shape
@@ -676,6 +759,12 @@ def separate_head(tensors: Tensors, model_type: str) -> bool:
 def read_param(tensors: Tensors, source: Source,
                index: tuple[slice, ...] | None = None) -> np.ndarray:
     """The param ``source`` gives (``index``: the part of it in trainrun's layout), float32."""
+    if source.stack:
+        first, rest = (index[0], index[1:]) if index else (slice(None), None)
+        names = source.stack[first]
+        parts = [read_param(tensors, Source(name, source.transpose), rest or None)
+                 for name in names]
+        return np.stack(parts)
     if source.span is not None:  # a fused tensor: this param's part of its last axis
         lo, hi = source.span
         index = index or (slice(None),) * len(tensors.shape(source.name))
@@ -697,6 +786,10 @@ def hf_tensors(params: dict[str, np.ndarray], cfg: TransformerModel,
     transposed: dict[str, bool] = {}
     for param, source in tensor_map(cfg, model_type).items():
         value = np.asarray(params[param], np.float32)
+        for name, part in zip(source.stack, value, strict=False):
+            yield name, np.ascontiguousarray(part.T if source.transpose else part)
+        if source.stack:
+            continue
         if source.span is not None:
             fused.setdefault(source.name, []).append((source.span[0], value))
             transposed[source.name] = source.transpose

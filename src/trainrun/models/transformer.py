@@ -26,6 +26,7 @@ from flax import nnx
 
 from trainrun.config import LoraConfig, RopeScaling, TransformerModel
 from trainrun.models.adapters import Model, bind_params, from_nnx
+from trainrun.models.experts import Experts, RouterStats, load_balancing_loss
 from trainrun.models.losses import LN2, next_token_from_features, tied_head_logits
 from trainrun.models.matmul import float32_dot
 
@@ -309,23 +310,30 @@ class Block(nnx.Module):
         self.ln1 = _norm(cfg, rngs)
         self.attn = Attention(cfg, rngs, cfg.sliding_window if cfg.local_layer(index) else None)
         self.ln2 = _norm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = Experts(cfg, rngs) if cfg.expert_layer(index) else MLP(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
         self.attn_out_norm = _norm(cfg, rngs) if cfg.post_norms else None
         self.mlp_out_norm = _norm(cfg, rngs) if cfg.post_norms else None
 
     def __call__(self, x: jax.Array, rope: Rope | None, key: jax.Array | None,
                  cache: KV | None = None, pos: jax.Array | int = 0,
-                 segments: jax.Array | None = None) -> tuple[jax.Array, KV | None]:
+                 segments: jax.Array | None = None,
+                 ) -> tuple[jax.Array, KV | None, RouterStats | None]:
+        """The layer's output, its updated cache, and its router's statistics (a mixture of
+        experts; else None)."""
         y, cache = self.attn(self.ln1(x), rope, cache, pos, segments)
         if self.attn_out_norm is not None:
             y = self.attn_out_norm(y)
         x = x + _dropout(self.drop, y, key, 0)
-        y = self.mlp(self.ln2(x))
+        stats = None
+        if isinstance(self.mlp, Experts):
+            y, stats = self.mlp(self.ln2(x))
+        else:
+            y = self.mlp(self.ln2(x))
         if self.mlp_out_norm is not None:
             y = self.mlp_out_norm(y)
         x = x + _dropout(self.drop, y, key, 1)
-        return x, cache
+        return x, cache, stats
 
 
 def _dropout(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None, site: int) -> jax.Array:
@@ -389,12 +397,14 @@ class Transformer(nnx.Module):
                  cache: list[KV] | None = None, pos: jax.Array | int = 0,
                  segments: jax.Array | None = None,
                  segment_positions: jax.Array | None = None,
+                 router: list[RouterStats] | None = None,
                  ) -> tuple[jax.Array, list[KV] | None]:
         """The final norm's output ``[batch * chunk, d_model]``, in the params' dtype: what the
         output head multiplies by its table (``head_table``).
 
         segments, segment_positions: ``[batch, chunk]`` for rows of packed documents: each
-        token's document (attention stays inside it) and its position there (``< chunk``)."""
+        token's document (attention stays inside it) and its position there (``< chunk``).
+        router: a list the summed router statistics of the expert layers are appended to."""
         batch, chunk = tokens.shape
         positions = pos + jnp.arange(chunk)
         # The table's own dtype: nnx.Embed would promote a bfloat16 table's rows to the float32
@@ -416,12 +426,14 @@ class Transformer(nnx.Module):
         if cache is not None:
             new_cache: list[KV] = []
             for i in range(self.layers):
-                x, kv = self.blocks[f"{i}"](x, ropes[i], None, cache[i], pos)
+                x, kv, _ = self.blocks[f"{i}"](x, ropes[i], None, cache[i], pos)
                 assert kv is not None  # a block given its cache returns it updated
                 new_cache.append(kv)
             return self.ln_f(x).reshape(batch * chunk, -1), new_cache
-        return (self.ln_f(self._blocks(x, ropes, key, segments)).reshape(batch * chunk, -1),
-                None)
+        x, stats = self._blocks(x, ropes, key, segments)
+        if router is not None and stats is not None:
+            router.append(stats)
+        return self.ln_f(x).reshape(batch * chunk, -1), None
 
     @staticmethod
     def _rope(rotary: tuple[Any, ...], chunk: int, pos: jax.Array | int,
@@ -444,24 +456,34 @@ class Transformer(nnx.Module):
         return Rope.at(pos + jnp.arange(chunk), rotary_frequencies(*rotary))
 
     def _blocks(self, x: jax.Array, ropes: list[Rope | None], key: jax.Array | None,
-                segments: jax.Array | None = None) -> jax.Array:
+                segments: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
         """The layers in training and eval: unrolled, or one block under ``lax.scan`` over the
         layers' params stacked on the fly; each optionally rematerialized. The params keep one
         entry per layer either way, so checkpoints do not depend on these settings. Layer
         ``i``'s dropout key is ``fold_in(key, i + 1)`` in every form."""
+        total: RouterStats | None = None
+
+        def add(stats: RouterStats | None) -> None:
+            nonlocal total
+            if stats is not None:
+                total = stats if total is None else total + stats
+
         if not self.scan_layers and self.remat == "none":
             for i in range(self.layers):
                 layer_key = None if key is None else jax.random.fold_in(key, i + 1)
-                x, _ = self.blocks[f"{i}"](x, ropes[i], layer_key, segments=segments)
-            return x
+                x, _, stats = self.blocks[f"{i}"](x, ropes[i], layer_key, segments=segments)
+                add(stats)
+            return x, total
         split = [nnx.split(self.blocks[f"{i}"]) for i in range(self.layers)]
         states = [state for _, state in split]
         rope = ropes[0]  # under scan every layer is alike (TransformerModel checks)
 
         def layer(graphdef: nnx.GraphDef, rope: Rope | None):
-            def block(state: nnx.State, x: jax.Array, index: jax.Array) -> jax.Array:
+            def block(state: nnx.State, x: jax.Array, index: jax.Array
+                      ) -> tuple[jax.Array, RouterStats | None]:
                 layer_key = None if key is None else jax.random.fold_in(key, index)
-                return nnx.merge(graphdef, state)(x, rope, layer_key, segments=segments)[0]
+                x, _, stats = nnx.merge(graphdef, state)(x, rope, layer_key, segments=segments)
+                return x, stats
             return block
 
         def remat(block):
@@ -476,13 +498,15 @@ class Transformer(nnx.Module):
 
         if not self.scan_layers:
             for i, (graphdef, state) in enumerate(split):
-                x = remat(layer(graphdef, ropes[i]))(state, x, jnp.uint32(i + 1))
-            return x
+                x, stats = remat(layer(graphdef, ropes[i]))(state, x, jnp.uint32(i + 1))
+                add(stats)
+            return x, total
         block = remat(layer(split[0][0], rope))
         stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *states)
-        x, _ = jax.lax.scan(lambda x, layer: (block(layer[0], x, layer[1]), None), x,
-                            (stacked, jnp.arange(1, self.layers + 1, dtype=jnp.uint32)))
-        return x
+        x, per_layer = jax.lax.scan(lambda x, layer: block(layer[0], x, layer[1]), x,
+                                    (stacked, jnp.arange(1, self.layers + 1, dtype=jnp.uint32)))
+        return x, (None if per_layer is None else
+                   RouterStats(*(jnp.sum(t, axis=0) for t in per_layer)))
 
     def empty_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> list[KV]:
         shape = (batch, max_len, self.kv_heads, self.head_dim)
@@ -490,7 +514,7 @@ class Transformer(nnx.Module):
 
 
 def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None,
-             chunk: int = 0):
+             chunk: int = 0, router_aux: float = 0.0):
     """``batch["tokens"]``: ``[batch, seq_len + 1]``; predict each next token. The head and loss
     run in chunks of ``chunk`` tokens (``losses.next_token_from_features``).
 
@@ -503,15 +527,18 @@ def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | 
     / ln 2 / their bytes, and ``weight/bits_per_byte`` those bytes, so eval combines batches by
     bytes."""
     tokens = batch["tokens"]
+    router: list[RouterStats] = []
     if "segment_ids" not in batch:
-        features, _ = module.features(tokens[:, :-1], key)
+        features, _ = module.features(tokens[:, :-1], key, router=router)
         unit = "bits_per_byte" if tokens.dtype == jnp.uint8 else "bits_per_token"
-        return next_token_from_features(features, module.head_table(),
-                                        tokens[:, 1:].reshape(-1), chunk, unit)
+        return _with_router(next_token_from_features(
+            features, module.head_table(), tokens[:, 1:].reshape(-1), chunk, unit),
+            router, router_aux)
     segments = batch["segment_ids"].astype(jnp.int32)
     inputs = segments[:, :-1]
     features, _ = module.features(tokens[:, :-1], key, segments=inputs,
-                                  segment_positions=batch["positions"][:, :-1].astype(jnp.int32))
+                                  segment_positions=batch["positions"][:, :-1].astype(jnp.int32),
+                                  router=router)
     counted = (segments[:, 1:] == inputs) & (inputs > 0)
     if "loss_mask" in batch:  # instruction data: only the answers' tokens are targets
         counted = counted & (batch["loss_mask"][:, 1:] > 0)
@@ -522,12 +549,28 @@ def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | 
         covered = jnp.sum(jnp.where(counted, batch["token_bytes"][:, 1:], 0), dtype=jnp.float32)
         aux["bits_per_byte"] = loss * aux["weight"] / LN2 / jnp.maximum(covered, 1.0)
         aux["weight/bits_per_byte"] = covered
-    return loss, aux
+    return _with_router((loss, aux), router, router_aux)
+
+
+def _with_router(result: tuple[jax.Array, dict[str, jax.Array]], router: list[RouterStats],
+                 coefficient: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The loss with the experts' load-balancing term added (times ``coefficient``), and as
+    metrics that term and each expert's share of the routed tokens; unchanged without
+    experts."""
+    if not router:
+        return result
+    loss, aux = result
+    stats = router[0]
+    balance = load_balancing_loss(stats)
+    share = stats.chosen.sum(0) / jnp.maximum(stats.chosen.sum(), 1.0)
+    aux = {**aux, "router_aux_loss": balance,
+           **{f"expert_share/{e}": share[e] for e in range(share.shape[0])}}
+    return loss + jnp.float32(coefficient) * balance, aux
 
 
 def make_transformer(cfg: TransformerModel) -> Model:
     def loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None):
-        return _lm_loss(module, batch, key, cfg.loss_chunk)
+        return _lm_loss(module, batch, key, cfg.loss_chunk, cfg.router_aux_loss)
 
     return from_nnx(lambda rngs: Transformer(cfg, rngs), loss, name="transformer",
                     eval_loss=lambda module, batch: loss(module, batch, None))
@@ -551,10 +594,16 @@ def parameter_count(cfg: TransformerModel) -> int:
               "gate": (d, hidden), "up": (d, hidden), "down": (hidden, d)}
     rank = cfg.lora.rank if cfg.lora is not None else 0
     adapters = sum(rank * sum(shapes[t]) for t in cfg.adapted)
-    block = (4 if cfg.post_norms else 2) * norm + attention + mlp + adapters
+    block = (4 if cfg.post_norms else 2) * norm + attention + adapters
+    experts = 0
+    if cfg.experts is not None:
+        shared = cfg.shared_expert_hidden or 0
+        experts = (d * cfg.experts + 3 * cfg.experts * d * cfg.expert_width
+                   + (3 * d * shared + d if shared else 0))
+    layers = sum(block + (experts if cfg.expert_layer(i) else mlp) for i in range(cfg.layers))
     table = cfg.vocab * d
     return (table + (cfg.seq_len * d if cfg.positions == "learned" else 0)
-            + cfg.layers * block + norm + (0 if cfg.tie_embeddings else table))
+            + layers + norm + (0 if cfg.tie_embeddings else table))
 
 
 def bind_transformer(cfg: TransformerModel):

@@ -1,0 +1,141 @@
+"""A mixture-of-experts MLP as Mixtral, Qwen2-MoE and Qwen3-MoE compute it, dropless:
+
+    probs   = softmax(x @ router)                        float32, [tokens, experts]
+    weights, chosen = top_k(probs)                       renormalised to sum 1 where asked
+    y       = sum over the chosen e of  weight_e * down_e(act(gate_e(x)) * up_e(x))
+            (+ sigmoid(x @ shared_gate) * shared_mlp(x), Qwen2-MoE's shared expert)
+
+Only the routed tokens are computed: the ``tokens x k`` assignments are sorted by expert, each
+expert's run padded to whole blocks of rows, and one block at a time goes through its own
+expert's weights under ``lax.scan`` (a block past the last one used is skipped). XLA:CPU's
+``ragged_dot`` computes every group on every row, which is what this avoids; the cost is at most
+one partial block per expert (BENCHMARKS.md, "Mixture of experts").
+
+The router's statistics of each layer (``RouterStats``) let the loss add the load-balancing
+term as ``transformers`` computes it over all layers at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trainrun.config import TransformerModel
+
+BLOCK_ROWS = 256  # rows of routed tokens per matmul block
+
+
+class RouterStats(NamedTuple):
+    """Sums over one layer's tokens: ``chosen`` ``[k, experts]`` (how often each expert is the
+    ``j``-th choice), ``probs`` ``[experts]`` (the router's probabilities) and ``tokens``."""
+
+    chosen: jax.Array
+    probs: jax.Array
+    tokens: jax.Array
+
+    def __add__(self, other: RouterStats) -> RouterStats:  # type: ignore[override]
+        return RouterStats(self.chosen + other.chosen, self.probs + other.probs,
+                           self.tokens + other.tokens)
+
+
+def load_balancing_loss(stats: RouterStats) -> jax.Array:
+    """``experts x sum_j,e f_je P_e``: ``f`` the share of tokens whose ``j``-th choice is
+    ``e``, ``P`` the mean router probability of ``e``, both over every MoE layer's tokens
+    together (``transformers``' ``load_balancing_loss_func``, without padding)."""
+    experts = stats.probs.shape[-1]
+    share = stats.chosen / stats.tokens
+    mean_prob = stats.probs / stats.tokens
+    return experts * jnp.sum(share * mean_prob[None, :])
+
+
+def _param(init: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    return nnx.Param(init, axes=axes)
+
+
+class Experts(nnx.Module):
+    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
+        assert cfg.experts is not None
+        d, hidden, experts = cfg.d_model, cfg.expert_width, cfg.experts
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.layers)
+        normal = nnx.initializers.normal
+        self.k, self.renormalise, self.kind = cfg.experts_per_token, cfg.router_renormalise, cfg.mlp
+        self.router = _param(normal(std)(rngs.params(), (d, experts)), ("embed", None))
+        self.gate = _param(normal(std)(rngs.params(), (experts, d, hidden)),
+                           ("expert", "embed", "mlp"))
+        self.up = _param(normal(std)(rngs.params(), (experts, d, hidden)),
+                         ("expert", "embed", "mlp"))
+        self.down = _param(normal(out_std)(rngs.params(), (experts, hidden, d)),
+                           ("expert", "mlp", "embed"))
+        shared = cfg.shared_expert_hidden
+        if shared is not None:
+            self.shared_gate = _param(normal(std)(rngs.params(), (d, 1)), ("embed", None))
+            self.shared_gate_proj = _param(normal(std)(rngs.params(), (d, shared)),
+                                           ("embed", "mlp"))
+            self.shared_up = _param(normal(std)(rngs.params(), (d, shared)), ("embed", "mlp"))
+            self.shared_down = _param(normal(out_std)(rngs.params(), (shared, d)),
+                                      ("mlp", "embed"))
+        self.shared = shared is not None
+
+    def _act(self, x: jax.Array) -> jax.Array:
+        return jax.nn.silu(x) if self.kind == "swiglu" else jax.nn.gelu(x, approximate=True)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
+        rows = x.reshape(-1, x.shape[-1])  # [tokens, d_model]
+        logits = jnp.dot(rows, self.router[...].astype(rows.dtype),
+                         preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, chosen = jax.lax.top_k(probs, self.k)
+        if self.renormalise:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        y = routed_mlp(rows, chosen, weights.astype(rows.dtype), self.gate[...],
+                       self.up[...], self.down[...], self._act)
+        if self.shared:
+            hidden = (self._act(rows @ self.shared_gate_proj[...])
+                      * (rows @ self.shared_up[...]))
+            y = y + jax.nn.sigmoid(rows @ self.shared_gate[...]) * (hidden @ self.shared_down[...])
+        experts = probs.shape[-1]
+        stats = RouterStats(jax.nn.one_hot(chosen, experts, dtype=jnp.float32).sum(0),
+                            probs.sum(0), jnp.float32(rows.shape[0]))
+        return y.reshape(x.shape), stats
+
+
+def routed_mlp(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Array,
+               up: jax.Array, down: jax.Array, act) -> jax.Array:
+    """``sum_j weights[t, j] * mlp_{chosen[t, j]}(x[t])`` for ``x`` ``[tokens, d]``,
+    computing each token only through the experts it chose."""
+    tokens, k = chosen.shape
+    experts, d = gate.shape[0], x.shape[-1]
+    routed = tokens * k
+    block = min(BLOCK_ROWS, -(-routed // 8) * 8)
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert_of = flat[order]
+    token_of = order // k
+    sizes = jnp.bincount(flat, length=experts)
+    starts = jnp.cumsum(sizes) - sizes
+    padded = -(-sizes // block) * block
+    padded_end = jnp.cumsum(padded)
+    row = padded_end[expert_of] - padded[expert_of] + jnp.arange(routed) - starts[expert_of]
+    blocks = -(-(routed + experts * (block - 1)) // block)  # enough for any routing
+    inputs = jnp.zeros((blocks * block, d), x.dtype).at[row].set(x[token_of])
+    first_rows = jnp.arange(blocks) * block
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, first_rows, side="right"),
+                               experts - 1)
+    used = first_rows < padded_end[-1]
+
+    def one_block(_, item):
+        xb, e, live = item
+
+        def compute() -> jax.Array:
+            return (act(xb @ gate[e]) * (xb @ up[e])) @ down[e]
+
+        return None, jax.lax.cond(live, compute, lambda: jnp.zeros_like(xb))
+
+    _, out = jax.lax.scan(one_block, None,
+                          (inputs.reshape(blocks, block, d), block_expert, used))
+    per_route = out.reshape(blocks * block, d)[row] * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token_of].add(per_route)

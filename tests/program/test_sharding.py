@@ -25,23 +25,27 @@ from trainrun.program.state import abstract_state
 from trainrun.reporting.writers import read_metrics
 
 
-def abstract_mesh(data: int, fsdp: int, tensor: int) -> AbstractMesh:
-    return AbstractMesh((data, fsdp, tensor), sharding.AXES, axis_types=(AxisType.Auto,) * 3)
+def abstract_mesh(data: int, fsdp: int, tensor: int, expert: int = 1) -> AbstractMesh:
+    return AbstractMesh((data, fsdp, expert, tensor), sharding.AXES,
+                        axis_types=(AxisType.Auto,) * 4)
 
 
 # ---- the mesh --------------------------------------------------------------------------------
 
 
 def test_mesh_defaults_to_data_parallel_over_every_device():
-    assert sharding.mesh_shape(MeshConfig(), 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert sharding.mesh_shape(MeshConfig(), 8) == {"data": 8, "fsdp": 1, "expert": 1,
+                                                    "tensor": 1}
     assert sharding.mesh_shape(MeshConfig(fsdp=2, tensor=2), 8) == {
-        "data": 2, "fsdp": 2, "tensor": 2}
+        "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     assert sharding.mesh_shape(MeshConfig(data=2, fsdp=-1), 8) == {
-        "data": 2, "fsdp": 4, "tensor": 1}
+        "data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert sharding.mesh_shape(MeshConfig(expert=4), 8) == {
+        "data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
 
 
 @pytest.mark.parametrize(("mesh", "devices", "message"), [
-    (MeshConfig(fsdp=3), 8, "fsdp=3 x tensor=1 = 3 devices does not divide the 8 devices"),
+    (MeshConfig(fsdp=3), 8, "fsdp=3 x expert=1 x tensor=1 = 3 devices does not divide the 8"),
     (MeshConfig(data=2, fsdp=2, tensor=1), 8, "= 4 devices, but this run has 8"),
     (MeshConfig(data=-1, fsdp=-1), 8, "mesh axes data and fsdp are both -1"),
 ])
@@ -161,8 +165,9 @@ SHARDED_RUNS = textwrap.dedent("""
 
     name, base, root = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     arrays = sys.argv[4] == "arrays"
-    meshes = {"dp": [], "fsdp": ["mesh.data=1", "mesh.fsdp=4", "mesh.fsdp_min_size=0"],
-              "dp_tp": ["mesh.data=2", "mesh.tensor=2"]}
+    meshes = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {
+        "dp": [], "fsdp": ["mesh.data=1", "mesh.fsdp=4", "mesh.fsdp_min_size=0"],
+        "dp_tp": ["mesh.data=2", "mesh.tensor=2"]}
     out = {}
     for mesh_name, mesh in meshes.items():
         config = load_config(name, base + mesh)
@@ -191,13 +196,15 @@ SHARDED_RUNS = textwrap.dedent("""
 """)
 
 
-def sharded_runs(tmp_path, config: str, base: list[str], arrays: bool) -> dict:
-    """One process with 4 devices trains ``config`` data parallel, FSDP(4) and data 2 x
-    tensor 2, and reports each run's losses and the shard shapes of its fresh state (from the
-    arrays themselves, or from their shardings)."""
+def sharded_runs(tmp_path, config: str, base: list[str], arrays: bool,
+                 meshes: dict[str, list[str]] | None = None, devices: int = 4) -> dict:
+    """One process with ``devices`` devices trains ``config`` on each of ``meshes`` (default:
+    data parallel, FSDP(4) and data 2 x tensor 2), and reports each run's losses and the shard
+    shapes of its fresh state (from the arrays themselves, or from their shardings)."""
+    extra = [] if meshes is None else [json.dumps(meshes)]
     done = subprocess.run([sys.executable, "-c", SHARDED_RUNS, config, json.dumps(base),
-                           str(tmp_path), "arrays" if arrays else "shardings"],
-                          capture_output=True, text=True, timeout=600, env=cli_env(4))
+                           str(tmp_path), "arrays" if arrays else "shardings", *extra],
+                          capture_output=True, text=True, timeout=600, env=cli_env(devices))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -234,6 +241,40 @@ def test_fsdp_and_tensor_parallel_match_data_parallel_on_the_transformer(tmp_pat
     assert out["dp_tp"]["params"][o] == [[32, 32], [16, 32]]  # then row
     assert out["fsdp"]["params"][q] == [[32, 32], [8, 32]]
     assert out["fsdp"]["mu"][q] == [[32, 32], [8, 32]]
+
+
+@pytest.mark.slow
+def test_expert_parallel_matches_one_device_alone_and_with_fsdp(tmp_path):
+    corpus = Path(json.__file__).parent / "*.py"
+    moe = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.seq_len=16",
+           "model.mlp=swiglu", "model.experts=8", "model.experts_per_token=2",
+           "model.expert_hidden=64", "data.seq_len=16", "data.batch_size=8",
+           f"data.paths=[{corpus}]", "data.prefetch_threads=0", "steps=20", "steps_per_call=5",
+           "eval.every=0", "optimizer.schedule.warmup_steps=2", "metrics.tensorboard=false",
+           "mesh.fsdp_min_size=0"]
+    one = sharded_runs(tmp_path / "one", "lm", moe, arrays=False, meshes={"one": []},
+                       devices=1)["one"]
+    out = sharded_runs(tmp_path / "four", "lm", moe, arrays=False, meshes={
+        "ep": ["mesh.data=1", "mesh.expert=4"],
+        "fsdp_ep": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"]})
+    assert len(one["losses"]) == 20 and one["losses"][-1] < one["losses"][0]
+    np.testing.assert_allclose(out["ep"]["losses"], one["losses"], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(out["fsdp_ep"]["losses"], one["losses"], rtol=1e-5, atol=0)
+    gate = "['blocks']['0']['mlp']['gate']"
+    assert one["params"][gate] == [[8, 32, 64], [8, 32, 64]]
+    assert out["ep"]["params"][gate] == [[8, 32, 64], [2, 32, 64]]  # 2 experts a device
+    assert out["ep"]["mu"][gate] == [[8, 32, 64], [2, 32, 64]]
+    assert out["fsdp_ep"]["params"][gate] == [[8, 32, 64], [4, 32, 32]]  # and FSDP within
+
+
+def test_experts_the_expert_axis_does_not_divide_are_refused():
+    model = build_model(TransformerModel(vocab=16, d_model=8, layers=1, heads=2, seq_len=4,
+                                         mlp="swiglu", experts=6, expert_hidden=8))
+    optimizer = build_optimizer(OptimizerConfig(), 10)
+    state = abstract_state(model, optimizer, 0)
+    with pytest.raises(sharding.MeshError, match=r"6 experts, which mesh\.expert=4"):
+        sharding.state_shardings(abstract_mesh(1, 1, 1, expert=4), state, model.logical_axes,
+                                 optimizer.tx, MeshConfig(expert=4))
 
 
 @pytest.mark.slow

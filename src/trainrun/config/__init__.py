@@ -25,6 +25,8 @@ from trainrun.config.run import (
     dump_yaml,
 )
 from trainrun.config.sections import (
+    BATCH_AXES,
+    MESH_AXES,
     ArrayData,
     AutoDistributed,
     CheckpointConfig,
@@ -66,7 +68,8 @@ from trainrun.config.sections import (
 )
 
 __all__ = [
-    "CONFIG_PACKAGE", "ArrayData", "AutoDistributed", "CNNModel", "CheckpointConfig",
+    "BATCH_AXES", "CONFIG_PACKAGE", "MESH_AXES", "ArrayData", "AutoDistributed", "CNNModel",
+    "CheckpointConfig",
     "ConfigError", "ConstantSchedule", "CosineSchedule", "DataConfig", "DataSection",
     "DigitsData", "DistributedConfig", "EvalConfig", "ExplicitDistributed", "ExponentialSchedule",
     "InitConfig", "Layer", "LoraConfig", "MLPModel", "MeshConfig", "MetricsConfig",

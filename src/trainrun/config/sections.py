@@ -615,17 +615,22 @@ class CheckpointConfig(Section):
 # ---- placement: mesh and processes -----------------------------------------------------------
 
 
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # the device mesh's axes, in its order
+BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's examples are split over
+
+
 class MeshConfig(Section):
     """The device mesh: a size per axis, or -1 for the devices the other axes leave. By default
     every device (of every process) is on ``data``: plain data parallelism."""
 
     data: int = -1
     fsdp: int = 1
+    expert: int = 1  # a mixture's experts split over it; the batch too, as over data
     tensor: int = 1
     fsdp_min_size: int = Field(16384, ge=0)
     tensor_axes: list[str] = Field(default_factory=lambda: ["mlp", "heads", "kv_heads", "vocab"])
 
-    @pydantic.field_validator("data", "fsdp", "tensor")
+    @pydantic.field_validator("data", "fsdp", "expert", "tensor")
     @classmethod
     def _size(cls, size: int) -> int:
         if size == 0 or size < -1:

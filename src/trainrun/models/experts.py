@@ -11,6 +11,13 @@ expert's weights under ``lax.scan`` (a block past the last one used is skipped).
 ``ragged_dot`` computes every group on every row, which is what this avoids; the cost is at most
 one partial block per expert (BENCHMARKS.md, "Mixture of experts").
 
+Expert parallelism: traced under a mesh (``jax.sharding.use_abstract_mesh``) whose ``expert``
+axis has more than one device, each device holds ``experts / n`` of the experts. Routing is
+computed as above (XLA places it); then, under ``shard_map``, every device of an expert group
+all-gathers the group's routed tokens, computes those routed to its own experts, and the partial
+outputs are summed back to the tokens' devices with a reduce-scatter. Dropless, and the same
+sums as on one device up to their order.
+
 The router's statistics of each layer (``RouterStats``) let the loss add the load-balancing
 term as ``transformers`` computes it over all layers at once.
 """
@@ -18,13 +25,15 @@ term as ``transformers`` computes it over all layers at once.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from trainrun.config import TransformerModel
+from trainrun.config import BATCH_AXES, TransformerModel
 
 BLOCK_ROWS = 256  # rows of routed tokens per matmul block
 
@@ -91,8 +100,9 @@ class Experts(nnx.Module):
         weights, chosen = jax.lax.top_k(probs, self.k)
         if self.renormalise:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        y = routed_mlp(rows, chosen, weights.astype(rows.dtype), self.gate[...],
-                       self.up[...], self.down[...], self._act)
+        mlp = routed_mlp if _expert_devices() == 1 else expert_parallel_mlp
+        y = mlp(rows, chosen, weights.astype(rows.dtype), self.gate[...], self.up[...],
+                self.down[...], self._act)
         if self.shared:
             hidden = (self._act(rows @ self.shared_gate_proj[...])
                       * (rows @ self.shared_up[...]))
@@ -103,31 +113,72 @@ class Experts(nnx.Module):
         return y.reshape(x.shape), stats
 
 
+def _expert_devices() -> int:
+    """The size of the ``expert`` axis of the mesh being traced under (1: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get("expert", 1)
+
+
+def expert_parallel_mlp(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Array,
+                        up: jax.Array, down: jax.Array, act: Callable[[jax.Array], jax.Array]
+                        ) -> jax.Array:
+    """``routed_mlp`` with the experts split over the mesh's ``expert`` axis: the tokens
+    (split over the batch axes) are all-gathered over ``expert``, each device computes the
+    assignments to its own experts, and a reduce-scatter sums the results back to the tokens'
+    devices."""
+    mesh = jax.sharding.get_abstract_mesh()
+    split = tuple(axis for axis in BATCH_AXES if axis in mesh.shape)
+    batch = P(split)
+
+    def local(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Array,
+              up: jax.Array, down: jax.Array) -> jax.Array:
+        # The experts' gradients are summed over the batch axes here, once, rather than
+        # inside a block's branch that only some devices take (which deadlocks).
+        gate, up, down = jax.lax.pcast((gate, up, down),
+                                       tuple(a for a in split if a != "expert"), to="varying")
+        x, chosen, weights = (jax.lax.all_gather(a, "expert", tiled=True)
+                              for a in (x, chosen, weights))
+        mine = gate.shape[0]
+        first = jax.lax.axis_index("expert") * mine
+        here = (chosen >= first) & (chosen < first + mine)
+        y = routed_mlp(x, jnp.where(here, chosen - first, mine), weights, gate, up, down, act)
+        return jax.lax.psum_scatter(y, "expert", tiled=True)
+
+    experts = P("expert")
+    return jax.shard_map(local, mesh=mesh, in_specs=(batch, batch, batch, experts, experts,
+                                                     experts), out_specs=batch)(
+        x, chosen, weights, gate, up, down)
+
+
 def routed_mlp(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Array,
-               up: jax.Array, down: jax.Array, act) -> jax.Array:
+               up: jax.Array, down: jax.Array, act: Callable[[jax.Array], jax.Array]
+               ) -> jax.Array:
     """``sum_j weights[t, j] * mlp_{chosen[t, j]}(x[t])`` for ``x`` ``[tokens, d]``,
-    computing each token only through the experts it chose."""
+    computing each token only through the experts it chose. An assignment to expert
+    ``len(gate)`` (one past the last) is skipped: another device holds that expert."""
     tokens, k = chosen.shape
     experts, d = gate.shape[0], x.shape[-1]
     routed = tokens * k
     block = min(BLOCK_ROWS, -(-routed // 8) * 8)
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    expert_of = flat[order]
+    expert_of = jnp.minimum(flat[order], experts - 1)
     token_of = order // k
-    sizes = jnp.bincount(flat, length=experts)
+    sizes = jnp.bincount(flat, length=experts)  # skipped assignments are not counted
     starts = jnp.cumsum(sizes) - sizes
     padded = -(-sizes // block) * block
     padded_end = jnp.cumsum(padded)
-    row = padded_end[expert_of] - padded[expert_of] + jnp.arange(routed) - starts[expert_of]
     blocks = -(-(routed + experts * (block - 1)) // block)  # enough for any routing
-    inputs = jnp.zeros((blocks * block, d), x.dtype).at[row].set(x[token_of])
+    row = padded_end[expert_of] - padded[expert_of] + jnp.arange(routed) - starts[expert_of]
+    row = jnp.where(flat[order] < experts, row, blocks * block)  # skipped: out of range
+    inputs = jnp.zeros((blocks * block, d), x.dtype).at[row].set(x[token_of], mode="drop")
     first_rows = jnp.arange(blocks) * block
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, first_rows, side="right"),
                                experts - 1)
     used = first_rows < padded_end[-1]
 
-    def one_block(_, item):
+    def one_block(_: None, item: tuple[jax.Array, jax.Array, jax.Array]
+                  ) -> tuple[None, jax.Array]:
         xb, e, live = item
 
         def compute() -> jax.Array:
@@ -137,5 +188,6 @@ def routed_mlp(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Ar
 
     _, out = jax.lax.scan(one_block, None,
                           (inputs.reshape(blocks, block, d), block_expert, used))
-    per_route = out.reshape(blocks * block, d)[row] * weights.reshape(-1)[order][:, None]
+    per_row = jnp.take(out.reshape(blocks * block, d), row, axis=0, mode="fill", fill_value=0)
+    per_route = per_row * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[token_of].add(per_route)

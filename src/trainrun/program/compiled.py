@@ -18,6 +18,7 @@ from trainrun.program.optim import Optimizer
 from trainrun.program.packing import StatePacking, packing_for
 from trainrun.program.precision import Policy
 from trainrun.program.resident import ResidentBatches
+from trainrun.program.sharding import traced_on
 from trainrun.program.state import TrainState
 from trainrun.program.step import make_multi_step, make_train_step
 from trainrun.reporting import mfu
@@ -168,7 +169,8 @@ def _jit_donated(body: Any, state_sharding: TrainState | None,
     replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
     # resident arrays: on the run's one device, as the replicated sharding says
     inputs = replicated if resident else batch_sharding
-    return jax.jit(train_steps, donate_argnums=0, in_shardings=(state_sharding, inputs),
+    return jax.jit(traced_on(batch_sharding.mesh, train_steps), donate_argnums=0,
+                   in_shardings=(state_sharding, inputs),
                    out_shardings=(state_sharding, replicated))
 
 

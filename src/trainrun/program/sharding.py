@@ -1,8 +1,10 @@
 """Where arrays live: the device mesh, and the shardings of the batch and of the train state.
 
-    mesh       axes (data, fsdp, tensor); sizes from the config, -1 = the devices left over
-    batch      its example dim split over (data, fsdp)        [B, ...] or stacked [K, B, ...]
-    params     tensor: the dim whose logical name is in ``mesh.tensor_axes`` split over `tensor`
+    mesh       axes (data, fsdp, expert, tensor); sizes from the config, -1 = the devices left
+    batch      its example dim split over (data, fsdp, expert)  [B, ...] or stacked [K, B, ...]
+    params     expert: a mixture's ``expert`` dim split over `expert` (each device holds its
+                       share of the experts; XLA exchanges the routed tokens between them)
+               tensor: the dim whose logical name is in ``mesh.tensor_axes`` split over `tensor`
                (an MLP's ``(embed, mlp)`` then ``(mlp, embed)`` is column- then row-parallel)
                fsdp:   of a param with >= ``mesh.fsdp_min_size`` elements, the largest other
                        dim that `fsdp` divides
@@ -15,21 +17,22 @@ The same program runs on 1 device, N devices and N hosts: only the mesh changes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainrun.config import MeshConfig
+from trainrun.config import BATCH_AXES, MESH_AXES, MeshConfig
 from trainrun.errors import UserError
 
 PyTree = Any
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = MESH_AXES
 
 
 class MeshError(UserError):
@@ -69,6 +72,19 @@ def build_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh
                          devices=devices)
 
 
+def traced_on(mesh: Mesh | AbstractMesh, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` traced with ``mesh`` as JAX's current abstract mesh, where code that splits work
+    by hand (a mixture's experts, under ``shard_map``) finds the mesh's axes."""
+
+    @functools.wraps(fn)
+    def on_mesh(*args: Any) -> Any:
+        abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+        with jax.sharding.use_abstract_mesh(abstract):
+            return fn(*args)
+
+    return on_mesh
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
@@ -83,7 +99,15 @@ def param_spec(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
     if names is not None and len(names) != len(shape):
         raise MeshError(f"{where} has shape {shape} but its logical axes {names} name "
                         f"{len(names)} dims; give one name (or None) per dim")
-    tensor, fsdp = sizes["tensor"], sizes["fsdp"]
+    tensor, fsdp, expert = sizes["tensor"], sizes["fsdp"], sizes.get("expert", 1)
+    if expert > 1 and names is not None:
+        for dim, (size, name) in enumerate(zip(shape, names, strict=True)):
+            if name == "expert":
+                if size % expert:
+                    raise MeshError(f"{where} has {size} experts, which mesh.expert={expert} "
+                                    "does not divide; choose a mesh.expert that divides the "
+                                    "number of experts")
+                spec[dim] = "expert"
     if tensor > 1 and names is not None:
         for dim, (size, name) in enumerate(zip(shape, names, strict=True)):
             if name in cfg.tensor_axes and size % tensor == 0:
@@ -165,10 +189,10 @@ class BatchPlacement:
 
 
 def batch_placement(mesh: Mesh, global_size: int, stacked: bool) -> BatchPlacement:
-    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    split = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
     if global_size % split:
-        raise MeshError(f"data.batch_size {global_size} does not split over data x fsdp = "
-                        f"{split} devices; make it a multiple of {split}")
+        raise MeshError(f"data.batch_size {global_size} does not split over data x fsdp x "
+                        f"expert = {split} devices; make it a multiple of {split}")
     spec = P(None, BATCH_AXES) if stacked else P(BATCH_AXES)
     return BatchPlacement(NamedSharding(mesh, spec), 1 if stacked else 0, global_size,
                           _process_rows(mesh, global_size))
@@ -183,5 +207,5 @@ def _process_rows(mesh: Mesh, global_size: int) -> tuple[int, int]:
     if sum(b - a for a, b in spans) != stop - start:
         raise MeshError(f"this process's devices hold rows {spans} of the batch, which are not "
                         "one block; order the devices so each process's are adjacent on "
-                        "(data, fsdp)")
+                        "(data, fsdp, expert)")
     return start // (stop - start), global_size // (stop - start)

@@ -18,6 +18,7 @@ import numpy as np
 from trainrun.data import ArrayBatches, eval_batches
 from trainrun.models import Model
 from trainrun.program.precision import Policy
+from trainrun.program.sharding import traced_on
 from trainrun.program.step import make_eval_step
 from trainrun.reporting.timing import Stopwatch
 from trainrun.training.hooks import Hook
@@ -46,7 +47,9 @@ class Evaluator:
         # (params, batch) shardings leave the model state (if any) replicated
         placed: dict[str, Any] = {} if shardings is None else {
             "in_shardings": (*shardings, None)[:3]}
-        self.fn = jax.jit(make_eval_step(model, policy), **placed)
+        step = make_eval_step(model, policy)
+        self.fn = jax.jit(step if shardings is None else traced_on(shardings[1].mesh, step),
+                          **placed)
 
     def due(self, step: int, total: int) -> bool:
         return step % self.every == 0 or step == total

@@ -223,6 +223,29 @@ def test_peft_adapters_read_back_with_their_delta(tmp_path, model_type, extra):
                                        atol=1e-6, err_msg=f"{i} {t}")
 
 
+@pytest.mark.parametrize("exclude", [
+    ["down_proj"],  # a whole kind: no adapter on it
+    ["model.layers.0.self_attn.q_proj", "layers.1.mlp.up_proj"],  # one layer's: a zero one
+    r".*\.1\.self_attn\.(k|v)_proj",  # a regular expression over whole names
+])
+def test_peft_adapters_with_exclude_modules_read_as_peft_reads_them(tmp_path, exclude):
+    modules = [HF_NAME[t].rsplit(".", 1)[1] for t in ALL]
+    save_peft(tmp_path, "llama", target_modules=modules, exclude_modules=exclude)
+    model = peft.PeftModel.from_pretrained(hf_model("llama"), tmp_path)
+    deltas = peft_deltas(model)
+    assert len(deltas) < len(ALL) * LAYERS  # peft itself left some modules unadapted
+    settings, params = read_adapter_dir(tmp_path, trainrun_cfg("llama"), "llama")
+    scale = settings.alpha / settings.rank
+    for i in range(LAYERS):
+        for t in settings.targets:
+            part = "attn" if t in "qkvo" else "mlp"
+            a, b = params[f"blocks.{i}.{part}.{t}_lora.a"], params[f"blocks.{i}.{part}.{t}_lora.b"]
+            want = deltas.get(f"model.layers.{i}.{HF_NAME[t]}")
+            np.testing.assert_allclose(scale * a @ b, 0 if want is None else want.T, atol=1e-6,
+                                       err_msg=f"{i} {t}")
+    assert ("down" in settings.targets) == (exclude != ["down_proj"])
+
+
 def test_round_trip_keeps_the_adapters(tmp_path):
     cfg = trainrun_cfg("llama", ("q", "o", "down"))
     params = random_adapters("llama", ("q", "o", "down"))

@@ -140,6 +140,8 @@ class AdapterConfig(_JsonFile):
     init_lora_weights: Flag | Text | None = Field(None, description="true, false or a name")
     target_modules: list[Text] | Text | None = Field(
         None, description="a list of module names, or one regular expression")
+    exclude_modules: list[Text] | Text | None = Field(
+        None, description="a list of module names, or one regular expression")
     layers_to_transform: list[Index] | Index | None = Field(
         None, description="a layer index from 0, or a list of them")
     rank_pattern: dict[Text, Count] | None = Field(
@@ -149,8 +151,10 @@ class AdapterConfig(_JsonFile):
 
     @pydantic.model_validator(mode="after")
     def _patterns_compile(self) -> AdapterConfig:
-        if isinstance(self.target_modules, str):  # PEFT matches it whole against module names
-            _compiles(self.target_modules, f"target_modules {self.target_modules!r}")
+        for name in ("target_modules", "exclude_modules"):
+            pattern = getattr(self, name)
+            if isinstance(pattern, str):  # PEFT matches it whole against module names
+                _compiles(pattern, f"{name} {pattern!r}")
         for name in ("rank_pattern", "alpha_pattern"):
             for key in getattr(self, name) or {}:  # PEFT matches (.*\.)?(KEY)$ with each
                 _compiles(key, f"{name} key {key!r}")

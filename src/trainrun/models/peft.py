@@ -180,23 +180,37 @@ def read_adapter_dir(path: Location, cfg: TransformerModel,
     kinds = _module_kinds(model_type)
     named = _named_modules(config, kinds)
     tensors = _read_tensors(path)
-    modules = _modules(tensors, cfg, model_type, kinds)
+    prefix = "model.layers" if model_type in LLAMA_FAMILY else "transformer.h"
+    excluded = {(i, kind) for i in range(cfg.layers) for kind in kinds
+                if _excluded(config.get("exclude_modules"), f"{prefix}.{i}.{kind}")}
+    modules = _modules(tensors, cfg, model_type, kinds, excluded)
+    rslora = bool(config.get("use_rslora"))
     for name, matched in named.items():
-        if not matched & modules:
+        everywhere_excluded = all((i, k) in excluded for k in matched for i in range(cfg.layers))
+        if not matched & modules and not everywhere_excluded:
             raise WeightsError(f"target module {name!r} has no lora_A/lora_B tensors in "
                                f"{ADAPTER_WEIGHTS}; the file does not match its config")
-    rslora = bool(config.get("use_rslora"))
     # Per HF module kind, over all layers: (A, B, PEFT's scaling) of each layer.
     found: dict[str, list[tuple[np.ndarray, np.ndarray, float]]] = {}
-    prefix = "model.layers" if model_type in LLAMA_FAMILY else "transformer.h"
     for kind in kinds:
         if kind not in modules:
             continue
         found[kind] = []
+        d_in, d_out = _dims(cfg, model_type, kind)
+        kept = next((i for i in range(cfg.layers) if (i, kind) not in excluded), None)
+        if kept is None:
+            raise WeightsError(f"{ADAPTER_WEIGHTS} adapts {kind}, which exclude_modules "
+                               "excludes in every layer; the file does not match its config")
+        rank = tensors[f"{prefix}.{kept}.{kind}.lora_A.weight"].shape[0]
         for i in range(cfg.layers):
             module = f"{prefix}.{i}.{kind}"
+            alpha = _pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
+            if (i, kind) in excluded:  # PEFT left it unadapted: a zero adapter is the same layer
+                found[kind].append((np.zeros((rank, d_in), np.float32),
+                                    np.zeros((d_out, rank), np.float32),
+                                    alpha / (math.sqrt(rank) if rslora else rank)))
+                continue
             a_t, b_t = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
-            d_in, d_out = _dims(cfg, model_type, kind)
             r = a_t.shape[0]
             if a_t.shape != (r, d_in) or b_t.shape != (d_out, r):
                 raise WeightsError(f"{module} has lora_A {a_t.shape} and lora_B {b_t.shape}; the "
@@ -206,7 +220,6 @@ def read_adapter_dir(path: Location, cfg: TransformerModel,
             if r != want_r:
                 raise WeightsError(f"{module} has rank {r} but adapter_config.json says "
                                    f"{want_r}; the file does not match its config")
-            alpha = _pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
             found[kind].append((a_t, b_t, alpha / (math.sqrt(r) if rslora else r)))
     adapters = _trainrun_adapters(found, cfg, model_type, int(config.get("r", 8)))
     return _settings(adapters)
@@ -341,10 +354,20 @@ def _named_modules(config: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, 
     return named
 
 
+def _excluded(exclude: list[str] | str | None, module: str) -> bool:
+    """Whether PEFT's ``exclude_modules`` keeps ``module`` (a full name) unadapted: a string
+    matches the whole name as a regular expression, a list entry the name or a dotted suffix."""
+    if not exclude:
+        return False
+    if isinstance(exclude, str):
+        return re.fullmatch(exclude, module) is not None
+    return module in exclude or any(module.endswith(f".{name}") for name in exclude)
+
+
 def _modules(tensors: dict[str, np.ndarray], cfg: TransformerModel, model_type: str,
-             kinds: tuple[str, ...]) -> set[str]:
+             kinds: tuple[str, ...], excluded: set[tuple[int, str]]) -> set[str]:
     """The module kinds (e.g. ``self_attn.q_proj``) that carry adapters; every tensor must be
-    one of theirs, and every layer must have both of each kind's."""
+    one of theirs, and every layer but those ``excluded`` must have both of each kind's."""
     prefix = "model.layers" if model_type in LLAMA_FAMILY else "transformer.h"
     layer = re.compile(rf"{re.escape(prefix)}\.(\d+)\.(.+)")
     present: set[tuple[int, str, str]] = set()
@@ -369,7 +392,7 @@ def _modules(tensors: dict[str, np.ndarray], cfg: TransformerModel, model_type: 
     for kind in modules:
         for i in range(cfg.layers):
             for ab in "AB":
-                if (i, kind, ab) not in present:
+                if (i, kind, ab) not in present and (i, kind) not in excluded:
                     raise WeightsError(f"tensor {PREFIX}{prefix}.{i}.{kind}.lora_{ab}.weight is "
                                        "missing; trainrun adapts a layer kind in every block")
     return modules

@@ -55,7 +55,8 @@ def document_a_loss_of_embeddings(cfg: TransformerModel, segments: np.ndarray | 
     in_a = in_a.at[-1].set(False)  # the row's last token has no target
 
     def loss(x):
-        features = module.ln_f(module._blocks(x, rope, None, segments)).reshape(SEQ, -1)
+        blocks, _ = module._blocks(x, [rope] * cfg.layers, None, segments)
+        features = module.ln_f(blocks).reshape(SEQ, -1)
         return next_token_from_features(features, table, targets, weights=in_a)[0]
 
     return loss, jnp.take(table, jnp.asarray(tokens), axis=0), seg

@@ -45,7 +45,7 @@ def test_mesh_defaults_to_data_parallel_over_every_device():
 
 
 @pytest.mark.parametrize(("mesh", "devices", "message"), [
-    (MeshConfig(fsdp=3), 8, "fsdp=3 x expert=1 x tensor=1 = 3 devices does not divide the 8"),
+    (MeshConfig(fsdp=3), 8, "fsdp=3 x tensor=1 = 3 devices does not divide the 8"),
     (MeshConfig(data=2, fsdp=2, tensor=1), 8, "= 4 devices, but this run has 8"),
     (MeshConfig(data=-1, fsdp=-1), 8, "mesh axes data and fsdp are both -1"),
 ])
@@ -289,4 +289,4 @@ def test_bad_mesh_config_exits_2_with_one_line(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path / "r2"), "mesh.pipeline=2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown config key 'mesh.pipeline'; valid keys in mesh: "
-                          "data, fsdp, tensor") and err.count("\n") == 1
+                          "data, fsdp, expert, tensor") and err.count("\n") == 1

@@ -47,7 +47,9 @@ def mesh_shape(cfg: MeshConfig, device_count: int) -> dict[str, int]:
         raise MeshError(f"mesh axes {' and '.join(free)} are both -1; only one axis can take "
                         "the remaining devices, give the others a size")
     fixed = math.prod(size for size in sizes.values() if size != -1)
-    named = " x ".join(f"{axis}={size}" for axis, size in sizes.items() if size != -1)
+    # an expert axis of 1 (every dense model's) is left out of the one line
+    named = " x ".join(f"{axis}={size}" for axis, size in sizes.items()
+                       if size != -1 and (axis != "expert" or size != 1))
     if free:
         if device_count % fixed:
             raise MeshError(f"mesh {named} = {fixed} devices does not divide the "

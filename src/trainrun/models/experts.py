@@ -161,33 +161,88 @@ def routed_mlp(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Ar
     routed = tokens * k
     block = min(BLOCK_ROWS, -(-routed // 8) * 8)
     flat = chosen.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    expert_of = jnp.minimum(flat[order], experts - 1)
-    token_of = order // k
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    expert_sorted = flat[order]
+    expert_of = jnp.minimum(expert_sorted, experts - 1)
     sizes = jnp.bincount(flat, length=experts)  # skipped assignments are not counted
     starts = jnp.cumsum(sizes) - sizes
     padded = -(-sizes // block) * block
     padded_end = jnp.cumsum(padded)
     blocks = -(-(routed + experts * (block - 1)) // block)  # enough for any routing
-    row = padded_end[expert_of] - padded[expert_of] + jnp.arange(routed) - starts[expert_of]
-    row = jnp.where(flat[order] < experts, row, blocks * block)  # skipped: out of range
-    inputs = jnp.zeros((blocks * block, d), x.dtype).at[row].set(x[token_of], mode="drop")
+    rows = blocks * block
+    row_sorted = (padded_end[expert_of] - padded[expert_of] + jnp.arange(routed)
+                  - starts[expert_of]).astype(jnp.int32)
+    row_sorted = jnp.where(expert_sorted < experts, row_sorted, rows)  # skipped: no row
+    row_of = jnp.zeros(routed, jnp.int32).at[order].set(row_sorted)  # each assignment's row
+    assignment_of = jnp.full(rows, routed, jnp.int32).at[row_sorted].set(order, mode="drop")
+    token_of_row = jnp.where(assignment_of < routed, assignment_of // k, tokens)  # pad: none
+    inputs = _gather_rows(x, token_of_row, row_of.reshape(tokens, k)).reshape(blocks, block, d)
     first_rows = jnp.arange(blocks) * block
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, first_rows, side="right"),
                                experts - 1)
     used = first_rows < padded_end[-1]
+    hidden = (act(_block_matmul(inputs, gate, block_expert, used))
+              * _block_matmul(inputs, up, block_expert, used))
+    out = _block_matmul(hidden, down, block_expert, used).reshape(rows, d)
+    per_assignment = _gather_rows(out, row_of, assignment_of[:, None]).reshape(tokens, k, d)
+    return jnp.einsum("tkd,tk->td", per_assignment, weights.astype(x.dtype))
 
+
+@jax.custom_vjp
+def _gather_rows(x: jax.Array, index: jax.Array, readers: jax.Array) -> jax.Array:
+    """``x[index]`` (zero rows where ``index`` is out of range), whose gradient is a gather
+    too: ``readers[i]`` lists the output rows that read ``x[i]`` (out of range: none), so the
+    backward pass sums them instead of scattering (XLA:CPU's scatter-add is a serial loop)."""
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _gather_rows_forward(x: jax.Array, index: jax.Array, readers: jax.Array
+                         ) -> tuple[jax.Array, tuple[jax.Array, int]]:
+    return _gather_rows(x, index, readers), (readers, x.shape[0])
+
+
+def _gather_rows_backward(saved: tuple[jax.Array, int], grad: jax.Array
+                          ) -> tuple[jax.Array, None, None]:
+    readers, n = saved
+    picked = jnp.take(grad, readers.reshape(-1), axis=0, mode="fill", fill_value=0)
+    return picked.reshape(n, readers.shape[1], -1).sum(axis=1), None, None
+
+
+_gather_rows.defvjp(_gather_rows_forward, _gather_rows_backward)
+
+
+@jax.custom_vjp
+def _block_matmul(x: jax.Array, w: jax.Array, block_expert: jax.Array,
+                  used: jax.Array) -> jax.Array:
+    """``x[b] @ w[block_expert[b]]`` for each block ``b`` of rows (``x`` ``[blocks, rows,
+    d_in]``), zeros for a block not ``used``: one block at a time under ``lax.scan``."""
     def one_block(_: None, item: tuple[jax.Array, jax.Array, jax.Array]
                   ) -> tuple[None, jax.Array]:
         xb, e, live = item
+        return None, jax.lax.cond(live, lambda: xb @ w[e], lambda: jnp.zeros_like(
+            xb, shape=(xb.shape[0], w.shape[-1])))
 
-        def compute() -> jax.Array:
-            return (act(xb @ gate[e]) * (xb @ up[e])) @ down[e]
+    return jax.lax.scan(one_block, None, (x, block_expert, used))[1]
 
-        return None, jax.lax.cond(live, compute, lambda: jnp.zeros_like(xb))
 
-    _, out = jax.lax.scan(one_block, None,
-                          (inputs.reshape(blocks, block, d), block_expert, used))
-    per_row = jnp.take(out.reshape(blocks * block, d), row, axis=0, mode="fill", fill_value=0)
-    per_route = per_row * weights.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x).at[token_of].add(per_route)
+def _block_matmul_forward(x: jax.Array, w: jax.Array, block_expert: jax.Array, used: jax.Array
+                          ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    return _block_matmul(x, w, block_expert, used), (x, w, block_expert, used)
+
+
+def _block_matmul_backward(saved: tuple[jax.Array, ...], grad: jax.Array
+                           ) -> tuple[jax.Array, jax.Array, None, None]:
+    """The weights' gradient added into its expert's slice of one carried array, in place: the
+    transpose JAX derives adds a whole zero ``[experts, ...]`` array per block instead."""
+    x, w, block_expert, used = saved
+
+    def one_block(dw: jax.Array, item: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        xb, gb, e, live = item
+        return jax.lax.cond(live, lambda: (dw.at[e].add(xb.T @ gb), gb @ w[e].T),
+                            lambda: (dw, jnp.zeros_like(xb)))
+
+    dw, dx = jax.lax.scan(one_block, jnp.zeros_like(w), (x, grad, block_expert, used))
+    return dx, dw, None, None
+
+
+_block_matmul.defvjp(_block_matmul_forward, _block_matmul_backward)

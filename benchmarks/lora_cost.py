@@ -1,18 +1,24 @@
 """LoRA against full fine-tuning of the same transformer: compile time, eval time and step time
 of whole runs, side by side in one process.
 
-    python benchmarks/lora_cost.py [--models tiny,wide] [--rounds 3]
+    python benchmarks/lora_cost.py [--models tiny,wide,llama] [--rounds 3]
 
 Each round runs every contender once (``trainrun.run`` into a fresh directory, interleaved:
 full, LoRA, full, LoRA, ...) and reads its summary: ``compile`` and ``eval`` from the wall-time
 split (eval is the one evaluation at the last step, its program's compile included), step time
 the median over the run's timed windows (the first window is warmup; calls end with
-``block_until_ready`` as the loop reads them). Best and median over ``--rounds`` rounds; XLA's
-persistent compilation cache is off so every run compiles from scratch. LoRA: rank 8 on q and
-v, only the adapters train (the default with ``model.lora``).
+``block_until_ready`` as the loop reads them), init the time from the config to the state on
+its devices. Best and median over ``--rounds`` rounds; XLA's persistent compilation cache is
+off so every run compiles from scratch. LoRA: rank 8 on q and v, or on every linear layer of
+the blocks (``all-linear``); only the adapters train (the default with ``model.lora``).
 
 Models: ``tiny`` is GPT-2's layout at 2 layers x 64 wide (a tiny random GPT-2); ``wide`` is 2
-layers x 512, where the rank-8 adapters are about 1% of the targeted kernels.
+layers x 512, where the rank-8 adapters are about 1% of the targeted kernels; ``llama`` is the
+Llama layout of the fine-tuning guide's tiny Llama (2 layers x 64, 4 query heads sharing 2
+key/value heads, SwiGLU 128, RMSNorm, rotary positions, an untied head), trained from random
+init; ``llama-dir`` is the same model written as a Hugging Face directory and fine-tuned from
+it with the built-in ``finetune`` config, as the guide does (the base params are read, the
+adapters drawn fresh).
 """
 
 from __future__ import annotations
@@ -32,8 +38,12 @@ from trainrun.config import load_config
 from trainrun.platform.process import configure_process
 from trainrun.training.loop import run
 
-LORA = "model.lora={rank: 8, targets: [q, v]}"
+CONTENDERS = {"full": [], "lora q,v": ["model.lora={rank: 8, targets: [q, v]}"],
+              "lora all-linear": ["model.lora={rank: 8, targets: all-linear}"]}
 GPT2 = ["model.positions=learned", "model.bias=true", "model.layers=2"]
+LLAMA = ["model.positions=rope", "model.mlp=swiglu", "model.norm=rmsnorm",
+         "model.tie_embeddings=false", "model.layers=2", "model.d_model=64", "model.heads=4",
+         "model.kv_heads=2", "model.mlp_hidden=128"]
 MODELS = {
     "tiny": [*GPT2, "model.d_model=64", "model.heads=2", "model.seq_len=128",
              "data.seq_len=128", "data.batch_size=16", "steps=60", "steps_per_call=10",
@@ -41,26 +51,45 @@ MODELS = {
     "wide": [*GPT2, "model.d_model=512", "model.heads=8", "model.seq_len=64",
              "data.seq_len=64", "data.batch_size=8", "eval.batch_size=8", "steps=30",
              "steps_per_call=5", "log_every=5"],
+    "llama": [*LLAMA, "model.seq_len=64", "data.seq_len=64", "data.batch_size=16", "steps=60",
+              "steps_per_call=10", "log_every=10"],
+    # the guide's path: the built-in finetune config from a Hugging Face directory
+    "llama-dir": ["data.seq_len=64", "data.batch_size=16", "steps=60", "steps_per_call=10",
+                  "log_every=10"],
 }
+
+
+def llama_dir(path: Path) -> Path:
+    """A random Llama of the ``llama`` layout (vocabulary of the 256 bytes) as a Hugging Face
+    directory, written by trainrun's own writer."""
+    from trainrun.config import TransformerModel
+    from trainrun.models import build_model
+    from trainrun.models.huggingface import write_model_dir
+
+    cfg = TransformerModel(vocab=256, d_model=64, layers=2, heads=4, kv_heads=2, mlp="swiglu",
+                           mlp_hidden=128, norm="rmsnorm", tie_embeddings=False, seq_len=256)
+    params = jax.device_get(build_model(cfg).init(jax.random.key(0)))
+    return write_model_dir(params, cfg, path, model_type="llama")
 
 
 def one_run(overrides: list[str], corpus: list[str], run_dir: Path) -> dict[str, float]:
     """Compile, eval and median step time (s) of one run of the byte LM with ``overrides``."""
-    config = load_config("lm", [*overrides, f"data.paths={corpus}", "checkpoint.every=0",
+    base = "finetune" if any(o.startswith("init.from=") for o in overrides) else "lm"
+    config = load_config(base, [*overrides, f"data.paths={corpus}", "checkpoint.every=0",
                                 "optimizer.schedule.warmup_steps=2",
                                 "data.eval_fraction=0.1"])
     config = config.model_copy(update={"eval": config.eval.model_copy(
         update={"every": config.steps})})
     summary = run(config, run_dir, fresh=True, out=io.StringIO())
     assert summary.step_time_median_s is not None
-    return {"compile": summary.compile_s, "eval": summary.wall_time_split_s["eval"],
-            "step": summary.step_time_median_s}
+    return {"init": summary.wall_time_split_s["init"], "compile": summary.compile_s,
+            "eval": summary.wall_time_split_s["eval"], "step": summary.step_time_median_s}
 
 
 def main() -> None:
     configure_process()  # as `trainrun train` does, before the first computation
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny,wide")
+    parser.add_argument("--models", default="tiny,wide,llama")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     jax.config.update("jax_enable_compilation_cache", False)
@@ -71,30 +100,35 @@ def main() -> None:
                               capture_output=True, text=True).stdout.strip() or "unknown"
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, trainrun from {source} "
           f"({revision}); {args.rounds} rounds, interleaved\n")
-    print("| model | contender | compile s best / median | eval s best / median "
-          "| step ms best / median |")
-    print("|---|---|---:|---:|---:|")
+    keys = ("init", "compile", "eval", "step")
+    print("| model | contender | init s best / median | compile s best / median "
+          "| eval s best / median | step ms best / median |")
+    print("|---|---|---:|---:|---:|---:|")
     ratios = []
     for name in args.models.split(","):
-        times: dict[str, list[dict[str, float]]] = {"full": [], "lora": []}
+        times: dict[str, list[dict[str, float]]] = {c: [] for c in CONTENDERS}
         with tempfile.TemporaryDirectory() as tmp:
+            source = ([f"init.from={llama_dir(Path(tmp) / 'llama-tiny')}"]
+                      if name == "llama-dir" else [])
             for _ in range(args.rounds):
-                for contender, extra in (("full", []), ("lora", [LORA])):
-                    times[contender].append(one_run([*MODELS[name], *extra], corpus,
-                                                    Path(tmp) / contender))
-        med = {c: {k: statistics.median(r[k] for r in rows) for k in ("compile", "eval", "step")}
+                for i, (contender, extra) in enumerate(CONTENDERS.items()):
+                    times[contender].append(one_run([*MODELS[name], *source, *extra], corpus,
+                                                    Path(tmp) / str(i)))
+        med = {c: {k: statistics.median(r[k] for r in rows) for k in keys}
                for c, rows in times.items()}
         for contender, rows in times.items():
             cells = [f"{min(r[k] for r in rows) * scale:.2f} / {med[contender][k] * scale:.2f}"
-                     for k, scale in (("compile", 1), ("eval", 1), ("step", 1e3))]
+                     for k, scale in zip(keys, (1, 1, 1, 1e3), strict=True)]
             print(f"| {name} | {contender} | {' | '.join(cells)} |", flush=True)
-        ratios.append((name, {k: med["lora"][k] / med["full"][k]
-                              for k in ("compile", "eval", "step")}))
+        for contender in CONTENDERS:
+            if contender != "full":
+                ratios.append((name, contender,
+                               {k: med[contender][k] / med["full"][k] for k in keys}))
     print("\nLoRA / full (medians)")
-    print("| model | compile | eval | step |")
-    print("|---|---:|---:|---:|")
-    for name, r in ratios:
-        print(f"| {name} | {r['compile']:.2f}x | {r['eval']:.2f}x | {r['step']:.2f}x |")
+    print("| model | contender | init | compile | eval | step |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, contender, r in ratios:
+        print(f"| {name} | {contender} | " + " | ".join(f"{r[k]:.2f}x" for k in keys) + " |")
 
 
 if __name__ == "__main__":

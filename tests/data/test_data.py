@@ -233,3 +233,23 @@ def test_a_data_error_exits_2_with_one_line(tmp_path, cli):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: data.train")
     assert "missing.bin" in lines[0] and "not found" in lines[0]
+
+
+@pytest.mark.parametrize("kind", ["arrays", "mixture"])
+def test_grains_own_shuffle_and_seed_work_on_what_trainrun_returns(kind):
+    import grain
+
+    from trainrun.data.mixture import MixtureBatches
+
+    x = np.arange(64, dtype=np.float32).reshape(32, 2)
+    data: grain.MapDataset = (
+        ArrayBatches({"x": x}, 4, shuffle=True, seed=3) if kind == "arrays"
+        else MixtureBatches([{"x": x}, {"x": -x}], [1, 1], batch_size=4, shuffle=True, seed=3))
+    assert callable(data.shuffle) and callable(data.seed)
+    window = data[:8]  # a finite stretch of the unbounded batches, as Grain slices it
+    shuffled = window.shuffle(seed=5)
+    batches = [window[i]["x"].tobytes() for i in range(8)]
+    reordered = [shuffled[i]["x"].tobytes() for i in range(8)]
+    assert sorted(reordered) == sorted(batches) and reordered != batches
+    seeded = window.seed(5).shuffle()
+    assert sorted(seeded[i]["x"].tobytes() for i in range(8)) == sorted(batches)

@@ -76,8 +76,9 @@ class MixtureBatches(grain.MapDataset):
                             "processes; make it a multiple of the process count")
         self.parts = proportions(weights)
         self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
+        # Not self.shuffle / self.seed: those would hide Grain's MapDataset methods.
+        self.shuffled = shuffle
+        self.shuffle_seed = seed
         local = batch_size // process_count
         self.rows = slice(process_index * local, (process_index + 1) * local)
 
@@ -86,7 +87,8 @@ class MixtureBatches(grain.MapDataset):
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 (one dataset per run; a few epochs' orders)
     def _order(self, source: int, epoch: int) -> np.ndarray:
-        return np.random.default_rng((self.seed, source, epoch)).permutation(self.sizes[source])
+        rng = np.random.default_rng((self.shuffle_seed, source, epoch))
+        return rng.permutation(self.sizes[source])
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -102,7 +104,7 @@ class MixtureBatches(grain.MapDataset):
             mine = which == s
             epoch, position = np.divmod(within[mine], self.sizes[s])
             rows = position.copy()
-            if self.shuffle:
+            if self.shuffled:
                 for e in np.unique(epoch):
                     rows[epoch == e] = self._order(int(s), int(e))[position[epoch == e]]
             for name, a in self.sources[s].items():

@@ -61,8 +61,9 @@ class ArrayBatches(grain.MapDataset):
         self.arrays = dict(arrays)
         self.copy = {name: _needs_copy(a) for name, a in self.arrays.items()}
         self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
+        # Not self.shuffle / self.seed: those would hide Grain's MapDataset methods.
+        self.shuffled = shuffle
+        self.shuffle_seed = seed
         self.batches_per_epoch = self.num_examples // batch_size
         local = batch_size // process_count
         self.rows = slice(process_index * local, (process_index + 1) * local)
@@ -72,10 +73,10 @@ class ArrayBatches(grain.MapDataset):
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 (one dataset per run; holds two epochs' orders)
     def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng((self.seed, epoch)).permutation(self.num_examples)
+        return np.random.default_rng((self.shuffle_seed, epoch)).permutation(self.num_examples)
 
     def _order(self, epoch: int) -> np.ndarray | None:
-        return self._permutation(epoch) if self.shuffle else None
+        return self._permutation(epoch) if self.shuffled else None
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -96,7 +97,7 @@ class ArrayBatches(grain.MapDataset):
         epochs, positions = np.divmod(np.arange(start, start + k), self.batches_per_epoch)
         idx = (positions[:, None] * self.batch_size
                + np.arange(self.rows.start, self.rows.stop)[None, :])
-        if self.shuffle:
+        if self.shuffled:
             for epoch in np.unique(epochs).tolist():
                 in_epoch = epochs == epoch
                 idx[in_epoch] = self._permutation(epoch)[idx[in_epoch]]

@@ -77,6 +77,6 @@ def resident_batches(batches: Any, single_device: bool, data_index: int,
     size = sum(math.prod(a.shape) * a.dtype.itemsize for a in dataset.arrays.values())
     if size > RESIDENT_MAX_BYTES:
         return None
-    if dataset.shuffle:
+    if dataset.shuffled:
         return None  # module docstring
     return ResidentBatches(dataset, data_index - step)

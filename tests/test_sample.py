@@ -4,6 +4,7 @@ context length too; one compile per call; and `trainrun sample` on a trained run
 from __future__ import annotations
 
 import io
+import json
 
 import jax
 import jax.numpy as jnp
@@ -121,3 +122,87 @@ def test_any_token_count_from_one_and_any_prompt_length_decodes_and_zero_is_refu
             assert "at least 1 token" in str(err)
         else:
             raise AssertionError(f"--tokens {tokens} was accepted")
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """A few steps of the built-in chat config, small: a run on chat records to ask."""
+    root = tmp_path_factory.mktemp("chat")
+    config = load_config("chat", ["steps=4", "steps_per_call=2", "model.d_model=32",
+                                  "model.layers=1", "data.task_examples=256",
+                                  "data.batch_size=8", "eval.every=0", "checkpoint.every=4",
+                                  "optimizer.schedule.warmup_steps=1"])
+    run(config, root / "run", out=io.StringIO())
+    return root / "run", config
+
+
+def own_loop_answer(run_dir, config, turns, tokens: int) -> str:
+    """What a user's own loop gets: the template renders the turns, `generate` continues them
+    greedily, the answer ends at the first stop token."""
+    import trainrun
+    from trainrun.data import model_tokenizer
+
+    found = model_tokenizer.load(config.data.tokenizer or model_tokenizer.BYTES,
+                                 config.data.chat_template)
+    assert found.template is not None
+    text = found.template.render(turns, add_generation_prompt=True, special=found.special)
+    ids = found.tokenizer.encode(text, add_special_tokens=False).ids
+    out = trainrun.load(run_dir).generate(np.array(ids, np.int32), tokens, temperature=0.0)
+    answer = out[len(ids):].tolist()
+    for i, token in enumerate(answer):
+        if token in found.stop_ids:
+            answer = answer[:i]
+            break
+    return found.tokenizer.decode(answer)
+
+
+@pytest.mark.slow
+def test_a_system_prompt_and_a_file_of_conversations_are_answered_as_an_own_loop_would(
+        chat_run, tmp_path, capsys):
+    from trainrun.sample import chat_answers
+
+    run_dir, config = chat_run
+    system, question = "Answer in one word.", "reverse: abc"
+    with_system = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    [answer] = chat_answers(run_dir, [question], 12, temperature=0.0, system=system)
+    assert answer == own_loop_answer(run_dir, config, with_system, 12)
+    # the system turn reached the model: without it, the same run answers otherwise
+    assert answer != own_loop_answer(run_dir, config, with_system[1:], 12)
+    assert main(["sample", str(run_dir), "--chat", question, "--system", system,
+                 "--temperature", "0", "--tokens", "12"]) == 0
+    assert capsys.readouterr().out == answer + "\n"
+
+    conversations = [with_system, [{"role": "user", "content": "reverse: xyz"}],
+                     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                      {"role": "user", "content": "c"}]]
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations) + "\n")
+    assert main(["sample", str(run_dir), "--file", str(path), "--temperature", "0",
+                 "--tokens", "12"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["messages"] for line in lines] == conversations
+    assert [line["answer"] for line in lines] == [
+        own_loop_answer(run_dir, config, c, 12) for c in conversations]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("args", "lines", "says"), [
+    (["--system", "be brief"], None, "a system prompt (--system) goes with a chat turn"),
+    (["--chat", "hi"], ['{"messages": [{"role": "user", "content": "x"}]}'],
+     "--chat and --file both give the turns"),
+    ([], ['{"messages": [{"role": "user", "content": "x"}, '
+          '{"role": "assistant", "content": "y"}]}'], "line 1: a conversation ends with the"),
+    ([], ["not json"], 'line 1 is not a JSON object with "messages"'),
+    ([], [""], "holds no conversation"),
+    (["--system", "s"], ['{"messages": [{"role": "system", "content": "t"}, '
+                         '{"role": "user", "content": "x"}]}'], "drop one of them"),
+])
+def test_bad_chat_input_is_one_line_and_exit_2(chat_run, tmp_path, capsys, args, lines, says):
+    run_dir, _ = chat_run
+    extra = []
+    if lines is not None:
+        (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+        extra = ["--file", str(tmp_path / "c.jsonl")]
+    assert main(["sample", str(run_dir), *args, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err

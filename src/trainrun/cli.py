@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Iterable
@@ -109,8 +110,20 @@ def _sample(args: argparse.Namespace) -> int:
     from trainrun.sample import sample_run
 
     require_backend()
+    if args.file is not None:
+        from trainrun.sample import SampleError, chat_answers, read_conversations
+
+        if args.chat is not None:
+            raise SampleError("--chat and --file both give the turns to answer; give one")
+        conversations = read_conversations(args.file)
+        answers = chat_answers(args.run_dir, conversations, args.tokens,
+                               temperature=args.temperature, seed=args.seed, ema=args.ema,
+                               system=args.system)
+        for turns, answer in zip(conversations, answers, strict=True):
+            print(json.dumps({"messages": turns, "answer": answer}, ensure_ascii=False))
+        return 0
     print(sample_run(args.run_dir, args.prompt, args.tokens, temperature=args.temperature,
-                     seed=args.seed, ema=args.ema, chat=args.chat))
+                     seed=args.seed, ema=args.ema, chat=args.chat, system=args.system))
     return 0
 
 
@@ -299,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0, help="sampling randomness (default 0)")
     sample.add_argument("--ema", action="store_true",
                         help="sample from the params' moving average (runs with optimizer.ema)")
+    sample.add_argument("--system", metavar="TEXT",
+                        help="a system prompt rendered before each --chat or --file turn, as "
+                             "records that carry one were trained")
+    sample.add_argument("--file", metavar="CONVERSATIONS",
+                        help="a JSONL file, one conversation a line ({\"messages\": [{\"role\": "
+                             "..., \"content\": ...}, ...]}): print each with its \"answer\" "
+                             "as JSONL, the checkpoint read and the decoder compiled once")
     sample.set_defaults(handler=_sample)
 
     export = commands.add_parser(

@@ -122,15 +122,23 @@ def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: i
     return jax.jit(decode)
 
 
+Conversation = Sequence[dict[str, str]]  # chat turns: {"role": ..., "content": ...}
+
+
 def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: float = 0.8,
-               seed: int = 0, ema: bool = False, chat: str | None = None) -> str:
+               seed: int = 0, ema: bool = False, chat: str | None = None,
+               system: str | None = None) -> str:
     """The prompt and ``tokens`` bytes sampled from the latest checkpoint of an LM run (with
     ``ema``: from its params' moving average, ``optimizer.ema``). chat: a user turn, rendered
-    with the run's chat template; the answer alone is returned, ended at the turn's end."""
+    with the run's chat template after ``system`` (a system prompt) when given; the answer alone
+    is returned, ended at the turn's end."""
     require_settings(tokens, temperature, seed)
     if chat is not None:
         return chat_answers(run_dir, [chat], tokens, temperature=temperature, seed=seed,
-                            ema=ema)[0]
+                            ema=ema, system=system)[0]
+    if system is not None:
+        raise SampleError("a system prompt (--system) goes with a chat turn: give --chat TEXT "
+                          "or --file conversations.jsonl")
     config, params = _trained(run_dir, ema)
     compute = config.precision.compute
     if isinstance(config.data, RecordsData):
@@ -150,16 +158,74 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-def chat_answers(run_dir: Path | str, questions: Sequence[str], tokens: int, *,
-                 temperature: float = 0.8, seed: int = 0, ema: bool = False) -> list[str]:
-    """The answers of a run on chat records to each question (a user turn), the checkpoint read
-    once: what ``sample --chat`` prints for each."""
+def chat_answers(run_dir: Path | str, questions: Sequence[str | Conversation], tokens: int, *,
+                 temperature: float = 0.8, seed: int = 0, ema: bool = False,
+                 system: str | None = None) -> list[str]:
+    """The answers of a run on chat records, the checkpoint read once: to each question (a user
+    turn, after ``system`` when given: what ``sample --chat`` prints) or conversation (its turns
+    as records hold them, system prompt included; the answer follows the last turn)."""
     require_settings(tokens, temperature, seed)
+    conversations = [conversation(q, system) for q in questions]
     config, params = _trained(run_dir, ema, chat=True)
     assert isinstance(config.data, RecordsData)
-    return [_sample_records(config.model, params, config.data, "", tokens, chat=question,
+    return [_sample_records(config.model, params, config.data, "", tokens, chat=turns,
                             temperature=temperature, seed=seed,
-                            compute=config.precision.compute) for question in questions]
+                            compute=config.precision.compute) for turns in conversations]
+
+
+def read_conversations(path: str | Path) -> list[Conversation]:
+    """The conversations of a JSONL file, one ``{"messages": [...]}`` object a line (blank
+    lines skipped); a line that is not one is refused naming the file and the line."""
+    import json
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SampleError(f"cannot read {path}: {err}; give a JSONL file of conversations"
+                          .replace("\n", " ")) from None
+    out: list[Conversation] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list):
+            raise SampleError(f"{path} line {number} is not a JSON object with \"messages\" "
+                              "(a list of turns); write one conversation a line")
+        try:
+            conversation(messages)
+        except SampleError as err:
+            raise SampleError(f"{path} line {number}: {err}") from None
+        out.append(messages)
+    if not out:
+        raise SampleError(f"{path} holds no conversation; write one a line")
+    return out
+
+
+def conversation(question: str | Conversation, system: str | None = None) -> list[dict[str, str]]:
+    """The chat turns a question stands for: a user turn (after ``system``), or a
+    conversation's own turns, checked to end with a turn the model answers."""
+    if isinstance(question, str):
+        turns = [{"role": "user", "content": question}]
+        return turns if system is None else [{"role": "system", "content": system}, *turns]
+    turns = [dict(turn) if isinstance(turn, dict) else {} for turn in question]
+    if not turns or any(set(t) != {"role", "content"} or not all(isinstance(v, str)
+                                                                 for v in t.values())
+                        for t in turns):
+        raise SampleError("a conversation is a list of turns {\"role\": ..., \"content\": ...} "
+                          "(text); give at least one")
+    if turns[-1]["role"] == "assistant":
+        raise SampleError("a conversation ends with the assistant's turn; end it with the turn "
+                          "to answer (a user turn)")
+    if system is not None:
+        if turns[0]["role"] == "system":
+            raise SampleError("a conversation has its own system prompt and --system gives "
+                              "another; drop one of them")
+        turns = [{"role": "system", "content": system}, *turns]
+    return turns
 
 
 def _trained(run_dir: Path | str, ema: bool, chat: bool = False) -> tuple[Any, PyTree]:
@@ -183,10 +249,10 @@ def _trained(run_dir: Path | str, ema: bool, chat: bool = False) -> tuple[Any, P
 
 
 def _sample_records(model: TransformerModel, params: PyTree, data: RecordsData, prompt: str,
-                    tokens: int, *, chat: str | None, temperature: float, seed: int,
+                    tokens: int, *, chat: Conversation | None, temperature: float, seed: int,
                     compute: str) -> str:
     """Text from a run on records, through its tokenizer: the prompt continued, or the answer
-    to a chat turn."""
+    that follows a conversation's turns."""
     from trainrun.data import model_tokenizer
     from trainrun.data.examples import require_template
 
@@ -197,8 +263,8 @@ def _sample_records(model: TransformerModel, params: PyTree, data: RecordsData, 
         out = generate(model, params, np.array(ids, np.int32), tokens, temperature=temperature,
                        seed=seed, compute=compute)
         return lib.decode(out.tolist())
-    text = require_template(found).render([{"role": "user", "content": chat}],
-                                          add_generation_prompt=True, special=found.special)
+    text = require_template(found).render(list(chat), add_generation_prompt=True,
+                                          special=found.special)
     ids = lib.encode(text, add_special_tokens=False).ids
     out = generate(model, params, np.array(ids, np.int32), tokens, temperature=temperature,
                    seed=seed, compute=compute, stop_ids=found.stop_ids)

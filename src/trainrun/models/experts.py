@@ -24,6 +24,7 @@ term as ``transformers`` computes it over all layers at once.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -181,9 +182,7 @@ def routed_mlp(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Ar
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, first_rows, side="right"),
                                experts - 1)
     used = first_rows < padded_end[-1]
-    hidden = (act(_block_matmul(inputs, gate, block_expert, used))
-              * _block_matmul(inputs, up, block_expert, used))
-    out = _block_matmul(hidden, down, block_expert, used).reshape(rows, d)
+    out = _block_mlp(act, inputs, gate, up, down, block_expert, used).reshape(rows, d)
     per_assignment = _gather_rows(out, row_of, assignment_of[:, None]).reshape(tokens, k, d)
     return jnp.einsum("tkd,tk->td", per_assignment, weights.astype(x.dtype))
 
@@ -211,38 +210,60 @@ def _gather_rows_backward(saved: tuple[jax.Array, int], grad: jax.Array
 _gather_rows.defvjp(_gather_rows_forward, _gather_rows_backward)
 
 
-@jax.custom_vjp
-def _block_matmul(x: jax.Array, w: jax.Array, block_expert: jax.Array,
-                  used: jax.Array) -> jax.Array:
-    """``x[b] @ w[block_expert[b]]`` for each block ``b`` of rows (``x`` ``[blocks, rows,
-    d_in]``), zeros for a block not ``used``: one block at a time under ``lax.scan``."""
+Act = Callable[[jax.Array], jax.Array]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _block_mlp(act: Act, x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+               block_expert: jax.Array, used: jax.Array) -> jax.Array:
+    """``down_e(act(gate_e(x[b])) * up_e(x[b]))`` with ``e = block_expert[b]`` for each block
+    ``b`` of rows (``x`` ``[blocks, rows, d]``), zeros for a block not ``used``: the whole MLP
+    one block at a time under ``lax.scan``."""
     def one_block(_: None, item: tuple[jax.Array, jax.Array, jax.Array]
                   ) -> tuple[None, jax.Array]:
         xb, e, live = item
-        return None, jax.lax.cond(live, lambda: xb @ w[e], lambda: jnp.zeros_like(
-            xb, shape=(xb.shape[0], w.shape[-1])))
+        return None, jax.lax.cond(
+            live, lambda: (act(xb @ gate[e]) * (xb @ up[e])) @ down[e],
+            lambda: jnp.zeros_like(xb, shape=(xb.shape[0], down.shape[-1])))
 
     return jax.lax.scan(one_block, None, (x, block_expert, used))[1]
 
 
-def _block_matmul_forward(x: jax.Array, w: jax.Array, block_expert: jax.Array, used: jax.Array
-                          ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    return _block_matmul(x, w, block_expert, used), (x, w, block_expert, used)
+def _block_mlp_forward(act: Act, x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                       block_expert: jax.Array, used: jax.Array
+                       ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    return (_block_mlp(act, x, gate, up, down, block_expert, used),
+            (x, gate, up, down, block_expert, used))
 
 
-def _block_matmul_backward(saved: tuple[jax.Array, ...], grad: jax.Array
-                           ) -> tuple[jax.Array, jax.Array, None, None]:
-    """The weights' gradient added into its expert's slice of one carried array, in place: the
-    transpose JAX derives adds a whole zero ``[experts, ...]`` array per block instead."""
-    x, w, block_expert, used = saved
+def _block_mlp_backward(act: Act, saved: tuple[jax.Array, ...], grad: jax.Array
+                        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, None, None]:
+    """One block at a time again, its hidden activations recomputed; each expert's weight
+    gradients are added into its slice of carried arrays, in place (the transpose JAX derives
+    adds a whole zero ``[experts, ...]`` array per block instead)."""
+    x, gate, up, down, block_expert, used = saved
 
-    def one_block(dw: jax.Array, item: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+    def one_block(carry: tuple[jax.Array, jax.Array, jax.Array], item: tuple[jax.Array, ...]
+                  ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+        d_gate, d_up, d_down = carry
         xb, gb, e, live = item
-        return jax.lax.cond(live, lambda: (dw.at[e].add(xb.T @ gb), gb @ w[e].T),
-                            lambda: (dw, jnp.zeros_like(xb)))
 
-    dw, dx = jax.lax.scan(one_block, jnp.zeros_like(w), (x, grad, block_expert, used))
-    return dx, dw, None, None
+        def compute() -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
+            gated, upped = xb @ gate[e], xb @ up[e]
+            activated, act_vjp = jax.vjp(act, gated)
+            d_hidden = gb @ down[e].T
+            d_gated = act_vjp(d_hidden * upped)[0]
+            d_upped = d_hidden * activated
+            dx = d_gated @ gate[e].T + d_upped @ up[e].T
+            return (d_gate.at[e].add(xb.T @ d_gated), d_up.at[e].add(xb.T @ d_upped),
+                    d_down.at[e].add((activated * upped).T @ gb)), dx
+
+        return jax.lax.cond(live, compute, lambda: (carry, jnp.zeros_like(xb)))
+
+    zeros = (jnp.zeros_like(gate), jnp.zeros_like(up), jnp.zeros_like(down))
+    (d_gate, d_up, d_down), dx = jax.lax.scan(one_block, zeros,
+                                              (x, grad, block_expert, used))
+    return dx, d_gate, d_up, d_down, None, None
 
 
-_block_matmul.defvjp(_block_matmul_forward, _block_matmul_backward)
+_block_mlp.defvjp(_block_mlp_forward, _block_mlp_backward)

@@ -7,12 +7,14 @@ named ``gs:`` or ``s3:``: each test runs in an empty working directory that must
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,10 +57,18 @@ def remote_losses(url: str) -> np.ndarray:
                     np.float32)
 
 
-def local_losses(tmp_path: Path, *overrides: str) -> np.ndarray:
-    run_dir = tmp_path / "local"
-    trainrun.run(load_config("mlp", list(overrides)), run_dir, out=io.StringIO())
-    return losses(run_dir)
+def local_losses(*overrides: str) -> np.ndarray:
+    """The losses of the same run on local disk: once per test process for each overrides
+    (the long runs' reference is the same in every test that needs it)."""
+    return _local_losses(tuple(overrides)).copy()
+
+
+@functools.cache
+def _local_losses(overrides: tuple[str, ...]) -> np.ndarray:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "local"
+        trainrun.run(load_config("mlp", list(overrides)), run_dir, out=io.StringIO())
+        return losses(run_dir)
 
 
 def test_a_run_in_a_bucket_resumes_on_another_machine_bit_for_bit(bucket, workdir, tmp_path,
@@ -77,7 +87,7 @@ def test_a_run_in_a_bucket_resumes_on_another_machine_bit_for_bit(bucket, workdi
     summary = train(url, 6, tmp_path / "machine-2", monkeypatch)  # a new stage: from the bucket
     assert summary.start_step == 4 and summary.steps_done == 6
     got = remote_losses(url)
-    want = local_losses(tmp_path, *MLP, "steps=6")
+    want = local_losses(*MLP, "steps=6")
     assert len(got) == 6
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert rundir.read_status(root)["step"] == 6
@@ -103,7 +113,7 @@ def test_a_changed_byte_in_a_bucket_step_moves_it_aside_and_resumes_from_the_one
     assert rundir.committed_steps(ckpt)[-2:] == [4, 6]  # 4 saved again on the way to 6
     assert [n.split("-")[0] for n in location.list_names(ckpt / "corrupt")] == ["4"]
     np.testing.assert_array_equal(remote_losses(url).view(np.uint32),
-                                  local_losses(tmp_path, *MLP, "steps=6").view(np.uint32))
+                                  local_losses(*MLP, "steps=6").view(np.uint32))
 
 
 def test_one_job_holds_a_bucket_run_until_its_lease_runs_out(bucket, workdir, tmp_path,
@@ -206,7 +216,7 @@ def test_a_store_that_stops_answering_for_30_s_is_waited_for(object_store_server
                      r"storage\.deadline_s=300", out), out[-3000:]
     got = remote_losses(url)
     np.testing.assert_array_equal(got.view(np.uint32),
-                                  local_losses(tmp_path, *LONG).view(np.uint32))
+                                  local_losses(*LONG).view(np.uint32))
 
 
 @pytest.mark.slow
@@ -236,7 +246,7 @@ def test_a_store_gone_past_the_deadline_stops_the_run_in_one_line_and_it_resumes
     assert f"resumed from step {step}" in again.stdout
     got = remote_losses(url)
     np.testing.assert_array_equal(got.view(np.uint32),
-                                  local_losses(tmp_path, *LONG).view(np.uint32))
+                                  local_losses(*LONG).view(np.uint32))
 
 
 RUN = ["model.hidden=[32]", "data.examples=512", "data.batch_size=64", "data.shuffle=true",
@@ -418,4 +428,4 @@ def test_a_store_that_answers_errors_for_a_while_is_retried_and_the_run_goes_on(
     assert proc.returncode == 0, out + err
     assert proxy.refused > 0  # the run did meet the errors
     np.testing.assert_array_equal(remote_losses(url).view(np.uint32),
-                                  local_losses(tmp_path, *LONG).view(np.uint32))
+                                  local_losses(*LONG).view(np.uint32))

@@ -221,6 +221,13 @@ class TransformerModel(Section):
         """Whether layer ``index``'s MLP is a mixture of experts."""
         return self.experts is not None and index not in self.dense_layers
 
+    def expert_layer_count(self) -> int:
+        """How many layers ``expert_layer`` holds, counted without visiting every layer (a
+        config may name more layers than could be looped over)."""
+        if self.experts is None:
+            return 0
+        return self.layers - len({i for i in self.dense_layers if 0 <= i < self.layers})
+
     def local_layer(self, index: int) -> bool:
         """Whether layer ``index`` attends within the sliding window."""
         return self.sliding_window is not None and (

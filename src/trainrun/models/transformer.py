@@ -600,9 +600,7 @@ def parameter_count(cfg: TransformerModel) -> int:
         shared = cfg.shared_expert_hidden or 0
         experts = (d * cfg.experts + 3 * cfg.experts * d * cfg.expert_width
                    + (3 * d * shared + d if shared else 0))
-    # counted, not looped: a config may name 10**12 layers, refused by this very count
-    expert_layers = 0 if cfg.experts is None else cfg.layers - len(
-        {i for i in cfg.dense_layers if 0 <= i < cfg.layers})
+    expert_layers = cfg.expert_layer_count()
     layers = cfg.layers * block + expert_layers * experts + (cfg.layers - expert_layers) * mlp
     table = cfg.vocab * d
     return (table + (cfg.seq_len * d if cfg.positions == "learned" else 0)

@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--file", metavar="CONVERSATIONS",
                         help="a JSONL file, one conversation a line ({\"messages\": [{\"role\": "
                              "..., \"content\": ...}, ...]}): print each with its \"answer\" "
-                             "as JSONL, the checkpoint read and the decoder compiled once")
+                             "as JSONL, the checkpoint and tokenizer read once (the decoder is "
+                             "compiled once per prompt length)")
     sample.set_defaults(handler=_sample)
 
     export = commands.add_parser(

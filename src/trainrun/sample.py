@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,9 @@ from trainrun.errors import UserError
 from trainrun.models.transformer import Transformer, bind_transformer
 from trainrun.program.precision import DTYPES, cast_floats
 from trainrun.rundir import location
+
+if TYPE_CHECKING:  # the tokenizers stack is imported only where a run on records is sampled
+    from trainrun.data.model_tokenizer import ModelTokenizer
 
 PyTree = Any
 
@@ -142,7 +145,8 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     config, params = _trained(run_dir, ema)
     compute = config.precision.compute
     if isinstance(config.data, RecordsData):
-        return _sample_records(config.model, params, config.data, prompt, tokens, chat=None,
+        return _sample_records(config.model, params, _run_tokenizer(config.data), prompt,
+                               tokens, chat=None,
                                temperature=temperature, seed=seed, compute=compute)
     if config.data.tokenizer is not None:  # a tokenized run: text in and out through its own
         from trainrun.data.tokenizer import DOCUMENT_TOKEN, load
@@ -168,7 +172,8 @@ def chat_answers(run_dir: Path | str, questions: Sequence[str | Conversation], t
     conversations = [conversation(q, system) for q in questions]
     config, params = _trained(run_dir, ema, chat=True)
     assert isinstance(config.data, RecordsData)
-    return [_sample_records(config.model, params, config.data, "", tokens, chat=turns,
+    found = _run_tokenizer(config.data)  # read once for every conversation
+    return [_sample_records(config.model, params, found, "", tokens, chat=turns,
                             temperature=temperature, seed=seed,
                             compute=config.precision.compute) for turns in conversations]
 
@@ -248,15 +253,20 @@ def _trained(run_dir: Path | str, ema: bool, chat: bool = False) -> tuple[Any, P
     return config, state.ema if ema else state.params
 
 
-def _sample_records(model: TransformerModel, params: PyTree, data: RecordsData, prompt: str,
-                    tokens: int, *, chat: Conversation | None, temperature: float, seed: int,
-                    compute: str) -> str:
-    """Text from a run on records, through its tokenizer: the prompt continued, or the answer
-    that follows a conversation's turns."""
+def _run_tokenizer(data: RecordsData) -> ModelTokenizer:
+    """The tokenizer and chat template a run on records was trained with."""
     from trainrun.data import model_tokenizer
+
+    return model_tokenizer.load(data.tokenizer or model_tokenizer.BYTES, data.chat_template)
+
+
+def _sample_records(model: TransformerModel, params: PyTree, found: ModelTokenizer,
+                    prompt: str, tokens: int, *, chat: Conversation | None, temperature: float,
+                    seed: int, compute: str) -> str:
+    """Text from a run on records, through its tokenizer (``found``): the prompt continued, or
+    the answer that follows a conversation's turns."""
     from trainrun.data.examples import require_template
 
-    found = model_tokenizer.load(data.tokenizer or model_tokenizer.BYTES, data.chat_template)
     lib = found.tokenizer
     if chat is None:
         ids = lib.encode(prompt, add_special_tokens=True).ids

@@ -228,6 +228,24 @@ def hf_greedy(path: Path, prompt: np.ndarray, tokens: int) -> np.ndarray:
     return out[0].numpy()
 
 
+def hf_greedy_batch(path: Path, prompts: list[np.ndarray], tokens: int) -> list[np.ndarray]:
+    """``transformers``' greedy ``generate`` of ``tokens`` ids after each of ``prompts``, in
+    one left-padded batch with its attention mask (as transformers batches prompts)."""
+    transformers, torch = _hf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                             max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             pad_token_id=0)
+    return [row[width:] for row in out.numpy()]
+
+
 def _hf():
     return (pytest.importorskip("transformers", reason="the tests' extra holds transformers"),
             pytest.importorskip("torch"))

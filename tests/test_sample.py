@@ -17,7 +17,7 @@ from trainrun.cli import main
 from trainrun.config import TransformerModel, dump_yaml, load_config
 from trainrun.models import build_model
 from trainrun.models.transformer import bind_transformer
-from trainrun.sample import SampleError, _decoder, generate
+from trainrun.sample import SampleError, _decoder, generate, generate_batch
 from trainrun.training.loop import run
 
 CFG = TransformerModel(d_model=32, layers=2, heads=4, seq_len=16)
@@ -54,7 +54,8 @@ def test_cached_decoding_equals_recomputing_the_context_in_one_program():
 
     a, b, c = (generate(CFG, params, prompt, 30, temperature=1.0, seed=s) for s in (1, 1, 2))
     assert np.array_equal(a, b) and not np.array_equal(a, c)
-    assert _decoder(CFG, 10, 10, 30, "float32")._cache_size() == 1  # any token, seed, temperature
+    # one program for any token, seed and temperature
+    assert _decoder(CFG, 1, 10, 30, "float32", False)._cache_size() == 1
 
 
 @pytest.mark.slow
@@ -177,12 +178,15 @@ def test_a_system_prompt_and_a_file_of_conversations_are_answered_as_an_own_loop
                       {"role": "user", "content": "c"}]]
     path = tmp_path / "conversations.jsonl"
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations) + "\n")
+    # 4 tokens: every answer ends within the 64-token context, where a batch answers each
+    # conversation as it is answered alone
     assert main(["sample", str(run_dir), "--file", str(path), "--temperature", "0",
-                 "--tokens", "12"]) == 0
+                 "--tokens", "4"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["messages"] for line in lines] == conversations
     assert [line["answer"] for line in lines] == [
-        own_loop_answer(run_dir, config, c, 12) for c in conversations]
+        own_loop_answer(run_dir, config, c, 4) for c in conversations]
+    assert len({line["answer"] for line in lines}) > 1
 
 
 @pytest.mark.slow
@@ -206,3 +210,38 @@ def test_bad_chat_input_is_one_line_and_exit_2(chat_run, tmp_path, capsys, args,
     assert main(["sample", str(run_dir), *args, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+def test_a_batch_of_prompts_of_different_lengths_answers_each_as_alone_with_one_compile():
+    params = build_model(CFG).init(jax.random.key(0))
+    prompts = [np.frombuffer(text, np.uint8) for text in (b"ab", b"import", b"x = 1\n", b"d")]
+    alone = [generate(CFG, params, p, 9, temperature=0.0)[p.size:] for p in prompts]
+    assert len({a.tobytes() for a in alone}) > 1  # the prompts lead to different answers
+    got = generate_batch(CFG, params, prompts, 9, temperature=0.0, batch_size=3)
+    assert [g.tolist() for g in got] == [a.tolist() for a in alone]
+    # 4 prompts in batches of 3: one program for both batches, whatever their lengths
+    assert _decoder(CFG, 3, 6, 9, "float32", True)._cache_size() == 1
+    # Each row stops at its own stop id: the first id the second prompt's answer draws.
+    stop = int(alone[1][2])
+    stopped = generate_batch(CFG, params, prompts, 9, temperature=0.0, stop_ids=[stop])
+    for answer, full in zip(stopped, alone, strict=True):
+        ends = np.flatnonzero(full == stop)
+        assert answer.tolist() == full[:ends[0] + 1 if ends.size else None].tolist()
+    assert len(stopped[1]) <= 3
+
+
+def test_the_longest_prompt_of_a_batch_decodes_past_the_context_as_alone():
+    params = build_model(CFG).init(jax.random.key(0))
+    long, short = np.frombuffer(b"import os\n", np.uint8), np.frombuffer(b"def", np.uint8)
+    got = generate_batch(CFG, params, [short, long], 30, temperature=0.0)  # refills twice
+    assert got[1].tolist() == recomputed(params, long, 30)[long.size:]
+    assert len(got[0]) == 30
+
+
+def test_sampled_batches_follow_the_seed():
+    params = build_model(CFG).init(jax.random.key(0))
+    prompts = [np.frombuffer(text, np.uint8) for text in (b"ab", b"import")]
+    a, b, c = (generate_batch(CFG, params, prompts, 8, temperature=1.0, seed=s)
+               for s in (3, 3, 4))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))

@@ -73,6 +73,19 @@ class LanguageModel:
         return generate(self.config, self.params, np.asarray(prompt, np.int32), tokens,
                         temperature=temperature, seed=seed, compute=self.compute)
 
+    def generate_batch(self, prompts: Sequence[Sequence[int] | np.ndarray], tokens: int, *,
+                       temperature: float = 0.0, seed: int = 0, stop_ids: Sequence[int] = (),
+                       batch_size: int = 16) -> list[np.ndarray]:
+        """What the model generates after each of ``prompts`` (token ids, any lengths):
+        ``tokens`` ids, or fewer, up to and including the first of ``stop_ids``. Prompts are
+        decoded ``batch_size`` at a time with one compiled program."""
+        from trainrun.sample import generate_batch
+
+        return generate_batch(self.config, self.params,
+                              [np.asarray(p, np.int32) for p in prompts], tokens,
+                              temperature=temperature, seed=seed, compute=self.compute,
+                              stop_ids=stop_ids, batch_size=batch_size)
+
 
 @functools.lru_cache(maxsize=8)
 def _forward(cfg: TransformerModel, compute: str) -> Callable[..., jax.Array]:

@@ -46,19 +46,56 @@ def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: 
     compute: the dtype the model runs in (the run's ``precision.compute``): params and the
         key/value cache are cast to it; logits are float32.
     """
-    if prompt.size == 0:
+    prompt = np.asarray(prompt)
+    answer, = generate_batch(cfg, params, [prompt], tokens, temperature=temperature, seed=seed,
+                             compute=compute, stop_ids=stop_ids)
+    return np.concatenate([prompt.astype(answer.dtype), answer])
+
+
+BATCH = 16  # prompts decoded together by default
+
+
+def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.ndarray],
+                   tokens: int, *, temperature: float = 1.0, seed: int = 0,
+                   compute: str = "float32", stop_ids: Sequence[int] = (),
+                   batch_size: int = BATCH) -> list[np.ndarray]:
+    """What follows each of ``prompts`` (1-D token ids, of any lengths): ``tokens`` ids, or
+    fewer: up to and including the first of ``stop_ids`` drawn. ``batch_size`` prompts are
+    decoded together, left-padded to the longest; one program serves every batch of a call.
+    Within the model's context a greedy answer (temperature 0) is the prompt's own, whatever
+    prompts are beside it; sampling draws each batch from ``seed``. Past the context every row
+    of a batch is re-read at once, keeping the last half of the longest row's text."""
+    if not prompts:
+        return []
+    if any(np.asarray(p).size == 0 for p in prompts):
         raise SampleError("the prompt is empty; give at least one character (e.g. --prompt "
                           "'\\n')")
     require_settings(tokens, temperature, seed)
     if cfg.seq_len < 2:
         raise SampleError(f"model.seq_len={cfg.seq_len} leaves no room to generate")
-    # The prompt's tail that fits the context with room for one generated token.
-    context = np.asarray(prompt[-(cfg.seq_len - 1):], np.int32)
-    program = _decoder(cfg, int(prompt.size), int(context.size), tokens, compute)
-    stops = np.asarray([*stop_ids, -1], np.int32)  # -1: no id, so the array is never empty
-    out, drawn = program(params, jnp.asarray(prompt, jnp.int32), jnp.asarray(context),
-                         jnp.float32(temperature), jax.random.key(seed), jnp.asarray(stops))
-    return np.asarray(out)[:prompt.size + int(drawn)]
+    if batch_size < 1:
+        raise SampleError(f"batch_size={batch_size}: give at least 1")
+    # Each prompt's tail that fits the context with room for one generated token.
+    contexts = [np.asarray(p[-(cfg.seq_len - 1):], np.int32) for p in prompts]
+    width = max(c.size for c in contexts)
+    rows = min(batch_size, len(contexts))
+    padded = any(c.size != width for c in contexts)
+    program = _decoder(cfg, rows, width, tokens, compute, padded)
+    stops = jnp.asarray([*stop_ids, -1], jnp.int32)  # -1: no id, so the array is never empty
+    out: list[np.ndarray] = []
+    for first in range(0, len(contexts), rows):
+        group = contexts[first:first + rows]
+        group += [group[-1]] * (rows - len(group))  # the last batch filled to the same shape
+        ids = np.zeros((rows, width), np.int32)
+        for row, context in enumerate(group):
+            ids[row, width - context.size:] = context
+        start = np.asarray([width - c.size for c in group], np.int32)
+        drawn, counts = program(params, jnp.asarray(ids), jnp.asarray(start),
+                                jnp.float32(temperature),
+                                jax.random.fold_in(jax.random.key(seed), first), stops)
+        drawn, counts = np.asarray(drawn), np.asarray(counts)
+        out += [drawn[row, :counts[row]] for row in range(min(rows, len(contexts) - first))]
+    return out
 
 
 SEED_MAX = 2**32 - 1  # jax.random.key's range without wrapping, as the config's seed
@@ -76,51 +113,58 @@ def require_settings(tokens: int, temperature: float, seed: int) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _decoder(cfg: TransformerModel, prompt_len: int, context_len: int, tokens: int,
-             compute: str = "float32"):
-    """The jitted decoder for one prompt length and token count: one program, compiled once,
-    for every token, seed and temperature."""
+def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
+             compute: str = "float32", padded: bool = False):
+    """The jitted decoder of ``rows`` prompts of ``width`` tokens (left-padded when
+    ``padded``; each row's ``start`` is its first token) and ``tokens`` tokens: one program,
+    compiled once, for every prompt of that shape, token, seed and temperature."""
     module_of = bind_transformer(cfg)
     dtype = DTYPES[compute]
     # The cache holds what this call needs, up to the model's context: a model made for a long
     # context is not given a cache of that length for a short answer.
-    window = min(cfg.seq_len, prompt_len + tokens)
+    window = min(cfg.seq_len, width + tokens)
     keep = window // 2  # tokens carried into a fresh cache when the cache is full
 
     def pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
         sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
-        return jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(jnp.int32)
+        return jnp.where(temperature > 0, sampled, jnp.argmax(logits, -1)).astype(jnp.int32)
 
-    def decode(params, prompt, context, temperature, key, stops):
+    def decode(params, prompts, start, temperature, key, stops):
         module: Transformer = module_of(cast_floats(params, dtype))
         # At least ``keep`` long, so the refill's slice is valid even where the text is too
         # short to ever fill the cache (then the refill is traced but never taken).
-        length = prompt_len + tokens
-        seq = jnp.zeros(max(length, keep), jnp.int32).at[:prompt_len].set(prompt)
-        logits, filled = module(context[None], cache=module.empty_cache(1, window, dtype), pos=0)
+        seq = jnp.zeros((rows, max(width + tokens, keep)), jnp.int32).at[:, :width].set(prompts)
+        logits, filled = module(prompts, cache=module.empty_cache(rows, window, dtype), pos=0,
+                                start=start if padded else None)
 
-        def refill(seq: jax.Array, end: jax.Array):
-            """A fresh cache holding the ``keep`` tokens before ``end``."""
-            recent = jax.lax.dynamic_slice(seq, (end - keep,), (keep,))
-            _, fresh = module(recent[None], cache=module.empty_cache(1, window, dtype), pos=0)
-            return fresh
+        def refill(seq: jax.Array, end: jax.Array, start: jax.Array):
+            """A fresh cache holding the ``keep`` slots before ``end``, and each row's first
+            slot in it."""
+            recent = jax.lax.dynamic_slice(seq, (0, end - keep), (rows, keep))
+            start = jnp.maximum(start - (end - keep), 0)
+            _, fresh = module(recent, cache=module.empty_cache(rows, window, dtype), pos=0,
+                              start=start if padded else None)
+            return fresh, start
 
         def body(carry):
-            i, _, seq, cache, pos, last = carry
+            i, done, counts, seq, cache, pos, start, last = carry
             token = pick(last, jax.random.fold_in(key, i), temperature)
-            end = prompt_len + i  # the new token's index in seq
-            seq = seq.at[end].set(token)
-            cache, pos = jax.lax.cond(pos >= window,
-                                      lambda: (refill(seq, end), jnp.int32(keep)),
-                                      lambda: (cache, pos))
-            logits, cache = module(token[None, None], cache=cache, pos=pos)
-            return i + 1, jnp.any(token == stops), seq, cache, pos + 1, logits[0, -1]
+            counts = counts + ~done  # a row counts the tokens it draws, its stop id included
+            done = done | jnp.any(token[:, None] == stops[None], axis=-1)
+            end = width + i  # the new tokens' slot in seq
+            seq = jax.lax.dynamic_update_slice(seq, token[:, None], (0, end))
+            cache, start, pos = jax.lax.cond(
+                pos >= window, lambda: (*refill(seq, end, start), jnp.int32(keep)),
+                lambda: (cache, start, pos))
+            logits, cache = module(token[:, None], cache=cache, pos=pos,
+                                   start=start if padded else None)
+            return i + 1, done, counts, seq, cache, pos + 1, start, logits[:, -1]
 
-        carry = (jnp.int32(0), jnp.bool_(False), seq, filled, jnp.int32(context_len),
-                 logits[0, -1])
-        drawn, _, seq, *_ = jax.lax.while_loop(
-            lambda carry: (carry[0] < tokens) & ~carry[1], body, carry)
-        return seq[:length], drawn
+        carry = (jnp.int32(0), jnp.zeros(rows, bool), jnp.zeros(rows, jnp.int32), seq, filled,
+                 jnp.int32(width), start, logits[:, -1])
+        _, _, counts, seq, *_ = jax.lax.while_loop(
+            lambda carry: (carry[0] < tokens) & ~jnp.all(carry[1]), body, carry)
+        return seq[:, width:width + tokens], counts
 
     return jax.jit(decode)
 
@@ -146,8 +190,7 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     compute = config.precision.compute
     if isinstance(config.data, RecordsData):
         return _sample_records(config.model, params, _run_tokenizer(config.data), prompt,
-                               tokens, chat=None,
-                               temperature=temperature, seed=seed, compute=compute)
+                               tokens, temperature=temperature, seed=seed, compute=compute)
     if config.data.tokenizer is not None:  # a tokenized run: text in and out through its own
         from trainrun.data.tokenizer import DOCUMENT_TOKEN, load
 
@@ -164,18 +207,38 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
 
 def chat_answers(run_dir: Path | str, questions: Sequence[str | Conversation], tokens: int, *,
                  temperature: float = 0.8, seed: int = 0, ema: bool = False,
-                 system: str | None = None) -> list[str]:
-    """The answers of a run on chat records, the checkpoint read once: to each question (a user
-    turn, after ``system`` when given: what ``sample --chat`` prints) or conversation (its turns
-    as records hold them, system prompt included; the answer follows the last turn)."""
+                 system: str | None = None, batch_size: int = BATCH) -> list[str]:
+    """The answers of a run on chat records, the checkpoint read once and the conversations
+    decoded ``batch_size`` at a time by one program: to each question (a user turn, after
+    ``system`` when given: what ``sample --chat`` prints) or conversation (its turns as
+    records hold them, system prompt included; the answer follows the last turn)."""
     require_settings(tokens, temperature, seed)
     conversations = [conversation(q, system) for q in questions]
     config, params = _trained(run_dir, ema, chat=True)
     assert isinstance(config.data, RecordsData)
-    found = _run_tokenizer(config.data)  # read once for every conversation
-    return [_sample_records(config.model, params, found, "", tokens, chat=turns,
-                            temperature=temperature, seed=seed,
-                            compute=config.precision.compute) for turns in conversations]
+    return chat_replies(config.model, params, _run_tokenizer(config.data), conversations,
+                        tokens, temperature=temperature, seed=seed,
+                        compute=config.precision.compute, batch_size=batch_size)
+
+
+def chat_replies(model: TransformerModel, params: PyTree, found: ModelTokenizer,
+                 conversations: Sequence[Conversation], tokens: int, *, temperature: float,
+                 seed: int, compute: str, batch_size: int = BATCH) -> list[str]:
+    """The answer that follows each conversation's turns (rendered with the chat template of
+    ``found``, the run's tokenizer), ended at the turn's end."""
+    from trainrun.data.examples import require_template
+
+    template = require_template(found)
+    prompts = [np.array(found.tokenizer.encode(
+        template.render(list(turns), add_generation_prompt=True, special=found.special),
+        add_special_tokens=False).ids, np.int32) for turns in conversations]
+    answers = generate_batch(model, params, prompts, tokens, temperature=temperature,
+                             seed=seed, compute=compute, stop_ids=found.stop_ids,
+                             batch_size=batch_size)
+    stops = set(found.stop_ids)
+    return [found.tokenizer.decode(answer[:-1].tolist() if answer.size and
+                                   int(answer[-1]) in stops else answer.tolist())
+            for answer in answers]
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
@@ -261,24 +324,11 @@ def _run_tokenizer(data: RecordsData) -> ModelTokenizer:
 
 
 def _sample_records(model: TransformerModel, params: PyTree, found: ModelTokenizer,
-                    prompt: str, tokens: int, *, chat: Conversation | None, temperature: float,
-                    seed: int, compute: str) -> str:
-    """Text from a run on records, through its tokenizer (``found``): the prompt continued, or
-    the answer that follows a conversation's turns."""
-    from trainrun.data.examples import require_template
-
+                    prompt: str, tokens: int, *, temperature: float, seed: int,
+                    compute: str) -> str:
+    """The prompt continued by a run on records, through its tokenizer (``found``)."""
     lib = found.tokenizer
-    if chat is None:
-        ids = lib.encode(prompt, add_special_tokens=True).ids
-        out = generate(model, params, np.array(ids, np.int32), tokens, temperature=temperature,
-                       seed=seed, compute=compute)
-        return lib.decode(out.tolist())
-    text = require_template(found).render(list(chat), add_generation_prompt=True,
-                                          special=found.special)
-    ids = lib.encode(text, add_special_tokens=False).ids
+    ids = lib.encode(prompt, add_special_tokens=True).ids
     out = generate(model, params, np.array(ids, np.int32), tokens, temperature=temperature,
-                   seed=seed, compute=compute, stop_ids=found.stop_ids)
-    answer = out[len(ids):].tolist()
-    if answer and answer[-1] in found.stop_ids:
-        answer = answer[:-1]
-    return lib.decode(answer)
+                   seed=seed, compute=compute)
+    return lib.decode(out.tolist())

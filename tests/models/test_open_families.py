@@ -15,7 +15,14 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import FAMILY_CONFIGS, MOE_CONFIGS, hf_greedy, hf_logits, save_tiny_family
+from conftest import (
+    FAMILY_CONFIGS,
+    MOE_CONFIGS,
+    hf_greedy,
+    hf_greedy_batch,
+    hf_logits,
+    save_tiny_family,
+)
 
 import trainrun
 from trainrun.models.huggingface import INDEX, write_model_dir
@@ -82,6 +89,18 @@ def test_greedy_decoding_of_200_tokens_is_transformers_generate(family_dirs, fam
     got = trainrun.load(path).generate(prompt, 200)
     assert len(got) == len(want) == 216
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral_window", "qwen3"])
+def test_batched_greedy_decoding_is_transformers_generate_on_a_padded_batch(family_dirs,
+                                                                            family):
+    """Prompts of three lengths in one batch (left-padded: each row's positions and attention
+    start at its own first token) answer as transformers' batched generate does."""
+    prompts = [TOKENS[0, :5], TOKENS[1, :17], TOKENS[0, 9:20]]
+    want = hf_greedy_batch(family_dirs[family], prompts, 24)
+    got = trainrun.load(family_dirs[family]).generate_batch(prompts, 24)
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

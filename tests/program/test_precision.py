@@ -252,7 +252,7 @@ def test_sampling_runs_the_transformer_in_the_compute_dtype(compute):
 
     cfg = MODELS["transformer"][0]
     params = build_model(cfg).init(jax.random.key(0))
-    decode = _decoder(cfg, 4, 4, 6, compute)
-    found = matmuls(decode, params, jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32),
+    decode = _decoder(cfg, 2, 4, 6, compute, padded=True)
+    found = matmuls(decode, params, jnp.zeros((2, 4), jnp.int32), jnp.array([0, 2], jnp.int32),
                     jnp.float32(1.0), jax.random.key(0), jnp.array([-1], jnp.int32))
     assert found and {m.operands for m in found} == {(compute, compute)}

@@ -49,8 +49,9 @@ class Rope(NamedTuple):
 
     @classmethod
     def at(cls, positions: jax.Array, freqs: np.ndarray) -> Rope:
-        """The angles ``position x frequency`` (``freqs``: ``rotary_frequencies``)."""
-        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(freqs)[None, :]
+        """The angles ``position x frequency`` (``freqs``: ``rotary_frequencies``) of positions
+        ``[chunk]``, or ``[batch, chunk]`` for rows of their own positions."""
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(freqs)
         return cls(jnp.sin(angles), jnp.cos(angles))
 
     def apply(self, x: jax.Array) -> jax.Array:  # x: [batch, chunk, heads, head_dim]
@@ -235,12 +236,13 @@ class Attention(nnx.Module):
         self.o_lora = _adapter("o", inner, d, ("heads", "embed"), cfg, rngs)
 
     def __call__(self, x: jax.Array, rope: Rope | None, cache: KV | None = None,
-                 pos: jax.Array | int = 0,
-                 segments: jax.Array | None = None) -> tuple[jax.Array, KV | None]:
-        """x: ``[batch, chunk, d_model]`` at positions ``pos ..``. Without a cache the chunk
+                 pos: jax.Array | int = 0, segments: jax.Array | None = None,
+                 start: jax.Array | None = None) -> tuple[jax.Array, KV | None]:
+        """x: ``[batch, chunk, d_model]`` at cache slots ``pos ..``. Without a cache the chunk
         attends to itself causally (training; within each of ``segments`` when given); with
         one, its keys/values are written into the cache at ``pos`` and it attends to every
-        cached position up to its own."""
+        cached slot up to its own, from each row's ``start`` (``[batch]``: the slots before
+        it hold a shorter prompt's left padding) when given."""
         b, c, d = x.shape
         rows = x.reshape(b * c, d)  # 2-D matmuls: see MLP.__call__
         q, k, v = (_project(proj, adapter, rows).reshape(b, c, heads, self.head_dim)
@@ -260,11 +262,13 @@ class Attention(nnx.Module):
             cache = KV(jax.lax.dynamic_update_slice(cache.k, k, (0, pos, 0, 0)),
                        jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
             keys, rows = jnp.arange(cache.k.shape[1])[None, :], pos + jnp.arange(c)[:, None]
-            visible = keys <= rows
+            visible = (keys <= rows)[None]
             if self.window is not None:
                 visible = visible & (keys > rows - self.window)
+            if start is not None:
+                visible = visible & (keys >= start[:, None, None])
             # grouped-query attention as dot_product_attention takes it: fewer key/value heads
-            y = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=visible[None, None],
+            y = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=visible[:, None],
                                              scale=self.scale)
         y = y.reshape(b * c, self.heads * self.head_dim)
         return _project(self.o, self.o_lora, y).reshape(b, c, d), cache
@@ -317,11 +321,11 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, rope: Rope | None, key: jax.Array | None,
                  cache: KV | None = None, pos: jax.Array | int = 0,
-                 segments: jax.Array | None = None,
+                 segments: jax.Array | None = None, start: jax.Array | None = None,
                  ) -> tuple[jax.Array, KV | None, RouterStats | None]:
         """The layer's output, its updated cache, and its router's statistics (a mixture of
         experts; else None)."""
-        y, cache = self.attn(self.ln1(x), rope, cache, pos, segments)
+        y, cache = self.attn(self.ln1(x), rope, cache, pos, segments, start)
         if self.attn_out_norm is not None:
             y = self.attn_out_norm(y)
         x = x + _dropout(self.drop, y, key, 0)
@@ -383,13 +387,14 @@ class Transformer(nnx.Module):
         return self.embed.embedding[...] if self.head is None else self.head[...]
 
     def __call__(self, tokens: jax.Array, key: jax.Array | None = None,
-                 cache: list[KV] | None = None,
-                 pos: jax.Array | int = 0) -> tuple[jax.Array, list[KV] | None]:
+                 cache: list[KV] | None = None, pos: jax.Array | int = 0,
+                 start: jax.Array | None = None) -> tuple[jax.Array, list[KV] | None]:
         """Logits ``[batch, chunk, vocab]`` (float32) for ``tokens`` ``[batch, chunk]`` at
         positions ``pos ..``. ``key``: dropout randomness (None: no dropout). ``cache``: one
-        ``KV`` per layer for decoding, returned updated; None for training."""
+        ``KV`` per layer for decoding, returned updated; None for training. ``start``: with a
+        cache, each row's first slot (``[batch]``); a row's positions count from it."""
         batch, chunk = tokens.shape
-        x, new_cache = self.features(tokens, key, cache, pos)
+        x, new_cache = self.features(tokens, key, cache, pos, start=start)
         logits = tied_head_logits(x, self.head_table())
         return logits.reshape(batch, chunk, -1), new_cache
 
@@ -398,15 +403,21 @@ class Transformer(nnx.Module):
                  segments: jax.Array | None = None,
                  segment_positions: jax.Array | None = None,
                  router: list[RouterStats] | None = None,
+                 start: jax.Array | None = None,
                  ) -> tuple[jax.Array, list[KV] | None]:
         """The final norm's output ``[batch * chunk, d_model]``, in the params' dtype: what the
         output head multiplies by its table (``head_table``).
 
         segments, segment_positions: ``[batch, chunk]`` for rows of packed documents: each
         token's document (attention stays inside it) and its position there (``< chunk``).
-        router: a list the summed router statistics of the expert layers are appended to."""
+        router: a list the summed router statistics of the expert layers are appended to.
+        start: with a cache, each row's first slot (``[batch]``): its positions count from
+        there, and the slots before it are not attended to (a batch of prompts, left-padded)."""
         batch, chunk = tokens.shape
         positions = pos + jnp.arange(chunk)
+        # each row's positions: packed documents restart them, left padding delays them
+        rows = (positions[None] if start is None else
+                jnp.maximum(positions[None] - start[:, None], 0))
         # The table's own dtype: nnx.Embed would promote a bfloat16 table's rows to the float32
         # it was created in, and the whole residual stream with them.
         table = self.embed.embedding[...]
@@ -414,19 +425,20 @@ class Transformer(nnx.Module):
         if self.embed_scale is not None:  # in the table's dtype, as Gemma scales it
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         if self.positions is not None:
-            at = positions[None] if segment_positions is None else segment_positions
+            at = rows if segment_positions is None else segment_positions
             x = x + jnp.take(self.positions[...], at, axis=0).astype(x.dtype)
             ropes: list[Rope | None] = [None] * self.layers
         else:
-            global_rope = self._rope(self.rotary, chunk, pos, segment_positions)
+            global_rope = self._rope(self.rotary, chunk, pos, segment_positions, start, rows)
             local_rope = (None if self.local_rotary is None else
-                          self._rope(self.local_rotary, chunk, pos, segment_positions))
+                          self._rope(self.local_rotary, chunk, pos, segment_positions, start,
+                                     rows))
             ropes = [local_rope if own else global_rope for own in self.own_rotary]
         x = _dropout(self.drop, x, key, 0)
         if cache is not None:
             new_cache: list[KV] = []
             for i in range(self.layers):
-                x, kv, _ = self.blocks[f"{i}"](x, ropes[i], None, cache[i], pos)
+                x, kv, _ = self.blocks[f"{i}"](x, ropes[i], None, cache[i], pos, start=start)
                 assert kv is not None  # a block given its cache returns it updated
                 new_cache.append(kv)
             return self.ln_f(x).reshape(batch * chunk, -1), new_cache
@@ -437,8 +449,12 @@ class Transformer(nnx.Module):
 
     @staticmethod
     def _rope(rotary: tuple[Any, ...], chunk: int, pos: jax.Array | int,
-              segment_positions: jax.Array | None) -> Rope:
-        """The rotary angles of the chunk's positions for one rotary scheme."""
+              segment_positions: jax.Array | None, start: jax.Array | None = None,
+              rows: jax.Array | None = None) -> Rope:
+        """The rotary angles of the chunk's positions for one rotary scheme (``rows``: each
+        row's positions, used where a ``start`` gives rows positions of their own)."""
+        if start is not None and rows is not None:
+            return Rope.at(rows, rotary_frequencies(*rotary))
         if segment_positions is not None:
             # Packed rows: positions restart in each document. The rotary table stays a
             # constant (see below), gathered per token.

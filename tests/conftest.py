@@ -398,3 +398,43 @@ def upload_run(local: Path, url: str):
         if not location.exists(mark):
             location.write_bytes(mark, b"")
     return root
+
+
+# ---- a run on chat records, to sample and evaluate -------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory):
+    """A few steps of the built-in chat config, small: a run on chat records to ask."""
+    import io
+
+    from trainrun.config import load_config
+    from trainrun.training.loop import run
+
+    root = tmp_path_factory.mktemp("chat")
+    config = load_config("chat", ["steps=4", "steps_per_call=2", "model.d_model=32",
+                                  "model.layers=1", "data.task_examples=256",
+                                  "data.batch_size=8", "eval.every=0", "checkpoint.every=4",
+                                  "optimizer.schedule.warmup_steps=1"])
+    run(config, root / "run", out=io.StringIO())
+    return root / "run", config
+
+
+def own_loop_answer(run_dir, config, turns, tokens: int) -> str:
+    """What a user's own loop gets: the template renders the turns, `generate` continues them
+    greedily, the answer ends at the first stop token."""
+    import trainrun
+    from trainrun.data import model_tokenizer
+
+    found = model_tokenizer.load(config.data.tokenizer or model_tokenizer.BYTES,
+                                 config.data.chat_template)
+    assert found.template is not None
+    text = found.template.render(turns, add_generation_prompt=True, special=found.special)
+    ids = found.tokenizer.encode(text, add_special_tokens=False).ids
+    out = trainrun.load(run_dir).generate(np.array(ids, np.int32), tokens, temperature=0.0)
+    answer = out[len(ids):].tolist()
+    for i, token in enumerate(answer):
+        if token in found.stop_ids:
+            answer = answer[:i]
+            break
+    return found.tokenizer.decode(answer)

@@ -22,7 +22,7 @@ FLOORS = [
     ("trainrun.checkpointing",),
     ("trainrun.training",),
     ("trainrun", "trainrun.cli", "trainrun.sample", "trainrun.export", "trainrun.verify_resume",
-     "trainrun.__main__"),
+     "trainrun.evaluate", "trainrun.harness", "trainrun.__main__"),
 ]
 MAX_TOP_LEVEL_MODULES = 12
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import own_loop_answer
 
 from trainrun import rundir
 from trainrun.checkpointing.reader import latest_params
@@ -125,38 +126,6 @@ def test_any_token_count_from_one_and_any_prompt_length_decodes_and_zero_is_refu
             raise AssertionError(f"--tokens {tokens} was accepted")
 
 
-@pytest.fixture(scope="module")
-def chat_run(tmp_path_factory):
-    """A few steps of the built-in chat config, small: a run on chat records to ask."""
-    root = tmp_path_factory.mktemp("chat")
-    config = load_config("chat", ["steps=4", "steps_per_call=2", "model.d_model=32",
-                                  "model.layers=1", "data.task_examples=256",
-                                  "data.batch_size=8", "eval.every=0", "checkpoint.every=4",
-                                  "optimizer.schedule.warmup_steps=1"])
-    run(config, root / "run", out=io.StringIO())
-    return root / "run", config
-
-
-def own_loop_answer(run_dir, config, turns, tokens: int) -> str:
-    """What a user's own loop gets: the template renders the turns, `generate` continues them
-    greedily, the answer ends at the first stop token."""
-    import trainrun
-    from trainrun.data import model_tokenizer
-
-    found = model_tokenizer.load(config.data.tokenizer or model_tokenizer.BYTES,
-                                 config.data.chat_template)
-    assert found.template is not None
-    text = found.template.render(turns, add_generation_prompt=True, special=found.special)
-    ids = found.tokenizer.encode(text, add_special_tokens=False).ids
-    out = trainrun.load(run_dir).generate(np.array(ids, np.int32), tokens, temperature=0.0)
-    answer = out[len(ids):].tolist()
-    for i, token in enumerate(answer):
-        if token in found.stop_ids:
-            answer = answer[:i]
-            break
-    return found.tokenizer.decode(answer)
-
-
 @pytest.mark.slow
 def test_a_system_prompt_and_a_file_of_conversations_are_answered_as_an_own_loop_would(
         chat_run, tmp_path, capsys):
@@ -230,12 +199,12 @@ def test_a_batch_of_prompts_of_different_lengths_answers_each_as_alone_with_one_
     assert len(stopped[1]) <= 3
 
 
-def test_the_longest_prompt_of_a_batch_decodes_past_the_context_as_alone():
+def test_prompts_of_a_batch_decode_past_the_context_as_alone():
     params = build_model(CFG).init(jax.random.key(0))
-    long, short = np.frombuffer(b"import os\n", np.uint8), np.frombuffer(b"def", np.uint8)
-    got = generate_batch(CFG, params, [short, long], 30, temperature=0.0)  # refills twice
-    assert got[1].tolist() == recomputed(params, long, 30)[long.size:]
-    assert len(got[0]) == 30
+    texts = (b"def", b"import os\n", b"x=2", b"ab")
+    prompts = [np.frombuffer(text, np.uint8) for text in texts]
+    got = generate_batch(CFG, params, prompts, 30, temperature=0.0)  # refills twice and more
+    assert [g.tolist() for g in got] == [recomputed(params, p, 30)[p.size:] for p in prompts]
 
 
 def test_sampled_batches_follow_the_seed():

@@ -127,6 +127,27 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    from trainrun import evaluate
+    from trainrun.platform.process import require_backend
+    from trainrun.rundir import location
+
+    require_backend()
+    if args.out:  # refused before the checkpoint is read
+        evaluate.require_writable(location.location(args.out))
+    result = evaluate.evaluate_run(args.run_dir, data=args.data, tokens=args.tokens,
+                                   temperature=args.temperature, seed=args.seed, ema=args.ema,
+                                   batch_size=args.batch_size, limit=args.limit,
+                                   progress=evaluate.print_progress)
+    out = (location.location(args.out) if args.out else
+           evaluate.default_out(args.run_dir, result.step))
+    evaluate.write_result(result, out)
+    shown = "  ".join(f"{name} {value:.4g}" for name, value in result.scores.items())
+    print(f"eval step {result.step}  {shown}")
+    print(f"wrote {location.join(out, 'scores.json')} and answers.jsonl")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from trainrun import extras
     from trainrun.export import export_run
@@ -318,9 +339,37 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--file", metavar="CONVERSATIONS",
                         help="a JSONL file, one conversation a line ({\"messages\": [{\"role\": "
                              "..., \"content\": ...}, ...]}): print each with its \"answer\" "
-                             "as JSONL, the checkpoint and tokenizer read once (the decoder is "
-                             "compiled once per prompt length)")
+                             "as JSONL, the checkpoint and tokenizer read once and the "
+                             "conversations decoded in batches by one compiled program")
     sample.set_defaults(handler=_sample)
+
+    evaluate = commands.add_parser(
+        "eval", help="score a language-model run on held-out records: loss, accuracy, answers",
+        description="Loads the latest checkpoint of RUN_DIR and reports, on its held-out split "
+                    "or the records of --data, the loss and token accuracy over the counted "
+                    "tokens and, for chat and completion records, each answer generated from "
+                    "the turns before it, scored by exact and normalised match (whitespace, "
+                    "case). Writes scores.json and answers.jsonl (each record's prompt, "
+                    "expected and produced answer) to --out.")
+    evaluate.add_argument("run_dir", metavar="RUN_DIR")
+    evaluate.add_argument("--data", metavar="RECORDS",
+                          help="JSONL or Parquet records (a file, folder or pattern) to score "
+                               "instead of the run's held-out split")
+    evaluate.add_argument("--tokens", type=int, default=64,
+                          help="tokens an answer may take, at most (default 64)")
+    evaluate.add_argument("--temperature", type=float, default=0.0,
+                          help="0 = greedy (the default); above 0, sample with --seed")
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling randomness (default 0)")
+    evaluate.add_argument("--batch-size", type=int, default=16,
+                          help="answers generated together (default 16)")
+    evaluate.add_argument("--limit", type=int, default=0,
+                          help="answers to generate, the split's first (default 0: all)")
+    evaluate.add_argument("--ema", action="store_true",
+                          help="score the params' moving average (runs with optimizer.ema)")
+    evaluate.add_argument("--out", metavar="DIR",
+                          help="folder for scores.json and answers.jsonl (default "
+                               "RUN_DIR/eval/step-N)")
+    evaluate.set_defaults(handler=_evaluate)
 
     export = commands.add_parser(
         "export", help="write a transformer run as a Hugging Face model or PEFT adapters",

@@ -61,10 +61,12 @@ def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.n
                    batch_size: int = BATCH) -> list[np.ndarray]:
     """What follows each of ``prompts`` (1-D token ids, of any lengths): ``tokens`` ids, or
     fewer: up to and including the first of ``stop_ids`` drawn. ``batch_size`` prompts are
-    decoded together, left-padded to the longest; one program serves every batch of a call.
-    Within the model's context a greedy answer (temperature 0) is the prompt's own, whatever
-    prompts are beside it; sampling draws each batch from ``seed``. Past the context every row
-    of a batch is re-read at once, keeping the last half of the longest row's text."""
+    decoded together, left-padded to the longest, by one program for every batch.
+
+    A greedy answer (temperature 0) is the prompt's own, whatever prompts are beside it;
+    sampling draws each batch from ``seed``. A prompt whose answer may run past the model's
+    context (which is then re-read from its last half) is decoded among prompts of its own
+    length, a program for each such length."""
     if not prompts:
         return []
     if any(np.asarray(p).size == 0 for p in prompts):
@@ -77,6 +79,25 @@ def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.n
         raise SampleError(f"batch_size={batch_size}: give at least 1")
     # Each prompt's tail that fits the context with room for one generated token.
     contexts = [np.asarray(p[-(cfg.seq_len - 1):], np.int32) for p in prompts]
+    groups: dict[int, list[int]] = {}  # 0: answers within the context; else a prompt length
+    for i, context in enumerate(contexts):
+        groups.setdefault(0 if context.size + tokens <= cfg.seq_len else context.size,
+                          []).append(i)
+    out: dict[int, np.ndarray] = {}
+    key = jax.random.key(seed)
+    for length, members in sorted(groups.items()):
+        answers = _decode_group(cfg, params, [contexts[i] for i in members], tokens,
+                                temperature, jax.random.fold_in(key, length), compute,
+                                stop_ids, batch_size)
+        out.update(zip(members, answers, strict=True))
+    return [out[i] for i in range(len(contexts))]
+
+
+def _decode_group(cfg: TransformerModel, params: PyTree, contexts: list[np.ndarray],
+                  tokens: int, temperature: float, key: jax.Array, compute: str,
+                  stop_ids: Sequence[int], batch_size: int) -> list[np.ndarray]:
+    """The answers to ``contexts`` in batches of ``batch_size`` rows, left-padded to the
+    longest, by one program (the last batch filled to the same shape)."""
     width = max(c.size for c in contexts)
     rows = min(batch_size, len(contexts))
     padded = any(c.size != width for c in contexts)
@@ -85,14 +106,13 @@ def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.n
     out: list[np.ndarray] = []
     for first in range(0, len(contexts), rows):
         group = contexts[first:first + rows]
-        group += [group[-1]] * (rows - len(group))  # the last batch filled to the same shape
+        group += [group[-1]] * (rows - len(group))
         ids = np.zeros((rows, width), np.int32)
         for row, context in enumerate(group):
             ids[row, width - context.size:] = context
         start = np.asarray([width - c.size for c in group], np.int32)
         drawn, counts = program(params, jnp.asarray(ids), jnp.asarray(start),
-                                jnp.float32(temperature),
-                                jax.random.fold_in(jax.random.key(seed), first), stops)
+                                jnp.float32(temperature), jax.random.fold_in(key, first), stops)
         drawn, counts = np.asarray(drawn), np.asarray(counts)
         out += [drawn[row, :counts[row]] for row in range(min(rows, len(contexts) - first))]
     return out
@@ -239,6 +259,21 @@ def chat_replies(model: TransformerModel, params: PyTree, found: ModelTokenizer,
     return [found.tokenizer.decode(answer[:-1].tolist() if answer.size and
                                    int(answer[-1]) in stops else answer.tolist())
             for answer in answers]
+
+
+def complete(model: TransformerModel, params: PyTree, found: ModelTokenizer,
+             prompts: Sequence[str], tokens: int, *, temperature: float, seed: int,
+             compute: str, batch_size: int = BATCH) -> list[str]:
+    """The completion of each prompt as a run on completion records learned them: the prompt
+    encoded as a text's start, the completion up to the end-of-text token (not included)."""
+    lib = found.tokenizer
+    ids = [np.array(lib.encode(prompt, add_special_tokens=True).ids, np.int32)
+           for prompt in prompts]
+    stops = [] if found.eos_id is None else [found.eos_id]
+    answers = generate_batch(model, params, ids, tokens, temperature=temperature, seed=seed,
+                             compute=compute, stop_ids=stops, batch_size=batch_size)
+    return [lib.decode(answer[:-1].tolist() if answer.size and int(answer[-1]) in stops
+                       else answer.tolist()) for answer in answers]
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:

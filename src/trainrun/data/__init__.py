@@ -77,6 +77,14 @@ def build_eval_dataset(cfg, batch_size: int | None = None, process_index: int = 
                        process_count: int = 1) -> ArrayBatches:
     """The held-out split of ``cfg``, in order, in batches of ``batch_size`` (default: the
     training batch size)."""
+    return ArrayBatches(held_out_arrays(cfg), batch_size or cfg.batch_size, shuffle=False,
+                        seed=0, process_index=process_index, process_count=process_count,
+                        split="eval")
+
+
+def held_out_arrays(cfg) -> dict[str, Any]:
+    """The arrays of the held-out split of ``cfg``; a DataError naming the fix where it has
+    none."""
     arrays = _splits(cfg)["eval"]
     if arrays is None:
         hint = {"arrays": "give data.eval (a .npz or name: .npy mapping)",
@@ -86,11 +94,22 @@ def build_eval_dataset(cfg, batch_size: int | None = None, process_index: int = 
                     cfg.kind, "use data with a held-out split")
         raise DataError(f"data.kind={cfg.kind} has no held-out split to evaluate on; {hint}, "
                         "or set eval.every=0")
-    return ArrayBatches(arrays, batch_size or cfg.batch_size, shuffle=False, seed=0,
-                        process_index=process_index, process_count=process_count,
-                        split="eval")
+    return arrays
 
 
-__all__ = ["ArrayBatches", "BatchCursor", "DataError", "MixtureBatches", "RecordCounts",
-           "batch_iterator", "build_dataset", "build_eval_dataset", "data_counts", "data_notices",
-           "eval_batches", "stack_batches", "token_windows"]
+__all__ = [
+    "ArrayBatches",
+    "BatchCursor",
+    "DataError",
+    "MixtureBatches",
+    "RecordCounts",
+    "batch_iterator",
+    "build_dataset",
+    "build_eval_dataset",
+    "data_counts",
+    "data_notices",
+    "eval_batches",
+    "held_out_arrays",
+    "stack_batches",
+    "token_windows",
+]

@@ -341,7 +341,6 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
     form: str | None = None if cfg.format == "auto" else cfg.format
     pending: dict[str, list[tuple[str, dict[str, Any]]]] = {"train": [], "eval": []}
     dtypes = _dtypes(tokenizer.size, cfg.seq_len + 1)
-    usable = 0
 
     def refuse_or_skip(where: str, what: str) -> None:
         if cfg.bad_records == "refuse":
@@ -366,8 +365,30 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
             with open(folder / file, "ab") as out:
                 out.write(data)
 
+    for split, where, record, found in split_records(cfg, tokenizer, source, every, counts,
+                                                     refuse_or_skip):
+        form = found
+        pending[split].append((where, record))
+        if len(pending[split]) >= CHUNK_RECORDS:
+            flush(split)
+    for split in pending:
+        if pending[split]:
+            flush(split)
+    return counts, {file: digest.hexdigest() for file, digest in digests.items()}
+
+
+def split_records(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
+                  every: int, counts: RecordCounts | None = None,
+                  refuse_or_skip: Callable[[str, str], None] = lambda where, what: None,
+                  ) -> Iterator[tuple[str, str, dict[str, Any], str]]:
+    """``(split, where, record, format)`` for each usable record of ``source``, in order:
+    every ``every``-th one held out (``"eval"``; -1: all of them, 0: none), the others
+    ``"train"``; a record that is not usable goes to ``refuse_or_skip``."""
+    form: str | None = None if cfg.format == "auto" else cfg.format
+    usable = 0
     for where, record in source.records(cfg):
-        counts.records += 1
+        if counts is not None:
+            counts.records += 1
         if isinstance(record, str):
             refuse_or_skip(where, record)
             continue
@@ -386,13 +407,19 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
             continue
         split = ("eval" if every == -1 or (every and usable % every == every - 1) else "train")
         usable += 1
-        pending[split].append((where, record))
-        if len(pending[split]) >= CHUNK_RECORDS:
-            flush(split)
-    for split in pending:
-        if pending[split]:
-            flush(split)
-    return counts, {file: digest.hexdigest() for file, digest in digests.items()}
+        yield split, where, record, form
+
+
+def held_out_sources(cfg: RecordsData) -> list[tuple[Source, int]]:
+    """The sources whose held-out records the eval split holds, each with its ``every``
+    (as ``split_records`` takes it)."""
+    if cfg.eval_paths:
+        return [(Source(files=tuple(corpus_files(cfg.eval_paths))), -1)]
+    every = round(1 / cfg.eval_fraction) if cfg.eval_fraction else 0
+    if cfg.task:
+        return [(Source(task=cfg.task), every)]
+    return [(Source(files=tuple(corpus_files(mix.source))), every) for mix in cfg.mix] or [
+        (Source(files=tuple(corpus_files(cfg.paths))), every)]
 
 
 def _encode(located: Sequence[tuple[str, dict[str, Any]]], form: str, cfg: RecordsData,

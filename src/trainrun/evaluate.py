@@ -1,0 +1,273 @@
+"""``trainrun eval RUN_DIR``: what a trained language model scores on held-out records.
+
+Two measures, on the run's held-out split or on the records of ``--data FILE``:
+
+- **loss and token accuracy** over the tokens the loss counts (the answers of chat and
+  completion records), as evaluation during training computes them;
+- **answers**: for chat and completion records, each answer is generated from every turn
+  before it (system prompt included, rendered with the run's template), in batches with the
+  key/value cache, and scored: ``exact_match`` (the same text) and ``normalised_match`` (the
+  same after whitespace runs become one space, the ends are stripped and case is folded).
+
+Each record's prompt, expected and produced answer go to ``answers.jsonl`` beside the numbers
+(``scores.json``), in ``RUN_DIR/eval/step-N`` unless ``--out`` names a folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from trainrun.config import RecordsData, RunConfig, TransformerModel
+from trainrun.errors import UserError
+from trainrun.rundir import location
+
+PyTree = Any
+Progress = Callable[[str], None]
+WRITTEN_BY = "trainrun eval"  # in scores.json: a folder eval may write into again
+
+
+class EvalError(UserError):
+    """An evaluation that cannot run as asked; one line, exit 2 at the CLI."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    """One answer to generate: the turns before it (chat) or the prompt (completion), and the
+    answer the record holds."""
+
+    prompt: list[dict[str, str]] | str
+    expected: str
+    where: str
+
+
+def normalised(text: str) -> str:
+    """The text as ``normalised_match`` compares it: whitespace runs as one space, the ends
+    stripped, case folded."""
+    return " ".join(text.split()).casefold()
+
+
+def answer_scores(expected: Sequence[str], produced: Sequence[str]) -> dict[str, float]:
+    """``exact_match`` and ``normalised_match``: the fraction of answers that equal the
+    expected ones, as they are and normalised."""
+    pairs = list(zip(expected, produced, strict=True))
+    if not pairs:
+        return {}
+    return {"exact_match": sum(e == p for e, p in pairs) / len(pairs),
+            "normalised_match": sum(normalised(e) == normalised(p) for e, p in pairs)
+            / len(pairs)}
+
+
+def questions(data: RecordsData, limit: int = 0) -> list[Question]:
+    """The answers held-out records ask for, in the split's order (``limit``: the first so
+    many; 0: all): each assistant turn of a chat record after the turns before it, and each
+    completion record's completion after its prompt. Text records ask for none."""
+    from trainrun.data import model_tokenizer
+    from trainrun.data.record_rows import held_out_sources, split_records
+
+    tokenizer = model_tokenizer.load(data.tokenizer or model_tokenizer.BYTES, data.chat_template)
+    out: list[Question] = []
+    for source, every in held_out_sources(data):
+        for split, where, record, form in split_records(data, tokenizer, source, every):
+            if split != "eval":
+                continue
+            out += _asked(record, form, data, where)
+            if limit and len(out) >= limit:
+                return out[:limit]
+    return out
+
+
+def _asked(record: dict[str, Any], form: str, data: RecordsData, where: str) -> Iterator[Question]:
+    fields = data.fields
+    if form == "completion":
+        yield Question(record[fields.prompt], record[fields.completion], where)
+    elif form == "chat":
+        turns = [{"role": t["role"], "content": t["content"]} for t in record[fields.messages]]
+        for i, turn in enumerate(turns):
+            if turn["role"] == "assistant" and i > 0:
+                yield Question(turns[:i], turn["content"], f"{where} turn {i + 1}")
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """What ``evaluate_run`` found: the scores (``loss``, ``accuracy``, ``exact_match``,
+    ``normalised_match``, ``answers``: how many were generated) and each answer's record."""
+
+    step: int
+    scores: dict[str, float]
+    answers: list[dict[str, Any]]
+
+
+def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 64,
+                 temperature: float = 0.0, seed: int = 0, ema: bool = False,
+                 batch_size: int = 16, limit: int = 0,
+                 progress: Progress | None = None) -> EvalResult:
+    """The scores of the run's newest checkpoint on its held-out split, or on the records of
+    ``data`` (a JSONL or Parquet file, or a folder or pattern of them). ``tokens``: the most
+    tokens an answer may take; ``limit``: answers generated (0: one for every question)."""
+    from trainrun.checkpointing.reader import latest_state, saved_config
+    from trainrun.sample import require_settings
+
+    require_settings(tokens, temperature, seed)
+    if batch_size < 1 or limit < 0:
+        raise EvalError(f"--batch-size {batch_size} --limit {limit}: give a batch size of at "
+                        "least 1 and a limit of 0 (every answer) or more")
+    run = location.location(run_dir)
+    config = saved_config(run)
+    if config.model.kind != "transformer" or config.data.kind not in ("text", "records"):
+        raise EvalError(f"run {run} trains model.kind={config.model.kind} on data.kind="
+                        f"{config.data.kind}; eval scores language models (model.kind="
+                        "transformer on data.kind=text or records)")
+    if ema and config.optimizer.ema is None:
+        raise EvalError(f"run {run} keeps no moving average (optimizer.ema is not set); "
+                        "evaluate without --ema")
+    section = _data_section(config, data)
+    say = progress or (lambda line: None)
+    step, state = latest_state(run, config)
+    params = state.ema if ema else state.params
+    scores = held_out_loss(config, section, params)
+    say(f"loss {scores['loss']:.4g} over the held-out tokens")
+    answers: list[dict[str, Any]] = []
+    if isinstance(section, RecordsData):
+        asked = questions(section, limit)
+        produced = answer_all(config, section, params, asked, tokens, temperature=temperature,
+                              seed=seed, batch_size=batch_size, progress=say)
+        answers = [{"where": q.where, "prompt": q.prompt, "expected": q.expected,
+                    "produced": p, "exact": q.expected == p,
+                    "normalised": normalised(q.expected) == normalised(p)}
+                   for q, p in zip(asked, produced, strict=True)]
+        scores.update(answer_scores([q.expected for q in asked], produced))
+        scores["answers"] = float(len(asked))
+    return EvalResult(step, scores, answers)
+
+
+def _data_section(config: RunConfig, data: str | None) -> Any:
+    """The data section whose held-out split is evaluated: the run's, or one holding the
+    records of ``data`` alone, read as the run read its records."""
+    if data is None:
+        return config.data
+    if not isinstance(config.data, RecordsData):
+        raise EvalError(f"--data reads records and the run trained on data.kind="
+                        f"{config.data.kind}; evaluate it on its own held-out split (no --data)")
+    return config.data.model_copy(update={"eval_paths": [data], "eval_fraction": 0.0})
+
+
+def held_out_loss(config: RunConfig, section: Any, params: PyTree) -> dict[str, float]:
+    """``loss`` and the model's metrics (``accuracy``: token accuracy) over the held-out split
+    of ``section``, as evaluation during training computes them, in batches of the run's eval
+    batch size (or fewer rows, where the split is smaller)."""
+    from trainrun.data import ArrayBatches, held_out_arrays
+    from trainrun.data.pipeline import DataError
+    from trainrun.models import build_model
+    from trainrun.program.precision import policy_from_config
+    from trainrun.training.evaluation import Evaluator
+
+    try:
+        arrays = (_file_rows(section) if section is not config.data else
+                  held_out_arrays(section))
+    except DataError as err:
+        raise EvalError(str(err)) from None
+    rows = len(next(iter(arrays.values())))
+    size = min(config.eval.batch_size or config.data.batch_size, rows)
+    dataset = ArrayBatches(arrays, size, shuffle=False, seed=0, split="eval")
+    evaluator = Evaluator(build_model(config.model), dataset, every=1,
+                          policy=policy_from_config(config.precision))
+    return evaluator(params)
+
+
+def _file_rows(section: RecordsData) -> dict[str, Any]:
+    """The rows of ``section.eval_paths`` alone (the run's training records are not read)."""
+    from trainrun.data import model_tokenizer
+    from trainrun.data.record_rows import cached_rows, held_out_sources
+
+    tokenizer = model_tokenizer.load(section.tokenizer or model_tokenizer.BYTES,
+                                     section.chat_template)
+    [(source, every)] = held_out_sources(section)
+    rows = cached_rows(section, tokenizer, source, every).eval
+    if rows is None:
+        raise EvalError(f"{source.describe()} holds no usable record to evaluate on")
+    return rows
+
+
+def answer_all(config: RunConfig, data: RecordsData, params: PyTree, asked: Sequence[Question],
+               tokens: int, *, temperature: float, seed: int, batch_size: int,
+               progress: Progress) -> list[str]:
+    """Each question's generated answer, ``batch_size`` at a time (one compiled program)."""
+    from trainrun.sample import _run_tokenizer, chat_replies, complete
+
+    found = _run_tokenizer(data)
+    model = config.model
+    assert isinstance(model, TransformerModel)  # evaluate_run refuses other models
+    chats = [i for i, q in enumerate(asked) if isinstance(q.prompt, list)]
+    texts = [i for i, q in enumerate(asked) if isinstance(q.prompt, str)]
+    produced: dict[int, str] = {}
+    step = batch_size * 8  # a progress line every few batches
+    for first in range(0, len(chats), step):
+        part = chats[first:first + step]
+        turns = [prompt for i in part if isinstance(prompt := asked[i].prompt, list)]
+        produced.update(zip(part, chat_replies(
+            model, params, found, turns, tokens, temperature=temperature,
+            seed=seed + first, compute=config.precision.compute, batch_size=batch_size),
+            strict=True))
+        progress(f"answers {len(produced)}/{len(asked)}")
+    for first in range(0, len(texts), step):
+        part = texts[first:first + step]
+        prompts = [prompt for i in part if isinstance(prompt := asked[i].prompt, str)]
+        produced.update(zip(part, complete(
+            model, params, found, prompts, tokens, temperature=temperature,
+            seed=seed + first, compute=config.precision.compute, batch_size=batch_size),
+            strict=True))
+        progress(f"answers {len(produced)}/{len(asked)}")
+    return [produced[i] for i in range(len(asked))]
+
+
+def write_result(result: EvalResult, out: location.Location) -> None:
+    """``scores.json`` and ``answers.jsonl`` in ``out``: a new or empty folder, or one an
+    earlier ``trainrun eval`` wrote (then its two files are replaced)."""
+    require_writable(out)
+    location.make_dirs(out)
+    location.write_text(location.join(out, "answers.jsonl"), "".join(
+        json.dumps(answer, ensure_ascii=False) + "\n" for answer in result.answers))
+    location.write_text(location.join(out, "scores.json"), json.dumps(
+        {"written_by": WRITTEN_BY, "step": result.step, "scores": result.scores}, indent=2)
+        + "\n")
+
+
+def require_writable(out: location.Location) -> None:
+    """Refused in one line: an ``out`` eval may not write into (a link, a file, a folder of
+    other files)."""
+    if isinstance(out, Path) and out.is_symlink():
+        raise EvalError(f"--out {out} is a symbolic link; give the folder itself")
+    if not location.is_dir(out):
+        if location.exists(out):
+            raise EvalError(f"--out {out} is a file; give a folder for scores.json and "
+                            "answers.jsonl")
+        return
+    names = set(location.list_names(out))
+    if not names:
+        return
+    try:
+        ours = json.loads(location.read_text(location.join(out, "scores.json"))).get(
+            "written_by") == WRITTEN_BY
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours or not names <= {"scores.json", "answers.jsonl"}:
+        raise EvalError(f"--out {out} holds files trainrun eval did not write; give a new or "
+                        "empty folder")
+    for name in names:
+        path = location.join(out, name)
+        if isinstance(path, Path) and path.is_symlink():
+            raise EvalError(f"{path} is a symbolic link; trainrun eval writes no file through "
+                            "one: give a new folder")
+
+
+def default_out(run_dir: str | Path, step: int) -> location.Location:
+    return location.join(location.location(run_dir), "eval", f"step-{step}")
+
+
+def print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ from conftest import own_loop_answer
 
 from trainrun.cli import main
 from trainrun.data.tasks import task_records
-from trainrun.evaluate import answer_scores, normalised, questions
+from trainrun.training.answers import answer_scores, normalised, questions
 
 pytestmark = pytest.mark.slow  # each test asks the trained chat run
 
@@ -118,3 +118,34 @@ def test_completion_and_multi_turn_records_ask_each_answer(tmp_path):
     path.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
     [q] = questions(data)
     assert (q.prompt, q.expected) == ("2+2=", "4")
+
+
+def test_answers_scored_during_training_reach_the_metrics_and_equal_eval(tmp_path, capsys):
+    from trainrun.config import load_config
+    from trainrun.reporting.writers import read_metrics
+    from trainrun.training.loop import run
+
+    config = load_config("chat", ["steps=4", "steps_per_call=2", "model.d_model=32",
+                                  "model.layers=1", "data.task_examples=256",
+                                  "data.batch_size=8", "eval.every=2", "eval.batch_size=8",
+                                  "eval.generate=5", "eval.answer_tokens=6",
+                                  "checkpoint.every=4", "optimizer.schedule.warmup_steps=1"])
+    run_dir = tmp_path / "run"
+    run(config, run_dir)
+    evals = read_metrics(run_dir / "metrics.jsonl", "eval")
+    assert [row["step"] for row in evals] == [2, 4]
+    assert all({"exact_match", "normalised_match"} <= set(row) for row in evals)
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--limit", "5", "--tokens", "6",
+                 "--out", str(tmp_path / "out")]) == 0
+    scores, _ = _read(tmp_path / "out")
+    assert evals[-1]["exact_match"] == scores["scores"]["exact_match"]
+    assert evals[-1]["normalised_match"] == scores["scores"]["normalised_match"]
+    assert main(["report", str(run_dir)]) == 0
+    assert "eval exact_match" in (run_dir / "report.html").read_text()
+
+
+def test_answers_during_training_need_records_and_evaluations(capsys):
+    assert main(["train", "--config", "lm", "eval.generate=4"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.generate=4 generates held-out answers" in err and len(err.splitlines()) == 1

@@ -18,7 +18,8 @@ from trainrun.cli import main
 from trainrun.config import TransformerModel, dump_yaml, load_config
 from trainrun.models import build_model
 from trainrun.models.transformer import bind_transformer
-from trainrun.sample import SampleError, _decoder, generate, generate_batch
+from trainrun.program.decode import _decoder, generate, generate_batch
+from trainrun.sample import SampleError
 from trainrun.training.loop import run
 
 CFG = TransformerModel(d_model=32, layers=2, heads=4, seq_len=16)

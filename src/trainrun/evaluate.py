@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from trainrun.config import RecordsData, RunConfig, TransformerModel
 from trainrun.errors import UserError
 from trainrun.rundir import location
+from trainrun.training.answers import answer_all, answer_scores, normalised, questions
 
 PyTree = Any
 Progress = Callable[[str], None]
@@ -33,63 +34,6 @@ WRITTEN_BY = "trainrun eval"  # in scores.json: a folder eval may write into aga
 
 class EvalError(UserError):
     """An evaluation that cannot run as asked; one line, exit 2 at the CLI."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Question:
-    """One answer to generate: the turns before it (chat) or the prompt (completion), and the
-    answer the record holds."""
-
-    prompt: list[dict[str, str]] | str
-    expected: str
-    where: str
-
-
-def normalised(text: str) -> str:
-    """The text as ``normalised_match`` compares it: whitespace runs as one space, the ends
-    stripped, case folded."""
-    return " ".join(text.split()).casefold()
-
-
-def answer_scores(expected: Sequence[str], produced: Sequence[str]) -> dict[str, float]:
-    """``exact_match`` and ``normalised_match``: the fraction of answers that equal the
-    expected ones, as they are and normalised."""
-    pairs = list(zip(expected, produced, strict=True))
-    if not pairs:
-        return {}
-    return {"exact_match": sum(e == p for e, p in pairs) / len(pairs),
-            "normalised_match": sum(normalised(e) == normalised(p) for e, p in pairs)
-            / len(pairs)}
-
-
-def questions(data: RecordsData, limit: int = 0) -> list[Question]:
-    """The answers held-out records ask for, in the split's order (``limit``: the first so
-    many; 0: all): each assistant turn of a chat record after the turns before it, and each
-    completion record's completion after its prompt. Text records ask for none."""
-    from trainrun.data import model_tokenizer
-    from trainrun.data.record_rows import held_out_sources, split_records
-
-    tokenizer = model_tokenizer.load(data.tokenizer or model_tokenizer.BYTES, data.chat_template)
-    out: list[Question] = []
-    for source, every in held_out_sources(data):
-        for split, where, record, form in split_records(data, tokenizer, source, every):
-            if split != "eval":
-                continue
-            out += _asked(record, form, data, where)
-            if limit and len(out) >= limit:
-                return out[:limit]
-    return out
-
-
-def _asked(record: dict[str, Any], form: str, data: RecordsData, where: str) -> Iterator[Question]:
-    fields = data.fields
-    if form == "completion":
-        yield Question(record[fields.prompt], record[fields.completion], where)
-    elif form == "chat":
-        turns = [{"role": t["role"], "content": t["content"]} for t in record[fields.messages]]
-        for i, turn in enumerate(turns):
-            if turn["role"] == "assistant" and i > 0:
-                yield Question(turns[:i], turn["content"], f"{where} turn {i + 1}")
 
 
 @dataclasses.dataclass
@@ -134,8 +78,10 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     answers: list[dict[str, Any]] = []
     if isinstance(section, RecordsData):
         asked = questions(section, limit)
-        produced = answer_all(config, section, params, asked, tokens, temperature=temperature,
-                              seed=seed, batch_size=batch_size, progress=say)
+        assert isinstance(config.model, TransformerModel)  # refused above otherwise
+        produced = answer_all(config.model, config.precision.compute, section, params, asked,
+                              tokens, temperature=temperature, seed=seed,
+                              batch_size=batch_size, progress=say)
         answers = [{"where": q.where, "prompt": q.prompt, "expected": q.expected,
                     "produced": p, "exact": q.expected == p,
                     "normalised": normalised(q.expected) == normalised(p)}
@@ -191,38 +137,6 @@ def _file_rows(section: RecordsData) -> dict[str, Any]:
     if rows is None:
         raise EvalError(f"{source.describe()} holds no usable record to evaluate on")
     return rows
-
-
-def answer_all(config: RunConfig, data: RecordsData, params: PyTree, asked: Sequence[Question],
-               tokens: int, *, temperature: float, seed: int, batch_size: int,
-               progress: Progress) -> list[str]:
-    """Each question's generated answer, ``batch_size`` at a time (one compiled program)."""
-    from trainrun.sample import _run_tokenizer, chat_replies, complete
-
-    found = _run_tokenizer(data)
-    model = config.model
-    assert isinstance(model, TransformerModel)  # evaluate_run refuses other models
-    chats = [i for i, q in enumerate(asked) if isinstance(q.prompt, list)]
-    texts = [i for i, q in enumerate(asked) if isinstance(q.prompt, str)]
-    produced: dict[int, str] = {}
-    step = batch_size * 8  # a progress line every few batches
-    for first in range(0, len(chats), step):
-        part = chats[first:first + step]
-        turns = [prompt for i in part if isinstance(prompt := asked[i].prompt, list)]
-        produced.update(zip(part, chat_replies(
-            model, params, found, turns, tokens, temperature=temperature,
-            seed=seed + first, compute=config.precision.compute, batch_size=batch_size),
-            strict=True))
-        progress(f"answers {len(produced)}/{len(asked)}")
-    for first in range(0, len(texts), step):
-        part = texts[first:first + step]
-        prompts = [prompt for i in part if isinstance(prompt := asked[i].prompt, str)]
-        produced.update(zip(part, complete(
-            model, params, found, prompts, tokens, temperature=temperature,
-            seed=seed + first, compute=config.precision.compute, batch_size=batch_size),
-            strict=True))
-        progress(f"answers {len(produced)}/{len(asked)}")
-    return [produced[i] for i in range(len(asked))]
 
 
 def write_result(result: EvalResult, out: location.Location) -> None:

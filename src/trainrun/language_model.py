@@ -68,7 +68,7 @@ class LanguageModel:
                  temperature: float = 0.0, seed: int = 0) -> np.ndarray:
         """``prompt`` (token ids) followed by ``tokens`` generated ones (``temperature`` 0:
         the most likely token each time)."""
-        from trainrun.sample import generate
+        from trainrun.program.decode import generate
 
         return generate(self.config, self.params, np.asarray(prompt, np.int32), tokens,
                         temperature=temperature, seed=seed, compute=self.compute)
@@ -79,7 +79,7 @@ class LanguageModel:
         """What the model generates after each of ``prompts`` (token ids, any lengths):
         ``tokens`` ids, or fewer, up to and including the first of ``stop_ids``. Prompts are
         decoded ``batch_size`` at a time with one compiled program."""
-        from trainrun.sample import generate_batch
+        from trainrun.program.decode import generate_batch
 
         return generate_batch(self.config, self.params,
                               [np.asarray(p, np.int32) for p in prompts], tokens,

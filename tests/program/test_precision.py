@@ -248,7 +248,7 @@ def test_the_walk_sees_float32_matmuls_under_a_float32_policy_and_a_leaking_cons
 
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])
 def test_sampling_runs_the_transformer_in_the_compute_dtype(compute):
-    from trainrun.sample import _decoder
+    from trainrun.program.decode import _decoder
 
     cfg = MODELS["transformer"][0]
     params = build_model(cfg).init(jax.random.key(0))

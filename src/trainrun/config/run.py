@@ -178,6 +178,12 @@ def _check_model_and_data(config: RunConfig) -> None:
     if config.eval.every and data.kind == "regression":
         raise ConfigError("eval.every is set but data.kind=regression has no held-out split; "
                           "set eval.every=0 or use data with one (digits, text, arrays, tokens)")
+    if config.eval.generate and (data.kind != "records" or model.kind != "transformer"
+                                 or not config.eval.every):
+        raise ConfigError(f"eval.generate={config.eval.generate} generates held-out answers of "
+                          "a transformer on chat or completion records at each evaluation: it "
+                          "needs model.kind=transformer, data.kind=records and eval.every > 0 "
+                          "(or set eval.generate=0)")
 
 
 # ---- error messages --------------------------------------------------------------------------

@@ -432,6 +432,10 @@ class EvalConfig(Section):
     batches: int = Field(0, ge=0)
     batch_size: int | None = Field(None, gt=0)
     params: Literal["live", "ema"] = "live"  # ema: the moving average (needs optimizer.ema)
+    # held-out answers generated and scored at each evaluation (runs on chat or completion
+    # records): the split's first so many, each at most answer_tokens long
+    generate: int = Field(0, ge=0)
+    answer_tokens: int = Field(64, gt=0)
 
 
 # ---- optimizer -------------------------------------------------------------------------------

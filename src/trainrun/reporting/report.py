@@ -192,7 +192,7 @@ def _plot_run(run: RunRecord, out_dir: location.Location,
         _log_scale_if_wide(ax, loss + eval_loss)
         ax.legend()
         plots.append(("train and eval loss", fig))
-    for name in ("accuracy", "bits_per_byte"):
+    for name in ("accuracy", "bits_per_byte", "exact_match", "normalised_match"):
         eval_steps, values = run.series(run.eval, name)
         if values:
             fig, ax = _figure(f"eval {name}", ylabel=name)

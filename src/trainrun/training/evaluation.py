@@ -33,13 +33,17 @@ class Evaluator:
     max_batches: batches per evaluation (0: the whole split).
     put: host batch -> device batch, as the training batches are placed.
     shardings: ``(params, batch, model_state)`` shardings (the state's params and model state,
-        the batch's over the mesh): each device then evaluates its own rows of every batch."""
+        the batch's over the mesh): each device then evaluates its own rows of every batch.
+    answers: params -> scores of generated answers (``exact_match``, ...), added to each
+        evaluation's metrics (``eval.generate``)."""
 
     def __init__(self, model: Model, dataset: grain.MapDataset, every: int, *,
                  max_batches: int = 0, policy: Policy | None = None,
                  put: Callable[[Batch], Batch] = lambda batch: batch,
-                 shardings: tuple[Any, ...] | None = None):
+                 shardings: tuple[Any, ...] | None = None,
+                 answers: Callable[[Any], dict[str, float]] | None = None):
         self.every = every
+        self.answers = answers
         self.dataset = dataset
         self.indices = (eval_batches(dataset, max_batches) if isinstance(dataset, ArrayBatches)
                         else list(range(max_batches or len(dataset))))
@@ -70,9 +74,10 @@ class Evaluator:
                                  if name not in ("loss", "weight") and "/" not in name)]
         # A metric with its own weight (``weight/bits_per_byte``: bytes, where the loss is over
         # tokens) is combined by that one.
-        return {name: float(np.average([row[name] for row in rows], weights=np.array(
-                    [row.get(f"weight/{name}", row["weight"]) for row in rows], np.float64)))
-                for name in names}
+        metrics = {name: float(np.average([row[name] for row in rows], weights=np.array(
+                       [row.get(f"weight/{name}", row["weight"]) for row in rows], np.float64)))
+                   for name in names}
+        return metrics if self.answers is None else {**metrics, **self.answers(params)}
 
 
 def eval_line(step: int, total: int, metrics: dict[str, float]) -> str:

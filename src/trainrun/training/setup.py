@@ -57,6 +57,7 @@ from trainrun.rundir import location, remote
 from trainrun.rundir.lock import refuse_joining
 from trainrun.rundir.remote_run import RemoteRunDirectory, RunMirror
 from trainrun.training import preflight
+from trainrun.training.answers import answer_scorer
 from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.checkpoint_hook import CheckpointHook
 from trainrun.training.evaluation import EvalHook, Evaluator
@@ -297,7 +298,8 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
                                        process_count=placement.rows[1])
     return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
                      policy=policy, put=placement.put,
-                     shardings=(params_sharding, placement.sharding, model_state_sharding))
+                     shardings=(params_sharding, placement.sharding, model_state_sharding),
+                     answers=answer_scorer(config) if config.eval.generate else None)
 
 
 def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,

@@ -1,0 +1,230 @@
+"""Generation from a transformer's params: a batch of prompts (token ids of any lengths)
+continued by one jitted program, and the chat and completion answers of runs on records.
+
+A batch is left-padded to its longest prompt; each row's first slot sets its positions and
+hides its padding from attention. The prompts fill a key/value cache (``prefill``), then a
+``lax.while_loop`` draws one token per row per iteration, attending over the cache, until the
+count is drawn or every row has drawn a stop id (a chat turn's end), so nothing is recompiled
+per token. The cache holds the model's context (``model.seq_len``); when it is full the last
+half of the text is re-read into a fresh cache and decoding goes on from there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrun.config import RecordsData, TransformerModel
+from trainrun.errors import UserError
+from trainrun.models.transformer import Transformer, bind_transformer
+from trainrun.program.precision import DTYPES, cast_floats
+
+if TYPE_CHECKING:  # the tokenizers stack is imported only where text is generated
+    from trainrun.data.model_tokenizer import ModelTokenizer
+
+PyTree = Any
+Conversation = Sequence[dict[str, str]]  # chat turns: {"role": ..., "content": ...}
+
+
+class SampleError(UserError):
+    """Generation that cannot run as asked; the CLI prints it on one line and exits 2."""
+
+
+def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: int, *,
+             temperature: float = 1.0, seed: int = 0, compute: str = "float32",
+             stop_ids: Sequence[int] = ()) -> np.ndarray:
+    """``prompt`` (1-D token ids) followed by ``tokens`` sampled ones, or fewer: up to and
+    including the first of ``stop_ids`` drawn.
+
+    temperature: logits are divided by it before sampling; 0 takes the most likely token.
+    compute: the dtype the model runs in (the run's ``precision.compute``): params and the
+        key/value cache are cast to it; logits are float32.
+    """
+    prompt = np.asarray(prompt)
+    answer, = generate_batch(cfg, params, [prompt], tokens, temperature=temperature, seed=seed,
+                             compute=compute, stop_ids=stop_ids)
+    return np.concatenate([prompt.astype(answer.dtype), answer])
+
+
+BATCH = 16  # prompts decoded together by default
+
+
+def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.ndarray],
+                   tokens: int, *, temperature: float = 1.0, seed: int = 0,
+                   compute: str = "float32", stop_ids: Sequence[int] = (),
+                   batch_size: int = BATCH) -> list[np.ndarray]:
+    """What follows each of ``prompts`` (1-D token ids, of any lengths): ``tokens`` ids, or
+    fewer: up to and including the first of ``stop_ids`` drawn. ``batch_size`` prompts are
+    decoded together, left-padded to the longest, by one program for every batch.
+
+    A greedy answer (temperature 0) is the prompt's own, whatever prompts are beside it;
+    sampling draws each batch from ``seed``. A prompt whose answer may run past the model's
+    context (which is then re-read from its last half) is decoded among prompts of its own
+    length, a program for each such length."""
+    if not prompts:
+        return []
+    if any(np.asarray(p).size == 0 for p in prompts):
+        raise SampleError("the prompt is empty; give at least one character (e.g. --prompt "
+                          "'\\n')")
+    require_settings(tokens, temperature, seed)
+    if cfg.seq_len < 2:
+        raise SampleError(f"model.seq_len={cfg.seq_len} leaves no room to generate")
+    if batch_size < 1:
+        raise SampleError(f"batch_size={batch_size}: give at least 1")
+    # Each prompt's tail that fits the context with room for one generated token.
+    contexts = [np.asarray(p[-(cfg.seq_len - 1):], np.int32) for p in prompts]
+    groups: dict[int, list[int]] = {}  # 0: answers within the context; else a prompt length
+    for i, context in enumerate(contexts):
+        groups.setdefault(0 if context.size + tokens <= cfg.seq_len else context.size,
+                          []).append(i)
+    out: dict[int, np.ndarray] = {}
+    key = jax.random.key(seed)
+    for length, members in sorted(groups.items()):
+        answers = _decode_group(cfg, params, [contexts[i] for i in members], tokens,
+                                temperature, jax.random.fold_in(key, length), compute,
+                                stop_ids, batch_size)
+        out.update(zip(members, answers, strict=True))
+    return [out[i] for i in range(len(contexts))]
+
+
+def _decode_group(cfg: TransformerModel, params: PyTree, contexts: list[np.ndarray],
+                  tokens: int, temperature: float, key: jax.Array, compute: str,
+                  stop_ids: Sequence[int], batch_size: int) -> list[np.ndarray]:
+    """The answers to ``contexts`` in batches of ``batch_size`` rows, left-padded to the
+    longest, by one program (the last batch filled to the same shape)."""
+    width = max(c.size for c in contexts)
+    rows = min(batch_size, len(contexts))
+    padded = any(c.size != width for c in contexts)
+    program = _decoder(cfg, rows, width, tokens, compute, padded)
+    stops = jnp.asarray([*stop_ids, -1], jnp.int32)  # -1: no id, so the array is never empty
+    out: list[np.ndarray] = []
+    for first in range(0, len(contexts), rows):
+        group = contexts[first:first + rows]
+        group += [group[-1]] * (rows - len(group))
+        ids = np.zeros((rows, width), np.int32)
+        for row, context in enumerate(group):
+            ids[row, width - context.size:] = context
+        start = np.asarray([width - c.size for c in group], np.int32)
+        drawn, counts = program(params, jnp.asarray(ids), jnp.asarray(start),
+                                jnp.float32(temperature), jax.random.fold_in(key, first), stops)
+        drawn, counts = np.asarray(drawn), np.asarray(counts)
+        out += [drawn[row, :counts[row]] for row in range(min(rows, len(contexts) - first))]
+    return out
+
+
+SEED_MAX = 2**32 - 1  # jax.random.key's range without wrapping, as the config's seed
+
+
+def require_settings(tokens: int, temperature: float, seed: int) -> None:
+    """Decoding settings refused in one line, before a checkpoint is read."""
+    if tokens < 1:
+        raise SampleError(f"--tokens {tokens}: give at least 1 token to generate")
+    if not temperature >= 0 or temperature == float("inf"):  # NaN fails the first test
+        raise SampleError(f"--temperature {temperature}: give a finite temperature >= 0 (0: "
+                          "the most likely token each time)")
+    if not 0 <= seed <= SEED_MAX:
+        raise SampleError(f"--seed {seed}: give a seed from 0 to {SEED_MAX}")
+
+
+@functools.lru_cache(maxsize=8)
+def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
+             compute: str = "float32", padded: bool = False):
+    """The jitted decoder of ``rows`` prompts of ``width`` tokens (left-padded when
+    ``padded``; each row's ``start`` is its first token) and ``tokens`` tokens: one program,
+    compiled once, for every prompt of that shape, token, seed and temperature."""
+    module_of = bind_transformer(cfg)
+    dtype = DTYPES[compute]
+    # The cache holds what this call needs, up to the model's context: a model made for a long
+    # context is not given a cache of that length for a short answer.
+    window = min(cfg.seq_len, width + tokens)
+    keep = window // 2  # tokens carried into a fresh cache when the cache is full
+
+    def pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
+        sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
+        return jnp.where(temperature > 0, sampled, jnp.argmax(logits, -1)).astype(jnp.int32)
+
+    def decode(params, prompts, start, temperature, key, stops):
+        module: Transformer = module_of(cast_floats(params, dtype))
+        # At least ``keep`` long, so the refill's slice is valid even where the text is too
+        # short to ever fill the cache (then the refill is traced but never taken).
+        seq = jnp.zeros((rows, max(width + tokens, keep)), jnp.int32).at[:, :width].set(prompts)
+        logits, filled = module(prompts, cache=module.empty_cache(rows, window, dtype), pos=0,
+                                start=start if padded else None)
+
+        def refill(seq: jax.Array, end: jax.Array, start: jax.Array):
+            """A fresh cache holding the ``keep`` slots before ``end``, and each row's first
+            slot in it."""
+            recent = jax.lax.dynamic_slice(seq, (0, end - keep), (rows, keep))
+            start = jnp.maximum(start - (end - keep), 0)
+            _, fresh = module(recent, cache=module.empty_cache(rows, window, dtype), pos=0,
+                              start=start if padded else None)
+            return fresh, start
+
+        def body(carry):
+            i, done, counts, seq, cache, pos, start, last = carry
+            token = pick(last, jax.random.fold_in(key, i), temperature)
+            counts = counts + ~done  # a row counts the tokens it draws, its stop id included
+            done = done | jnp.any(token[:, None] == stops[None], axis=-1)
+            end = width + i  # the new tokens' slot in seq
+            seq = jax.lax.dynamic_update_slice(seq, token[:, None], (0, end))
+            cache, start, pos = jax.lax.cond(
+                pos >= window, lambda: (*refill(seq, end, start), jnp.int32(keep)),
+                lambda: (cache, start, pos))
+            logits, cache = module(token[:, None], cache=cache, pos=pos,
+                                   start=start if padded else None)
+            return i + 1, done, counts, seq, cache, pos + 1, start, logits[:, -1]
+
+        carry = (jnp.int32(0), jnp.zeros(rows, bool), jnp.zeros(rows, jnp.int32), seq, filled,
+                 jnp.int32(width), start, logits[:, -1])
+        _, _, counts, seq, *_ = jax.lax.while_loop(
+            lambda carry: (carry[0] < tokens) & ~jnp.all(carry[1]), body, carry)
+        return seq[:, width:width + tokens], counts
+
+    return jax.jit(decode)
+
+
+def chat_replies(model: TransformerModel, params: PyTree, found: ModelTokenizer,
+                 conversations: Sequence[Conversation], tokens: int, *, temperature: float,
+                 seed: int, compute: str, batch_size: int = BATCH) -> list[str]:
+    """The answer that follows each conversation's turns (rendered with the chat template of
+    ``found``, the run's tokenizer), ended at the turn's end."""
+    from trainrun.data.examples import require_template
+
+    template = require_template(found)
+    prompts = [np.array(found.tokenizer.encode(
+        template.render(list(turns), add_generation_prompt=True, special=found.special),
+        add_special_tokens=False).ids, np.int32) for turns in conversations]
+    answers = generate_batch(model, params, prompts, tokens, temperature=temperature,
+                             seed=seed, compute=compute, stop_ids=found.stop_ids,
+                             batch_size=batch_size)
+    stops = set(found.stop_ids)
+    return [found.tokenizer.decode(answer[:-1].tolist() if answer.size and
+                                   int(answer[-1]) in stops else answer.tolist())
+            for answer in answers]
+
+
+def complete(model: TransformerModel, params: PyTree, found: ModelTokenizer,
+             prompts: Sequence[str], tokens: int, *, temperature: float, seed: int,
+             compute: str, batch_size: int = BATCH) -> list[str]:
+    """The completion of each prompt as a run on completion records learned them: the prompt
+    encoded as a text's start, the completion up to the end-of-text token (not included)."""
+    lib = found.tokenizer
+    ids = [np.array(lib.encode(prompt, add_special_tokens=True).ids, np.int32)
+           for prompt in prompts]
+    stops = [] if found.eos_id is None else [found.eos_id]
+    answers = generate_batch(model, params, ids, tokens, temperature=temperature, seed=seed,
+                             compute=compute, stop_ids=stops, batch_size=batch_size)
+    return [lib.decode(answer[:-1].tolist() if answer.size and int(answer[-1]) in stops
+                       else answer.tolist()) for answer in answers]
+
+
+def run_tokenizer(data: RecordsData) -> ModelTokenizer:
+    """The tokenizer and chat template a run on records was trained with."""
+    from trainrun.data import model_tokenizer
+
+    return model_tokenizer.load(data.tokenizer or model_tokenizer.BYTES, data.chat_template)

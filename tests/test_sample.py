@@ -215,3 +215,14 @@ def test_sampled_batches_follow_the_seed():
                for s in (3, 3, 4))
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_decoding_gives_the_same_tokens_with_the_head_layout_fast_path_off(monkeypatch):
+    params = build_model(CFG).init(jax.random.key(0))
+    prompts = [np.frombuffer(text, np.uint8) for text in (b"ab", b"import", b"x = 1\n")]
+    on = generate_batch(CFG, params, prompts, 12, temperature=0.0)
+    monkeypatch.setenv("TRAINRUN_FAST_PATHS", "none")
+    _decoder.cache_clear()
+    off = generate_batch(CFG, params, prompts, 12, temperature=0.0)
+    _decoder.cache_clear()
+    assert [a.tolist() for a in on] == [b.tolist() for b in off]

@@ -398,6 +398,23 @@ class Transformer(nnx.Module):
         logits = tied_head_logits(x, self.head_table())
         return logits.reshape(batch, chunk, -1), new_cache
 
+    def last_logits(self, tokens: jax.Array, cache: list[KV], pos: jax.Array | int = 0,
+                    start: jax.Array | None = None, head_columns: jax.Array | None = None,
+                    ) -> tuple[jax.Array, list[KV]]:
+        """Decoding: the logits ``[batch, vocab]`` (float32) after the last of ``tokens``
+        ``[batch, chunk]`` written into ``cache`` at ``pos``, and the cache. Only the last
+        position meets the output head: a prompt's other positions need no logits.
+        ``head_columns``: the head's table as ``[d_model, vocab]``, where the caller holds it
+        so (None: ``head_table``)."""
+        batch, chunk = tokens.shape
+        x, new_cache = self.features(tokens, None, cache, pos, start=start)
+        assert new_cache is not None  # features given a cache returns it updated
+        last = x.reshape(batch, chunk, -1)[:, -1]
+        if head_columns is None:
+            return tied_head_logits(last, self.head_table()), new_cache
+        return jax.lax.dot_general(last, head_columns, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32), new_cache
+
     def features(self, tokens: jax.Array, key: jax.Array | None = None,
                  cache: list[KV] | None = None, pos: jax.Array | int = 0,
                  segments: jax.Array | None = None,

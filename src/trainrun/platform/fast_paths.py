@@ -12,6 +12,8 @@ run parity, K-invariance and resume both ways); the plain path is what remains w
                         (``training/metric_log.py``)
     cpu_guard_branches  on CPU inside a scan, the non-finite guard as branches over a few
                         leaves instead of a select of every leaf (``program/guard.py``)
+    decode_head_layout  decoding multiplies by the output head's table laid out [d_model,
+                        vocab] once per call, not [vocab, d_model] (``program/decode.py``)
 
 ``TRAINRUN_FAST_PATHS``: ``all`` (the default), ``none``, or the names to keep on, comma
 separated. Why each pays, and on what: docs/internals.md, "Fast paths".
@@ -37,6 +39,7 @@ class FastPaths:
     inline_cpu_calls: bool = True
     writer_thread: bool = True
     cpu_guard_branches: bool = True
+    decode_head_layout: bool = True
 
     def on(self) -> list[str]:
         """The names of the fast paths that are on."""

@@ -22,6 +22,7 @@ import numpy as np
 from trainrun.config import RecordsData, TransformerModel
 from trainrun.errors import UserError
 from trainrun.models.transformer import Transformer, bind_transformer
+from trainrun.platform import fast_paths
 from trainrun.program.precision import DTYPES, cast_floats
 
 if TYPE_CHECKING:  # the tokenizers stack is imported only where text is generated
@@ -139,30 +140,39 @@ def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
     compiled once, for every prompt of that shape, token, seed and temperature."""
     module_of = bind_transformer(cfg)
     dtype = DTYPES[compute]
+    # XLA:CPU multiplies a few rows by a [vocab, d_model] table far slower than by its
+    # transpose (BENCHMARKS.md, "Decoding against transformers' generate")
+    transposed_head = fast_paths.selected().decode_head_layout
     # The cache holds what this call needs, up to the model's context: a model made for a long
     # context is not given a cache of that length for a short answer.
     window = min(cfg.seq_len, width + tokens)
     keep = window // 2  # tokens carried into a fresh cache when the cache is full
 
     def pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
-        sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
-        return jnp.where(temperature > 0, sampled, jnp.argmax(logits, -1)).astype(jnp.int32)
+        # greedy draws no noise: the vocabulary's worth of random bits per row is not free
+        return jax.lax.cond(
+            temperature > 0,
+            lambda: jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6)),
+            lambda: jnp.argmax(logits, -1)).astype(jnp.int32)
 
     def decode(params, prompts, start, temperature, key, stops):
         module: Transformer = module_of(cast_floats(params, dtype))
+        head = None
+        if transposed_head:  # carried into the loop as an operand: laid out once per call
+            head = module.head_table().T
         # At least ``keep`` long, so the refill's slice is valid even where the text is too
         # short to ever fill the cache (then the refill is traced but never taken).
         seq = jnp.zeros((rows, max(width + tokens, keep)), jnp.int32).at[:, :width].set(prompts)
-        logits, filled = module(prompts, cache=module.empty_cache(rows, window, dtype), pos=0,
-                                start=start if padded else None)
+        logits, filled = module.last_logits(prompts, module.empty_cache(rows, window, dtype),
+                                            0, start if padded else None, head)
 
         def refill(seq: jax.Array, end: jax.Array, start: jax.Array):
             """A fresh cache holding the ``keep`` slots before ``end``, and each row's first
             slot in it."""
             recent = jax.lax.dynamic_slice(seq, (0, end - keep), (rows, keep))
             start = jnp.maximum(start - (end - keep), 0)
-            _, fresh = module(recent, cache=module.empty_cache(rows, window, dtype), pos=0,
-                              start=start if padded else None)
+            _, fresh = module.last_logits(recent, module.empty_cache(rows, window, dtype), 0,
+                                          start if padded else None)
             return fresh, start
 
         def body(carry):
@@ -175,12 +185,12 @@ def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
             cache, start, pos = jax.lax.cond(
                 pos >= window, lambda: (*refill(seq, end, start), jnp.int32(keep)),
                 lambda: (cache, start, pos))
-            logits, cache = module(token[:, None], cache=cache, pos=pos,
-                                   start=start if padded else None)
-            return i + 1, done, counts, seq, cache, pos + 1, start, logits[:, -1]
+            logits, cache = module.last_logits(token[:, None], cache, pos,
+                                               start if padded else None, head)
+            return i + 1, done, counts, seq, cache, pos + 1, start, logits
 
         carry = (jnp.int32(0), jnp.zeros(rows, bool), jnp.zeros(rows, jnp.int32), seq, filled,
-                 jnp.int32(width), start, logits[:, -1])
+                 jnp.int32(width), start, logits)
         _, _, counts, seq, *_ = jax.lax.while_loop(
             lambda carry: (carry[0] < tokens) & ~jnp.all(carry[1]), body, carry)
         return seq[:, width:width + tokens], counts

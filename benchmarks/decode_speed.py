@@ -45,7 +45,7 @@ def llama_dir(path: Path, layers: int) -> Path:
 
 def prompts_of(batch: int, longest: int) -> list[np.ndarray]:
     rng = np.random.default_rng(batch)
-    lengths = [longest] + rng.integers(longest // 2, longest + 1, batch - 1).tolist()
+    lengths = [longest, *rng.integers(longest // 2, longest + 1, batch - 1).tolist()]
     return [rng.integers(3, 32000, n) for n in lengths]
 
 
@@ -90,7 +90,8 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             prompts = prompts_of(batch, args.prompt)
             contenders = {
-                "trainrun": lambda p=prompts: ours.generate_batch(p, args.new, batch_size=batch),
+                "trainrun": lambda p=prompts, b=batch: ours.generate_batch(p, args.new,
+                                                                          batch_size=b),
                 "transformers": lambda p=prompts: torch_generate(theirs, p, args.new)}
             outputs = {name: fn() for name, fn in contenders.items()}  # warmup, compile
             same = all(np.array_equal(a, b) for a, b in zip(*outputs.values(), strict=True))

@@ -106,7 +106,7 @@ def test_every_instruction_tuning_command_runs_as_written(tmp_path):
     pytest.importorskip("transformers", reason="the tests' extra holds transformers")
     pytest.importorskip("peft")
     commands = bash_commands("guides/instruction-tuning.md")
-    assert sum(c.startswith("trainrun ") for c in commands) == 3, commands
+    assert sum(c.startswith("trainrun ") for c in commands) == 4, commands
     out = run_as_written(commands, tmp_path)
     # What the guide says they print and leave behind.
     assert "data: 512 records -> 512 examples" in out
@@ -117,6 +117,10 @@ def test_every_instruction_tuning_command_runs_as_written(tmp_path):
     data_row = next(r for r in rows if r.get("split") == "data")
     assert (data_row["records"], data_row["examples"]) == (512, 512)
     assert any(r.get("split") == "eval" for r in rows)
+    scores = json.loads((tmp_path / "runs/sft/eval/step-60/scores.json").read_text())
+    assert scores["scores"]["answers"] == 8
+    assert re.search(r"eval step 60  loss \S+  accuracy \S+ .*exact_match 0  normalised_match 0"
+                     r"  answers 8", out), out[-2000:]
 
 
 def test_api_page_documents_every_public_name():

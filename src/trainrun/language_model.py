@@ -73,6 +73,17 @@ class LanguageModel:
         return generate(self.config, self.params, np.asarray(prompt, np.int32), tokens,
                         temperature=temperature, seed=seed, compute=self.compute)
 
+    def generate_batch(self, prompts: list[list[int]], tokens: int, *, temperature: float = 0.0,
+                       seed: int = 0, stop_ids: Sequence[int] = ()) -> list[np.ndarray]:
+        """Each prompt's generated ids alone: ``tokens`` of them, or fewer, up to and including
+        the first of ``stop_ids`` drawn (``temperature`` 0: the most likely token each time).
+        The prompts are decoded one after another, each with ``seed``."""
+        from trainrun.sample import generate
+
+        return [generate(self.config, self.params, np.asarray(prompt, np.int32), tokens,
+                         temperature=temperature, seed=seed, compute=self.compute,
+                         stop_ids=stop_ids)[len(prompt):] for prompt in prompts]
+
 
 @functools.lru_cache(maxsize=8)
 def _forward(cfg: TransformerModel, compute: str) -> Callable[..., jax.Array]:

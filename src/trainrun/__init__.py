@@ -16,6 +16,7 @@ from trainrun.language_model import LanguageModel, load
 from trainrun.models import Model, from_functions, from_nnx
 from trainrun.platform.process import apply_default_flags, configure_process
 from trainrun.program.state import TrainState
+from trainrun.text_tokens import TextTokenizer, load_tokenizer
 from trainrun.training.callbacks import Boundary, Callback, EarlyStopping, MetricLogger
 from trainrun.training.loop import run
 from trainrun.training.summary import RunSummary
@@ -34,6 +35,7 @@ __all__ = [
     "Model",
     "RunConfig",
     "RunSummary",
+    "TextTokenizer",
     "TrainState",
     "UserError",
     "configure_process",
@@ -41,5 +43,6 @@ __all__ = [
     "from_nnx",
     "load",
     "load_config",
+    "load_tokenizer",
     "run",
 ]

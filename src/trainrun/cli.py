@@ -162,6 +162,15 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lm_eval(args: argparse.Namespace) -> int:
+    from trainrun import extras
+
+    extras.require("eval", "trainrun lm-eval")
+    from trainrun import harness  # registers the model "trainrun" with lm-eval
+
+    return harness.main(args.lm_eval_args)
+
+
 def _runs(args: argparse.Namespace) -> int:
     from trainrun.reporting.report import list_runs
 
@@ -392,6 +401,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most bytes per weights file; more go into shards with an index "
                              "(default 5GB)")
     export.set_defaults(handler=_export)
+
+    # No prefix characters: every argument, options and -h included, is lm-eval's, unparsed.
+    lm_eval = commands.add_parser(
+        "lm-eval", add_help=False, prefix_chars="\0",
+        help="evaluate a model with lm-evaluation-harness (its CLI, with --model trainrun)",
+        description="lm-evaluation-harness's own command line, with its model trainrun "
+                    "registered: every argument goes to lm-eval unchanged and its output is "
+                    "lm-eval's. Example: trainrun lm-eval --model trainrun --model_args "
+                    "path=runs/lm_bpe --tasks lambada_openai --batch_size auto; --model_args "
+                    "path= takes a run directory, a Hugging Face model directory or a PEFT "
+                    "adapter directory, with ema, max_length, max_gen_toks, chat_template and "
+                    "seed. Needs the eval extra.")
+    lm_eval.add_argument("lm_eval_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                         help="lm-eval's arguments (trainrun lm-eval --help lists them)")
+    lm_eval.set_defaults(handler=_lm_eval)
 
     runs = commands.add_parser(
         "runs", help="list runs: status, last step, best eval metric",

@@ -7,6 +7,7 @@
     wandb          wandb          metrics.wandb=offline or online
     huggingface    safetensors    init.from a Hugging Face model or .safetensors, trainrun export
     cloud          gcsfs, s3fs    gs:// and s3:// locations (run directories, data, init.from)
+    eval           lm-eval        trainrun lm-eval, the lm-evaluation-harness model trainrun
     bench          torch          the benchmarks
 
 A training run needs none of them. A feature whose package is missing stops with one line that
@@ -23,7 +24,7 @@ from trainrun.errors import UserError
 MODULES: dict[str, tuple[str, ...]] = {
     "report": ("matplotlib",), "datasets": ("sklearn",), "tensorboard": ("tensorboardX",),
     "wandb": ("wandb",), "huggingface": ("safetensors",), "cloud": ("gcsfs", "s3fs"),
-    "bench": ("torch",)}
+    "eval": ("lm_eval",), "bench": ("torch",)}
 
 
 class MissingExtra(UserError):

@@ -1,0 +1,232 @@
+"""``trainrun lm-eval``: lm-evaluation-harness's CLI with the model ``trainrun``, on local
+tasks over local files (nothing from the hub). On one exported model, ``trainrun`` and
+lm-eval's own ``hf`` give the same accuracy, log-likelihoods within 1e-4 and the same generated
+text; the run directory scores as its export; a path without a model, and a missing lm-eval,
+are one line and exit 2."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainrun import extras
+from trainrun.cli import main
+from trainrun.config import load_config
+from trainrun.training.loop import run
+
+TASKS = ("tiny_mc", "tiny_ppl", "tiny_gen")
+CORPUS = ("The cat sat on the mat. The dog ran in the park.\n"
+          "A bird sang a song. Question: what is two plus two? Answer: four.\n") * 30
+MC = [{"question": "The cat sat on the", "choices": [" mat.", " dog.", " park.", " song."],
+       "answer": 0},
+      {"question": "The dog ran in the", "choices": [" mat.", " park.", " bird.", " cat."],
+       "answer": 1},
+      {"question": "A bird sang a ", "choices": ["song.", "cat.", "four.", "mat."], "answer": 0},
+      {"question": "Question: what is two plus two? Answer:",
+       "choices": [" four.", " song.", " park."], "answer": 0},
+      {"question": "", "choices": ["The cat", "A bird"], "answer": 1}]  # the prefix id alone
+PPL = [{"text": "The cat sat on the mat. The dog ran in the park.\nA bird sang a song. " * 3},
+       {"text": "Question: what is two plus two? Answer: four."},
+       {"text": "héllo wörld, a cat in the park\n\nthe end"}]
+GEN = [{"prompt": "The cat sat on", "answer": " the mat"},
+       {"prompt": "Question: what is two plus two? Answer:", "answer": " four"},
+       {"prompt": "A bird", "answer": " sang a song"}]
+YAML = {
+    "tiny_mc": """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: answer
+metric_list: [{metric: acc}, {metric: acc_norm}]
+""",
+    "tiny_ppl": """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list: [{metric: word_perplexity}, {metric: byte_perplexity}, {metric: bits_per_byte}]
+""",
+    "tiny_gen": """output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs: {until: [".", "\\n\\n"], max_gen_toks: 12, do_sample: false}
+metric_list: [{metric: exact_match}]
+"""}
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> Path:
+    """The three tasks' YAML files and JSONL data in one folder (lm-eval's --include_path), and
+    Hugging Face's caches in the module's temporary folder, offline."""
+    manager = pytest.importorskip("lm_eval.tasks.manager")
+    folder = tmp_path_factory.mktemp("tasks")
+    for name, rows in (("tiny_mc", MC), ("tiny_ppl", PPL), ("tiny_gen", GEN)):
+        data = folder / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (folder / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {data}\ntest_split: test\n{YAML[name]}")
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (("HF_HOME", str(folder / "hf")), ("HF_DATASETS_OFFLINE", "1"),
+                            ("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+            patch.setenv(name, value)
+        # lm-eval indexes its thousands of built-in tasks per run; these runs need theirs alone
+        patch.setattr(manager.TaskManager, "__init__", functools.partialmethod(
+            manager.TaskManager.__init__, include_defaults=False))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tasks, tmp_path_factory) -> Path:
+    """A GPT-2-shaped run on a BPE tokenizer trained here, exported (with its tokenizer.json):
+    ``run`` and ``export`` in the returned folder. Trained enough to continue the corpus."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("tiny")
+    corpus = folder / "corpus.txt"
+    corpus.write_text(CORPUS)
+    config = load_config("lm_bpe", [
+        "steps=80", "steps_per_call=40", "optimizer.lr=0.01", "checkpoint.every=0",
+        "eval.every=0", "optimizer.schedule.warmup_steps=1", "metrics.tensorboard=false",
+        "model.d_model=32", "model.layers=2", "model.heads=2", "model.seq_len=64",
+        "model.positions=learned", "model.bias=true", "model.vocab=320",
+        f"data.paths=[{corpus}]", "data.seq_len=64", "data.batch_size=4",
+        f"data.tokenizer={folder / 'tok.json'}", "data.vocab_size=300"])
+    run(config, folder / "run", out=io.StringIO())
+    assert main(["export", str(folder / "run"), "--to", str(folder / "export")]) == 0
+    return folder
+
+
+def lm_eval_cli(tasks: Path, out: Path, *args: str) -> dict[str, Any]:
+    """``trainrun lm-eval ARGS`` on the three tasks, in-process; its results and samples."""
+    code = main(["lm-eval", *args, "--tasks", *TASKS, "--include_path", str(tasks),
+                 "--output_path", str(out), "--log_samples"])
+    assert code == 0
+    return read_output(out)
+
+
+def read_output(out: Path) -> dict[str, Any]:
+    (results,) = out.glob("*/results_*.json")
+    found: dict[str, Any] = {"results": json.loads(results.read_text())["results"]}
+    for task in TASKS:
+        (samples,) = out.glob(f"*/samples_{task}_*.jsonl")
+        rows = [json.loads(line) for line in samples.read_text().splitlines()]
+        found[task] = [row["filtered_resps"] for row in sorted(rows, key=lambda r: r["doc_id"])]
+    return found
+
+
+def assert_same_scores(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Equal accuracy and generated text; log-likelihoods within 1e-4."""
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["tiny_mc"][metric] == theirs["results"]["tiny_mc"][metric]
+    assert ours["results"]["tiny_gen"]["exact_match,none"] == \
+        theirs["results"]["tiny_gen"]["exact_match,none"]
+    for doc, (mine, other) in enumerate(zip(ours["tiny_mc"], theirs["tiny_mc"], strict=True)):
+        for (logp, greedy), (their_logp, their_greedy) in zip(mine, other, strict=True):
+            assert float(logp) == pytest.approx(float(their_logp), abs=1e-4), doc
+            assert greedy == their_greedy, doc
+    for doc, (mine, other) in enumerate(zip(ours["tiny_ppl"], theirs["tiny_ppl"], strict=True)):
+        assert float(mine[0]) == pytest.approx(float(other[0]), abs=1e-4), doc
+    assert ours["tiny_gen"] == theirs["tiny_gen"]
+
+
+@pytest.fixture(scope="module")
+def hf_scores(tiny, tasks, tmp_path_factory) -> dict[str, Any]:
+    """lm-eval's ``hf`` model on the export: the scores to match."""
+    return lm_eval_cli(tasks, tmp_path_factory.mktemp("hf"), "--model", "hf", "--model_args",
+                       f"pretrained={tiny / 'export'},dtype=float32", "--device", "cpu",
+                       "--batch_size", "4")
+
+
+@pytest.mark.slow
+def test_trainrun_and_hf_score_the_export_alike(tiny, tasks, hf_scores, tmp_path):
+    """On one export: the same accuracy, log-likelihoods (continuations, an empty context and
+    rolling windows) and generated text, on a model that has learned some of the tasks."""
+    ours = lm_eval_cli(tasks, tmp_path, "--model", "trainrun", "--model_args",
+                       f"path={tiny / 'export'}", "--batch_size", "auto")
+    assert_same_scores(ours, hf_scores)
+    assert len(PPL[0]["text"]) > 3 * 64  # the 64-position model reads it in several windows
+    assert ours["results"]["tiny_mc"]["acc,none"] > 0
+    assert ours["results"]["tiny_gen"]["exact_match,none"] > 0
+
+
+@pytest.mark.slow
+def test_the_run_from_python_scores_as_its_export(tiny, tasks, hf_scores, tmp_path):
+    """``lm_eval.simple_evaluate(model="trainrun")`` once ``trainrun.harness`` is imported, on
+    the run directory (its own tokenizer), with a fixed batch size that leaves a short last
+    batch: the export's scores."""
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.tasks import TaskManager
+
+    import trainrun.harness  # noqa: F401
+
+    tracker = EvaluationTracker(output_path=str(tmp_path))
+    results = lm_eval.simple_evaluate(
+        model="trainrun", model_args={"path": str(tiny / "run")}, tasks=list(TASKS),
+        batch_size=3, log_samples=True, evaluation_tracker=tracker,
+        task_manager=TaskManager(include_path=str(tasks)))
+    assert results is not None
+    samples = results.pop("samples")
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for task in TASKS:
+        tracker.save_results_samples(task_name=task, samples=samples[task])
+    assert_same_scores(read_output(tmp_path), hf_scores)
+
+
+def test_a_path_without_a_model_is_one_line(tasks, tmp_path, capfd):
+    pytest.importorskip("lm_eval")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code = main(["lm-eval", "--model", "trainrun", "--model_args", f"path={empty}", "--tasks",
+                 "tiny_mc", "--include_path", str(tasks)])
+    err = capfd.readouterr().err.rstrip("\n").splitlines()
+    assert code == 2
+    assert err[-1].startswith(f"error: trainrun.load {empty}: not a trainrun run directory"), \
+        err[-1]
+    assert list(empty.iterdir()) == []
+
+
+def test_model_args_it_does_not_take_are_one_line(tasks, capfd):
+    pytest.importorskip("lm_eval")
+    code = main(["lm-eval", "--model", "trainrun", "--model_args", "pretrained=gpt2",
+                 "--tasks", "tiny_mc", "--include_path", str(tasks)])
+    err = capfd.readouterr().err.rstrip("\n").splitlines()
+    assert (code, err[-1]) == (2, "error: --model_args pretrained: not an option of --model "
+                                  "trainrun; give path=RUN_OR_MODEL_DIR and any of ema, "
+                                  "max_length, max_gen_toks, chat_template, seed")
+
+
+def test_without_lm_eval_the_command_names_the_extra(monkeypatch, capsys):
+    for module in extras.MODULES["eval"]:
+        monkeypatch.setitem(sys.modules, module, None)
+    assert main(["lm-eval", "--model", "trainrun", "--tasks", "tiny_mc"]) == 2
+    assert capsys.readouterr().err == ("error: trainrun lm-eval needs the eval extra: pip "
+                                       "install 'trainrun[eval]'\n")
+
+
+@pytest.mark.slow
+def test_chat_turns_render_as_transformers_renders_them(tiny):
+    """--apply_chat_template: the turns as ``hf`` renders them with the same template, with
+    the assistant's opening or ending in the turn to continue; no template is one line."""
+    transformers = pytest.importorskip("transformers")
+    from trainrun.data.chat import CHATML
+    from trainrun.harness import HarnessError, TrainrunLM
+
+    ours = TrainrunLM(path=str(tiny / "export"), chat_template="chatml")
+    theirs = transformers.AutoTokenizer.from_pretrained(tiny / "export")
+    theirs.chat_template = CHATML
+    turns = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "The cat sat on"},
+             {"role": "assistant", "content": " the mat"}]
+    for history, opening in ((turns[:2], True), (turns, False)):
+        assert ours.apply_chat_template(history, opening) == theirs.apply_chat_template(
+            history, tokenize=False, add_generation_prompt=opening,
+            continue_final_message=not opening)
+    assert ours.chat_template(True) == CHATML
+    with pytest.raises(HarnessError, match="has no chat template: give --model_args "
+                                           "chat_template=chatml"):
+        TrainrunLM(path=str(tiny / "export")).apply_chat_template(turns[:2])

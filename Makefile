@@ -33,8 +33,9 @@ train: $(TRAIN_STAMP)
 	$(BIN)/trainrun train $(ARGS)
 
 # One pytest worker per core (pytest-xdist), four at most: most tests wait on a compile or a
-# subprocess, so two workers on a 2-core machine took the suite from 862 s to 583 s.
-TEST_WORKERS ?= -n auto --maxprocesses 4
+# subprocess, so two workers on a 2-core machine took the suite from 862 s to 583 s. worksteal:
+# a worker that runs dry takes tests queued behind a long one (the storage outage tests wait).
+TEST_WORKERS ?= -n auto --maxprocesses 4 --dist worksteal
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/mypy

@@ -54,7 +54,9 @@ def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: 
         raise SampleError(f"model.seq_len={cfg.seq_len} leaves no room to generate")
     # The prompt's tail that fits the context with room for one generated token.
     context = np.asarray(prompt[-(cfg.seq_len - 1):], np.int32)
-    program = _decoder(cfg, int(prompt.size), int(context.size), tokens, compute)
+    # Frozen sections hash at run time; pyright reads frozen only from class keywords.
+    program = _decoder(cfg,  # pyright: ignore[reportArgumentType]
+                       int(prompt.size), int(context.size), tokens, compute)
     stops = np.asarray([*stop_ids, -1], np.int32)  # -1: no id, so the array is never empty
     out, drawn = program(params, jnp.asarray(prompt, jnp.int32), jnp.asarray(context),
                          jnp.float32(temperature), jax.random.key(seed), jnp.asarray(stops))

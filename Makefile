@@ -39,6 +39,7 @@ TEST_WORKERS ?= -n auto --maxprocesses 4 --dist worksteal
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/mypy
+	$(BIN)/pyright
 	$(BIN)/python -m pytest -q $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The inner loop (under 2 minutes on 2 cores): every test but those marked slow (over about
@@ -50,9 +51,11 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
 
-# mypy over src/trainrun at the strictness [tool.mypy] in pyproject.toml states.
+# mypy and pyright over src/trainrun at the strictness [tool.mypy] and [tool.pyright] in
+# pyproject.toml state.
 typecheck: $(STAMP)
 	$(BIN)/mypy
+	$(BIN)/pyright
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -78,35 +78,35 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
     new export only (``rundir.export_dir`` says which folders are refused). ``dtype``: the
     weights' dtype in the files; ``shard_size``: the most bytes per file. Either path may be
     on object storage (``gs://``, ``s3://``)."""
-    run_dir, to = location.location(run_dir), location.location(to)
-    remote_to = location.is_remote(to)
-    target = to if remote_to else Path(os.path.realpath(to))  # a link: its directory replaced
+    run, dest = location.location(run_dir), location.location(to)
+    remote_to = location.is_remote(dest)
+    target = dest if remote_to else Path(os.path.realpath(dest))  # a link: its directory replaced
     if remote_to:
-        export_dir.check_remote_target(to, replace, run_dir)
+        export_dir.check_remote_target(dest, replace, run)
     else:
         export_dir.restore_interrupted(target)
-        check_target(to, replace, run_dir)
+        check_target(dest, replace, run)
     if dtype not in DTYPES:
         raise WeightsError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(shard_size)
-    config = saved_config(run_dir)
+    config = saved_config(run)
     cfg = config.model
     if cfg.kind != "transformer":
-        raise WeightsError(f"run {run_dir} trains model.kind={cfg.kind}; export writes "
+        raise WeightsError(f"run {run} trains model.kind={cfg.kind}; export writes "
                            "transformers in Hugging Face's layout")
-    source, reads = _lineage(run_dir, config)
+    source, reads = _lineage(run, config)
     own = _tokenizer_file(config)
-    export_dir.check_reads(to, [
-        (run_dir, "the run being exported"),
-        (checkpoint_dir(config, run_dir), f"the checkpoints of {run_dir}"), *reads,
-        *([(own, f"the data.tokenizer of {run_dir}")] if own is not None else [])])
+    export_dir.check_reads(dest, [
+        (run, "the run being exported"),
+        (checkpoint_dir(config, run), f"the checkpoints of {run}"), *reads,
+        *([(own, f"the data.tokenizer of {run}")] if own is not None else [])])
     copies = _source_files(source, TOKENIZER_FILES) if source is not None else {}
     hf = None
     if source is not None:
         _source_files(source, (CONFIG,))  # its fields go into the export: a link is checked
         hf = read_config(source)
     model_type = str(hf["model_type"]) if hf is not None else model_type_of(cfg)
-    step, params = latest_params(run_dir, config)
+    step, params = latest_params(run, config)
     params = jax.tree.map(np.asarray, params)
 
     def write(staging: Path) -> tuple[str, ...]:
@@ -127,8 +127,8 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
     if remote_to:  # no rename there: staged here, uploaded with its mark last
         with tempfile.TemporaryDirectory(prefix="trainrun-export-") as staged:
             files = write(Path(staged))
-            export_dir.publish(Path(staged), to)
-        return Export(step, to, files)
+            export_dir.publish(Path(staged), dest)
+        return Export(step, dest, files)
     export_dir.remove_leftovers(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -143,9 +143,9 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
         what = _refused_write(err, target)
         if what is None:
             raise
-        line, _ = path_refused(OSError(_ERRNO[what], what, str(to)))
-        raise WriteFailed(f"{line} (the export was not written; {to} is as it was)") from None
-    return Export(step, to, files)
+        line, _ = path_refused(OSError(_ERRNO[what], what, str(dest)))
+        raise WriteFailed(f"{line} (the export was not written; {dest} is as it was)") from None
+    return Export(step, dest, files)
 
 
 def _refused_write(err: BaseException, target: Path) -> str | None:

@@ -45,7 +45,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -120,7 +120,9 @@ class TrainrunLM(_Base):
             raise HarnessError(f"the tokenizer of {self.path} has {self.text.size} tokens, more "
                                f"than the model's vocabulary of {self.model.config.vocab}; give "
                                "the directory of the model it was trained with")
-        self._score = _scorer(self.model.config, self.model.compute)
+        # Frozen sections hash at run time; pyright reads frozen only from class keywords.
+        self._score = _scorer(self.model.config,  # pyright: ignore[reportArgumentType]
+                              self.model.compute)
         self._eos = (None if self.text.eos_id is None
                      else self.text.decode([self.text.eos_id], special=True))
         self._prefix = self.text.decode([self.text.prefix_id], special=True)
@@ -290,8 +292,9 @@ class TrainrunLM(_Base):
         for indices in groups.values():
             settings = dict(normalize_gen_kwargs(requests[indices[0]].args[1],
                                                  self.max_gen_toks))
-            until = handle_stop_sequences(settings.pop("until", None), eos=self._eos)
-            tokens = int(settings.pop("max_gen_toks"))
+            until = handle_stop_sequences(
+                cast("str | list[str] | None", settings.pop("until", None)), eos=self._eos)
+            tokens = int(cast(int, settings.pop("max_gen_toks")))
             temperature = _temperature(settings)
             room = self.max_length - tokens
             if room < 1:
@@ -410,7 +413,8 @@ def _batch_size(size: int | str | None, most: int | None) -> tuple[int | None, i
 def _scorer(cfg: TransformerModel, compute: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """The jitted ``(params, tokens, targets) -> (log p(target), target is the argmax)``, each
     ``[batch, seq]``, on ``LanguageModel.logits``' forward: only those leave the device."""
-    forward = _forward(cfg, compute)
+    # Frozen sections hash at run time; pyright reads frozen only from class keywords.
+    forward = _forward(cfg, compute)  # pyright: ignore[reportArgumentType]
 
     def score(params: Any, tokens: jax.Array, targets: jax.Array
               ) -> tuple[jax.Array, jax.Array]:

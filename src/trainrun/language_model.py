@@ -59,7 +59,9 @@ class LanguageModel:
         if self.config.positions == "learned" and ids.shape[1] > self.config.seq_len:
             raise LoadError(f"tokens: {ids.shape[1]} positions, more than the model's "
                             f"{self.config.seq_len} learned ones")
-        out = np.asarray(_forward(self.config, self.compute)(self.params, jnp.asarray(ids)))
+        # Frozen sections hash at run time; pyright reads frozen only from class keywords.
+        forward = _forward(self.config, self.compute)  # pyright: ignore[reportArgumentType]
+        out = np.asarray(forward(self.params, jnp.asarray(ids)))
         return out[0] if single else out
 
     __call__ = logits

@@ -218,7 +218,7 @@ def _final_step(chain: Chain) -> int:
     return committed_steps(chain.run_dir / CHECKPOINTS)[-1]
 
 
-def state_digest(ckpt_dir: Path, step: int) -> str:
+def state_digest(ckpt_dir: location.Location, step: int) -> str:
     """sha256 over a checkpoint's state arrays (name, dtype, shape, bytes) and data position."""
     import orbax.checkpoint as ocp
 

@@ -122,6 +122,23 @@ def test_a_subclass_reading_its_own_batches_is_read_through_its_getitem():
     assert np.array_equal(got, 2 * np.stack([plain[i]["id"] for i in range(3)]))
 
 
+def test_a_sparse_datasets_gaps_are_skipped_as_grains_iterator_skips_them():
+    """A filtered MapDataset holds None where an element was filtered out: the cursor reads
+    past it as Grain's own iterator does, and their positions agree."""
+    import grain
+
+    source = grain.MapDataset.source([{"id": np.array([i])} for i in range(12)])
+    sparse = source.filter(lambda b: b["id"][0] % 3 != 1)  # None at 1, 4, 7, 10
+    grains = batch_iterator(sparse, 2)
+    expected = [next(grains)["id"] for _ in range(5)]
+    cursor = BatchCursor(sparse)
+    got = [next(cursor)["id"] for _ in range(2)]
+    assert cursor.get_state() == {"next_index": 3}
+    got += list(cursor.take(3)["id"])
+    assert all(np.array_equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert cursor.get_state() == grains.get_state() == {"next_index": 7}
+
+
 def test_token_file_windows_are_consecutive_spans(tmp_path):
     path = tmp_path / "train.bin"
     np.arange(1000, dtype=np.uint16).tofile(path)  # nanoGPT's format: raw uint16

@@ -30,6 +30,7 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -132,13 +133,17 @@ def _process_file() -> str:
     return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
-@ocp.args.register_with_handler(DataHandler, for_save=True)
+# Grain's handler implements Orbax's interface by duck typing; Orbax's types want a subclass.
+@ocp.args.register_with_handler(
+    DataHandler, for_save=True)  # pyright: ignore[reportArgumentType]
 @dataclasses.dataclass
 class DataSave(ocp.args.CheckpointArgs):
     item: Any
 
 
-@ocp.args.register_with_handler(DataHandler, for_restore=True)
+# Grain's handler implements Orbax's interface by duck typing; Orbax's types want a subclass.
+@ocp.args.register_with_handler(
+    DataHandler, for_restore=True)  # pyright: ignore[reportArgumentType]
 @dataclasses.dataclass
 class DataRestore(ocp.args.CheckpointArgs):
     item: Any
@@ -260,10 +265,11 @@ class Checkpoints:
         # A refused write (a full disk) is reported by the run on one line, not by Orbax's
         # threads with a traceback each.
         self._unquiet = storage.quiet_orbax_errors()
+        handlers = {"state": StateHandler(), "data": DataHandler(), "meta": MetaHandler()}
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
-            item_handlers={"state": StateHandler(), "data": DataHandler(),
-                           "meta": MetaHandler()})
+            # DataHandler is an Orbax handler by duck typing (Grain's), not by subclass.
+            item_handlers=handlers)  # pyright: ignore[reportArgumentType]
         self._in_flight = False  # a save may still be being written in the background
         self._closed = False
         # On object storage: what stops a wait for a save the store no longer answers (the
@@ -289,8 +295,9 @@ class Checkpoints:
         path = self.directory / str(step)
         self._wait_watched()  # Orbax waits for the save before; on a bucket it is watched
         if step not in self.manager.all_steps():
-            items = {"state": StateSave(state),
-                     "meta": MetaSave(self._metadata(step, state, iterator))}
+            items: dict[str, ocp.args.CheckpointArgs] = {
+                "state": StateSave(state),
+                "meta": MetaSave(self._metadata(step, state, iterator))}
             if has_position(iterator):
                 items["data"] = DataSave(iterator)
             self._watched(step, lambda: self.manager.save(
@@ -332,7 +339,7 @@ class Checkpoints:
                     f"{f' (and {len(differences) - 3} more)' if len(differences) > 3 else ''}. "
                     "Train it with the config it was written with, or pass --fresh to move "
                     "this run aside (or --run-dir for a new one)")
-            items = {"state": StateRestore(target)}
+            items: dict[str, ocp.args.CheckpointArgs] = {"state": StateRestore(target)}
             saved_position = has_position(iterator) and meta.get("data_position", True)
             if saved_position:
                 items["data"] = DataRestore(iterator)
@@ -525,14 +532,14 @@ def key_impls(state: PyTree) -> dict[str, str]:
     stores their key data, so the implementation is recorded beside it."""
     return {_name(path): str(leaf.dtype)
             for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)}
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)}
 
 
 def _described(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
     """{leaf name: (shape, dtype)} with typed keys as the key data Orbax stores."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             leaf = jax.eval_shape(jax.random.key_data, leaf)
         out[_name(path)] = (tuple(leaf.shape), str(leaf.dtype))
     return out

@@ -158,13 +158,13 @@ def verify_run_checkpoint(run_dir: location.Location | str,
     from trainrun.errors import UserError
     from trainrun.rundir import CHECKPOINTS, CONFIG, committed_steps, read_yaml
 
-    run_dir = location.location(run_dir)
-    if not location.is_file(run_dir / CONFIG):
-        location.require_bucket(run_dir)
-        raise UserError(f"{run_dir} holds no trainrun run (no {CONFIG}); give a run directory")
-    section = read_yaml(run_dir / CONFIG).get("checkpoint")
+    run = location.location(run_dir)
+    if not location.is_file(run / CONFIG):
+        location.require_bucket(run)
+        raise UserError(f"{run} holds no trainrun run (no {CONFIG}); give a run directory")
+    section = read_yaml(run / CONFIG).get("checkpoint")
     ckpt = section.get("dir") if isinstance(section, dict) else None
-    ckpt_dir = location.location(ckpt) if ckpt else run_dir / CHECKPOINTS
+    ckpt_dir = location.location(ckpt) if ckpt else run / CHECKPOINTS
     steps = committed_steps(ckpt_dir)
     if not steps:
         raise UserError(f"{ckpt_dir} holds no committed checkpoint")

@@ -28,10 +28,13 @@ from trainrun.config.sections import (
     OptimizerConfig,
     PrecisionConfig,
     ProfileConfig,
+    RecordsData,
     RegressionData,
     Section,
     SingleProcess,
     StorageConfig,
+    TextData,
+    TokenData,
 )
 from trainrun.errors import UserError, printable
 
@@ -56,15 +59,15 @@ class RunConfig(Section):
 
     # A plain file name: the run directory is runs/<name>; --run-dir is the way to pick a path.
     name: str = "run"
-    seed: int = Field(0, ge=0, le=2**32 - 1)  # jax.random.key's range without wrapping
-    steps: int = Field(200, gt=0)
-    steps_per_call: int = Field(1, gt=0)
-    log_every: int = Field(50, gt=0)
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)  # jax.random.key's range without wrapping
+    steps: int = Field(default=200, gt=0)
+    steps_per_call: int = Field(default=1, gt=0)
+    log_every: int = Field(default=50, gt=0)
     model: ModelConfig = Field(default_factory=MLPModel)
     data: DataConfig = Field(default_factory=RegressionData)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    accumulate: int = Field(1, gt=0)
+    accumulate: int = Field(default=1, gt=0)
     nonfinite: Literal["skip", "halt"] = "skip"
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     init: InitConfig = Field(default_factory=InitConfig)
@@ -163,7 +166,8 @@ def _check_model_and_data(config: RunConfig) -> None:
         if data.kind in ("regression", "digits"):
             raise ConfigError(f"model.kind=transformer needs token data, not data.kind="
                               f"{data.kind}; use data.kind=text, tokens or records")
-        if data.kind in ("text", "tokens", "records") and data.seq_len > model.seq_len:
+        if (isinstance(data, (TextData, TokenData, RecordsData))
+                and data.seq_len > model.seq_len):
             raise ConfigError(f"data.seq_len={data.seq_len} is longer than the model's context "
                               f"model.seq_len={model.seq_len}; set them equal")
         if data.kind == "text" and data.tokenizer is None and model.vocab < 256:

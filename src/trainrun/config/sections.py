@@ -28,33 +28,33 @@ class MLPModel(Section):
     """The reference chapter's MLP as plain functions: features -> hidden (ReLU) -> outputs."""
 
     kind: Literal["mlp"] = "mlp"
-    features: int = Field(8, gt=0)
+    features: int = Field(default=8, gt=0)
     hidden: list[Width] = Field(default_factory=lambda: [32])
-    outputs: int = Field(1, gt=0)
-    init_scale: float = Field(0.1, gt=0)
+    outputs: int = Field(default=1, gt=0)
+    init_scale: float = Field(default=0.1, gt=0)
 
 
 class NNXMLPModel(Section):
     """An MLP as a Flax NNX module: flattened ``x`` -> hidden (GELU, dropout) -> outputs."""
 
     kind: Literal["nnx_mlp"] = "nnx_mlp"
-    features: int = Field(8, gt=0)
+    features: int = Field(default=8, gt=0)
     hidden: list[Width] = Field(default_factory=lambda: [64])
-    outputs: int = Field(1, gt=0)
+    outputs: int = Field(default=1, gt=0)
     task: Literal["regression", "classification"] = "regression"
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
 
 
 class CNNModel(Section):
     """A small image classifier: 3x3 conv blocks (ReLU, 2x2 max-pool) -> dense -> classes."""
 
     kind: Literal["cnn"] = "cnn"
-    image_size: int = Field(8, gt=0)
-    in_channels: int = Field(1, gt=0)
+    image_size: int = Field(default=8, gt=0)
+    in_channels: int = Field(default=1, gt=0)
     channels: list[Width] = Field(default_factory=lambda: [32, 64])
-    hidden: int = Field(128, gt=0)
-    classes: int = Field(10, gt=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    hidden: int = Field(default=128, gt=0)
+    classes: int = Field(default=10, gt=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
 
 
 class ResNetModel(Section):
@@ -62,12 +62,13 @@ class ResNetModel(Section):
     state): 3x3 conv stem, ``blocks`` residual blocks of two conv-BN layers, average pool."""
 
     kind: Literal["resnet"] = "resnet"
-    image_size: int = Field(8, gt=0)
-    in_channels: int = Field(1, gt=0)
-    width: int = Field(32, gt=0)
-    blocks: int = Field(2, ge=0)
-    classes: int = Field(10, gt=1)
-    bn_momentum: float = Field(0.9, gt=0, lt=1)  # running = momentum * running + (1 - m) * batch
+    image_size: int = Field(default=8, gt=0)
+    in_channels: int = Field(default=1, gt=0)
+    width: int = Field(default=32, gt=0)
+    blocks: int = Field(default=2, ge=0)
+    classes: int = Field(default=10, gt=1)
+    # running = momentum * running + (1 - m) * batch
+    bn_momentum: float = Field(default=0.9, gt=0, lt=1)
 
 
 # all-linear: every linear layer of the blocks the model has (PEFT's name for it)
@@ -78,10 +79,10 @@ class LoraConfig(Section):
     """Low-rank adapters: ``y = x W + (alpha / rank) x A B`` on each targeted linear layer, with
     ``A`` ~ N(0, 1/d_in) and ``B`` = 0, so training starts from the base model's outputs."""
 
-    rank: int = Field(8, gt=0)
-    alpha: float = Field(16.0, gt=0)
+    rank: int = Field(default=8, gt=0)
+    alpha: float = Field(default=16.0, gt=0)
     # A tuple, so the section hashes (a compiled sampler is cached per model config).
-    targets: tuple[LoraTarget, ...] = Field(("q", "v"), min_length=1)
+    targets: tuple[LoraTarget, ...] = Field(default=("q", "v"), min_length=1)
 
     @pydantic.field_validator("targets", mode="before")
     @classmethod
@@ -96,9 +97,9 @@ class RopeScaling(Section):
 
     type: Literal["linear", "llama3"]
     factor: float = Field(gt=0)
-    low_freq_factor: float = Field(1.0, gt=0)
-    high_freq_factor: float = Field(4.0, gt=0)
-    original_max_positions: int = Field(8192, gt=0)
+    low_freq_factor: float = Field(default=1.0, gt=0)
+    high_freq_factor: float = Field(default=4.0, gt=0)
+    original_max_positions: int = Field(default=8192, gt=0)
 
 
 class TransformerModel(Section):
@@ -108,24 +109,24 @@ class TransformerModel(Section):
     output head of its own, biases on q/k/v alone (Qwen2)."""
 
     kind: Literal["transformer"] = "transformer"
-    vocab: int = Field(256, gt=1)
-    d_model: int = Field(128, gt=0)
-    layers: int = Field(4, gt=0)
-    heads: int = Field(4, gt=0)
-    kv_heads: int | None = Field(None, gt=0)  # grouped-query attention; None: one per head
-    head_dim: int | None = Field(None, gt=0)  # None: d_model // heads
+    vocab: int = Field(default=256, gt=1)
+    d_model: int = Field(default=128, gt=0)
+    layers: int = Field(default=4, gt=0)
+    heads: int = Field(default=4, gt=0)
+    kv_heads: int | None = Field(default=None, gt=0)  # grouped-query attention; None: one per head
+    head_dim: int | None = Field(default=None, gt=0)  # None: d_model // heads
     mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"  # geglu: down(gelu_tanh(gate(x)) * up(x))
-    mlp_ratio: int = Field(4, gt=0)
-    mlp_hidden: int | None = Field(None, gt=0)  # the MLP's width; None: mlp_ratio * d_model
+    mlp_ratio: int = Field(default=4, gt=0)
+    mlp_hidden: int | None = Field(default=None, gt=0)  # the MLP's width; None: mlp_ratio * d_model
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    norm_eps: float = Field(1e-5, gt=0)
-    seq_len: int = Field(128, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+    seq_len: int = Field(default=128, gt=0)
     positions: Literal["rope", "learned"] = "rope"
-    rope_theta: float = Field(10_000.0, gt=0)
+    rope_theta: float = Field(default=10_000.0, gt=0)
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = True  # the output head is the input embedding table
-    dropout: float = Field(0.0, ge=0, lt=1)
-    init_std: float = Field(0.02, gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    init_std: float = Field(default=0.02, gt=0)
     bias: bool = False  # biases on every linear layer (GPT-2's layout)
     qkv_bias: bool = False  # biases on the query, key and value projections alone (Qwen2's)
     attention_bias: bool = False  # biases on q, k, v and the output projection (Llama's option)
@@ -134,31 +135,32 @@ class TransformerModel(Section):
     norm_plus_one: bool = False  # RMSNorm scales by 1 + w, w starting at 0 (Gemma)
     post_norms: bool = False  # a norm on each sublayer's output before the residual (Gemma)
     embed_scale: bool = False  # the embedding rows times sqrt(d_model) (Gemma)
-    query_scale: float | None = Field(None, gt=0)  # attention logits' scale; 1/sqrt(head_dim)
+    # attention logits' scale; 1/sqrt(head_dim)
+    query_scale: float | None = Field(default=None, gt=0)
     # Attention to the last sliding_window positions (the token's own included) on the layers
     # sliding_layers lists (None: every layer); those layers' rotary base is local_rope_theta
     # where set, unscaled (Gemma 3's local layers).
-    sliding_window: int | None = Field(None, gt=0)
+    sliding_window: int | None = Field(default=None, gt=0)
     sliding_layers: tuple[int, ...] | None = None
-    local_rope_theta: float | None = Field(None, gt=0)
+    local_rope_theta: float | None = Field(default=None, gt=0)
     # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of each layer but
     # dense_layers is experts gated MLPs of width expert_hidden, each token through the
     # experts_per_token its router picks (weights renormalised to sum 1 where
     # router_renormalise), beside a shared expert of width shared_expert_hidden where set.
     # The load-balancing loss is added times router_aux_loss.
-    experts: int | None = Field(None, gt=1)
-    experts_per_token: int = Field(2, gt=0)
-    expert_hidden: int | None = Field(None, gt=0)
-    shared_expert_hidden: int | None = Field(None, gt=0)
+    experts: int | None = Field(default=None, gt=1)
+    experts_per_token: int = Field(default=2, gt=0)
+    expert_hidden: int | None = Field(default=None, gt=0)
+    shared_expert_hidden: int | None = Field(default=None, gt=0)
     router_renormalise: bool = True
-    router_aux_loss: float = Field(0.01, ge=0)
+    router_aux_loss: float = Field(default=0.01, ge=0)
     dense_layers: tuple[int, ...] = ()
     lora: LoraConfig | None = None  # adapters; with them only the adapters train by default
     # How the program is built; the maths and the params' layout stay the same, so a checkpoint
     # written under one setting restores under any other.
     scan_layers: bool = False  # one compiled block under lax.scan: compile time flat in depth
     remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
-    loss_chunk: int = Field(4096, ge=0)  # tokens per chunk of the output head and loss; 0: one
+    loss_chunk: int = Field(default=4096, ge=0)  # tokens per chunk of the head and loss; 0: one
 
     @pydantic.model_validator(mode="after")
     def _shapes_fit(self) -> TransformerModel:
@@ -268,15 +270,15 @@ class DataSection(Section):
 
     batch_size: BatchSize = 32
     shuffle: bool = True
-    prefetch_threads: int = Field(0, ge=0)
+    prefetch_threads: int = Field(default=0, ge=0)
 
 
 class RegressionData(DataSection):
     """The chapter's synthetic regression: x ~ N(0, 1) from jax.random.key(seed), y = sum(x)."""
 
     kind: Literal["regression"] = "regression"
-    examples: int = Field(256, gt=0)
-    features: int = Field(8, gt=0)
+    examples: int = Field(default=256, gt=0)
+    features: int = Field(default=8, gt=0)
     seed: int = 1
     batch_size: BatchSize = 256
     shuffle: bool = False
@@ -296,7 +298,7 @@ class MixSource(Section):
     second)."""
 
     source: tuple[str, ...]
-    weight: float = Field(1.0, gt=0)
+    weight: float = Field(default=1.0, gt=0)
 
     @pydantic.field_validator("source", mode="before")
     @classmethod
@@ -320,9 +322,9 @@ class TextData(DataSection):
     paths: tuple[str, ...] = ()
     mix: tuple[MixSource, ...] = ()
     tokenizer: str | None = None
-    vocab_size: int = Field(4096, gt=0)
-    seq_len: int = Field(128, gt=0)
-    eval_fraction: float = Field(0.01, gt=0, lt=1)
+    vocab_size: int = Field(default=4096, gt=0)
+    seq_len: int = Field(default=128, gt=0)
+    eval_fraction: float = Field(default=0.01, gt=0, lt=1)
 
     @pydantic.model_validator(mode="after")
     def _sources(self) -> TextData:
@@ -353,7 +355,7 @@ class TokenData(DataSection):
     train: str | None = None
     eval: str | None = None
     dtype: Literal["uint16", "uint32"] = "uint16"
-    seq_len: int = Field(128, gt=0)
+    seq_len: int = Field(default=128, gt=0)
 
 
 class RecordFields(Section):
@@ -397,12 +399,12 @@ class RecordsData(DataSection):
     tokenizer: str | None = None
     chat_template: str | None = None
     loss: Literal["answers", "all"] = "answers"
-    seq_len: int = Field(128, gt=0)
-    eval_fraction: float = Field(0.01, ge=0, lt=1)
+    seq_len: int = Field(default=128, gt=0)
+    eval_fraction: float = Field(default=0.01, ge=0, lt=1)
     bad_records: Literal["refuse", "skip"] = "refuse"
     too_long: Literal["cut", "drop", "split"] = "cut"
     task: Literal["reverse", "add"] | None = None
-    task_examples: int = Field(4096, gt=0)
+    task_examples: int = Field(default=4096, gt=0)
 
     @pydantic.field_validator("paths", "eval_paths", mode="before")
     @classmethod
@@ -428,14 +430,14 @@ DataConfig = Annotated[
 class EvalConfig(Section):
     """Evaluation on the data's held-out split; it never changes the training trajectory."""
 
-    every: int = Field(0, ge=0)
-    batches: int = Field(0, ge=0)
-    batch_size: int | None = Field(None, gt=0)
+    every: int = Field(default=0, ge=0)
+    batches: int = Field(default=0, ge=0)
+    batch_size: int | None = Field(default=None, gt=0)
     params: Literal["live", "ema"] = "live"  # ema: the moving average (needs optimizer.ema)
     # held-out answers generated and scored at each evaluation (runs on chat or completion
     # records): the split's first so many, each at most answer_tokens long
-    generate: int = Field(0, ge=0)
-    answer_tokens: int = Field(64, gt=0)
+    generate: int = Field(default=0, ge=0)
+    answer_tokens: int = Field(default=64, gt=0)
 
 
 # ---- optimizer -------------------------------------------------------------------------------
@@ -451,8 +453,8 @@ class WarmupSchedule(Section):
     """Linear from ``init_lr`` to ``optimizer.lr`` over ``warmup_steps``, then constant."""
 
     kind: Literal["warmup"] = "warmup"
-    warmup_steps: int = Field(100, ge=0)
-    init_lr: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(default=100, ge=0)
+    init_lr: float = Field(default=0.0, ge=0)
 
 
 class CosineSchedule(Section):
@@ -460,10 +462,10 @@ class CosineSchedule(Section):
     ``total_steps`` (counted from step 0, warmup included; null: the run's ``steps``)."""
 
     kind: Literal["cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    total_steps: int | None = Field(None, gt=0)
-    init_lr: float = Field(0.0, ge=0)
-    end_lr: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    total_steps: int | None = Field(default=None, gt=0)
+    init_lr: float = Field(default=0.0, ge=0)
+    end_lr: float = Field(default=0.0, ge=0)
 
 
 class ExponentialSchedule(Section):
@@ -471,12 +473,12 @@ class ExponentialSchedule(Section):
     (``t`` counted from the end of warmup; floored at ``end_lr`` when given)."""
 
     kind: Literal["exponential"] = "exponential"
-    warmup_steps: int = Field(0, ge=0)
-    init_lr: float = Field(0.0, ge=0)
-    transition_steps: int = Field(1000, gt=0)
-    decay_rate: float = Field(0.96, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    init_lr: float = Field(default=0.0, ge=0)
+    transition_steps: int = Field(default=1000, gt=0)
+    decay_rate: float = Field(default=0.96, gt=0)
     staircase: bool = False
-    end_lr: float | None = Field(None, ge=0)
+    end_lr: float | None = Field(default=None, ge=0)
 
 
 class WSDSchedule(Section):
@@ -484,12 +486,12 @@ class WSDSchedule(Section):
     over the last ``decay_fraction`` of ``total_steps`` (null: the run's ``steps``)."""
 
     kind: Literal["wsd"] = "wsd"
-    warmup_steps: int = Field(0, ge=0)
-    total_steps: int | None = Field(None, gt=0)
-    decay_fraction: float = Field(0.2, gt=0, le=1)
+    warmup_steps: int = Field(default=0, ge=0)
+    total_steps: int | None = Field(default=None, gt=0)
+    decay_fraction: float = Field(default=0.2, gt=0, le=1)
     decay: Literal["linear", "cosine", "sqrt"] = "linear"
-    init_lr: float = Field(0.0, ge=0)
-    end_lr: float = Field(0.0, ge=0)
+    init_lr: float = Field(default=0.0, ge=0)
+    end_lr: float = Field(default=0.0, ge=0)
 
 
 class PiecewiseSchedule(Section):
@@ -519,21 +521,22 @@ ScheduleConfig = Annotated[
 
 class OptimizerConfig(Section):
     name: Literal["adam", "adamw", "sgd", "lion"] = "adam"
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(default=1e-3, gt=0)
     schedule: ScheduleConfig = Field(default_factory=ConstantSchedule)
-    clip_norm: float | None = Field(None, gt=0)
+    clip_norm: float | None = Field(default=None, gt=0)
     b1: float = 0.9
     b2: float = 0.999
-    eps: float = Field(1e-8, gt=0)  # Adam divides by sqrt(nu) + eps: 0 gives 0/0 at a zero gradient
-    weight_decay: float = Field(0.0, ge=0)
-    momentum: float = Field(0.0, ge=0)
+    # Adam divides by sqrt(nu) + eps: 0 gives 0/0 at a zero gradient
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    momentum: float = Field(default=0.0, ge=0)
     # Regexes searched in each param's dotted path (``blocks.0.attn.q.kernel``): only matching
     # params are updated, the rest frozen with no optimizer state. None: every param (with
     # model.lora: the adapters only).
     trainable: list[str] | None = None
     # Decay of an exponential moving average of the params kept in the state (checkpointed,
     # resumed bit for bit): ema = decay * ema + (1 - decay) * params after each applied update.
-    ema: float | None = Field(None, gt=0, lt=1)
+    ema: float | None = Field(default=None, gt=0, lt=1)
 
     @pydantic.field_validator("trainable")
     @classmethod
@@ -565,7 +568,7 @@ class InitConfig(Section):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
                               serialize_by_alias=True, allow_inf_nan=False)
 
-    from_: str | None = Field(None, alias="from")
+    from_: str | None = Field(default=None, alias="from")
     load: Literal["params", "state"] = "params"
 
 
@@ -579,9 +582,9 @@ class PrecisionConfig(Section):
     params: Literal["float32", "bfloat16"] = "float32"
     compute: Literal["float32", "bfloat16", "float16"] = "float32"
     output: Literal["float32", "bfloat16", "float16"] = "float32"
-    loss_scale: float = Field(2.0**15, gt=0)
-    loss_scale_growth_interval: int = Field(2000, gt=0)
-    loss_scale_factor: float = Field(2.0, gt=1)
+    loss_scale: float = Field(default=2.0**15, gt=0)
+    loss_scale_growth_interval: int = Field(default=2000, gt=0)
+    loss_scale_factor: float = Field(default=2.0, gt=1)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
@@ -607,12 +610,12 @@ class CheckpointConfig(Section):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
                               serialize_by_alias=True)
 
-    every: int = Field(0, ge=0)
-    every_seconds: float = Field(300.0, ge=0)
-    keep: int = Field(3, gt=0)
+    every: int = Field(default=0, ge=0)
+    every_seconds: float = Field(default=300.0, ge=0)
+    keep: int = Field(default=3, gt=0)
     keep_best: str | None = None
     keep_best_mode: Literal["min", "max"] = "min"
-    async_: bool = Field(True, alias="async")
+    async_: bool = Field(default=True, alias="async")
     dir: str | None = None
 
     @pydantic.field_validator("keep_best")
@@ -638,7 +641,7 @@ class MeshConfig(Section):
     fsdp: int = 1
     expert: int = 1  # a mixture's experts split over it; the batch too, as over data
     tensor: int = 1
-    fsdp_min_size: int = Field(16384, ge=0)
+    fsdp_min_size: int = Field(default=16384, ge=0)
     tensor_axes: list[str] = Field(default_factory=lambda: ["mlp", "heads", "kv_heads", "vocab"])
 
     @pydantic.field_validator("data", "fsdp", "expert", "tensor")
@@ -661,8 +664,8 @@ class AutoDistributed(Section):
     with an error naming it (JAX's own heartbeat, at twice that, is the backstop)."""
 
     kind: Literal["auto"] = "auto"
-    peer_timeout_s: float = Field(20.0, gt=0)
-    init_timeout_s: int = Field(300, gt=0)
+    peer_timeout_s: float = Field(default=20.0, gt=0)
+    init_timeout_s: int = Field(default=300, gt=0)
 
 
 class ExplicitDistributed(AutoDistributed):
@@ -670,8 +673,8 @@ class ExplicitDistributed(AutoDistributed):
 
     kind: Literal["explicit"] = "explicit"  # type: ignore[assignment]
     coordinator: str | None = None
-    num_processes: int | None = Field(None, gt=0)
-    process_id: int | None = Field(None, ge=0)
+    num_processes: int | None = Field(default=None, gt=0)
+    process_id: int | None = Field(default=None, ge=0)
 
 
 DistributedConfig = Annotated[
@@ -736,9 +739,9 @@ class StorageConfig(Section):
         ``timing.jsonl``, TensorBoard events), which also go up at each checkpoint and at the end.
     """
 
-    lease_s: float = Field(60.0, ge=5)
-    deadline_s: float = Field(300.0, gt=0)
-    sync_every_s: float = Field(30.0, gt=0)
+    lease_s: float = Field(default=60.0, ge=5)
+    deadline_s: float = Field(default=300.0, gt=0)
+    sync_every_s: float = Field(default=30.0, gt=0)
 
 
 class ProfileConfig(Section):

@@ -8,6 +8,8 @@ in every run.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from trainrun import extras
@@ -21,8 +23,9 @@ def digits_arrays() -> dict[str, dict[str, np.ndarray]]:
     [0, 1], ``label`` int32."""
     extras.require("datasets", "data.kind=digits")
     from sklearn.datasets import load_digits
+    from sklearn.utils import Bunch
 
-    digits = load_digits()
+    digits = cast(Bunch, load_digits())  # a Bunch: return_X_y is left False
     x = (digits.images / 16.0).astype(np.float32)[..., None]
     label = digits.target.astype(np.int32)
     order = np.random.default_rng(SPLIT_SEED).permutation(len(label))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import mmap
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import grain
 import jax
@@ -29,7 +29,7 @@ class DataError(UserError):
     """Data that cannot be used as configured; the CLI prints it on one line and exits 2."""
 
 
-class ArrayBatches(grain.MapDataset):
+class ArrayBatches(grain.MapDataset[Batch]):
     """Global batch ``i`` (this process's rows of it) over arrays of equal length.
 
     arrays: name -> array with the examples on axis 0 (in memory, memory-mapped, or a window
@@ -78,7 +78,13 @@ class ArrayBatches(grain.MapDataset):
     def _order(self, epoch: int) -> np.ndarray | None:
         return self._permutation(epoch) if self.shuffled else None
 
-    def __getitem__(self, index):
+    @overload
+    def __getitem__(self, index: slice) -> grain.MapDataset[Batch]: ...
+
+    @overload
+    def __getitem__(self, index: int) -> Batch: ...
+
+    def __getitem__(self, index: int | slice) -> Batch | grain.MapDataset[Batch]:
         if isinstance(index, slice):
             return self.slice(index)
         epoch, position = divmod(index, self.batches_per_epoch)
@@ -164,19 +170,29 @@ class BatchCursor:
     def __iter__(self) -> BatchCursor:
         return self
 
-    def __next__(self) -> Batch:
-        index = self.next_index
-        self.next_index = index + 1
-        return self.dataset[index]
+    def __next__(self) -> Any:  # a batch: a dict of arrays, or any tree a user's dataset holds
+        batch = None
+        while batch is None:  # None: a sparse dataset's gap (a filter's), skipped as Grain does
+            index = self.next_index
+            self.next_index = index + 1
+            batch = self.dataset[index]
+        return batch
 
-    def take(self, k: int) -> Batch:
+    def take(self, k: int) -> Any:
         """The next ``k`` batches, stacked ``[k, ...]``."""
         start = self.next_index
         if self.stacked is not None:
-            batch = self.stacked(start, k)
+            batch, end = self.stacked(start, k), start + k
         else:
-            batch = stack_batches([self.dataset[i] for i in range(start, start + k)])
-        self.next_index = start + k  # moved only once the batches are read
+            batches: list[Any] = []
+            end = start
+            while len(batches) < k:
+                read = self.dataset[end]
+                end += 1
+                if read is not None:  # a sparse dataset's gap, as in __next__
+                    batches.append(read)
+            batch = stack_batches(batches)
+        self.next_index = end  # moved only once the batches are read
         return batch
 
     def skip(self, k: int) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import os
 import re
 import sys
 import zlib
@@ -77,7 +78,8 @@ def _opened(path: Location) -> Iterator[Iterable[bytes]]:
     object storage a block at a time (ranged requests)."""
     gzipped = path.name.lower().endswith(".gz")
     if not location.is_remote(path):
-        with gzip.open(path, "rb") if gzipped else open(path, "rb") as file:
+        local: os.PathLike[str] = path  # typed, so that gzip.open picks its binary overload
+        with gzip.open(local, "rb") if gzipped else open(local, "rb") as file:
             yield file
         return
     with location.open_read(path) as raw:

@@ -136,8 +136,8 @@ def _with_aux(out: Any) -> tuple[jax.Array, Aux]:
     return out if isinstance(out, tuple) else (out, {})
 
 
-def bind_params(make_module: Callable[[nnx.Rngs], nnx.Module],
-                name: str = "model") -> Callable[..., nnx.Module]:
+def bind_params(make_module: Callable[[nnx.Rngs], M],
+                name: str = "model") -> Callable[..., M]:
     """``(params[, model_state]) -> module``: the module ``make_module`` builds, holding
     ``params`` (a pure dict, e.g. restored from a checkpoint). Traceable: use it inside jitted
     functions."""

@@ -182,7 +182,9 @@ def routed_mlp(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: jax.Ar
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, first_rows, side="right"),
                                experts - 1)
     used = first_rows < padded_end[-1]
-    out = _block_mlp(act, inputs, gate, up, down, block_expert, used).reshape(rows, d)
+    # custom_vjp's unannotated __new__ (JAX) loses the wrapped function's return type.
+    out = _block_mlp(act, inputs, gate, up, down, block_expert, used)
+    out = out.reshape(rows, d)  # pyright: ignore[reportAttributeAccessIssue]
     per_assignment = _gather_rows(out, row_of, assignment_of[:, None]).reshape(tokens, k, d)
     return jnp.einsum("tkd,tk->td", per_assignment, weights.astype(x.dtype))
 

@@ -42,39 +42,39 @@ class _JsonFile(BaseModel):
 class RopeParameters(_JsonFile):
     """``rope_parameters`` (transformers 5) or ``rope_scaling`` (hub checkpoints)."""
 
-    rope_type: Text | None = Field(None, description="a rotary scheme's name")
-    type: Text | None = Field(None, description="a rotary scheme's name")
-    rope_theta: Positive | None = Field(None, description=POSITIVE)
-    factor: Positive | None = Field(None, description=POSITIVE)
-    low_freq_factor: Positive | None = Field(None, description=POSITIVE)
-    high_freq_factor: Positive | None = Field(None, description=POSITIVE)
-    original_max_position_embeddings: Count | None = Field(None, description=COUNT)
-    partial_rotary_factor: Positive | None = Field(None, description=POSITIVE)
+    rope_type: Text | None = Field(default=None, description="a rotary scheme's name")
+    type: Text | None = Field(default=None, description="a rotary scheme's name")
+    rope_theta: Positive | None = Field(default=None, description=POSITIVE)
+    factor: Positive | None = Field(default=None, description=POSITIVE)
+    low_freq_factor: Positive | None = Field(default=None, description=POSITIVE)
+    high_freq_factor: Positive | None = Field(default=None, description=POSITIVE)
+    original_max_position_embeddings: Count | None = Field(default=None, description=COUNT)
+    partial_rotary_factor: Positive | None = Field(default=None, description=POSITIVE)
 
 
 class _ModelConfig(_JsonFile):
     model_type: Text = Field(description="a model type's name")
-    vocab_size: Count | None = Field(None, description=COUNT)
-    tie_word_embeddings: Flag | None = Field(None, description=FLAG)
+    vocab_size: Count | None = Field(default=None, description=COUNT)
+    tie_word_embeddings: Flag | None = Field(default=None, description=FLAG)
     quantization_config: Any = None
-    partial_rotary_factor: Positive | None = Field(None, description=POSITIVE)
+    partial_rotary_factor: Positive | None = Field(default=None, description=POSITIVE)
     rope_parameters: RopeParameters | None = Field(
-        None, description="an object of rotary settings (rope_type, rope_theta, ...)")
+        default=None, description="an object of rotary settings (rope_type, rope_theta, ...)")
 
 
 class GPT2Config(_ModelConfig):
     """The keys of a ``gpt2`` config.json that trainrun reads."""
 
-    n_embd: Count | None = Field(None, description=COUNT)
-    n_layer: Count | None = Field(None, description=COUNT)
-    n_head: Count | None = Field(None, description=COUNT)
-    n_inner: Count | None = Field(None, description=COUNT)
-    n_positions: Count | None = Field(None, description=COUNT)
-    layer_norm_epsilon: Positive | None = Field(None, description=POSITIVE)
-    activation_function: Text | None = Field(None, description="an activation's name")
-    scale_attn_weights: Flag | None = Field(None, description=FLAG)
-    scale_attn_by_inverse_layer_idx: Flag | None = Field(None, description=FLAG)
-    reorder_and_upcast_attn: Flag | None = Field(None, description=FLAG)
+    n_embd: Count | None = Field(default=None, description=COUNT)
+    n_layer: Count | None = Field(default=None, description=COUNT)
+    n_head: Count | None = Field(default=None, description=COUNT)
+    n_inner: Count | None = Field(default=None, description=COUNT)
+    n_positions: Count | None = Field(default=None, description=COUNT)
+    layer_norm_epsilon: Positive | None = Field(default=None, description=POSITIVE)
+    activation_function: Text | None = Field(default=None, description="an activation's name")
+    scale_attn_weights: Flag | None = Field(default=None, description=FLAG)
+    scale_attn_by_inverse_layer_idx: Flag | None = Field(default=None, description=FLAG)
+    reorder_and_upcast_attn: Flag | None = Field(default=None, description=FLAG)
 
     @pydantic.model_validator(mode="after")
     def _heads_divide(self) -> GPT2Config:
@@ -88,27 +88,27 @@ class LlamaConfig(_ModelConfig):
     """The keys of a config.json of the Llama layout's families (``llama``, ``qwen2``,
     ``mistral``, ``qwen3``, ``gemma3_text``, ``phi3``) that trainrun reads."""
 
-    hidden_size: Count | None = Field(None, description=COUNT)
-    num_hidden_layers: Count | None = Field(None, description=COUNT)
-    num_attention_heads: Count | None = Field(None, description=COUNT)
-    num_key_value_heads: Count | None = Field(None, description=COUNT)
-    head_dim: Count | None = Field(None, description=COUNT)
-    intermediate_size: Count | None = Field(None, description=COUNT)
-    max_position_embeddings: Count | None = Field(None, description=COUNT)
-    rms_norm_eps: Positive | None = Field(None, description=POSITIVE)
-    rope_theta: Positive | None = Field(None, description=POSITIVE)
+    hidden_size: Count | None = Field(default=None, description=COUNT)
+    num_hidden_layers: Count | None = Field(default=None, description=COUNT)
+    num_attention_heads: Count | None = Field(default=None, description=COUNT)
+    num_key_value_heads: Count | None = Field(default=None, description=COUNT)
+    head_dim: Count | None = Field(default=None, description=COUNT)
+    intermediate_size: Count | None = Field(default=None, description=COUNT)
+    max_position_embeddings: Count | None = Field(default=None, description=COUNT)
+    rms_norm_eps: Positive | None = Field(default=None, description=POSITIVE)
+    rope_theta: Positive | None = Field(default=None, description=POSITIVE)
     rope_scaling: RopeParameters | None = Field(
-        None, description="an object of rotary settings (rope_type, factor, ...)")
-    hidden_act: Text | None = Field(None, description="an activation's name")
-    attention_bias: Flag | None = Field(None, description=FLAG)
-    mlp_bias: Flag | None = Field(None, description=FLAG)
-    sliding_window: Index | None = Field(None, description="a whole number from 0")
-    use_sliding_window: Flag | None = Field(None, description=FLAG)
-    max_window_layers: Index | None = Field(None, description="a whole number from 0")
-    layer_types: list[Text] | None = Field(None, description="a list of layer kinds' names")
-    hidden_activation: Text | None = Field(None, description="an activation's name")
-    query_pre_attn_scalar: Positive | None = Field(None, description=POSITIVE)
-    rope_local_base_freq: Positive | None = Field(None, description=POSITIVE)
+        default=None, description="an object of rotary settings (rope_type, factor, ...)")
+    hidden_act: Text | None = Field(default=None, description="an activation's name")
+    attention_bias: Flag | None = Field(default=None, description=FLAG)
+    mlp_bias: Flag | None = Field(default=None, description=FLAG)
+    sliding_window: Index | None = Field(default=None, description="a whole number from 0")
+    use_sliding_window: Flag | None = Field(default=None, description=FLAG)
+    max_window_layers: Index | None = Field(default=None, description="a whole number from 0")
+    layer_types: list[Text] | None = Field(default=None, description="a list of layer kinds' names")
+    hidden_activation: Text | None = Field(default=None, description="an activation's name")
+    query_pre_attn_scalar: Positive | None = Field(default=None, description=POSITIVE)
+    rope_local_base_freq: Positive | None = Field(default=None, description=POSITIVE)
 
     @pydantic.model_validator(mode="after")
     def _heads_divide(self) -> LlamaConfig:
@@ -131,23 +131,23 @@ def _compiles(pattern: str, what: str) -> None:
 class AdapterConfig(_JsonFile):
     """The keys of PEFT's ``adapter_config.json`` that trainrun reads."""
 
-    peft_type: Text | None = Field(None, description="a PEFT method's name")
-    base_model_name_or_path: Text | None = Field(None, description="a path or hub id")
-    r: Count = Field(8, description=COUNT)
-    lora_alpha: Number = Field(8, description="a finite number")
-    use_rslora: Flag | None = Field(None, description=FLAG)
-    bias: Text = Field("none", description="none, all or lora_only")
-    init_lora_weights: Flag | Text | None = Field(None, description="true, false or a name")
+    peft_type: Text | None = Field(default=None, description="a PEFT method's name")
+    base_model_name_or_path: Text | None = Field(default=None, description="a path or hub id")
+    r: Count = Field(default=8, description=COUNT)
+    lora_alpha: Number = Field(default=8, description="a finite number")
+    use_rslora: Flag | None = Field(default=None, description=FLAG)
+    bias: Text = Field(default="none", description="none, all or lora_only")
+    init_lora_weights: Flag | Text | None = Field(default=None, description="true, false or a name")
     target_modules: list[Text] | Text | None = Field(
-        None, description="a list of module names, or one regular expression")
+        default=None, description="a list of module names, or one regular expression")
     exclude_modules: list[Text] | Text | None = Field(
-        None, description="a list of module names, or one regular expression")
+        default=None, description="a list of module names, or one regular expression")
     layers_to_transform: list[Index] | Index | None = Field(
-        None, description="a layer index from 0, or a list of them")
+        default=None, description="a layer index from 0, or a list of them")
     rank_pattern: dict[Text, Count] | None = Field(
-        None, description=f"an object of regular expressions to ranks ({COUNT})")
+        default=None, description=f"an object of regular expressions to ranks ({COUNT})")
     alpha_pattern: dict[Text, Number] | None = Field(
-        None, description="an object of regular expressions to alphas (finite numbers)")
+        default=None, description="an object of regular expressions to alphas (finite numbers)")
 
     @pydantic.model_validator(mode="after")
     def _patterns_compile(self) -> AdapterConfig:

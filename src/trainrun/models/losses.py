@@ -67,7 +67,9 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
     targets = targets.astype(jnp.int32)
     if weights is not None:
         targets = jnp.where(weights, targets, -1)  # -1: a row the head's loss skips
-    loss_sum, hits = _head_cross_entropy(features, embedding, targets, chunk, count)
+    # custom_vjp's unannotated __new__ (JAX) loses the wrapped function's return type.
+    loss_sum, hits = _head_cross_entropy(  # pyright: ignore[reportGeneralTypeIssues]
+        features, embedding, targets, chunk, count)
     if weights is None:
         loss = loss_sum / tokens
         return loss, {"accuracy": hits / tokens, unit: loss / LN2}

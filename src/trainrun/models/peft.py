@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from trainrun.config import LoraConfig, TransformerModel
+from trainrun.config.sections import LoraTarget
 from trainrun.models.hf_config import checked_adapter_config
 from trainrun.models.huggingface import (
     LLAMA_FAMILY,
@@ -43,7 +44,8 @@ PyTree = Any
 ADAPTER_WEIGHTS, ADAPTER_CONFIG, ADAPTER_BIN = (
     "adapter_model.safetensors", "adapter_config.json", "adapter_model.bin")
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # trainrun's order, kept in configs
+# trainrun's order, kept in configs
+TARGETS: tuple[LoraTarget, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
 # trainrun target -> (block part, HF module path inside a decoder layer)
 _LLAMA = {"q": ("attn", "self_attn.q_proj"), "k": ("attn", "self_attn.k_proj"),
@@ -65,7 +67,7 @@ class LoraSettings:
 
     rank: int
     alpha: float
-    targets: tuple[str, ...]  # among TARGETS, in their order
+    targets: tuple[LoraTarget, ...]  # among TARGETS, in their order
 
     def config(self) -> LoraConfig:
         """``model.lora`` for these adapters."""
@@ -98,7 +100,7 @@ def adapter_files(params: PyTree, cfg: TransformerModel, model_type: str,
     if cfg.lora is None or not cfg.adapted:
         raise WeightsError("the model has no LoRA adapters to export; set model.lora")
     rank, alpha = cfg.lora.rank, float(cfg.lora.alpha)
-    targets = [t for t in TARGETS if t in cfg.adapted]
+    targets: list[str] = [t for t in TARGETS if t in cfg.adapted]
     tensors: dict[str, np.ndarray] = {}
     modules: list[str] = []
     rank_pattern: dict[str, int] = {}
@@ -243,7 +245,7 @@ def _settings(adapters: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, floa
         out[f"blocks.{i}.{part}.{t}_lora.a"] = np.ascontiguousarray(a, np.float32)
         out[f"blocks.{i}.{part}.{t}_lora.b"] = np.ascontiguousarray(
             b if s == scale else b * np.float32(s / scale), np.float32)
-    targets = tuple(t for t in TARGETS if any(t == u for u, _ in ranks))
+    targets: tuple[LoraTarget, ...] = tuple(t for t in TARGETS if any(t == u for u, _ in ranks))
     return LoraSettings(rank=rank, alpha=scale * rank, targets=targets), out
 
 

@@ -38,7 +38,9 @@ def _norm(cfg: TransformerModel, x: jax.Array, p: dict[str, jax.Array]) -> jax.A
 def _rotate(cfg: TransformerModel, x: jax.Array) -> jax.Array:
     """Rotary positions on ``[batch, seq, heads, head_dim]``, halves convention."""
     seq, head_dim = x.shape[1], x.shape[-1]
-    freqs = rotary_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling)
+    # Frozen sections hash at run time; pyright reads frozen only from class keywords.
+    freqs = rotary_frequencies(head_dim, cfg.rope_theta,
+                               cfg.rope_scaling)  # pyright: ignore[reportArgumentType]
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
     sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
     x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]

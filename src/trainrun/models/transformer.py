@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -640,7 +641,7 @@ def parameter_count(cfg: TransformerModel) -> int:
             + layers + norm + (0 if cfg.tie_embeddings else table))
 
 
-def bind_transformer(cfg: TransformerModel):
+def bind_transformer(cfg: TransformerModel) -> Callable[..., Transformer]:
     """``params -> Transformer`` holding them (for sampling from trained params)."""
     return bind_params(lambda rngs: Transformer(cfg, rngs), name="transformer")
 

@@ -79,7 +79,7 @@ def gpu_determinism_declined(flags: str) -> bool:
 def _gpu_plugin() -> bool:
     if importlib.util.find_spec("jax_plugins") is None:
         return False
-    import jax_plugins
+    jax_plugins = importlib.import_module("jax_plugins")  # by name: absent on a CPU host
 
     return any("cuda" in m.name or "rocm" in m.name
                for m in pkgutil.iter_modules(jax_plugins.__path__))
@@ -108,7 +108,7 @@ def reuse_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
 def _accelerator_plugin() -> bool:
     if importlib.util.find_spec("jax_plugins") is None:
         return importlib.util.find_spec("libtpu") is not None
-    import jax_plugins
+    jax_plugins = importlib.import_module("jax_plugins")  # by name: absent on a CPU host
 
     return any(pkgutil.iter_modules(jax_plugins.__path__))
 

@@ -101,7 +101,8 @@ def _decode_group(cfg: TransformerModel, params: PyTree, contexts: list[np.ndarr
     width = max(c.size for c in contexts)
     rows = min(batch_size, len(contexts))
     padded = any(c.size != width for c in contexts)
-    program = _decoder(cfg, rows, width, tokens, compute, padded)
+    # Frozen sections hash at run time; pyright reads frozen only from class keywords.
+    program = _decoder(cfg, rows, width, tokens, compute, padded)  # pyright: ignore[reportArgumentType]
     stops = jnp.asarray([*stop_ids, -1], jnp.int32)  # -1: no id, so the array is never empty
     out: list[np.ndarray] = []
     for first in range(0, len(contexts), rows):

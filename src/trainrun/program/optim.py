@@ -44,6 +44,7 @@ def build_schedule(cfg: OptimizerConfig, total_steps: int | None = None) -> opta
     if s.kind == "warmup":
         return optax.warmup_constant_schedule(s.init_lr, peak, s.warmup_steps)
     if s.kind == "cosine":
+        assert total is not None  # refused above
         return optax.warmup_cosine_decay_schedule(s.init_lr, peak, s.warmup_steps, total,
                                                   end_value=s.end_lr)
     if s.kind == "exponential":
@@ -63,7 +64,7 @@ def warmup_stable_decay(init_lr: float, peak: float, end_lr: float, warmup_steps
     ``decay_steps`` (linear; cosine; sqrt: ``1 - sqrt(t)``, the cooldown of Hägele et al. 2024)."""
     decay_start = total_steps - decay_steps
 
-    def decay(count: jax.Array) -> jax.Array:
+    def decay(count: jax.typing.ArrayLike) -> jax.Array:
         t = jnp.clip(count / max(decay_steps, 1), 0.0, 1.0)
         frac = {"linear": 1.0 - t, "cosine": 0.5 * (1.0 + jnp.cos(jnp.pi * t)),
                 "sqrt": 1.0 - jnp.sqrt(t)}[shape]

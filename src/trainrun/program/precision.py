@@ -164,5 +164,7 @@ def matmuls(fn: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
 
 
 def _where(eqn: Any) -> str:
-    frame = jax._src.source_info_util.user_frame(eqn.source_info.traceback)
+    from jax._src import source_info_util  # no public way to find an equation's user frame
+
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
     return f"{frame.file_name}:{frame.start_line}" if frame else "?"

@@ -71,7 +71,7 @@ def resident_batches(batches: Any, single_device: bool, data_index: int,
     """The run's batches on the device when they qualify (module docstring); else None.
     data_index: the data position the run starts at; step: the state's step there."""
     if not (single_device and jax.process_count() == 1 and isinstance(batches, BatchCursor)
-            and batches.stacked is not None):
+            and batches.stacked is not None and isinstance(batches.dataset, ArrayBatches)):
         return None
     dataset = batches.dataset
     size = sum(math.prod(a.shape) * a.dtype.itemsize for a in dataset.arrays.values())

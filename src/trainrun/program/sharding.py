@@ -62,7 +62,10 @@ def mesh_shape(cfg: MeshConfig, device_count: int) -> dict[str, int]:
     return sizes
 
 
-def build_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
+# jax.Device aliases a class of jaxlib's compiled module, which ships no stubs to type it by.
+def build_mesh(cfg: MeshConfig,
+               devices: list[jax.Device] | None = None,  # pyright: ignore[reportInvalidTypeForm]
+               ) -> Mesh:
     """The run's mesh over ``devices`` (default: every device of every process).
 
     Axes are ``Auto``: the model's code carries no sharding annotations; XLA propagates the

@@ -97,20 +97,20 @@ def _read_jsonl(path: location.Location, unreadable: list[str] | None = None,
 
 
 def load_run(path: location.Location | str) -> RunRecord:
-    path = location.location(path)
-    if not location.exists(path / rundir.CONFIG):
-        location.require_bucket(path)
-        raise ReportError(f"{path} holds no trainrun run (no {rundir.CONFIG}); give a run "
+    run_dir = location.location(path)
+    if not location.exists(run_dir / rundir.CONFIG):
+        location.require_bucket(run_dir)
+        raise ReportError(f"{run_dir} holds no trainrun run (no {rundir.CONFIG}); give a run "
                           "directory such as runs/mlp (`trainrun runs` lists them)")
     unreadable: list[str] = []
-    metrics = _read_jsonl(path / rundir.METRICS, unreadable)
-    config = rundir.read_yaml(path / rundir.CONFIG)
-    status = rundir.read_status(path)
+    metrics = _read_jsonl(run_dir / rundir.METRICS, unreadable)
+    config = rundir.read_yaml(run_dir / rundir.CONFIG)
+    status = rundir.read_status(run_dir)
     train = metrics.get("train", [])
     return RunRecord(
-        path=path, config=config, summary=rundir.read_summary(path), status=status,
+        path=run_dir, config=config, summary=rundir.read_summary(run_dir), status=status,
         train=train, eval=metrics.get("eval", []),
-        timing=_read_jsonl(path / rundir.TIMING).get("train", []),
+        timing=_read_jsonl(run_dir / rundir.TIMING).get("train", []),
         problems=_metrics_problems(train, unreadable, status, config))
 
 
@@ -365,11 +365,11 @@ def compare(run_dirs: list[location.Location | str], out: location.Location | st
     """Overlay the runs' curves (train loss, eval loss, lr, grad norm) in one PNG; return it,
     a table of their final metrics and what is wrong with their metrics files."""
     extras.require("report", "trainrun compare")
-    out = location.location(out)
+    out_path = location.location(out)
     formats = _new_figure().canvas.get_supported_filetypes()
-    if out.suffix.lstrip(".").lower() not in formats:
-        raise ReportError(f"--out {out}: matplotlib writes no {out.suffix or 'suffix-less'} "
-                          f"file; give a name ending in one of "
+    if out_path.suffix.lstrip(".").lower() not in formats:
+        raise ReportError(f"--out {out_path}: matplotlib writes no "
+                          f"{out_path.suffix or 'suffix-less'} file; give a name ending in one of "
                           f"{', '.join('.' + f for f in sorted(formats))}")
     runs = [load_run(p) for p in run_dirs]
     labels = [r.path.name for r in runs]
@@ -396,14 +396,14 @@ def compare(run_dirs: list[location.Location | str], out: location.Location | st
         else:
             ax.text(0.5, 0.5, "none of the runs has it", ha="center", transform=ax.transAxes)
     try:
-        location.make_dirs(out.parent)
+        location.make_dirs(out_path.parent)
         # the format from the name, as savefig(out) would; the bytes never go through a link
-        location.write_bytes(out, _image(fig, out.suffix.lstrip(".").lower()))
+        location.write_bytes(out_path, _image(fig, out_path.suffix.lstrip(".").lower()))
     except OSError as err:
         line, code = path_refused(err)
         if code == 2:  # a name no file system takes: the input's
             raise ReportError(f"--out {line}") from None
-        raise WriteFailed(f"cannot write {out}: {err.strerror}; give --out a writable place "
+        raise WriteFailed(f"cannot write {out_path}: {err.strerror}; give --out a writable place "
                           "(e.g. --out /tmp/compare.png)") from None
     rows = []
     for run, label in zip(runs, labels, strict=True):
@@ -414,7 +414,7 @@ def compare(run_dirs: list[location.Location | str], out: location.Location | st
             f"{best[0]} {best[1]:.6g}" if best else "",
             _fmt(s.get("steps_per_s")), _fmt(s.get("mfu")), _fmt(s.get("goodput"))])
     header = ["run", "status", "step", "final loss", "best eval", "steps/s", "mfu", "goodput"]
-    return out, _text_table(header, rows), metrics_notes(runs)
+    return out_path, _text_table(header, rows), metrics_notes(runs)
 
 
 def list_runs(root: location.Location | str = "runs") -> str:

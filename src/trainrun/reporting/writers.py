@@ -318,7 +318,10 @@ class ScalarEventEncoder:
     def __init__(self) -> None:
         self.bodies: dict[tuple[str, tuple[str, ...]], tuple[bytes, np.ndarray]] = {}
         _, self.event, _ = _tensorboardx()
-        from tensorboardX.proto.summary_pb2 import Summary
+        # protoc's modules make their classes at import time, and tensorboardX ships no stubs.
+        from tensorboardX.proto.summary_pb2 import (
+            Summary,  # pyright: ignore[reportAttributeAccessIssue]
+        )
 
         self.summary = Summary
         self.events: dict[tuple[str, tuple[str, ...]], tuple[Any, list[Any]]] = {}
@@ -404,7 +407,12 @@ def _tensorboardx() -> tuple[Callable[[Any], int], Any, Any]:
         sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
     try:
         from tensorboardX.crc32c import crc32c
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        # protoc's modules make their classes at import time, and tensorboardX ships no stubs.
+        from tensorboardX.proto.event_pb2 import (
+            Event,  # pyright: ignore[reportAttributeAccessIssue]
+            SessionLog,  # pyright: ignore[reportAttributeAccessIssue]
+        )
     finally:
         if hide:
             del sys.modules["torch"]

@@ -230,3 +230,38 @@ def test_chat_turns_render_as_transformers_renders_them(tiny):
     with pytest.raises(HarnessError, match="has no chat template: give --model_args "
                                            "chat_template=chatml"):
         TrainrunLM(path=str(tiny / "export")).apply_chat_template(turns[:2])
+
+
+@pytest.mark.slow
+def test_an_adapter_directory_scores_as_hf_with_peft_scores_it(tiny, tasks, tmp_path):
+    """LoRA adapters trained on an export and written as a PEFT directory: ``trainrun`` on the
+    adapter directory and ``hf`` with ``peft=`` on its base give the same scores. (The base's
+    vocabulary is the tokenizer's: lm-eval's ``hf`` cuts a PEFT model's to the tokenizer's.)"""
+    pytest.importorskip("peft")
+    common = ["checkpoint.every=0", "eval.every=0", "optimizer.schedule.warmup_steps=1",
+              "metrics.tensorboard=false", f"data.paths=[{tiny / 'corpus.txt'}]",
+              "data.seq_len=64", "data.batch_size=4", f"data.tokenizer={tiny / 'tok.json'}",
+              "data.vocab_size=300"]
+    base = load_config("lm_bpe", [
+        *common, "steps=40", "steps_per_call=20", "optimizer.lr=0.01", "model.d_model=32",
+        "model.layers=2", "model.heads=2", "model.seq_len=64", "model.positions=learned",
+        "model.bias=true", "model.vocab=300"])
+    run(base, tmp_path / "base-run", out=io.StringIO())
+    assert main(["export", str(tmp_path / "base-run"), "--to", str(tmp_path / "base")]) == 0
+    config = load_config("finetune", [
+        *common, "steps=20", "steps_per_call=10", "optimizer.lr=0.02",
+        f"init.from={tmp_path / 'base'}", "model.lora={rank: 4, targets: [q, v]}",
+        "model.vocab=300"])
+    run(config, tmp_path / "run", out=io.StringIO())
+    adapter = tmp_path / "adapter"
+    assert main(["export", str(tmp_path / "run"), "--to", str(adapter)]) == 0
+    assert (adapter / "adapter_config.json").is_file()
+    ours = lm_eval_cli(tasks, tmp_path / "ours", "--model", "trainrun", "--model_args",
+                       f"path={adapter}", "--batch_size", "auto")
+    theirs = lm_eval_cli(tasks, tmp_path / "theirs", "--model", "hf", "--model_args",
+                         f"pretrained={tmp_path / 'base'},peft={adapter},dtype=float32",
+                         "--device", "cpu", "--batch_size", "4")
+    assert_same_scores(ours, theirs)
+    plain = lm_eval_cli(tasks, tmp_path / "plain", "--model", "trainrun", "--model_args",
+                        f"path={tmp_path / 'base'}", "--batch_size", "auto")
+    assert plain["tiny_mc"] != ours["tiny_mc"]  # the adapters were read

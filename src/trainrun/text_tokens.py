@@ -125,21 +125,25 @@ def _run_tokenizer(run: location.Location, chat_template: str | None) -> TextTok
 def _model_dir_tokenizer(path: Path, chat_template: str | None) -> TextTokenizer:
     from trainrun.models import peft
 
-    if (path / peft.ADAPTER_CONFIG).is_file() and not (path / "tokenizer.json").is_file():
+    model_config = path / "config.json"  # where the model's own bos and eos ids are
+    if (path / peft.ADAPTER_CONFIG).is_file():
         from trainrun.checkpointing.init_from import _adapter_base
 
         base = _adapter_base(path)
-        if location.is_remote(base):
-            raise TokenizerError(f"{path} has no tokenizer.json and its base model {base} is "
-                                 "on object storage; copy the base's tokenizer files into "
-                                 f"{path}")
-        path = Path(base)
+        if not location.is_remote(base):
+            model_config = Path(base) / "config.json"
+        if not (path / "tokenizer.json").is_file():
+            if location.is_remote(base):
+                raise TokenizerError(f"{path} has no tokenizer.json and its base model {base} "
+                                     "is on object storage; copy the base's tokenizer files "
+                                     f"into {path}")
+            path = Path(base)
     if not (path / "tokenizer.json").is_file():
         raise TokenizerError(f"{path} has no tokenizer.json; save the model's tokenizer there "
                              "(tokenizer.save_pretrained) or give a directory that has one")
     found = _model_tokenizer(str(path), chat_template)
     # No tokenizer_config.json naming them (an export of a tokenized run): the model's own ids
-    ids = _config_ids(path / "config.json")
+    ids = _config_ids(model_config)
     bos_id = found.bos_id if found.bos_id is not None else ids.get("bos_token_id")
     eos_id = found.eos_id if found.eos_id is not None else ids.get("eos_token_id")
     special = dict(found.special)

@@ -53,22 +53,14 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     """The scores of the run's newest checkpoint on its held-out split, or on the records of
     ``data`` (a JSONL or Parquet file, or a folder or pattern of them). ``tokens``: the most
     tokens an answer may take; ``limit``: answers generated (0: one for every question)."""
-    from trainrun.checkpointing.reader import latest_state, saved_config
-    from trainrun.sample import require_settings
+    from trainrun.checkpointing.reader import latest_state
+    from trainrun.sample import language_run, require_settings
 
     require_settings(tokens, temperature, seed)
     if batch_size < 1 or limit < 0:
         raise EvalError(f"--batch-size {batch_size} --limit {limit}: give a batch size of at "
                         "least 1 and a limit of 0 (every answer) or more")
-    run = location.location(run_dir)
-    config = saved_config(run)
-    if config.model.kind != "transformer" or config.data.kind not in ("text", "records"):
-        raise EvalError(f"run {run} trains model.kind={config.model.kind} on data.kind="
-                        f"{config.data.kind}; eval scores language models (model.kind="
-                        "transformer on data.kind=text or records)")
-    if ema and config.optimizer.ema is None:
-        raise EvalError(f"run {run} keeps no moving average (optimizer.ema is not set); "
-                        "evaluate without --ema")
+    run, config = language_run(run_dir, ema, doing="eval", command="evaluate")
     section = _data_section(config, data)
     say = progress or (lambda line: None)
     step, state = latest_state(run, config)
@@ -130,8 +122,7 @@ def _file_rows(section: RecordsData) -> dict[str, Any]:
     from trainrun.data import model_tokenizer
     from trainrun.data.record_rows import cached_rows, held_out_sources
 
-    tokenizer = model_tokenizer.load(section.tokenizer or model_tokenizer.BYTES,
-                                     section.chat_template)
+    tokenizer = model_tokenizer.of_records(section)
     [(source, every)] = held_out_sources(section)
     rows = cached_rows(section, tokenizer, source, every).eval
     if rows is None:

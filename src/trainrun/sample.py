@@ -20,7 +20,6 @@ from trainrun.program.decode import (
     chat_replies,
     generate,
     require_settings,
-    run_tokenizer,
 )
 from trainrun.rundir import location
 
@@ -49,8 +48,11 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     config, params = _trained(run_dir, ema)
     compute = config.precision.compute
     if isinstance(config.data, RecordsData):
-        return _sample_records(config.model, params, run_tokenizer(config.data), prompt,
-                               tokens, temperature=temperature, seed=seed, compute=compute)
+        from trainrun.data import model_tokenizer
+
+        return _sample_records(config.model, params, model_tokenizer.of_records(config.data),
+                               prompt, tokens, temperature=temperature, seed=seed,
+                               compute=compute)
     if config.data.tokenizer is not None:  # a tokenized run: text in and out through its own
         from trainrun.data.tokenizer import DOCUMENT_TOKEN, load
 
@@ -76,8 +78,10 @@ def chat_answers(run_dir: Path | str, questions: Sequence[str | Conversation], t
     conversations = [conversation(q, system) for q in questions]
     config, params = _trained(run_dir, ema, chat=True)
     assert isinstance(config.data, RecordsData)
-    return chat_replies(config.model, params, run_tokenizer(config.data), conversations,
-                        tokens, temperature=temperature, seed=seed,
+    from trainrun.data import model_tokenizer
+
+    return chat_replies(config.model, params, model_tokenizer.of_records(config.data),
+                        conversations, tokens, temperature=temperature, seed=seed,
                         compute=config.precision.compute, batch_size=batch_size)
 
 
@@ -139,21 +143,31 @@ def conversation(question: str | Conversation, system: str | None = None) -> lis
 def _trained(run_dir: Path | str, ema: bool, chat: bool = False) -> tuple[Any, PyTree]:
     """A language-model run's config and its latest params (or their moving average). chat:
     the run must be one on records, which have a chat template."""
-    run_dir = location.location(run_dir)
-    config = saved_config(run_dir)
+    run, config = language_run(run_dir, ema, chat=chat)
+    _, state = latest_state(run, config)
+    return config, state.ema if ema else state.params
+
+
+def language_run(run_dir: Path | str, ema: bool, *, chat: bool = False,
+                 doing: str = "sampling", command: str = "sample",
+                 ) -> tuple[location.Location, Any]:
+    """A run's location and config, refused in one line unless it trains a language model
+    (on records, with ``chat``) that keeps a moving average where ``ema`` asks for one.
+    doing, command: what the refusals say needs it (``sampling``) and to run without --ema."""
+    run = location.location(run_dir)
+    config = saved_config(run)
     if config.model.kind != "transformer" or config.data.kind not in ("text", "records"):
-        raise SampleError(f"run {run_dir} trains model.kind={config.model.kind} on data.kind="
-                          f"{config.data.kind}; sampling needs a language model "
+        raise SampleError(f"run {run} trains model.kind={config.model.kind} on data.kind="
+                          f"{config.data.kind}; {doing} needs a language model "
                           "(model.kind=transformer, data.kind=text or records), e.g. --config lm")
     if chat and not isinstance(config.data, RecordsData):
-        raise SampleError(f"run {run_dir} was trained on data.kind={config.data.kind}, which has "
+        raise SampleError(f"run {run} was trained on data.kind={config.data.kind}, which has "
                           "no chat template; --chat needs a run on chat records "
                           "(data.kind=records), e.g. --config chat")
     if ema and config.optimizer.ema is None:
-        raise SampleError(f"run {run_dir} keeps no moving average (optimizer.ema is not set); "
-                          "sample without --ema")
-    _, state = latest_state(run_dir, config)
-    return config, state.ema if ema else state.params
+        raise SampleError(f"run {run} keeps no moving average (optimizer.ema is not set); "
+                          f"{command} without --ema")
+    return run, config
 
 
 def _sample_records(model: TransformerModel, params: PyTree, found: ModelTokenizer,

@@ -69,6 +69,11 @@ class ModelTokenizer:
                           sort_keys=True)
 
 
+def of_records(data: Any) -> ModelTokenizer:
+    """The tokenizer and chat template a ``data.kind=records`` section reads its records with."""
+    return load(data.tokenizer or BYTES, data.chat_template)
+
+
 def load(source: str, chat_template: str | None = None) -> ModelTokenizer:
     """The tokenizer ``source`` names (``bytes``, a model directory or a ``tokenizer.json``),
     with ``chat_template`` (a built-in name or Jinja text) in place of its own template."""

@@ -125,7 +125,7 @@ def record_splits(cfg: RecordsData) -> dict[str, Any]:
     """``{"train": arrays, "eval": arrays or None, "counts": RecordCounts, "notices": lines}``
     (``notices``: kept rows found damaged and made anew); for ``data.mix`` ``"train"`` is a
     list (one per source) beside ``"weights"``."""
-    tokenizer = model_tokenizer.load(cfg.tokenizer or model_tokenizer.BYTES, cfg.chat_template)
+    tokenizer = model_tokenizer.of_records(cfg)
     sources: list[Source] = (
         [Source(task=cfg.task)] if cfg.task else
         [Source(files=tuple(corpus_files(mix.source))) for mix in cfg.mix] or

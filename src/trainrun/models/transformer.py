@@ -388,14 +388,13 @@ class Transformer(nnx.Module):
         return self.embed.embedding[...] if self.head is None else self.head[...]
 
     def __call__(self, tokens: jax.Array, key: jax.Array | None = None,
-                 cache: list[KV] | None = None, pos: jax.Array | int = 0,
-                 start: jax.Array | None = None) -> tuple[jax.Array, list[KV] | None]:
+                 cache: list[KV] | None = None,
+                 pos: jax.Array | int = 0) -> tuple[jax.Array, list[KV] | None]:
         """Logits ``[batch, chunk, vocab]`` (float32) for ``tokens`` ``[batch, chunk]`` at
         positions ``pos ..``. ``key``: dropout randomness (None: no dropout). ``cache``: one
-        ``KV`` per layer for decoding, returned updated; None for training. ``start``: with a
-        cache, each row's first slot (``[batch]``); a row's positions count from it."""
+        ``KV`` per layer for decoding, returned updated; None for training."""
         batch, chunk = tokens.shape
-        x, new_cache = self.features(tokens, key, cache, pos, start=start)
+        x, new_cache = self.features(tokens, key, cache, pos)
         logits = tied_head_logits(x, self.head_table())
         return logits.reshape(batch, chunk, -1), new_cache
 
@@ -433,9 +432,8 @@ class Transformer(nnx.Module):
         there, and the slots before it are not attended to (a batch of prompts, left-padded)."""
         batch, chunk = tokens.shape
         positions = pos + jnp.arange(chunk)
-        # each row's positions: packed documents restart them, left padding delays them
-        rows = (positions[None] if start is None else
-                jnp.maximum(positions[None] - start[:, None], 0))
+        # left padding delays each row's positions (packed documents restart them instead)
+        own = None if start is None else jnp.maximum(positions[None] - start[:, None], 0)
         # The table's own dtype: nnx.Embed would promote a bfloat16 table's rows to the float32
         # it was created in, and the whole residual stream with them.
         table = self.embed.embedding[...]
@@ -443,14 +441,14 @@ class Transformer(nnx.Module):
         if self.embed_scale is not None:  # in the table's dtype, as Gemma scales it
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         if self.positions is not None:
-            at = rows if segment_positions is None else segment_positions
+            at = (segment_positions if segment_positions is not None else
+                  positions[None] if own is None else own)
             x = x + jnp.take(self.positions[...], at, axis=0).astype(x.dtype)
             ropes: list[Rope | None] = [None] * self.layers
         else:
-            global_rope = self._rope(self.rotary, chunk, pos, segment_positions, start, rows)
+            global_rope = self._rope(self.rotary, chunk, pos, segment_positions, own)
             local_rope = (None if self.local_rotary is None else
-                          self._rope(self.local_rotary, chunk, pos, segment_positions, start,
-                                     rows))
+                          self._rope(self.local_rotary, chunk, pos, segment_positions, own))
             ropes = [local_rope if own else global_rope for own in self.own_rotary]
         x = _dropout(self.drop, x, key, 0)
         if cache is not None:
@@ -467,12 +465,12 @@ class Transformer(nnx.Module):
 
     @staticmethod
     def _rope(rotary: tuple[Any, ...], chunk: int, pos: jax.Array | int,
-              segment_positions: jax.Array | None, start: jax.Array | None = None,
-              rows: jax.Array | None = None) -> Rope:
-        """The rotary angles of the chunk's positions for one rotary scheme (``rows``: each
-        row's positions, used where a ``start`` gives rows positions of their own)."""
-        if start is not None and rows is not None:
-            return Rope.at(rows, rotary_frequencies(*rotary))
+              segment_positions: jax.Array | None,
+              row_positions: jax.Array | None = None) -> Rope:
+        """The rotary angles of the chunk's positions for one rotary scheme (``row_positions``:
+        ``[batch, chunk]``, each row's own, computed in the program)."""
+        if row_positions is not None:
+            return Rope.at(row_positions, rotary_frequencies(*rotary))
         if segment_positions is not None:
             # Packed rows: positions restart in each document. The rotary table stays a
             # constant (see below), gathered per token.

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun.config import RecordsData, TransformerModel
+from trainrun.config import TransformerModel
 from trainrun.errors import UserError
 from trainrun.models.transformer import Transformer, bind_transformer
 from trainrun.platform import fast_paths
@@ -232,10 +232,3 @@ def complete(model: TransformerModel, params: PyTree, found: ModelTokenizer,
                              compute=compute, stop_ids=stops, batch_size=batch_size)
     return [lib.decode(answer[:-1].tolist() if answer.size and int(answer[-1]) in stops
                        else answer.tolist()) for answer in answers]
-
-
-def run_tokenizer(data: RecordsData) -> ModelTokenizer:
-    """The tokenizer and chat template a run on records was trained with."""
-    from trainrun.data import model_tokenizer
-
-    return model_tokenizer.load(data.tokenizer or model_tokenizer.BYTES, data.chat_template)

@@ -50,7 +50,7 @@ def questions(data: RecordsData, limit: int = 0) -> list[Question]:
     from trainrun.data import model_tokenizer
     from trainrun.data.record_rows import held_out_sources, split_records
 
-    tokenizer = model_tokenizer.load(data.tokenizer or model_tokenizer.BYTES, data.chat_template)
+    tokenizer = model_tokenizer.of_records(data)
     out: list[Question] = []
     for source, every in held_out_sources(data):
         for split, where, record, form in split_records(data, tokenizer, source, every):
@@ -78,29 +78,24 @@ def answer_all(model: TransformerModel, compute: str, data: RecordsData, params:
                seed: int = 0, batch_size: int = 16,
                progress: Progress = lambda line: None) -> list[str]:
     """Each question's generated answer, ``batch_size`` at a time (one compiled program)."""
-    from trainrun.program.decode import chat_replies, complete, run_tokenizer
+    from trainrun.data import model_tokenizer
+    from trainrun.program.decode import chat_replies, complete
 
-    found = run_tokenizer(data)
-    chats = [i for i, q in enumerate(asked) if isinstance(q.prompt, list)]
-    texts = [i for i, q in enumerate(asked) if isinstance(q.prompt, str)]
+    found = model_tokenizer.of_records(data)
     produced: dict[int, str] = {}
     step = batch_size * 8  # a progress line every few batches
-    for first in range(0, len(chats), step):
-        part = chats[first:first + step]
-        turns = [prompt for i in part if isinstance(prompt := asked[i].prompt, list)]
-        produced.update(zip(part, chat_replies(
-            model, params, found, turns, tokens, temperature=temperature,
-            seed=seed + first, compute=compute, batch_size=batch_size),
-            strict=True))
-        progress(f"answers {len(produced)}/{len(asked)}")
-    for first in range(0, len(texts), step):
-        part = texts[first:first + step]
-        prompts = [prompt for i in part if isinstance(prompt := asked[i].prompt, str)]
-        produced.update(zip(part, complete(
-            model, params, found, prompts, tokens, temperature=temperature,
-            seed=seed + first, compute=compute, batch_size=batch_size),
-            strict=True))
-        progress(f"answers {len(produced)}/{len(asked)}")
+    answerers: tuple[tuple[type, Callable[..., list[str]]], ...] = (
+        (list, chat_replies), (str, complete))  # chat turns; a completion's prompt
+    for kind, answer in answerers:
+        members = [i for i, q in enumerate(asked) if isinstance(q.prompt, kind)]
+        for first in range(0, len(members), step):
+            part = members[first:first + step]
+            prompts: list[Any] = [asked[i].prompt for i in part]  # all of ``kind``
+            produced.update(zip(part, answer(
+                model, params, found, prompts, tokens,
+                temperature=temperature, seed=seed + first, compute=compute,
+                batch_size=batch_size), strict=True))
+            progress(f"answers {len(produced)}/{len(asked)}")
     return [produced[i] for i in range(len(asked))]
 
 

@@ -106,9 +106,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from trainrun.platform.process import require_backend
+    from trainrun.platform.process import keep_compiled_programs, require_backend
     from trainrun.sample import sample_run
 
+    keep_compiled_programs()
     require_backend()
     if args.file is not None:
         from trainrun.sample import SampleError, chat_answers, read_conversations
@@ -129,9 +130,10 @@ def _sample(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from trainrun import evaluate
-    from trainrun.platform.process import require_backend
+    from trainrun.platform.process import keep_compiled_programs, require_backend
     from trainrun.rundir import location
 
+    keep_compiled_programs()
     require_backend()
     if args.out:  # refused before the checkpoint is read
         evaluate.require_writable(location.location(args.out))
@@ -167,7 +169,9 @@ def _lm_eval(args: argparse.Namespace) -> int:
 
     extras.require("eval", "trainrun lm-eval")
     from trainrun import harness  # registers the model "trainrun" with lm-eval
+    from trainrun.platform.process import keep_compiled_programs
 
+    keep_compiled_programs()
     return harness.main(args.lm_eval_args)
 
 

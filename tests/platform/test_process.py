@@ -91,9 +91,9 @@ def test_this_jaxlibs_xla_knows_every_gpu_flag():
     assert done.stdout.strip() == "3.0"
 
 
-def python(program: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(program)], capture_output=True,
-                          text=True, timeout=120, env=cli_env(**env))
+def python(program: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(program), *args],
+                          capture_output=True, text=True, timeout=120, env=cli_env(**env))
 
 
 IMPORT_CHANGES = """
@@ -190,3 +190,36 @@ def test_settings_made_before_the_backend_started_are_reported_as_made_after_it(
 def test_child_device_count_flag_replaces_any_count_already_set():
     flags = f"--xla_foo=1 {DEVICE_COUNT_FLAG}=8"
     assert with_device_count(flags, 2) == f"--xla_foo=1 {DEVICE_COUNT_FLAG}=2"
+
+
+COMPILE_TWICE = """
+    import sys, time
+    from pathlib import Path
+    from trainrun.platform.process import keep_compiled_programs
+    folder = keep_compiled_programs(Path(sys.argv[1]) if sys.argv[1] != "-" else None)
+    import jax, jax.numpy as jnp
+    from jax._src import monitoring
+    hits = []
+    monitoring.register_event_listener(
+        lambda event, **kw: hits.append(event) if "cache_hits" in event else None)
+    f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
+    print(folder, float(f(jnp.ones((64, 64)))), len(hits))
+"""
+
+
+def test_a_second_command_reads_the_programs_the_first_compiled(tmp_path):
+    """eval, sample and lm-eval keep compiled programs for the next process; a cache the user
+    named through JAX's own variable is left to JAX."""
+    folder = tmp_path / "compiled"
+    # The suite's own cache (conftest.py) is named through the variable: unset here.
+    runs = [python(COMPILE_TWICE, str(folder), JAX_COMPILATION_CACHE_DIR="") for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
+    first, second = (r.stdout.split() for r in runs)
+    assert first[0] == second[0] == str(folder) and first[1] == second[1]
+    assert first[2] == "0" and int(second[2]) > 0  # compiled, then read back
+    assert any(folder.iterdir())
+
+    theirs = tmp_path / "theirs"
+    named = python(COMPILE_TWICE, "-", JAX_COMPILATION_CACHE_DIR=str(theirs))
+    assert named.returncode == 0, named.stderr[-2000:]
+    assert named.stdout.split()[0] == "None" and any(theirs.iterdir())

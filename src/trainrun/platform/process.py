@@ -24,11 +24,13 @@ import shlex
 import sys
 from collections.abc import Mapping, MutableMapping
 from importlib import metadata
+from pathlib import Path
 
 import jax
 
 from trainrun.errors import UserError
 from trainrun.platform import fast_paths
+from trainrun.platform.user_cache import cache_dir
 
 # flag -> value. Only for jaxlib releases whose XLA knows the flag: XLA aborts the process at
 # backend start on a flag it does not know.
@@ -211,6 +213,40 @@ def configure_process(inline_cpu_calls: bool | None = None) -> ProcessSettings:
 
 
 _made: ProcessSettings | None = None  # what this process's first call made, before JAX started
+
+
+COMPILED_PROGRAMS = "compiled"  # the folder of compiled programs under the user cache
+COMPILED_PROGRAMS_BYTES = 2**31  # the oldest read programs go past this
+# Before it, XLA:CPU logs an error-level line on stderr each time it loads a cached program.
+CACHE_QUIET_JAXLIB = (0, 10, 2)
+
+
+def _jaxlib_at_least(version: tuple[int, ...]) -> bool:
+    import jaxlib.version
+
+    return tuple(jaxlib.version.__version_info__) >= version
+
+
+def keep_compiled_programs(folder: Path | None = None) -> Path | None:
+    """Keep the programs this process compiles in ``folder`` (default ``compiled`` in trainrun's
+    user cache) for later processes: JAX's persistent compilation cache, for the commands that
+    compile a few programs and run them briefly (``eval``, ``sample``, ``lm-eval``), whose wall
+    time is mostly compiling. A cache the user named (``JAX_COMPILATION_CACHE_DIR``) is kept,
+    and nothing changes once JAX has compiled. Returns the folder in use, or None."""
+    if (backend_started() or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+            or not _jaxlib_at_least(CACHE_QUIET_JAXLIB)):
+        return None
+    folder = folder if folder is not None else cache_dir() / COMPILED_PROGRAMS
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # an unwritable cache costs a compile, never the command
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    if importlib.util.find_spec("filelock") is not None:  # JAX evicts only under a file lock
+        jax.config.update("jax_compilation_cache_max_size", COMPILED_PROGRAMS_BYTES)
+    # Programs that compile in under a second are most of these commands' compiling.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return folder
 
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

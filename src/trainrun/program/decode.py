@@ -148,6 +148,8 @@ def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
     # context is not given a cache of that length for a short answer.
     window = min(cfg.seq_len, width + tokens)
     keep = window // 2  # tokens carried into a fresh cache when the cache is full
+    # The cache fills only if the answer may run past the context; else no refill is compiled.
+    may_fill = width + tokens > cfg.seq_len
 
     def pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
         # greedy draws no noise: the vocabulary's worth of random bits per row is not free
@@ -183,9 +185,10 @@ def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
             done = done | jnp.any(token[:, None] == stops[None], axis=-1)
             end = width + i  # the new tokens' slot in seq
             seq = jax.lax.dynamic_update_slice(seq, token[:, None], (0, end))
-            cache, start, pos = jax.lax.cond(
-                pos >= window, lambda: (*refill(seq, end, start), jnp.int32(keep)),
-                lambda: (cache, start, pos))
+            if may_fill:
+                cache, start, pos = jax.lax.cond(
+                    pos >= window, lambda: (*refill(seq, end, start), jnp.int32(keep)),
+                    lambda: (cache, start, pos))
             logits, cache = module.last_logits(token[:, None], cache, pos,
                                                start if padded else None, head)
             return i + 1, done, counts, seq, cache, pos + 1, start, logits

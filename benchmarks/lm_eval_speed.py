@@ -2,16 +2,22 @@
 one exported model, on three local tasks (multiple choice, rolling perplexity, generation).
 
     python benchmarks/lm_eval_speed.py [--rounds 3] [--docs 40] [--cores 2] [--d-model 64]
-        [--layers 2] [--export DIR] [--batch-size 16]
+        [--layers 2] [--export DIR | --llama] [--batch-size 16] [--commands]
 
 Without ``--export``, a small GPT-2-shaped model on a BPE tokenizer is trained here for a few
 steps on text made here, and exported as ``trainrun export`` writes it; with it, any Hugging
 Face model directory with a tokenizer.json that ``trainrun.load`` reads. The tasks' data are
 JSONL files written in a temporary folder from that text: nothing is downloaded.
 
+With ``--llama``, a random Llama-layout directory (8 layers, 512 wide, grouped queries, about
+24M params) saved by transformers, with the same tokenizer.
+
 Each class is built once (the load is timed apart), then every round evaluates each task with
 each class in turn, interleaved, through ``lm_eval.simple_evaluate``; the table gives the first
-round (trainrun's compiles in it) and the best of the rounds after. Both run on the first
+round (trainrun's compiles in it) and the best of the rounds after. With ``--commands``, what a
+user waits for instead: the whole command, ``trainrun lm-eval --model trainrun`` with an empty
+compiled-program cache and again with the one it filled, against ``lm_eval --model hf``, all
+three tasks in one command, interleaved in each round. Both run on the first
 ``--cores`` cores (the process's CPU affinity, set before JAX starts, and PyTorch's thread
 count). The tasks' main metric is printed for both: they should agree.
 """
@@ -48,6 +54,10 @@ def parse() -> argparse.Namespace:
                         help="requests per forward pass for both classes (default 16)")
     parser.add_argument("--max-gen-toks", type=int, default=16,
                         help="most tokens generated per request (default 16)")
+    parser.add_argument("--llama", action="store_true",
+                        help="score a random Llama-layout directory of about 24M params")
+    parser.add_argument("--commands", action="store_true",
+                        help="time whole commands (cold and warm cache) instead of classes")
     args = parser.parse_args()
     if args.rounds < 1 or args.docs < 2 or not 1 <= args.cores <= (os.cpu_count() or 1):
         parser.error(f"give --rounds >= 1, --docs >= 2 and --cores from 1 to {os.cpu_count()}")
@@ -80,6 +90,60 @@ def make_model(folder: Path, d_model: int, layers: int) -> Path:
     if main(["export", str(folder / "run"), "--to", str(folder / "export")]) != 0:
         sys.exit("the export failed")
     return folder / "export"
+
+
+def make_llama(folder: Path, export: Path) -> Path:
+    """A random Llama-layout directory saved by transformers, with ``export``'s tokenizer."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    path = folder / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    shutil.copy(export / "tokenizer.json", path / "tokenizer.json")
+    end = json.loads((export / "tokenizer.json").read_text())["added_tokens"][0]["content"]
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": end, "eos_token": end}))
+    return path
+
+
+def time_commands(args: argparse.Namespace, folder: Path, export: Path,
+                  tasks: list[str]) -> None:
+    """Whole commands, as a user runs them: trainrun's class from an empty compiled-program
+    cache and from the one it filled, and hf's, interleaved in every round."""
+    import subprocess
+
+    bin_dir = Path(sys.executable).parent
+    common = ["--tasks", ",".join(tasks), "--include_path", str(folder / "tasks"),
+              "--batch_size", str(args.batch_size)]
+    commands = {
+        "trainrun (cold)": [str(bin_dir / "trainrun"), "lm-eval", "--model", "trainrun",
+                            "--model_args", f"path={export}", *common],
+        "trainrun (warm)": [str(bin_dir / "trainrun"), "lm-eval", "--model", "trainrun",
+                            "--model_args", f"path={export}", *common],
+        "hf": [str(bin_dir / "lm_eval"), "--model", "hf", "--model_args",
+               f"pretrained={export},dtype=float32", "--device", "cpu", *common]}
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for round_ in range(args.rounds):
+        cache = folder / f"cache-{round_}"  # empty for the cold command, filled by it
+        for name, command in commands.items():
+            env = {**os.environ, "TRAINRUN_CACHE_DIR": str(cache)}
+            start = time.perf_counter()
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            times[name].append(time.perf_counter() - start)
+            if done.returncode != 0:
+                sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+    hf = min(times["hf"])
+    print(f"\n{export}: {args.docs} documents per task, {args.cores} core(s), batch size "
+          f"{args.batch_size}, {args.rounds} round(s), whole commands")
+    print(f"{'command':<18} {'best':>8} {'median':>8} {'hf / it (best)':>15}")
+    for name, seconds in times.items():
+        print(f"{name:<18} {min(seconds):>6.2f} s {sorted(seconds)[len(seconds) // 2]:>6.2f} s "
+              f"{hf / min(seconds):>14.2f}x")
 
 
 def write_tasks(folder: Path, docs: int, max_gen_toks: int) -> list[str]:
@@ -148,8 +212,13 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
 
     torch.set_num_threads(args.cores)
     export = args.export or make_model(folder, args.d_model, args.layers)
+    if args.llama:
+        export = make_llama(folder, export)
     (folder / "tasks").mkdir()
     tasks = write_tasks(folder / "tasks", args.docs, args.max_gen_toks)
+    if args.commands:
+        time_commands(args, folder, export, tasks)
+        return
     manager = TaskManager(include_path=str(folder / "tasks"), include_defaults=False)
     batch = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
 

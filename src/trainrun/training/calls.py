@@ -32,28 +32,30 @@ class CallRunner:
 
     def next_batch(self, k: int) -> Any:
         """What the call of the next ``k`` steps takes: the device's resident batches, or the
-        next host batches placed on the mesh (stacked ``[k, ...]`` when calls run K > 1)."""
+        next host batches placed on the mesh (stacked ``[k, ...]`` when calls run K > 1). Its
+        time is the run's data time."""
         run = self.run
+        start = time.perf_counter()
         if run.resident is not None:  # the call cuts its batches from the device's copy
             run.batches.skip(k)
-            return run.resident.args(k)
-        if run.config.steps_per_call == 1:
-            batch = next(run.batches)
-        elif isinstance(run.batches, BatchCursor):  # k batches in one gather
-            batch = run.batches.take(k)
+            batch = run.resident.args(k)
         else:
-            batch = stack_batches([next(run.batches) for _ in range(k)])
-        self.example = batch = run.placement.put(batch)
+            if run.config.steps_per_call == 1:
+                batch = next(run.batches)
+            elif isinstance(run.batches, BatchCursor):  # k batches in one gather
+                batch = run.batches.take(k)
+            else:
+                batch = stack_batches([next(run.batches) for _ in range(k)])
+            self.example = batch = run.placement.put(batch)
+        run.watch.add("data", time.perf_counter() - start)
         return batch
 
-    def call(self, step: int, k: int, carried: Any, saving: bool) -> tuple[Any, PendingCall]:
-        """The call of steps ``step + 1 .. step + k`` on ``carried`` (donated): the new carried
-        state and the call's pending metrics. saving: a checkpoint is being written."""
+    def call(self, step: int, k: int, carried: Any, batch: Any) -> tuple[Any, PendingCall]:
+        """The call of steps ``step + 1 .. step + k`` on ``carried`` (donated) and ``batch``
+        (``next_batch``): the new carried state and the call's pending metrics."""
         run, clock = self.run, time.perf_counter
-        start = clock()
-        batch = self.next_batch(k)
         dispatched = clock()
-        run.watch.add("data", dispatched - start)
+        saving = run.checkpoints.saving()  # the call's time then overlaps a save's writing
         first_run = k not in self.ran
         if first_run:  # set-up may have compiled it already (its memory checked)
             if k not in run.programs.programs:

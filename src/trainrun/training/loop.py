@@ -118,15 +118,15 @@ def _train(run: Run, hooks: HookRunner, calls: CallRunner) -> Boundary:
             k = hooks.call_size(step)  # K, or fewer to end at a step a hook needs
             hooks.before_call(step, k)
             pending = []
-            saving = run.checkpoints.saving()  # asked again only while a save is in flight
             for _ in range(hooks.calls_to_boundary(step, k)):
-                carried, call = calls.call(step, k, carried, saving)  # the state donated
-                pending.append(call)
+                batch = calls.next_batch(k)  # the next k steps' batches, on the devices
+                carried, call = calls.call(step, k, carried, batch)  # the state donated
+                pending.append(call)  # its metrics, read one call late
                 step += k
-                saving = saving and run.checkpoints.saving()
                 if hooks.poll(step):  # a signal or a clock needs the host now
                     break
-            boundary = hooks.after_calls(pending, carried)  # every hook, in order
+            # metrics handed on, then every hook in order: eval, preemption, checkpoint
+            boundary = hooks.after_calls(pending, carried)
             step = boundary.step
     finally:
         hooks.close()  # a profile trace stops, callbacks are told, however the loop ended

@@ -17,9 +17,9 @@ from trainrun.models import build_model
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import abstract_state, init_state
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.reporting.stream import MetricStream
 from trainrun.reporting.timing import Stopwatch
-from trainrun.reporting.writers import read_metrics
 from trainrun.training import loop, setup
 
 K10 = ["steps=100", "steps_per_call=10", "log_every=50", "checkpoint.every=0"]

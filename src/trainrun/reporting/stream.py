@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from trainrun.reporting.run_output import RunOutput
 from trainrun.reporting.table import Table
-from trainrun.reporting.writers import RunOutput
 
 StepFn = Callable[[Any, Any], tuple[Any, dict[str, jax.Array]]]
 Emit = Callable[[Table], None]

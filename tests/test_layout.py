@@ -95,6 +95,21 @@ def test_the_programs_import_nothing_from_reporting():
     assert found == []
 
 
+def test_the_run_directory_front_only_re_exports():
+    """rundir/__init__.py names what the package holds and defines nothing: its logic lives in
+    modules named for what they are, which import each other and never the front (the front
+    imports them all)."""
+    front = ast.parse(MODULES["trainrun.rundir"].read_text())
+    defined = [type(node).__name__ for node in front.body
+               if not isinstance(node, ast.Import | ast.ImportFrom | ast.Expr)
+               and not (isinstance(node, ast.Assign)
+                        and [ast.unparse(x) for x in node.targets] == ["__all__"])]
+    assert defined == []
+    inside = [m for m in sorted(GRAPH) if m.startswith("trainrun.rundir.")
+              and "trainrun.rundir" in GRAPH[m]]
+    assert inside == []
+
+
 def test_no_import_cycles():
     """Tarjan's strongly connected components over every import, type-only ones included."""
     index: dict[str, int] = {}

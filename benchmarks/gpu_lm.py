@@ -52,7 +52,7 @@ from trainrun.models.transformer import make_transformer
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import Policy
 from trainrun.program.step import make_multi_step, make_train_step
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 
 try:
     from trainrun.program.state import init_state

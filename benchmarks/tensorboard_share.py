@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from trainrun.config import load_config
+from trainrun.reporting.sinks.tensorboard import TensorBoardWriter, _tensorboardx
 from trainrun.reporting.table import Table
-from trainrun.reporting.writers import TensorBoardWriter, _tensorboardx
 
 
 @dataclass

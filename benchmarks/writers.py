@@ -22,8 +22,10 @@ import numpy as np
 
 from trainrun.platform.process import configure_process
 from trainrun.reporting.console import ConsoleLog
+from trainrun.reporting.run_output import build_output
+from trainrun.reporting.sinks.tensorboard import _tensorboardx
+from trainrun.reporting.sinks.wandb import WandbWriter
 from trainrun.reporting.table import Table
-from trainrun.reporting.writers import WandbWriter, _tensorboardx, build_output
 
 ROW = {"grad_norm": 1.2345678, "loss": 0.123456789, "loss_scale": 1.0, "lr": 0.01,
        "nonfinite_steps": 0.0}

@@ -17,7 +17,7 @@ import pytest
 
 import trainrun
 from trainrun import rundir
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 # The settings `trainrun train` makes, before any test starts JAX's backend: in-process runs

@@ -122,7 +122,7 @@ def test_completion_and_multi_turn_records_ask_each_answer(tmp_path):
 
 def test_answers_scored_during_training_reach_the_metrics_and_equal_eval(tmp_path, capsys):
     from trainrun.config import load_config
-    from trainrun.reporting.writers import read_metrics
+    from trainrun.reporting.sinks.jsonl import read_metrics
     from trainrun.training.loop import run
 
     config = load_config("chat", ["steps=4", "steps_per_call=2", "model.d_model=32",

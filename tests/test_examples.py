@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from trainrun import rundir
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

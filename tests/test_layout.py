@@ -79,6 +79,37 @@ def test_every_import_points_down_a_floor_or_across_one():
     assert upward == []
 
 
+def test_the_programs_import_nothing_from_reporting():
+    """program/ is pure and jittable: what it sends out (a streamed row, a compile's time) goes
+    to an object handed in, so no program module reaches reporting/, directly or through
+    another module."""
+
+    def reached(module: str, seen: set[str]) -> set[str]:
+        for target in GRAPH[module] - seen:
+            seen.add(target)
+            reached(target, seen)
+        return seen
+
+    found = [f"{m} reaches {r}" for m in sorted(GRAPH) if m.startswith("trainrun.program")
+             for r in sorted(reached(m, set())) if r.startswith("trainrun.reporting")]
+    assert found == []
+
+
+def test_the_run_directory_front_only_re_exports():
+    """rundir/__init__.py names what the package holds and defines nothing: its logic lives in
+    modules named for what they are, which import each other and never the front (the front
+    imports them all)."""
+    front = ast.parse(MODULES["trainrun.rundir"].read_text())
+    defined = [type(node).__name__ for node in front.body
+               if not isinstance(node, ast.Import | ast.ImportFrom | ast.Expr)
+               and not (isinstance(node, ast.Assign)
+                        and [ast.unparse(x) for x in node.targets] == ["__all__"])]
+    assert defined == []
+    inside = [m for m in sorted(GRAPH) if m.startswith("trainrun.rundir.")
+              and "trainrun.rundir" in GRAPH[m]]
+    assert inside == []
+
+
 def test_no_import_cycles():
     """Tarjan's strongly connected components over every import, type-only ones included."""
     index: dict[str, int] = {}

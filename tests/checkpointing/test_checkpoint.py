@@ -25,7 +25,7 @@ from trainrun.checkpointing.resume import ConfigChangedError
 from trainrun.cli import main as cli_main
 from trainrun.config import load_config
 from trainrun.data.pipeline import ArrayBatches, BatchCursor
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
 SMALL = ["steps=30", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false"]

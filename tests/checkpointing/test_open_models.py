@@ -20,7 +20,7 @@ from trainrun.cli import main
 from trainrun.config import load_config
 from trainrun.data import build_eval_dataset
 from trainrun.program.optim import param_name
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
 pytest.importorskip("transformers", reason="the tests' extra holds transformers")

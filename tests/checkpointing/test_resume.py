@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from trainrun.cli import main as cli_main
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 
 # A model that draws from the step key (dropout) on a shuffled iterator (batch < examples):
 # resume is only right if the key, the step and the data position all come back.

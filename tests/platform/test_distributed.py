@@ -19,7 +19,7 @@ from conftest import cli_env, run_cli
 
 from trainrun.config import ExplicitDistributed
 from trainrun.platform import distributed
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 
 RUN = ["model.hidden=[32]", "data.examples=512", "data.batch_size=64", "data.shuffle=true",
        "log_every=10", "metrics.tensorboard=false"]

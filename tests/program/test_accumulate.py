@@ -18,7 +18,7 @@ from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import LossScale, Policy
 from trainrun.program.state import init_state
 from trainrun.program.step import make_gradient_fn, make_multi_step, make_train_step
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
 ONE = LossScale.create()

@@ -19,7 +19,7 @@ from trainrun.models.mlp import make_mlp
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import init_state
 from trainrun.program.step import make_multi_step, make_train_step
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 
 LR = 0.01
 STEPS = 30

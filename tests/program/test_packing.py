@@ -14,7 +14,7 @@ from trainrun.program import packing
 from trainrun.program.optim import build_optimizer
 from trainrun.program.packing import StatePacking, packing_for
 from trainrun.program.state import abstract_state, init_state
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.rundir import METRICS
 from trainrun.training.loop import run
 

@@ -29,7 +29,7 @@ from trainrun.program.precision import LossScale, Policy, matmuls, policy_from_c
 from trainrun.program.state import abstract_state, init_state
 from trainrun.program.step import global_norm, make_eval_step, make_train_step
 from trainrun.reporting.provenance import provenance
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
 

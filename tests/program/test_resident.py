@@ -13,7 +13,7 @@ from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset
 from trainrun.program import resident
 from trainrun.program.compiled import CompiledSteps
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
 

@@ -22,7 +22,7 @@ from trainrun.models import build_model
 from trainrun.program import sharding
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import abstract_state
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 
 
 def abstract_mesh(data: int, fsdp: int, tensor: int, expert: int = 1) -> AbstractMesh:
@@ -161,7 +161,7 @@ SHARDED_RUNS = textwrap.dedent("""
     from trainrun.program.state import abstract_state, init_state
     from trainrun.models import build_model
     from trainrun.program.optim import build_optimizer
-    from trainrun.reporting.writers import read_metrics
+    from trainrun.reporting.sinks.jsonl import read_metrics
 
     name, base, root = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     arrays = sys.argv[4] == "arrays"

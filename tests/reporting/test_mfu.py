@@ -18,6 +18,7 @@ from trainrun.cli import main
 from trainrun.config import load_config
 from trainrun.models import from_functions
 from trainrun.models.transformer import make_transformer
+from trainrun.program.flops import analytic_flops
 from trainrun.reporting import mfu
 from trainrun.reporting.provenance import provenance
 from trainrun.training.loop import run
@@ -205,10 +206,10 @@ def test_transformer_count_by_hand():
     assert sum(x.size for x in jax.tree.leaves(params) if x.ndim == 2) == 32_768
     # 4 sequences x 16 tokens = 64 tokens: 6 x 32,768 x 64 = 12,582,912; attention
     # 12 x 2 layers x 16 x 32 x 64 = 786,432.
-    flops, source = mfu.analytic_flops(cfg, 4)
+    flops, source = analytic_flops(cfg, 4)
     assert flops == 12_582_912 + 786_432 == 13_369_344
     assert source == "analytic: 6*N*tokens + attention"
-    assert mfu.analytic_flops(cfg, 4, seq_len=8)[0] == 6 * 32_768 * 32 + 12 * 2 * 8 * 32 * 32
+    assert analytic_flops(cfg, 4, seq_len=8)[0] == 6 * 32_768 * 32 + 12 * 2 * 8 * 32 * 32
 
 
 def test_llama_shaped_count_by_hand():
@@ -224,18 +225,17 @@ def test_llama_shaped_count_by_hand():
     matrices = sum(x.size for x in jax.tree.leaves(params) if x.ndim == 2)
     assert matrices - 256 * 32 == 29_696
     # 64 tokens: 6 x 29,696 x 64 + attention 12 x 2 layers x 16 x 64 (heads x head_dim) x 64
-    assert mfu.analytic_flops(cfg, 4)[0] == 6 * 29_696 * 64 + 12 * 2 * 16 * 64 * 64
+    assert analytic_flops(cfg, 4)[0] == 6 * 29_696 * 64 + 12 * 2 * 16 * 64 * 64
 
 
 def test_mlp_and_cnn_counts_by_hand():
     mlp = load_config("mlp", []).model  # 8 -> 32 -> 1
-    assert mfu.analytic_flops(mlp, 256) == (6 * (8 * 32 + 32 * 1) * 256,
-                                            "analytic: 6*N*examples")
+    assert analytic_flops(mlp, 256) == (6 * (8 * 32 + 32 * 1) * 256, "analytic: 6*N*examples")
     cnn = load_config("digits", []).model  # 8x8x1 -> conv 16 -> pool -> conv 32 -> pool -> 64
     # Multiply-adds per image: conv 8·8·9·1·16 = 9,216; conv 4·4·9·16·32 = 73,728;
     # dense 2·2·32·64 = 8,192; head 64·10 = 640; 91,776 in all.
-    assert mfu.analytic_flops(cnn, 32) == (6 * 91_776 * 32, "analytic: 6*MACs*examples")
-    assert mfu.analytic_flops(None, 32) is None
+    assert analytic_flops(cnn, 32) == (6 * 91_776 * 32, "analytic: 6*MACs*examples")
+    assert analytic_flops(None, 32) is None
 
 
 def test_provenance_without_package_metadata(monkeypatch):

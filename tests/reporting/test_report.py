@@ -18,7 +18,7 @@ from PIL import Image
 from trainrun import rundir
 from trainrun.cli import main
 from trainrun.config import config_from_dict, load_config
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
 QUICK = ["log_every=10", "checkpoint.every=0"]

@@ -17,9 +17,9 @@ from trainrun.models import build_model
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import abstract_state, init_state
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.reporting.stream import MetricStream
 from trainrun.reporting.timing import Stopwatch
-from trainrun.reporting.writers import read_metrics
 from trainrun.training import loop, setup
 
 K10 = ["steps=100", "steps_per_call=10", "log_every=50", "checkpoint.every=0"]
@@ -30,9 +30,9 @@ def test_streamed_metrics_arrive_in_order_and_complete(tmp_path, monkeypatch):
     arrived: list[int] = []
 
     class Recording(MetricStream):
-        def __call__(self, row):
-            arrived.append(row.first)
-            super().__call__(row)
+        def __call__(self, step, names, values):
+            arrived.append(step)
+            super().__call__(step, names, values)
 
     monkeypatch.setattr(setup, "MetricStream", Recording)
     loop.run(load_config("mlp", [*K10, "metrics.stream=true"]), tmp_path / "streamed",
@@ -61,8 +61,8 @@ def test_rows_leave_while_the_call_is_still_running():
     rows: list[int] = []
     first_row, release = threading.Event(), threading.Event()
 
-    def emit(row):
-        rows.append(row.first)
+    def emit(step, names, values):
+        rows.append(step)
         if len(rows) == 1:
             first_row.set()
             assert release.wait(60)  # hold the call inside step 1 until the test has looked
@@ -88,4 +88,4 @@ def test_streaming_off_leaves_the_program_as_it_was():
         return "callback" in text
 
     assert not has_callback(*_step_program(None, concrete=False))
-    assert has_callback(*_step_program(lambda row: None, concrete=False))
+    assert has_callback(*_step_program(lambda *row: None, concrete=False))

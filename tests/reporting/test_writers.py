@@ -15,14 +15,10 @@ from trainrun import rundir
 from trainrun.cli import main
 from trainrun.config import load_config
 from trainrun.reporting.console import ConsoleLog
-from trainrun.reporting.writers import (
-    TENSORBOARD_DIR,
-    JsonlWriter,
-    Table,
-    TensorBoardWriter,
-    build_output,
-    read_metrics,
-)
+from trainrun.reporting.run_output import build_output
+from trainrun.reporting.sinks.jsonl import JsonlWriter, read_metrics
+from trainrun.reporting.sinks.tensorboard import TENSORBOARD_DIR, TensorBoardWriter
+from trainrun.reporting.table import Table
 from trainrun.training.loop import run
 
 QUICK = ["steps=60", "log_every=20", "checkpoint.every=0"]
@@ -198,7 +194,7 @@ def test_event_file_frames_records_as_tensorboardx_does(tmp_path):
     from tensorboardX.crc32c import crc32c
     from tensorboardX.record_writer import RecordWriter
 
-    from trainrun.reporting.writers import EventFile
+    from trainrun.reporting.sinks.tensorboard import EventFile
 
     records = [b"", b"x", bytes(range(256)) * 3, b"event" * 1000, b"y", b"z"]
     ours = EventFile(tmp_path / "ours", crc32c)
@@ -217,7 +213,7 @@ def test_scalar_events_are_the_bytes_protobuf_writes():
     from tensorboardX.proto.event_pb2 import Event
     from tensorboardX.proto.summary_pb2 import Summary
 
-    from trainrun.reporting.writers import ScalarEventEncoder
+    from trainrun.reporting.sinks.tensorboard import ScalarEventEncoder
 
     def protobuf(step, wall, split, names, row):
         value = [Summary.Value(tag=f"{split}/{n}", simple_value=v)

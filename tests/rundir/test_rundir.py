@@ -21,7 +21,7 @@ from trainrun import rundir
 from trainrun.cli import main as cli_main
 from trainrun.config import load_config
 from trainrun.errors import UserError
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.rundir.lock import RunDirLocked, RunLock, is_locked
 from trainrun.training.loop import run
 from trainrun.training.preemption import ABORT_EXIT_CODE

@@ -20,8 +20,8 @@ from conftest import cli_env, losses
 from trainrun import rundir
 from trainrun.config import load_config
 from trainrun.errors import WriteFailed
-from trainrun.reporting import writers
-from trainrun.reporting.writers import JsonlWriter, read_metrics
+from trainrun.reporting.sinks import jsonl
+from trainrun.reporting.sinks.jsonl import JsonlWriter, read_metrics
 from trainrun.rundir import storage
 from trainrun.training.loop import run
 
@@ -134,7 +134,7 @@ def test_metrics_file_is_cut_back_to_whole_records_when_a_write_is_refused(tmp_p
             return real_write(fd, bytes(data[:len(data) // 2]))
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(writers.os, "write", half_then_full)
+    monkeypatch.setattr(jsonl.os, "write", half_then_full)
     writer.write(2, {"loss": 0.5})
     with pytest.raises(OSError) as raised:
         writer.flush()

@@ -16,7 +16,7 @@ import trainrun
 from trainrun import rundir
 from trainrun.config import load_config
 from trainrun.program.compiled import CompiledSteps
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 
 
 class Recorder(trainrun.Callback):

@@ -17,7 +17,7 @@ from conftest import cli_env
 from trainrun.config import ConfigError, TokenData, load_config
 from trainrun.data import ArrayBatches, DataError, build_eval_dataset
 from trainrun.models import from_functions
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.evaluation import Evaluator
 from trainrun.training.loop import run
 

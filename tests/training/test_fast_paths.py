@@ -19,8 +19,8 @@ from trainrun.platform.fast_paths import FastPaths
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import abstract_state
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.reporting.timing import Stopwatch
-from trainrun.reporting.writers import read_metrics
 from trainrun.training.loop import run
 
 

@@ -19,8 +19,8 @@ from trainrun.models import build_model
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import init_state
+from trainrun.reporting.sinks.jsonl import JsonlWriter, read_metrics
 from trainrun.reporting.timing import Stopwatch
-from trainrun.reporting.writers import JsonlWriter, read_metrics
 from trainrun.training.callbacks import Callback
 from trainrun.training.loop import run
 

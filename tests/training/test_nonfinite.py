@@ -16,7 +16,7 @@ from trainrun.models.mlp import make_mlp
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import init_state
 from trainrun.program.step import make_train_step
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 from trainrun.training.nonfinite import NonFiniteError
 

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from trainrun.config import load_config
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import cli_env
 
 from trainrun import rundir
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.preemption import ABORT_EXIT_CODE, Preemption
 
 

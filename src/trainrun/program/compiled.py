@@ -1,19 +1,19 @@
-"""The jitted step programs of a run and the reading of their metrics: what one call of K steps
-takes (the state, donated, and K stacked host batches) and gives back (the new state and one
-float32 array of every step's metrics), and how the loop reads those arrays a window at a time.
+"""The jitted step programs of a run: what one call of K steps takes (the state, donated, and K
+stacked host batches) and gives back (the new state and one float32 array of every step's
+metrics). The loop reads those arrays a window at a time (``training/metrics_reader.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from trainrun.models import Model
 from trainrun.platform.fast_paths import FastPaths
+from trainrun.program import flops
 from trainrun.program.optim import Optimizer
 from trainrun.program.packing import StatePacking, packing_for
 from trainrun.program.precision import Policy
@@ -21,13 +21,15 @@ from trainrun.program.resident import ResidentBatches
 from trainrun.program.sharding import traced_on
 from trainrun.program.state import TrainState
 from trainrun.program.step import make_multi_step, make_train_step
-from trainrun.reporting import mfu
-from trainrun.reporting.stream import MetricStream, streamed
-from trainrun.reporting.table import Table
-from trainrun.reporting.timing import StepTimer, Stopwatch
+from trainrun.program.streamed import Emit, streamed
 
 Batch = Any
-MAX_PENDING_CALLS = 256  # bounds how stale unread metrics get between log points
+
+
+class PhaseTimer(Protocol):
+    """Where the programs' compile time is counted (``reporting.timing.Stopwatch``)."""
+
+    def phase(self, name: str) -> AbstractContextManager[None]: ...
 
 
 def pack_metrics(metrics: dict[str, jax.Array]) -> jax.Array:
@@ -47,11 +49,11 @@ class CompiledSteps:
     convert; the loop converts back only where it needs the state (checkpoints, eval)."""
 
     def __init__(self, model: Model, optimizer: Optimizer, steps_per_call: int,
-                 watch: Stopwatch, *, abstract: TrainState | None = None,
+                 watch: PhaseTimer, *, abstract: TrainState | None = None,
                  accumulate: int = 1, policy: Policy | None = None,
                  state_sharding: TrainState | None = None,
                  batch_sharding: jax.sharding.NamedSharding | None = None,
-                 stream: MetricStream | None = None, resident: ResidentBatches | None = None,
+                 stream: Emit | None = None, resident: ResidentBatches | None = None,
                  fast: FastPaths | None = None):
         scanned, fast = steps_per_call > 1, fast or FastPaths()
         self.one_step = make_train_step(  # what one step computes (FLOPs per step)
@@ -117,13 +119,13 @@ class CompiledSteps:
 
     def flops_per_step(self, example: Batch, counted: Any,
                        batch_size: int) -> tuple[float | None, str | None]:
-        """FLOPs of one step and their source (``mfu.flops_per_step``); ``example``: a batch the
+        """FLOPs of one step and their source (``flops.flops_per_step``); ``example``: a batch the
         calls took. A program that gathers its own batches (``resident.py``) would count the
         gather too, so then the step alone is lowered on a batch's shapes."""
         compiled, batch = ((self.programs, example) if self.resident is None
                            else ({}, self.resident.example(2)))
-        return mfu.flops_per_step(compiled, self.one_step, self.abstract, batch, counted,
-                                  batch_size)
+        return flops.flops_per_step(compiled, self.one_step, self.abstract, batch, counted,
+                                    batch_size)
 
     def __call__(self, k: int, carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
         if k not in self.programs:
@@ -192,70 +194,3 @@ def _cut_on_device(one_row: Any, resident: ResidentBatches, scanned: bool) -> An
         return jax.lax.scan(step, state, None, length=k)
 
     return call
-
-
-@dataclasses.dataclass(slots=True)
-class PendingCall:
-    """A dispatched call whose metrics have not been read yet."""
-
-    first_step: int  # updates done before this call
-    steps: int
-    packed: jax.Array | np.ndarray  # [n_metrics] (K=1) or [steps, n_metrics]
-    dispatched_at: float
-    returned_at: float  # when the call returned (inline calls: when it was computed)
-    during_save: bool = False  # a checkpoint was being written in the background
-    first_run: bool = False  # the first call of its program (one-time runtime set-up)
-
-
-@jax.jit
-def _stack(packed: list[jax.Array]) -> jax.Array:
-    return jnp.concatenate([p.reshape(-1, p.shape[-1]) for p in packed])
-
-
-class MetricsReader:
-    """Reads the metrics of dispatched calls in batches, at log and sync points only.
-
-    The pending calls' metrics are concatenated on device and fetched in one transfer, after the
-    newest call is already queued, so the device never waits for the host. Calls that ran
-    inline bring their metrics as host arrays already (``packed`` is NumPy): those are joined on
-    the host (a jitted concatenation of many small rows costs more than NumPy's). Each read
-    also closes a timing window (see ``StepTimer``).
-    """
-
-    def __init__(self, programs: CompiledSteps, timer: StepTimer, log_every: int):
-        self.programs = programs  # its metric names are known once a program is compiled
-        self.timer = timer
-        self.log_every = log_every
-        self.pending: list[PendingCall] = []
-        self.log_due = False  # a pending call includes a step to log
-
-    def add(self, call: PendingCall) -> None:
-        self.pending.append(call)
-        end = call.first_step + call.steps
-        self.log_due |= end // self.log_every > call.first_step // self.log_every
-
-    def due(self) -> bool:
-        return self.log_due or len(self.pending) >= MAX_PENDING_CALLS
-
-    def calls_to_read(self, step: int, k: int) -> int:
-        """Calls of ``k`` steps from ``step`` until the boundary that reads: the one after the
-        call that passes the next log step (one call late), or after the pending limit."""
-        if self.due():
-            return 1
-        next_log = (step // self.log_every + 1) * self.log_every
-        return min(-(-(next_log - step) // k) + 1, MAX_PENDING_CALLS - len(self.pending))
-
-    def read(self) -> Table | None:
-        """Block on the pending calls and return the metrics of their steps."""
-        if not self.pending:
-            return None
-        calls, self.pending, self.log_due = self.pending, [], False
-        packed = [c.packed for c in calls]
-        if len(packed) == 1 or isinstance(packed[0], np.ndarray):  # no program to dispatch
-            values = (np.stack(packed) if packed[0].ndim == 1 else np.concatenate(packed))
-        else:
-            values = np.asarray(_stack(packed))
-        last = calls[-1].first_step + calls[-1].steps
-        self.timer.record(last, calls, any(c.during_save for c in calls))
-        names = self.programs.metric_names
-        return Table(calls[0].first_step + 1, names, values.reshape(-1, len(names)))

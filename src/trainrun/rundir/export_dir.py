@@ -36,7 +36,6 @@ import secrets
 import shutil
 from pathlib import Path, PurePath, PurePosixPath
 
-from trainrun import rundir
 from trainrun.errors import UserError
 from trainrun.models.huggingface import (
     CONFIG,
@@ -46,7 +45,7 @@ from trainrun.models.huggingface import (
     WEIGHTS,
 )
 from trainrun.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from trainrun.rundir import location, remote
+from trainrun.rundir import layout, location, ownership, remote
 
 # Every file an export writes, and every file transformers 5.x's save_pretrained (model,
 # tokenizer, generation config; safetensors only) and peft's (adapter, model card) write for
@@ -71,11 +70,11 @@ def check_target(to: Path, replace: bool, run_dir: Path) -> None:
         raise ExportRefused(f"--to {to} is a file, not a directory; give a directory for the "
                             "export (a new or empty one)")
     target = Path(os.path.realpath(to))
-    run = rundir.enclosing_run(target)
+    run = ownership.enclosing_run(target)
     if run is not None:
         where = "is the" if run == target else "is inside the"
         raise ExportRefused(f"--to {to} {where} trainrun folder {run} (it has "
-                            f"{rundir.MARKER}): an export is never written into a run; give "
+                            f"{layout.MARKER}): an export is never written into a run; give "
                             "a directory outside it")
     entries = sorted(target.iterdir(), key=lambda p: p.name) if target.is_dir() else []
     if not entries:
@@ -175,7 +174,7 @@ def check_remote_target(to: location.Location, replace: bool,
     if run is not None:
         where = "is the" if str(run) == str(to) else "is inside the"
         raise ExportRefused(f"--to {to} {where} trainrun folder {run} (it has "
-                            f"{rundir.MARKER}): an export is never written into a run; give "
+                            f"{layout.MARKER}): an export is never written into a run; give "
                             "a prefix outside it")
     objects = location.list_tree(to)
     if not objects:
@@ -200,10 +199,10 @@ def _enclosing_remote_run(to: location.Location) -> location.Location | None:
     bucket = f"{remote.scheme_of(to)}://{remote.bucket_of(to)}"
     folder = to
     while True:
-        if location.is_file(folder / rundir.MARKER) or (
-                location.is_file(folder / rundir.CONFIG)
-                and (location.is_file(folder / rundir.STATUS)
-                     or location.is_file(folder / rundir.PROVENANCE))):
+        if location.is_file(folder / layout.MARKER) or (
+                location.is_file(folder / layout.CONFIG)
+                and (location.is_file(folder / layout.STATUS)
+                     or location.is_file(folder / layout.PROVENANCE))):
             return folder
         if str(folder).rstrip("/") == bucket:
             return None

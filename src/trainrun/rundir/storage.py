@@ -3,7 +3,7 @@
 The run stops with one line that names the file and the last committed checkpoint (what a
 resume starts from), exit 1. Before that line, what the failed write left half done is removed:
 temporary files (``*.tmp``) and the step directory of a save that never committed. The files a
-run appends to never hold half a record (``writers.JsonlWriter`` cuts a refused write back to
+run appends to never hold half a record (``sinks.jsonl.JsonlWriter`` cuts a refused write back to
 its last whole line), and every other file is replaced by a rename, so the run directory is as
 the last good moment left it and the same command resumes it once the disk has room.
 """
@@ -22,15 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.errors import OutOfMemory, ReadFailed, WriteFailed
-from trainrun.rundir import (
-    ORBAX_TMP,
-    RunDirectory,
-    committed_steps,
-    mark_failed,
-    uncommitted_steps,
-)
 from trainrun.rundir.atomic import TMP_SUFFIX
+from trainrun.rundir.checkpoint_steps import committed_steps, uncommitted_steps
+from trainrun.rundir.layout import ORBAX_TMP
 from trainrun.rundir.location import is_remote
+from trainrun.rundir.run_directory import RunDirectory
+from trainrun.rundir.status import mark_failed
 
 # errno -> how the line says it (strerror's wording, lower case)
 REFUSED = {

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from trainrun.data import BatchCursor, stack_batches
-from trainrun.program.compiled import PendingCall
+from trainrun.training.metrics_reader import PendingCall
 from trainrun.training.setup import Run
 
 # Calls queued on the devices when dispatch is asynchronous: enough to keep a device fed;

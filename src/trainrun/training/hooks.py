@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from trainrun.program.compiled import MetricsReader, PendingCall
 from trainrun.program.state import TrainState
 from trainrun.reporting.table import Table
+from trainrun.training.metrics_reader import MetricsReader, PendingCall
 
 
 class Hook:

@@ -23,11 +23,11 @@ from trainrun import rundir
 from trainrun.checkpointing import init_from
 from trainrun.errors import UserError
 from trainrun.platform.process import configure_process
-from trainrun.program.compiled import MetricsReader
 from trainrun.rundir import location, storage
 from trainrun.training.calls import CallRunner
 from trainrun.training.hooks import Boundary, HookRunner
 from trainrun.training.metric_log import MetricLog
+from trainrun.training.metrics_reader import MetricsReader
 from trainrun.training.preemption import Preemption
 from trainrun.training.setup import Run, build_hooks, run_directory, setup
 from trainrun.training.summary import RunSummary, summarize

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from trainrun.reporting.run_output import RunOutput
 from trainrun.reporting.table import Table
 from trainrun.reporting.timing import StepTimer, Stopwatch, Window
-from trainrun.reporting.writers import RunOutput
 from trainrun.training.hooks import Hook
 
 

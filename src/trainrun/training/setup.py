@@ -50,9 +50,9 @@ from trainrun.program.resident import ResidentBatches, resident_batches
 from trainrun.program.state import TrainState, abstract_state, init_state
 from trainrun.reporting.console import Console, make_console
 from trainrun.reporting.provenance import provenance
+from trainrun.reporting.run_output import RunOutput, build_output
 from trainrun.reporting.stream import MetricStream
 from trainrun.reporting.timing import StepTimer, Stopwatch
-from trainrun.reporting.writers import RunOutput, build_output
 from trainrun.rundir import location, remote
 from trainrun.rundir.lock import refuse_joining
 from trainrun.rundir.remote_run import RemoteRunDirectory, RunMirror

@@ -1,0 +1,39 @@
+"""The run directory's layout: what a run leaves on disk, and under which names.
+
+    <run dir>/trainrun.json     the marker: this folder is a trainrun run (format version)
+              trainrun.lock     held (flock) by the one process writing the run
+              config.yaml       the resolved config
+              provenance.json   what the run was measured on
+              metrics.jsonl     one line per training step (and per eval)
+              summary.json      written at the end: final loss, timing, throughput
+              timing.jsonl      one line per timing window: device time per step
+              status.json       running | finished | preempted | failed, and by which process
+              tensorboard/      TensorBoard event files
+              checkpoints/      Orbax step directories (see checkpoint.py)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainrun.config import RunConfig
+from trainrun.rundir.lock import LOCK
+
+MARKER = "trainrun.json"
+FORMAT = 1  # the run directory layout this trainrun reads and writes
+CONFIG = "config.yaml"
+PROVENANCE = "provenance.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+TIMING = "timing.jsonl"
+STATUS = "status.json"
+CHECKPOINTS = "checkpoints"  # the checkpoint folder in a run directory, unless checkpoint.dir
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # Orbax's suffix for a step still being written
+COMMIT_FILE = "commit_success.txt"  # Orbax's mark of a committed step on object storage
+
+# The files a run writes at its top: none may be a link, which a write would follow out of it.
+RUN_FILES = (MARKER, LOCK, CONFIG, PROVENANCE, METRICS, SUMMARY, TIMING, STATUS)
+
+
+def default_run_dir(config: RunConfig) -> Path:
+    return Path("runs") / config.name

@@ -265,3 +265,16 @@ def test_an_adapter_directory_scores_as_hf_with_peft_scores_it(tiny, tasks, tmp_
     plain = lm_eval_cli(tasks, tmp_path / "plain", "--model", "trainrun", "--model_args",
                         f"path={tmp_path / 'base'}", "--batch_size", "auto")
     assert plain["tiny_mc"] != ours["tiny_mc"]  # the adapters were read
+
+
+def test_a_short_last_batch_runs_in_a_program_of_its_length_that_ran_already():
+    """Rows of a batch: a task's short last batch takes the power of two at or above its
+    requests, unless a full batch of its length ran already (then its program, not one
+    more compile)."""
+    from trainrun.harness import TrainrunLM
+
+    scorer = TrainrunLM.__new__(TrainrunLM)  # the batch shapes alone: no model read
+    scorer._rows, scorer._shapes = 16, set()
+    assert [scorer._padded_rows(n, 64) for n in (16, 16, 3)] == [16, 16, 16]
+    assert [scorer._padded_rows(n, 32) for n in (3, 5, 16, 2)] == [4, 8, 16, 16]
+    assert scorer._shapes == {(16, 64), (4, 32), (8, 32), (16, 32)}

@@ -127,6 +127,7 @@ class TrainrunLM(_Base):
                      else self.text.decode([self.text.eos_id], special=True))
         self._prefix = self.text.decode([self.text.prefix_id], special=True)
         self._stops: dict[tuple[str, ...], tuple[int, ...]] = {}  # by a task's stop strings
+        self._shapes: set[tuple[int, int]] = set()  # (rows, length) of the batches scored
 
     # ---- what lm-eval reads of a model ----------------------------------------------------
 
@@ -348,9 +349,14 @@ class TrainrunLM(_Base):
 
     def _padded_rows(self, count: int, length: int) -> int:
         """Rows of the batch holding ``count`` requests: the batch size, or for the last ones
-        of a task the power of two at or above ``count``, whichever is fewer."""
+        of a task the power of two at or above ``count``, whichever is fewer; but the batch
+        size where a batch of that size and length ran already: one padded batch a length
+        costs less than compiling one more program."""
         full = self._rows if self._rows is not None else self._rows_for(length, sys.maxsize)
-        return min(full, 1 << max(0, count - 1).bit_length())
+        rows = full if (full, length) in self._shapes else min(
+            full, 1 << max(0, count - 1).bit_length())
+        self._shapes.add((rows, length))
+        return rows
 
 
 def _ending_in(text: str, last: str) -> str:

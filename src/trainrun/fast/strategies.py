@@ -5,6 +5,7 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
     where batches come from    ``resident.ResidentBatches``, else the host's, placed each call
     the non-finite guard       ``guard.keep_if_not_branched``, else a select of every leaf
     how metric rows are written  ``writer_thread.WriterThread``, else in the loop's thread
+    decoding's output head     ``head_layout.head_transposed``, else the model's own table
 
 A fast path that is off, or that does not fit the run, leaves the plain path's default.
 """
@@ -19,6 +20,7 @@ from typing import Any
 import jax
 
 from trainrun.fast.guard import keep_if_not_branched
+from trainrun.fast.head_layout import head_transposed
 from trainrun.fast.packing import PackedState, packing_for
 from trainrun.fast.resident import resident_batches
 from trainrun.fast.writer_thread import WriterThread
@@ -26,13 +28,14 @@ from trainrun.platform import fast_paths
 from trainrun.platform.fast_paths import FastPaths
 from trainrun.program.batch_source import BatchSource, HostBatches
 from trainrun.program.carried import StateCarrier, TrainStateCarrier
+from trainrun.program.decode import HeadLayout, head_as_trained
 from trainrun.program.state import TrainState
 from trainrun.program.step import KeepIfNot, keep_if_not
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategies:
-    """The strategies of the fast paths that are on (``switch``), for one run."""
+    """The strategies of the fast paths that are on (``switch``), for one run or command."""
 
     switch: FastPaths = dataclasses.field(default_factory=FastPaths)
 
@@ -66,6 +69,10 @@ class Strategies:
     def metric_writes(self) -> WriterThread | None:
         """A writer thread of its own; None: the metric log writes in the loop's thread."""
         return WriterThread() if self.switch.writer_thread else None
+
+    def decode_head(self) -> HeadLayout:
+        """The head's table transposed once per decoding call."""
+        return head_transposed if self.switch.decode_head_layout else head_as_trained
 
 
 def chosen(environ: Mapping[str, str] = os.environ) -> Strategies:

@@ -45,6 +45,7 @@ from trainrun.platform import distributed
 from trainrun.platform.process import calls_run_inline, require_backend
 from trainrun.program import sharding
 from trainrun.program.compiled import CompiledSteps
+from trainrun.program.decode import HeadLayout
 from trainrun.program.optim import Optimizer, build_optimizer
 from trainrun.program.precision import Policy, policy_from_config
 from trainrun.program.state import TrainState, abstract_state, init_state
@@ -175,7 +176,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     batches = (batch_iterator(data, config.data.prefetch_threads)
                if isinstance(data, grain.MapDataset) else iter(data))
     evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params,
-                           state_sharding.model_state)
+                           state_sharding.model_state, chosen.decode_head())
     _require_writers(config)
     watch = Stopwatch()
     stream = MetricStream() if config.metrics.stream else None  # its writers come after the claim
@@ -287,7 +288,7 @@ def build_hooks(run: Run, preemption: Preemption,
 
 def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
                eval_data: grain.MapDataset | None, params_sharding: Any,
-               model_state_sharding: Any = None) -> Evaluator | None:
+               model_state_sharding: Any, head: HeadLayout) -> Evaluator | None:
     """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
     the held-out split, placed on the mesh as training batches are."""
     if not config.eval.every:
@@ -300,7 +301,7 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
     return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
                      policy=policy, put=placement.put,
                      shardings=(params_sharding, placement.sharding, model_state_sharding),
-                     answers=answer_scorer(config) if config.eval.generate else None)
+                     answers=answer_scorer(config, head) if config.eval.generate else None)
 
 
 def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,

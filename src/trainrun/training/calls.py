@@ -28,6 +28,9 @@ class CallRunner:
         self.in_flight: collections.deque[jax.Array] = collections.deque()
         self.example: Any = None  # what the last call took: a host batch's shapes count FLOPs
         self.ran: set[int] = set()  # the call sizes whose program has run once
+        # the batch source's take, looked up once: nothing is resolved per call
+        self.take = run.programs.source.take
+        self.stacked = run.config.steps_per_call > 1
 
     def next_batch(self, k: int) -> Any:
         """What the call of the next ``k`` steps takes, from the programs' batch source
@@ -36,8 +39,7 @@ class CallRunner:
         run's data time."""
         run = self.run
         start = time.perf_counter()
-        self.example = batch = run.programs.source.take(run.batches, k, run.placement,
-                                                        run.config.steps_per_call > 1)
+        self.example = batch = self.take(run.batches, k, run.placement, self.stacked)
         run.watch.add("data", time.perf_counter() - start)
         return batch
 

@@ -46,7 +46,9 @@ class CompiledSteps:
     The calls take and return the state as ``carried``, in the form ``carrier`` gives it
     (``carried.py``: the ``TrainState`` itself unless another carrier is given). ``carry`` and
     ``state`` convert; the loop converts back only where it needs the state (checkpoints,
-    eval). keep: how a step that is not finite keeps the old state (``step.make_train_step``)."""
+    eval). source: where the calls' batches come from (``batch_source.py``: the host's unless
+    another source is given). keep: how a step that is not finite keeps the old state
+    (``step.make_train_step``)."""
 
     def __init__(self, model: Model, optimizer: Optimizer, steps_per_call: int,
                  watch: PhaseTimer, *, abstract: TrainState | None = None,

@@ -100,7 +100,7 @@ class Run:
     mirror: RunMirror | None  # uploads a run on object storage from its stage (process 0)
 
     def params_copy(self, state: TrainState) -> Any:
-        """Params that the next call cannot donate away."""
+        """Params that the next call cannot donate away (a carrier's fresh arrays already are)."""
         if self.programs.carrier.fresh_arrays:
             return state.params
         return jax.tree.map(jnp.copy, state.params)

@@ -3,8 +3,8 @@ to XLA's thread pool costs: trainrun's step program (the default MLP, K steps a 
 cut on the device) called back to back, and with ``--gaps`` microseconds of Python work after
 each call (a busy loop touching no memory, so no cache is disturbed by it). Two contenders:
 
-- trainrun's program as built: it runs in the calling thread (``packing.py``,
-  ``program/resident.py``);
+- trainrun's program as built: it runs in the calling thread (``fast/packing.py``,
+  ``fast/resident.py``);
 - the same program as it was built before: the state's slices independent at its start and
   the call's K batches gathered there in one kernel, so XLA:CPU's thunk executor hands kernels
   to its pool (more than 8 ready at once, or one large enough to split) and the call ends on a
@@ -33,13 +33,12 @@ import numpy as np
 
 from trainrun.config import load_config
 from trainrun.data import build_dataset
+from trainrun.fast import packing, resident
+from trainrun.fast.strategies import Strategies
 from trainrun.models import build_model
 from trainrun.platform.process import configure_process
-from trainrun.program import compiled as dispatch
-from trainrun.program import packing
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.optim import build_optimizer
-from trainrun.program.resident import ResidentBatches
 from trainrun.program.state import abstract_state, init_state
 from trainrun.program.step import make_multi_step
 from trainrun.reporting.timing import Stopwatch
@@ -64,39 +63,41 @@ def pool_sleeps() -> int:
 
 
 @contextlib.contextmanager
-def built_as_before(resident: ResidentBatches) -> Iterator[None]:
+def built_as_before() -> Iterator[None]:
     """While a program is traced: its state's slices independent of each other and the call's
     K batches gathered at its start (one ``[K, rows, ...]`` kernel), then scanned."""
 
-    def cut_up_front(one_row, resident, scanned):
+    def cut_up_front(one_row, held, scanned):
         def call(state, args):
             steps = state.step + np.arange(args[1].shape[0], dtype=np.int32)
-            batches = jax.vmap(lambda s: resident.batch(s, args))(steps)
+            batches = jax.vmap(lambda s: held.batch(s, args))(steps)
             return make_multi_step(one_row)(state, batches)
         return call
 
-    unpack, cut = packing.StatePacking.unpack, dispatch._cut_on_device
+    unpack, cut = packing.StatePacking.unpack, resident.cut_on_device
     packing.StatePacking.unpack = lambda self, packed: self._unpack(packed, in_order=False)
-    dispatch._cut_on_device = cut_up_front
+    resident.cut_on_device = cut_up_front
     try:
         yield
     finally:
-        packing.StatePacking.unpack, dispatch._cut_on_device = unpack, cut
+        packing.StatePacking.unpack, resident.cut_on_device = unpack, cut
 
 
 def program(k: int, before: bool):
     """A function making one call of a freshly built and compiled step program."""
     config = load_config("mlp")
     model, optimizer = build_model(config.model), build_optimizer(config.optimizer, 1000)
-    resident = ResidentBatches(build_dataset(config.data, seed=config.seed), 0)
-    with built_as_before(resident) if before else contextlib.nullcontext():
-        programs = CompiledSteps(model, optimizer, k, Stopwatch(), resident=resident,
-                                 abstract=abstract_state(model, optimizer, config.seed))
+    held = resident.ResidentBatches(build_dataset(config.data, seed=config.seed), 0)
+    with built_as_before() if before else contextlib.nullcontext():
+        abstract, chosen = abstract_state(model, optimizer, config.seed), Strategies()
+        programs = CompiledSteps(model, optimizer, k, Stopwatch(), source=held,
+                                 abstract=abstract, carrier=chosen.state_carrier(abstract),
+                                 keep=chosen.nonfinite_guard(k))
         carried = [programs.carry(init_state(model, optimizer, config.seed))]
-        programs.compile(k, carried[0], resident.args(k))
+        programs.compile(k, carried[0], held.args(k))
 
     def call() -> None:
-        carried[0], rows = programs(k, carried[0], resident.args(k))
+        carried[0], rows = programs(k, carried[0], held.args(k))
         np.asarray(rows)  # as the loop reads an inline call's rows
 
     call()

@@ -36,6 +36,7 @@ import optax
 import trainrun
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset, stack_batches
+from trainrun.fast.strategies import Strategies
 from trainrun.models import build_model
 from trainrun.platform import fast_paths
 from trainrun.platform.process import configure_process
@@ -103,8 +104,10 @@ def program_step_s(steps: int, window: int, k: int) -> float:
     device, no data loading, metrics never read. What the program costs apart from the loop."""
     config = load_config("mlp")
     model, optimizer = build_model(config.model), build_optimizer(config.optimizer, steps)
-    programs = CompiledSteps(model, optimizer, k, Stopwatch(),
-                             abstract=abstract_state(model, optimizer, config.seed))
+    abstract, chosen = abstract_state(model, optimizer, config.seed), Strategies()  # all on
+    programs = CompiledSteps(model, optimizer, k, Stopwatch(), abstract=abstract,
+                             carrier=chosen.state_carrier(abstract),
+                             keep=chosen.nonfinite_guard(k))
     carried = programs.carry(init_state(model, optimizer, config.seed))
     batches = batch_iterator(build_dataset(config.data, seed=config.seed))
     batch = jax.device_put(stack_batches([next(batches) for _ in range(k)]))

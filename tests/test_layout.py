@@ -19,6 +19,8 @@ FLOORS = [
     ("trainrun.rundir",),
     ("trainrun.reporting",),
     ("trainrun.program",),
+    # the fast paths: strategies the plain path's seams in program/ and training/ take
+    ("trainrun.fast",),
     ("trainrun.checkpointing",),
     ("trainrun.training",),
     ("trainrun", "trainrun.cli", "trainrun.sample", "trainrun.export", "trainrun.verify_resume",

@@ -16,9 +16,10 @@ from trainrun import rundir
 from trainrun.checkpointing.reader import latest_params
 from trainrun.cli import main
 from trainrun.config import TransformerModel, dump_yaml, load_config
+from trainrun.fast import strategies
 from trainrun.models import build_model
 from trainrun.models.transformer import bind_transformer
-from trainrun.program.decode import _decoder, generate, generate_batch
+from trainrun.program.decode import _decoder, generate, generate_batch, head_as_trained
 from trainrun.sample import SampleError
 from trainrun.training.loop import run
 
@@ -57,7 +58,7 @@ def test_cached_decoding_equals_recomputing_the_context_in_one_program():
     a, b, c = (generate(CFG, params, prompt, 30, temperature=1.0, seed=s) for s in (1, 1, 2))
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     # one program for any token, seed and temperature
-    assert _decoder(CFG, 1, 10, 30, "float32", False)._cache_size() == 1
+    assert _decoder(CFG, 1, 10, 30, "float32", False, head_as_trained)._cache_size() == 1
 
 
 @pytest.mark.slow
@@ -190,7 +191,7 @@ def test_a_batch_of_prompts_of_different_lengths_answers_each_as_alone_with_one_
     got = generate_batch(CFG, params, prompts, 9, temperature=0.0, batch_size=3)
     assert [g.tolist() for g in got] == [a.tolist() for a in alone]
     # 4 prompts in batches of 3: one program for both batches, whatever their lengths
-    assert _decoder(CFG, 3, 6, 9, "float32", True)._cache_size() == 1
+    assert _decoder(CFG, 3, 6, 9, "float32", True, head_as_trained)._cache_size() == 1
     # Each row stops at its own stop id: the first id the second prompt's answer draws.
     stop = int(alone[1][2])
     stopped = generate_batch(CFG, params, prompts, 9, temperature=0.0, stop_ids=[stop])
@@ -217,12 +218,10 @@ def test_sampled_batches_follow_the_seed():
     assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
 
 
-def test_decoding_gives_the_same_tokens_with_the_head_layout_fast_path_off(monkeypatch):
+def test_decoding_gives_the_same_tokens_with_the_head_layout_fast_path_off():
     params = build_model(CFG).init(jax.random.key(0))
     prompts = [np.frombuffer(text, np.uint8) for text in (b"ab", b"import", b"x = 1\n")]
-    on = generate_batch(CFG, params, prompts, 12, temperature=0.0)
-    monkeypatch.setenv("TRAINRUN_FAST_PATHS", "none")
-    _decoder.cache_clear()
-    off = generate_batch(CFG, params, prompts, 12, temperature=0.0)
-    _decoder.cache_clear()
+    on, off = (generate_batch(CFG, params, prompts, 12, temperature=0.0,
+                              head=strategies.chosen(environ).decode_head())
+               for environ in ({}, {"TRAINRUN_FAST_PATHS": "none"}))
     assert [a.tolist() for a in on] == [b.tolist() for b in off]

@@ -69,11 +69,14 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     say(f"loss {scores['loss']:.4g} over the held-out tokens")
     answers: list[dict[str, Any]] = []
     if isinstance(section, RecordsData):
+        from trainrun.fast import strategies
+
         asked = questions(section, limit)
         assert isinstance(config.model, TransformerModel)  # refused above otherwise
         produced = answer_all(config.model, config.precision.compute, section, params, asked,
                               tokens, temperature=temperature, seed=seed,
-                              batch_size=batch_size, progress=say)
+                              batch_size=batch_size, progress=say,
+                              head=strategies.chosen().decode_head())
         answers = [{"where": q.where, "prompt": q.prompt, "expected": q.expected,
                     "produced": p, "exact": q.expected == p,
                     "normalised": normalised(q.expected) == normalised(p)}

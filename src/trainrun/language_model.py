@@ -70,10 +70,12 @@ class LanguageModel:
                  temperature: float = 0.0, seed: int = 0) -> np.ndarray:
         """``prompt`` (token ids) followed by ``tokens`` generated ones (``temperature`` 0:
         the most likely token each time)."""
+        from trainrun.fast import strategies
         from trainrun.program.decode import generate
 
         return generate(self.config, self.params, np.asarray(prompt, np.int32), tokens,
-                        temperature=temperature, seed=seed, compute=self.compute)
+                        temperature=temperature, seed=seed, compute=self.compute,
+                        head=strategies.chosen().decode_head())
 
     def generate_batch(self, prompts: Sequence[Sequence[int] | np.ndarray], tokens: int, *,
                        temperature: float = 0.0, seed: int = 0, stop_ids: Sequence[int] = (),
@@ -81,12 +83,14 @@ class LanguageModel:
         """What the model generates after each of ``prompts`` (token ids, any lengths):
         ``tokens`` ids, or fewer, up to and including the first of ``stop_ids``. Prompts are
         decoded ``batch_size`` at a time with one compiled program."""
+        from trainrun.fast import strategies
         from trainrun.program.decode import generate_batch
 
         return generate_batch(self.config, self.params,
                               [np.asarray(p, np.int32) for p in prompts], tokens,
                               temperature=temperature, seed=seed, compute=self.compute,
-                              stop_ids=stop_ids, batch_size=batch_size)
+                              stop_ids=stop_ids, batch_size=batch_size,
+                              head=strategies.chosen().decode_head())
 
 
 @functools.lru_cache(maxsize=8)

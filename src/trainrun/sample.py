@@ -13,9 +13,11 @@ import numpy as np
 
 from trainrun.checkpointing.reader import latest_state, saved_config
 from trainrun.config import RecordsData, TransformerModel
+from trainrun.fast import strategies
 from trainrun.program.decode import (
     BATCH,
     Conversation,
+    HeadLayout,
     SampleError,
     chat_replies,
     generate,
@@ -46,13 +48,13 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
         raise SampleError("a system prompt (--system) goes with a chat turn: give --chat TEXT "
                           "or --file conversations.jsonl")
     config, params = _trained(run_dir, ema)
-    compute = config.precision.compute
+    compute, head = config.precision.compute, strategies.chosen().decode_head()
     if isinstance(config.data, RecordsData):
         from trainrun.data import model_tokenizer
 
         return _sample_records(config.model, params, model_tokenizer.of_records(config.data),
                                prompt, tokens, temperature=temperature, seed=seed,
-                               compute=compute)
+                               compute=compute, head=head)
     if config.data.tokenizer is not None:  # a tokenized run: text in and out through its own
         from trainrun.data.tokenizer import DOCUMENT_TOKEN, load
 
@@ -60,10 +62,10 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
         # As in training, a document starts with the document token: the prompt opens one.
         ids = [tokenizer.token_to_id(DOCUMENT_TOKEN), *tokenizer.encode(prompt).ids]
         out = generate(config.model, params, np.array(ids, np.int32), tokens,
-                       temperature=temperature, seed=seed, compute=compute)
+                       temperature=temperature, seed=seed, compute=compute, head=head)
         return tokenizer.decode(out[1:].tolist())
     out = generate(config.model, params, np.frombuffer(prompt.encode(), np.uint8), tokens,
-                   temperature=temperature, seed=seed, compute=compute)
+                   temperature=temperature, seed=seed, compute=compute, head=head)
     return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
@@ -82,7 +84,8 @@ def chat_answers(run_dir: Path | str, questions: Sequence[str | Conversation], t
 
     return chat_replies(config.model, params, model_tokenizer.of_records(config.data),
                         conversations, tokens, temperature=temperature, seed=seed,
-                        compute=config.precision.compute, batch_size=batch_size)
+                        compute=config.precision.compute, batch_size=batch_size,
+                        head=strategies.chosen().decode_head())
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
@@ -172,10 +175,10 @@ def language_run(run_dir: Path | str, ema: bool, *, chat: bool = False,
 
 def _sample_records(model: TransformerModel, params: PyTree, found: ModelTokenizer,
                     prompt: str, tokens: int, *, temperature: float, seed: int,
-                    compute: str) -> str:
+                    compute: str, head: HeadLayout) -> str:
     """The prompt continued by a run on records, through its tokenizer (``found``)."""
     lib = found.tokenizer
     ids = lib.encode(prompt, add_special_tokens=True).ids
     out = generate(model, params, np.array(ids, np.int32), tokens, temperature=temperature,
-                   seed=seed, compute=compute)
+                   seed=seed, compute=compute, head=head)
     return lib.decode(out.tolist())

@@ -13,9 +13,12 @@ from test_parity import chapter_losses, trainrun_losses
 
 from trainrun.config import MLPModel, OptimizerConfig, load_config
 from trainrun.errors import UserError
+from trainrun.fast.packing import PackedState
+from trainrun.fast.strategies import Strategies
 from trainrun.models.mlp import make_mlp
 from trainrun.platform import fast_paths
 from trainrun.platform.fast_paths import FastPaths
+from trainrun.program.carried import TrainStateCarrier
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import abstract_state
@@ -37,10 +40,11 @@ def test_state_packing_off_carries_the_train_state_itself():
     model = make_mlp(MLPModel())
     optimizer = build_optimizer(OptimizerConfig(), total_steps=10)
     abstract = abstract_state(model, optimizer, 0)
-    on = CompiledSteps(model, optimizer, 1, Stopwatch(), abstract=abstract)
-    off = CompiledSteps(model, optimizer, 1, Stopwatch(), abstract=abstract,
-                        fast=FastPaths.none())
-    assert on.packing is not None and off.packing is None
+    on, off = (CompiledSteps(model, optimizer, 1, Stopwatch(), abstract=abstract,
+                             carrier=Strategies(switch).state_carrier(abstract))
+               for switch in (FastPaths(), FastPaths.none()))
+    assert isinstance(on.carrier, PackedState)
+    assert isinstance(off.carrier, TrainStateCarrier)
 
 
 @pytest.mark.slow

@@ -12,10 +12,11 @@ import pytest
 
 from trainrun.config import MLPModel, OptimizerConfig, RegressionData, load_config
 from trainrun.data.synthetic import regression_arrays
+from trainrun.fast.guard import keep_if_not_branched
 from trainrun.models.mlp import make_mlp
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import init_state
-from trainrun.program.step import make_train_step
+from trainrun.program.step import keep_if_not, make_train_step
 from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 from trainrun.training.nonfinite import NonFiniteError
@@ -42,7 +43,8 @@ def test_a_nan_batch_is_skipped_leaving_params_and_optimizer_state_bitwise_uncha
     model = make_mlp(MLPModel())
     warmup = OptimizerConfig(lr=0.01, schedule={"kind": "warmup", "warmup_steps": 10})
     optimizer = build_optimizer(warmup, total_steps=20)
-    step = jax.jit(make_train_step(model, optimizer, cpu_guard_branches=branches))
+    keep = keep_if_not_branched if branches else keep_if_not
+    step = jax.jit(make_train_step(model, optimizer, keep=keep))
     good, bad = full_batch(), poisoned(full_batch())
 
     s1, _ = step(init_state(model, optimizer, seed=0), good)

@@ -1,19 +1,22 @@
 """The fast-path switch: every speed-up that serves one backend or one model size, named in one
 place, each turned off by ``TRAINRUN_FAST_PATHS``. Turning one off changes only speed (tests
 run parity, K-invariance and resume both ways); the plain path is what remains with all off.
+``fast/strategies.py`` reads this switch once per run and chooses the strategy each seam of the
+plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
+``platform/process.py``.
 
     state_packing       a small one-device state crosses the jit boundary as a few flat
-                        buffers (``program/packing.py``)
+                        buffers (``fast/packing.py``)
     resident_batches    a small in-order dataset placed on the device once, each step cutting
-                        its batch there (``program/resident.py``)
+                        its batch there (``fast/resident.py``)
     inline_cpu_calls    one-device XLA:CPU calls run in the calling thread
                         (``platform/process.py``, made by ``configure_process``)
     writer_thread       metric rows written by one thread beside the loop
-                        (``training/metric_log.py``)
+                        (``fast/writer_thread.py``)
     cpu_guard_branches  on CPU inside a scan, the non-finite guard as branches over a few
-                        leaves instead of a select of every leaf (``program/guard.py``)
+                        leaves instead of a select of every leaf (``fast/guard.py``)
     decode_head_layout  decoding multiplies by the output head's table laid out [d_model,
-                        vocab] once per call, not [vocab, d_model] (``program/decode.py``)
+                        vocab] once per call, not [vocab, d_model] (``fast/head_layout.py``)
 
 ``TRAINRUN_FAST_PATHS``: ``all`` (the default), ``none``, or the names to keep on, comma
 separated. Why each pays, and on what: docs/internals.md, "Fast paths".

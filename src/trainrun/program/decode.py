@@ -12,7 +12,7 @@ half of the text is re-read into a fresh cache and decoding goes on from there.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -22,7 +22,6 @@ import numpy as np
 from trainrun.config import TransformerModel
 from trainrun.errors import UserError
 from trainrun.models.transformer import Transformer, bind_transformer
-from trainrun.platform import fast_paths
 from trainrun.program.precision import DTYPES, cast_floats
 
 if TYPE_CHECKING:  # the tokenizers stack is imported only where text is generated
@@ -30,6 +29,13 @@ if TYPE_CHECKING:  # the tokenizers stack is imported only where text is generat
 
 PyTree = Any
 Conversation = Sequence[dict[str, str]]  # chat turns: {"role": ..., "content": ...}
+# The output head's table as [d_model, vocab], made once per call; None: the model's own.
+HeadLayout = Callable[[Transformer], jax.Array | None]
+
+
+def head_as_trained(module: Transformer) -> None:
+    """The head multiplied as training multiplies it (``Transformer.head_table``)."""
+    return None
 
 
 class SampleError(UserError):
@@ -38,17 +44,19 @@ class SampleError(UserError):
 
 def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: int, *,
              temperature: float = 1.0, seed: int = 0, compute: str = "float32",
-             stop_ids: Sequence[int] = ()) -> np.ndarray:
+             stop_ids: Sequence[int] = (), head: HeadLayout = head_as_trained) -> np.ndarray:
     """``prompt`` (1-D token ids) followed by ``tokens`` sampled ones, or fewer: up to and
     including the first of ``stop_ids`` drawn.
 
     temperature: logits are divided by it before sampling; 0 takes the most likely token.
     compute: the dtype the model runs in (the run's ``precision.compute``): params and the
         key/value cache are cast to it; logits are float32.
+    head: the output head's layout (``HeadLayout``); another than the default gives the same
+        tokens (``fast/head_layout.py``).
     """
     prompt = np.asarray(prompt)
     answer, = generate_batch(cfg, params, [prompt], tokens, temperature=temperature, seed=seed,
-                             compute=compute, stop_ids=stop_ids)
+                             compute=compute, stop_ids=stop_ids, head=head)
     return np.concatenate([prompt.astype(answer.dtype), answer])
 
 
@@ -58,7 +66,8 @@ BATCH = 16  # prompts decoded together by default
 def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.ndarray],
                    tokens: int, *, temperature: float = 1.0, seed: int = 0,
                    compute: str = "float32", stop_ids: Sequence[int] = (),
-                   batch_size: int = BATCH) -> list[np.ndarray]:
+                   batch_size: int = BATCH, head: HeadLayout = head_as_trained,
+                   ) -> list[np.ndarray]:
     """What follows each of ``prompts`` (1-D token ids, of any lengths): ``tokens`` ids, or
     fewer: up to and including the first of ``stop_ids`` drawn. ``batch_size`` prompts are
     decoded together, left-padded to the longest, by one program for every batch.
@@ -66,7 +75,7 @@ def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.n
     A greedy answer (temperature 0) is the prompt's own, whatever prompts are beside it;
     sampling draws each batch from ``seed``. A prompt whose answer may run past the model's
     context (which is then re-read from its last half) is decoded among prompts of its own
-    length, a program for each such length."""
+    length, a program for each such length. head: as ``generate``'s."""
     if not prompts:
         return []
     if any(np.asarray(p).size == 0 for p in prompts):
@@ -88,21 +97,22 @@ def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.n
     for length, members in sorted(groups.items()):
         answers = _decode_group(cfg, params, [contexts[i] for i in members], tokens,
                                 temperature, jax.random.fold_in(key, length), compute,
-                                stop_ids, batch_size)
+                                stop_ids, batch_size, head)
         out.update(zip(members, answers, strict=True))
     return [out[i] for i in range(len(contexts))]
 
 
 def _decode_group(cfg: TransformerModel, params: PyTree, contexts: list[np.ndarray],
                   tokens: int, temperature: float, key: jax.Array, compute: str,
-                  stop_ids: Sequence[int], batch_size: int) -> list[np.ndarray]:
+                  stop_ids: Sequence[int], batch_size: int,
+                  head: HeadLayout) -> list[np.ndarray]:
     """The answers to ``contexts`` in batches of ``batch_size`` rows, left-padded to the
     longest, by one program (the last batch filled to the same shape)."""
     width = max(c.size for c in contexts)
     rows = min(batch_size, len(contexts))
     padded = any(c.size != width for c in contexts)
     # Frozen sections hash at run time; pyright reads frozen only from class keywords.
-    program = _decoder(cfg, rows, width, tokens, compute, padded)  # pyright: ignore[reportArgumentType]
+    program = _decoder(cfg, rows, width, tokens, compute, padded, head)  # pyright: ignore[reportArgumentType]
     stops = jnp.asarray([*stop_ids, -1], jnp.int32)  # -1: no id, so the array is never empty
     out: list[np.ndarray] = []
     for first in range(0, len(contexts), rows):
@@ -135,15 +145,14 @@ def require_settings(tokens: int, temperature: float, seed: int) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
-             compute: str = "float32", padded: bool = False):
+             compute: str = "float32", padded: bool = False,
+             head_layout: HeadLayout = head_as_trained):
     """The jitted decoder of ``rows`` prompts of ``width`` tokens (left-padded when
-    ``padded``; each row's ``start`` is its first token) and ``tokens`` tokens: one program,
-    compiled once, for every prompt of that shape, token, seed and temperature."""
+    ``padded``; each row's ``start`` is its first token) and ``tokens`` tokens, its output head
+    laid out by ``head_layout``: one program, compiled once, for every prompt of that shape,
+    token, seed and temperature."""
     module_of = bind_transformer(cfg)
     dtype = DTYPES[compute]
-    # XLA:CPU multiplies a few rows by a [vocab, d_model] table far slower than by its
-    # transpose (BENCHMARKS.md, "Decoding against transformers' generate")
-    transposed_head = fast_paths.selected().decode_head_layout
     # The cache holds what this call needs, up to the model's context: a model made for a long
     # context is not given a cache of that length for a short answer.
     window = min(cfg.seq_len, width + tokens)
@@ -160,9 +169,7 @@ def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
 
     def decode(params, prompts, start, temperature, key, stops):
         module: Transformer = module_of(cast_floats(params, dtype))
-        head = None
-        if transposed_head:  # carried into the loop as an operand: laid out once per call
-            head = module.head_table().T
+        head = head_layout(module)  # carried into the loop as an operand: made once per call
         # At least ``keep`` long, so the refill's slice is valid even where the text is too
         # short to ever fill the cache (then the refill is traced but never taken).
         seq = jnp.zeros((rows, max(width + tokens, keep)), jnp.int32).at[:, :width].set(prompts)
@@ -204,9 +211,10 @@ def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
 
 def chat_replies(model: TransformerModel, params: PyTree, found: ModelTokenizer,
                  conversations: Sequence[Conversation], tokens: int, *, temperature: float,
-                 seed: int, compute: str, batch_size: int = BATCH) -> list[str]:
+                 seed: int, compute: str, batch_size: int = BATCH,
+                 head: HeadLayout = head_as_trained) -> list[str]:
     """The answer that follows each conversation's turns (rendered with the chat template of
-    ``found``, the run's tokenizer), ended at the turn's end."""
+    ``found``, the run's tokenizer), ended at the turn's end. head: as ``generate``'s."""
     from trainrun.data.examples import require_template
 
     template = require_template(found)
@@ -215,7 +223,7 @@ def chat_replies(model: TransformerModel, params: PyTree, found: ModelTokenizer,
         add_special_tokens=False).ids, np.int32) for turns in conversations]
     answers = generate_batch(model, params, prompts, tokens, temperature=temperature,
                              seed=seed, compute=compute, stop_ids=found.stop_ids,
-                             batch_size=batch_size)
+                             batch_size=batch_size, head=head)
     stops = set(found.stop_ids)
     return [found.tokenizer.decode(answer[:-1].tolist() if answer.size and
                                    int(answer[-1]) in stops else answer.tolist())
@@ -224,14 +232,17 @@ def chat_replies(model: TransformerModel, params: PyTree, found: ModelTokenizer,
 
 def complete(model: TransformerModel, params: PyTree, found: ModelTokenizer,
              prompts: Sequence[str], tokens: int, *, temperature: float, seed: int,
-             compute: str, batch_size: int = BATCH) -> list[str]:
+             compute: str, batch_size: int = BATCH,
+             head: HeadLayout = head_as_trained) -> list[str]:
     """The completion of each prompt as a run on completion records learned them: the prompt
-    encoded as a text's start, the completion up to the end-of-text token (not included)."""
+    encoded as a text's start, the completion up to the end-of-text token (not included).
+    head: as ``generate``'s."""
     lib = found.tokenizer
     ids = [np.array(lib.encode(prompt, add_special_tokens=True).ids, np.int32)
            for prompt in prompts]
     stops = [] if found.eos_id is None else [found.eos_id]
     answers = generate_batch(model, params, ids, tokens, temperature=temperature, seed=seed,
-                             compute=compute, stop_ids=stops, batch_size=batch_size)
+                             compute=compute, stop_ids=stops, batch_size=batch_size,
+                             head=head)
     return [lib.decode(answer[:-1].tolist() if answer.size and int(answer[-1]) in stops
                        else answer.tolist()) for answer in answers]

@@ -30,9 +30,9 @@ class TrainState:
     key: typed PRNG key (``jax.random.key``); never changes. Step ``s`` draws from
         ``fold_in(key, s)``, so a resumed run draws the same bits as an uninterrupted one.
         The pytree carries it as its raw uint32 data (field ``key_data``; ``key`` is a property
-        that wraps it): a typed key array as a jit argument misses JAX's C++ dispatch fast path,
-        which costs a small model most of its step; and Orbax stores the raw data as a plain
-        array.
+        that wraps it): JAX dispatches a call with a typed key array argument in Python, not
+        in C++, which costs a small model most of its step; and Orbax stores the raw data as a
+        plain array.
     nonfinite_steps: int32 scalar, steps whose loss or gradients were not finite; their update
         was skipped (params and opt_state kept), so the optimizer has done
         ``step - nonfinite_steps`` updates and its schedule stands at that count.

@@ -14,7 +14,6 @@ import optax
 
 from trainrun.config import ConfigError
 from trainrun.models.adapters import Model
-from trainrun.program import guard
 from trainrun.program.optim import Optimizer
 from trainrun.program.precision import LossScale, Policy
 from trainrun.program.state import TrainState, step_key
@@ -23,10 +22,16 @@ Batch = Any
 PyTree = Any
 Metrics = dict[str, jax.Array]
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+KeepIfNot = Callable[[jax.Array, PyTree, PyTree], PyTree]  # (finite, new, old) -> kept
+
+
+def keep_if_not(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` where ``finite``, else ``old``: a select of every leaf."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
 def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
-                    policy: Policy | None = None, cpu_guard_branches: bool = False) -> StepFn:
+                    policy: Policy | None = None, keep: KeepIfNot = keep_if_not) -> StepFn:
     """One optimizer update on one batch.
 
     accumulate: M > 1 splits the batch into M microbatches (example ``j`` goes to microbatch
@@ -37,8 +42,8 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         different numbers of valid tokens. The optimizer and its schedule advance once.
     policy: mixed precision (``precision.Policy``); params and floating batch leaves are cast
         to its compute dtype, the loss to its output dtype; float16 scales the loss.
-    cpu_guard_branches: the skip below computed as branches on CPU (for a step run under
-        ``lax.scan``; a fast path, ``program/guard.py``); not a bit of the result changes.
+    keep: how the skip below keeps the old state (``keep_if_not``); another must give the
+        same bits (``fast/guard.py``'s branches, for a step run under ``lax.scan`` on CPU).
 
     A step whose loss, gradients or update is not finite is not applied: params and opt_state
     (hence the schedule) stay as they were, ``nonfinite_steps`` counts it, and with float16 the
@@ -61,9 +66,9 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         grad_norm = global_norm(grads)
         update_norm = global_norm(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
-        params, opt_state, model_state = keep_if_not(
+        params, opt_state, model_state = keep(
             finite, (params, opt_state, model_state),
-            (state.params, state.opt_state, state.model_state), cpu_branches=cpu_guard_branches)
+            (state.params, state.opt_state, state.model_state))
         updates_done = state.step - state.nonfinite_steps
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
@@ -177,15 +182,6 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1,
         return loss, aux, grads, model_state
 
     return accumulated
-
-
-def keep_if_not(finite: jax.Array, new: PyTree, old: PyTree, *,
-                cpu_branches: bool = False) -> PyTree:
-    """``new`` where ``finite``, else ``old``, leaf by leaf. cpu_branches: on CPU, the same bits
-    computed as branches over a few leaves at a time (a fast path, ``program/guard.py``)."""
-    if cpu_branches:
-        return guard.keep_if_not_branched(finite, new, old)
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
 Out = TypeVar("Out")

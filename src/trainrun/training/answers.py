@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainrun.config import RecordsData, TransformerModel
+
+if TYPE_CHECKING:  # the decoder is imported only where answers are generated
+    from trainrun.program.decode import HeadLayout
 
 PyTree = Any
 Progress = Callable[[str], None]
@@ -76,10 +79,12 @@ def _asked(record: dict[str, Any], form: str, data: RecordsData, where: str) -> 
 def answer_all(model: TransformerModel, compute: str, data: RecordsData, params: PyTree,
                asked: Sequence[Question], tokens: int, *, temperature: float = 0.0,
                seed: int = 0, batch_size: int = 16,
-               progress: Progress = lambda line: None) -> list[str]:
-    """Each question's generated answer, ``batch_size`` at a time (one compiled program)."""
+               progress: Progress = lambda line: None, head: HeadLayout | None = None,
+               ) -> list[str]:
+    """Each question's generated answer, ``batch_size`` at a time (one compiled program);
+    head: the decoder's head layout (``program/decode.py``; None: its default)."""
     from trainrun.data import model_tokenizer
-    from trainrun.program.decode import chat_replies, complete
+    from trainrun.program.decode import chat_replies, complete, head_as_trained
 
     found = model_tokenizer.of_records(data)
     produced: dict[int, str] = {}
@@ -94,15 +99,16 @@ def answer_all(model: TransformerModel, compute: str, data: RecordsData, params:
             produced.update(zip(part, answer(
                 model, params, found, prompts, tokens,
                 temperature=temperature, seed=seed + first, compute=compute,
-                batch_size=batch_size), strict=True))
+                batch_size=batch_size, head=head or head_as_trained), strict=True))
             progress(f"answers {len(produced)}/{len(asked)}")
     return [produced[i] for i in range(len(asked))]
 
 
-def answer_scorer(config: Any) -> Callable[[PyTree], dict[str, float]]:
+def answer_scorer(config: Any,
+                  head: HeadLayout | None = None) -> Callable[[PyTree], dict[str, float]]:
     """params -> ``exact_match`` and ``normalised_match`` of the first ``eval.generate``
     held-out answers (greedy, at most ``eval.answer_tokens`` each), for evaluation in
-    training; the questions are read once, here."""
+    training; the questions are read once, here. head: as ``answer_all``'s."""
     model, data = config.model, config.data
     assert isinstance(model, TransformerModel) and isinstance(data, RecordsData)
     asked = questions(data, config.eval.generate)
@@ -117,7 +123,8 @@ def answer_scorer(config: Any) -> Callable[[PyTree], dict[str, float]]:
     def scores(params: PyTree) -> dict[str, float]:
         produced = answer_all(model, config.precision.compute, data, params, asked,
                               config.eval.answer_tokens,
-                              batch_size=config.eval.batch_size or data.batch_size)
+                              batch_size=config.eval.batch_size or data.batch_size,
+                              head=head)
         return answer_scores(expected, produced)
 
     return scores

@@ -11,7 +11,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainrun.data import BatchCursor, stack_batches
 from trainrun.training.metrics_reader import PendingCall
 from trainrun.training.setup import Run
 
@@ -27,26 +26,20 @@ class CallRunner:
     def __init__(self, run: Run):
         self.run = run
         self.in_flight: collections.deque[jax.Array] = collections.deque()
-        self.example: Any = None  # the last host batch placed: its shapes count the FLOPs
+        self.example: Any = None  # what the last call took: a host batch's shapes count FLOPs
         self.ran: set[int] = set()  # the call sizes whose program has run once
+        # the batch source's take, looked up once: nothing is resolved per call
+        self.take = run.programs.source.take
+        self.stacked = run.config.steps_per_call > 1
 
     def next_batch(self, k: int) -> Any:
-        """What the call of the next ``k`` steps takes: the device's resident batches, or the
-        next host batches placed on the mesh (stacked ``[k, ...]`` when calls run K > 1). Its
-        time is the run's data time."""
+        """What the call of the next ``k`` steps takes, from the programs' batch source
+        (``program/batch_source.py``: the next host batches placed on the mesh, stacked
+        ``[k, ...]`` when calls run K > 1, unless another source holds them). Its time is the
+        run's data time."""
         run = self.run
         start = time.perf_counter()
-        if run.resident is not None:  # the call cuts its batches from the device's copy
-            run.batches.skip(k)
-            batch = run.resident.args(k)
-        else:
-            if run.config.steps_per_call == 1:
-                batch = next(run.batches)
-            elif isinstance(run.batches, BatchCursor):  # k batches in one gather
-                batch = run.batches.take(k)
-            else:
-                batch = stack_batches([next(run.batches) for _ in range(k)])
-            self.example = batch = run.placement.put(batch)
+        self.example = batch = self.take(run.batches, k, run.placement, self.stacked)
         run.watch.add("data", time.perf_counter() - start)
         return batch
 

@@ -3,19 +3,18 @@
 ``timing.jsonl``. The console's steps/s at a log line is the step compute of the window that
 line closes (``timing.StepTimer``).
 
-With the ``writer_thread`` fast path (``platform/fast_paths.py``) rows are written by one
-thread, in order, while the loop goes on with the next calls; the loop waits for it before a
-checkpoint (``flush``: rows up to it survive a kill), at the end (``finish``) and however the
-loop ends (``close``). A failed write is raised in the loop's thread at the next hand-over or
-wait. Without it every write happens in the loop's thread.
+Every write goes through the log's ``Writes``: ``InlineWrites`` writes in the loop's thread;
+another may write elsewhere, in order (``fast/writer_thread.py``), so the loop waits for it
+before a checkpoint (``flush``: rows up to it survive a kill), at the end (``finish``) and
+however the loop ends (``close``), and a failed write is raised in the loop's thread at the
+next hand-over or wait.
 """
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 from trainrun.reporting.run_output import RunOutput
 from trainrun.reporting.table import Table
@@ -23,15 +22,42 @@ from trainrun.reporting.timing import StepTimer, Stopwatch, Window
 from trainrun.training.hooks import Hook
 
 
+class Writes(Protocol):
+    """Where the log's jobs (writes) run, each after every job handed before it."""
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job``, or queue it; may raise the failure of an earlier job."""
+
+    def wait(self) -> None:
+        """Every job handed over done; raises the first that failed."""
+
+    def close(self) -> None:
+        """The jobs handed over run to their end; raises nothing."""
+
+
+class InlineWrites:
+    """Each job run at once, in the loop's thread."""
+
+    def submit(self, job: Callable[[], None]) -> None:
+        job()
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class MetricLog(Hook):
     """A hook on tables only: log steps need no boundary of their own (rows are read one call
     late, at the boundary after a log step).
 
     streamed: rows already went out from inside the calls (``metrics.stream``); only the
-    timing windows are written here."""
+    timing windows are written here.
+    writes: where the writes run (``InlineWrites`` when None)."""
 
     def __init__(self, output: RunOutput, timer: StepTimer, watch: Stopwatch, batch_size: int,
-                 streamed: bool = False, writer_thread: bool = True):
+                 streamed: bool = False, writes: Writes | None = None):
         self.output = output
         self.timer = timer
         self.watch = watch
@@ -39,9 +65,7 @@ class MetricLog(Hook):
         self.streamed = streamed
         self.last: dict[str, float] = {}  # the newest row read (the run's final metrics)
         self.ordered = OrderedOutput(self)  # eval rows and messages, timed as logging
-        self.writer = (ThreadPoolExecutor(1, thread_name_prefix="trainrun-metrics")
-                       if writer_thread else None)
-        self.pending: collections.deque[Future[None]] = collections.deque()
+        self.writes = writes or InlineWrites()
 
     def on_table(self, table: Table) -> None:
         self.last = table.row(len(table.values) - 1)
@@ -62,16 +86,11 @@ class MetricLog(Hook):
                                      self.batch_size)
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` (a write) after every job handed before it: on the writer thread, raising
-        the failure of one that has finished, or here. The loop's time here is logging."""
+        """Run ``job`` (a write) after every job handed before it (``Writes.submit``). The
+        loop's time here is logging."""
         start = time.perf_counter()
         try:
-            if self.writer is None:
-                job()
-                return
-            while self.pending and self.pending[0].done():
-                self.pending.popleft().result()
-            self.pending.append(self.writer.submit(job))
+            self.writes.submit(job)
         finally:
             self.watch.add("log", time.perf_counter() - start)
 
@@ -79,8 +98,7 @@ class MetricLog(Hook):
         """Every job handed over done; raises the first that failed. Waiting is logging."""
         start = time.perf_counter()
         try:
-            while self.pending:
-                self.pending.popleft().result()
+            self.writes.wait()
         finally:
             self.watch.add("log", time.perf_counter() - start)
 
@@ -92,11 +110,10 @@ class MetricLog(Hook):
 
     def close(self) -> None:
         """The loop has ended, however it ended: the jobs handed over run to their end and the
-        writer thread stops. Raises nothing (an error ending the loop is the one reported);
+        writes stop. Raises nothing (an error ending the loop is the one reported);
         ``finish`` raises a failed write. Waiting for those jobs is logging."""
         start = time.perf_counter()
-        if self.writer is not None:
-            self.writer.shutdown(wait=True)
+        self.writes.close()
         self.watch.add("log", time.perf_counter() - start)
 
     def finish(self) -> None:

@@ -38,15 +38,16 @@ from trainrun.data import (
     data_counts,
     data_notices,
 )
+from trainrun.fast import strategies
+from trainrun.fast.strategies import Strategies
 from trainrun.models import Model, build_model
-from trainrun.platform import distributed, fast_paths
-from trainrun.platform.fast_paths import FastPaths
+from trainrun.platform import distributed
 from trainrun.platform.process import calls_run_inline, require_backend
 from trainrun.program import sharding
 from trainrun.program.compiled import CompiledSteps
+from trainrun.program.decode import HeadLayout
 from trainrun.program.optim import Optimizer, build_optimizer
 from trainrun.program.precision import Policy, policy_from_config
-from trainrun.program.resident import ResidentBatches, resident_batches
 from trainrun.program.state import TrainState, abstract_state, init_state
 from trainrun.reporting.console import Console, make_console
 from trainrun.reporting.provenance import provenance
@@ -85,7 +86,6 @@ class Run:
     abstract: TrainState
     placement: sharding.BatchPlacement
     batches: Any  # this process's host batches (checkpointable position when it has one)
-    resident: ResidentBatches | None  # batches cut on the device (program/resident.py)
     evaluator: Evaluator | None
     checkpoints: Checkpoints
     programs: CompiledSteps
@@ -96,12 +96,14 @@ class Run:
     watch: Stopwatch
     timer: StepTimer
     stream: MetricStream | None
-    fast: FastPaths  # the fast paths on (platform/fast_paths.py)
+    strategies: Strategies  # the seams' strategies, chosen once (fast/strategies.py)
     mirror: RunMirror | None  # uploads a run on object storage from its stage (process 0)
 
     def params_copy(self, state: TrainState) -> Any:
-        """Params that the next call cannot donate away (packed states unpack to new ones)."""
-        return state.params if self.programs.packing else jax.tree.map(jnp.copy, state.params)
+        """Params that the next call cannot donate away (a carrier's fresh arrays already are)."""
+        if self.programs.carrier.fresh_arrays:
+            return state.params
+        return jax.tree.map(jnp.copy, state.params)
 
 
 def run_directory(config: RunConfig, run_dir: Any, fresh: bool) -> rundir.RunDirectory:
@@ -121,14 +123,15 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
           allow_config_change: bool, out: TextIO, cleanup: contextlib.ExitStack,
           ) -> Run | RunSummary:
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
-    fast = fast_paths.selected()  # a name it does not know is refused before anything
+    chosen = strategies.chosen()  # an unknown name in the switch is refused before anything
     # before anything asks JAX for devices; not into a job that runs in this directory already
     distributed.initialize(config.distributed, lambda: refuse_joining(directory.run_dir))
     require_backend()  # a platform this machine lacks is one line, not JAX's traceback
     # Inline CPU calls are the process's setting (configure_process): record what is in effect.
-    fast = dataclasses.replace(fast, inline_cpu_calls=calls_run_inline())
+    inline = calls_run_inline()
+    chosen = chosen.with_inline_calls(inline)
     primary = jax.process_index() == 0
-    prov = provenance(config.digest(), fast.on())
+    prov = provenance(config.digest(), chosen.on())
     if primary:  # a folder that is not trainrun's, or is in use, is refused; nothing written
         directory.check()
     batch_size = getattr(data, "batch_size", None) or config.data.batch_size
@@ -173,19 +176,19 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     batches = (batch_iterator(data, config.data.prefetch_threads)
                if isinstance(data, grain.MapDataset) else iter(data))
     evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params,
-                           state_sharding.model_state)
+                           state_sharding.model_state, chosen.decode_head())
     _require_writers(config)
     watch = Stopwatch()
     stream = MetricStream() if config.metrics.stream else None  # its writers come after the claim
-    # Batches on the device are cut at the data position less the state's step: 0 unless a
+    # Batches a source holds are cut at the data position less the state's step: 0 unless a
     # checkpoint says otherwise (then the programs are built again below).
-    resident = (resident_batches(batches, mesh.size == 1, 0, 0) if fast.resident_batches
-                else None)
+    source = chosen.batch_source(batches, mesh.size == 1)
     compiled_steps = functools.partial(
         CompiledSteps, model, optimizer, config.steps_per_call, watch, abstract=abstract,
         accumulate=config.accumulate, policy=policy, state_sharding=state_sharding,
-        batch_sharding=placement.sharding, stream=stream, fast=fast)
-    programs = compiled_steps(resident=resident)
+        batch_sharding=placement.sharding, stream=stream,
+        carrier=chosen.state_carrier(abstract), keep=chosen.nonfinite_guard(config.steps_per_call))
+    programs = compiled_steps(source=source)
     # The step is compiled on shapes alone, before any state exists, and its memory checked;
     # the first call runs that executable.
     _check_program_memory(programs, config, data, placement, mesh,
@@ -225,20 +228,19 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
             output.write(0, records.metrics(), split="data")
     if stream is not None:
         stream.output = output
-    offset = getattr(batches, "next_index", 0) - start
-    if resident is not None and offset != resident.offset:  # traced into the programs
-        resident = ResidentBatches(resident.dataset, offset)
-        programs = compiled_steps(resident=resident)
+    moved = source.from_offset(getattr(batches, "next_index", 0) - start)
+    if moved is not source:
+        programs = compiled_steps(source=moved)
     console.message(f"training {model.name} for {config.steps} steps, "
                     f"{config.steps_per_call} per call -> {directory.display}")
     return Run(config=config, run_dir=run_dir, primary=primary, provenance=prov,
                console=console, output=output, model=model, counted=counted,
-               abstract=abstract, placement=placement, batches=batches, resident=resident,
+               abstract=abstract, placement=placement, batches=batches,
                evaluator=evaluator, checkpoints=checkpoints, programs=programs,
                start_state=programs.carry(state), start_step=start,
                start_nonfinite=int(state.nonfinite_steps), batch_size=batch_size,
-               watch=watch, timer=StepTimer(inline=fast.inline_cpu_calls), stream=stream,
-               fast=fast, mirror=mirror)
+               watch=watch, timer=StepTimer(inline=inline), stream=stream,
+               strategies=chosen, mirror=mirror)
 
 
 def build_hooks(run: Run, preemption: Preemption,
@@ -254,7 +256,7 @@ def build_hooks(run: Run, preemption: Preemption,
 
     log = MetricLog(run.output, run.timer, watch, run.batch_size,
                     streamed=run.stream is not None,
-                    writer_thread=run.fast.writer_thread)
+                    writes=run.strategies.metric_writes())
     output = log.ordered  # every later write is timed as logging
     hooks: list[Hook] = [
         log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite, before_halt)]
@@ -286,7 +288,7 @@ def build_hooks(run: Run, preemption: Preemption,
 
 def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
                eval_data: grain.MapDataset | None, params_sharding: Any,
-               model_state_sharding: Any = None) -> Evaluator | None:
+               model_state_sharding: Any, head: HeadLayout) -> Evaluator | None:
     """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
     the held-out split, placed on the mesh as training batches are."""
     if not config.eval.every:
@@ -299,7 +301,7 @@ def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
     return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
                      policy=policy, put=placement.put,
                      shardings=(params_sharding, placement.sharding, model_state_sharding),
-                     answers=answer_scorer(config) if config.eval.generate else None)
+                     answers=answer_scorer(config, head) if config.eval.generate else None)
 
 
 def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,
@@ -309,14 +311,13 @@ def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,
     fit (``preflight.check_program_memory``). Data that is a plain iterator cannot be looked
     at: its program is compiled at the first call, unchecked."""
     k = min(config.steps_per_call, config.steps - start)
-    if programs.resident is not None:
-        batch = programs.resident.args(k)
-    elif isinstance(data, grain.MapDataset):
+    batch = programs.source.held(k)  # None: host batches, shaped as the data's first
+    if batch is None:
+        if not isinstance(data, grain.MapDataset):
+            return
         stacked = config.steps_per_call > 1
         batch = jax.tree.map(lambda leaf: _global_shape(np.asarray(leaf), placement, k, stacked),
                              data[0])
-    else:
-        return
     compiled = programs.compile(k, programs.carried_shapes(), batch)
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     preflight.check_program_memory(compiled, local, k)

@@ -1,5 +1,6 @@
-"""A small one-device state crosses the jit boundary as one flat buffer per dtype, a fast path
-(``state_packing`` in ``platform/fast_paths.py``).
+"""A small one-device state crosses the jit boundary as one flat buffer per dtype
+(``state_packing``): ``PackedState``, the ``StateCarrier`` (``program/carried.py``) the step
+programs take in place of the ``TrainState`` itself.
 
 Each array a call takes or returns costs the host's dispatch path, which on a tiny model costs
 more than the arithmetic. Inside the call the buffers are sliced back into the ``TrainState``
@@ -16,6 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from trainrun.program.carried import Body
+from trainrun.program.state import TrainState
 
 PyTree = Any
 Packed = dict[str, jax.Array]  # dtype name -> flat [n] buffer
@@ -90,3 +94,41 @@ def packing_for(abstract: PyTree, device_count: int) -> StatePacking | None:
             or not 2 <= len(leaves) <= PACK_MAX_LEAVES):
         return None
     return StatePacking(abstract)
+
+
+class PackedState:
+    """A ``StateCarrier``: the calls carry ``packing``'s flat buffers, unpinned (one device)."""
+
+    fresh_arrays = True  # unpacking makes new arrays
+
+    def __init__(self, packing: StatePacking):
+        self.packing = packing
+        self._carry, self._state = jax.jit(packing.pack), jax.jit(packing.unpack)
+
+    def around(self, body: Body) -> Body:
+        packing = self.packing
+
+        def packed_body(carried: Packed, batch: Any) -> tuple[Packed, jax.Array]:
+            state, rows = body(packing.unpack(carried), batch)
+            return packing.pack(state), rows
+
+        return packed_body
+
+    def carry(self, state: TrainState) -> Packed:
+        return self._carry(state)
+
+    def state(self, carried: Packed) -> TrainState:
+        return self._state(carried)
+
+    def sharding(self, state_sharding: TrainState | None) -> None:
+        return None
+
+    def shapes(self, abstract: TrainState, state_sharding: TrainState | None) -> Any:
+        packed = jax.eval_shape(self.packing.pack, abstract)
+        if state_sharding is None:
+            return packed
+        # one device: the packed buffers come out of ``carry`` whole, on the state's mesh
+        mesh = jax.tree.leaves(state_sharding)[0].mesh
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole),
+                            packed)

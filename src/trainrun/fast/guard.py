@@ -1,4 +1,5 @@
-"""The non-finite guard as branches on CPU, a fast path (``platform/fast_paths.py``).
+"""The non-finite guard as branches on CPU (``cpu_guard_branches``): the ``keep`` a scanned
+step takes in place of ``program/step.py``'s ``keep_if_not``.
 
 Inside a scan on XLA:CPU, a step that keeps its old state when the new one is not finite costs
 less as a few conditionals over groups of leaves than as a select of every leaf, for a state of

@@ -1,6 +1,7 @@
-"""Batches gathered on the device, a fast path (``resident_batches`` in
-``platform/fast_paths.py``): a small in-memory dataset placed there once, each step's batch cut
-from it inside the jitted call, so no host array crosses into a call.
+"""Batches gathered on the device (``resident_batches``): a small in-memory dataset placed there
+once, each step's batch cut from it inside the jitted call, so no host array crosses into a
+call. ``ResidentBatches`` is the ``BatchSource`` (``program/batch_source.py``) the step
+programs and the loop take in place of the host's batches.
 
 Only for an ``ArrayBatches`` of plain arrays read in order (``shuffle: false``), on one device
 and one process, up to ``RESIDENT_MAX_BYTES``: step ``s`` reads global batch ``s + offset``
@@ -21,6 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun.data.pipeline import ArrayBatches, BatchCursor
+from trainrun.program.batch_source import Body, RowStep
+from trainrun.program.sharding import BatchPlacement
+from trainrun.program.state import TrainState
 
 Batch = dict[str, jax.Array]
 
@@ -64,6 +68,52 @@ class ResidentBatches:
         """A host batch shaped as the host path's calls take (``[k, ...]`` stacked when calls
         run K > 1): FLOP counts lower the step on its shapes."""
         return self.dataset.stacked(0, k) if k > 1 else self.dataset[0]
+
+    def rows_program(self, one_row: RowStep, scanned: bool) -> Body:
+        return cut_on_device(one_row, self, scanned)
+
+    def placed(self, batch_sharding: jax.sharding.NamedSharding,
+               replicated: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+        return replicated  # on the run's one device, as the replicated sharding says
+
+    def metric_probe(self, step: Any, one_step: Any, batch: Any) -> tuple[Any, Any]:
+        return one_step, self.example(1)
+
+    def counted(self, programs: dict[int, Any], example: Any) -> tuple[dict[int, Any], Any]:
+        # the whole program would count the gather too: the step alone, on a batch's shapes
+        return {}, self.example(2)
+
+    def held(self, k: int) -> tuple[Batch, jax.Array]:
+        return self.args(k)
+
+    def take(self, batches: Any, k: int, placement: BatchPlacement,
+             stacked: bool) -> tuple[Batch, jax.Array]:
+        batches.skip(k)  # the data position moves as the host path's (the checkpoint's)
+        return self.args(k)
+
+    def from_offset(self, offset: int) -> ResidentBatches:
+        # the offset is traced into the programs: a new one makes new programs
+        return self if offset == self.offset else ResidentBatches(self.dataset, offset)
+
+
+def cut_on_device(one_row: RowStep, resident: ResidentBatches, scanned: bool) -> Body:
+    """``one_row`` on batches gathered from ``resident``'s arrays by the step counter: a call
+    ``(state, resident.args(...)) -> (state, rows)`` of one step, or of as many as the args'
+    length vector under a scan, each step cutting its own batch (``ResidentBatches``)."""
+
+    def call(state: TrainState, args: Any) -> tuple[TrainState, jax.Array]:
+        def step(state: TrainState, _: Any) -> tuple[TrainState, jax.Array]:
+            return one_row(state, resident.batch(state.step, args))
+
+        k = args[1].shape[0]
+        if not scanned:
+            return step(state, None)
+        if k == 1:  # a one-step tail: as XLA computes the host path's scan of one (it drops
+            state, row = step(state, None)  # the loop), not as a scan of one buffer
+            return state, row[None]
+        return jax.lax.scan(step, state, None, length=k)
+
+    return call
 
 
 def resident_batches(batches: Any, single_device: bool, data_index: int,

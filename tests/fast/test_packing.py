@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from trainrun.config import load_config
+from trainrun.fast import packing
+from trainrun.fast.packing import StatePacking, packing_for
 from trainrun.models import build_model
-from trainrun.program import packing
 from trainrun.program.optim import build_optimizer
-from trainrun.program.packing import StatePacking, packing_for
 from trainrun.program.state import abstract_state, init_state
 from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.rundir import METRICS

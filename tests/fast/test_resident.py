@@ -1,4 +1,4 @@
-"""Batches cut on the device (``program/resident.py``): the calls take no host array, and a run
+"""Batches cut on the device (``fast/resident.py``): the calls take no host array, and a run
 trains on exactly the rows, in exactly the order, the host path feeds it: the same bits."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset
-from trainrun.program import resident
+from trainrun.fast import resident
 from trainrun.program.compiled import CompiledSteps
 from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run

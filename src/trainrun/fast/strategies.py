@@ -1,0 +1,81 @@
+"""The fast paths chosen once per run: the switch read (``platform/fast_paths.py``), and for
+each seam of the plain path the strategy it takes, built at set-up and never asked again:
+
+    how the state is carried   ``packing.PackedState``, else the ``TrainState`` itself
+    where batches come from    ``resident.ResidentBatches``, else the host's, placed each call
+    the non-finite guard       ``guard.keep_if_not_branched``, else a select of every leaf
+    how metric rows are written  ``writer_thread.WriterThread``, else in the loop's thread
+    decoding's output head     ``head_layout.head_transposed``, else the model's own table
+
+A fast path that is off, or that does not fit the run, leaves the plain path's default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from trainrun.fast.guard import keep_if_not_branched
+from trainrun.fast.head_layout import head_transposed
+from trainrun.fast.packing import PackedState, packing_for
+from trainrun.fast.resident import resident_batches
+from trainrun.fast.writer_thread import WriterThread
+from trainrun.platform import fast_paths
+from trainrun.platform.fast_paths import FastPaths
+from trainrun.program.batch_source import BatchSource, HostBatches
+from trainrun.program.carried import StateCarrier, TrainStateCarrier
+from trainrun.program.decode import HeadLayout, head_as_trained
+from trainrun.program.state import TrainState
+from trainrun.program.step import KeepIfNot, keep_if_not
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategies:
+    """The strategies of the fast paths that are on (``switch``), for one run or command."""
+
+    switch: FastPaths = dataclasses.field(default_factory=FastPaths)
+
+    def on(self) -> list[str]:
+        """The names of the fast paths on (the run's provenance)."""
+        return self.switch.on()
+
+    def with_inline_calls(self, inline: bool) -> Strategies:
+        """The same, with ``inline_cpu_calls`` as the process made it (``configure_process``)."""
+        return Strategies(dataclasses.replace(self.switch, inline_cpu_calls=inline))
+
+    def state_carrier(self, abstract: TrainState) -> StateCarrier:
+        """Flat buffers for a small one-device state (``packing.packing_for``)."""
+        packing = (packing_for(abstract, jax.device_count()) if self.switch.state_packing
+                   else None)
+        return TrainStateCarrier() if packing is None else PackedState(packing)
+
+    def batch_source(self, batches: Any, single_device: bool) -> BatchSource:
+        """A small in-order dataset on the device (``resident.resident_batches``), cut at the
+        data position 0 (``BatchSource.from_offset`` moves it)."""
+        resident = (resident_batches(batches, single_device, 0, 0)
+                    if self.switch.resident_batches else None)
+        return HostBatches() if resident is None else resident
+
+    def nonfinite_guard(self, steps_per_call: int) -> KeepIfNot:
+        """Branches for a step under a scan (calls of K > 1 steps)."""
+        if self.switch.cpu_guard_branches and steps_per_call > 1:
+            return keep_if_not_branched
+        return keep_if_not
+
+    def metric_writes(self) -> WriterThread | None:
+        """A writer thread of its own; None: the metric log writes in the loop's thread."""
+        return WriterThread() if self.switch.writer_thread else None
+
+    def decode_head(self) -> HeadLayout:
+        """The head's table transposed once per decoding call."""
+        return head_transposed if self.switch.decode_head_layout else head_as_trained
+
+
+def chosen(environ: Mapping[str, str] = os.environ) -> Strategies:
+    """The strategies of the fast paths ``TRAINRUN_FAST_PATHS`` leaves on; a name it does not
+    know is refused (``platform/fast_paths.py``)."""
+    return Strategies(fast_paths.selected(environ))

@@ -25,7 +25,7 @@ from trainrun.reporting.writers import (
 )
 from trainrun.training.loop import run
 
-QUICK = ["steps=60", "log_every=20", "checkpoint.every=0"]
+QUICK = ["steps=60", "metrics.every=20", "checkpoint.every=0"]
 
 
 class Terminal(io.StringIO):

@@ -15,6 +15,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, Field
 
+from trainrun.config import renamed
 from trainrun.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -35,6 +36,8 @@ from trainrun.config.sections import (
     StorageConfig,
     TextData,
     TokenData,
+    schedule_steps,
+    warmup_steps,
 )
 from trainrun.errors import UserError, printable
 
@@ -62,7 +65,6 @@ class RunConfig(Section):
     seed: int = Field(default=0, ge=0, le=2**32 - 1)  # jax.random.key's range without wrapping
     steps: int = Field(default=200, gt=0)
     steps_per_call: int = Field(default=1, gt=0)
-    log_every: int = Field(default=50, gt=0)
     model: ModelConfig = Field(default_factory=MLPModel)
     data: DataConfig = Field(default_factory=RegressionData)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -77,6 +79,11 @@ class RunConfig(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, raw: Any) -> Any:
+        return renamed.upgrade(raw, "the config") if isinstance(raw, dict) else raw
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -129,7 +136,13 @@ class RunConfig(Section):
 # ---- validation ------------------------------------------------------------------------------
 
 
-def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+def config_from_dict(raw: dict[str, Any], source: str | None = "the config") -> RunConfig:
+    """The validated config of ``raw``; ``source`` names it in the warning of a key given by
+    its old name (None: a config trainrun wrote, whose old names are read silently)."""
+    try:
+        raw = renamed.upgrade(raw, source)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         config = RunConfig.model_validate(raw)
     except pydantic.ValidationError as err:
@@ -149,14 +162,34 @@ def _check_optimization(config: RunConfig) -> None:
         raise ConfigError("nonfinite=halt cannot be used with precision.compute=float16: its loss "
                           "scaling skips overflowing steps by design; use nonfinite=skip")
     sched = config.optimizer.schedule
-    total = getattr(sched, "total_steps", None) or config.steps
-    warmup = getattr(sched, "warmup_steps", 0)
+    total = schedule_steps(sched, config.steps)
+    warmup = warmup_steps(sched, total)
+    given = f"optimizer.schedule.warmup={getattr(sched, 'warmup', 0)}" + (
+        f" ({warmup} steps)" if isinstance(getattr(sched, "warmup", 0), float) else "")
     if sched.kind == "cosine" and warmup >= total:
-        raise ConfigError(f"optimizer.schedule.warmup_steps={warmup} leaves no steps to decay in "
-                          f"{total} total steps; lower warmup_steps or raise total_steps")
+        raise ConfigError(f"{given} leaves no steps to decay in {total} total steps; give a "
+                          "shorter warm-up, e.g. optimizer.schedule.warmup=0.1 (a tenth of the "
+                          "run)")
     if sched.kind == "wsd" and warmup + round(sched.decay_fraction * total) > total:
-        raise ConfigError(f"optimizer.schedule: warmup_steps={warmup} plus decay_fraction="
+        raise ConfigError(f"{given} plus optimizer.schedule.decay_fraction="
                           f"{sched.decay_fraction} of {total} steps exceeds the total; lower one")
+
+
+def schedule_notices(config: RunConfig) -> list[str]:
+    """Lines a run prints about a warm-up that is not what its key seems to ask: a fraction of
+    a short run that rounds to no step, or a warm-up as long as the whole run."""
+    sched = config.optimizer.schedule
+    warmup = getattr(sched, "warmup", 0)
+    total = schedule_steps(sched, config.steps)
+    steps = warmup_steps(sched, total)
+    if isinstance(warmup, float) and warmup > 0 and steps == 0:
+        return [f"optimizer.schedule.warmup={warmup} of {total} step{'s' * (total > 1)} is "
+                "less than half a step: this run has no warm-up"]
+    if sched.kind in ("warmup", "exponential") and steps >= config.steps:
+        return [f"optimizer.schedule.warmup={warmup} ({steps} steps) lasts the whole run of "
+                f"{config.steps} steps: the learning rate never reaches optimizer.lr="
+                f"{config.optimizer.lr}; give a shorter warm-up, e.g. 0.1 (a tenth of the run)"]
+    return []
 
 
 def _check_model_and_data(config: RunConfig) -> None:

@@ -87,6 +87,16 @@ class RunConfig(Section):
 
     @pydantic.model_validator(mode="before")
     @classmethod
+    def _model_sized_by_data(cls, raw: Any) -> Any:
+        """A transformer's context and vocabulary not set in the config are its data's."""
+        given = sized_by_data(raw) if isinstance(raw, dict) else {}
+        if not given:
+            return raw
+        return {**raw, "model": {**raw["model"], **{key: value for key, (_, value)
+                                                      in given.items()}}}
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
     def _adapters_train_alone(cls, raw: Any) -> Any:
         """With ``model.lora`` and no ``optimizer.trainable``, only the adapters train (the
         resolved config says so, and a checkpoint's metadata records it)."""
@@ -131,6 +141,44 @@ class RunConfig(Section):
                       if k not in ("mesh", "distributed", "metrics", "profile")}
         blob = json.dumps(trajectory, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---- what the data gives the model -----------------------------------------------------------
+
+
+TOKEN_DATA: dict[str, type[TextData | TokenData | RecordsData]] = {
+    "text": TextData, "tokens": TokenData, "records": RecordsData}
+BYTES = 256  # the vocabulary of byte-level text
+
+
+def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    """The transformer keys a raw config leaves to its data: ``{model key: (data key, value)}``.
+
+    The model's context (``model.seq_len``) is the data's rows (``data.seq_len``); the
+    vocabulary of text data (``model.vocab``) is its tokenizer's (``data.vocab_size``), or the
+    256 bytes without one. A key the config sets is its own; with ``init.from`` the source
+    gives the model (``checkpointing/init_from.py``). A records tokenizer's size is known only
+    once it is read: the run refuses a ``model.vocab`` below it then."""
+    model, data, init = raw.get("model"), raw.get("data"), raw.get("init")
+    if not (isinstance(model, dict) and model.get("kind") == "transformer"
+            and isinstance(data, dict) and data.get("kind") in TOKEN_DATA):
+        return {}
+    if isinstance(init, dict) and (init.get("from") or init.get("from_")) is not None:
+        return {}
+    section = TOKEN_DATA[data["kind"]]
+    given: dict[str, tuple[str, int]] = {}
+
+    def take(model_key: str, data_key: str, default: Any) -> None:
+        value = data.get(data_key, default)
+        if model_key not in model and type(value) is int and value > 0:  # else the data's error
+            given[model_key] = (data_key, value)
+
+    take("seq_len", "seq_len", section.model_fields["seq_len"].default)
+    if data["kind"] == "text" and data.get("tokenizer") is not None:
+        take("vocab", "vocab_size", TextData.model_fields["vocab_size"].default)
+    elif data["kind"] == "text" and "vocab" not in model:
+        given["vocab"] = ("tokenizer", BYTES)
+    return given
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -202,13 +250,15 @@ def _check_model_and_data(config: RunConfig) -> None:
         if (isinstance(data, (TextData, TokenData, RecordsData))
                 and data.seq_len > model.seq_len):
             raise ConfigError(f"data.seq_len={data.seq_len} is longer than the model's context "
-                              f"model.seq_len={model.seq_len}; set them equal")
-        if data.kind == "text" and data.tokenizer is None and model.vocab < 256:
-            raise ConfigError(f"byte-level text needs model.vocab >= 256, got {model.vocab}")
+                              f"model.seq_len={model.seq_len}; drop model.seq_len (it follows "
+                              f"data.seq_len) or raise it to at least {data.seq_len}")
+        if data.kind == "text" and data.tokenizer is None and model.vocab < BYTES:
+            raise ConfigError(f"byte-level text needs model.vocab >= {BYTES}, got {model.vocab}; "
+                              "drop model.vocab (it follows the data)")
         if data.kind == "text" and data.tokenizer is not None and model.vocab < data.vocab_size:
             raise ConfigError(f"model.vocab={model.vocab} is smaller than the tokenizer's "
-                              f"data.vocab_size={data.vocab_size}; set model.vocab to at least "
-                              "that")
+                              f"data.vocab_size={data.vocab_size}; drop model.vocab (it follows "
+                              "data.vocab_size) or set it to at least that")
     if config.eval.params == "ema" and config.optimizer.ema is None:
         raise ConfigError("eval.params=ema needs a moving average to evaluate: set "
                           "optimizer.ema (e.g. 0.999)")

@@ -35,7 +35,7 @@ from trainrun.training.loop import run
 
 def config_for(hidden: int, steps: int, *overrides: str):
     return load_config("mlp", [f"model.hidden=[{hidden},{hidden}]", f"steps={steps}",
-                               "data.batch_size=8", "optimizer.lr=0.0001", "log_every=100",
+                               "data.batch_size=8", "optimizer.lr=0.0001", "metrics.every=100",
                                "metrics.tensorboard=false", *overrides])
 
 

@@ -35,7 +35,7 @@ SETTINGS = {
 WORKLOADS = {
     "mlp": ["--config", "mlp", "steps=60", "checkpoint.every=20", "metrics.tensorboard=false"],
     "lm + dropout": ["--config", "lm", "steps=40", "steps_per_call=5", "checkpoint.every=10",
-                     "optimizer.schedule.warmup_steps=10",
+                     "optimizer.schedule.warmup=10",
                      "eval.every=0", "model.dropout=0.1", "metrics.tensorboard=false"],
 }
 

@@ -28,7 +28,7 @@ for name in deterministic default-xla; do
   passes=0
   for _ in $(seq "$REPEATS"); do
     if XLA_FLAGS="${FLAGS[$name]}" "$PY" -m trainrun verify-resume "${LM[@]}" steps=60 \
-        checkpoint.every=20 optimizer.schedule.warmup_steps=10 > /dev/null; then
+        checkpoint.every=20 optimizer.schedule.warmup=10 > /dev/null; then
       passes=$((passes + 1))
     fi
   done

@@ -82,7 +82,7 @@ part "Part 5: GPU determinism (fresh processes, verify-resume, the embedding sca
 DET=$WORK/determinism
 mkdir -p "$DET" "$OUT/determinism"
 LM=(--config lm model.dropout=0.1 precision.compute=bfloat16 eval.every=0
-    metrics.tensorboard=false optimizer.schedule.warmup_steps=10 log_every=10)
+    metrics.tensorboard=false optimizer.schedule.warmup=10 metrics.every=10)
 if [[ $TINY == 1 ]]; then STEPS=20; EVERY=10; else STEPS=40; EVERY=20; fi
 run_bg() {  # NAME TIMEOUT XLA_FLAGS_OR_EMPTY ARGS...: a background CLI run, its exit code in NAME.rc
   local name=$1 limit=$2 flags=$3
@@ -168,7 +168,6 @@ name: gpt2-shape
 seed: 0
 steps: $N
 steps_per_call: $K
-log_every: $K
 model: {kind: transformer, vocab: $V, d_model: $D, layers: $L, heads: $H, mlp_ratio: 4,
         seq_len: $T, positions: rope, dropout: 0.0, init_std: 0.02}
 data: {kind: tokens, train: $WORK/tokens/train.bin, dtype: uint16, seq_len: $T, batch_size: $B,
@@ -177,7 +176,7 @@ precision: {compute: bfloat16}
 optimizer: {name: adamw, lr: 0.0006, b1: 0.9, b2: 0.95, weight_decay: 0.1}
 eval: {every: 0}
 checkpoint: {every: 0}
-metrics: {tensorboard: false}
+metrics: {every: $K, tensorboard: false}
 EOF
   timeout 90 "$PY" -m trainrun train --config "$OUT/gpt2.yaml" \
     --run-dir "$WORK/gpt2-run" > "$OUT/gpt2-run.log" 2>&1

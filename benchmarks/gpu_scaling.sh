@@ -28,7 +28,6 @@ name: gpu-scaling          # run name
 seed: 0                    # init and step keys
 steps: $STEPS              # optimizer updates
 steps_per_call: 10         # K steps fused per dispatch
-log_every: 100             # console line interval
 model:
   kind: transformer        # decoder-only LM
   vocab: 256               # bytes
@@ -45,6 +44,8 @@ optimizer:
   lr: 3.0e-4               # learning rate
 checkpoint:
   every: 0                 # only the final checkpoint
+metrics:
+  every: 100               # console line interval
 EOF
 
 declare -A MESHES=(

@@ -81,7 +81,7 @@ def make_model(folder: Path, d_model: int, layers: int) -> Path:
     heads = max(1, d_model // 32)
     config = load_config("lm_bpe", [
         "steps=40", "steps_per_call=20", "checkpoint.every=0", "eval.every=0",
-        "optimizer.schedule.warmup_steps=1", "metrics.tensorboard=false",
+        "optimizer.schedule.warmup=1", "metrics.tensorboard=false",
         f"model.d_model={d_model}", f"model.layers={layers}", f"model.heads={heads}",
         "model.seq_len=256", "model.positions=learned", "model.bias=true", "model.vocab=512",
         f"data.paths=[{corpus}]", "data.seq_len=256", "data.batch_size=8",

@@ -47,15 +47,15 @@ LLAMA = ["model.positions=rope", "model.mlp=swiglu", "model.norm=rmsnorm",
 MODELS = {
     "tiny": [*GPT2, "model.d_model=64", "model.heads=2", "model.seq_len=128",
              "data.seq_len=128", "data.batch_size=16", "steps=60", "steps_per_call=10",
-             "log_every=10"],
+             "metrics.every=10"],
     "wide": [*GPT2, "model.d_model=512", "model.heads=8", "model.seq_len=64",
              "data.seq_len=64", "data.batch_size=8", "eval.batch_size=8", "steps=30",
-             "steps_per_call=5", "log_every=5"],
+             "steps_per_call=5", "metrics.every=5"],
     "llama": [*LLAMA, "model.seq_len=64", "data.seq_len=64", "data.batch_size=16", "steps=60",
-              "steps_per_call=10", "log_every=10"],
+              "steps_per_call=10", "metrics.every=10"],
     # the guide's path: the built-in finetune config from a Hugging Face directory
     "llama-dir": ["data.seq_len=64", "data.batch_size=16", "steps=60", "steps_per_call=10",
-                  "log_every=10"],
+                  "metrics.every=10"],
 }
 
 
@@ -76,7 +76,7 @@ def one_run(overrides: list[str], corpus: list[str], run_dir: Path) -> dict[str,
     """Compile, eval and median step time (s) of one run of the byte LM with ``overrides``."""
     base = "finetune" if any(o.startswith("init.from=") for o in overrides) else "lm"
     config = load_config(base, [*overrides, f"data.paths={corpus}", "checkpoint.every=0",
-                                "optimizer.schedule.warmup_steps=2",
+                                "optimizer.schedule.warmup=2",
                                 "data.eval_fraction=0.1"])
     config = config.model_copy(update={"eval": config.eval.model_copy(
         update={"every": config.steps})})

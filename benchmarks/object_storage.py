@@ -82,7 +82,7 @@ def start_stores() -> tuple[list[subprocess.Popen], dict[str, str]]:
     return procs, {"gs": "gs://bench", "s3": "s3://bench"}
 
 
-LM = ["checkpoint.every=50", "eval.every=0", "metrics.tensorboard=false", "log_every=50"]
+LM = ["checkpoint.every=50", "eval.every=0", "metrics.tensorboard=false", "metrics.every=50"]
 
 
 def corpus(folder: Path) -> Path:

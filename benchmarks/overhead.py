@@ -163,7 +163,7 @@ def trainrun_step_s(steps: int, window: int, k: int, without: tuple[str, ...] = 
     """trainrun's whole run at ``k`` steps per call; ``without``: fast paths turned off
     (``TRAINRUN_FAST_PATHS``; inline CPU calls are the process's, set in ``main``)."""
     config = load_config("mlp", [f"steps={steps}", f"steps_per_call={k}",
-                                 f"log_every={max(window, k)}", "checkpoint.every=0",
+                                 f"metrics.every={max(window, k)}", "checkpoint.every=0",
                                  "checkpoint.every_seconds=0"])
     kept = [name for name in fast_paths.names() if name not in without]
     before = os.environ.get(fast_paths.ENVIRONMENT_VARIABLE)
@@ -190,9 +190,9 @@ class Saves(trainrun.Callback):
 
 
 def policy_run(steps: int, overrides: list[str]) -> tuple[float, list[float], int]:
-    """The default MLP through run() as `trainrun train steps=N log_every=N/4` runs it:
+    """The default MLP through run() as `trainrun train steps=N metrics.every=N/4` runs it:
     (median step time from its summary, the console's steps/s per log line, saves)."""
-    config = load_config("mlp", [f"steps={steps}", f"log_every={steps // 4}", *overrides])
+    config = load_config("mlp", [f"steps={steps}", f"metrics.every={steps // 4}", *overrides])
     out, saves = io.StringIO(), Saves()
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(config, Path(tmp) / "run", out=out, callbacks=[saves])
@@ -257,7 +257,8 @@ def main() -> None:
         ratio = f"{seconds / best[bare[name]]:.2f}x the time" if name in bare else ""
         print(f"| {name} | {seconds * 1e6:.1f} | {medians[name] * 1e6:.1f} | "
               f"{best['hand-written jitted loop'] / seconds:.2f}x speed | {ratio} |")
-    print(f"\ndefault MLP, {s} steps, log_every={s // 4}, through run(); {args.repeats} repeats")
+    print(f"\ndefault MLP, {s} steps, metrics.every={s // 4}, through run(); "
+          f"{args.repeats} repeats")
     print("| checkpoints | saves | step_time_median_s µs, best / median | console steps/s per "
           "log line (the run with the best step time) | their max/min, best / median |\n"
           "|---|---:|---:|---|---:|")

@@ -66,9 +66,9 @@ def run_train(corpus: Path, run_dir: Path, cache: Path, steps: int) -> dict[str,
     command = [sys.executable, "-m", "trainrun", "train", "--config", "chat", "--run-dir",
                str(run_dir), "data.task=null", f"data.paths={corpus}", "data.seq_len=256",
                "model.seq_len=256", "data.batch_size=16", "data.eval_fraction=0.001",
-               f"steps={steps}", "steps_per_call=10", f"log_every={steps}", "eval.every=0",
+               f"steps={steps}", "steps_per_call=10", f"metrics.every={steps}", "eval.every=0",
                f"checkpoint.every={steps}", "model.d_model=64", "model.layers=2",
-               "optimizer.schedule.warmup_steps=10"]
+               "optimizer.schedule.warmup=10"]
     env = {**os.environ, "TRAINRUN_CACHE_DIR": str(cache)}
     start = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -124,7 +124,7 @@ def main() -> None:
                        "data.batch_size=16", "data.eval_fraction=0.001", "steps=60",
                        "steps_per_call=10", "eval.every=0", "checkpoint.every=20",
                        "model.d_model=64", "model.layers=2",
-               "optimizer.schedule.warmup_steps=10"]
+               "optimizer.schedule.warmup=10"]
             result = subprocess.run(command, env={**os.environ, "TRAINRUN_CACHE_DIR": str(cache)},
                                     capture_output=True, text=True)
             print(result.stdout[-3000:], result.stderr[-2000:])

@@ -31,7 +31,7 @@ from trainrun.training.loop import run
 
 
 def measure(steps: int, k: int, stream: bool) -> tuple[float, float]:
-    config = load_config("mlp", [f"steps={steps}", f"steps_per_call={k}", "log_every=500",
+    config = load_config("mlp", [f"steps={steps}", f"steps_per_call={k}", "metrics.every=500",
                                  "checkpoint.every=0", f"metrics.stream={str(stream).lower()}"])
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(config, Path(tmp) / "run", out=io.StringIO())

@@ -8,7 +8,7 @@ time on this machine.
 For each workload a short ``trainrun train --config <name>`` run gives the metric names (its
 ``metrics.jsonl`` and ``timing.jsonl``) and the step time (``step_time_median_s`` in its
 ``summary.json``). Then each contender writes the same rows for ``--steps`` steps as the loop
-hands them over: training rows in tables of ``log_every`` rows (float32, as read from the
+hands them over: training rows in tables of ``metrics.every`` rows (float32, as read from the
 device), a ``perf/`` row after each table and an eval row every ``eval.every`` steps; timed
 from the writer's creation to its ``close`` (every event on disk, a writer thread's queue
 drained), wall clock and the process's CPU time. Contenders are interleaved in one process;
@@ -60,7 +60,7 @@ def measure_workload(config: str, steps: int) -> Workload:
     evals = next(k for k in (list(r) for r in records if r.get("split") == "eval"))
     cfg = load_config(config)
     return Workload(config, train, [k for k in timing if k != "step"],
-                    [k for k in evals if k not in ("step", "split")], cfg.log_every,
+                    [k for k in evals if k not in ("step", "split")], cfg.metrics.every,
                     cfg.eval.every, summary["step_time_median_s"])
 
 

@@ -55,7 +55,7 @@ class CsvRows:
 
 def main(run_dir: str = "runs/callbacks") -> trainrun.RunSummary:
     config = trainrun.load_config("digits", [
-        "name=callbacks", "steps=400", "eval.every=50", "log_every=100",
+        "name=callbacks", "steps=400", "eval.every=50", "metrics.every=100",
         "checkpoint.keep=1", "checkpoint.keep_best=eval/loss",
     ])
     csv_rows = CsvRows(Path(run_dir) / "metrics.csv")

@@ -49,7 +49,7 @@ def blobs(n: int = 2048, classes: int = 4, features: int = 16, seed: int = 0):
 
 def main(run_dir: str = "runs/nnx_module") -> trainrun.RunSummary:
     config = trainrun.load_config("mlp", [
-        "name=nnx_module", "steps=200", "steps_per_call=10", "log_every=50",
+        "name=nnx_module", "steps=200", "steps_per_call=10", "metrics.every=50",
         "optimizer.lr=0.003", "data.batch_size=128",
     ])
     data = trainrun.ArrayBatches(blobs(), batch_size=128, shuffle=True, seed=config.seed)

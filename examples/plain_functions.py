@@ -40,7 +40,7 @@ def sine_data(n: int = 1024, seed: int = 0) -> dict[str, np.ndarray]:
 
 def main(run_dir: str = "runs/plain_functions") -> trainrun.RunSummary:
     config = trainrun.load_config("mlp", [
-        "name=plain_functions", "steps=300", "steps_per_call=10", "log_every=100",
+        "name=plain_functions", "steps=300", "steps_per_call=10", "metrics.every=100",
         "optimizer.lr=0.01", "data.batch_size=128",
     ])
     data = trainrun.ArrayBatches(sine_data(), batch_size=128, shuffle=True, seed=config.seed)

@@ -64,7 +64,7 @@ def test_export_of_the_default_lm_names_the_layouts_that_export(tmp_path, capsys
     corpus = tmp_path / "corpus.py"
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
     config = load_config("lm", ["steps=2", "steps_per_call=1", "checkpoint.every=0",
-                                "eval.every=0", "optimizer.schedule.warmup_steps=1",
+                                "eval.every=0", "optimizer.schedule.warmup=1",
                                 "model.d_model=32", "model.layers=1", "model.seq_len=32",
                                 f"data.paths=[{corpus}]", "data.seq_len=32",
                                 "data.batch_size=4", "metrics.tensorboard=false"])

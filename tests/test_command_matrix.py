@@ -262,7 +262,7 @@ def finetune(s: Sandbox, source: Path | str) -> list[str]:
     """`train --config finetune` from ``source`` on a small corpus, into ``run``."""
     corpus = s.file("corpus.txt", "the quick brown fox jumps over the lazy dog.\n" * 60)
     return ["train", "--config", "finetune", "--run-dir", str(s.tmp / "run"),
-            f"init.from={source}", "steps=2", "optimizer.schedule.warmup_steps=0",
+            f"init.from={source}", "steps=2", "optimizer.schedule.warmup=0",
             "eval.every=0", f"data.paths=[{corpus}]", "data.seq_len=16", "data.batch_size=2",
             "metrics.tensorboard=false"]
 

@@ -129,7 +129,7 @@ def test_answers_scored_during_training_reach_the_metrics_and_equal_eval(tmp_pat
                                   "model.layers=1", "data.task_examples=256",
                                   "data.batch_size=8", "eval.every=2", "eval.batch_size=8",
                                   "eval.generate=5", "eval.answer_tokens=6",
-                                  "checkpoint.every=4", "optimizer.schedule.warmup_steps=1"])
+                                  "checkpoint.every=4", "optimizer.schedule.warmup=1"])
     run_dir = tmp_path / "run"
     run(config, run_dir)
     evals = read_metrics(run_dir / "metrics.jsonl", "eval")

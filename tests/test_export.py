@@ -34,7 +34,7 @@ def lm_run(tmp_path_factory) -> Path:
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
     config = load_config("lm", [
         "steps=2", "steps_per_call=1", "checkpoint.every=0", "eval.every=0",
-        "optimizer.schedule.warmup_steps=1", "metrics.tensorboard=false", "model.d_model=32",
+        "optimizer.schedule.warmup=1", "metrics.tensorboard=false", "model.d_model=32",
         "model.layers=2", "model.heads=2", "model.seq_len=32", "model.positions=learned",
         "model.bias=true", f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=4"])
     run(config, tmp_path / "run", out=io.StringIO())
@@ -184,7 +184,7 @@ def test_a_tokenized_run_exports_its_tokenizer_and_token_ids(tmp_path, capfd):
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
     config = load_config("lm_bpe", [
         "steps=2", "steps_per_call=1", "checkpoint.every=0", "eval.every=0",
-        "optimizer.schedule.warmup_steps=1", "metrics.tensorboard=false", "model.d_model=32",
+        "optimizer.schedule.warmup=1", "metrics.tensorboard=false", "model.d_model=32",
         "model.layers=1", "model.heads=2", "model.seq_len=32", "model.positions=learned",
         "model.bias=true", "model.vocab=300", f"data.paths=[{corpus}]", "data.seq_len=32",
         "data.batch_size=4", f"data.tokenizer={tmp_path / 'tok.json'}", "data.vocab_size=300"])
@@ -281,7 +281,7 @@ def lora_run(lm_run, tmp_path_factory) -> Path:
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
     config = load_config("lm", [
         "steps=2", "steps_per_call=1", "checkpoint.every=0", "eval.every=0",
-        "optimizer.schedule.warmup_steps=1", "metrics.tensorboard=false", "model.d_model=32",
+        "optimizer.schedule.warmup=1", "metrics.tensorboard=false", "model.d_model=32",
         "model.layers=2", "model.heads=2", "model.seq_len=32", "model.positions=learned",
         "model.bias=true", f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=4",
         f"init.from={root / 'base'}",

@@ -90,7 +90,7 @@ def tiny(tasks, tmp_path_factory) -> Path:
     corpus.write_text(CORPUS)
     config = load_config("lm_bpe", [
         "steps=80", "steps_per_call=40", "optimizer.lr=0.01", "checkpoint.every=0",
-        "eval.every=0", "optimizer.schedule.warmup_steps=1", "metrics.tensorboard=false",
+        "eval.every=0", "optimizer.schedule.warmup=1", "metrics.tensorboard=false",
         "model.d_model=32", "model.layers=2", "model.heads=2", "model.seq_len=64",
         "model.positions=learned", "model.bias=true", "model.vocab=320",
         f"data.paths=[{corpus}]", "data.seq_len=64", "data.batch_size=4",
@@ -238,7 +238,7 @@ def test_an_adapter_directory_scores_as_hf_with_peft_scores_it(tiny, tasks, tmp_
     adapter directory and ``hf`` with ``peft=`` on its base give the same scores. (The base's
     vocabulary is the tokenizer's: lm-eval's ``hf`` cuts a PEFT model's to the tokenizer's.)"""
     pytest.importorskip("peft")
-    common = ["checkpoint.every=0", "eval.every=0", "optimizer.schedule.warmup_steps=1",
+    common = ["checkpoint.every=0", "eval.every=0", "optimizer.schedule.warmup=1",
               "metrics.tensorboard=false", f"data.paths=[{tiny / 'corpus.txt'}]",
               "data.seq_len=64", "data.batch_size=4", f"data.tokenizer={tiny / 'tok.json'}",
               "data.vocab_size=300"]

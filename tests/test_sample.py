@@ -67,7 +67,7 @@ def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys)
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
     config = load_config("lm", [
         "steps=40", "steps_per_call=20", "checkpoint.every=0", "eval.every=0",
-        "optimizer.schedule.warmup_steps=5", "optimizer.lr=0.01",
+        "optimizer.schedule.warmup=5", "optimizer.lr=0.01",
         "model.d_model=32", "model.layers=1", "model.heads=2", "model.seq_len=32",
         f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=8"])
     run(config, tmp_path / "lm", out=io.StringIO())
@@ -100,7 +100,7 @@ def test_sample_command_on_a_lora_run(tmp_path, capsys):
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
     config = load_config("lm", [
         "steps=4", "steps_per_call=2", "checkpoint.every=0", "eval.every=0",
-        "optimizer.schedule.warmup_steps=1", "optimizer.lr=0.01", "model.d_model=32",
+        "optimizer.schedule.warmup=1", "optimizer.lr=0.01", "model.d_model=32",
         "model.layers=1", "model.heads=2", "model.seq_len=32",
         "model.lora={rank: 4, alpha: 8, targets: [q, v, up]}",
         f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=8"])

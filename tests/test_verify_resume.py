@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="the tests' extra holds transformers"
 # A short fine-tune: one kill after the committed checkpoint at 4 and one during the save of 8.
 SHORT = ["--config", "finetune", "steps=12", "steps_per_call=2", "checkpoint.every=4",
          "eval.every=0", "data.seq_len=32", "data.batch_size=4",
-         "optimizer.schedule.warmup_steps=2", "metrics.tensorboard=false"]
+         "optimizer.schedule.warmup=2", "metrics.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_a_fine_tuning_run_extends_by_its_run_directory_alone(tmp_path, llama, c
     first = [a for a in SHORT if not a.startswith(("steps=", "checkpoint.every=", "optim"))]
     run_dir = tmp_path / "run"
     assert main(["train", "--run-dir", str(run_dir), *first, "steps=2", "checkpoint.every=2",
-                 "optimizer.schedule.warmup_steps=1", f"init.from={llama}", *data]) == 0, \
+                 "optimizer.schedule.warmup=1", f"init.from={llama}", *data]) == 0, \
         capfd.readouterr().err
     capfd.readouterr()
     assert main(["train", "--run-dir", str(run_dir), "steps=4"]) == 0, capfd.readouterr().err

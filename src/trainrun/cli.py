@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from trainrun.errors import (
@@ -441,10 +443,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _renamed_keys_as_lines() -> Iterator[None]:
+    """A config key given by its old name warns in one line, as the command's other warnings
+    do; any other warning shows as Python shows it."""
+    from trainrun.config.renamed import RenamedKeyWarning
+
+    python_shows = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, RenamedKeyWarning):
+            print(f"warning: {printable(str(message))}", file=sys.stderr)
+        else:
+            python_shows(message, category, *args, **kwargs)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = python_shows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        with _renamed_keys_as_lines():
+            return args.handler(args)
     except UserError as err:
         print(f"error: {printable(str(err))}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from trainrun.data.pipeline import ArrayBatches, BatchCursor
 from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
-SMALL = ["steps=30", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false"]
+SMALL = ["steps=30", "checkpoint.every=10", "metrics.every=10", "metrics.tensorboard=false"]
 
 
 def train(run_dir: Path, *overrides: str, **kwargs) -> tuple[dict, str]:
@@ -117,7 +117,7 @@ def test_resume_extends_a_finished_run_bit_for_bit(tmp_path, whole):
 
 @pytest.mark.slow
 def test_extending_a_schedule_that_spans_the_run_warns(tmp_path):
-    cosine = ["optimizer.schedule.kind=cosine", "optimizer.schedule.warmup_steps=5"]
+    cosine = ["optimizer.schedule.kind=cosine", "optimizer.schedule.warmup=5"]
     train(tmp_path / "run", "steps=20", *cosine)
     _, out = train(tmp_path / "run", "steps=30", *cosine)
     assert "resumed from step 20" in out

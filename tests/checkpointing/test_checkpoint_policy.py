@@ -30,7 +30,7 @@ class FakeClock(trainrun.Callback):
 def saved_steps(tmp_path, monkeypatch, jumps: dict[int, float], *overrides: str) -> list[int]:
     clock = FakeClock(jumps)
     monkeypatch.setattr(checkpoint_policy, "now", lambda: clock.now)
-    config = load_config("mlp", ["steps=100", "log_every=10", "checkpoint.keep=10", *overrides])
+    config = load_config("mlp", ["steps=100", "metrics.every=10", "checkpoint.keep=10", *overrides])
     trainrun.run(config, tmp_path, out=io.StringIO(), callbacks=[clock])
     return rundir.committed_steps(tmp_path / "checkpoints")
 
@@ -60,7 +60,7 @@ def test_the_time_is_looked_at_after_every_call_between_boundaries(tmp_path, mon
 
     monkeypatch.setattr(CompiledSteps, "__call__", counted)
     monkeypatch.setattr(checkpoint_policy, "now", lambda: 10.0 * sum(dispatched))
-    config = load_config("mlp", ["steps=100", "log_every=10", "checkpoint.keep=10",
+    config = load_config("mlp", ["steps=100", "metrics.every=10", "checkpoint.keep=10",
                                  "checkpoint.every_seconds=300"])
     trainrun.run(config, tmp_path, out=io.StringIO())
     assert rundir.committed_steps(tmp_path / "checkpoints") == [30, 60, 90, 100]
@@ -69,7 +69,7 @@ def test_the_time_is_looked_at_after_every_call_between_boundaries(tmp_path, mon
 def test_the_default_policy_saves_a_short_run_at_its_end_only(tmp_path, monkeypatch):
     config = load_config("mlp")
     assert (config.checkpoint.every, config.checkpoint.every_seconds) == (0, 300)
-    assert saved_steps(tmp_path, monkeypatch, {}, "steps=2000", "log_every=1000") == [2000]
+    assert saved_steps(tmp_path, monkeypatch, {}, "steps=2000", "metrics.every=1000") == [2000]
 
 
 def calls(*spans: tuple[float, float, int], first: bool = False) -> list[SimpleNamespace]:

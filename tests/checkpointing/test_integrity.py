@@ -16,7 +16,7 @@ from trainrun.cli import main as cli_main
 from trainrun.config import load_config
 from trainrun.training.loop import run
 
-SMALL = ["steps=30", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false"]
+SMALL = ["steps=30", "checkpoint.every=10", "metrics.every=10", "metrics.tensorboard=false"]
 
 
 def train(run_dir: Path, *overrides: str) -> str:

@@ -61,7 +61,7 @@ def finetune(tmp_path: Path, source: str, *extra: str):
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 80)
     return resolved(load_config("finetune", [
         "steps=4", "steps_per_call=2", "checkpoint.every=0", "eval.every=0",
-        "optimizer.lr=0.003", "optimizer.schedule.warmup_steps=0", f"init.from={source}",
+        "optimizer.lr=0.003", "optimizer.schedule.warmup=0", f"init.from={source}",
         f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=4",
         "metrics.tensorboard=false", *extra]))
 

@@ -42,7 +42,7 @@ def finetune(tmp_path, source, *extra: str):
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 80)
     return resolved(load_config("finetune", [
         "steps=8", "steps_per_call=4", "checkpoint.every=0", "eval.every=8", "eval.batches=2",
-        "eval.batch_size=4", "optimizer.lr=0.003", "optimizer.schedule.warmup_steps=2",
+        "eval.batch_size=4", "optimizer.lr=0.003", "optimizer.schedule.warmup=2",
         f"init.from={source}", f"data.paths=[{corpus}]", "data.seq_len=32",
         "data.batch_size=4", "data.eval_fraction=0.2", *extra]))
 
@@ -141,9 +141,9 @@ def test_loading_onto_an_fsdp_mesh_places_the_same_model(llama_dir, tmp_path, cl
     corpus = tmp_path / "corpus.py"
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 80)
     args = ["train", "--config", "finetune", f"init.from={llama_dir}", "steps=2",
-            "steps_per_call=1", "log_every=1", "eval.every=0", "checkpoint.every=0",
+            "steps_per_call=1", "metrics.every=1", "eval.every=0", "checkpoint.every=0",
             f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=4",
-            "metrics.tensorboard=false", "optimizer.schedule.warmup_steps=1"]
+            "metrics.tensorboard=false", "optimizer.schedule.warmup=1"]
     one = cli(*args[:3], "--run-dir", str(tmp_path / "one"), *args[3:])
     # every param with a dimension 4 divides is split over the 4 devices as it is read
     four = cli(*args[:3], "--run-dir", str(tmp_path / "four"), *args[3:], "mesh.data=1",

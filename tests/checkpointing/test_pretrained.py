@@ -46,7 +46,7 @@ def finetune(tmp_path, source, *extra: str):
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
     return resolved(load_config("lm", [
         "steps=6", "steps_per_call=3", "checkpoint.every=0", "eval.every=0",
-        "optimizer.schedule.warmup_steps=2", "optimizer.lr=0.001", "model.d_model=32",
+        "optimizer.schedule.warmup=2", "optimizer.lr=0.001", "model.d_model=32",
         "model.layers=2", "model.heads=2", "model.seq_len=32", "model.positions=learned",
         "model.bias=true", f"init.from={source}", f"data.paths=[{corpus}]", "data.seq_len=32",
         "data.batch_size=4", *extra]))
@@ -227,7 +227,7 @@ def test_weights_the_user_cannot_read_are_named_as_permission_denied(tmp_path, m
     deny_reading(monkeypatch, weights)
     capsys.readouterr()
     code = main(["train", "--config", "finetune", "--run-dir", str(tmp_path / "run"),
-                 f"init.from={path}", "steps=2", "optimizer.schedule.warmup_steps=0",
+                 f"init.from={path}", "steps=2", "optimizer.schedule.warmup=0",
                  "eval.every=0", f"data.paths=[{corpus}]", "data.seq_len=32",
                  "data.batch_size=2", "metrics.tensorboard=false"])
     err = capsys.readouterr().err

@@ -21,12 +21,11 @@ DROPOUT = """\
 name: dropout
 seed: 3
 steps: 30
-log_every: 10
 model: {kind: nnx_mlp, features: 8, hidden: [16], dropout: 0.25}
 data: {kind: regression, examples: 96, batch_size: 16, shuffle: true}
 optimizer: {name: adam, lr: 0.01}
 checkpoint: {every: 10}
-metrics: {tensorboard: false}
+metrics: {every: 10, tensorboard: false}
 """
 
 
@@ -116,7 +115,7 @@ def test_bad_kill_point_or_used_work_dir_is_a_one_line_error(tmp_path, capsys):
 @pytest.mark.slow
 def test_checkpoint_from_4_devices_resumes_on_2_and_on_1(cli, tmp_path):
     """Restore places the state by the new run's mesh (explicit target shardings)."""
-    common = ["steps=20", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false",
+    common = ["steps=20", "checkpoint.every=10", "metrics.every=10", "metrics.tensorboard=false",
               "data.batch_size=64"]
     four = tmp_path / "four"
     reference = cli("train", "--run-dir", str(four), *common, devices=4)

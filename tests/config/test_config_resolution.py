@@ -67,13 +67,13 @@ def test_a_folder_as_config_is_one_line_exit_2(tmp_path, capsys, command):
 def test_options_may_come_before_between_or_after_the_overrides(capsys):
     """``trainrun launch`` appends its overrides after the user's options; a user may write
     them in any order too. Before, an override after an option was "unrecognized"."""
-    assert main(["config", "show", "steps=7", "--config", "mlp", "log_every=3"]) == 0
+    assert main(["config", "show", "steps=7", "--config", "mlp", "metrics.every=3"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert (shown["steps"], shown["log_every"], shown["model"]["kind"]) == (7, 3, "mlp")
-    train = build_parser().parse_args(["train", "steps=2", "--run-dir", "r", "log_every=1",
+    assert (shown["steps"], shown["metrics"]["every"], shown["model"]["kind"]) == (7, 3, "mlp")
+    train = build_parser().parse_args(["train", "steps=2", "--run-dir", "r", "metrics.every=1",
                                        "--config", "lm", "--fresh", "seed=3"])
     assert (train.overrides, train.run_dir, train.config, train.fresh) == (
-        ["steps=2", "log_every=1", "seed=3"], "r", "lm", True)
+        ["steps=2", "metrics.every=1", "seed=3"], "r", "lm", True)
     verify = build_parser().parse_args(["verify-resume", "steps=4", "--kill-at", "2", "seed=1"])
     assert (verify.overrides, verify.kill_at) == (["steps=4", "seed=1"], [2])
 

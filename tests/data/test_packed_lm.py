@@ -182,9 +182,9 @@ def test_a_packed_tokenized_run_resumes_bitwise(tmp_path):
     small = [f"data.paths=[{tmp_path}/*.py]", f"data.tokenizer={tmp_path}/tok.json",
              "data.vocab_size=300", "model.vocab=300", "data.seq_len=16", "model.seq_len=16",
              "model.d_model=16", "model.layers=1", "data.batch_size=4", "eval.every=0",
-             "steps_per_call=3", "log_every=3", "metrics.tensorboard=false",
+             "steps_per_call=3", "metrics.every=3", "metrics.tensorboard=false",
              "checkpoint.every=6", "checkpoint.async=false",
-             "optimizer.schedule.warmup_steps=2", "optimizer.schedule.total_steps=12"]
+             "optimizer.schedule.warmup=2", "optimizer.schedule.total_steps=12"]
 
     def train(run_dir, steps):
         run(load_config("lm_bpe", [*small, f"steps={steps}"]), run_dir, out=io.StringIO())

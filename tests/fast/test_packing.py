@@ -57,7 +57,7 @@ def test_packed_only_on_one_device_and_for_a_small_state():
 
 @pytest.mark.slow
 def test_packed_and_unpacked_runs_train_the_same_bits(tmp_path, monkeypatch):
-    overrides = ["steps=40", "steps_per_call=4", "log_every=20", "checkpoint.every=20"]
+    overrides = ["steps=40", "steps_per_call=4", "metrics.every=20", "checkpoint.every=20"]
     run(load_config("mlp", overrides), tmp_path / "packed", out=io.StringIO())
     monkeypatch.setattr(packing, "PACK_MAX_BYTES", 0)  # every state passed leaf by leaf
     assert packing_for(mlp_state()[0], 1) is None

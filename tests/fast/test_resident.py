@@ -46,7 +46,7 @@ CASES = {  # batches per epoch: 1 (each step the whole set) and 8; one-step tail
 @pytest.mark.parametrize("overrides", CASES.values(), ids=list(CASES))
 def test_a_run_on_device_batches_matches_the_host_path_bit_for_bit(tmp_path, monkeypatch,
                                                                      overrides):
-    config = load_config("mlp", ["log_every=5", *overrides])
+    config = load_config("mlp", ["metrics.every=5", *overrides])
     on_device = host_arrays_in_calls(monkeypatch)
     run(config, tmp_path / "device", out=io.StringIO())
     assert on_device and not any(on_device)  # no call took a host array

@@ -26,7 +26,7 @@ def lora_config(tmp_path, *extra: str):
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
     return load_config("lm", [
         "steps=12", "steps_per_call=4", "checkpoint.every=0", "eval.every=0",
-        "optimizer.schedule.warmup_steps=2", "optimizer.lr=0.01", "optimizer.weight_decay=0.1",
+        "optimizer.schedule.warmup=2", "optimizer.lr=0.01", "optimizer.weight_decay=0.1",
         "model.d_model=32", "model.layers=2", "model.heads=2", "model.seq_len=32",
         "model.positions=learned", "model.bias=true",
         "model.lora={rank: 4, alpha: 8, targets: [q, v, up]}",

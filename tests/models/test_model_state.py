@@ -18,7 +18,7 @@ from trainrun.program.state import init_state
 from trainrun.program.step import make_eval_step, make_train_step
 from trainrun.training.loop import run
 
-SMALL = ["model.width=16", "optimizer.schedule.warmup_steps=20", "metrics.tensorboard=false"]
+SMALL = ["model.width=16", "optimizer.schedule.warmup=20", "metrics.tensorboard=false"]
 
 
 @pytest.mark.slow

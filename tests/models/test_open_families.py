@@ -164,7 +164,7 @@ def test_a_lora_fine_tune_exports_adapters_peft_loads_with_trainruns_logits(byte
     corpus.write_bytes(bytes(range(32, 96)) * 40)
     config = resolved(load_config("finetune", [
         "steps=6", "steps_per_call=3", "checkpoint.every=0", "eval.every=0",
-        "optimizer.lr=0.01", "optimizer.schedule.warmup_steps=1",
+        "optimizer.lr=0.01", "optimizer.schedule.warmup=1",
         f"init.from={byte_vocab_dirs[family]}", f"data.paths=[{corpus}]", "data.seq_len=24",
         "data.batch_size=2", f"model.lora={{rank: 4, alpha: 8, targets: {targets}}}"]))
     run(config, tmp_path / "run", out=io.StringIO())

@@ -22,7 +22,7 @@ from trainrun.platform import distributed
 from trainrun.reporting.sinks.jsonl import read_metrics
 
 RUN = ["model.hidden=[32]", "data.examples=512", "data.batch_size=64", "data.shuffle=true",
-       "log_every=10", "metrics.tensorboard=false"]
+       "metrics.every=10", "metrics.tensorboard=false"]
 
 
 def losses(run_dir) -> np.ndarray:
@@ -149,7 +149,7 @@ def test_a_lost_process_stops_the_others_naming_it_and_a_relaunch_resumes(tmp_pa
     what happened and the run's status records it. Before, that abort ended the job with
     XLA's stack trace, exit 134."""
     run_dir = tmp_path / "run"
-    train = ["train", "--run-dir", str(run_dir), *RUN, "log_every=100", "checkpoint.every=100",
+    train = ["train", "--run-dir", str(run_dir), *RUN, "metrics.every=100", "checkpoint.every=100",
              "distributed.peer_timeout_s=5"]
     code, out, pid, stopped_after = kill_one_while_training(run_dir, 1, busy, *train)
     assert code == 128 + signal.SIGKILL, out[-3000:]  # the first failure
@@ -180,7 +180,7 @@ def test_a_dead_process_0_ends_the_job_in_the_launchers_line(tmp_path):
     the job ended with their gRPC errors and XLA's stack traces and status.json still said
     ``running``."""
     run_dir = tmp_path / "run"
-    train = ["train", "--run-dir", str(run_dir), *RUN, "log_every=100", "checkpoint.every=100",
+    train = ["train", "--run-dir", str(run_dir), *RUN, "metrics.every=100", "checkpoint.every=100",
              "distributed.peer_timeout_s=5"]
     code, out, pid, stopped_after = kill_one_while_training(run_dir, 0, 0, *train)
     assert code == 128 + signal.SIGKILL, out[-3000:]
@@ -312,7 +312,7 @@ def test_a_stranger_at_the_coordinator_is_refused_or_ends_the_job_in_one_line(tm
     the launcher exited 134 with XLA's stack traces, status.json said running, and the
     stranger waited silently."""
     run_dir = tmp_path / "run"
-    train = ["train", "--run-dir", str(run_dir), *RUN, "log_every=100", "checkpoint.every=100",
+    train = ["train", "--run-dir", str(run_dir), *RUN, "metrics.every=100", "checkpoint.every=100",
              "distributed.peer_timeout_s=5", "steps=10000000"]
     proc = subprocess.Popen([sys.executable, "-m", "trainrun", "launch", "-n", "2", "--",
                              *train], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

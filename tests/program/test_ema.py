@@ -63,7 +63,7 @@ def test_eval_can_use_the_average(tmp_path):
     def eval_losses(*extra: str) -> list[float]:
         name = "-".join(extra) or "live"
         run(load_config("digits", ["steps=20", "eval.every=10", "checkpoint.every=0",
-                                   "optimizer.schedule.warmup_steps=5", "optimizer.ema=0.9",
+                                   "optimizer.schedule.warmup=5", "optimizer.ema=0.9",
                                    "metrics.tensorboard=false", *extra]),
             tmp_path / name, out=io.StringIO())
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]

@@ -34,15 +34,18 @@ def wsd_reference(count: np.ndarray) -> np.ndarray:
 
 SCHEDULES = {
     "constant": ([], optax.constant_schedule(LR)),
-    "warmup": (["kind=warmup", "warmup_steps=10", "init_lr=0.001"],
+    "warmup": (["kind=warmup", "warmup=10", "init_lr=0.001"],
                optax.warmup_constant_schedule(0.001, LR, 10)),
-    "cosine": (["kind=cosine", "warmup_steps=5", "end_lr=0.0001"],
+    "cosine": (["kind=cosine", "warmup=5", "end_lr=0.0001"],
                optax.warmup_cosine_decay_schedule(0.0, LR, 5, STEPS, end_value=0.0001)),
-    "exponential": (["kind=exponential", "warmup_steps=3", "transition_steps=5",
+    # a fraction of the run: 0.2 of 30 steps is 6
+    "cosine_fraction": (["kind=cosine", "warmup=0.2", "end_lr=0.0001"],
+                        optax.warmup_cosine_decay_schedule(0.0, LR, 6, STEPS, end_value=0.0001)),
+    "exponential": (["kind=exponential", "warmup=3", "transition_steps=5",
                      "decay_rate=0.5", "staircase=true", "end_lr=0.001"],
                     optax.warmup_exponential_decay_schedule(0.0, LR, 3, 5, 0.5, staircase=True,
                                                             end_value=0.001)),
-    "wsd": (["kind=wsd", "warmup_steps=5", "decay_fraction=0.4"], wsd_reference),
+    "wsd": (["kind=wsd", "warmup=5", "decay_fraction=0.4"], wsd_reference),
     "piecewise": (["kind=piecewise", "boundaries=[10,20]", "scales=[0.5,0.1]"],
                   optax.piecewise_constant_schedule(LR, {10: 0.5, 20: 0.1})),
 }
@@ -128,9 +131,15 @@ def test_each_optimizer_trains_the_mlp(name):
 @pytest.mark.parametrize(("overrides", "words"), [
     (["optimizer.schedule.kind=piecewise", "optimizer.schedule.boundaries=[10]",
       "optimizer.schedule.scales=[0.5,0.1]"], "one scale per boundary"),
-    (["optimizer.schedule.kind=cosine", "optimizer.schedule.warmup_steps=500"],
-     "warmup_steps=500"),
-    (["optimizer.schedule.kind=cosine", "optimizer.schedule.warmup=5"], "warmup_steps"),
+    (["optimizer.schedule.kind=cosine", "optimizer.schedule.warmup=500"],
+     "optimizer.schedule.warmup=500 leaves no steps to decay in 200 total steps"),
+    (["optimizer.schedule.kind=cosine", "optimizer.schedule.warmup=0.999", "steps=2"],
+     "optimizer.schedule.warmup=0.999 (2 steps) leaves no steps to decay"),
+    (["optimizer.schedule.kind=cosine", "optimizer.schedule.warmup=1.5"],
+     "neither a fraction of the run below 1 nor a whole number of steps"),
+    (["optimizer.schedule.kind=cosine", "optimizer.schedule.warmups=5"], "'warmup'"),
+    (["optimizer.schedule.kind=cosine", "optimizer.schedule.warmup=5",
+      "optimizer.schedule.warmup_steps=5"], "keep optimizer.schedule.warmup alone"),
     (["optimizer.clip_norm=-1"], "optimizer.clip_norm"),
 ])
 def test_bad_optimizer_keys_are_one_line_errors(tmp_path, capsys, overrides, words):

@@ -129,7 +129,7 @@ def test_tensor_axis_without_logical_names_is_refused():
 # ---- on simulated devices (subprocesses: each its own device count) --------------------------
 
 MLP2 = ["model.hidden=[32]", "data.examples=512", "data.batch_size=64", "data.shuffle=true",
-        "steps=50", "log_every=50", "metrics.tensorboard=false"]
+        "steps=50", "metrics.every=50", "metrics.tensorboard=false"]
 
 
 def losses(run_dir) -> np.ndarray:
@@ -229,7 +229,7 @@ def test_fsdp_and_tensor_parallel_match_data_parallel_on_the_transformer(tmp_pat
     lm = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.seq_len=16",
           "data.seq_len=16", "data.batch_size=8", f"data.paths=[{corpus}]",
           "data.prefetch_threads=0", "steps=10", "steps_per_call=5", "eval.every=0",
-          "optimizer.schedule.warmup_steps=2", "metrics.tensorboard=false"]
+          "optimizer.schedule.warmup=2", "metrics.tensorboard=false"]
     out = sharded_runs(tmp_path, "lm", lm, arrays=False)
     dp = out["dp"]["losses"]
     assert len(dp) == 10 and dp[-1] < dp[0]
@@ -250,7 +250,7 @@ def test_expert_parallel_matches_one_device_alone_and_with_fsdp(tmp_path):
            "model.mlp=swiglu", "model.experts=8", "model.experts_per_token=2",
            "model.expert_hidden=64", "data.seq_len=16", "data.batch_size=8",
            f"data.paths=[{corpus}]", "data.prefetch_threads=0", "steps=20", "steps_per_call=5",
-           "eval.every=0", "optimizer.schedule.warmup_steps=2", "metrics.tensorboard=false",
+           "eval.every=0", "optimizer.schedule.warmup=2", "metrics.tensorboard=false",
            "mesh.fsdp_min_size=0"]
     one = sharded_runs(tmp_path / "one", "lm", moe, arrays=False, meshes={"one": []},
                        devices=1)["one"]

@@ -71,7 +71,7 @@ def test_mlp_mfu_is_reported_against_the_measured_ceiling(tmp_path, monkeypatch,
     ceiling = mfu.cached_ceiling()
     assert ceiling is not None and ceiling["flops_per_s"] > 1e8
 
-    summary = run(load_config("mlp", ["steps=100", "log_every=10", "checkpoint.every=0"]),
+    summary = run(load_config("mlp", ["steps=100", "metrics.every=10", "checkpoint.every=0"]),
                   tmp_path / "run", out=io.StringIO())
     # Not "< 1": a ceiling measured while other work loads the cores is low, and a run timed
     # in a quieter moment then passes it.
@@ -145,8 +145,8 @@ def tiny_lm(tmp_path, steps_per_call):
     corpus.write_bytes(b"".join(f"def f{i}(x):\n    return x * {i}\n\n".encode()
                                 for i in range(60)))
     return load_config("lm", [
-        "steps=20", f"steps_per_call={steps_per_call}", "log_every=10", "checkpoint.every=0",
-        "eval.every=0", "metrics.tensorboard=false", "optimizer.schedule.warmup_steps=2",
+        "steps=20", f"steps_per_call={steps_per_call}", "metrics.every=10", "checkpoint.every=0",
+        "eval.every=0", "metrics.tensorboard=false", "optimizer.schedule.warmup=2",
         "model.vocab=256", "model.d_model=32", "model.layers=1", "model.heads=2",
         "model.mlp_ratio=4", "model.seq_len=16",
         f"data.paths=[{corpus}]", "data.seq_len=16", "data.batch_size=4"])

@@ -21,7 +21,7 @@ from trainrun.config import config_from_dict, load_config
 from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
-QUICK = ["log_every=10", "checkpoint.every=0"]
+QUICK = ["metrics.every=10", "checkpoint.every=0"]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from trainrun.reporting.stream import MetricStream
 from trainrun.reporting.timing import Stopwatch
 from trainrun.training import loop, setup
 
-K10 = ["steps=100", "steps_per_call=10", "log_every=50", "checkpoint.every=0"]
+K10 = ["steps=100", "steps_per_call=10", "metrics.every=50", "checkpoint.every=0"]
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from trainrun.reporting.sinks.tensorboard import TENSORBOARD_DIR, TensorBoardWri
 from trainrun.reporting.table import Table
 from trainrun.training.loop import run
 
-QUICK = ["steps=60", "log_every=20", "checkpoint.every=0"]
+QUICK = ["steps=60", "metrics.every=20", "checkpoint.every=0"]
 
 
 class Terminal(io.StringIO):

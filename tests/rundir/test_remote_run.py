@@ -250,7 +250,7 @@ def test_a_store_gone_past_the_deadline_stops_the_run_in_one_line_and_it_resumes
 
 
 RUN = ["model.hidden=[32]", "data.examples=512", "data.batch_size=64", "data.shuffle=true",
-       "log_every=10", "metrics.tensorboard=false", "checkpoint.every=10"]
+       "metrics.every=10", "metrics.tensorboard=false", "checkpoint.every=10"]
 
 
 @pytest.mark.slow

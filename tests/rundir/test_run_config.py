@@ -16,7 +16,7 @@ from trainrun.rundir.run_config import command_config
 from trainrun.training.loop import run
 
 LM = ["steps=2", "steps_per_call=1", "checkpoint.every=2", "eval.every=0",
-      "optimizer.schedule.warmup_steps=1", "metrics.tensorboard=false", "model.d_model=32",
+      "optimizer.schedule.warmup=1", "metrics.tensorboard=false", "model.d_model=32",
       "model.layers=1", "model.heads=2", "model.seq_len=32", "data.seq_len=32",
       "data.batch_size=4"]
 

@@ -26,7 +26,7 @@ from trainrun.rundir.lock import RunDirLocked, RunLock, is_locked
 from trainrun.training.loop import run
 from trainrun.training.preemption import ABORT_EXIT_CODE
 
-SMALL = ["steps=20", "checkpoint.every=10", "log_every=10", "metrics.tensorboard=false"]
+SMALL = ["steps=20", "checkpoint.every=10", "metrics.every=10", "metrics.tensorboard=false"]
 
 
 def train(run_dir: Path, *overrides: str, **kwargs) -> str:
@@ -195,7 +195,7 @@ def test_lock_names_its_holder_and_the_kernel_frees_it_on_kill(tmp_path):
 @pytest.mark.slow
 def test_a_second_train_on_a_running_directory_exits_2_at_once(tmp_path):
     run_dir = tmp_path / "run"
-    first = start("train", "--run-dir", str(run_dir), "steps=10000000", "log_every=100",
+    first = start("train", "--run-dir", str(run_dir), "steps=10000000", "metrics.every=100",
                   "checkpoint.every=0", "metrics.tensorboard=false",
                   stderr_to=tmp_path / "first.txt")
     try:
@@ -223,7 +223,7 @@ def test_a_second_train_on_a_running_directory_exits_2_at_once(tmp_path):
 def test_kill_9_at_any_moment_leaves_a_directory_the_same_command_finishes(tmp_path):
     run_dir = tmp_path / "run"
     command = ["train", "--run-dir", str(run_dir), "steps=60", "checkpoint.every=10",
-               "log_every=10", "metrics.tensorboard=false"]
+               "metrics.every=10", "metrics.tensorboard=false"]
     for delay in (0.3, 0.9, 1.6, 2.4):  # start-up, marker and manager, first saves, training
         proc = start(*command, stderr_to=tmp_path / "killed.txt")
         time.sleep(delay)
@@ -240,7 +240,7 @@ def test_kill_9_at_any_moment_leaves_a_directory_the_same_command_finishes(tmp_p
 def test_second_ctrl_c_marks_the_run_failed(tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "stderr.txt"
-    proc = start("train", "--run-dir", str(run_dir), "steps=10000000", "log_every=100",
+    proc = start("train", "--run-dir", str(run_dir), "steps=10000000", "metrics.every=100",
                  "checkpoint.every=0", "metrics.tensorboard=false", stderr_to=log)
     wait_for_line(proc.stdout, "step   ")
     proc.send_signal(signal.SIGINT)
@@ -334,7 +334,7 @@ def lm_args(tmp_path: Path, *extra: str) -> list[str]:
     """Train arguments for a tiny byte-level LM in GPT-2's layout, on a small corpus."""
     corpus = tmp_path / "corpus.py"
     corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
-    return ["--config", "lm", "steps=2", "steps_per_call=1", "optimizer.schedule.warmup_steps=1",
+    return ["--config", "lm", "steps=2", "steps_per_call=1", "optimizer.schedule.warmup=1",
             "checkpoint.every=0", "eval.every=0", "metrics.tensorboard=false",
             "model.d_model=32", "model.layers=2", "model.heads=2", "model.seq_len=32",
             "model.positions=learned", "model.bias=true", f"data.paths=[{corpus}]",

@@ -25,7 +25,7 @@ from trainrun.reporting.sinks.jsonl import JsonlWriter, read_metrics
 from trainrun.rundir import storage
 from trainrun.training.loop import run
 
-RUN = ["steps=1000", "checkpoint.every=100", "log_every=500"]
+RUN = ["steps=1000", "checkpoint.every=100", "metrics.every=500"]
 
 
 def trainrun(*args: str) -> subprocess.CompletedProcess[str]:

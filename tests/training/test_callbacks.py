@@ -54,7 +54,7 @@ def call_sizes(monkeypatch) -> list[int]:
 def test_a_callback_sees_every_boundary_in_order_and_every_row_once(tmp_path, monkeypatch):
     sizes = call_sizes(monkeypatch)
     every_call, every_seventh = Recorder(), Recorder(every=7)
-    config = load_config("mlp", ["steps=25", "steps_per_call=10", "log_every=10"])
+    config = load_config("mlp", ["steps=25", "steps_per_call=10", "metrics.every=10"])
     trainrun.run(config, tmp_path, out=io.StringIO(), callbacks=[every_call, every_seventh])
 
     ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
@@ -66,11 +66,11 @@ def test_a_callback_sees_every_boundary_in_order_and_every_row_once(tmp_path, mo
 
 
 def test_calls_run_back_to_back_between_the_boundaries_the_hooks_need(tmp_path, monkeypatch):
-    # K=1, log_every=10: rows are read one call late, so with no hook asking for every call
+    # K=1, metrics.every=10: rows are read one call late, so with no hook asking for every call
     # the host stops after steps 11, 21, 31 (the reads) and 35 (the end) only.
     sizes = call_sizes(monkeypatch)
     quiet, every_call = Recorder(every_boundary=False), Recorder()
-    config = load_config("mlp", ["steps=35", "log_every=10"])
+    config = load_config("mlp", ["steps=35", "metrics.every=10"])
     trainrun.run(config, tmp_path / "quiet", out=io.StringIO(), callbacks=[quiet])
     assert sizes == [1] * 35
     assert quiet.steps == [11, 21, 31, 35]
@@ -100,7 +100,7 @@ STOP_AT_12 = """
             if boundary.step == 12:
                 boundary.stop("enough at 12")
 
-    config = trainrun.load_config("mlp", ["steps=100", "log_every=5", "checkpoint.every=50"])
+    config = trainrun.load_config("mlp", ["steps=100", "metrics.every=5", "checkpoint.every=50"])
     summary = trainrun.run(config, sys.argv[1], callbacks=[StopAt()])
     print("steps done", summary.steps_done)
 """
@@ -122,7 +122,7 @@ def test_a_callback_stops_the_run_with_its_final_checkpoint_and_status_finished(
 
 def digits(*overrides: str):
     return load_config("digits", ["steps=120", "steps_per_call=10", "eval.every=20",
-                                  "log_every=60", "metrics.tensorboard=false", *overrides])
+                                  "metrics.every=60", "metrics.tensorboard=false", *overrides])
 
 
 @pytest.mark.slow

@@ -24,8 +24,8 @@ from trainrun.training.loop import run
 
 def tiny_lm(corpus, *overrides: str):
     return load_config("lm", [
-        "steps=9", "steps_per_call=1", "log_every=3", "checkpoint.every=0",
-        "optimizer.schedule.warmup_steps=2",
+        "steps=9", "steps_per_call=1", "metrics.every=3", "checkpoint.every=0",
+        "optimizer.schedule.warmup=2",
         "model.d_model=16", "model.layers=1", "model.heads=2", "model.seq_len=16",
         "model.dropout=0.1",  # the step key is in play: eval must not draw from it
         f"data.paths=[{corpus}]", "data.seq_len=16", "data.batch_size=4",

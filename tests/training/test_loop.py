@@ -31,7 +31,7 @@ PROVENANCE_KEYS = {"trainrun", "jax", "jaxlib", "backend", "device_kind", "devic
 
 
 def test_run_directory_holds_config_provenance_metrics_and_summary(tmp_path):
-    config = load_config("mlp", ["steps=30", "log_every=10"])
+    config = load_config("mlp", ["steps=30", "metrics.every=10"])
     out = io.StringIO()
     summary = run(config, tmp_path, out=out)
 
@@ -139,7 +139,7 @@ def test_a_run_of_first_calls_only_reports_their_rate_and_says_so(tmp_path):
     # time (one-time set-up included) is the only step time there is: the log lines show it,
     # marked, instead of a rate from the wall clock around a compile (it read 16,112 steps/s
     # for a byte LM taking 90 ms a step); timing.jsonl holds no window of zero steps.
-    config = load_config("mlp", ["steps=12", "steps_per_call=10", "log_every=4"])
+    config = load_config("mlp", ["steps=12", "steps_per_call=10", "metrics.every=4"])
     out = io.StringIO()
     summary = run(config, tmp_path / "run", out=out)
     lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
@@ -174,7 +174,7 @@ def test_rows_are_written_by_a_writer_thread_while_the_loop_goes_on(tmp_path, mo
 
     monkeypatch.setattr(JsonlWriter, "write_table", slow_write_table)
     monkeypatch.setattr(CompiledSteps, "__call__", timed_call)
-    config = load_config("mlp", ["steps=400", "steps_per_call=10", "log_every=20",
+    config = load_config("mlp", ["steps=400", "steps_per_call=10", "metrics.every=20",
                                  "checkpoint.every=0", "checkpoint.every_seconds=0"])
     summary = run(config, tmp_path, out=io.StringIO())
     assert writes and all(name.startswith("trainrun-metrics") for name, _, _ in writes)
@@ -195,7 +195,7 @@ def test_a_write_that_fails_on_the_writer_thread_fails_the_run(tmp_path, monkeyp
             raise OSError(28, "No space left on device", "metrics.jsonl")
 
     monkeypatch.setattr(JsonlWriter, "write_table", failing_write_table)
-    config = load_config("mlp", ["steps=400", "steps_per_call=10", "log_every=20"])
+    config = load_config("mlp", ["steps=400", "steps_per_call=10", "metrics.every=20"])
     with pytest.raises(WriteFailed, match=r"no space left on device writing metrics\.jsonl"):
         run(config, tmp_path, out=io.StringIO())
     assert rundir.read_status(tmp_path)["status"] == "failed"

@@ -41,7 +41,7 @@ def poisoned(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("branches", [False, True])  # a select of each leaf; branches on CPU
 def test_a_nan_batch_is_skipped_leaving_params_and_optimizer_state_bitwise_unchanged(branches):
     model = make_mlp(MLPModel())
-    warmup = OptimizerConfig(lr=0.01, schedule={"kind": "warmup", "warmup_steps": 10})
+    warmup = OptimizerConfig(lr=0.01, schedule={"kind": "warmup", "warmup": 10})
     optimizer = build_optimizer(warmup, total_steps=20)
     keep = keep_if_not_branched if branches else keep_if_not
     step = jax.jit(make_train_step(model, optimizer, keep=keep))
@@ -74,7 +74,7 @@ def batches_with_nan_at(step: int, total: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 5])
 def test_skip_counts_the_step_in_the_metrics_and_training_goes_on(tmp_path, k):
-    config = load_config("mlp", ["steps=20", "log_every=5", f"steps_per_call={k}"])
+    config = load_config("mlp", ["steps=20", "metrics.every=5", f"steps_per_call={k}"])
     out = io.StringIO()
     run(config, tmp_path / "nan", data=batches_with_nan_at(3, 20), out=out)
     records = read_metrics(tmp_path / "nan" / "metrics.jsonl")
@@ -91,7 +91,7 @@ def test_skip_counts_the_step_in_the_metrics_and_training_goes_on(tmp_path, k):
 
 
 def test_halt_raises_naming_the_step(tmp_path):
-    config = load_config("mlp", ["steps=20", "log_every=5", "nonfinite=halt"])
+    config = load_config("mlp", ["steps=20", "metrics.every=5", "nonfinite=halt"])
     with pytest.raises(NonFiniteError, match=r"^step 3: loss or gradients are not finite"):
         run(config, tmp_path, data=batches_with_nan_at(3, 20), out=io.StringIO())
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -108,7 +108,7 @@ def test_halt_through_the_cli_exits_2_and_keeps_the_last_good_checkpoint(tmp_pat
     x[300, 0] = np.nan
     np.savez(tmp_path / "data.npz", x=x, y=y)
     config = tmp_path / "nan.yaml"
-    config.write_text(f"steps: 12\nlog_every: 100\ncheckpoint: {{every: 2}}\n"
+    config.write_text(f"steps: 12\nmetrics: {{every: 100}}\ncheckpoint: {{every: 2}}\n"
                       f"data: {{kind: arrays, train: {tmp_path / 'data.npz'}, batch_size: 64, "
                       f"shuffle: false}}\n")
     run_dir = tmp_path / "run"

@@ -39,7 +39,7 @@ def test_sigterm_finishes_the_call_saves_and_exits_zero(cli, tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "stderr.txt"
     train = start("-m", "trainrun", "train", "--run-dir", str(run_dir), "steps=10000000",
-                  "log_every=100", "checkpoint.every=0", "metrics.tensorboard=false",
+                  "metrics.every=100", "checkpoint.every=0", "metrics.tensorboard=false",
                   stderr_to=log)
     wait_for(train.stdout, r"step +100/")
     train.send_signal(signal.SIGTERM)

@@ -28,7 +28,7 @@ def _step_calls(trace_file) -> int:
 
 def test_profile_window_traces_the_steps_it_names(tmp_path):
     out = io.StringIO()
-    run(load_config("mlp", ["steps=12", "log_every=4", "checkpoint.every=0",
+    run(load_config("mlp", ["steps=12", "metrics.every=4", "checkpoint.every=0",
                             "profile.steps=[5,7]"]), tmp_path / "run", out=out)
     [trace] = (tmp_path / "run" / "profile").glob("plugins/profile/*/perfetto_trace.json.gz")
     assert _step_calls(trace) == 3  # steps 5, 6 and 7: one call each

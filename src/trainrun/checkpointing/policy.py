@@ -11,7 +11,7 @@ stay for what must land on exact steps (``trainrun verify-resume``'s kill points
 A step-based checkpoint cuts the call that would pass it (``steps_to_next``), so the state saved
 is the state at that step. A time-based one is taken at the first boundary after the interval;
 with several processes, process 0's clock decides and the others follow, so every host saves
-the same step (asked at the first boundary past each ``log_every`` steps: one broadcast there
+the same step (asked at the first boundary past each ``metrics.every`` steps: one broadcast there
 instead of one every call). ``checkpoint.keep_best: eval/<metric>`` also saves at every
 evaluation, with that metric, and Orbax keeps the best of those beside the latest ``keep``.
 """

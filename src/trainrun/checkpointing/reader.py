@@ -47,7 +47,7 @@ def saved_config(run_dir: location.Location) -> RunConfig:
         raise RunReadError(f"{run_dir} is not a run directory (no {rundir.CONFIG}); give the "
                           "directory a training run wrote, e.g. runs/lm")
     try:
-        return config_from_dict(rundir.read_yaml(path))
+        return config_from_dict(rundir.read_yaml(path), source=None)  # written by trainrun
     except ConfigError as err:
         raise RunReadError(f"the config saved in {path} no longer loads: {err}") from None
 

@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun.config import RunConfig
+from trainrun.config import RunConfig, renamed
 from trainrun.errors import UserError
 from trainrun.program.optim import build_schedule
 
 # Config keys that do not alter a run's trajectory: ``steps`` extends it, K steps per call does
 # not change a bit (tests/training/test_parity.py), eval reads the params without changing them,
 # the rest are bookkeeping. Any other change is refused unless the user asks for it.
-RESUMABLE_KEYS = ("name", "steps", "steps_per_call", "log_every", "checkpoint", "eval",
+RESUMABLE_KEYS = ("name", "steps", "steps_per_call", "checkpoint", "eval",
                   "data.prefetch_threads", "distributed", "metrics", "profile", "storage")
 # Provenance fields that, when they differ, void the promise of bitwise equality ("lock": the
 # digest of requirements.lock, the whole tested set of packages).
@@ -70,7 +70,8 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 def check_config(saved: dict[str, Any], config: RunConfig, allow: bool, where: Path) -> list[str]:
     """The trajectory-changing differences between a checkpoint's config and ``config``;
     raises unless ``allow``."""
-    changes = config_changes(saved, config.to_dict())
+    # a checkpoint written before a key was renamed holds it by its old name
+    changes = config_changes(renamed.upgrade(saved, None), config.to_dict())
     if changes and not allow:
         shown = "; ".join(changes[:SHOWN_CHANGES]) + (
             f"; and {len(changes) - SHOWN_CHANGES} more" if len(changes) > SHOWN_CHANGES else "")

@@ -23,6 +23,7 @@ from trainrun.config.run import (
     config_from_dict,
     describe_validation_error,
     dump_yaml,
+    schedule_notices,
 )
 from trainrun.config.sections import (
     BATCH_AXES,
@@ -65,6 +66,8 @@ from trainrun.config.sections import (
     TransformerModel,
     WarmupSchedule,
     WSDSchedule,
+    schedule_steps,
+    warmup_steps,
 )
 
 __all__ = [
@@ -80,5 +83,5 @@ __all__ = [
     "builtin_config_names", "config_from_dict",
     "config_from_layers", "config_layers", "describe_validation_error", "dump_yaml",
     "load_config", "merge", "parse_overrides", "resolve_config_path", "saved_layers",
-    "show_config", "show_layers",
+    "schedule_notices", "schedule_steps", "show_config", "show_layers", "warmup_steps",
 ]

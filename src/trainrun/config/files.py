@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from trainrun.config.run import ConfigError, RunConfig, config_from_dict
+from trainrun.config import renamed
+from trainrun.config.run import ConfigError, RunConfig, config_from_dict, sized_by_data
 from trainrun.errors import path_refused
 
 CONFIG_PACKAGE = "trainrun.configs"
@@ -114,6 +115,7 @@ def file_layers(name_or_path: str) -> list[Layer]:
         seen.append((key, label))
         tree = _read_yaml(path, label)
         base = tree.pop("base", None)
+        tree = _renamed(tree, label)
         layers.append(Layer(f"{kind}: {label}{' (built-in)' if builtin else ''}", tree))
         if base is None:
             return layers[::-1]
@@ -142,7 +144,16 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} sets a key under {part!r}, which is a value")
         node[parts[-1]] = value
-    return tree
+    return _renamed(tree, "the overrides")
+
+
+def _renamed(tree: dict[str, Any], source: str | None) -> dict[str, Any]:
+    """A layer's keys under their new names, before it merges: an old name over a base that
+    gives the new one replaces it, as any override does."""
+    try:
+        return renamed.upgrade(tree, source)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _merges(old: Any, new: Any) -> bool:
@@ -178,7 +189,7 @@ def saved_layers(path: Path, overrides: list[str] | None = None) -> list[Layer]:
     process would wait for the others."""
     remote = "://" in str(path)  # gs:// or s3://: a location, read as its own path type reads
     label = str(path) if remote else os.path.normpath(path)
-    tree = _read_yaml(path, label)
+    tree = _renamed(_read_yaml(path, label), None)  # trainrun wrote it: no warning
     tree.pop("distributed", None)
     layers = [Layer(f"run: {str(path.parent) if remote else os.path.normpath(path.parent)}",
                     tree)]
@@ -272,6 +283,9 @@ def show_layers(layers: list[Layer]) -> str:
         _track(merged, layer.tree, (), layer.origin, origins)
         merged = merge(merged, layer.tree)
     resolved = config_from_dict(merged).to_dict()
+    for key, (data_key, _) in sized_by_data(merged).items():
+        origins[("model", key)] = f"data.{data_key}" if data_key != "tokenizer" else (
+            "data: byte-level text")
 
     rows: list[tuple[str, str]] = []  # (YAML line, origin or "" for a section header)
 

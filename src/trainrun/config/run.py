@@ -15,6 +15,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, Field
 
+from trainrun.config import renamed
 from trainrun.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -35,6 +36,8 @@ from trainrun.config.sections import (
     StorageConfig,
     TextData,
     TokenData,
+    schedule_steps,
+    warmup_steps,
 )
 from trainrun.errors import UserError, printable
 
@@ -62,7 +65,6 @@ class RunConfig(Section):
     seed: int = Field(default=0, ge=0, le=2**32 - 1)  # jax.random.key's range without wrapping
     steps: int = Field(default=200, gt=0)
     steps_per_call: int = Field(default=1, gt=0)
-    log_every: int = Field(default=50, gt=0)
     model: ModelConfig = Field(default_factory=MLPModel)
     data: DataConfig = Field(default_factory=RegressionData)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -77,6 +79,21 @@ class RunConfig(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, raw: Any) -> Any:
+        return renamed.upgrade(raw, "the config") if isinstance(raw, dict) else raw
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _model_sized_by_data(cls, raw: Any) -> Any:
+        """A transformer's context and vocabulary not set in the config are its data's."""
+        given = sized_by_data(raw) if isinstance(raw, dict) else {}
+        if not given:
+            return raw
+        return {**raw, "model": {**raw["model"], **{key: value for key, (_, value)
+                                                      in given.items()}}}
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -126,10 +143,54 @@ class RunConfig(Section):
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+# ---- what the data gives the model -----------------------------------------------------------
+
+
+TOKEN_DATA: dict[str, type[TextData | TokenData | RecordsData]] = {
+    "text": TextData, "tokens": TokenData, "records": RecordsData}
+BYTES = 256  # the vocabulary of byte-level text
+
+
+def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    """The transformer keys a raw config leaves to its data: ``{model key: (data key, value)}``.
+
+    The model's context (``model.seq_len``) is the data's rows (``data.seq_len``); the
+    vocabulary of text data (``model.vocab``) is its tokenizer's (``data.vocab_size``), or the
+    256 bytes without one. A key the config sets is its own; with ``init.from`` the source
+    gives the model (``checkpointing/init_from.py``). A records tokenizer's size is known only
+    once it is read: the run refuses a ``model.vocab`` below it then."""
+    model, data, init = raw.get("model"), raw.get("data"), raw.get("init")
+    if not (isinstance(model, dict) and model.get("kind") == "transformer"
+            and isinstance(data, dict) and data.get("kind") in TOKEN_DATA):
+        return {}
+    if isinstance(init, dict) and (init.get("from") or init.get("from_")) is not None:
+        return {}
+    section = TOKEN_DATA[data["kind"]]
+    given: dict[str, tuple[str, int]] = {}
+
+    def take(model_key: str, data_key: str, default: Any) -> None:
+        value = data.get(data_key, default)
+        if model_key not in model and type(value) is int and value > 0:  # else the data's error
+            given[model_key] = (data_key, value)
+
+    take("seq_len", "seq_len", section.model_fields["seq_len"].default)
+    if data["kind"] == "text" and data.get("tokenizer") is not None:
+        take("vocab", "vocab_size", TextData.model_fields["vocab_size"].default)
+    elif data["kind"] == "text" and "vocab" not in model:
+        given["vocab"] = ("tokenizer", BYTES)
+    return given
+
+
 # ---- validation ------------------------------------------------------------------------------
 
 
-def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+def config_from_dict(raw: dict[str, Any], source: str | None = "the config") -> RunConfig:
+    """The validated config of ``raw``; ``source`` names it in the warning of a key given by
+    its old name (None: a config trainrun wrote, whose old names are read silently)."""
+    try:
+        raw = renamed.upgrade(raw, source)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         config = RunConfig.model_validate(raw)
     except pydantic.ValidationError as err:
@@ -149,14 +210,34 @@ def _check_optimization(config: RunConfig) -> None:
         raise ConfigError("nonfinite=halt cannot be used with precision.compute=float16: its loss "
                           "scaling skips overflowing steps by design; use nonfinite=skip")
     sched = config.optimizer.schedule
-    total = getattr(sched, "total_steps", None) or config.steps
-    warmup = getattr(sched, "warmup_steps", 0)
+    total = schedule_steps(sched, config.steps)
+    warmup = warmup_steps(sched, total)
+    given = f"optimizer.schedule.warmup={getattr(sched, 'warmup', 0)}" + (
+        f" ({warmup} steps)" if isinstance(getattr(sched, "warmup", 0), float) else "")
     if sched.kind == "cosine" and warmup >= total:
-        raise ConfigError(f"optimizer.schedule.warmup_steps={warmup} leaves no steps to decay in "
-                          f"{total} total steps; lower warmup_steps or raise total_steps")
+        raise ConfigError(f"{given} leaves no steps to decay in {total} total steps; give a "
+                          "shorter warm-up, e.g. optimizer.schedule.warmup=0.1 (a tenth of the "
+                          "run)")
     if sched.kind == "wsd" and warmup + round(sched.decay_fraction * total) > total:
-        raise ConfigError(f"optimizer.schedule: warmup_steps={warmup} plus decay_fraction="
+        raise ConfigError(f"{given} plus optimizer.schedule.decay_fraction="
                           f"{sched.decay_fraction} of {total} steps exceeds the total; lower one")
+
+
+def schedule_notices(config: RunConfig) -> list[str]:
+    """Lines a run prints about a warm-up that is not what its key seems to ask: a fraction of
+    a short run that rounds to no step, or a warm-up as long as the whole run."""
+    sched = config.optimizer.schedule
+    warmup = getattr(sched, "warmup", 0)
+    total = schedule_steps(sched, config.steps)
+    steps = warmup_steps(sched, total)
+    if isinstance(warmup, float) and warmup > 0 and steps == 0:
+        return [f"optimizer.schedule.warmup={warmup} of {total} step{'s' * (total > 1)} is "
+                "less than half a step: this run has no warm-up"]
+    if sched.kind in ("warmup", "exponential") and steps >= config.steps:
+        return [f"optimizer.schedule.warmup={warmup} ({steps} steps) lasts the whole run of "
+                f"{config.steps} steps: the learning rate never reaches optimizer.lr="
+                f"{config.optimizer.lr}; give a shorter warm-up, e.g. 0.1 (a tenth of the run)"]
+    return []
 
 
 def _check_model_and_data(config: RunConfig) -> None:
@@ -169,13 +250,15 @@ def _check_model_and_data(config: RunConfig) -> None:
         if (isinstance(data, (TextData, TokenData, RecordsData))
                 and data.seq_len > model.seq_len):
             raise ConfigError(f"data.seq_len={data.seq_len} is longer than the model's context "
-                              f"model.seq_len={model.seq_len}; set them equal")
-        if data.kind == "text" and data.tokenizer is None and model.vocab < 256:
-            raise ConfigError(f"byte-level text needs model.vocab >= 256, got {model.vocab}")
+                              f"model.seq_len={model.seq_len}; drop model.seq_len (it follows "
+                              f"data.seq_len) or raise it to at least {data.seq_len}")
+        if data.kind == "text" and data.tokenizer is None and model.vocab < BYTES:
+            raise ConfigError(f"byte-level text needs model.vocab >= {BYTES}, got {model.vocab}; "
+                              "drop model.vocab (it follows the data)")
         if data.kind == "text" and data.tokenizer is not None and model.vocab < data.vocab_size:
             raise ConfigError(f"model.vocab={model.vocab} is smaller than the tokenizer's "
-                              f"data.vocab_size={data.vocab_size}; set model.vocab to at least "
-                              "that")
+                              f"data.vocab_size={data.vocab_size}; drop model.vocab (it follows "
+                              "data.vocab_size) or set it to at least that")
     if config.eval.params == "ema" and config.optimizer.ema is None:
         raise ConfigError("eval.params=ema needs a moving average to evaluate: set "
                           "optimizer.ema (e.g. 0.999)")

@@ -10,6 +10,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainrun import extras
+from trainrun.config import renamed
 
 
 class Section(BaseModel):
@@ -449,31 +450,56 @@ class ConstantSchedule(Section):
     kind: Literal["constant"] = "constant"
 
 
-class WarmupSchedule(Section):
-    """Linear from ``init_lr`` to ``optimizer.lr`` over ``warmup_steps``, then constant."""
+def _fraction_or_steps(value: Any) -> Any:
+    if isinstance(value, bool) or (isinstance(value, float) and value >= 1):
+        raise ValueError(f"{value!r} is neither a fraction of the run below 1 nor a whole "
+                         "number of steps; give e.g. 0.1 (a tenth of the run) or 100")
+    return value
+
+
+# A fraction in (0, 1) of the schedule's steps (0.1: the first tenth of the run, to the nearest
+# step), or a whole number of steps (100); 0: no warm-up.
+Warmup = Annotated[int | float, Field(ge=0), pydantic.BeforeValidator(_fraction_or_steps)]
+
+
+class WarmedSchedule(Section):
+    """A schedule that starts with a linear warm-up from ``init_lr`` to ``optimizer.lr`` over
+    ``warmup`` (a fraction of the run, or steps)."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        return renamed.upgrade(raw, "the config", root="optimizer.schedule")
+
+
+class WarmupSchedule(WarmedSchedule):
+    """Linear from ``init_lr`` to ``optimizer.lr`` over ``warmup``, then constant."""
 
     kind: Literal["warmup"] = "warmup"
-    warmup_steps: int = Field(default=100, ge=0)
+    warmup: Warmup = 100
     init_lr: float = Field(default=0.0, ge=0)
 
 
-class CosineSchedule(Section):
-    """Linear warmup to ``optimizer.lr``, then cosine decay reaching ``end_lr`` at
-    ``total_steps`` (counted from step 0, warmup included; null: the run's ``steps``)."""
+class CosineSchedule(WarmedSchedule):
+    """Linear warmup to ``optimizer.lr``, then cosine decay reaching ``end_lr`` at the run's
+    last step. ``total_steps`` (null: the run's ``steps``) gives the schedule a length of its
+    own, for a run stopped before its schedule ends."""
 
     kind: Literal["cosine"] = "cosine"
-    warmup_steps: int = Field(default=0, ge=0)
+    warmup: Warmup = 0
     total_steps: int | None = Field(default=None, gt=0)
     init_lr: float = Field(default=0.0, ge=0)
     end_lr: float = Field(default=0.0, ge=0)
 
 
-class ExponentialSchedule(Section):
+class ExponentialSchedule(WarmedSchedule):
     """Linear warmup to ``optimizer.lr``, then ``lr * decay_rate ** (t / transition_steps)``
     (``t`` counted from the end of warmup; floored at ``end_lr`` when given)."""
 
     kind: Literal["exponential"] = "exponential"
-    warmup_steps: int = Field(default=0, ge=0)
+    warmup: Warmup = 0
     init_lr: float = Field(default=0.0, ge=0)
     transition_steps: int = Field(default=1000, gt=0)
     decay_rate: float = Field(default=0.96, gt=0)
@@ -481,12 +507,12 @@ class ExponentialSchedule(Section):
     end_lr: float | None = Field(default=None, ge=0)
 
 
-class WSDSchedule(Section):
+class WSDSchedule(WarmedSchedule):
     """Warmup-stable-decay: linear warmup to ``optimizer.lr``, hold it, then decay to ``end_lr``
-    over the last ``decay_fraction`` of ``total_steps`` (null: the run's ``steps``)."""
+    over the last ``decay_fraction`` of the run (``total_steps``: as cosine's)."""
 
     kind: Literal["wsd"] = "wsd"
-    warmup_steps: int = Field(default=0, ge=0)
+    warmup: Warmup = 0
     total_steps: int | None = Field(default=None, gt=0)
     decay_fraction: float = Field(default=0.2, gt=0, le=1)
     decay: Literal["linear", "cosine", "sqrt"] = "linear"
@@ -517,6 +543,22 @@ class PiecewiseSchedule(Section):
 ScheduleConfig = Annotated[
     Union[ConstantSchedule, WarmupSchedule, CosineSchedule,  # noqa: UP007
           ExponentialSchedule, WSDSchedule, PiecewiseSchedule], Field(discriminator="kind")]
+
+
+def schedule_steps(schedule: ScheduleConfig, run_steps: int) -> int:
+    """The schedule's length: its ``total_steps`` where it has one, else the run's steps."""
+    return getattr(schedule, "total_steps", None) or run_steps
+
+
+def warmup_steps(schedule: ScheduleConfig, total: int | None) -> int:
+    """The schedule's warm-up in steps, out of ``total`` (its length; needed for a fraction)."""
+    warmup = getattr(schedule, "warmup", 0)
+    if isinstance(warmup, int):
+        return warmup
+    if total is None:
+        raise ValueError(f"optimizer.schedule.warmup={warmup} is a fraction of the run: give "
+                         "the run's length")
+    return int(warmup * total + 0.5)  # to the nearest step, halves up
 
 
 class OptimizerConfig(Section):
@@ -686,8 +728,11 @@ DistributedConfig = Annotated[
 
 
 class MetricsConfig(Section):
-    """Where metrics go besides ``metrics.jsonl`` (always written), and how they leave the device.
+    """How often training metrics are read and shown, where they go besides ``metrics.jsonl``
+    (always written, a row per step), and how they leave the device.
 
+    every: steps between reads of the metrics off the device, each a console line (and a
+        W&B row); the loop waits for the device only there.
     stream: with steps_per_call > 1, send each step's metrics to the host from inside the fused
         call (an ordered io_callback) instead of when the call is done.
     tensorboard: TensorBoard event files in ``<run dir>/tensorboard``; ``auto`` (the default):
@@ -696,6 +741,7 @@ class MetricsConfig(Section):
         ``online``; needs the wandb extra.
     """
 
+    every: int = Field(default=50, gt=0)
     stream: bool = False
     tensorboard: bool = Field(default_factory=lambda: extras.installed("tensorboard"))
     wandb: Literal["off", "offline", "online"] = "off"

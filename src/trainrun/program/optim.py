@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trainrun.config import ConfigError, OptimizerConfig
+from trainrun.config import ConfigError, OptimizerConfig, warmup_steps
 
 PyTree = Any
 
@@ -33,7 +33,8 @@ class Optimizer:
 def build_schedule(cfg: OptimizerConfig, total_steps: int | None = None) -> optax.Schedule:
     """The schedule ``cfg.schedule`` names, peaking at ``cfg.lr``.
 
-    total_steps: the run's length, for schedules whose ``total_steps`` is null.
+    total_steps: the run's length: the schedule's, unless it gives ``total_steps`` of its own,
+        and what a warm-up given as a fraction is a fraction of.
     """
     s, peak = cfg.schedule, cfg.lr
     total = getattr(s, "total_steps", None) or total_steps
@@ -41,21 +42,23 @@ def build_schedule(cfg: OptimizerConfig, total_steps: int | None = None) -> opta
         raise ValueError(f"schedule {s.kind!r} needs total_steps (the run's length)")
     if s.kind == "constant":
         return optax.constant_schedule(peak)
+    if s.kind == "piecewise":
+        return optax.piecewise_constant_schedule(
+            peak, dict(zip(s.boundaries, s.scales, strict=True)))
+    warmup = warmup_steps(s, total)
     if s.kind == "warmup":
-        return optax.warmup_constant_schedule(s.init_lr, peak, s.warmup_steps)
+        return optax.warmup_constant_schedule(s.init_lr, peak, warmup)
     if s.kind == "cosine":
         assert total is not None  # refused above
-        return optax.warmup_cosine_decay_schedule(s.init_lr, peak, s.warmup_steps, total,
+        return optax.warmup_cosine_decay_schedule(s.init_lr, peak, warmup, total,
                                                   end_value=s.end_lr)
     if s.kind == "exponential":
         return optax.warmup_exponential_decay_schedule(
-            s.init_lr, peak, s.warmup_steps, s.transition_steps, s.decay_rate,
+            s.init_lr, peak, warmup, s.transition_steps, s.decay_rate,
             staircase=s.staircase, end_value=s.end_lr)
-    if s.kind == "wsd":
-        assert total is not None  # refused above
-        return warmup_stable_decay(s.init_lr, peak, s.end_lr, s.warmup_steps,
-                                   round(s.decay_fraction * total), total, s.decay)
-    return optax.piecewise_constant_schedule(peak, dict(zip(s.boundaries, s.scales, strict=True)))
+    assert total is not None  # wsd: refused above
+    return warmup_stable_decay(s.init_lr, peak, s.end_lr, warmup,
+                               round(s.decay_fraction * total), total, s.decay)
 
 
 def warmup_stable_decay(init_lr: float, peak: float, end_lr: float, warmup_steps: int,

@@ -17,7 +17,7 @@ from trainrun.errors import printable
 
 
 class ConsoleLog:
-    """Plain log lines every ``log_every`` steps: step, loss, lr, steps/s, examples/s. Used when
+    """Plain log lines every ``metrics.every`` steps: step, loss, lr, steps/s, examples/s. Used when
     the output is not a terminal (CI, a file): one line per log point, never a redraw."""
 
     def __init__(self, total_steps: int, examples_per_step: int, out: TextIO = sys.stdout,

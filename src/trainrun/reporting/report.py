@@ -20,6 +20,7 @@ import io
 import json
 import logging
 import os
+import statistics
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ import yaml
 
 from trainrun import extras, rundir
 from trainrun.errors import UserError, WriteFailed, path_refused, printable
-from trainrun.reporting.units import duration
+from trainrun.reporting.units import duration, time_unit
 from trainrun.rundir import location
 
 if TYPE_CHECKING:
@@ -213,9 +214,10 @@ def _plot_run(run: RunRecord, out_dir: location.Location,
         ax.set_ylim(bottom=0)
         plots.append(("throughput", fig))
         _, step_s = run.series(run.timing[1:] or run.timing, "step_time_s")  # first: warmup
-        fig, ax = _figure("step time per timing window (after warmup)", xlabel="µs per step",
-                          ylabel="windows")
-        ax.hist([t * 1e6 for t in step_s], bins=min(30, max(5, len(step_s))), color="tab:cyan",
+        size, unit = time_unit(statistics.median(step_s)) if step_s else (1e-6, "µs")
+        fig, ax = _figure("step time per timing window (after warmup)",
+                          xlabel=f"{unit} per step", ylabel="windows")
+        ax.hist([t / size for t in step_s], bins=min(30, max(5, len(step_s))), color="tab:cyan",
                 edgecolor="black")
         plots.append(("step-time histogram", fig))
     split = run.summary.get("wall_time_split_s")
@@ -293,7 +295,7 @@ def _summary_rows(run: RunRecord) -> list[tuple[str, Any]]:
 
 
 def _split_rows(split: dict[str, float], wall_s: float) -> list[tuple[str, Any]]:
-    return [(name, f"{seconds:.3f} s ({seconds / wall_s:.1%})") for name, seconds in
+    return [(name, f"{duration(seconds)} ({seconds / wall_s:.1%})") for name, seconds in
             split.items()] if wall_s else []
 
 

@@ -92,7 +92,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
                     built.console.message(settings.notice)
                 hook_list, log = build_hooks(built, preemption, list(callbacks))
                 hooks = HookRunner(hook_list, config.steps_per_call, config.steps,
-                                   MetricsReader(built.programs, built.timer, config.log_every),
+                                   MetricsReader(built.programs, built.timer, config.metrics.every),
                                    built.programs.state, built.params_copy)
                 calls = CallRunner(built)
                 boundary = _train(built, hooks, calls)

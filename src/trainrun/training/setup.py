@@ -30,7 +30,7 @@ from trainrun.checkpointing import init_from
 from trainrun.checkpointing.checkpoints import STEP_METADATA, Checkpoints, checkpoint_dir
 from trainrun.checkpointing.policy import CheckpointPolicy
 from trainrun.checkpointing.resume import check_config, provenance_changes, schedule_shift
-from trainrun.config import ConfigError, RunConfig, TransformerModel
+from trainrun.config import ConfigError, RunConfig, TransformerModel, schedule_notices
 from trainrun.data import (
     batch_iterator,
     build_dataset,
@@ -156,6 +156,8 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
             f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
     model = model or build_model(config.model)
     optimizer = build_optimizer(config.optimizer, config.steps)
+    for notice in schedule_notices(config):
+        console.message(f"warning: {notice}")
     policy = policy_from_config(config.precision)
     abstract = abstract_state(model, optimizer, config.seed, policy)
     state_sharding = sharding.state_shardings(mesh, abstract, model.logical_axes, optimizer.tx,
@@ -216,7 +218,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
             allow_config_change=allow_config_change, console=console, primary=primary)
     start = int(state.step)
     output = build_output(
-        run_dir, console, log_every=config.log_every, total_steps=config.steps,
+        run_dir, console, log_every=config.metrics.every, total_steps=config.steps,
         primary=primary, start_step=start, tensorboard=config.metrics.tensorboard,
         wandb=config.metrics.wandb, wandb_project=config.metrics.wandb_project,
         config=config.to_dict(), name=config.name)
@@ -274,7 +276,7 @@ def build_hooks(run: Run, preemption: Preemption,
                            f"{config.steps_per_call}")
         hooks.append(hook)
     policy = CheckpointPolicy(config.checkpoint.every, config.checkpoint.every_seconds,
-                              check_every=config.log_every)
+                              check_every=config.metrics.every)
     if run.mirror is not None:  # a run on object storage: its files go up before each save
         mirror, checkpoints = run.mirror, run.checkpoints
         hooks.append(StorageHook(lambda: mirror.stopped(checkpoints.last_committed)))

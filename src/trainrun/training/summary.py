@@ -90,7 +90,7 @@ class RunSummary:
         """The end-of-run summary as the console prints it."""
         p, split = self.provenance, self.wall_time_split_s
         step_s = self.step_time_median_s or 0.0
-        parts = "  ".join(f"{name} {s:.2f}" for name, s in split.items() if s >= 0.005)
+        parts = "  ".join(f"{name} {duration(s)}" for name, s in split.items() if s >= 0.005)
         flops = (f"{self.flops_per_step:,.0f} FLOPs/step ({self.flops_source})"
                  if self.flops_per_step else "")
         if self.mfu is not None and self.peak and self.flops_per_s:
@@ -109,13 +109,13 @@ class RunSummary:
                 if self.best_checkpoint else "")
         return (
             f"done: {self.steps_done} steps{stopped}, final loss {self.final_loss:.8g}\n"
-            f"  compile      {self.compile_s:.3f} s (separate from step time)\n"
+            f"  compile      {duration(self.compile_s)} (separate from step time)\n"
             f"  step time    {duration(step_s)} median over {self.timed_windows} windows "
             f"after {self.warmup_windows} warmup{skipped} (step compute only{first})\n"
             f"  throughput   {self.steps_per_s or 0:,.1f} steps/s, "
             f"{self.examples_per_s or 0:,.0f} examples/s\n"
             f"  MFU          {mfu_line}\n"
-            f"  wall time    {self.wall_s:.2f} s: {parts} (goodput {self.goodput or 0:.1%})"
+            f"  wall time    {duration(self.wall_s)}: {parts} (goodput {self.goodput or 0:.1%})"
             f"{best}\n"
             f"  provenance   trainrun {p['trainrun']}, jax {p['jax']}, jaxlib {p['jaxlib']}, "
             f"{p['backend']} ({p['device_kind']}) x{p['device_count']}, "

@@ -26,7 +26,7 @@ from trainrun.config import (
     schedule_steps,
     warmup_steps,
 )
-from trainrun.reporting.writers import read_metrics
+from trainrun.reporting.sinks.jsonl import read_metrics
 
 # The warm-up each built-in run had in steps before it was a fraction: unchanged at its steps.
 BUILTIN_WARMUP = {"lm": 50, "lm_bpe": 50, "digits": 100, "digits_resnet": 100, "chat": 100,

@@ -11,7 +11,7 @@ import yaml
 
 import trainrun
 from trainrun import rundir
-from trainrun.checkpointing.resume import check_config
+from trainrun.checkpointing.resume import ConfigChangedError, check_config
 from trainrun.cli import main
 from trainrun.config import (
     ConfigError,
@@ -148,6 +148,22 @@ def test_a_saved_run_config_with_old_names_loads_silently_and_resumes(tmp_path, 
     # a checkpoint's metadata with the old names is the same trajectory
     assert check_config(old, config, allow=False, where=tmp_path) == []
     assert not [w for w in recwarn if issubclass(w.category, renamed.RenamedKeyWarning)]
+
+
+def test_a_run_warmed_up_in_steps_resumes_under_the_fraction_that_gives_them(tmp_path):
+    """A run the built-in lm config started when its warm-up was 50 steps resumes under
+    `--config lm`, whose 0.0833 of 600 steps is the same 50; another count is a change."""
+    config = load_config("lm")
+    old = config.to_dict()
+    old["log_every"] = old["metrics"].pop("every")
+    old["optimizer"]["schedule"].pop("warmup")
+    for steps, same in ((50, True), (49, False)):
+        old["optimizer"]["schedule"]["warmup_steps"] = steps
+        changes = check_config(old, config, allow=True, where=tmp_path)
+        fraction = config.optimizer.schedule.warmup
+        assert changes == ([] if same else [f"optimizer.schedule.warmup: {steps} -> {fraction}"])
+    with pytest.raises(ConfigChangedError, match="different config"):
+        check_config(old, config, allow=False, where=tmp_path)
 
 
 def test_a_run_says_its_fraction_rounds_to_no_warmup_and_starts_at_the_peak(tmp_path):

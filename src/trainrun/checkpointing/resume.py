@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun.config import RunConfig, renamed
+from trainrun.config import RunConfig, renamed, schedule_steps, warmup_steps
 from trainrun.errors import UserError
 from trainrun.program.optim import build_schedule
 
@@ -67,11 +67,33 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return changed
 
 
+def same_warmup(saved: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+    """``saved`` with its warm-up spelled as ``config`` spells it where the two come to the
+    same steps (a whole number of steps and a fraction of the run, e.g. 50 and 0.0833 of
+    600): the trajectory is the same, so resuming is no change."""
+    try:
+        schedule = saved["optimizer"]["schedule"]
+        old = schedule["warmup"]
+        new = getattr(config.optimizer.schedule, "warmup", None)
+        if new is None or old == new:
+            return saved
+        steps = schedule.get("total_steps") or saved["steps"]
+        old_steps = old if isinstance(old, int) else int(float(old) * steps + 0.5)
+        total = schedule_steps(config.optimizer.schedule, config.steps)
+    except (KeyError, TypeError, ValueError):  # not a warmed schedule: compared as it is
+        return saved
+    if old_steps != warmup_steps(config.optimizer.schedule, total):
+        return saved
+    optimizer = {**saved["optimizer"], "schedule": {**schedule, "warmup": new}}
+    return {**saved, "optimizer": optimizer}
+
+
 def check_config(saved: dict[str, Any], config: RunConfig, allow: bool, where: Path) -> list[str]:
     """The trajectory-changing differences between a checkpoint's config and ``config``;
     raises unless ``allow``."""
     # a checkpoint written before a key was renamed holds it by its old name
-    changes = config_changes(renamed.upgrade(saved, None), config.to_dict())
+    changes = config_changes(same_warmup(renamed.upgrade(saved, None), config),
+                             config.to_dict())
     if changes and not allow:
         shown = "; ".join(changes[:SHOWN_CHANGES]) + (
             f"; and {len(changes) - SHOWN_CHANGES} more" if len(changes) > SHOWN_CHANGES else "")

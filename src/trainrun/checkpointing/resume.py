@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun.config import RunConfig, renamed, schedule_steps, warmup_steps
+from trainrun.config import (
+    RunConfig,
+    renamed,
+    schedule_steps,
+    warmup_in_steps,
+    warmup_steps,
+)
 from trainrun.errors import UserError
 from trainrun.program.optim import build_schedule
 
@@ -77,8 +83,7 @@ def same_warmup(saved: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         new = getattr(config.optimizer.schedule, "warmup", None)
         if new is None or old == new:
             return saved
-        steps = schedule.get("total_steps") or saved["steps"]
-        old_steps = old if isinstance(old, int) else int(float(old) * steps + 0.5)
+        old_steps = warmup_in_steps(old, schedule.get("total_steps") or saved["steps"])
         total = schedule_steps(config.optimizer.schedule, config.steps)
     except (KeyError, TypeError, ValueError):  # not a warmed schedule: compared as it is
         return saved

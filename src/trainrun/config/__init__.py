@@ -67,6 +67,7 @@ from trainrun.config.sections import (
     WarmupSchedule,
     WSDSchedule,
     schedule_steps,
+    warmup_in_steps,
     warmup_steps,
 )
 
@@ -83,5 +84,6 @@ __all__ = [
     "builtin_config_names", "config_from_dict",
     "config_from_layers", "config_layers", "describe_validation_error", "dump_yaml",
     "load_config", "merge", "parse_overrides", "resolve_config_path", "saved_layers",
-    "schedule_notices", "schedule_steps", "show_config", "show_layers", "warmup_steps",
+    "schedule_notices", "schedule_steps", "show_config", "show_layers", "warmup_in_steps",
+    "warmup_steps",
 ]

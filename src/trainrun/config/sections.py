@@ -552,7 +552,11 @@ def schedule_steps(schedule: ScheduleConfig, run_steps: int) -> int:
 
 def warmup_steps(schedule: ScheduleConfig, total: int | None) -> int:
     """The schedule's warm-up in steps, out of ``total`` (its length; needed for a fraction)."""
-    warmup = getattr(schedule, "warmup", 0)
+    return warmup_in_steps(getattr(schedule, "warmup", 0), total)
+
+
+def warmup_in_steps(warmup: float, total: int | None) -> int:
+    """A warm-up (whole steps, or a fraction of ``total``, the schedule's length) in steps."""
     if isinstance(warmup, int):
         return warmup
     if total is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    # A child that crashes or hangs says where: every thread's Python stack on SIGABRT/SIGSEGV
+    # (``finish`` sends SIGABRT to one past its timeout).
+    env["PYTHONFAULTHANDLER"] = "1"
     if devices is not None:
         # Simulated devices' collectives rendezvous in threads; on 2 busy cores a thread came
         # late past XLA:CPU's 40 s default and the process aborted (5 of 20 runs of the sharded
@@ -70,6 +74,23 @@ def run_cli(*args: str, devices: int | None = None, timeout: float = 300,
     """``trainrun ARGS`` in a fresh Python process; returns the completed process (text)."""
     return subprocess.run([sys.executable, "-m", "trainrun", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd, env=cli_env(devices, **env))
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """``proc.communicate(timeout)``; a process still running then is aborted and the test
+    fails with the stacks of its threads (``cli_env`` turns on the fault handler)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, proc.args))} still ran after {timeout:g} s; "
+                    f"stdout ends:\n{out[-2000:]}\nstderr (its threads' stacks) ends:\n"
+                    f"{(err or '(written elsewhere)')[-8000:]}")
 
 
 @pytest.fixture

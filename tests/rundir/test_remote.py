@@ -89,6 +89,48 @@ def test_a_store_that_stops_answering_is_retried_then_one_line(object_store_serv
     assert time.monotonic() - start < 60 and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_every_request_to_a_store_that_stopped_answering_ends_at_the_deadline(
+        object_store_servers, scheme, monkeypatch, tmp_path):
+    server = object_store_servers[scheme]
+    bucket = server.new_bucket()
+    local = tmp_path / "blob"
+    local.write_bytes(bytes(range(256)) * 400)
+    remote.upload(local, location.location(f"{bucket}/x"))
+    monkeypatch.setattr(remote, "REQUEST_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(remote, "list_tree", lambda path: {"x": local.stat().st_size})
+    remote.set_deadline(0.5)
+    calls = {  # s3fs's upload once waited without end for a store that stopped answering
+        "upload": lambda: remote.upload(local, location.location(f"{bucket}/y")),
+        "write": lambda: remote.write_bytes(location.location(f"{bucket}/z"), b"abc"),
+        "create": lambda: remote.create(location.location(f"{bucket}/w"), b"abc"),
+        "copy": lambda: remote.copy_tree(location.location(bucket), location.location(
+            f"{bucket}/copy")),
+        "ranged read": lambda: remote.read_range(location.location(f"{bucket}/x"), 0, 10),
+    }
+    ended: dict[str, BaseException | None] = {}
+
+    def attempt(name: str) -> None:
+        try:
+            calls[name]()
+            ended[name] = None
+        except BaseException as err:
+            ended[name] = err
+
+    server.pause()
+    try:
+        for name in calls:
+            worker = threading.Thread(target=attempt, args=(name,), daemon=True)
+            worker.start()
+            worker.join(30)
+            assert name in ended, f"{name} still waited for the store after 30 s"
+            assert isinstance(ended[name], remote.StorageUnavailable), (name, ended[name])
+    finally:
+        server.resume()
+        remote.set_deadline(300)
+
+
 def test_a_streamed_read_is_ranged_requests_that_seek(bucket, monkeypatch):
     path = location.location(f"{bucket}/data/big.bin")
     data = bytes(range(256)) * 40

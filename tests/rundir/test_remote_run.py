@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli_env, losses, run_cli
+from conftest import cli_env, finish, losses, run_cli
 
 import trainrun
 from trainrun import rundir
@@ -206,7 +206,7 @@ def test_a_store_that_stops_answering_for_30_s_is_waited_for(object_store_server
         still_running = proc.poll() is None  # it cannot end while its last save waits
     finally:
         server.resume()
-    out, err = proc.communicate(timeout=300)
+    out, err = finish(proc, 300)
     assert proc.returncode == 0, out + err
     assert still_running and time.monotonic() - paused >= 30
     # the console said what it was waiting for
@@ -228,7 +228,7 @@ def test_a_store_gone_past_the_deadline_stops_the_run_in_one_line_and_it_resumes
     _first_commit(url, proc)
     server.pause()
     try:
-        out, err = proc.communicate(timeout=240)
+        out, err = finish(proc, 240)
     finally:
         server.resume()
     assert proc.returncode == 1, out + err
@@ -422,7 +422,7 @@ def test_a_store_that_answers_errors_for_a_while_is_retried_and_the_run_goes_on(
         proxy.failing.set()
         time.sleep(10)
         proxy.failing.clear()
-        out, err = proc.communicate(timeout=300)
+        out, err = finish(proc, 300)
     finally:
         proxy.close()
     assert proc.returncode == 0, out + err

@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import cli_env
+from conftest import cli_env, finish
 
 from trainrun import rundir
 from trainrun.reporting.sinks.jsonl import read_metrics
@@ -43,7 +43,7 @@ def test_sigterm_finishes_the_call_saves_and_exits_zero(cli, tmp_path):
                   stderr_to=log)
     wait_for(train.stdout, r"step +100/")
     train.send_signal(signal.SIGTERM)
-    out, _ = train.communicate(timeout=120)
+    out, _ = finish(train, 120)
     err = log.read_text()
     assert train.returncode == 0, err[-3000:]
     assert "SIGTERM received" in err
@@ -124,7 +124,7 @@ def test_hosts_agree_on_the_step_when_one_is_signalled(tmp_path):
     hosts[1].send_signal(signal.SIGINT)  # handed on as SIGTERM to JAX's preemption notifier
     stops = []
     for host, log in zip(hosts, logs, strict=True):
-        out, _ = host.communicate(timeout=120)
+        out, _ = finish(host, 120)
         assert host.returncode == 0, log.read_text()[-3000:]
         stops.append(out.split("stop ")[1].split()[0])
     assert stops[0] == stops[1]

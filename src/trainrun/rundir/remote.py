@@ -46,6 +46,7 @@ from trainrun.errors import UserError, WriteFailed
 
 SCHEMES = ("gs", "s3")
 REQUEST_TIMEOUT_S = 20.0  # a request not answered by then is abandoned and tried again
+SLOWEST_BYTES_PER_S = 2**20  # a transfer slower than this is taken for a store not answering
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0
 READ_BLOCK = 4 * 2**20  # bytes per ranged request of a streamed read
 
@@ -145,6 +146,13 @@ def filesystem(path: Any) -> Any:
             "retries": {"mode": "standard", "total_max_attempts": 1}})
         fs.retries = 1  # one attempt per call, by s3fs and botocore: retried here to the deadline
         return fs
+
+
+def _timeout(nbytes: int) -> float:
+    """The most seconds one request moving ``nbytes`` may take: every call is given one, since
+    a client's own socket timeouts do not cover every wait (s3fs's upload to a store that
+    stopped answering waited without end)."""
+    return REQUEST_TIMEOUT_S + nbytes / SLOWEST_BYTES_PER_S
 
 
 def _key(path: Any) -> str:
@@ -269,7 +277,7 @@ def read_range(path: Any, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of an object."""
     fs = filesystem(path)
     return with_retries(path, "reading", lambda: fs.cat_file(
-        _key(path), start=start, end=end, timeout=REQUEST_TIMEOUT_S))
+        _key(path), start=start, end=end, timeout=_timeout(end - start)))
 
 
 def write_bytes(path: Any, data: bytes) -> None:
@@ -277,7 +285,7 @@ def write_bytes(path: Any, data: bytes) -> None:
     fs = filesystem(path)
     try:
         with_retries(path, "writing", lambda: fs.pipe_file(_key(path), data,
-                                                           timeout=REQUEST_TIMEOUT_S))
+                                                           timeout=_timeout(len(data))))
     except FileNotFoundError:  # a write finds no object missing, only the bucket
         raise StorageRefused(_no_bucket(path, "writing")) from None
 
@@ -293,7 +301,7 @@ def create(path: Any, data: bytes) -> bool:
     fs = filesystem(path)
     try:
         with_retries(path, "creating", lambda: fs.pipe_file(
-            _key(path), data, mode="create", timeout=REQUEST_TIMEOUT_S))
+            _key(path), data, mode="create", timeout=_timeout(len(data))))
     except FileExistsError:
         return False
     except FileNotFoundError:
@@ -391,7 +399,9 @@ def upload(local: Path, path: Any) -> None:
     whole once the upload is complete (a multipart or resumable upload), never in part."""
     fs = filesystem(path)
     try:
-        with_retries(path, "writing", lambda: fs.put_file(str(local), _key(path)))
+        size = Path(local).stat().st_size
+        with_retries(path, "writing", lambda: fs.put_file(str(local), _key(path),
+                                                          timeout=_timeout(size)))
     except FileNotFoundError:
         if not Path(local).is_file():
             raise
@@ -401,11 +411,13 @@ def upload(local: Path, path: Any) -> None:
 def copy_tree(path: Any, target: Any) -> None:
     """Every object below ``path`` copied below ``target`` (server-side copies)."""
     fs = filesystem(path)
-    def copy(source: str, dest: str) -> Callable[[], Any]:
-        return lambda: fs.copy(source, dest)
 
-    for name in list_tree(path):
-        with_retries(path, "copying", copy(f"{_key(path)}/{name}", f"{_key(target)}/{name}"))
+    def copy(source: str, dest: str, size: int) -> Callable[[], Any]:
+        return lambda: fs.copy(source, dest, timeout=_timeout(size))
+
+    for name, size in list_tree(path).items():
+        with_retries(path, "copying", copy(f"{_key(path)}/{name}", f"{_key(target)}/{name}",
+                                           size))
 
 
 def exists(path: Any) -> bool:

@@ -9,19 +9,67 @@ backend starts. The allocator and CPU dispatch settings are made by ``trainrun t
 ``run()`` when JAX's backend has not started, or by ``configure_process()`` (``process.py``).
 """
 
-from trainrun.config import ConfigError, RunConfig, load_config
-from trainrun.data import ArrayBatches, DataError
-from trainrun.errors import UserError
-from trainrun.language_model import LanguageModel, load
-from trainrun.models import Model, from_functions, from_nnx
-from trainrun.platform.process import apply_default_flags, configure_process
-from trainrun.program.state import TrainState
-from trainrun.text_tokens import TextTokenizer, load_tokenizer
-from trainrun.training.callbacks import Boundary, Callback, EarlyStopping, MetricLogger
-from trainrun.training.loop import run
-from trainrun.training.summary import RunSummary
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from trainrun.platform.process import apply_default_flags
+
+if TYPE_CHECKING:
+    from trainrun.config import ConfigError, RunConfig, load_config
+    from trainrun.data import ArrayBatches, DataError
+    from trainrun.errors import UserError
+    from trainrun.language_model import LanguageModel, load
+    from trainrun.models import Model, from_functions, from_nnx
+    from trainrun.platform.process import configure_process
+    from trainrun.program.state import TrainState
+    from trainrun.text_tokens import TextTokenizer, load_tokenizer
+    from trainrun.training.callbacks import Boundary, Callback, EarlyStopping, MetricLogger
+    from trainrun.training.loop import run
+    from trainrun.training.summary import RunSummary
 
 apply_default_flags()  # before anything starts JAX's backend (nothing above does)
+
+# Each public name and the module that defines it, imported at first use: a command that needs
+# no data pipeline (``--help``, ``lm-eval``) does not wait for Grain's import.
+_HOME = {
+    "ArrayBatches": "trainrun.data",
+    "Boundary": "trainrun.training.callbacks",
+    "Callback": "trainrun.training.callbacks",
+    "ConfigError": "trainrun.config",
+    "DataError": "trainrun.data",
+    "EarlyStopping": "trainrun.training.callbacks",
+    "LanguageModel": "trainrun.language_model",
+    "MetricLogger": "trainrun.training.callbacks",
+    "Model": "trainrun.models",
+    "RunConfig": "trainrun.config",
+    "RunSummary": "trainrun.training.summary",
+    "TextTokenizer": "trainrun.text_tokens",
+    "TrainState": "trainrun.program.state",
+    "UserError": "trainrun.errors",
+    "configure_process": "trainrun.platform.process",
+    "from_functions": "trainrun.models",
+    "from_nnx": "trainrun.models",
+    "load": "trainrun.language_model",
+    "load_config": "trainrun.config",
+    "load_tokenizer": "trainrun.text_tokens",
+    "run": "trainrun.training.loop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'trainrun' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # found once; later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])
+
 
 __all__ = [
     "ArrayBatches",

@@ -123,6 +123,25 @@ def test_import_changes_only_the_documented_xla_flag():
     assert changes["env"] == {"XLA_FLAGS": [None, "--xla_cpu_experimental_ynn_fusion_type="]}
 
 
+LAZY_NAMES = """
+    import sys
+    import trainrun
+    heavy = sorted(m for m in ("grain", "optax", "orbax", "flax") if m in sys.modules)
+    from trainrun import run, load, ArrayBatches
+    print(heavy, run.__module__, load.__module__, "grain" in sys.modules,
+          set(trainrun.__all__) <= set(dir(trainrun)))
+"""
+
+
+def test_import_loads_the_public_names_when_first_used():
+    """``import trainrun`` (as every command does first) leaves the data pipeline, optimizer,
+    checkpointer and modules unimported until a public name that needs them is used."""
+    done = python(LAZY_NAMES)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["[]", "trainrun.training.loop", "trainrun.language_model",
+                                   "True", "True"]
+
+
 # A large block from malloc: glibc serves it from its own mmap by default; with trainrun's
 # allocator setting (no mmap for large blocks) it comes from the brk heap, [heap] in the maps.
 HEAP_CHECK = """

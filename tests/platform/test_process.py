@@ -242,3 +242,18 @@ def test_a_second_command_reads_the_programs_the_first_compiled(tmp_path):
     named = python(COMPILE_TWICE, "-", JAX_COMPILATION_CACHE_DIR=str(theirs))
     assert named.returncode == 0, named.stderr[-2000:]
     assert named.stdout.split()[0] == "None" and any(theirs.iterdir())
+
+
+def test_a_compiled_programs_folder_that_is_a_symlink_is_not_followed(tmp_path):
+    """JAX evicts old programs from the folder it keeps them in: a symlink there (to a folder
+    of the user's) is left alone and the command compiles as without a cache."""
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "notes-cache").write_text("mine")
+    link = tmp_path / "compiled"
+    link.symlink_to(users, target_is_directory=True)
+    done = python(COMPILE_TWICE, str(link), JAX_COMPILATION_CACHE_DIR="")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[0] == "None"
+    assert sorted(p.name for p in users.iterdir()) == ["notes-cache"]
+    assert link.is_symlink() and (users / "notes-cache").read_text() == "mine"

@@ -232,11 +232,15 @@ def keep_compiled_programs(folder: Path | None = None) -> Path | None:
     user cache) for later processes: JAX's persistent compilation cache, for the commands that
     compile a few programs and run them briefly (``eval``, ``sample``, ``lm-eval``), whose wall
     time is mostly compiling. A cache the user named (``JAX_COMPILATION_CACHE_DIR``) is kept,
-    and nothing changes once JAX has compiled. Returns the folder in use, or None."""
+    and nothing changes once JAX has compiled. A folder that is a symlink is not followed (JAX
+    evicts old programs from it: it must be trainrun's own). Returns the folder in use, or
+    None."""
     if (backend_started() or os.environ.get("JAX_COMPILATION_CACHE_DIR")
             or not _jaxlib_at_least(CACHE_QUIET_JAXLIB)):
         return None
     folder = folder if folder is not None else cache_dir() / COMPILED_PROGRAMS
+    if folder.is_symlink():
+        return None
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:

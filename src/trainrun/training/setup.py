@@ -8,8 +8,8 @@ Every input is checked (mesh, model, data, init.from's source, the memory the st
 compiled step need) before anything is written; a refusal after the claim has the run
 (``loop.run``) withdraw it. ``setup`` is the list of builders in that order, each returning
 what it builds. ``Run`` is the frozen record of what set-up made, in bundles the loop's pieces
-take (``Parts``, ``Reporting``, ``Timing``, ``Start``); ``build_hooks`` and
-``checkpoint_hooks`` list what acts between the calls (``hooks.py``).
+take (``Parts``, ``Reporting``, ``Timing``, ``Start``); ``build_hooks`` lists what acts
+between the calls (``hooks.py``).
 """
 
 from __future__ import annotations

@@ -3,13 +3,16 @@ the CLI in a subprocess (``run_cli``); the rest run in-process on the one CPU de
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jaxlib.version
@@ -91,6 +94,24 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
         pytest.fail(f"{' '.join(map(str, proc.args))} still ran after {timeout:g} s; "
                     f"stdout ends:\n{out[-2000:]}\nstderr (its threads' stacks) ends:\n"
                     f"{(err or '(written elsewhere)')[-8000:]}")
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[list[str]]:
+    """The names of the functions JAX traces for ``jit`` inside the block, one per program a
+    jitted function gets (``jax.monitoring``'s trace events; a persistent compilation cache
+    skips compiles, never traces)."""
+    names: list[str] = []
+
+    def heard(event: str, seconds: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            names.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
 
 
 @pytest.fixture

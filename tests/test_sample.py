@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import own_loop_answer
+from conftest import own_loop_answer, traced
 
 from trainrun import rundir
 from trainrun.checkpointing.reader import latest_params
@@ -19,7 +19,7 @@ from trainrun.config import TransformerModel, dump_yaml, load_config
 from trainrun.fast import strategies
 from trainrun.models import build_model
 from trainrun.models.transformer import bind_transformer
-from trainrun.program.decode import _decoder, generate, generate_batch, head_as_trained
+from trainrun.program.decode import decoder, generate, generate_batch
 from trainrun.sample import SampleError
 from trainrun.training.loop import run
 
@@ -51,14 +51,14 @@ def recomputed(params, prompt: np.ndarray, tokens: int) -> list[int]:
 def test_cached_decoding_equals_recomputing_the_context_in_one_program():
     params = build_model(CFG).init(jax.random.key(0))
     prompt = np.frombuffer(b"import os\n", np.uint8)
-    got = generate(CFG, params, prompt, 30, temperature=0.0)  # 10 + 30 > 16: refills twice
+    decoder.cache_clear()  # the decoder of this shape is made, and traced, in this test
+    with traced() as programs:
+        got = generate(CFG, params, prompt, 30, temperature=0.0)  # 10 + 30 > 16: refills twice
+        a, b, c = (generate(CFG, params, prompt, 30, temperature=1.0, seed=s) for s in (1, 1, 2))
     assert got.tolist() == recomputed(params, prompt, 30)
     assert bytes(got[:10].astype(np.uint8)) == b"import os\n"
-
-    a, b, c = (generate(CFG, params, prompt, 30, temperature=1.0, seed=s) for s in (1, 1, 2))
     assert np.array_equal(a, b) and not np.array_equal(a, c)
-    # one program for any token, seed and temperature
-    assert _decoder(CFG, 1, 10, 30, "float32", False, head_as_trained)._cache_size() == 1
+    assert programs.count("decode") == 1  # one program for any token, seed and temperature
 
 
 @pytest.mark.slow
@@ -188,10 +188,12 @@ def test_a_batch_of_prompts_of_different_lengths_answers_each_as_alone_with_one_
     prompts = [np.frombuffer(text, np.uint8) for text in (b"ab", b"import", b"x = 1\n", b"d")]
     alone = [generate(CFG, params, p, 9, temperature=0.0)[p.size:] for p in prompts]
     assert len({a.tobytes() for a in alone}) > 1  # the prompts lead to different answers
-    got = generate_batch(CFG, params, prompts, 9, temperature=0.0, batch_size=3)
+    decoder.cache_clear()  # the batch's decoder is made, and traced, here
+    with traced() as programs:
+        got = generate_batch(CFG, params, prompts, 9, temperature=0.0, batch_size=3)
     assert [g.tolist() for g in got] == [a.tolist() for a in alone]
     # 4 prompts in batches of 3: one program for both batches, whatever their lengths
-    assert _decoder(CFG, 3, 6, 9, "float32", True, head_as_trained)._cache_size() == 1
+    assert programs.count("decode") == 1
     # Each row stops at its own stop id: the first id the second prompt's answer draws.
     stop = int(alone[1][2])
     stopped = generate_batch(CFG, params, prompts, 9, temperature=0.0, stop_ids=[stop])

@@ -11,65 +11,65 @@ import pytest
 
 import trainrun
 from trainrun import rundir
-from trainrun.checkpointing import policy as checkpoint_policy
 from trainrun.config import load_config
-from trainrun.program.compiled import CompiledSteps
+from trainrun.data import batch_iterator, build_dataset
 from trainrun.reporting.timing import StepTimer
 
 
 class FakeClock(trainrun.Callback):
-    """The policy's clock, moved forward at the boundaries ``jumps`` names."""
+    """The run's clock, moved forward at the boundaries ``jumps`` names."""
 
     def __init__(self, jumps: dict[int, float]):
         self.jumps, self.now = jumps, 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
     def at_boundary(self, boundary: trainrun.Boundary) -> None:
         self.now = self.jumps.get(boundary.step, self.now)
 
 
-def saved_steps(tmp_path, monkeypatch, jumps: dict[int, float], *overrides: str) -> list[int]:
+def saved_steps(tmp_path, jumps: dict[int, float], *overrides: str) -> list[int]:
     clock = FakeClock(jumps)
-    monkeypatch.setattr(checkpoint_policy, "now", lambda: clock.now)
     config = load_config("mlp", ["steps=100", "metrics.every=10", "checkpoint.keep=10", *overrides])
-    trainrun.run(config, tmp_path, out=io.StringIO(), callbacks=[clock])
+    trainrun.run(config, tmp_path, out=io.StringIO(), callbacks=[clock], clock=clock)
     return rundir.committed_steps(tmp_path / "checkpoints")
 
 
-def test_a_checkpoint_is_saved_at_the_first_boundary_after_every_seconds(tmp_path, monkeypatch):
+def test_a_checkpoint_is_saved_at_the_first_boundary_after_every_seconds(tmp_path):
     # 301 s at step 30: due. 450 s at step 40: only 149 s after that save. 700 s at step 70: due.
     jumps = {30: 301.0, 40: 450.0, 70: 700.0}
-    assert saved_steps(tmp_path, monkeypatch, jumps, "checkpoint.every_seconds=300") == [
-        30, 70, 100]
+    assert saved_steps(tmp_path, jumps, "checkpoint.every_seconds=300") == [30, 70, 100]
 
 
-def test_steps_or_seconds_whichever_comes_first(tmp_path, monkeypatch):
+def test_steps_or_seconds_whichever_comes_first(tmp_path):
     jumps = {10: 301.0, 50: 605.0}  # 50 is also a step checkpoint: one save there
-    assert saved_steps(tmp_path, monkeypatch, jumps, "checkpoint.every=40",
+    assert saved_steps(tmp_path, jumps, "checkpoint.every=40",
                        "checkpoint.every_seconds=300") == [10, 40, 50, 80, 100]
 
 
-def test_the_time_is_looked_at_after_every_call_between_boundaries(tmp_path, monkeypatch):
+def test_the_time_is_looked_at_after_every_call_between_boundaries(tmp_path):
     # No callback asks for boundaries, so calls run back to back between the reads after log
-    # steps (11, 21, ...); each call takes 10 s of a fake clock: the save lands on step 30.
-    dispatched = []
-    original = CompiledSteps.__call__
-
-    def counted(self, k, carried, batch):
-        dispatched.append(k)
-        return original(self, k, carried, batch)
-
-    monkeypatch.setattr(CompiledSteps, "__call__", counted)
-    monkeypatch.setattr(checkpoint_policy, "now", lambda: 10.0 * sum(dispatched))
+    # steps (11, 21, ...); each call takes one batch and 10 s of a fake clock: the save lands
+    # on step 30.
     config = load_config("mlp", ["steps=100", "metrics.every=10", "checkpoint.keep=10",
                                  "checkpoint.every_seconds=300"])
-    trainrun.run(config, tmp_path, out=io.StringIO())
+    taken = 0
+
+    def batches():
+        nonlocal taken
+        for batch in batch_iterator(build_dataset(config.data, seed=config.seed)):
+            taken += 1
+            yield batch
+
+    trainrun.run(config, tmp_path, out=io.StringIO(), data=batches(), clock=lambda: 10.0 * taken)
     assert rundir.committed_steps(tmp_path / "checkpoints") == [30, 60, 90, 100]
 
 
-def test_the_default_policy_saves_a_short_run_at_its_end_only(tmp_path, monkeypatch):
+def test_the_default_policy_saves_a_short_run_at_its_end_only(tmp_path):
     config = load_config("mlp")
     assert (config.checkpoint.every, config.checkpoint.every_seconds) == (0, 300)
-    assert saved_steps(tmp_path, monkeypatch, {}, "steps=2000", "metrics.every=1000") == [2000]
+    assert saved_steps(tmp_path, {}, "steps=2000", "metrics.every=1000") == [2000]
 
 
 def calls(*spans: tuple[float, float, int], first: bool = False) -> list[SimpleNamespace]:

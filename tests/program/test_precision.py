@@ -248,11 +248,11 @@ def test_the_walk_sees_float32_matmuls_under_a_float32_policy_and_a_leaking_cons
 
 @pytest.mark.parametrize("compute", ["bfloat16", "float16"])
 def test_sampling_runs_the_transformer_in_the_compute_dtype(compute):
-    from trainrun.program.decode import _decoder
+    from trainrun.program.decode import decoder
 
     cfg = MODELS["transformer"][0]
     params = build_model(cfg).init(jax.random.key(0))
-    decode = _decoder(cfg, 2, 4, 6, compute, padded=True)
+    decode = decoder(cfg, 2, 4, 6, compute, padded=True)
     found = matmuls(decode, params, jnp.zeros((2, 4), jnp.int32), jnp.array([0, 2], jnp.int32),
                     jnp.float32(1.0), jax.random.key(0), jnp.array([-1], jnp.int32))
     assert found and {m.operands for m in found} == {(compute, compute)}

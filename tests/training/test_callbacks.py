@@ -15,7 +15,6 @@ from conftest import cli_env
 import trainrun
 from trainrun import rundir
 from trainrun.config import load_config
-from trainrun.program.compiled import CompiledSteps
 from trainrun.reporting.sinks.jsonl import read_metrics
 
 
@@ -24,12 +23,14 @@ class Recorder(trainrun.Callback):
         self.every = every
         self.every_boundary = every_boundary
         self.steps: list[int] = []
+        self.call_sizes: list[int] = []  # the steps of every call, as the boundaries list them
         self.rows: list[int] = []
         self.read_through: list[int] = []  # the newest row seen at each boundary
         self.closed = False
 
     def at_boundary(self, boundary: trainrun.Boundary) -> None:
         self.steps.append(boundary.step)
+        self.call_sizes += [call.steps for call in boundary.calls]
         if boundary.table is not None:
             self.rows += [step for step, _ in boundary.table.rows()]
         self.read_through.append(self.rows[-1] if self.rows else 0)
@@ -38,25 +39,14 @@ class Recorder(trainrun.Callback):
         self.closed = True
 
 
-def call_sizes(monkeypatch) -> list[int]:
-    sizes: list[int] = []
-    original = CompiledSteps.__call__
-
-    def spy(self, k, carried, batch):
-        sizes.append(k)
-        return original(self, k, carried, batch)
-
-    monkeypatch.setattr(CompiledSteps, "__call__", spy)
-    return sizes
-
-
 @pytest.mark.slow
-def test_a_callback_sees_every_boundary_in_order_and_every_row_once(tmp_path, monkeypatch):
-    sizes = call_sizes(monkeypatch)
+def test_a_callback_sees_every_boundary_in_order_and_every_row_once(tmp_path):
     every_call, every_seventh = Recorder(), Recorder(every=7)
     config = load_config("mlp", ["steps=25", "steps_per_call=10", "metrics.every=10"])
     trainrun.run(config, tmp_path, out=io.StringIO(), callbacks=[every_call, every_seventh])
 
+    sizes = every_call.call_sizes
+    assert every_seventh.call_sizes == sizes
     ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
     assert ends == [7, 14, 21, 25]  # calls cut at the callback's steps, at most K = 10
     assert every_call.steps == every_seventh.steps == ends
@@ -65,14 +55,13 @@ def test_a_callback_sees_every_boundary_in_order_and_every_row_once(tmp_path, mo
     assert every_call.closed and every_seventh.closed
 
 
-def test_calls_run_back_to_back_between_the_boundaries_the_hooks_need(tmp_path, monkeypatch):
+def test_calls_run_back_to_back_between_the_boundaries_the_hooks_need(tmp_path):
     # K=1, metrics.every=10: rows are read one call late, so with no hook asking for every call
     # the host stops after steps 11, 21, 31 (the reads) and 35 (the end) only.
-    sizes = call_sizes(monkeypatch)
     quiet, every_call = Recorder(every_boundary=False), Recorder()
     config = load_config("mlp", ["steps=35", "metrics.every=10"])
     trainrun.run(config, tmp_path / "quiet", out=io.StringIO(), callbacks=[quiet])
-    assert sizes == [1] * 35
+    assert quiet.call_sizes == [1] * 35
     assert quiet.steps == [11, 21, 31, 35]
     assert quiet.rows == list(range(1, 36))  # every row once, in order
     trainrun.run(config, tmp_path / "every", out=io.StringIO(), callbacks=[every_call])
@@ -80,13 +69,12 @@ def test_calls_run_back_to_back_between_the_boundaries_the_hooks_need(tmp_path, 
     assert every_call.rows == quiet.rows
 
 
-def test_a_callback_that_asks_for_every_step_makes_calls_of_one_step_and_says_so(
-        tmp_path, monkeypatch):
-    sizes = call_sizes(monkeypatch)
+def test_a_callback_that_asks_for_every_step_makes_calls_of_one_step_and_says_so(tmp_path):
     out = io.StringIO()
+    every_step = Recorder(every=1)
     trainrun.run(load_config("mlp", ["steps=12", "steps_per_call=4"]), tmp_path, out=out,
-                 callbacks=[Recorder(every=1)])
-    assert sizes == [1] * 12
+                 callbacks=[every_step])
+    assert every_step.call_sizes == [1] * 12
     assert ("Recorder asks for a boundary every 1 step(s): calls run 1 step(s), not "
             "steps_per_call=4") in out.getvalue()
 

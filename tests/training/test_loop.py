@@ -21,7 +21,7 @@ from trainrun.program.optim import build_optimizer
 from trainrun.program.state import init_state
 from trainrun.reporting.sinks.jsonl import JsonlWriter, read_metrics
 from trainrun.reporting.timing import Stopwatch
-from trainrun.training.callbacks import Callback
+from trainrun.training.callbacks import Boundary, Call, Callback
 from trainrun.training.loop import run
 
 SUMMARY_KEYS = {"final_loss", "steps", "compile_s", "step_time_median_s", "steps_per_s",
@@ -89,25 +89,25 @@ def test_batch_is_an_argument_not_a_constant_baked_into_the_program():
     assert "dense<" not in "\n".join(line for line in hlo.splitlines() if "256x8" in line)
 
 
+class CallLog(Callback):
+    """Every call of a run, as its boundaries list them (``Boundary.calls``)."""
+
+    every_boundary = False  # the run's own boundaries only: the calls run as without it
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+
+    def at_boundary(self, boundary: Boundary) -> None:
+        self.calls += boundary.calls
+
+
 @pytest.mark.slow
 def test_a_short_tail_call_is_compiled_once(tmp_path):
     config = load_config("mlp", ["steps=25", "steps_per_call=10"])
-    seen: list[int] = []
-    original = CompiledSteps.__call__
-
-    def spy(self, k, state, batch):
-        seen.append(k)
-        result = original(self, k, state, batch)
-        spy.programs = dict(self.programs)
-        return result
-
-    CompiledSteps.__call__ = spy
-    try:
-        run(config, tmp_path, out=io.StringIO())
-    finally:
-        CompiledSteps.__call__ = original
-    assert seen == [10, 10, 5]
-    assert sorted(spy.programs) == [5, 10]
+    log = CallLog()
+    run(config, tmp_path, out=io.StringIO(), callbacks=[log])
+    assert [call.steps for call in log.calls] == [10, 10, 5]
+    assert [call.first_run for call in log.calls] == [True, False, True]  # two programs
     assert len(read_metrics(tmp_path / rundir.METRICS)) == 25
 
 
@@ -159,8 +159,7 @@ def test_rows_are_written_by_a_writer_thread_while_the_loop_goes_on(tmp_path, mo
     # Each table's JSONL write made slow: the loop still dispatches calls while one is being
     # written, and every row ends up in the file, in step order.
     writes: list[tuple[str, float, float]] = []
-    dispatches: list[float] = []
-    write_table, call = JsonlWriter.write_table, CompiledSteps.__call__
+    write_table = JsonlWriter.write_table
 
     def slow_write_table(self, table, split="train"):
         start = time.perf_counter()
@@ -168,15 +167,13 @@ def test_rows_are_written_by_a_writer_thread_while_the_loop_goes_on(tmp_path, mo
         write_table(self, table, split)
         writes.append((threading.current_thread().name, start, time.perf_counter()))
 
-    def timed_call(self, k, carried, batch):
-        dispatches.append(time.perf_counter())
-        return call(self, k, carried, batch)
-
     monkeypatch.setattr(JsonlWriter, "write_table", slow_write_table)
-    monkeypatch.setattr(CompiledSteps, "__call__", timed_call)
     config = load_config("mlp", ["steps=400", "steps_per_call=10", "metrics.every=20",
                                  "checkpoint.every=0", "checkpoint.every_seconds=0"])
-    summary = run(config, tmp_path, out=io.StringIO())
+    log = CallLog()
+    summary = run(config, tmp_path, out=io.StringIO(), callbacks=[log])
+    dispatches = [call.dispatched_at for call in log.calls]
+    assert len(dispatches) == 40
     assert writes and all(name.startswith("trainrun-metrics") for name, _, _ in writes)
     assert any(start < t < end for _, start, end in writes for t in dispatches)
     assert [r["step"] for r in read_metrics(tmp_path / rundir.METRICS)] == list(range(1, 401))

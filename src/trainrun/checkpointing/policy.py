@@ -25,25 +25,20 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-Clock = Callable[[], float]
-
-
-def now() -> float:
-    """The policy's clock: monotonic seconds (tests put a clock of their own here)."""
-    return time.monotonic()
+Clock = Callable[[], float]  # monotonic seconds (``trainrun.run``'s ``clock``)
 
 
 class CheckpointPolicy:
     """every: steps between checkpoints (0: none by steps). every_seconds: seconds between
     them (0: none by time), counted from the run's start and from each save. clock: seconds,
-    monotonic; ``now`` when not given. check_every: with several processes, the time is
-    looked at once per this many steps."""
+    monotonic. check_every: with several processes, the time is looked at once per this many
+    steps."""
 
-    def __init__(self, every: int, every_seconds: float, clock: Clock | None = None,
+    def __init__(self, every: int, every_seconds: float, clock: Clock = time.monotonic,
                  check_every: int = 1):
         self.every = every
         self.every_seconds = every_seconds
-        self.clock = clock or now
+        self.clock = clock
         self.last_save = self.clock()
         self.shared = jax.process_count() > 1  # hosts must agree on a time-based step
         self.check_every = check_every

@@ -112,7 +112,7 @@ def _decode_group(cfg: TransformerModel, params: PyTree, contexts: list[np.ndarr
     rows = min(batch_size, len(contexts))
     padded = any(c.size != width for c in contexts)
     # Frozen sections hash at run time; pyright reads frozen only from class keywords.
-    program = _decoder(cfg, rows, width, tokens, compute, padded, head)  # pyright: ignore[reportArgumentType]
+    program = decoder(cfg, rows, width, tokens, compute, padded, head)  # pyright: ignore[reportArgumentType]
     stops = jnp.asarray([*stop_ids, -1], jnp.int32)  # -1: no id, so the array is never empty
     out: list[np.ndarray] = []
     for first in range(0, len(contexts), rows):
@@ -144,13 +144,17 @@ def require_settings(tokens: int, temperature: float, seed: int) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
-             compute: str = "float32", padded: bool = False,
-             head_layout: HeadLayout = head_as_trained):
+def decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
+            compute: str = "float32", padded: bool = False,
+            head_layout: HeadLayout = head_as_trained):
     """The jitted decoder of ``rows`` prompts of ``width`` tokens (left-padded when
     ``padded``; each row's ``start`` is its first token) and ``tokens`` tokens, its output head
-    laid out by ``head_layout``: one program, compiled once, for every prompt of that shape,
-    token, seed and temperature."""
+    laid out by ``head_layout``: one program (``jit(decode)``), compiled once, for every prompt
+    of that shape, token, seed and temperature; ``generate_batch`` runs it.
+
+    It takes ``(params, prompts [rows, width] int32, start [rows] int32, temperature float32,
+    key, stops [n] int32)`` and returns the drawn ids ``[rows, tokens]`` and each row's count
+    of them."""
     module_of = bind_transformer(cfg)
     dtype = DTYPES[compute]
     # The cache holds what this call needs, up to the model's context: a model made for a long

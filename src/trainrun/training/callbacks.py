@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 from trainrun.reporting.table import Table
 from trainrun.reporting.timing import Stopwatch
-from trainrun.training.hooks import Boundary, Hook, joined
+from trainrun.training.hooks import Boundary, Call, Hook, joined
 
-__all__ = ["Boundary", "Callback", "CallbackHook", "EarlyStopping", "MetricLogger"]
+__all__ = ["Boundary", "Call", "Callback", "CallbackHook", "EarlyStopping", "MetricLogger"]
 
 
 class Callback:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from trainrun.program.compiled import CompiledSteps
+from trainrun.program.sharding import BatchPlacement
 from trainrun.training.metrics_reader import PendingCall
-from trainrun.training.setup import Run
+from trainrun.training.setup import Timing
 
 # Calls queued on the devices when dispatch is asynchronous: enough to keep a device fed;
 # without a bound, simulated CPU devices deadlocked in XLA's collectives with calls dispatched
@@ -21,44 +24,56 @@ MAX_IN_FLIGHT = 2
 
 
 class CallRunner:
-    """Makes the run's calls, one at a time, in step order."""
+    """Makes the run's calls, one at a time, in step order.
 
-    def __init__(self, run: Run):
-        self.run = run
+    programs: the run's compiled steps; batches, placement: its host batches and where a
+    batch goes on the mesh (``stacked``: ``[k, ...]``, calls of K > 1 steps). saving: whether a
+    checkpoint is being written; reset_rate: the console's rate restarts at a step (after a
+    compile)."""
+
+    def __init__(self, programs: CompiledSteps, batches: Any, placement: BatchPlacement,
+                 timing: Timing, *, stacked: bool, saving: Callable[[], bool],
+                 reset_rate: Callable[[int], None]):
+        self.programs = programs
+        self.batches = batches
+        self.placement = placement
+        self.watch = timing.watch
+        self.inline = timing.timer.inline
+        self.saving = saving
+        self.reset_rate = reset_rate
         self.in_flight: collections.deque[jax.Array] = collections.deque()
         self.example: Any = None  # what the last call took: a host batch's shapes count FLOPs
         self.ran: set[int] = set()  # the call sizes whose program has run once
         # the batch source's take, looked up once: nothing is resolved per call
-        self.take = run.programs.source.take
-        self.stacked = run.config.steps_per_call > 1
+        self.take = programs.source.take
+        self.stacked = stacked
 
     def next_batch(self, k: int) -> Any:
         """What the call of the next ``k`` steps takes, from the programs' batch source
         (``program/batch_source.py``: the next host batches placed on the mesh, stacked
         ``[k, ...]`` when calls run K > 1, unless another source holds them). Its time is the
         run's data time."""
-        run = self.run
         start = time.perf_counter()
-        self.example = batch = self.take(run.batches, k, run.placement, self.stacked)
-        run.watch.add("data", time.perf_counter() - start)
+        self.example = batch = self.take(self.batches, k, self.placement, self.stacked)
+        self.watch.add("data", time.perf_counter() - start)
         return batch
 
     def call(self, step: int, k: int, carried: Any, batch: Any) -> tuple[Any, PendingCall]:
         """The call of steps ``step + 1 .. step + k`` on ``carried`` (donated) and ``batch``
         (``next_batch``): the new carried state and the call's pending metrics."""
-        run, clock = self.run, time.perf_counter
+        programs, clock = self.programs, time.perf_counter
         dispatched = clock()
-        saving = run.checkpoints.saving()  # the call's time then overlaps a save's writing
+        saving = self.saving()  # the call's time then overlaps a save's writing
         first_run = k not in self.ran
         if first_run:  # set-up may have compiled it already (its memory checked)
-            if k not in run.programs.programs:
-                run.programs.compile(k, carried, batch)
+            if k not in programs.programs:
+                programs.compile(k, carried, batch)
             self.ran.add(k)
-            run.output.reset_rate(step)
+            self.reset_rate(step)
             dispatched = clock()
-        carried, packed = run.programs(k, carried, batch)
+        carried, packed = programs(k, carried, batch)
         rows: jax.Array | np.ndarray = packed
-        if run.timer.inline:  # the call's end, its metrics read: XLA:CPU may still finish a
+        if self.inline:  # the call's end, its metrics read: XLA:CPU may still finish a
             rows = np.asarray(packed)  # long call on its threads after returning
         else:
             self.bound_in_flight(packed)

@@ -11,7 +11,7 @@ docs/internals.md, "Hooks and call boundaries".
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,6 +58,17 @@ def overrides(hook: Hook, name: str) -> bool:
     return getattr(type(hook), name) is not getattr(Hook, name)
 
 
+class Call(NamedTuple):
+    """A jitted call of the run: steps ``first_step + 1 .. first_step + steps``, dispatched at
+    ``dispatched_at`` (``time.perf_counter`` seconds); ``first_run``: the first call of its
+    program (which is compiled then, or was at set-up)."""
+
+    first_step: int
+    steps: int
+    dispatched_at: float
+    first_run: bool
+
+
 class Boundary:
     """The host's view of the run between two calls.
 
@@ -65,6 +76,7 @@ class Boundary:
     table: training metrics read at this boundary (rows of steps up to ``step``), or None.
     eval: this boundary's evaluation (``{"loss": ...}``), or None.
     saved: the checkpoint saved at this boundary, or None.
+    calls: the calls run since the previous boundary (``Call``), in step order.
     """
 
     # One is made per call: the fields most boundaries leave alone are class defaults, set on
@@ -75,6 +87,7 @@ class Boundary:
     stop_reason: str | None = None
     preempted: bool = False
     _state: TrainState | None = None
+    _pending: Sequence[PendingCall] = ()  # the calls since the previous boundary
     commit_wait: Callable[[], None] | None = None  # waits for ``saved`` to commit
 
     def __init__(self, step: int, total: int, runner: HookRunner, carried: Any):
@@ -82,6 +95,12 @@ class Boundary:
         self.total = total
         self._runner = runner
         self._carried = carried  # the state as the calls carry it
+
+    @property
+    def calls(self) -> list[Call]:
+        """The calls run since the previous boundary, in step order: how many steps each ran,
+        when it was dispatched, and whether it was its program's first."""
+        return [Call(c.first_step, c.steps, c.dispatched_at, c.first_run) for c in self._pending]
 
     @property
     def last(self) -> bool:
@@ -174,6 +193,7 @@ class HookRunner:
         last read if a log point is due (one call late), then every hook in order."""
         last = calls[-1]
         boundary = Boundary(last.first_step + last.steps, self.total, self, carried)
+        boundary._pending = calls
         for call in calls[:-1]:
             self.reader.add(call)
         if self.reader.due():

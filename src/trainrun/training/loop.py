@@ -29,11 +29,23 @@ from trainrun.training.hooks import Boundary, HookRunner
 from trainrun.training.metric_log import MetricLog
 from trainrun.training.metrics_reader import MetricsReader
 from trainrun.training.preemption import Preemption
-from trainrun.training.setup import Run, build_hooks, run_directory, setup
+from trainrun.training.setup import (
+    Reporting,
+    Start,
+    Timing,
+    build_hooks,
+    metric_log,
+    params_copier,
+    run_directory,
+    setup,
+)
 from trainrun.training.summary import RunSummary, summarize
 
 if TYPE_CHECKING:
+    from trainrun.checkpointing.checkpoints import Checkpoints
+    from trainrun.checkpointing.policy import Clock
     from trainrun.config import RunConfig
+    from trainrun.program.compiled import CompiledSteps
     from trainrun.training.callbacks import Callback
 
 Batch = Any
@@ -43,7 +55,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
         data: grain.MapDataset | Iterator[Batch] | None = None, fresh: bool = False,
         allow_config_change: bool = False, out: TextIO = sys.stdout,
         eval_data: grain.MapDataset | None = None,
-        callbacks: Sequence[Callback] = ()) -> RunSummary:
+        callbacks: Sequence[Callback] = (), clock: Clock = time.monotonic) -> RunSummary:
     """Train ``config`` and return its summary (also written to ``summary.json``).
 
     A run directory with a committed checkpoint resumes from its newest readable one; a run
@@ -60,6 +72,8 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
         defaults to the one ``config.data`` holds out.
     callbacks: ``trainrun.Callback`` objects, called at every call boundary, or with
         ``every_boundary = False`` at the boundaries the run has anyway (``callbacks.py``).
+    clock: monotonic seconds, read for what the run decides by time (a checkpoint every
+        ``checkpoint.every_seconds``); a test passes a clock of its own.
     """
     settings = configure_process()  # while JAX's backend has not started; else a notice
     config = init_from.resolved(config)  # a Hugging Face source's config.json: the model
@@ -89,14 +103,29 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
                 if isinstance(built, RunSummary):  # finished already: nothing to do
                     return built
                 if not settings.applied():
-                    built.console.message(settings.notice)
-                hook_list, log = build_hooks(built, preemption, list(callbacks))
-                hooks = HookRunner(hook_list, config.steps_per_call, config.steps,
-                                   MetricsReader(built.programs, built.timer, config.metrics.every),
-                                   built.programs.state, built.params_copy)
-                calls = CallRunner(built)
-                boundary = _train(built, hooks, calls)
-                summary = _finish(built, boundary, log, calls, wall_start)
+                    built.reporting.console.message(settings.notice)
+                log = metric_log(built.reporting.output, built.timing, built.batch_size,
+                                 built.stream is not None, built.strategies)
+                hooks = HookRunner(
+                    build_hooks(config, built.reporting, log, built.timing.watch,
+                                built.checkpoints, batches=built.batches,
+                                evaluator=built.evaluator, mirror=built.mirror,
+                                start_nonfinite=built.start.nonfinite, preemption=preemption,
+                                callbacks=list(callbacks), clock=clock),
+                    config.steps_per_call, config.steps,
+                    MetricsReader(built.programs, built.timing.timer, config.metrics.every),
+                    built.programs.state, params_copier(built.programs))
+                calls = CallRunner(built.programs, built.batches, built.parts.placement,
+                                   built.timing, stacked=config.steps_per_call > 1,
+                                   saving=built.checkpoints.saving,
+                                   reset_rate=built.reporting.output.reset_rate)
+                boundary = _train(built.start, hooks, calls)
+                summary = _finish(boundary, log, calls, wall_start, config=config,
+                                  reporting=built.reporting, timing=built.timing,
+                                  checkpoints=built.checkpoints, programs=built.programs,
+                                  counted=built.parts.counted, batch_size=built.batch_size,
+                                  start_step=built.start.step,
+                                  streamed=built.stream is not None)
             directory.finish()  # a run on object storage: its files all uploaded
             return summary
         except BaseException as err:
@@ -110,9 +139,9 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
             directory.release()
 
 
-def _train(run: Run, hooks: HookRunner, calls: CallRunner) -> Boundary:
+def _train(start: Start, hooks: HookRunner, calls: CallRunner) -> Boundary:
     """The loop: calls until the last step or a stop; returns the last boundary."""
-    step, carried, boundary = run.start_step, run.start_state, None
+    step, carried, boundary = start.step, start.state, None
     try:
         while boundary is None or not boundary.last:
             k = hooks.call_size(step)  # K, or fewer to end at a step a hook needs
@@ -133,34 +162,43 @@ def _train(run: Run, hooks: HookRunner, calls: CallRunner) -> Boundary:
     return boundary
 
 
-def _finish(run: Run, boundary: Boundary, log: MetricLog, calls: CallRunner,
-            wall_start: float) -> RunSummary:
+def _finish(boundary: Boundary, log: MetricLog, calls: CallRunner, wall_start: float, *,
+            config: RunConfig, reporting: Reporting, timing: Timing, checkpoints: Checkpoints,
+            programs: CompiledSteps, counted: Any, batch_size: int, start_step: int,
+            streamed: bool) -> RunSummary:
     """Everything written and committed, then the summary (and the run's status)."""
     step = boundary.step
-    if run.stream is not None:
+    if streamed:
         jax.effects_barrier()  # every streamed row has been written
     log.finish()  # every row written, the writers closed
-    with run.watch.phase("checkpoint"):
-        run.checkpoints.wait()  # the final save is committed before the run reports done
+    with timing.watch.phase("checkpoint"):
+        checkpoints.wait()  # the final save is committed before the run reports done
     if boundary.preempted:
-        run.checkpoints.close()
-        if run.primary:
-            rundir.write_status(run.run_dir, "preempted", step)
-        run.console.message(f"{boundary.stop_reason} after step {step}: checkpoint saved to "
-                            f"{boundary.saved}. Run the same command to resume.")
-        return RunSummary(status="preempted", steps=run.config.steps, steps_done=step,
-                          start_step=run.start_step, preempted_at=step,
-                          checkpoint=str(boundary.saved), provenance=run.provenance)
+        checkpoints.close()
+        return _preempted(boundary, reporting, config.steps, start_step)
     if boundary.stop_reason:
-        run.console.message(f"stopped at step {step}: {boundary.stop_reason}")
-    flops = run.programs.flops_per_step(calls.example, run.counted, run.batch_size)
-    summary = summarize(run.config, boundary, time.perf_counter() - wall_start, flops=flops,
-                        timer=run.timer, watch=run.watch, batch_size=run.batch_size,
-                        start_step=run.start_step, final_metrics=log.last,
-                        best_checkpoint=run.checkpoints.best(), provenance=run.provenance)
-    run.checkpoints.close()
-    if run.primary:
-        rundir.write_json(run.run_dir / rundir.SUMMARY, summary.to_dict())
-        rundir.write_status(run.run_dir, "finished", step)
-    run.console.message(summary.text())
+        reporting.console.message(f"stopped at step {step}: {boundary.stop_reason}")
+    flops = programs.flops_per_step(calls.example, counted, batch_size)
+    summary = summarize(config, boundary, time.perf_counter() - wall_start, flops=flops,
+                        timer=timing.timer, watch=timing.watch, batch_size=batch_size,
+                        start_step=start_step, final_metrics=log.last,
+                        best_checkpoint=checkpoints.best(), provenance=reporting.provenance)
+    checkpoints.close()
+    if reporting.primary:
+        rundir.write_json(reporting.run_dir / rundir.SUMMARY, summary.to_dict())
+        rundir.write_status(reporting.run_dir, "finished", step)
+    reporting.console.message(summary.text())
     return summary
+
+
+def _preempted(boundary: Boundary, reporting: Reporting, steps: int,
+               start_step: int) -> RunSummary:
+    """A stopped run's summary, its status "preempted": the same command resumes it."""
+    step = boundary.step
+    if reporting.primary:
+        rundir.write_status(reporting.run_dir, "preempted", step)
+    reporting.console.message(f"{boundary.stop_reason} after step {step}: checkpoint saved to "
+                              f"{boundary.saved}. Run the same command to resume.")
+    return RunSummary(status="preempted", steps=steps, steps_done=step, start_step=start_step,
+                      preempted_at=step, checkpoint=str(boundary.saved),
+                      provenance=reporting.provenance)

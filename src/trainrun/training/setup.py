@@ -6,8 +6,10 @@
 
 Every input is checked (mesh, model, data, init.from's source, the memory the state and the
 compiled step need) before anything is written; a refusal after the claim has the run
-(``loop.run``) withdraw it. ``Run`` is the frozen
-record of what set-up made; ``build_hooks`` lists what acts between the calls (``hooks.py``).
+(``loop.run``) withdraw it. ``setup`` is the list of builders in that order, each returning
+what it builds. ``Run`` is the frozen record of what set-up made, in bundles the loop's pieces
+take (``Parts``, ``Reporting``, ``Timing``, ``Start``); ``build_hooks`` lists what acts
+between the calls (``hooks.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,13 @@ import numpy as np
 
 from trainrun import extras, rundir
 from trainrun.checkpointing import init_from
-from trainrun.checkpointing.checkpoints import STEP_METADATA, Checkpoints, checkpoint_dir
-from trainrun.checkpointing.policy import CheckpointPolicy
+from trainrun.checkpointing.checkpoints import (
+    STEP_METADATA,
+    Checkpoints,
+    Restored,
+    checkpoint_dir,
+)
+from trainrun.checkpointing.policy import CheckpointPolicy, Clock
 from trainrun.checkpointing.resume import check_config, provenance_changes, schedule_shift
 from trainrun.config import ConfigError, RunConfig, TransformerModel, schedule_notices
 from trainrun.data import (
@@ -38,6 +45,7 @@ from trainrun.data import (
     data_counts,
     data_notices,
 )
+from trainrun.data.record_rows import RecordCounts
 from trainrun.fast import strategies
 from trainrun.fast.strategies import Strategies
 from trainrun.models import Model, build_model
@@ -63,7 +71,7 @@ from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.checkpoint_hook import CheckpointHook
 from trainrun.training.evaluation import EvalHook, Evaluator
 from trainrun.training.hooks import Hook
-from trainrun.training.metric_log import MetricLog
+from trainrun.training.metric_log import MetricLog, OrderedOutput
 from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
 from trainrun.training.profiling import ProfileWindow
@@ -72,38 +80,73 @@ from trainrun.training.summary import RunSummary
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Run:
-    """What set-up made for a run, built once: its parts and the state its first call takes."""
+class Parts:
+    """The model and the shapes of its training program on the run's mesh, built before any
+    data or state is made."""
 
-    config: RunConfig
+    mesh: Any
+    placement: sharding.BatchPlacement  # where a training batch goes on the mesh
+    model: Model
+    counted: Any  # the config's model (an analytic FLOP count), None for a model passed in
+    optimizer: Optimizer
+    policy: Policy
+    abstract: TrainState
+    state_sharding: TrainState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reporting:
+    """Where the run's record goes: its folder, written by process 0, its console and its
+    metric writers."""
+
     run_dir: Path
     primary: bool  # process 0: the one that writes files and prints
     provenance: dict[str, Any]
     console: Console
     output: RunOutput
-    model: Model
-    counted: Any  # the config's model (an analytic FLOP count), None for a model passed in
-    abstract: TrainState
-    placement: sharding.BatchPlacement
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timing:
+    """The run's wall-time split (``watch``) and its step windows (``timer``)."""
+
+    watch: Stopwatch
+    timer: StepTimer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Start:
+    """Where the first call starts: the state as the calls carry it, and its counters."""
+
+    state: Any  # ``programs.carry`` of the restored or fresh state
+    step: int
+    nonfinite: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+    """What set-up made for a run, built once: its parts and the state its first call takes."""
+
+    config: RunConfig
+    reporting: Reporting
+    timing: Timing
+    parts: Parts
     batches: Any  # this process's host batches (checkpointable position when it has one)
     evaluator: Evaluator | None
     checkpoints: Checkpoints
     programs: CompiledSteps
-    start_state: Any  # the state as the calls carry it (``programs.carry``)
-    start_step: int
-    start_nonfinite: int
+    start: Start
     batch_size: int
-    watch: Stopwatch
-    timer: StepTimer
     stream: MetricStream | None
     strategies: Strategies  # the seams' strategies, chosen once (fast/strategies.py)
     mirror: RunMirror | None  # uploads a run on object storage from its stage (process 0)
 
-    def params_copy(self, state: TrainState) -> Any:
-        """Params that the next call cannot donate away (a carrier's fresh arrays already are)."""
-        if self.programs.carrier.fresh_arrays:
-            return state.params
-        return jax.tree.map(jnp.copy, state.params)
+
+def params_copier(programs: CompiledSteps) -> Callable[[TrainState], Any]:
+    """Params that the next call cannot donate away (a carrier's fresh arrays already are)."""
+    if programs.carrier.fresh_arrays:
+        return lambda state: state.params
+    return lambda state: jax.tree.map(jnp.copy, state.params)
 
 
 def run_directory(config: RunConfig, run_dir: Any, fresh: bool) -> rundir.RunDirectory:
@@ -119,87 +162,183 @@ def run_directory(config: RunConfig, run_dir: Any, fresh: bool) -> rundir.RunDir
 
 
 def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
-          model: Model | None, data: Any, eval_data: grain.MapDataset | None,
-          allow_config_change: bool, out: TextIO, cleanup: contextlib.ExitStack,
-          ) -> Run | RunSummary:
+          model: Model | None, data: Any, eval_data: grain.MapDataset | None, out: TextIO,
+          allow_config_change: bool, cleanup: contextlib.ExitStack) -> Run | RunSummary:
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
+    chosen, primary, prov = _process(config, directory)
+    batch_size = getattr(data, "batch_size", None) or config.data.batch_size
+    console = _console(config, batch_size, out if primary else None)
+    resumes = _resume_step(directory)
+    if resumes is not None and resumes >= config.steps:  # finished: nothing to do
+        return _finished(run_dir, directory, resumes, config.steps, console)
+    parts = _parts(config, model, batch_size, console)
+    data, batches, records = _data(config, data, parts, console)
+    evaluator = _evaluator(config, parts, eval_data, chosen.decode_head())
+    stream = _metric_stream(config)
+    timing = Timing(watch=Stopwatch(), timer=StepTimer(inline=chosen.switch.inline_cpu_calls))
+    compiled_steps = _compiled_steps(config, parts, timing.watch, stream, chosen)
+    programs = _checked_programs(compiled_steps, chosen, config, data, batches, parts, resumes)
+    loaded = _init_from_state(config, parts, resumes, timing.watch)
+    checkpoints, mirror = _claim(config, directory, prov, primary, console, cleanup)
+    with timing.watch.phase("init"):
+        state = _restore_or_init(checkpoints, config, parts, batches, loaded, allow_config_change,
+                                 _Resuming(run_dir, directory.display, prov, console, primary))
+    reporting = _reporting(config, run_dir, console, primary, prov, int(state.step))
+    _report_start(config, reporting, records, stream, int(state.step), parts.model.name,
+                  directory.display)
+    programs = _at_data_position(compiled_steps, programs, batches, int(state.step))
+    return Run(config=config, reporting=reporting, timing=timing, parts=parts, batches=batches,
+               evaluator=evaluator, checkpoints=checkpoints, programs=programs,
+               start=_start(programs, state), batch_size=batch_size, stream=stream,
+               strategies=chosen, mirror=mirror)
+
+
+def _process(config: RunConfig, directory: rundir.RunDirectory,
+             ) -> tuple[Strategies, bool, dict[str, Any]]:
+    """This process in the job: the fast paths' strategies, whether it is process 0, and the
+    run's provenance; process 0 checks the run's folder (a folder that is not trainrun's, or
+    is in use, is refused; nothing written)."""
     chosen = strategies.chosen()  # an unknown name in the switch is refused before anything
     # before anything asks JAX for devices; not into a job that runs in this directory already
     distributed.initialize(config.distributed, lambda: refuse_joining(directory.run_dir))
     require_backend()  # a platform this machine lacks is one line, not JAX's traceback
     # Inline CPU calls are the process's setting (configure_process): record what is in effect.
-    inline = calls_run_inline()
-    chosen = chosen.with_inline_calls(inline)
+    chosen = chosen.with_inline_calls(calls_run_inline())
     primary = jax.process_index() == 0
     prov = provenance(config.digest(), chosen.on())
-    if primary:  # a folder that is not trainrun's, or is in use, is refused; nothing written
+    if primary:
         directory.check()
-    batch_size = getattr(data, "batch_size", None) or config.data.batch_size
-    seq_len = getattr(config.data, "seq_len", None)  # the console counts tokens or examples
-    console = make_console(config.steps, batch_size * (seq_len or 1),
-                           out if primary else open(os.devnull, "w"),  # noqa: SIM115
-                           "tokens" if seq_len else "examples")
+    return chosen, primary, prov
+
+
+def _console(config: RunConfig, batch_size: int, out: TextIO | None) -> Console:
+    """The console (``out`` None: a process other than 0, which prints nothing), counting
+    tokens when the data has a sequence length, else examples."""
+    seq_len = getattr(config.data, "seq_len", None)
+    return make_console(config.steps, batch_size * (seq_len or 1),
+                        open(os.devnull, "w") if out is None else out,
+                        "tokens" if seq_len else "examples")
+
+
+def _resume_step(directory: rundir.RunDirectory) -> int | None:
+    """The newest committed checkpoint's step a run resumes from; None: it starts afresh."""
     committed = rundir.committed_steps(directory.ckpt_dir)
-    latest = committed[-1] if committed else None
-    if latest is not None and latest >= config.steps and not directory.fresh:
-        console.message(rundir.finished_message(directory.display, latest, config.steps))
-        return RunSummary.from_dict(rundir.read_summary(run_dir))
+    return committed[-1] if committed and not directory.fresh else None
+
+
+def _finished(run_dir: Path, directory: rundir.RunDirectory, latest: int, steps: int,
+              console: Console) -> RunSummary:
+    """The summary of a run whose last checkpoint is at its end: nothing runs."""
+    console.message(rundir.finished_message(directory.display, latest, steps))
+    return RunSummary.from_dict(rundir.read_summary(run_dir))
+
+
+def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Console) -> Parts:
+    """The mesh, the model and its program's shapes, each checked against memory before the
+    next is made."""
     if config.checkpoint.keep_best and not config.eval.every:
         raise ConfigError(f"checkpoint.keep_best={config.checkpoint.keep_best} needs "
                           "evaluations to rank checkpoints by: set eval.every")
     mesh = sharding.build_mesh(config.mesh)
     placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
     counted = None if model else config.model
-    if model is None and isinstance(config.model, TransformerModel):  # before it is built
-        preflight.check_model_memory(
-            config.model, list(mesh.devices.flat), config.precision.params,
-            f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
-    model = model or build_model(config.model)
+    built = model or _model(config, mesh)
     optimizer = build_optimizer(config.optimizer, config.steps)
     for notice in schedule_notices(config):
         console.message(f"warning: {notice}")
     policy = policy_from_config(config.precision)
-    abstract = abstract_state(model, optimizer, config.seed, policy)
-    state_sharding = sharding.state_shardings(mesh, abstract, model.logical_axes, optimizer.tx,
+    abstract = abstract_state(built, optimizer, config.seed, policy)
+    state_sharding = sharding.state_shardings(mesh, abstract, built.logical_axes, optimizer.tx,
                                               config.mesh)
     preflight.check_state_memory(abstract, state_sharding)  # before data or state is made
+    return Parts(mesh=mesh, placement=placement, model=built, counted=counted,
+                 optimizer=optimizer, policy=policy, abstract=abstract,
+                 state_sharding=state_sharding)
+
+
+def _model(config: RunConfig, mesh: Any) -> Model:
+    """The config's model; a transformer's memory is checked before it is built."""
+    if isinstance(config.model, TransformerModel):
+        preflight.check_model_memory(
+            config.model, list(mesh.devices.flat), config.precision.params,
+            f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
+    return build_model(config.model)
+
+
+def _data(config: RunConfig, data: Any, parts: Parts, console: Console,
+          ) -> tuple[Any, Any, RecordCounts | None]:
+    """The training data (``data`` as given, else the config's: this process's rows), its
+    host batches, and what became of its records when it has a count of them."""
     records = None
     if data is None:
-        data = build_dataset(config.data, seed=config.seed, process_index=placement.rows[0],
-                             process_count=placement.rows[1])
+        rows = parts.placement.rows
+        data = build_dataset(config.data, seed=config.seed, process_index=rows[0],
+                             process_count=rows[1])
         for notice in data_notices(config.data):
             console.message(notice)
         records = data_counts(config.data)
         if records is not None:
             preflight.check_vocab(records.vocab, config.model, config.data)
-    preflight.check_batch(model, data, abstract.params, from_config=counted is not None)
-    if config.init.from_ is not None:  # a source that is not there is refused before claiming
+    return data, _batches(config, data, parts), records
+
+
+def _batches(config: RunConfig, data: Any, parts: Parts) -> Any:
+    """This process's host batches, once the data's first batch fits the model and init.from's
+    source is there (a source that is not there is refused before claiming)."""
+    preflight.check_batch(parts.model, data, parts.abstract.params,
+                          from_config=parts.counted is not None)
+    if config.init.from_ is not None:
         init_from.source_kind(init_from.source_location(config.init.from_))
-    batches = (batch_iterator(data, config.data.prefetch_threads)
-               if isinstance(data, grain.MapDataset) else iter(data))
-    evaluator = _evaluator(config, model, policy, mesh, eval_data, state_sharding.params,
-                           state_sharding.model_state, chosen.decode_head())
+    return (batch_iterator(data, config.data.prefetch_threads)
+            if isinstance(data, grain.MapDataset) else iter(data))
+
+
+def _metric_stream(config: RunConfig) -> MetricStream | None:
+    """The metric stream (``metrics.stream``), once the metric writers' extras are there:
+    asked for before the claim, the writers open after it."""
     _require_writers(config)
-    watch = Stopwatch()
-    stream = MetricStream() if config.metrics.stream else None  # its writers come after the claim
-    # Batches a source holds are cut at the data position less the state's step: 0 unless a
-    # checkpoint says otherwise (then the programs are built again below).
-    source = chosen.batch_source(batches, mesh.size == 1)
-    compiled_steps = functools.partial(
-        CompiledSteps, model, optimizer, config.steps_per_call, watch, abstract=abstract,
-        accumulate=config.accumulate, policy=policy, state_sharding=state_sharding,
-        batch_sharding=placement.sharding, stream=stream,
-        carrier=chosen.state_carrier(abstract), keep=chosen.nonfinite_guard(config.steps_per_call))
-    programs = compiled_steps(source=source)
-    # The step is compiled on shapes alone, before any state exists, and its memory checked;
-    # the first call runs that executable.
-    _check_program_memory(programs, config, data, placement, mesh,
-                          start=0 if directory.fresh or latest is None else latest)
-    loaded = None
-    if config.init.from_ is not None and (directory.fresh or latest is None):
-        with watch.phase("init"):  # the source is loaded, or refused, before the claim
-            loaded = _fresh_state(config, model, optimizer, policy, state_sharding, abstract)
-    if primary:  # creates, locks and marks the folders (moves an old run aside: --fresh)
+    return MetricStream() if config.metrics.stream else None
+
+
+def _compiled_steps(config: RunConfig, parts: Parts, watch: Stopwatch,
+                    stream: MetricStream | None, chosen: Strategies,
+                    ) -> Callable[..., CompiledSteps]:
+    """The run's programs for a batch source (``source=``): batches a source holds are cut at
+    the data position less the state's step, so a restored run builds them again."""
+    return functools.partial(
+        CompiledSteps, parts.model, parts.optimizer, config.steps_per_call, watch,
+        abstract=parts.abstract, accumulate=config.accumulate, policy=parts.policy,
+        state_sharding=parts.state_sharding, batch_sharding=parts.placement.sharding,
+        stream=stream, carrier=chosen.state_carrier(parts.abstract),
+        keep=chosen.nonfinite_guard(config.steps_per_call))
+
+
+def _checked_programs(compiled_steps: Callable[..., CompiledSteps], chosen: Strategies,
+                      config: RunConfig, data: Any, batches: Any, parts: Parts,
+                      resumes: int | None) -> CompiledSteps:
+    """The run's programs on its batch source (cut at data position 0), the usual call's
+    compiled on shapes and its memory checked (``_check_program_memory``) for the step the
+    run starts at."""
+    programs = compiled_steps(source=chosen.batch_source(batches, parts.mesh.size == 1))
+    _check_program_memory(programs, config, data, parts, start=resumes or 0)
+    return programs
+
+
+def _init_from_state(config: RunConfig, parts: Parts, resumes: int | None,
+                     watch: Stopwatch) -> TrainState | None:
+    """init.from's state for a run that starts afresh: loaded, or refused, before the claim."""
+    if config.init.from_ is None or resumes is not None:
+        return None
+    with watch.phase("init"):
+        return _fresh_state(config, parts)
+
+
+def _claim(config: RunConfig, directory: rundir.RunDirectory, prov: dict[str, Any],
+           primary: bool, console: Console, cleanup: contextlib.ExitStack,
+           ) -> tuple[Checkpoints, RunMirror | None]:
+    """The folders claimed by process 0 (created, locked and marked; ``--fresh`` moves an old
+    run aside), then the run's checkpoints, closed by ``cleanup``, and its mirror."""
+    if primary:
         for notice in directory.claim():
             console.message(notice)
     checkpoints = cleanup.enter_context(Checkpoints(directory.ckpt_dir, config, prov))
@@ -209,14 +348,12 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
         checkpoints.say = console.message
         remote.set_notice(console.message)
         cleanup.callback(remote.set_notice, None)
-    with watch.phase("init"):
-        state = _restore_or_init(
-            checkpoints, config, run_dir=run_dir, shown=directory.display, prov=prov,
-            fresh=lambda: loaded if loaded is not None else _fresh_state(
-                config, model, optimizer, policy, state_sharding, abstract),
-            abstract=abstract, state_sharding=state_sharding, batches=batches,
-            allow_config_change=allow_config_change, console=console, primary=primary)
-    start = int(state.step)
+    return checkpoints, mirror
+
+
+def _reporting(config: RunConfig, run_dir: Path, console: Console, primary: bool,
+               prov: dict[str, Any], start: int) -> Reporting:
+    """The run's metric writers opened at the step it starts at, and its status "running"."""
     output = build_output(
         run_dir, console, log_every=config.metrics.every, total_steps=config.steps,
         primary=primary, start_step=start, tensorboard=config.metrics.tensorboard,
@@ -224,104 +361,139 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
         config=config.to_dict(), name=config.name)
     if primary:
         rundir.write_status(run_dir, "running", start)
-    if records is not None:  # what became of the records: on the console and in the metrics
-        console.message(f"data: {records.summary()}")
+    return Reporting(run_dir=run_dir, primary=primary, provenance=prov, console=console,
+                     output=output)
+
+
+def _report_start(config: RunConfig, reporting: Reporting, records: RecordCounts | None,
+                  stream: MetricStream | None, start: int, model_name: str, shown: Any) -> None:
+    """What became of the records, on the console and in the metrics (a fresh run's); the
+    metric stream's writers; then what trains, and where (``shown``)."""
+    if records is not None:
+        reporting.console.message(f"data: {records.summary()}")
         if start == 0:
-            output.write(0, records.metrics(), split="data")
+            reporting.output.write(0, records.metrics(), split="data")
     if stream is not None:
-        stream.output = output
-    moved = source.from_offset(getattr(batches, "next_index", 0) - start)
-    if moved is not source:
-        programs = compiled_steps(source=moved)
-    console.message(f"training {model.name} for {config.steps} steps, "
-                    f"{config.steps_per_call} per call -> {directory.display}")
-    return Run(config=config, run_dir=run_dir, primary=primary, provenance=prov,
-               console=console, output=output, model=model, counted=counted,
-               abstract=abstract, placement=placement, batches=batches,
-               evaluator=evaluator, checkpoints=checkpoints, programs=programs,
-               start_state=programs.carry(state), start_step=start,
-               start_nonfinite=int(state.nonfinite_steps), batch_size=batch_size,
-               watch=watch, timer=StepTimer(inline=inline), stream=stream,
-               strategies=chosen, mirror=mirror)
+        stream.output = reporting.output
+    reporting.console.message(f"training {model_name} for {config.steps} steps, "
+                              f"{config.steps_per_call} per call -> {shown}")
 
 
-def build_hooks(run: Run, preemption: Preemption,
-                callbacks: list[Callback]) -> tuple[list[Hook], MetricLog]:
-    """The run's hooks, in the order they act at every boundary (``hooks.py``), and the metric
-    log among them (the loop finishes it last)."""
-    config, watch = run.config, run.watch
+def _at_data_position(compiled_steps: Callable[..., CompiledSteps], programs: CompiledSteps,
+                      batches: Any, start: int) -> CompiledSteps:
+    """The programs with their batch source cut at the data position less the state's step
+    (built again only when that moves it)."""
+    moved = programs.source.from_offset(getattr(batches, "next_index", 0) - start)
+    return programs if moved is programs.source else compiled_steps(source=moved)
+
+
+def _start(programs: CompiledSteps, state: TrainState) -> Start:
+    """Where the first call starts: ``state`` as the calls carry it."""
+    return Start(state=programs.carry(state), step=int(state.step),
+                 nonfinite=int(state.nonfinite_steps))
+
+
+def metric_log(output: RunOutput, timing: Timing, batch_size: int, streamed: bool,
+               chosen: Strategies) -> MetricLog:
+    """The run's metric log: rows read from the calls, written to ``output``."""
+    return MetricLog(output, timing.timer, timing.watch, batch_size, streamed=streamed,
+                     writes=chosen.metric_writes())
+
+
+def build_hooks(config: RunConfig, reporting: Reporting, log: MetricLog, watch: Stopwatch,
+                checkpoints: Checkpoints, *, batches: Any, evaluator: Evaluator | None,
+                mirror: RunMirror | None, start_nonfinite: int, preemption: Preemption,
+                callbacks: list[Callback], clock: Clock) -> list[Hook]:
+    """The run's hooks, in the order they act at every boundary (``hooks.py``): the metric log
+    first (the loop finishes it last), the checkpoint's last."""
 
     def before_halt() -> None:  # the last good checkpoint commits; the files are closed
         log.finish()
-        run.checkpoints.wait()
-        run.checkpoints.close()
+        checkpoints.wait()
+        checkpoints.close()
 
-    log = MetricLog(run.output, run.timer, watch, run.batch_size,
-                    streamed=run.stream is not None,
-                    writes=run.strategies.metric_writes())
     output = log.ordered  # every later write is timed as logging
     hooks: list[Hook] = [
-        log, NonFinitePolicy(config.nonfinite, output, run.start_nonfinite, before_halt)]
-    if config.profile.steps and run.primary:
-        hooks.append(ProfileWindow(config.profile.steps, run.run_dir, say=output.message,
-                                   watch=watch))
-    if run.evaluator is not None:
-        hooks.append(EvalHook(run.evaluator, output, watch, config.steps, config.eval.params))
+        log, NonFinitePolicy(config.nonfinite, output, start_nonfinite, before_halt)]
+    if config.profile.steps and reporting.primary:
+        hooks.append(ProfileWindow(config.profile.steps, reporting.run_dir,
+                                   say=output.message, watch=watch))
+    if evaluator is not None:
+        hooks.append(EvalHook(evaluator, output, watch, config.steps, config.eval.params))
     hooks.append(preemption)
+    hooks += _callback_hooks(config.steps_per_call, callbacks, output, watch)
+    return hooks + _checkpoint_hooks(config, checkpoints, log, watch, batches=batches,
+                                     mirror=mirror, clock=clock, callbacks=callbacks)
+
+
+def _callback_hooks(steps_per_call: int, callbacks: list[Callback], output: OrderedOutput,
+                    watch: Stopwatch) -> list[Hook]:
+    """The user's callbacks as hooks; one that cuts every call is said so."""
+    hooks: list[Hook] = []
     for callback in callbacks:
         hook = CallbackHook(callback, watch)
-        if 0 < hook.every < config.steps_per_call:  # it cuts every call: say so
+        if 0 < hook.every < steps_per_call:
             output.message(f"{type(callback).__name__} asks for a boundary every {hook.every} "
                            f"step(s): calls run {hook.every} step(s), not steps_per_call="
-                           f"{config.steps_per_call}")
+                           f"{steps_per_call}")
         hooks.append(hook)
+    return hooks
+
+
+def _checkpoint_hooks(config: RunConfig, checkpoints: Checkpoints, log: MetricLog,
+                      watch: Stopwatch, *, batches: Any, mirror: RunMirror | None, clock: Clock,
+                      callbacks: list[Callback]) -> list[Hook]:
+    """The hooks that save, last at every boundary: a run on object storage uploads its files
+    before each save, then the checkpoint hook saves by the policy on ``clock``."""
     policy = CheckpointPolicy(config.checkpoint.every, config.checkpoint.every_seconds,
-                              check_every=config.metrics.every)
-    if run.mirror is not None:  # a run on object storage: its files go up before each save
-        mirror, checkpoints = run.mirror, run.checkpoints
-        hooks.append(StorageHook(lambda: mirror.stopped(checkpoints.last_committed)))
-    hooks.append(CheckpointHook(run.checkpoints, policy, run.batches, log, watch,
-                                keep_best=config.checkpoint.keep_best,
-                                listeners=[c.on_checkpoint for c in callbacks],
-                                before_save=None if run.mirror is None else lambda: (
-                                    mirror.sync_before_save(checkpoints.last_committed))))
-    return hooks, log
+                              clock=clock, check_every=config.metrics.every)
+    if mirror is None:
+        return [CheckpointHook(checkpoints, policy, batches, log, watch,
+                               keep_best=config.checkpoint.keep_best,
+                               listeners=[c.on_checkpoint for c in callbacks])]
+    return [StorageHook(lambda: mirror.stopped(checkpoints.last_committed)),
+            CheckpointHook(checkpoints, policy, batches, log, watch,
+                           keep_best=config.checkpoint.keep_best,
+                           listeners=[c.on_checkpoint for c in callbacks],
+                           before_save=lambda: mirror.sync_before_save(
+                               checkpoints.last_committed))]
 
 
-def _evaluator(config: RunConfig, model: Model, policy: Policy, mesh: Any,
-               eval_data: grain.MapDataset | None, params_sharding: Any,
-               model_state_sharding: Any, head: HeadLayout) -> Evaluator | None:
+def _evaluator(config: RunConfig, parts: Parts, eval_data: grain.MapDataset | None,
+               head: HeadLayout) -> Evaluator | None:
     """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
     the held-out split, placed on the mesh as training batches are."""
     if not config.eval.every:
         return None
     size = config.eval.batch_size or config.data.batch_size
-    placement = sharding.batch_placement(mesh, size, stacked=False)
+    placement = sharding.batch_placement(parts.mesh, size, stacked=False)
     if eval_data is None:
         eval_data = build_eval_dataset(config.data, size, process_index=placement.rows[0],
                                        process_count=placement.rows[1])
-    return Evaluator(model, eval_data, config.eval.every, max_batches=config.eval.batches,
-                     policy=policy, put=placement.put,
-                     shardings=(params_sharding, placement.sharding, model_state_sharding),
+    shardings = (parts.state_sharding.params, placement.sharding,
+                 parts.state_sharding.model_state)
+    return Evaluator(parts.model, eval_data, config.eval.every, max_batches=config.eval.batches,
+                     policy=parts.policy, put=placement.put, shardings=shardings,
                      answers=answer_scorer(config, head) if config.eval.generate else None)
 
 
-def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,
-                          placement: sharding.BatchPlacement, mesh: Any, start: int) -> None:
+def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any, parts: Parts,
+                          start: int) -> None:
     """Compile the program of the run's usual call (K steps, or what is left from ``start``) on
     the shapes of the state and of the data's first batch, and refuse it if its buffers do not
-    fit (``preflight.check_program_memory``). Data that is a plain iterator cannot be looked
-    at: its program is compiled at the first call, unchecked."""
+    fit (``preflight.check_program_memory``): the step is compiled on shapes alone, before any
+    state exists, and the first call runs that executable. Data that is a plain iterator cannot
+    be looked at: its program is compiled at the first call, unchecked."""
     k = min(config.steps_per_call, config.steps - start)
     batch = programs.source.held(k)  # None: host batches, shaped as the data's first
     if batch is None:
         if not isinstance(data, grain.MapDataset):
             return
         stacked = config.steps_per_call > 1
-        batch = jax.tree.map(lambda leaf: _global_shape(np.asarray(leaf), placement, k, stacked),
-                             data[0])
+        batch = jax.tree.map(
+            lambda leaf: _global_shape(np.asarray(leaf), parts.placement, k, stacked), data[0])
     compiled = programs.compile(k, programs.carried_shapes(), batch)
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    local = [d for d in parts.mesh.devices.flat if d.process_index == jax.process_index()]
     preflight.check_program_memory(compiled, local, k)
 
 
@@ -342,37 +514,61 @@ def _require_writers(config: RunConfig) -> None:
         extras.require("wandb", f"metrics.wandb={config.metrics.wandb}")
 
 
-def _fresh_state(config: RunConfig, model: Model, optimizer: Optimizer, policy: Policy,
-                 state_sharding: TrainState, abstract: TrainState) -> TrainState:
+def _fresh_state(config: RunConfig, parts: Parts) -> TrainState:
     """The state a run without a checkpoint starts from: random init, or ``init.from``'s
     source placed where the state goes (loaded, or refused, before anything is written)."""
     if config.init.from_ is not None:
         return jax.block_until_ready(init_from.initial_state(
-            config, model, optimizer, policy, state_sharding, abstract))
-    return jax.block_until_ready(
-        init_state(model, optimizer, config.seed, policy, state_sharding))
+            config, parts.model, parts.optimizer, parts.policy, parts.state_sharding,
+            parts.abstract))
+    return jax.block_until_ready(init_state(parts.model, parts.optimizer, config.seed,
+                                            parts.policy, parts.state_sharding))
 
 
-def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Path, shown: Any,
-                     prov: dict[str, Any], fresh: Callable[[], TrainState],
-                     abstract: TrainState, state_sharding: TrainState, batches: Any,
-                     allow_config_change: bool, console: Console, primary: bool) -> TrainState:
-    """The newest readable checkpoint's state, placed by ``state_sharding`` (any mesh), with the
-    data iterator set to its position; else a fresh state. Then the run's files are written
-    for the step it starts at (nothing is written before a refusal)."""
+@dataclasses.dataclass(frozen=True)
+class _Resuming:
+    """What the start of the run's files and its console messages need."""
+
+    run_dir: Path
+    shown: Any  # the run directory as messages show it
+    provenance: dict[str, Any]
+    console: Console
+    primary: bool
+
+
+def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, batches: Any,
+                     loaded: TrainState | None, allow_config_change: bool,
+                     resuming: _Resuming) -> TrainState:
+    """The newest readable checkpoint's state, placed by the state's shardings (any mesh), with
+    the data iterator set to its position; else a fresh state (``loaded``: init.from's, made
+    already). Then the run's files are written for the step it starts at (nothing is written
+    before a refusal)."""
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract, state_sharding)
+                          parts.abstract, parts.state_sharding)
     changes: list[str] = []
     restored = checkpoints.restore(target, batches, lambda meta: changes.extend(
-        check_config(meta["config"], config, allow_config_change, shown)))
+        check_config(meta["config"], config, allow_config_change, resuming.shown)))
     if restored is None:
-        state = fresh()
+        state = loaded if loaded is not None else _fresh_state(config, parts)
         step = int(state.step)
     else:
         state, step = restored.state, restored.step
         checkpoints.last_committed = step
-    if primary:
-        rundir.start(run_dir, config, prov, step)
+    if resuming.primary:
+        rundir.start(resuming.run_dir, config, resuming.provenance, step)
+    _say_cleanups(checkpoints, resuming.console)
+    if restored is None:
+        if config.init.from_ is not None:
+            resuming.console.message(f"starting from {config.init.load} of {config.init.from_} "
+                                     f"(init.from) at step {step}")
+        return state
+    _say_restored(restored, config, checkpoints, changes, resuming)
+    return state
+
+
+def _say_cleanups(checkpoints: Checkpoints, console: Console) -> None:
+    """What the checkpoints' opening cleaned up: unfinished saves, records rewritten, deletions
+    finished."""
     for name in checkpoints.partial:
         console.message(f"removing {name}: a checkpoint whose save never finished")
     for name in checkpoints.repaired:
@@ -382,11 +578,13 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Pa
     for name in checkpoints.half_deleted:
         console.message(f"removed the rest of step {name}: an old checkpoint whose deletion "
                         "was cut short")
-    if restored is None:
-        if config.init.from_ is not None:
-            console.message(f"starting from {config.init.load} of {config.init.from_} "
-                            f"(init.from) at step {step}")
-        return state
+
+
+def _say_restored(restored: Restored, config: RunConfig, checkpoints: Checkpoints,
+                  changes: list[str], resuming: _Resuming) -> None:
+    """What a resume passed over or differs in (unreadable steps, no checksums, a changed
+    config, a shifted schedule, other versions), then where it resumed from."""
+    console, step = resuming.console, restored.step
     for bad, why, where in restored.moved:
         console.message(f"warning: checkpoint step {bad} cannot be read ({why}); "
                         f"moved it to {where}")
@@ -396,14 +594,22 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, *, run_dir: Pa
     if changes:
         console.message("warning: resuming with a changed config (--allow-config-change): "
                         + "; ".join(changes))
-    shift = schedule_shift(restored.metadata["config"], config, step)
-    if shift is not None:
-        console.message(f"warning: the learning-rate schedule spans the run's length: with "
-                        f"steps={config.steps} (was {restored.metadata['config']['steps']}) it "
-                        f"differs from step {shift} on, so this run matches no uninterrupted one")
-    drift = provenance_changes(restored.metadata.get("provenance", {}), prov)
-    if drift:
-        console.message(f"warning: the checkpoint was written with other {', '.join(drift)}; "
-                        "bitwise equality with an uninterrupted run is not promised across that")
+    _say_drift(restored, config, step, resuming)
     console.message(f"resumed from step {step} ({checkpoints.directory / str(step)})")
-    return state
+
+
+def _say_drift(restored: Restored, config: RunConfig, step: int, resuming: _Resuming) -> None:
+    """Where the resumed run stops matching an uninterrupted one: a schedule that spans the
+    run's length, or other versions than the checkpoint's."""
+    saved = restored.metadata["config"]
+    shift = schedule_shift(saved, config, step)
+    if shift is not None:
+        resuming.console.message(
+            f"warning: the learning-rate schedule spans the run's length: with "
+            f"steps={config.steps} (was {saved['steps']}) it "
+            f"differs from step {shift} on, so this run matches no uninterrupted one")
+    drift = provenance_changes(restored.metadata.get("provenance", {}), resuming.provenance)
+    if drift:
+        resuming.console.message(
+            f"warning: the checkpoint was written with other {', '.join(drift)}; "
+            "bitwise equality with an uninterrupted run is not promised across that")

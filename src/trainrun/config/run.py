@@ -36,6 +36,7 @@ from trainrun.config.sections import (
     StorageConfig,
     TextData,
     TokenData,
+    data_seed,
     schedule_steps,
     warmup_steps,
 )
@@ -49,6 +50,7 @@ class ConfigError(UserError):
 # ---- the run ---------------------------------------------------------------------------------
 
 
+SEED_MAX = 2**32 - 1  # jax.random.key's range without wrapping
 NAME_MAX = 255  # bytes in a file name on Linux's and macOS's file systems
 LORA_PARAMS = r"_lora\.(a|b)$"  # the adapters' params: blocks.0.attn.q_lora.a, ...
 
@@ -62,7 +64,7 @@ class RunConfig(Section):
 
     # A plain file name: the run directory is runs/<name>; --run-dir is the way to pick a path.
     name: str = "run"
-    seed: int = Field(default=0, ge=0, le=2**32 - 1)  # jax.random.key's range without wrapping
+    seed: int = Field(default=0, ge=0, le=SEED_MAX)
     steps: int = Field(default=200, gt=0)
     steps_per_call: int = Field(default=1, gt=0)
     model: ModelConfig = Field(default_factory=MLPModel)
@@ -84,6 +86,18 @@ class RunConfig(Section):
     @classmethod
     def _renamed_keys(cls, raw: Any) -> Any:
         return renamed.upgrade(raw, "the config") if isinstance(raw, dict) else raw
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _data_seeded_by_run(cls, raw: Any) -> Any:
+        """Synthetic regression examples without ``data.seed`` are drawn from the run's seed
+        (``data_seed``); the resolved config holds the value, so a saved run reads it back."""
+        if not isinstance(raw, dict) or not seeds_data(raw):
+            return raw
+        seed, data = raw.get("seed", 0), raw.get("data")
+        if isinstance(data, RegressionData):
+            return {**raw, "data": data.model_copy(update={"seed": data_seed(seed)})}
+        return {**raw, "data": {**(data or {"kind": "regression"}), "seed": data_seed(seed)}}
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -141,6 +155,33 @@ class RunConfig(Section):
                       if k not in ("mesh", "distributed", "metrics", "profile")}
         blob = json.dumps(trajectory, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---- keys that follow other keys -------------------------------------------------------------
+
+
+def seeds_data(raw: dict[str, Any]) -> bool:
+    """Whether a raw config leaves ``data.seed`` to the run's ``seed``: regression data (the
+    default) that does not set it, and a valid run seed (else the seed's own error)."""
+    seed, data = raw.get("seed", 0), raw.get("data")
+    if type(seed) is not int or not 0 <= seed <= SEED_MAX:
+        return False
+    if isinstance(data, RegressionData):
+        return "seed" not in data.model_fields_set
+    return data is None or (isinstance(data, dict) and data.get("kind") == "regression"
+                            and "seed" not in data)
+
+
+def followed_keys(raw: dict[str, Any]) -> dict[tuple[str, ...], str]:
+    """The keys a raw config leaves to other keys, ``{key path: what it follows}``, for
+    ``config show`` to name as their origin."""
+    follows: dict[tuple[str, ...], str] = {}
+    if seeds_data(raw):
+        follows[("data", "seed")] = "seed + 1"
+    for key, (data_key, _) in sized_by_data(raw).items():
+        follows[("model", key)] = (f"data.{data_key}" if data_key != "tokenizer"
+                                   else "data: byte-level text")
+    return follows
 
 
 # ---- what the data gives the model -----------------------------------------------------------

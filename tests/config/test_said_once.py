@@ -1,10 +1,13 @@
-"""Each config concept said once: the synthetic data's seed follows the run's."""
+"""Each config concept said once: the synthetic data's seed follows the run's; the held-out
+files of arrays and tokens are ``data.eval_paths`` (not ``data.eval``, beside the top-level
+``eval`` cadence) and their training files ``data.paths``, as for text and records."""
 
 from __future__ import annotations
 
 import io
 
 import numpy as np
+import pytest
 import yaml
 
 import trainrun
@@ -12,15 +15,24 @@ from trainrun import rundir
 from trainrun.checkpointing.resume import check_config
 from trainrun.cli import main
 from trainrun.config import (
+    ConfigError,
     RegressionData,
     RunConfig,
+    TokenData,
     config_from_dict,
     config_from_layers,
     load_config,
+    renamed,
     saved_layers,
 )
+from trainrun.data import DataError, build_eval_dataset
 from trainrun.data.synthetic import regression_arrays
 from trainrun.reporting.sinks.jsonl import read_metrics
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(renamed, "_warned", set())  # each test sees its first warnings
 
 
 def _losses(config: RunConfig, run_dir) -> list[float]:
@@ -70,3 +82,57 @@ def test_config_show_names_the_run_seed_as_the_data_seed_origin(capsys):
     assert main(["config", "show", "--config", "mlp", "seed=3"]) == 0
     (line,) = [row for row in capsys.readouterr().out.splitlines() if row.startswith("  seed:")]
     assert [part.strip() for part in line.split("#")] == ["seed: 4", "seed + 1"]
+
+
+def _arrays(tmp_path) -> tuple[str, str]:
+    rng = np.random.default_rng(0)
+    for name, rows in (("train", 64), ("held", 16)):
+        x = rng.normal(size=(rows, 8)).astype(np.float32)
+        np.savez(tmp_path / f"{name}.npz", x=x, y=x.sum(1, keepdims=True))
+    return str(tmp_path / "train.npz"), str(tmp_path / "held.npz")
+
+
+def test_array_files_are_paths_and_eval_paths_and_evaluate(tmp_path):
+    train, held = _arrays(tmp_path)
+    config = load_config("mlp", ["steps=2", "data.kind=arrays", f"data.paths={train}",
+                                 f"data.eval_paths={held}", "data.batch_size=16",
+                                 "eval.every=1"])
+    assert config.data.paths == train and config.data.eval_paths == held  # type: ignore[union-attr]
+    trainrun.run(config, tmp_path / "run", out=io.StringIO())
+    held_out = read_metrics(tmp_path / "run" / rundir.METRICS, split="eval")
+    assert [row["step"] for row in held_out] == [1, 2] and all("loss" in r for r in held_out)
+
+
+@pytest.mark.parametrize("kind", ["arrays", "tokens"])
+def test_old_names_of_the_data_files_load_as_the_new_with_one_warning(tmp_path, kind):
+    with pytest.warns(renamed.RenamedKeyWarning) as said:
+        config = load_config("mlp", [f"data.kind={kind}", "data.train=a", "data.eval=b"])
+    assert config.data.paths == "a" and config.data.eval_paths == "b"  # type: ignore[union-attr]
+    assert [str(w.message).split(";")[0] for w in said] == [
+        "config key data.train is now data.paths", "config key data.eval is now data.eval_paths"]
+
+
+def test_a_saved_run_with_the_old_data_file_names_resumes_silently(tmp_path, recwarn):
+    train, held = _arrays(tmp_path)
+    config = load_config("mlp", ["data.kind=arrays", f"data.paths={train}",
+                                 f"data.eval_paths={held}"])
+    old = config.to_dict()
+    old["data"]["train"], old["data"]["eval"] = (old["data"].pop("paths"),
+                                                 old["data"].pop("eval_paths"))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert config_from_layers(saved_layers(path)) == config
+    assert check_config(old, config, allow=False, where=tmp_path) == []
+    assert not [w for w in recwarn if issubclass(w.category, renamed.RenamedKeyWarning)]
+
+
+def test_both_names_of_the_held_out_files_is_one_line_error():
+    with pytest.raises(ConfigError, match=r"data\.eval and data\.eval_paths are both given in "
+                       r"the overrides; keep data\.eval_paths alone"):
+        load_config("mlp", ["data.kind=tokens", "data.eval=a.bin", "data.eval_paths=b.bin"])
+
+
+def test_token_data_without_held_out_files_names_eval_paths(tmp_path):
+    (tmp_path / "t.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+    with pytest.raises(DataError, match=r"give data\.eval_paths \(a held-out \.bin file\)"):
+        build_eval_dataset(TokenData(paths=str(tmp_path / "t.bin"), seq_len=8))

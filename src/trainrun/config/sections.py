@@ -350,22 +350,24 @@ class TextData(DataSection):
 
 
 class ArrayData(DataSection):
-    """User arrays: a ``.npz`` file (its arrays by name) or ``{name: file.npy}``; every array has
-    one entry per example. ``eval``: the held-out split in the same form (optional)."""
+    """User arrays: ``paths``, a ``.npz`` file (its arrays by name) or ``{name: file.npy}``;
+    every array has one entry per example. ``eval_paths``: the held-out split in the same form
+    (optional)."""
 
     kind: Literal["arrays"] = "arrays"
-    train: str | dict[str, str] | None = None
-    eval: str | dict[str, str] | None = None
+    paths: str | dict[str, str] | None = None
+    eval_paths: str | dict[str, str] | None = None
     batch_size: BatchSize = 64
 
 
 class TokenData(DataSection):
-    """Pre-tokenized text, nanoGPT-style: a flat binary file of token ids (``.bin``), read
-    through a memory map; windows of ``seq_len + 1`` tokens. ``eval``: a held-out ``.bin``."""
+    """Pre-tokenized text, nanoGPT-style: ``paths``, a flat binary file of token ids (``.bin``),
+    read through a memory map; windows of ``seq_len + 1`` tokens. ``eval_paths``: a held-out
+    ``.bin``."""
 
     kind: Literal["tokens"] = "tokens"
-    train: str | None = None
-    eval: str | None = None
+    paths: str | None = None
+    eval_paths: str | None = None
     dtype: Literal["uint16", "uint32"] = "uint16"
     seq_len: int = Field(default=128, gt=0)
 

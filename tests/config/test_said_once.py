@@ -1,10 +1,13 @@
 """Each config concept said once: the synthetic data's seed follows the run's; the held-out
 files of arrays and tokens are ``data.eval_paths`` (not ``data.eval``, beside the top-level
-``eval`` cadence) and their training files ``data.paths``, as for text and records."""
+``eval`` cadence) and their training files ``data.paths``, as for text and records; a records
+run's synthetic chat task is ``data.synthetic`` and an NNX MLP's ``model.task`` (its loss)
+follows the data."""
 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from trainrun.checkpointing.resume import check_config
 from trainrun.cli import main
 from trainrun.config import (
     ConfigError,
+    NNXMLPModel,
     RegressionData,
     RunConfig,
     TokenData,
@@ -136,3 +140,60 @@ def test_token_data_without_held_out_files_names_eval_paths(tmp_path):
     (tmp_path / "t.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
     with pytest.raises(DataError, match=r"give data\.eval_paths \(a held-out \.bin file\)"):
         build_eval_dataset(TokenData(paths=str(tmp_path / "t.bin"), seq_len=8))
+
+
+def test_the_records_synthetic_task_is_data_synthetic_and_old_names_warn():
+    config = load_config("chat")
+    assert config.data.synthetic == "reverse"  # type: ignore[union-attr]
+    assert config.data.synthetic_examples == 8192  # type: ignore[union-attr]
+    with pytest.warns(renamed.RenamedKeyWarning) as said:
+        old = load_config("chat", ["data.task=add", "data.task_examples=64"])
+    assert old.data.synthetic == "add" and old.data.synthetic_examples == 64  # type: ignore
+    assert [str(w.message).split(";")[0] for w in said] == [
+        "config key data.task is now data.synthetic",
+        "config key data.task_examples is now data.synthetic_examples"]
+    saved = config.to_dict()
+    saved["data"]["task"] = saved["data"].pop("synthetic")
+    saved["data"]["task_examples"] = saved["data"].pop("synthetic_examples")
+    assert check_config(saved, config, allow=False, where=Path("runs/chat")) == []
+    with pytest.raises(ConfigError, match=r"give one of data\.paths .* or data\.synthetic "
+                       r"\(reverse, add\); got data\.paths and data\.synthetic"):
+        load_config("chat", ["data.paths=a.jsonl"])
+
+
+@pytest.mark.parametrize(("data", "task"), [("regression", "regression"),
+                                            ("digits", "classification"),
+                                            ("arrays", "regression")])
+def test_the_nnx_mlp_task_follows_the_data(data, task):
+    config = load_config("mlp", ["model.kind=nnx_mlp", f"data.kind={data}"])
+    assert config.model.task == task  # type: ignore[union-attr]
+    given = load_config("mlp", ["model.kind=nnx_mlp", f"data.kind={data}",
+                                f"model.task={task}"])
+    assert given == config and given.digest() == config.digest()
+    assert RunConfig(model=NNXMLPModel(), data={"kind": data}).model.task == task  # type: ignore
+
+
+def test_the_nnx_mlp_trains_on_digits_without_model_task(tmp_path):
+    overrides = ["steps=2", "model.kind=nnx_mlp", "model.features=64", "model.outputs=10",
+                 "data.kind=digits"]
+    losses = _losses(load_config("mlp", overrides), tmp_path / "followed")
+    given = load_config("mlp", [*overrides, "model.task=classification"])
+    assert losses == _losses(given, tmp_path / "given")
+    rows = read_metrics(tmp_path / "followed" / rundir.METRICS)
+    assert "accuracy" in rows[-1]  # classification's metric
+
+
+def test_arrays_with_labels_still_take_model_task_classification():
+    config = load_config("mlp", ["model.kind=nnx_mlp", "data.kind=arrays",
+                                 "model.task=classification"])
+    assert config.model.task == "classification"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("data", "task", "target"), [("digits", "regression", "'y'"),
+                                                      ("regression", "classification", "'label'")])
+def test_a_task_the_data_has_no_targets_for_is_one_line(data, task, target):
+    with pytest.raises(ConfigError) as err:
+        load_config("mlp", ["model.kind=nnx_mlp", f"data.kind={data}", f"model.task={task}"])
+    assert str(err.value) == (f"model.task={task} needs {target} targets, which data.kind={data} "
+                              f"does not have; drop model.task (it follows the data: "
+                              f"{'classification' if data == 'digits' else 'regression'})")

@@ -26,6 +26,7 @@ from trainrun.config.sections import (
     MetricsConfig,
     MLPModel,
     ModelConfig,
+    NNXMLPModel,
     OptimizerConfig,
     PrecisionConfig,
     ProfileConfig,
@@ -101,6 +102,18 @@ class RunConfig(Section):
 
     @pydantic.model_validator(mode="before")
     @classmethod
+    def _task_from_data(cls, raw: Any) -> Any:
+        """An NNX MLP without ``model.task`` has its data's (``task_of_data``)."""
+        task = task_of_data(raw) if isinstance(raw, dict) else None
+        if task is None:
+            return raw
+        model = raw["model"]
+        if isinstance(model, NNXMLPModel):
+            return {**raw, "model": model.model_copy(update={"task": task})}
+        return {**raw, "model": {**model, "task": task}}
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
     def _model_sized_by_data(cls, raw: Any) -> Any:
         """A transformer's context and vocabulary not set in the config are its data's."""
         given = sized_by_data(raw) if isinstance(raw, dict) else {}
@@ -172,12 +185,34 @@ def seeds_data(raw: dict[str, Any]) -> bool:
                             and "seed" not in data)
 
 
+# The loss an NNX MLP takes on each kind of data it reads: digits has labels, the regression
+# data targets ``y``; user arrays hold either, and regression is the default unless said.
+TASK_OF_DATA: dict[str, Literal["regression", "classification"]] = {
+    "regression": "regression", "digits": "classification", "arrays": "regression"}
+
+
+def task_of_data(raw: dict[str, Any]) -> Literal["regression", "classification"] | None:
+    """The ``model.task`` a raw config leaves to its data: an NNX MLP's that the config does
+    not set, on data with a known task; None: the model's own (or not an NNX MLP)."""
+    model, data = raw.get("model"), raw.get("data")
+    if isinstance(model, NNXMLPModel):
+        if "task" in model.model_fields_set:
+            return None
+    elif not (isinstance(model, dict) and model.get("kind") == "nnx_mlp" and "task" not in model):
+        return None
+    kind = (data.get("kind") if isinstance(data, dict)
+            else "regression" if data is None else getattr(data, "kind", None))
+    return TASK_OF_DATA.get(kind) if isinstance(kind, str) else None
+
+
 def followed_keys(raw: dict[str, Any]) -> dict[tuple[str, ...], str]:
     """The keys a raw config leaves to other keys, ``{key path: what it follows}``, for
     ``config show`` to name as their origin."""
     follows: dict[tuple[str, ...], str] = {}
     if seeds_data(raw):
         follows[("data", "seed")] = "seed + 1"
+    if task_of_data(raw) is not None:
+        follows[("model", "task")] = "data.kind"
     for key, (data_key, _) in sized_by_data(raw).items():
         follows[("model", key)] = (f"data.{data_key}" if data_key != "tokenizer"
                                    else "data: byte-level text")
@@ -300,6 +335,12 @@ def _check_model_and_data(config: RunConfig) -> None:
             raise ConfigError(f"model.vocab={model.vocab} is smaller than the tokenizer's "
                               f"data.vocab_size={data.vocab_size}; drop model.vocab (it follows "
                               "data.vocab_size) or set it to at least that")
+    if (model.kind == "nnx_mlp" and data.kind in TASK_OF_DATA
+            and model.task != TASK_OF_DATA[data.kind] and data.kind != "arrays"):
+        target = "label" if model.task == "classification" else "y"
+        raise ConfigError(f"model.task={model.task} needs '{target}' targets, which data.kind="
+                          f"{data.kind} does not have; drop model.task (it follows the data: "
+                          f"{TASK_OF_DATA[data.kind]})")
     if config.eval.params == "ema" and config.optimizer.ema is None:
         raise ConfigError("eval.params=ema needs a moving average to evaluate: set "
                           "optimizer.ema (e.g. 0.999)")

@@ -36,7 +36,13 @@ class MLPModel(Section):
 
 
 class NNXMLPModel(Section):
-    """An MLP as a Flax NNX module: flattened ``x`` -> hidden (GELU, dropout) -> outputs."""
+    """An MLP as a Flax NNX module: flattened ``x`` -> hidden (GELU, dropout) -> outputs.
+
+    task: the loss and metrics: ``regression`` (mean squared error against ``y``) or
+        ``classification`` (cross-entropy against ``label``, accuracy). Not set, it follows the
+        run's data: ``classification`` on digits, ``regression`` on the synthetic regression
+        and on arrays (set it for arrays with a ``label``); the resolved config shows it.
+    """
 
     kind: Literal["nnx_mlp"] = "nnx_mlp"
     features: int = Field(default=8, gt=0)
@@ -400,8 +406,8 @@ class RecordsData(DataSection):
         (they are counted and reported).
     too_long: an example longer than ``seq_len + 1`` tokens is ``cut`` to it, ``dropped``, or
         ``split`` over rows as text documents are; counted either way.
-    task: ``reverse`` or ``add``: a synthetic chat task whose answer is a function of the
-        prompt, ``task_examples`` records of it (held out as above).
+    synthetic: ``reverse`` or ``add``: a synthetic chat task whose answer is a function of the
+        prompt, ``synthetic_examples`` records of it (held out as above).
     """
 
     kind: Literal["records"] = "records"
@@ -417,8 +423,8 @@ class RecordsData(DataSection):
     eval_fraction: float = Field(default=0.01, ge=0, lt=1)
     bad_records: Literal["refuse", "skip"] = "refuse"
     too_long: Literal["cut", "drop", "split"] = "cut"
-    task: Literal["reverse", "add"] | None = None
-    task_examples: int = Field(default=4096, gt=0)
+    synthetic: Literal["reverse", "add"] | None = None
+    synthetic_examples: int = Field(default=4096, gt=0)
 
     @pydantic.field_validator("paths", "eval_paths", mode="before")
     @classmethod
@@ -428,10 +434,10 @@ class RecordsData(DataSection):
     @pydantic.model_validator(mode="after")
     def _sources(self) -> RecordsData:
         given = [name for name, value in (("data.paths", self.paths), ("data.mix", self.mix),
-                                          ("data.task", self.task)) if value]
+                                          ("data.synthetic", self.synthetic)) if value]
         if len(given) != 1:
             raise ValueError("give one of data.paths (record files), data.mix (record files "
-                             "with weights) or data.task (reverse, add)"
+                             "with weights) or data.synthetic (reverse, add)"
                              + (f"; got {' and '.join(given)}" if given else ""))
         return self
 

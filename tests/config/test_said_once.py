@@ -2,12 +2,13 @@
 files of arrays and tokens are ``data.eval_paths`` (not ``data.eval``, beside the top-level
 ``eval`` cadence) and their training files ``data.paths``, as for text and records; a records
 run's synthetic chat task is ``data.synthetic`` and an NNX MLP's ``model.task`` (its loss)
-follows the data."""
+follows the data, and a records run's transformer has its tokenizer's vocabulary."""
 
 from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -197,3 +198,48 @@ def test_a_task_the_data_has_no_targets_for_is_one_line(data, task, target):
     assert str(err.value) == (f"model.task={task} needs {target} targets, which data.kind={data} "
                               f"does not have; drop model.task (it follows the data: "
                               f"{'classification' if data == 'digits' else 'regression'})")
+
+
+def _records(**data: Any) -> dict[str, Any]:
+    return {"steps": 2, "model": {"kind": "transformer", "d_model": 32, "layers": 1, "heads": 2},
+            "data": {"kind": "records", "synthetic": "reverse", "synthetic_examples": 64,
+                     "seq_len": 32, "batch_size": 8, **data}}
+
+
+def test_records_without_model_vocab_train_with_the_tokenizers_embedding(tmp_path):
+    config = config_from_dict(_records())
+    assert (config.model.vocab, config.model.seq_len) == (259, 32)  # type: ignore[union-attr]
+    trainrun.run(config, tmp_path / "run", out=io.StringIO())
+    model = trainrun.load(tmp_path / "run")
+    assert model.config.vocab == 259
+    assert model.logits([[1, 2, 3]]).shape == (1, 3, 259)  # an embedding row per token id
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["model"]["vocab"] == 259
+
+
+def test_records_vocab_is_a_hugging_face_tokenizers_size_unless_set(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"w{i}": i for i in range(300)} | {"<unk>": 300}, unk_token="<unk>"))
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    given = _records(tokenizer=str(tmp_path / "tokenizer.json"))
+    assert config_from_dict(given).model.vocab == 302  # type: ignore[union-attr]
+    given["model"]["vocab"] = 512
+    assert config_from_dict(given).model.vocab == 512  # type: ignore[union-attr]
+
+
+def test_config_show_names_the_records_tokenizer_as_the_vocab_origin(tmp_path, capsys):
+    path = tmp_path / "records.yaml"
+    path.write_text(yaml.safe_dump(_records()))
+    assert main(["config", "show", "--config", str(path)]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    (line,) = [row for row in shown if row.startswith("  vocab:")]
+    assert [part.strip() for part in line.split("#")] == ["vocab: 259", "data.tokenizer"]
+
+
+def test_an_unreadable_records_tokenizer_is_the_datas_error_not_the_configs(tmp_path):
+    config = config_from_dict(_records(tokenizer=str(tmp_path / "missing")))
+    assert config.model.vocab == 256  # the default: the run names the missing tokenizer
+    with pytest.raises(DataError, match=r"data\.tokenizer .*missing.* not found"):
+        trainrun.run(config, tmp_path / "run", out=io.StringIO())

@@ -5,10 +5,12 @@ bad key and the fix. Where its values come from (files, bases, overrides) is ``f
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import types
 import typing
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
@@ -213,9 +215,10 @@ def followed_keys(raw: dict[str, Any]) -> dict[tuple[str, ...], str]:
         follows[("data", "seed")] = "seed + 1"
     if task_of_data(raw) is not None:
         follows[("model", "task")] = "data.kind"
+    byte_text = isinstance(raw.get("data"), dict) and raw["data"].get("kind") == "text"
     for key, (data_key, _) in sized_by_data(raw).items():
-        follows[("model", key)] = (f"data.{data_key}" if data_key != "tokenizer"
-                                   else "data: byte-level text")
+        follows[("model", key)] = ("data: byte-level text" if data_key == "tokenizer"
+                                   and byte_text else f"data.{data_key}")
     return follows
 
 
@@ -232,9 +235,11 @@ def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
 
     The model's context (``model.seq_len``) is the data's rows (``data.seq_len``); the
     vocabulary of text data (``model.vocab``) is its tokenizer's (``data.vocab_size``), or the
-    256 bytes without one. A key the config sets is its own; with ``init.from`` the source
-    gives the model (``checkpointing/init_from.py``). A records tokenizer's size is known only
-    once it is read: the run refuses a ``model.vocab`` below it then."""
+    256 bytes without one; that of records is their tokenizer's size (``bytes``: the 256 bytes
+    and its special tokens; a Hugging Face tokenizer: its ids, added tokens included), read
+    here. A key the config sets is its own; with ``init.from`` the source gives the model
+    (``checkpointing/init_from.py``). A records tokenizer that cannot be read here leaves
+    ``model.vocab`` to its default: the run names the tokenizer's problem when it reads it."""
     model, data, init = raw.get("model"), raw.get("data"), raw.get("init")
     if not (isinstance(model, dict) and model.get("kind") == "transformer"
             and isinstance(data, dict) and data.get("kind") in TOKEN_DATA):
@@ -254,7 +259,32 @@ def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
         take("vocab", "vocab_size", TextData.model_fields["vocab_size"].default)
     elif data["kind"] == "text" and "vocab" not in model:
         given["vocab"] = ("tokenizer", BYTES)
+    elif data["kind"] == "records" and "vocab" not in model:
+        tokenizer = data.get("tokenizer")
+        size = records_vocab(tokenizer) if tokenizer is None or isinstance(tokenizer, str) else None
+        if size is not None:
+            given["vocab"] = ("tokenizer", size)
     return given
+
+
+def records_vocab(tokenizer: str | None) -> int | None:
+    """The size of the tokenizer records are read with (``data.tokenizer``; None: ``bytes``);
+    None where it cannot be read."""
+    source = tokenizer or "bytes"
+    local = Path(source).expanduser()
+    # a local file or folder written anew under the same name is read anew
+    stamp = (local.stat().st_mtime_ns if "://" not in source and local.exists() else 0)
+    return _tokenizer_size(source, stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_size(source: str, stamp: int) -> int | None:
+    from trainrun.data import model_tokenizer
+
+    try:
+        return model_tokenizer.load(source).size
+    except (UserError, OSError):  # the data's own error names it when the run reads it
+        return None
 
 
 # ---- validation ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from trainrun.cli import main
 from trainrun.config import (
     ConfigError,
     NNXMLPModel,
+    RecordsData,
     RegressionData,
     RunConfig,
     TokenData,
@@ -243,3 +244,10 @@ def test_an_unreadable_records_tokenizer_is_the_datas_error_not_the_configs(tmp_
     assert config.model.vocab == 256  # the default: the run names the missing tokenizer
     with pytest.raises(DataError, match=r"data\.tokenizer .*missing.* not found"):
         trainrun.run(config, tmp_path / "run", out=io.StringIO())
+
+
+def test_old_data_names_through_the_python_api():
+    with pytest.warns(renamed.RenamedKeyWarning, match="data.paths"):
+        assert TokenData(train="t.bin").paths == "t.bin"  # type: ignore[call-arg]
+    with pytest.warns(renamed.RenamedKeyWarning, match="data.synthetic"):
+        assert RecordsData(task="add").synthetic == "add"  # type: ignore[call-arg]

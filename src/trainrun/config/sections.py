@@ -279,6 +279,13 @@ class DataSection(Section):
     shuffle: bool = True
     prefetch_threads: int = Field(default=0, ge=0)
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        return renamed.upgrade(raw, "the config", root="data")
+
 
 def data_seed(run_seed: int) -> int:
     """The seed synthetic examples are drawn from when ``data.seed`` is not set: the run's plus

@@ -251,3 +251,10 @@ def test_old_data_names_through_the_python_api():
         assert TokenData(train="t.bin").paths == "t.bin"  # type: ignore[call-arg]
     with pytest.warns(renamed.RenamedKeyWarning, match="data.synthetic"):
         assert RecordsData(task="add").synthetic == "add"  # type: ignore[call-arg]
+
+
+def test_the_configs_byte_tokenizer_size_is_the_data_layers():
+    from trainrun.config.run import BYTE_TOKENIZER
+    from trainrun.data.model_tokenizer import byte_tokenizer
+
+    assert byte_tokenizer().size == BYTE_TOKENIZER == 259

@@ -228,6 +228,8 @@ def followed_keys(raw: dict[str, Any]) -> dict[tuple[str, ...], str]:
 TOKEN_DATA: dict[str, type[TextData | TokenData | RecordsData]] = {
     "text": TextData, "tokens": TokenData, "records": RecordsData}
 BYTES = 256  # the vocabulary of byte-level text
+# records' ``bytes`` tokenizer: the 256 bytes, <|endoftext|>, <|im_start|> and <|im_end|>
+BYTE_TOKENIZER = BYTES + 3
 
 
 def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
@@ -235,11 +237,12 @@ def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
 
     The model's context (``model.seq_len``) is the data's rows (``data.seq_len``); the
     vocabulary of text data (``model.vocab``) is its tokenizer's (``data.vocab_size``), or the
-    256 bytes without one; that of records is their tokenizer's size (``bytes``: the 256 bytes
-    and its special tokens; a Hugging Face tokenizer: its ids, added tokens included), read
-    here. A key the config sets is its own; with ``init.from`` the source gives the model
-    (``checkpointing/init_from.py``). A records tokenizer that cannot be read here leaves
-    ``model.vocab`` to its default: the run names the tokenizer's problem when it reads it."""
+    256 bytes without one; that of records is their tokenizer's size (``records_vocab``:
+    ``bytes``, the 256 bytes and its special tokens; a local Hugging Face tokenizer, its ids,
+    added tokens included). A key the config sets is its own; with ``init.from`` the source
+    gives the model (``checkpointing/init_from.py``). A records tokenizer not known here (on
+    object storage, missing, unreadable) leaves ``model.vocab`` to its default: the run reads
+    it and refuses a ``model.vocab`` below its size, or names why it cannot read it."""
     model, data, init = raw.get("model"), raw.get("data"), raw.get("init")
     if not (isinstance(model, dict) and model.get("kind") == "transformer"
             and isinstance(data, dict) and data.get("kind") in TOKEN_DATA):
@@ -268,22 +271,30 @@ def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
 
 
 def records_vocab(tokenizer: str | None) -> int | None:
-    """The size of the tokenizer records are read with (``data.tokenizer``; None: ``bytes``);
-    None where it cannot be read."""
-    source = tokenizer or "bytes"
-    local = Path(source).expanduser()
-    # a local file or folder written anew under the same name is read anew
-    stamp = (local.stat().st_mtime_ns if "://" not in source and local.exists() else 0)
-    return _tokenizer_size(source, stamp)
+    """The size of the tokenizer records are read with (``data.tokenizer``; None: ``bytes``):
+    ids, added tokens included. None where it is not known before the data layer reads it: a
+    tokenizer on object storage, or one missing or unreadable (the run then names why)."""
+    if tokenizer is None or tokenizer == "bytes":
+        return BYTE_TOKENIZER
+    if "://" in tokenizer:
+        return None
+    path = Path(tokenizer).expanduser()
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        return None
+    # a file written anew under the same name is read anew
+    return _tokenizer_size(str(file), file.stat().st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=16)
-def _tokenizer_size(source: str, stamp: int) -> int | None:
-    from trainrun.data import model_tokenizer
-
+def _tokenizer_size(file: str, stamp: int) -> int | None:
     try:
-        return model_tokenizer.load(source).size
-    except (UserError, OSError):  # the data's own error names it when the run reads it
+        import tokenizers
+    except ImportError:  # the data's own error says to install it
+        return None
+    try:
+        return int(tokenizers.Tokenizer.from_file(file).get_vocab_size(with_added_tokens=True))
+    except Exception:  # the library raises a bare Exception for bad JSON; the data names it
         return None
 
 

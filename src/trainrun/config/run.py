@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from trainrun.config import renamed
 from trainrun.config.sections import (
+    SEED_MAX,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -53,7 +54,6 @@ class ConfigError(UserError):
 # ---- the run ---------------------------------------------------------------------------------
 
 
-SEED_MAX = 2**32 - 1  # jax.random.key's range without wrapping
 NAME_MAX = 255  # bytes in a file name on Linux's and macOS's file systems
 LORA_PARAMS = r"_lora\.(a|b)$"  # the adapters' params: blocks.0.attn.q_lora.a, ...
 
@@ -187,13 +187,15 @@ def seeds_data(raw: dict[str, Any]) -> bool:
                             and "seed" not in data)
 
 
-# The loss an NNX MLP takes on each kind of data it reads: digits has labels, the regression
-# data targets ``y``; user arrays hold either, and regression is the default unless said.
-TASK_OF_DATA: dict[str, Literal["regression", "classification"]] = {
-    "regression": "regression", "digits": "classification", "arrays": "regression"}
+Task = Literal["regression", "classification"]
+# The loss an NNX MLP takes on each kind of data with a known target: digits has labels, the
+# regression data targets ``y``.
+TASK_OF_DATA: dict[str, Task] = {"regression": "regression", "digits": "classification"}
+# The task where the data may hold either (user arrays): regression unless the config says.
+DEFAULT_TASK: dict[str, Task] = {**TASK_OF_DATA, "arrays": "regression"}
 
 
-def task_of_data(raw: dict[str, Any]) -> Literal["regression", "classification"] | None:
+def task_of_data(raw: dict[str, Any]) -> Task | None:
     """The ``model.task`` a raw config leaves to its data: an NNX MLP's that the config does
     not set, on data with a known task; None: the model's own (or not an NNX MLP)."""
     model, data = raw.get("model"), raw.get("data")
@@ -204,7 +206,7 @@ def task_of_data(raw: dict[str, Any]) -> Literal["regression", "classification"]
         return None
     kind = (data.get("kind") if isinstance(data, dict)
             else "regression" if data is None else getattr(data, "kind", None))
-    return TASK_OF_DATA.get(kind) if isinstance(kind, str) else None
+    return DEFAULT_TASK.get(kind) if isinstance(kind, str) else None
 
 
 def followed_keys(raw: dict[str, Any]) -> dict[tuple[str, ...], str]:
@@ -377,7 +379,7 @@ def _check_model_and_data(config: RunConfig) -> None:
                               f"data.vocab_size={data.vocab_size}; drop model.vocab (it follows "
                               "data.vocab_size) or set it to at least that")
     if (model.kind == "nnx_mlp" and data.kind in TASK_OF_DATA
-            and model.task != TASK_OF_DATA[data.kind] and data.kind != "arrays"):
+            and model.task != TASK_OF_DATA[data.kind]):
         target = "label" if model.task == "classification" else "y"
         raise ConfigError(f"model.task={model.task} needs '{target}' targets, which data.kind="
                           f"{data.kind} does not have; drop model.task (it follows the data: "

@@ -20,6 +20,7 @@ class Section(BaseModel):
 
 
 Width = Annotated[int, Field(gt=0)]  # a layer's size: at least 1
+SEED_MAX = 2**32 - 1  # jax.random.key's range without wrapping
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -291,7 +292,7 @@ def data_seed(run_seed: int) -> int:
     """The seed synthetic examples are drawn from when ``data.seed`` is not set: the run's plus
     one (wrapping within jax.random.key's range), so the default run (seed 0) keeps its data
     seed 1 and one ``seed`` changes init, dropout, order and examples together."""
-    return (run_seed + 1) % 2**32
+    return (run_seed + 1) % (SEED_MAX + 1)
 
 
 class RegressionData(DataSection):
@@ -304,7 +305,7 @@ class RegressionData(DataSection):
     kind: Literal["regression"] = "regression"
     examples: int = Field(default=256, gt=0)
     features: int = Field(default=8, gt=0)
-    seed: int = Field(default=1, ge=0, le=2**32 - 1)  # jax.random.key's range without wrapping
+    seed: int = Field(default=1, ge=0, le=SEED_MAX)
     batch_size: BatchSize = 256
     shuffle: bool = False
 

@@ -170,7 +170,7 @@ steps: $N
 steps_per_call: $K
 model: {kind: transformer, vocab: $V, d_model: $D, layers: $L, heads: $H, mlp_ratio: 4,
         seq_len: $T, positions: rope, dropout: 0.0, init_std: 0.02}
-data: {kind: tokens, train: $WORK/tokens/train.bin, dtype: uint16, seq_len: $T, batch_size: $B,
+data: {kind: tokens, paths: $WORK/tokens/train.bin, dtype: uint16, seq_len: $T, batch_size: $B,
        shuffle: true, prefetch_threads: 2}
 precision: {compute: bfloat16}
 optimizer: {name: adamw, lr: 0.0006, b1: 0.9, b2: 0.95, weight_decay: 0.1}

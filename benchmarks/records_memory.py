@@ -64,7 +64,7 @@ def status_kb(pid: int, key: str) -> int:
 def run_train(corpus: Path, run_dir: Path, cache: Path, steps: int) -> dict[str, float]:
     """``trainrun train`` on ``corpus``: wall seconds and peak RssAnon / VmRSS (MB)."""
     command = [sys.executable, "-m", "trainrun", "train", "--config", "chat", "--run-dir",
-               str(run_dir), "data.task=null", f"data.paths={corpus}", "data.seq_len=256",
+               str(run_dir), "data.synthetic=null", f"data.paths={corpus}", "data.seq_len=256",
                "model.seq_len=256", "data.batch_size=16", "data.eval_fraction=0.001",
                f"steps={steps}", "steps_per_call=10", f"metrics.every={steps}", "eval.every=0",
                f"checkpoint.every={steps}", "model.d_model=64", "model.layers=2",
@@ -119,7 +119,7 @@ def main() -> None:
         if args.verify_resume:
             corpus = work / f"chat-{max(args.mb)}.jsonl"
             command = [sys.executable, "-m", "trainrun", "verify-resume", "--config", "chat",
-                       "--work-dir", str(work / "verify"), "data.task=null",
+                       "--work-dir", str(work / "verify"), "data.synthetic=null",
                        f"data.paths={corpus}", "data.seq_len=256", "model.seq_len=256",
                        "data.batch_size=16", "data.eval_fraction=0.001", "steps=60",
                        "steps_per_call=10", "eval.every=0", "checkpoint.every=20",

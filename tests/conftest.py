@@ -455,7 +455,7 @@ def chat_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("chat")
     config = load_config("chat", ["steps=4", "steps_per_call=2", "model.d_model=32",
-                                  "model.layers=1", "data.task_examples=256",
+                                  "model.layers=1", "data.synthetic_examples=256",
                                   "data.batch_size=8", "eval.every=0", "checkpoint.every=4",
                                   "optimizer.schedule.warmup=1"])
     run(config, root / "run", out=io.StringIO())

@@ -185,7 +185,7 @@ class Sandbox:
                 for i in range(4)]
         path.write_text("\n".join([*good, line]) + "\n")
         return ["train", "--config", "chat", "--run-dir", str(self.tmp / "run"),
-                "data.task=null", f"data.paths={path}", "steps=2",
+                "data.synthetic=null", f"data.paths={path}", "steps=2",
                 "optimizer.schedule.kind=constant", *settings]
 
     def hf(self, name: str = "hf-gpt2", weights: str | None = None, **config) -> Path:
@@ -666,7 +666,7 @@ REMOTE_CASES = [  # id, argv(sandbox, bucket), what the one line says (exit 2)
      r"bucket 'no-such-bucket-here' does not exist \(reading .*\): "
      r"(create it|check its name), or give"),
     ("train-records-missing-object", lambda s, b: [
-        *s.records_run("{}")[:5], "data.task=null", f"data.paths={b}/chat.jsonl", "steps=2",
+        *s.records_run("{}")[:5], "data.synthetic=null", f"data.paths={b}/chat.jsonl", "steps=2",
         "optimizer.schedule.kind=constant"],
      r"data\.paths: no object .*/chat\.jsonl"),
     ("train-records-tokenizer-missing", lambda s, b: s.records_run(
@@ -787,7 +787,7 @@ COMMANDS = {  # name -> argv, on the trained runs
     "report": lambda t, w: ["report", str(w / "mlp")],
     "compare": lambda t, w: ["compare", str(w / "mlp"), "--out", str(w / "c.png")],
     "train records": lambda t, w: [
-        "train", "--config", "chat", "--run-dir", str(w / "run"), "data.task=null",
+        "train", "--config", "chat", "--run-dir", str(w / "run"), "data.synthetic=null",
         f"data.paths={w / 'chat.jsonl'}", "steps=2", "optimizer.schedule.kind=constant"],
 }
 ENVIRONMENTS = [  # variable, value, commands, expected exit code, what the line says

@@ -34,7 +34,7 @@ def test_eval_scores_the_held_out_answers_as_an_own_loop_over_generate(chat_run,
     assert scores["written_by"] == "trainrun eval" and scores["step"] == 4
     # the held-out records: every 32nd of the task's records, the user turn before the answer
     every = round(1 / config.data.eval_fraction)
-    held = task_records("reverse", config.data.task_examples)[every - 1::every][:5]
+    held = task_records("reverse", config.data.synthetic_examples)[every - 1::every][:5]
     assert [a["prompt"] for a in answers] == [r["messages"][:1] for r in held]
     assert [a["expected"] for a in answers] == [r["messages"][1]["content"] for r in held]
     assert [a["produced"] for a in answers] == [
@@ -52,7 +52,7 @@ def test_eval_on_records_of_a_file_reads_them_as_the_run_read_its_own(chat_run, 
     records reaches the prompt the answer is generated from."""
     run_dir, config = chat_run
     every = round(1 / config.data.eval_fraction)
-    held = task_records("reverse", config.data.task_examples)[every - 1::every]
+    held = task_records("reverse", config.data.synthetic_examples)[every - 1::every]
     records = tmp_path / "held.jsonl"
     records.write_text("".join(json.dumps(r) + "\n" for r in held))
     assert main(["eval", str(run_dir), "--tokens", "6", "--out", str(tmp_path / "split")]) == 0
@@ -126,7 +126,7 @@ def test_answers_scored_during_training_reach_the_metrics_and_equal_eval(tmp_pat
     from trainrun.training.loop import run
 
     config = load_config("chat", ["steps=4", "steps_per_call=2", "model.d_model=32",
-                                  "model.layers=1", "data.task_examples=256",
+                                  "model.layers=1", "data.synthetic_examples=256",
                                   "data.batch_size=8", "eval.every=2", "eval.batch_size=8",
                                   "eval.generate=5", "eval.answer_tokens=6",
                                   "checkpoint.every=4", "optimizer.schedule.warmup=1"])

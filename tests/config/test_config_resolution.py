@@ -144,11 +144,11 @@ def test_config_show_through_the_command_line(tmp_path, cli):
 def test_a_section_of_another_kind_replaces_the_bases(tmp_path):
     child = write(tmp_path / "mine.yaml", """\
         base: lm
-        data: {kind: tokens, train: train.bin}
+        data: {kind: tokens, paths: train.bin}
         model: {layers: 1}
         """)
     config = load_config(str(child))
-    assert config.data.kind == "tokens" and config.data.train == "train.bin"
+    assert config.data.kind == "tokens" and config.data.paths == "train.bin"
     assert config.data.batch_size == 32  # token data's default, not lm's 16 for its text
     assert config.model.layers == 1 and config.model.d_model == 128  # same kind: merged
     found = origins(show_config(str(child), ["data.kind=text"]))

@@ -77,7 +77,7 @@ def test_two_processes_read_disjoint_halves_that_make_the_global_batch(shuffle, 
 
     tokens = tmp_path / "t.bin"
     np.arange(5000, dtype=np.uint16).tofile(tokens)
-    cfg = TokenData(train=str(tokens), seq_len=16, batch_size=8)
+    cfg = TokenData(paths=str(tokens), seq_len=16, batch_size=8)
     whole = build_dataset(cfg, seed=1)
     halves = [build_dataset(cfg, seed=1, process_index=i, process_count=2)[5]["tokens"]
               for i in range(2)]
@@ -89,7 +89,7 @@ def test_two_processes_read_disjoint_halves_that_make_the_global_batch(shuffle, 
 def test_k_batches_in_one_gather_are_the_k_batches_read_one_by_one(shuffle, tmp_path):
     tokens = tmp_path / "t.bin"
     np.arange(3000, dtype=np.uint16).tofile(tokens)
-    memmapped = build_dataset(TokenData(train=str(tokens), seq_len=16, batch_size=8,
+    memmapped = build_dataset(TokenData(paths=str(tokens), seq_len=16, batch_size=8,
                                         shuffle=shuffle), seed=2, process_index=1,
                               process_count=2)
     n = 50
@@ -142,7 +142,7 @@ def test_a_sparse_datasets_gaps_are_skipped_as_grains_iterator_skips_them():
 def test_token_file_windows_are_consecutive_spans(tmp_path):
     path = tmp_path / "train.bin"
     np.arange(1000, dtype=np.uint16).tofile(path)  # nanoGPT's format: raw uint16
-    data = build_dataset(TokenData(train=str(path), seq_len=10, batch_size=4, shuffle=False),
+    data = build_dataset(TokenData(paths=str(path), seq_len=10, batch_size=4, shuffle=False),
                          seed=0)
     batch = data[2]["tokens"]
     assert batch.dtype == np.uint16 and batch.shape == (4, 11)
@@ -195,8 +195,8 @@ def test_npy_and_npz_arrays_load(tmp_path):
     np.save(tmp_path / "y.npy", np.arange(20, dtype=np.float32)[:, None])
     np.savez(tmp_path / "eval.npz", x=np.zeros((6, 3), np.float32),
              y=np.zeros((6, 1), np.float32))
-    cfg = ArrayData(train={"x": str(tmp_path / "x.npy"), "y": str(tmp_path / "y.npy")},
-                    eval=str(tmp_path / "eval.npz"), batch_size=5, shuffle=False)
+    cfg = ArrayData(paths={"x": str(tmp_path / "x.npy"), "y": str(tmp_path / "y.npy")},
+                    eval_paths=str(tmp_path / "eval.npz"), batch_size=5, shuffle=False)
     batch = build_dataset(cfg, seed=0)[1]
     assert np.array_equal(batch["y"][:, 0], np.arange(5, 10))
     assert build_eval_dataset(cfg, batch_size=3)[1]["x"].shape == (3, 3)
@@ -215,13 +215,13 @@ def _fails_with(tmp_path, overrides: list[str], *words: str) -> None:
 
 def test_bad_data_errors_name_the_problem(tmp_path):
     # missing files
-    _fails_with(tmp_path, ["data.kind=arrays", f"data.train={tmp_path}/nope.npz"],
+    _fails_with(tmp_path, ["data.kind=arrays", f"data.paths={tmp_path}/nope.npz"],
                 "nope.npz", "not found")
     # batch larger than the data
     _fails_with(tmp_path, ["data.batch_size=5000"], "5000", "1437", "data.batch_size")
     # arrays of mismatched length
     np.savez(tmp_path / "bad.npz", x=np.zeros((10, 8, 8, 1)), label=np.zeros(9, np.int32))
-    _fails_with(tmp_path, ["data.kind=arrays", f"data.train={tmp_path}/bad.npz"],
+    _fails_with(tmp_path, ["data.kind=arrays", f"data.paths={tmp_path}/bad.npz"],
                 "different lengths", "'x': 10", "'label': 9")
 
 
@@ -233,10 +233,10 @@ def test_empty_and_missing_corpora_are_errors(tmp_path):
         build_dataset(TextData(paths=(str(tmp_path / "none" / "*.py"),)), seed=0)
     (tmp_path / "empty.bin").write_bytes(b"")
     with pytest.raises(DataError, match="empty"):
-        build_dataset(TokenData(train=str(tmp_path / "empty.bin")), seed=0)
+        build_dataset(TokenData(paths=str(tmp_path / "empty.bin")), seed=0)
     (tmp_path / "odd.bin").write_bytes(b"abc")
     with pytest.raises(DataError, match="whole number of uint16"):
-        build_dataset(TokenData(train=str(tmp_path / "odd.bin")), seed=0)
+        build_dataset(TokenData(paths=str(tmp_path / "odd.bin")), seed=0)
     (tmp_path / "short.py").write_bytes(b"x = 1\n")
     with pytest.raises(DataError, match="fewer than one window"):
         build_dataset(TextData(paths=(str(tmp_path / "short.py"),), seq_len=64), seed=0)
@@ -245,10 +245,10 @@ def test_empty_and_missing_corpora_are_errors(tmp_path):
 @pytest.mark.slow
 def test_a_data_error_exits_2_with_one_line(tmp_path, cli):
     result = cli("train", "--config", "digits", "--run-dir", str(tmp_path / "r"),
-                 "data.kind=tokens", f"data.train={tmp_path}/missing.bin")
+                 "data.kind=tokens", f"data.paths={tmp_path}/missing.bin")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: data.train")
+    assert len(lines) == 1 and lines[0].startswith("error: data.paths")
     assert "missing.bin" in lines[0] and "not found" in lines[0]
 
 

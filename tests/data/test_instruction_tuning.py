@@ -38,7 +38,7 @@ def test_the_chat_config_answers_held_out_prompts_exactly(cli, tmp_path):
 def test_a_run_on_records_resumes_bitwise_after_kill_9(cli, tmp_path):
     result = cli("verify-resume", "--config", "chat", "--work-dir", str(tmp_path / "verify"),
                  "steps=40", "steps_per_call=10", "checkpoint.every=20", "eval.every=0",
-                 "model.d_model=32", "model.layers=1", "data.task_examples=1024",
+                 "model.d_model=32", "model.layers=1", "data.synthetic_examples=1024",
                  "data.batch_size=8", "optimizer.schedule.warmup=5",
                  TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

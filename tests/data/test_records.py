@@ -367,7 +367,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_the_run(tmp_path, c
 
     path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(8)])
     run_dir = tmp_path / "runs" / "small"
-    code = main(["train", "--config", "chat", "--run-dir", str(run_dir), "data.task=null",
+    code = main(["train", "--config", "chat", "--run-dir", str(run_dir), "data.synthetic=null",
                  f"data.paths={path}", "data.batch_size=4", "model.vocab=256"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
@@ -483,7 +483,7 @@ def test_a_run_says_when_it_makes_damaged_rows_anew(tmp_path, cli):
     from trainrun.cli import main
 
     path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(16)])
-    argv = ["train", "--config", "chat", "data.task=null", f"data.paths={path}", "steps=1",
+    argv = ["train", "--config", "chat", "data.synthetic=null", f"data.paths={path}", "steps=1",
             "steps_per_call=1", "eval.every=0", "checkpoint.every=0", "data.batch_size=2",
             "optimizer.schedule.kind=constant", "model.d_model=16", "model.layers=1",
             "model.heads=2", "metrics.tensorboard=false"]

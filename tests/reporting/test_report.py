@@ -34,8 +34,8 @@ def runs_root(tmp_path_factory):
         x = rng.normal(size=(n, 8)).astype(np.float32)
         np.savez(root / f"{split}.npz", x=x, y=x.sum(1, keepdims=True))
     with_eval = load_config("mlp", ["steps=100", *QUICK]).to_dict()
-    with_eval["data"] = {"kind": "arrays", "train": str(root / "train.npz"),
-                         "eval": str(root / "eval.npz"), "batch_size": 128}
+    with_eval["data"] = {"kind": "arrays", "paths": str(root / "train.npz"),
+                         "eval_paths": str(root / "eval.npz"), "batch_size": 128}
     with_eval["eval"] = {"every": 25}
     run(config_from_dict(with_eval), root / "finished", out=io.StringIO())
     watcher = _preempt_when_running(root / "preempted")

@@ -287,15 +287,15 @@ def refusals(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "npz without the model's keys": (
             ["--config", str(write_config(tmp_path / "a.yaml",
-                                          {**arrays, "train": str(tmp_path / "named.npz")}))],
+                                          {**arrays, "paths": str(tmp_path / "named.npz")}))],
             "reads batch key 'x', which the data does not have"),
         "0-byte npz": (
             ["--config", str(write_config(tmp_path / "b.yaml",
-                                          {**arrays, "train": str(tmp_path / "zero.npz")}))],
+                                          {**arrays, "paths": str(tmp_path / "zero.npz")}))],
             "cannot read"),
         "missing npz": (
             ["--config", str(write_config(tmp_path / "c.yaml",
-                                          {**arrays, "train": str(tmp_path / "gone.npz")}))],
+                                          {**arrays, "paths": str(tmp_path / "gone.npz")}))],
             "not found"),
         "empty corpus": (
             ["--config", str(write_config(tmp_path / "d.yaml", {
@@ -436,7 +436,7 @@ def test_code_in_yaml_or_a_pickle_in_npz_never_runs(tmp_path, capfd):
     np.savez(tmp_path / "pickled.npz", x=np.array([Payload(ran)] * 64, dtype=object),
              y=np.zeros((64, 1), np.float32))
     config = write_config(tmp_path / "p.yaml", {"kind": "arrays", "batch_size": 16,
-                                                 "train": str(tmp_path / "pickled.npz")})
+                                                 "paths": str(tmp_path / "pickled.npz")})
     code, err = cli(capfd, "train", "--config", str(config), "--run-dir", str(tmp_path / "b"))
     assert code == 2 and err.count("\n") == 1 and "allow_pickle" in err
     assert not ran.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

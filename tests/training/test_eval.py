@@ -82,7 +82,7 @@ def test_eval_without_a_held_out_split_is_refused(tmp_path):
         load_config("mlp", ["eval.every=10"])
     (tmp_path / "t.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
     with pytest.raises(DataError, match=r"give data\.eval"):
-        build_eval_dataset(TokenData(train=str(tmp_path / "t.bin"), seq_len=8))
+        build_eval_dataset(TokenData(paths=str(tmp_path / "t.bin"), seq_len=8))
 
 
 SHARDED_EVAL = textwrap.dedent("""

@@ -109,7 +109,7 @@ def test_halt_through_the_cli_exits_2_and_keeps_the_last_good_checkpoint(tmp_pat
     np.savez(tmp_path / "data.npz", x=x, y=y)
     config = tmp_path / "nan.yaml"
     config.write_text(f"steps: 12\nmetrics: {{every: 100}}\ncheckpoint: {{every: 2}}\n"
-                      f"data: {{kind: arrays, train: {tmp_path / 'data.npz'}, batch_size: 64, "
+                      f"data: {{kind: arrays, paths: {tmp_path / 'data.npz'}, batch_size: 64, "
                       f"shuffle: false}}\n")
     run_dir = tmp_path / "run"
     done = cli("train", "--config", str(config), "--run-dir", str(run_dir), "nonfinite=halt")

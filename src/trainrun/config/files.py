@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from trainrun.config import renamed
-from trainrun.config.run import ConfigError, RunConfig, config_from_dict, sized_by_data
+from trainrun.config.run import ConfigError, RunConfig, config_from_dict, followed_keys
 from trainrun.errors import path_refused
 
 CONFIG_PACKAGE = "trainrun.configs"
@@ -283,9 +283,7 @@ def show_layers(layers: list[Layer]) -> str:
         _track(merged, layer.tree, (), layer.origin, origins)
         merged = merge(merged, layer.tree)
     resolved = config_from_dict(merged).to_dict()
-    for key, (data_key, _) in sized_by_data(merged).items():
-        origins[("model", key)] = f"data.{data_key}" if data_key != "tokenizer" else (
-            "data: byte-level text")
+    origins.update(followed_keys(merged))
 
     rows: list[tuple[str, str]] = []  # (YAML line, origin or "" for a section header)
 

@@ -11,6 +11,10 @@ from typing import Any
 RENAMED: dict[str, str] = {
     "log_every": "metrics.every",
     "optimizer.schedule.warmup_steps": "optimizer.schedule.warmup",
+    "data.train": "data.paths",  # arrays, tokens: the same key as text and records
+    "data.eval": "data.eval_paths",  # arrays, tokens: not the top-level eval (its cadence)
+    "data.task": "data.synthetic",  # records: not the model's task (its loss)
+    "data.task_examples": "data.synthetic_examples",
 }
 
 _warned: set[str] = set()  # the warnings issued in this process: each is issued once

@@ -5,10 +5,12 @@ bad key and the fix. Where its values come from (files, bases, overrides) is ``f
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import types
 import typing
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
@@ -17,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from trainrun.config import renamed
 from trainrun.config.sections import (
+    SEED_MAX,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -26,6 +29,7 @@ from trainrun.config.sections import (
     MetricsConfig,
     MLPModel,
     ModelConfig,
+    NNXMLPModel,
     OptimizerConfig,
     PrecisionConfig,
     ProfileConfig,
@@ -36,6 +40,7 @@ from trainrun.config.sections import (
     StorageConfig,
     TextData,
     TokenData,
+    data_seed,
     schedule_steps,
     warmup_steps,
 )
@@ -62,7 +67,7 @@ class RunConfig(Section):
 
     # A plain file name: the run directory is runs/<name>; --run-dir is the way to pick a path.
     name: str = "run"
-    seed: int = Field(default=0, ge=0, le=2**32 - 1)  # jax.random.key's range without wrapping
+    seed: int = Field(default=0, ge=0, le=SEED_MAX)
     steps: int = Field(default=200, gt=0)
     steps_per_call: int = Field(default=1, gt=0)
     model: ModelConfig = Field(default_factory=MLPModel)
@@ -84,6 +89,30 @@ class RunConfig(Section):
     @classmethod
     def _renamed_keys(cls, raw: Any) -> Any:
         return renamed.upgrade(raw, "the config") if isinstance(raw, dict) else raw
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _data_seeded_by_run(cls, raw: Any) -> Any:
+        """Synthetic regression examples without ``data.seed`` are drawn from the run's seed
+        (``data_seed``); the resolved config holds the value, so a saved run reads it back."""
+        if not isinstance(raw, dict) or not seeds_data(raw):
+            return raw
+        seed, data = raw.get("seed", 0), raw.get("data")
+        if isinstance(data, RegressionData):
+            return {**raw, "data": data.model_copy(update={"seed": data_seed(seed)})}
+        return {**raw, "data": {**(data or {"kind": "regression"}), "seed": data_seed(seed)}}
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _task_from_data(cls, raw: Any) -> Any:
+        """An NNX MLP without ``model.task`` has its data's (``task_of_data``)."""
+        task = task_of_data(raw) if isinstance(raw, dict) else None
+        if task is None:
+            return raw
+        model = raw["model"]
+        if isinstance(model, NNXMLPModel):
+            return {**raw, "model": model.model_copy(update={"task": task})}
+        return {**raw, "model": {**model, "task": task}}
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -143,12 +172,66 @@ class RunConfig(Section):
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+# ---- keys that follow other keys -------------------------------------------------------------
+
+
+def seeds_data(raw: dict[str, Any]) -> bool:
+    """Whether a raw config leaves ``data.seed`` to the run's ``seed``: regression data (the
+    default) that does not set it, and a valid run seed (else the seed's own error)."""
+    seed, data = raw.get("seed", 0), raw.get("data")
+    if type(seed) is not int or not 0 <= seed <= SEED_MAX:
+        return False
+    if isinstance(data, RegressionData):
+        return "seed" not in data.model_fields_set
+    return data is None or (isinstance(data, dict) and data.get("kind") == "regression"
+                            and "seed" not in data)
+
+
+Task = Literal["regression", "classification"]
+# The loss an NNX MLP takes on each kind of data with a known target: digits has labels, the
+# regression data targets ``y``.
+TASK_OF_DATA: dict[str, Task] = {"regression": "regression", "digits": "classification"}
+# The task where the data may hold either (user arrays): regression unless the config says.
+DEFAULT_TASK: dict[str, Task] = {**TASK_OF_DATA, "arrays": "regression"}
+
+
+def task_of_data(raw: dict[str, Any]) -> Task | None:
+    """The ``model.task`` a raw config leaves to its data: an NNX MLP's that the config does
+    not set, on data with a known task; None: the model's own (or not an NNX MLP)."""
+    model, data = raw.get("model"), raw.get("data")
+    if isinstance(model, NNXMLPModel):
+        if "task" in model.model_fields_set:
+            return None
+    elif not (isinstance(model, dict) and model.get("kind") == "nnx_mlp" and "task" not in model):
+        return None
+    kind = (data.get("kind") if isinstance(data, dict)
+            else "regression" if data is None else getattr(data, "kind", None))
+    return DEFAULT_TASK.get(kind) if isinstance(kind, str) else None
+
+
+def followed_keys(raw: dict[str, Any]) -> dict[tuple[str, ...], str]:
+    """The keys a raw config leaves to other keys, ``{key path: what it follows}``, for
+    ``config show`` to name as their origin."""
+    follows: dict[tuple[str, ...], str] = {}
+    if seeds_data(raw):
+        follows[("data", "seed")] = "seed + 1"
+    if task_of_data(raw) is not None:
+        follows[("model", "task")] = "data.kind"
+    byte_text = isinstance(raw.get("data"), dict) and raw["data"].get("kind") == "text"
+    for key, (data_key, _) in sized_by_data(raw).items():
+        follows[("model", key)] = ("data: byte-level text" if data_key == "tokenizer"
+                                   and byte_text else f"data.{data_key}")
+    return follows
+
+
 # ---- what the data gives the model -----------------------------------------------------------
 
 
 TOKEN_DATA: dict[str, type[TextData | TokenData | RecordsData]] = {
     "text": TextData, "tokens": TokenData, "records": RecordsData}
 BYTES = 256  # the vocabulary of byte-level text
+# records' ``bytes`` tokenizer: the 256 bytes, <|endoftext|>, <|im_start|> and <|im_end|>
+BYTE_TOKENIZER = BYTES + 3
 
 
 def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
@@ -156,9 +239,12 @@ def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
 
     The model's context (``model.seq_len``) is the data's rows (``data.seq_len``); the
     vocabulary of text data (``model.vocab``) is its tokenizer's (``data.vocab_size``), or the
-    256 bytes without one. A key the config sets is its own; with ``init.from`` the source
-    gives the model (``checkpointing/init_from.py``). A records tokenizer's size is known only
-    once it is read: the run refuses a ``model.vocab`` below it then."""
+    256 bytes without one; that of records is their tokenizer's size (``records_vocab``:
+    ``bytes``, the 256 bytes and its special tokens; a local Hugging Face tokenizer, its ids,
+    added tokens included). A key the config sets is its own; with ``init.from`` the source
+    gives the model (``checkpointing/init_from.py``). A records tokenizer not known here (on
+    object storage, missing, unreadable) leaves ``model.vocab`` to its default: the run reads
+    it and refuses a ``model.vocab`` below its size, or names why it cannot read it."""
     model, data, init = raw.get("model"), raw.get("data"), raw.get("init")
     if not (isinstance(model, dict) and model.get("kind") == "transformer"
             and isinstance(data, dict) and data.get("kind") in TOKEN_DATA):
@@ -178,7 +264,40 @@ def sized_by_data(raw: dict[str, Any]) -> dict[str, tuple[str, int]]:
         take("vocab", "vocab_size", TextData.model_fields["vocab_size"].default)
     elif data["kind"] == "text" and "vocab" not in model:
         given["vocab"] = ("tokenizer", BYTES)
+    elif data["kind"] == "records" and "vocab" not in model:
+        tokenizer = data.get("tokenizer")
+        size = records_vocab(tokenizer) if tokenizer is None or isinstance(tokenizer, str) else None
+        if size is not None:
+            given["vocab"] = ("tokenizer", size)
     return given
+
+
+def records_vocab(tokenizer: str | None) -> int | None:
+    """The size of the tokenizer records are read with (``data.tokenizer``; None: ``bytes``):
+    ids, added tokens included. None where it is not known before the data layer reads it: a
+    tokenizer on object storage, or one missing or unreadable (the run then names why)."""
+    if tokenizer is None or tokenizer == "bytes":
+        return BYTE_TOKENIZER
+    if "://" in tokenizer:
+        return None
+    path = Path(tokenizer).expanduser()
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        return None
+    # a file written anew under the same name is read anew
+    return _tokenizer_size(str(file), file.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_size(file: str, stamp: int) -> int | None:
+    try:
+        import tokenizers
+    except ImportError:  # the data's own error says to install it
+        return None
+    try:
+        return int(tokenizers.Tokenizer.from_file(file).get_vocab_size(with_added_tokens=True))
+    except Exception:  # the library raises a bare Exception for bad JSON; the data names it
+        return None
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -259,6 +378,12 @@ def _check_model_and_data(config: RunConfig) -> None:
             raise ConfigError(f"model.vocab={model.vocab} is smaller than the tokenizer's "
                               f"data.vocab_size={data.vocab_size}; drop model.vocab (it follows "
                               "data.vocab_size) or set it to at least that")
+    if (model.kind == "nnx_mlp" and data.kind in TASK_OF_DATA
+            and model.task != TASK_OF_DATA[data.kind]):
+        target = "label" if model.task == "classification" else "y"
+        raise ConfigError(f"model.task={model.task} needs '{target}' targets, which data.kind="
+                          f"{data.kind} does not have; drop model.task (it follows the data: "
+                          f"{TASK_OF_DATA[data.kind]})")
     if config.eval.params == "ema" and config.optimizer.ema is None:
         raise ConfigError("eval.params=ema needs a moving average to evaluate: set "
                           "optimizer.ema (e.g. 0.999)")

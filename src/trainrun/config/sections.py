@@ -20,6 +20,7 @@ class Section(BaseModel):
 
 
 Width = Annotated[int, Field(gt=0)]  # a layer's size: at least 1
+SEED_MAX = 2**32 - 1  # jax.random.key's range without wrapping
 
 
 # ---- model -----------------------------------------------------------------------------------
@@ -36,7 +37,13 @@ class MLPModel(Section):
 
 
 class NNXMLPModel(Section):
-    """An MLP as a Flax NNX module: flattened ``x`` -> hidden (GELU, dropout) -> outputs."""
+    """An MLP as a Flax NNX module: flattened ``x`` -> hidden (GELU, dropout) -> outputs.
+
+    task: the loss and metrics: ``regression`` (mean squared error against ``y``) or
+        ``classification`` (cross-entropy against ``label``, accuracy). Not set, it follows the
+        run's data: ``classification`` on digits, ``regression`` on the synthetic regression
+        and on arrays (set it for arrays with a ``label``); the resolved config shows it.
+    """
 
     kind: Literal["nnx_mlp"] = "nnx_mlp"
     features: int = Field(default=8, gt=0)
@@ -273,14 +280,32 @@ class DataSection(Section):
     shuffle: bool = True
     prefetch_threads: int = Field(default=0, ge=0)
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        return renamed.upgrade(raw, "the config", root="data")
+
+
+def data_seed(run_seed: int) -> int:
+    """The seed synthetic examples are drawn from when ``data.seed`` is not set: the run's plus
+    one (wrapping within jax.random.key's range), so the default run (seed 0) keeps its data
+    seed 1 and one ``seed`` changes init, dropout, order and examples together."""
+    return (run_seed + 1) % (SEED_MAX + 1)
+
 
 class RegressionData(DataSection):
-    """The chapter's synthetic regression: x ~ N(0, 1) from jax.random.key(seed), y = sum(x)."""
+    """The chapter's synthetic regression: x ~ N(0, 1) from jax.random.key(seed), y = sum(x).
+
+    seed: the examples' seed; not set, it follows the run's (``data_seed``: ``seed + 1``, the
+        resolved config shows the value). A section outside a run: the default run's, 1.
+    """
 
     kind: Literal["regression"] = "regression"
     examples: int = Field(default=256, gt=0)
     features: int = Field(default=8, gt=0)
-    seed: int = 1
+    seed: int = Field(default=1, ge=0, le=SEED_MAX)
     batch_size: BatchSize = 256
     shuffle: bool = False
 
@@ -339,22 +364,24 @@ class TextData(DataSection):
 
 
 class ArrayData(DataSection):
-    """User arrays: a ``.npz`` file (its arrays by name) or ``{name: file.npy}``; every array has
-    one entry per example. ``eval``: the held-out split in the same form (optional)."""
+    """User arrays: ``paths``, a ``.npz`` file (its arrays by name) or ``{name: file.npy}``;
+    every array has one entry per example. ``eval_paths``: the held-out split in the same form
+    (optional)."""
 
     kind: Literal["arrays"] = "arrays"
-    train: str | dict[str, str] | None = None
-    eval: str | dict[str, str] | None = None
+    paths: str | dict[str, str] | None = None
+    eval_paths: str | dict[str, str] | None = None
     batch_size: BatchSize = 64
 
 
 class TokenData(DataSection):
-    """Pre-tokenized text, nanoGPT-style: a flat binary file of token ids (``.bin``), read
-    through a memory map; windows of ``seq_len + 1`` tokens. ``eval``: a held-out ``.bin``."""
+    """Pre-tokenized text, nanoGPT-style: ``paths``, a flat binary file of token ids (``.bin``),
+    read through a memory map; windows of ``seq_len + 1`` tokens. ``eval_paths``: a held-out
+    ``.bin``."""
 
     kind: Literal["tokens"] = "tokens"
-    train: str | None = None
-    eval: str | None = None
+    paths: str | None = None
+    eval_paths: str | None = None
     dtype: Literal["uint16", "uint32"] = "uint16"
     seq_len: int = Field(default=128, gt=0)
 
@@ -387,8 +414,8 @@ class RecordsData(DataSection):
         (they are counted and reported).
     too_long: an example longer than ``seq_len + 1`` tokens is ``cut`` to it, ``dropped``, or
         ``split`` over rows as text documents are; counted either way.
-    task: ``reverse`` or ``add``: a synthetic chat task whose answer is a function of the
-        prompt, ``task_examples`` records of it (held out as above).
+    synthetic: ``reverse`` or ``add``: a synthetic chat task whose answer is a function of the
+        prompt, ``synthetic_examples`` records of it (held out as above).
     """
 
     kind: Literal["records"] = "records"
@@ -404,8 +431,8 @@ class RecordsData(DataSection):
     eval_fraction: float = Field(default=0.01, ge=0, lt=1)
     bad_records: Literal["refuse", "skip"] = "refuse"
     too_long: Literal["cut", "drop", "split"] = "cut"
-    task: Literal["reverse", "add"] | None = None
-    task_examples: int = Field(default=4096, gt=0)
+    synthetic: Literal["reverse", "add"] | None = None
+    synthetic_examples: int = Field(default=4096, gt=0)
 
     @pydantic.field_validator("paths", "eval_paths", mode="before")
     @classmethod
@@ -415,10 +442,10 @@ class RecordsData(DataSection):
     @pydantic.model_validator(mode="after")
     def _sources(self) -> RecordsData:
         given = [name for name, value in (("data.paths", self.paths), ("data.mix", self.mix),
-                                          ("data.task", self.task)) if value]
+                                          ("data.synthetic", self.synthetic)) if value]
         if len(given) != 1:
             raise ValueError("give one of data.paths (record files), data.mix (record files "
-                             "with weights) or data.task (reverse, add)"
+                             "with weights) or data.synthetic (reverse, add)"
                              + (f"; got {' and '.join(given)}" if given else ""))
         return self
 

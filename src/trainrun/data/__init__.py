@@ -87,8 +87,8 @@ def held_out_arrays(cfg) -> dict[str, Any]:
     none."""
     arrays = _splits(cfg)["eval"]
     if arrays is None:
-        hint = {"arrays": "give data.eval (a .npz or name: .npy mapping)",
-                "tokens": "give data.eval (a held-out .bin file)",
+        hint = {"arrays": "give data.eval_paths (a .npz or name: .npy mapping)",
+                "tokens": "give data.eval_paths (a held-out .bin file)",
                 "records": "give data.eval_paths or a data.eval_fraction that leaves at least "
                            "one record out"}.get(
                     cfg.kind, "use data with a held-out split")

@@ -54,11 +54,12 @@ def load_arrays(spec: str | dict[str, str], key: str) -> Arrays:
 
 
 def array_splits(cfg) -> dict[str, Arrays | None]:
-    if cfg.train is None:
-        raise DataError("data.kind=arrays needs data.train: a .npz file or a mapping of names "
+    if cfg.paths is None:
+        raise DataError("data.kind=arrays needs data.paths: a .npz file or a mapping of names "
                         "to .npy files")
-    return {"train": load_arrays(cfg.train, "data.train"),
-            "eval": load_arrays(cfg.eval, "data.eval") if cfg.eval is not None else None}
+    return {"train": load_arrays(cfg.paths, "data.paths"),
+            "eval": (load_arrays(cfg.eval_paths, "data.eval_paths")
+                     if cfg.eval_paths is not None else None)}
 
 
 def load_tokens(path: str, dtype: str, key: str) -> np.ndarray:
@@ -74,10 +75,12 @@ def load_tokens(path: str, dtype: str, key: str) -> np.ndarray:
 
 
 def token_splits(cfg) -> dict[str, Arrays | None]:
-    if cfg.train is None:
-        raise DataError("data.kind=tokens needs data.train: the path of a .bin token file")
-    train = load_tokens(cfg.train, cfg.dtype, "data.train")
-    held = load_tokens(cfg.eval, cfg.dtype, "data.eval") if cfg.eval is not None else None
-    return {"train": {"tokens": token_windows(train, cfg.seq_len, f"data.train {cfg.train!r}")},
+    if cfg.paths is None:
+        raise DataError("data.kind=tokens needs data.paths: the path of a .bin token file")
+    train = load_tokens(cfg.paths, cfg.dtype, "data.paths")
+    held = (load_tokens(cfg.eval_paths, cfg.dtype, "data.eval_paths")
+            if cfg.eval_paths is not None else None)
+    return {"train": {"tokens": token_windows(train, cfg.seq_len, f"data.paths {cfg.paths!r}")},
             "eval": None if held is None else
-            {"tokens": token_windows(held, cfg.seq_len, f"data.eval {cfg.eval!r}", strict=False)}}
+            {"tokens": token_windows(held, cfg.seq_len, f"data.eval_paths {cfg.eval_paths!r}",
+                                     strict=False)}}

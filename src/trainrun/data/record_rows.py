@@ -127,7 +127,7 @@ def record_splits(cfg: RecordsData) -> dict[str, Any]:
     list (one per source) beside ``"weights"``."""
     tokenizer = model_tokenizer.of_records(cfg)
     sources: list[Source] = (
-        [Source(task=cfg.task)] if cfg.task else
+        [Source(synthetic=cfg.synthetic)] if cfg.synthetic else
         [Source(files=tuple(corpus_files(mix.source))) for mix in cfg.mix] or
         [Source(files=tuple(corpus_files(cfg.paths)))])
     held_out = (Source(files=tuple(corpus_files(cfg.eval_paths))) if cfg.eval_paths else None)
@@ -158,24 +158,24 @@ class Source:
     """Record files, or a synthetic task."""
 
     files: tuple[Location, ...] = ()
-    task: str | None = None
+    synthetic: str | None = None
 
     def describe(self) -> str:
-        if self.task:
-            return f"data.task={self.task}"
+        if self.synthetic:
+            return f"data.synthetic={self.synthetic}"
         shown = ", ".join(str(f) for f in self.files[:3])
         return shown + (f" and {len(self.files) - 3} more" if len(self.files) > 3 else "")
 
     def key(self) -> list[Any]:
-        if self.task:
-            return ["task", self.task]
+        if self.synthetic:
+            return ["task", self.synthetic]  # the key kept rows were made under: still valid
         return [_object_identity(file) if location.is_remote(file) else
                 [str(file.resolve()), _content_digest(file)] for file in self.files]
 
     def records(self, cfg: RecordsData) -> Iterator[Located]:
-        if self.task:
-            for i, record in enumerate(task_records(self.task, cfg.task_examples), 1):
-                yield f"data.task={self.task} record {i}", record
+        if self.synthetic:
+            for i, record in enumerate(task_records(self.synthetic, cfg.synthetic_examples), 1):
+                yield f"data.synthetic={self.synthetic} record {i}", record
             return
         columns = list(cfg.fields.model_dump().values())
         for file in self.files:
@@ -225,8 +225,10 @@ def cached_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
     ``every``-th record (0: none; -1: all of them, a held-out source)."""
     settings = {"format": CACHE_FORMAT, "source": source.key(), "every": every,
                 "tokenizer": tokenizer.fingerprint(), "seq_len": cfg.seq_len,
-                "data": cfg.model_dump(mode="json", include={
-                    "format", "fields", "loss", "bad_records", "too_long", "task_examples"})}
+                "data": {**cfg.model_dump(mode="json", include={
+                    "format", "fields", "loss", "bad_records", "too_long"}),
+                    # under its name when the rows were first kept: they stay valid
+                    "task_examples": cfg.synthetic_examples}}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     root = cache_dir() / "records"
     folder = root / key
@@ -416,8 +418,8 @@ def held_out_sources(cfg: RecordsData) -> list[tuple[Source, int]]:
     if cfg.eval_paths:
         return [(Source(files=tuple(corpus_files(cfg.eval_paths))), -1)]
     every = round(1 / cfg.eval_fraction) if cfg.eval_fraction else 0
-    if cfg.task:
-        return [(Source(task=cfg.task), every)]
+    if cfg.synthetic:
+        return [(Source(synthetic=cfg.synthetic), every)]
     return [(Source(files=tuple(corpus_files(mix.source))), every) for mix in cfg.mix] or [
         (Source(files=tuple(corpus_files(cfg.paths))), every)]
 

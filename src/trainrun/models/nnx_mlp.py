@@ -1,7 +1,8 @@
 """An MLP as a Flax NNX module: flattened ``x`` -> hidden layers (GELU, dropout) -> outputs.
 
 ``task`` picks the loss: mean squared error against ``y`` (regression) or cross-entropy against
-``label`` with accuracy (classification). The same data as the plain-function MLP trains it.
+``label`` with accuracy (classification); a run's config fills it from the data when not set.
+The same data as the plain-function MLP trains it.
 """
 
 from __future__ import annotations

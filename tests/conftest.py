@@ -59,9 +59,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    # A child that crashes or hangs says where: every thread's Python stack on SIGABRT/SIGSEGV
-    # (``finish`` sends SIGABRT to one past its timeout).
-    env["PYTHONFAULTHANDLER"] = "1"
     if devices is not None:
         # Simulated devices' collectives rendezvous in threads; on 2 busy cores a thread came
         # late past XLA:CPU's 40 s default and the process aborted (5 of 20 runs of the sharded
@@ -79,9 +76,15 @@ def run_cli(*args: str, devices: int | None = None, timeout: float = 300,
                           text=True, timeout=timeout, cwd=cwd, env=cli_env(devices, **env))
 
 
+# A child that crashes or hangs says where: every thread's Python stack on SIGABRT or SIGSEGV
+# (``finish`` sends SIGABRT to one past its timeout). Not for children whose stderr a test reads
+# line by line after an abort it expects.
+FAULT_STACKS = {"PYTHONFAULTHANDLER": "1"}
+
+
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
     """``proc.communicate(timeout)``; a process still running then is aborted and the test
-    fails with the stacks of its threads (``cli_env`` turns on the fault handler)."""
+    fails with the stacks of its threads (where it was started with ``FAULT_STACKS``)."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli_env, finish, losses, run_cli
+from conftest import FAULT_STACKS, cli_env, finish, losses, run_cli
 
 import trainrun
 from trainrun import rundir
@@ -180,7 +180,7 @@ LONG = ["steps=20000", "checkpoint.every=1000", "metrics.tensorboard=false",
 def _start(url: str, cache: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "trainrun", "train", "--run-dir", url,
                              *LONG, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=cli_env(TRAINRUN_CACHE_DIR=str(cache)))
+                            text=True, env=cli_env(TRAINRUN_CACHE_DIR=str(cache), **FAULT_STACKS))
 
 
 def _first_commit(url: str, proc: subprocess.Popen[str]) -> None:

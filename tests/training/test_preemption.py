@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import cli_env, finish
+from conftest import FAULT_STACKS, cli_env, finish
 
 from trainrun import rundir
 from trainrun.reporting.sinks.jsonl import read_metrics
@@ -22,7 +22,8 @@ from trainrun.training.preemption import ABORT_EXIT_CODE, Preemption
 def start(*args: str, stderr_to, **env: str) -> subprocess.Popen:
     """A Python process whose stdout is read line by line (stderr to a file: never blocks)."""
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                            stderr=stderr_to.open("w"), text=True, env=cli_env(**env))
+                            stderr=stderr_to.open("w"), text=True,
+                            env=cli_env(**FAULT_STACKS, **env))
 
 
 def wait_for(stream, pattern: str) -> list[str]:

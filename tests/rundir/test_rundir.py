@@ -219,6 +219,23 @@ def test_a_second_train_on_a_running_directory_exits_2_at_once(tmp_path):
     assert rundir.read_status(run_dir)["status"] == "preempted"
 
 
+def test_a_run_killed_after_its_last_checkpoint_is_recorded_finished_by_the_next_start(
+        tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, "steps=4", "checkpoint.every=2")
+    status = json.loads((run_dir / rundir.STATUS).read_text())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    # as a process killed between committing step 4 and recording its end leaves it
+    (run_dir / rundir.STATUS).write_text(json.dumps({**status, "status": "running",
+                                                     "pid": int(dead.stdout)}))
+    assert rundir.read_status(run_dir)["status"] == "failed"  # its process is gone
+    out = train(run_dir, "steps=4", "checkpoint.every=2")
+    assert "finished" in out
+    assert rundir.read_status(run_dir)["status"] == "finished"
+    assert rundir.read_status(run_dir)["step"] == 4
+
+
 @pytest.mark.slow
 def test_kill_9_at_any_moment_leaves_a_directory_the_same_command_finishes(tmp_path):
     run_dir = tmp_path / "run"

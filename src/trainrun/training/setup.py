@@ -170,7 +170,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     console = _console(config, batch_size, out if primary else None)
     resumes = _resume_step(directory)
     if resumes is not None and resumes >= config.steps:  # finished: nothing to do
-        return _finished(run_dir, directory, resumes, config.steps, console)
+        return _finished(run_dir, directory, resumes, config.steps, console, primary)
     parts = _parts(config, model, batch_size, console)
     data, batches, records = _data(config, data, parts, console)
     evaluator = _evaluator(config, parts, eval_data, chosen.decode_head())
@@ -227,8 +227,12 @@ def _resume_step(directory: rundir.RunDirectory) -> int | None:
 
 
 def _finished(run_dir: Path, directory: rundir.RunDirectory, latest: int, steps: int,
-              console: Console) -> RunSummary:
-    """The summary of a run whose last checkpoint is at its end: nothing runs."""
+              console: Console, primary: bool) -> RunSummary:
+    """The summary of a run whose last checkpoint is at its end: nothing runs. A process
+    killed after committing that checkpoint, before recording its end, left the status
+    ``running``: it is recorded ``finished`` now."""
+    if primary and rundir.read_status(run_dir).get("status") != "finished":
+        rundir.write_status(run_dir, "finished", latest)
     console.message(rundir.finished_message(directory.display, latest, steps))
     return RunSummary.from_dict(rundir.read_summary(run_dir))
 

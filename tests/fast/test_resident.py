@@ -3,31 +3,38 @@ trains on exactly the rows, in exactly the order, the host path feeds it: the sa
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import jax
 import numpy as np
 import pytest
 
+import trainrun
 from trainrun.config import load_config
 from trainrun.data import batch_iterator, build_dataset
 from trainrun.fast import resident
-from trainrun.program.compiled import CompiledSteps
 from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
 
-def host_arrays_in_calls(monkeypatch) -> list[bool]:
-    """Per call: whether any input besides the state is a host (NumPy) array."""
-    seen: list[bool] = []
-    original = CompiledSteps.__call__
+class NoHostArrays(trainrun.Callback):
+    """From the first call's end on, a host array handed to a jitted call (an implicit
+    host-to-device copy) is an error: JAX's transfer guard, on for the rest of the run."""
 
-    def spy(self, k, carried, batch):
-        seen.append(any(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(batch)))
-        return original(self, k, carried, batch)
+    def __init__(self) -> None:
+        self.guard: contextlib.AbstractContextManager[None] | None = None
+        self.boundaries = 0
 
-    monkeypatch.setattr(CompiledSteps, "__call__", spy)
-    return seen
+    def at_boundary(self, boundary: trainrun.Boundary) -> None:
+        self.boundaries += 1
+        if self.guard is None:
+            self.guard = jax.transfer_guard_host_to_device("disallow")
+            self.guard.__enter__()
+
+    def close(self) -> None:
+        if self.guard is not None:
+            self.guard.__exit__(None, None, None)
 
 
 def bits(path) -> list[bytes]:
@@ -47,13 +54,13 @@ CASES = {  # batches per epoch: 1 (each step the whole set) and 8; one-step tail
 def test_a_run_on_device_batches_matches_the_host_path_bit_for_bit(tmp_path, monkeypatch,
                                                                      overrides):
     config = load_config("mlp", ["metrics.every=5", *overrides])
-    on_device = host_arrays_in_calls(monkeypatch)
-    run(config, tmp_path / "device", out=io.StringIO())
-    assert on_device and not any(on_device)  # no call took a host array
+    guard = NoHostArrays()
+    run(config, tmp_path / "device", out=io.StringIO(), callbacks=[guard])
+    assert guard.boundaries > 2  # no call after the first took a host array
     monkeypatch.setattr(resident, "RESIDENT_MAX_BYTES", 0)  # the host path
-    on_host = host_arrays_in_calls(monkeypatch)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed host-to-device"):
+        run(config, tmp_path / "guarded", out=io.StringIO(), callbacks=[NoHostArrays()])
     run(config, tmp_path / "host", out=io.StringIO())
-    assert all(on_host)
     assert bits(tmp_path / "device") == bits(tmp_path / "host")
     assert (tmp_path / "device" / "checkpoints").exists()
 

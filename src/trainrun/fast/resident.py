@@ -49,8 +49,8 @@ class ResidentBatches:
     def args(self, k: int) -> tuple[Batch, jax.Array]:
         """What a call of ``k`` steps takes: device arrays made once and reused, so no host
         array crosses into the call."""
-        if k not in self._lengths:
-            self._lengths[k] = jnp.zeros(k, jnp.int32)
+        if k not in self._lengths:  # placed explicitly: the calls take no host array at all
+            self._lengths[k] = jax.device_put(np.zeros(k, np.int32))
         return self.arrays, self._lengths[k]
 
     def batch(self, step: jax.Array, args: tuple[Batch, jax.Array]) -> Batch:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import pytest
 
 from trainrun import extras
@@ -278,3 +279,30 @@ def test_a_short_last_batch_runs_in_a_program_of_its_length_that_ran_already():
     assert [scorer._padded_rows(n, 64) for n in (16, 16, 3)] == [16, 16, 16]
     assert [scorer._padded_rows(n, 32) for n in (3, 5, 16, 2)] == [4, 8, 16, 16]
     assert scorer._shapes == {(16, 64), (4, 32), (8, 32), (16, 32)}
+
+
+@pytest.mark.slow
+def test_each_batch_shape_compiles_once_and_scores_as_one_batch_at_a_time(tiny):
+    """The score programs of a request list's batch shapes (compiled side by side on threads)
+    are each compiled once, and give what scoring each request alone gives."""
+    from trainrun.harness import TrainrunLM
+
+    compiled: list[str] = []
+
+    def listen(event: str, seconds: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name", ""))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    model = TrainrunLM(path=str(tiny / "export"), batch_size=2)
+    # inputs of 3 to 49 tokens: batches of 2 rows padded to 64, 32 and 16 positions
+    requests = [(None, [5 + n % 7] * n, [9, 11, 13]) for n in (1, 40, 12, 20, 47, 30, 3)]
+    together = model._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert sorted(model._programs.compiled) == [(2, 16), (2, 32), (2, 64)]
+    assert compiled.count("jit(score)") == 3
+    assert model._loglikelihood_tokens(requests, disable_tqdm=True) == together
+    assert compiled.count("jit(score)") == 3  # the second time: no compile
+    alone = TrainrunLM(path=str(tiny / "export"), batch_size=1)
+    for request, answer in zip(requests, together, strict=True):
+        logp, greedy = alone._loglikelihood_tokens([request], disable_tqdm=True)[0]
+        assert greedy == answer[1] and logp == pytest.approx(answer[0], abs=1e-5)

@@ -102,7 +102,7 @@ def held_out_loss(config: RunConfig, section: Any, params: PyTree) -> dict[str, 
     of ``section``, as evaluation during training computes them, in batches of the run's eval
     batch size (or fewer rows, where the split is smaller)."""
     from trainrun.data import ArrayBatches, held_out_arrays
-    from trainrun.data.pipeline import DataError
+    from trainrun.data.errors import DataError
     from trainrun.models import build_model
     from trainrun.program.precision import policy_from_config
     from trainrun.training.evaluation import Evaluator

@@ -28,9 +28,10 @@ Text is tokenized as lm-eval's ``hf`` model tokenizes it (``TemplateLM``: a cont
 spaces go to the continuation, an empty context is the tokenizer's begin-of-text id, a text that
 already starts with it gets no second), and windows are cut as ``hf`` cuts them, so the two give
 the same scores for one model. Requests are sorted longest first and padded into batches of a
-power-of-two length, so a task compiles a few programs; each batch is one jitted call that
-returns, per position, the target's log-probability (log-softmax in float32) and whether it is
-the most likely token, not the logits. ``generate_until`` decodes through
+power-of-two length, so a task compiles a few programs, side by side on threads
+(``ScorePrograms``); each batch is one jitted call that returns, per position, the target's
+log-probability (log-softmax in float32) and whether it is the most likely token, not the
+logits. ``generate_until`` decodes through
 ``LanguageModel.generate_batch``, stopping at the tokenizer's stop ids and at any token whose
 text holds one of the task's stop strings; the stop strings are then cut from the decoded text
 as ``hf`` cuts them.
@@ -41,8 +42,10 @@ refuses to build the class in one line.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -62,6 +65,7 @@ FEATURE = "trainrun's lm-eval model"
 AUTO_LOGITS = 2**27  # float32 logits one auto-sized call may hold
 AUTO_ROWS = 64  # the most rows of an auto-sized batch without --max_batch_size
 MIN_LENGTH = 16  # the shortest padded length: short requests share one program
+COMPILE_THREADS = 4  # score programs compiled at once, at most one a core
 OPTIONS = ("path", "ema", "max_length", "max_gen_toks", "chat_template", "seed")
 # generation settings that change nothing when decoding greedily
 GREEDY_IGNORES = ("top_p", "top_k", "min_p", "typical_p")
@@ -121,8 +125,9 @@ class TrainrunLM(_Base):
                                f"than the model's vocabulary of {self.model.config.vocab}; give "
                                "the directory of the model it was trained with")
         # Frozen sections hash at run time; pyright reads frozen only from class keywords.
-        self._score = _scorer(self.model.config,  # pyright: ignore[reportArgumentType]
-                              self.model.compute)
+        self._programs = ScorePrograms(
+            _scorer(self.model.config, self.model.compute),  # pyright: ignore[reportArgumentType]
+            self.model.params)
         self._eos = (None if self.text.eos_id is None
                      else self.text.decode([self.text.eos_id], special=True))
         self._prefix = self.text.decode([self.text.prefix_id], special=True)
@@ -185,7 +190,7 @@ class TrainrunLM(_Base):
         """The turns rendered as transformers renders them for ``hf``: with the assistant's
         opening, or (``add_generation_prompt`` False) ending in the last turn's text, to be
         continued; a template that refuses a system turn is tried again without it."""
-        from trainrun.data.pipeline import DataError
+        from trainrun.data.errors import DataError
 
         template = self._template()
         try:
@@ -224,18 +229,23 @@ class TrainrunLM(_Base):
         order = sorted(range(len(requests)), key=lambda i: -len(windows[i]))
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                    desc="Running loglikelihood requests")
+        plan: list[tuple[list[int], int, int]] = []  # (requests, rows, length) of each batch
         start = 0
         while start < len(order):
             length = self._padded(len(windows[order[start]]) - 1)
             chunk = order[start:start + self._rows_for(length, len(order) - start)]
             start += len(chunk)
-            rows = self._padded_rows(len(chunk), length)
+            plan.append((chunk, self._padded_rows(len(chunk), length), length))
+        # every batch shape's program asked for at once: compiled on threads, side by side
+        self._programs.prepare([(rows, length) for _, rows, length in plan])
+        for chunk, rows, length in plan:
             tokens = np.zeros((rows, length), np.int32)
             targets = np.zeros((rows, length), np.int32)
             for row, i in enumerate(chunk):
                 tokens[row, :len(windows[i]) - 1] = windows[i][:-1]
                 targets[row, :len(windows[i]) - 1] = windows[i][1:]
-            logp, greedy = (np.asarray(a) for a in self._score(
+            score = self._programs.get((rows, length))
+            logp, greedy = (np.asarray(a) for a in score(
                 self.model.params, jnp.asarray(tokens), jnp.asarray(targets)))
             for row, i in enumerate(chunk):
                 end = len(windows[i]) - 1
@@ -357,6 +367,35 @@ class TrainrunLM(_Base):
             full, 1 << max(0, count - 1).bit_length())
         self._shapes.add((rows, length))
         return rows
+
+
+class ScorePrograms:
+    """The score program of each batch shape ``(rows, length)``, compiled once. ``prepare``
+    starts the compiles of the shapes a request list needs, several at a time on threads (an
+    XLA compile runs on one core, outside the GIL), in the order the batches run: the first
+    batch waits for its own program only, and a later program compiles while it runs."""
+
+    def __init__(self, score: Any, params: Any):
+        self.score = score
+        self.params = params
+        self.compiled: dict[tuple[int, int], concurrent.futures.Future[Any]] = {}
+        self.threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, min(COMPILE_THREADS, os.cpu_count() or 1)),
+            thread_name_prefix="trainrun-compile")
+
+    def prepare(self, shapes: Sequence[tuple[int, int]]) -> None:
+        for shape in dict.fromkeys(shapes):  # first use first, each once
+            if shape not in self.compiled:
+                self.compiled[shape] = self.threads.submit(self._compile, shape)
+
+    def get(self, shape: tuple[int, int]) -> Any:
+        """The compiled program of ``shape`` (compiled now if ``prepare`` was not told)."""
+        self.prepare([shape])
+        return self.compiled[shape].result()
+
+    def _compile(self, shape: tuple[int, int]) -> Any:
+        batch = jax.ShapeDtypeStruct(shape, jnp.int32)
+        return self.score.lower(self.params, batch, batch).compile()
 
 
 def _ending_in(text: str, last: str) -> str:

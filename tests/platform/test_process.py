@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import cli_env
+from conftest import cli_env, save_tiny_gpt2
 
 from trainrun.platform import process
 from trainrun.platform.process import (
@@ -140,6 +140,26 @@ def test_import_loads_the_public_names_when_first_used():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["[]", "trainrun.training.loop", "trainrun.language_model",
                                    "True", "True"]
+
+
+LOAD_AND_SCORE = """
+    import sys
+    import trainrun
+    model = trainrun.load(sys.argv[1])
+    print(model.logits([[1, 2, 3]]).shape, model.generate([1, 2], 3).shape,
+          len(model.generate_batch([[1, 2], [3]], 3)))
+    print(sorted(m for m in ("grain", "orbax") if m in sys.modules))
+"""
+
+
+def test_a_model_directory_is_loaded_scored_and_decoded_without_the_data_pipeline(tmp_path):
+    """``trainrun.load`` of a Hugging Face directory (what ``sample``, ``eval`` and
+    ``lm-eval`` do first) imports neither Grain nor Orbax: about a second of every such
+    command's start on a small machine."""
+    save_tiny_gpt2(tmp_path / "model", vocab=50)
+    done = python(LOAD_AND_SCORE, str(tmp_path / "model"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["(1, 3, 50) (5,) 2", "[]"]
 
 
 # A large block from malloc: glibc serves it from its own mmap by default; with trainrun's

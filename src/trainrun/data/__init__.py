@@ -1,24 +1,50 @@
 """Data: sources that produce arrays (in memory or memory-mapped) with a train and a held-out
-split, and the Grain pipeline that batches them."""
+split, and the Grain pipeline that batches them.
+
+The pipeline's names are imported at first use: what reads a tokenizer or a chat template
+(``trainrun.load``, ``sample``, ``lm-eval``) does not wait for Grain's import."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainrun.config import DataConfig
-from trainrun.data.mixture import MixtureBatches
-from trainrun.data.pipeline import (
-    ArrayBatches,
-    BatchCursor,
-    DataError,
-    batch_iterator,
-    eval_batches,
-    stack_batches,
-    token_windows,
-)
-from trainrun.data.record_rows import RecordCounts
+from trainrun.data.errors import DataError
+
+if TYPE_CHECKING:
+    from trainrun.data.mixture import MixtureBatches
+    from trainrun.data.pipeline import (
+        ArrayBatches,
+        BatchCursor,
+        batch_iterator,
+        eval_batches,
+        stack_batches,
+        token_windows,
+    )
+    from trainrun.data.record_rows import RecordCounts
+
+_HOME = {
+    "ArrayBatches": "trainrun.data.pipeline",
+    "BatchCursor": "trainrun.data.pipeline",
+    "MixtureBatches": "trainrun.data.mixture",
+    "RecordCounts": "trainrun.data.record_rows",
+    "batch_iterator": "trainrun.data.pipeline",
+    "eval_batches": "trainrun.data.pipeline",
+    "stack_batches": "trainrun.data.pipeline",
+    "token_windows": "trainrun.data.pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+        globals()[name] = value  # found once; later reads skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 Splits = dict[str, Any]  # "train", "eval": arrays or None; a mixture: "train" a list, "weights"
 
@@ -50,6 +76,8 @@ def _load(section: type[DataConfig], blob: str) -> Splits:
 def data_counts(cfg) -> RecordCounts | None:
     """What became of a record source's records (read, skipped, cut, ...); None for the other
     sources."""
+    from trainrun.data.record_rows import RecordCounts
+
     counts = _splits(cfg).get("counts")
     return counts if isinstance(counts, RecordCounts) else None
 
@@ -77,6 +105,8 @@ def build_eval_dataset(cfg, batch_size: int | None = None, process_index: int = 
                        process_count: int = 1) -> ArrayBatches:
     """The held-out split of ``cfg``, in order, in batches of ``batch_size`` (default: the
     training batch size)."""
+    from trainrun.data.pipeline import ArrayBatches
+
     return ArrayBatches(held_out_arrays(cfg), batch_size or cfg.batch_size, shuffle=False,
                         seed=0, process_index=process_index, process_count=process_count,
                         split="eval")

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trainrun.data.pipeline import DataError
+from trainrun.data.errors import DataError
 from trainrun.errors import printable
 from trainrun.rundir import location
 

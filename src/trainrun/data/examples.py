@@ -21,8 +21,8 @@ import numpy as np
 
 from trainrun.config import RecordFields
 from trainrun.data.chat import ChatTemplate, check_messages, encode_chats
+from trainrun.data.errors import DataError
 from trainrun.data.model_tokenizer import ModelTokenizer
-from trainrun.data.pipeline import DataError
 from trainrun.data.records import describe
 
 Example = tuple[np.ndarray, np.ndarray]  # token ids (uint32); loss mask (bool), one per token

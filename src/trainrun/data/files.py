@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainrun.data.pipeline import DataError, token_windows
+from trainrun.data.errors import DataError
+from trainrun.data.pipeline import token_windows
 
 Arrays = dict[str, np.ndarray]
 

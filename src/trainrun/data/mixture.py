@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import grain
 import numpy as np
 
-from trainrun.data.pipeline import DataError
+from trainrun.data.errors import DataError
 
 Arrays = Mapping[str, np.ndarray]
 

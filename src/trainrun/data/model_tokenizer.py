@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.data.chat import CHATML, ChatTemplate
-from trainrun.data.pipeline import DataError
+from trainrun.data.errors import DataError
 from trainrun.data.tokenizer import DOCUMENT_TOKEN, byte_alphabet, library
 from trainrun.rundir import location, remote
 

@@ -20,13 +20,9 @@ import grain
 import jax
 import numpy as np
 
-from trainrun.errors import UserError
+from trainrun.data.errors import DataError
 
 Batch = dict[str, np.ndarray]
-
-
-class DataError(UserError):
-    """Data that cannot be used as configured; the CLI prints it on one line and exits 2."""
 
 
 class ArrayBatches(grain.MapDataset[Batch]):

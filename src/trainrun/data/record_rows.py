@@ -54,6 +54,7 @@ import numpy as np
 from trainrun.config import RecordsData
 from trainrun.data import model_tokenizer
 from trainrun.data.documents import pack_documents, row_index_dtype
+from trainrun.data.errors import DataError
 from trainrun.data.examples import (
     Example,
     detect_format,
@@ -61,7 +62,6 @@ from trainrun.data.examples import (
     problem,
     require_template,
 )
-from trainrun.data.pipeline import DataError
 from trainrun.data.records import Located, read_records
 from trainrun.data.tasks import task_records
 from trainrun.data.text import corpus_files

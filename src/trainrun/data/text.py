@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainrun.data.pipeline import DataError, token_windows
+from trainrun.data.errors import DataError
+from trainrun.data.pipeline import token_windows
 from trainrun.rundir import location, remote
 
 Location = location.Location

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from trainrun.data.pipeline import DataError
+from trainrun.data.errors import DataError
 from trainrun.platform.user_cache import cache_dir
 from trainrun.rundir import location, remote
 

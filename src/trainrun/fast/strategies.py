@@ -15,22 +15,23 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from trainrun.fast.guard import keep_if_not_branched
 from trainrun.fast.head_layout import head_transposed
 from trainrun.fast.packing import PackedState, packing_for
-from trainrun.fast.resident import resident_batches
 from trainrun.fast.writer_thread import WriterThread
 from trainrun.platform import fast_paths
 from trainrun.platform.fast_paths import FastPaths
-from trainrun.program.batch_source import BatchSource, HostBatches
 from trainrun.program.carried import StateCarrier, TrainStateCarrier
 from trainrun.program.decode import HeadLayout, head_as_trained
 from trainrun.program.state import TrainState
 from trainrun.program.step import KeepIfNot, keep_if_not
+
+if TYPE_CHECKING:
+    from trainrun.program.batch_source import BatchSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,10 @@ class Strategies:
     def batch_source(self, batches: Any, single_device: bool) -> BatchSource:
         """A small in-order dataset on the device (``resident.resident_batches``), cut at the
         data position 0 (``BatchSource.from_offset`` moves it)."""
+        # imported here: decoding (``decode_head``) needs no data pipeline
+        from trainrun.fast.resident import resident_batches
+        from trainrun.program.batch_source import HostBatches
+
         resident = (resident_batches(batches, single_device, 0, 0)
                     if self.switch.resident_batches else None)
         return HostBatches() if resident is None else resident

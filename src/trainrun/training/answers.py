@@ -113,7 +113,7 @@ def answer_scorer(config: Any,
     assert isinstance(model, TransformerModel) and isinstance(data, RecordsData)
     asked = questions(data, config.eval.generate)
     if not asked:
-        from trainrun.data.pipeline import DataError
+        from trainrun.data.errors import DataError
 
         raise DataError(f"eval.generate={config.eval.generate}: the held-out records ask no "
                         "answer (text records have none); use chat or completion records, or "

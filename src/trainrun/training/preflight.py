@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import grain
 import jax
 import numpy as np
 
@@ -28,6 +27,8 @@ def check_batch(model: Model, data: Any, params: Any, from_config: bool) -> None
     params: the abstract params (shapes and dtypes). from_config: the model was built from the
         config, so a shape error is the config's (a model passed in reports its own errors).
     """
+    import grain  # here: checking a model's memory (``trainrun.load``) needs no pipeline
+
     if not isinstance(data, grain.MapDataset):
         return  # a plain iterator: its first batch cannot be looked at without taking it
     batch = data[0]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
 
 from trainrun import extras
@@ -306,3 +307,23 @@ def test_each_batch_shape_compiles_once_and_scores_as_one_batch_at_a_time(tiny):
     for request, answer in zip(requests, together, strict=True):
         logp, greedy = alone._loglikelihood_tokens([request], disable_tqdm=True)[0]
         assert greedy == answer[1] and logp == pytest.approx(answer[0], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_scoring_compiled_at_llvm_level_1_gives_the_default_compiles_scores(tiny, monkeypatch):
+    """The ``cpu_score_compile`` fast path changes the score programs' compile, not what they
+    compute: every answer's greedy flag, and its log-probability to float32's rounding (1e-5
+    on sums near 30; lm-eval's ``hf`` is matched to 1e-4)."""
+    from trainrun.harness import TrainrunLM
+
+    requests = [(None, [5 + n % 7] * n, [9, 11, 13]) for n in (1, 40, 12, 20, 47, 30, 3)]
+    fast = TrainrunLM(path=str(tiny / "export"), batch_size=4)
+    assert fast._programs.options == {"xla_backend_optimization_level": 1}
+    monkeypatch.setenv("TRAINRUN_FAST_PATHS", "none")
+    plain = TrainrunLM(path=str(tiny / "export"), batch_size=4)
+    assert plain._programs.options == {}
+    ours, theirs = (model._loglikelihood_tokens(requests, disable_tqdm=True)
+                    for model in (fast, plain))
+    assert [greedy for _, greedy in ours] == [greedy for _, greedy in theirs]
+    assert np.allclose([logp for logp, _ in ours], [logp for logp, _ in theirs], rtol=0,
+                       atol=1e-5)

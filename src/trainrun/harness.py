@@ -57,6 +57,7 @@ import numpy as np
 from trainrun import extras
 from trainrun.config import TransformerModel
 from trainrun.errors import UserError
+from trainrun.fast import strategies
 from trainrun.language_model import LanguageModel, _forward, load
 from trainrun.text_tokens import TextTokenizer, load_tokenizer
 
@@ -127,7 +128,7 @@ class TrainrunLM(_Base):
         # Frozen sections hash at run time; pyright reads frozen only from class keywords.
         self._programs = ScorePrograms(
             _scorer(self.model.config, self.model.compute),  # pyright: ignore[reportArgumentType]
-            self.model.params)
+            self.model.params, strategies.chosen().score_compiler_options())
         self._eos = (None if self.text.eos_id is None
                      else self.text.decode([self.text.eos_id], special=True))
         self._prefix = self.text.decode([self.text.prefix_id], special=True)
@@ -245,8 +246,8 @@ class TrainrunLM(_Base):
                 tokens[row, :len(windows[i]) - 1] = windows[i][:-1]
                 targets[row, :len(windows[i]) - 1] = windows[i][1:]
             score = self._programs.get((rows, length))
-            logp, greedy = (np.asarray(a) for a in score(
-                self.model.params, jnp.asarray(tokens), jnp.asarray(targets)))
+            # host arrays straight into the call: no program compiled to place each shape
+            logp, greedy = (np.asarray(a) for a in score(self.model.params, tokens, targets))
             for row, i in enumerate(chunk):
                 end = len(windows[i]) - 1
                 scored = slice(end - counts[i], end)
@@ -375,9 +376,10 @@ class ScorePrograms:
     XLA compile runs on one core, outside the GIL), in the order the batches run: the first
     batch waits for its own program only, and a later program compiles while it runs."""
 
-    def __init__(self, score: Any, params: Any):
+    def __init__(self, score: Any, params: Any, options: dict[str, Any]):
         self.score = score
         self.params = params
+        self.options = options  # XLA's compiler options (``fast/strategies.py``)
         self.compiled: dict[tuple[int, int], concurrent.futures.Future[Any]] = {}
         self.threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(COMPILE_THREADS, os.cpu_count() or 1)),
@@ -395,7 +397,8 @@ class ScorePrograms:
 
     def _compile(self, shape: tuple[int, int]) -> Any:
         batch = jax.ShapeDtypeStruct(shape, jnp.int32)
-        return self.score.lower(self.params, batch, batch).compile()
+        return self.score.lower(self.params, batch, batch).compile(
+            compiler_options=self.options)
 
 
 def _ending_in(text: str, last: str) -> str:

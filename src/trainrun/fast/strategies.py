@@ -6,6 +6,7 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
     the non-finite guard       ``guard.keep_if_not_branched``, else a select of every leaf
     how metric rows are written  ``writer_thread.WriterThread``, else in the loop's thread
     decoding's output head     ``head_layout.head_transposed``, else the model's own table
+    how score programs compile  at LLVM's level 1 on CPU, else at XLA's default
 
 A fast path that is off, or that does not fit the run, leaves the plain path's default.
 """
@@ -78,6 +79,13 @@ class Strategies:
     def decode_head(self) -> HeadLayout:
         """The head's table transposed once per decoding call."""
         return head_transposed if self.switch.decode_head_layout else head_as_trained
+
+    def score_compiler_options(self) -> dict[str, Any]:
+        """XLA options for the programs that score text (lm-eval's ``ScorePrograms``): on CPU,
+        LLVM at level 1 compiles them in less time and runs them as fast (BENCHMARKS.md)."""
+        if self.switch.cpu_score_compile and jax.default_backend() == "cpu":
+            return {"xla_backend_optimization_level": 1}
+        return {}
 
 
 def chosen(environ: Mapping[str, str] = os.environ) -> Strategies:

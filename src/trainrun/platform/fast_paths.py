@@ -17,6 +17,8 @@ plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
                         leaves instead of a select of every leaf (``fast/guard.py``)
     decode_head_layout  decoding multiplies by the output head's table laid out [d_model,
                         vocab] once per call, not [vocab, d_model] (``fast/head_layout.py``)
+    cpu_score_compile   on CPU, lm-eval's score programs compile at LLVM's optimisation level
+                        1, not 2 (``harness.ScorePrograms``)
 
 ``TRAINRUN_FAST_PATHS``: ``all`` (the default), ``none``, or the names to keep on, comma
 separated. Why each pays, and on what: docs/internals.md, "Fast paths".
@@ -43,6 +45,7 @@ class FastPaths:
     writer_thread: bool = True
     cpu_guard_branches: bool = True
     decode_head_layout: bool = True
+    cpu_score_compile: bool = True
 
     def on(self) -> list[str]:
         """The names of the fast paths that are on."""

@@ -2,6 +2,7 @@
 of whole runs, side by side in one process.
 
     python benchmarks/lora_cost.py [--models tiny,wide,llama] [--rounds 3]
+    python benchmarks/lora_cost.py --step-program [--rounds 30]
 
 Each round runs every contender once (``trainrun.run`` into a fresh directory, interleaved:
 full, LoRA, full, LoRA, ...) and reads its summary: ``compile`` and ``eval`` from the wall-time
@@ -19,6 +20,12 @@ key/value heads, SwiGLU 128, RMSNorm, rotary positions, an untied head), trained
 init; ``llama-dir`` is the same model written as a Hugging Face directory and fine-tuned from
 it with the built-in ``finetune`` config, as the guide does (the base params are read, the
 adapters drawn fresh).
+
+``--step-program``: on the ``llama`` layout, the compiled K-step program alone (K=10, one batch
+on the device, no loop around it), full against LoRA all-linear and against LoRA all-linear
+with each adapter's A applied by its own matmul (``transformer._project_each`` as before the
+adapters that read one input shared theirs), in one process, interleaved, 5 calls a round:
+the step's own cost, without a whole run's noise.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import io
 import statistics
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -86,12 +95,75 @@ def one_run(overrides: list[str], corpus: list[str], run_dir: Path) -> dict[str,
             "eval": summary.wall_time_split_s["eval"], "step": summary.step_time_median_s}
 
 
+def step_program(overrides: list[str], apart: bool = False) -> Callable[[], float]:
+    """A function timing 5 calls of the compiled 10-step program of the ``llama`` layout with
+    ``overrides``: ms a step. apart: each adapter's A by its own matmul."""
+    import numpy as np
+
+    from trainrun.fast.strategies import Strategies
+    from trainrun.models import build_model, transformer
+    from trainrun.program.compiled import CompiledSteps
+    from trainrun.program.optim import build_optimizer
+    from trainrun.program.state import abstract_state, init_state
+    from trainrun.reporting.timing import Stopwatch
+
+    k = 10
+    config = load_config("lm", [*MODELS["llama"], "model.vocab=256", *overrides])
+    model, optimizer = build_model(config.model), build_optimizer(config.optimizer, 600)
+    together = transformer._project_each
+    if apart:
+        transformer._project_each = lambda pairs, x: [transformer._project(layer, adapter, x)
+                                                      for layer, adapter in pairs]
+    try:  # traced and compiled here: the patch is in the program
+        abstract, chosen = abstract_state(model, optimizer, 0), Strategies()
+        programs = CompiledSteps(model, optimizer, k, Stopwatch(), abstract=abstract,
+                                 carrier=chosen.state_carrier(abstract),
+                                 keep=chosen.nonfinite_guard(k))
+        carried = [programs.carry(init_state(model, optimizer, 0))]
+        tokens = np.random.default_rng(0).integers(0, 256, (k, 16, 65)).astype(np.int32)
+        batch = jax.device_put({"tokens": tokens})
+        carried[0], packed = programs(k, carried[0], batch)
+        packed.block_until_ready()
+    finally:
+        transformer._project_each = together
+
+    def measure() -> float:
+        start = time.perf_counter()
+        for _ in range(5):
+            carried[0], rows = programs(k, carried[0], batch)
+        rows.block_until_ready()
+        return (time.perf_counter() - start) / (5 * k) * 1e3
+
+    return measure
+
+
+def step_programs(rounds: int) -> None:
+    lora = "model.lora={rank: 8, targets: all-linear}"
+    contenders = {"full": step_program([]), "LoRA all-linear": step_program([lora]),
+                  "LoRA all-linear, each A apart": step_program([lora], apart=True)}
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, measure in contenders.items():
+            times[name].append(measure())
+    full = statistics.median(times["full"])
+    print(f"llama layout, the 10-step program alone, {rounds} interleaved rounds of 5 calls")
+    print("| contender | step ms best / median | / full (median) |\n|---|---:|---:|")
+    for name, values in times.items():
+        print(f"| {name} | {min(values):.2f} / {statistics.median(values):.2f} | "
+              f"{statistics.median(values) / full:.2f}x |")
+
+
 def main() -> None:
     configure_process()  # as `trainrun train` does, before the first computation
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,wide,llama")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--step-program", action="store_true",
+                        help="time the compiled step program alone (module docstring)")
     args = parser.parse_args()
+    if args.step_program:
+        step_programs(args.rounds)
+        return
     jax.config.update("jax_enable_compilation_cache", False)
     # A fixed corpus the size of a small fine-tuning set, the same for every revision measured.
     corpus = sorted(str(p) for p in Path(email.__file__).parent.rglob("*.py"))

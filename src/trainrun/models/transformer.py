@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -172,7 +172,11 @@ class LoRA(nnx.Module):
         self.scale = cfg.alpha / cfg.rank
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (x @ self.a[...]) @ self.b[...] * jnp.asarray(self.scale, x.dtype)
+        # A scaled by alpha / rank: a multiply of the small weights, not of the outputs
+        return (x @ self.scaled_a()) @ self.b[...]
+
+    def scaled_a(self) -> jax.Array:
+        return self.a[...] * jnp.asarray(self.scale, self.a.dtype)
 
 
 def _adapter(name: str, d_in: int, d_out: int, axes: tuple[str, str], cfg: TransformerModel,
@@ -183,6 +187,26 @@ def _adapter(name: str, d_in: int, d_out: int, axes: tuple[str, str], cfg: Trans
 
 def _project(layer: nnx.Linear, adapter: LoRA | None, x: jax.Array) -> jax.Array:
     return layer(x) if adapter is None else layer(x) + adapter(x)
+
+
+def _project_each(pairs: Sequence[tuple[nnx.Linear, LoRA | None]], x: jax.Array
+                  ) -> list[jax.Array]:
+    """Linear layers that read the same ``x``, each with its adapter or none: the adapters'
+    ``A`` matrices applied in one matmul (a small model's LoRA step is bound by its op count;
+    BENCHMARKS.md, "LoRA against full fine-tuning")."""
+    adapters = [adapter for _, adapter in pairs if adapter is not None]
+    if len(adapters) < 2:
+        return [_project(layer, adapter, x) for layer, adapter in pairs]
+    low = x @ jnp.concatenate([adapter.scaled_a() for adapter in adapters], axis=1)
+    out, at = [], 0
+    for layer, adapter in pairs:
+        if adapter is None:
+            out.append(layer(x))
+            continue
+        rank = adapter.a.shape[1]
+        out.append(layer(x) + low[:, at:at + rank] @ adapter.b[...])
+        at += rank
+    return out
 
 
 class RMSNormPlusOne(nnx.Module):
@@ -246,10 +270,9 @@ class Attention(nnx.Module):
         it hold a shorter prompt's left padding) when given."""
         b, c, d = x.shape
         rows = x.reshape(b * c, d)  # 2-D matmuls: see MLP.__call__
-        q, k, v = (_project(proj, adapter, rows).reshape(b, c, heads, self.head_dim)
-                   for proj, adapter, heads in ((self.q, self.q_lora, self.heads),
-                                                (self.k, self.k_lora, self.kv_heads),
-                                                (self.v, self.v_lora, self.kv_heads)))
+        q, k, v = (y.reshape(b, c, heads, self.head_dim) for y, heads in zip(
+            _project_each(((self.q, self.q_lora), (self.k, self.k_lora), (self.v, self.v_lora)),
+                          rows), (self.heads, self.kv_heads, self.kv_heads), strict=True))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -298,10 +321,10 @@ class MLP(nnx.Module):
         # transposed for them (a strided pass over the 4 x d_model wide activations).
         rows = x.reshape(-1, x.shape[-1])
         if self.gate is not None:
-            gate = _project(self.gate, self.gate_lora, rows)
+            gate, up = _project_each(((self.gate, self.gate_lora), (self.up, self.up_lora)), rows)
             gate = (jax.nn.silu(gate) if self.kind == "swiglu"
                     else jax.nn.gelu(gate, approximate=True))
-            hidden = gate * _project(self.up, self.up_lora, rows)
+            hidden = gate * up
         else:
             hidden = jax.nn.gelu(_project(self.up, self.up_lora, rows), approximate=True)
         return _project(self.down, self.down_lora, hidden).reshape(x.shape)

@@ -151,3 +151,30 @@ def test_loading_onto_an_fsdp_mesh_places_the_same_model(llama_dir, tmp_path, cl
     assert one.returncode == 0 and four.returncode == 0, one.stderr + four.stderr
     np.testing.assert_allclose(losses(tmp_path / "four"), losses(tmp_path / "one"), rtol=0,
                                atol=1e-5)
+
+
+def test_adapters_a_model_directory_lacks_are_drawn_as_a_fresh_run_draws_them(llama_dir,
+                                                                               tmp_path):
+    """The base params read from the directory, the LoRA adapters (drawn on a thread of their
+    own while it is read) the very bits ``init_state`` draws for the same model and seed."""
+    from trainrun.checkpointing.init_from import placed_params, readers
+    from trainrun.models import build_model
+    from trainrun.program.optim import build_optimizer
+    from trainrun.program.state import init_state
+
+    config = finetune(tmp_path, llama_dir, "model.lora={rank: 4, targets: all-linear}")
+    model = build_model(config.model)
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    loaded = placed_params(readers(str(llama_dir), config.model, abstract), model, config.seed,
+                           abstract, None)
+    drawn = init_state(model, build_optimizer(config.optimizer, 8), config.seed).params
+    loaded, drawn = ({param_name(p): np.asarray(x)
+                      for p, x in jax.tree_util.tree_leaves_with_path(params)}
+                     for params in (loaded, drawn))
+    adapters = [name for name in loaded if "_lora." in name]
+    assert len(adapters) == 2 * 7 * 2  # A and B of 7 layers in 2 blocks
+    assert all(loaded[n].tobytes() == drawn[n].tobytes() for n in adapters)
+    assert any(loaded[n].any() for n in adapters)  # the A matrices are drawn, not zeros
+    # the base's matrices are the directory's (its norms are ones either way)
+    base = [name for name in loaded if "_lora." not in name and loaded[name].ndim == 2]
+    assert base and not any(loaded[n].tobytes() == drawn[n].tobytes() for n in base)

@@ -25,6 +25,7 @@ shard's tensors by ranged reads, as from disk, with nothing copied to this machi
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -413,16 +414,18 @@ def placed_params(found: dict[str, Reader], model: Model, seed: int, abstract_pa
     placement = (jax.tree.leaves(shardings) if shardings is not None
                  else [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(names))
     missing = [n for n in names if n not in found]
-    fresh = _fresh_leaves(model, seed, set(missing),
-                          {n: s for n, s in zip(names, placement, strict=True) if n in missing})
-    out = []
-    for name, (_, abstract), sharding in zip(names, leaves, placement, strict=True):
-        if name in fresh:
-            out.append(fresh[name])
-            continue
-        out.append(jax.make_array_from_callback(abstract.shape, sharding,
-                                                _cast(found[name], abstract.dtype)))
-    return jax.tree_util.tree_unflatten(tree, out)
+    # The fresh params' program compiles on a thread of its own while the source is read.
+    with concurrent.futures.ThreadPoolExecutor(1, "trainrun-fresh-init") as thread:
+        drawn = thread.submit(_fresh_leaves, model, seed, set(missing),
+                              {n: s for n, s in zip(names, placement, strict=True)
+                               if n in missing})
+        read = {name: jax.make_array_from_callback(abstract.shape, sharding,
+                                                   _cast(found[name], abstract.dtype))
+                for name, (_, abstract), sharding in zip(names, leaves, placement, strict=True)
+                if name in found}
+        fresh = drawn.result()
+    return jax.tree_util.tree_unflatten(tree, [fresh[n] if n in fresh else read[n]
+                                               for n in names])
 
 
 def _cast(read: Reader, dtype: Any) -> Reader:

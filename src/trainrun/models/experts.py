@@ -234,24 +234,41 @@ def _block_mlp(act: Act, x: jax.Array, gate: jax.Array, up: jax.Array, down: jax
 def _block_mlp_forward(act: Act, x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
                        block_expert: jax.Array, used: jax.Array
                        ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    return (_block_mlp(act, x, gate, up, down, block_expert, used),
-            (x, gate, up, down, block_expert, used))
+    """The blocks as ``_block_mlp`` computes them, keeping each block's ``gate`` and ``up``
+    outputs for the backward pass, as a dense MLP's autodiff keeps them."""
+    hidden = gate.shape[-1]
+
+    def one_block(_: None, item: tuple[jax.Array, jax.Array, jax.Array]
+                  ) -> tuple[None, tuple[jax.Array, jax.Array, jax.Array]]:
+        xb, e, live = item
+
+        def compute() -> tuple[jax.Array, jax.Array, jax.Array]:
+            gated, upped = xb @ gate[e], xb @ up[e]
+            return (act(gated) * upped) @ down[e], gated, upped
+
+        def skipped() -> tuple[jax.Array, jax.Array, jax.Array]:
+            none = jnp.zeros_like(xb, shape=(xb.shape[0], hidden))
+            return jnp.zeros_like(xb, shape=(xb.shape[0], down.shape[-1])), none, none
+
+        return None, jax.lax.cond(live, compute, skipped)
+
+    out, gated, upped = jax.lax.scan(one_block, None, (x, block_expert, used))[1]
+    return out, (x, gated, upped, gate, up, down, block_expert, used)
 
 
 def _block_mlp_backward(act: Act, saved: tuple[jax.Array, ...], grad: jax.Array
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, None, None]:
-    """One block at a time again, its hidden activations recomputed; each expert's weight
-    gradients are added into its slice of carried arrays, in place (the transpose JAX derives
-    adds a whole zero ``[experts, ...]`` array per block instead)."""
-    x, gate, up, down, block_expert, used = saved
+    """One block at a time again, from the hidden activations the forward pass kept; each
+    expert's weight gradients are added into its slice of carried arrays, in place (the
+    transpose JAX derives adds a whole zero ``[experts, ...]`` array per block instead)."""
+    x, gated_all, upped_all, gate, up, down, block_expert, used = saved
 
     def one_block(carry: tuple[jax.Array, jax.Array, jax.Array], item: tuple[jax.Array, ...]
                   ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
         d_gate, d_up, d_down = carry
-        xb, gb, e, live = item
+        xb, gated, upped, gb, e, live = item
 
         def compute() -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
-            gated, upped = xb @ gate[e], xb @ up[e]
             activated, act_vjp = jax.vjp(act, gated)
             d_hidden = gb @ down[e].T
             d_gated = act_vjp(d_hidden * upped)[0]
@@ -263,8 +280,8 @@ def _block_mlp_backward(act: Act, saved: tuple[jax.Array, ...], grad: jax.Array
         return jax.lax.cond(live, compute, lambda: (carry, jnp.zeros_like(xb)))
 
     zeros = (jnp.zeros_like(gate), jnp.zeros_like(up), jnp.zeros_like(down))
-    (d_gate, d_up, d_down), dx = jax.lax.scan(one_block, zeros,
-                                              (x, grad, block_expert, used))
+    (d_gate, d_up, d_down), dx = jax.lax.scan(
+        one_block, zeros, (x, gated_all, upped_all, grad, block_expert, used))
     return dx, d_gate, d_up, d_down, None, None
 
 

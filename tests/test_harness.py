@@ -282,6 +282,10 @@ def test_a_short_last_batch_runs_in_a_program_of_its_length_that_ran_already():
     assert scorer._shapes == {(16, 64), (4, 32), (8, 32), (16, 32)}
 
 
+# Continuations of 3 tokens after contexts of 1 to 47: inputs of 3 to 49 tokens.
+REQUESTS = [(None, [5 + n % 7] * n, [9, 11, 13]) for n in (1, 40, 12, 20, 47, 30, 3)]
+
+
 @pytest.mark.slow
 def test_each_batch_shape_compiles_once_and_scores_as_one_batch_at_a_time(tiny):
     """The score programs of a request list's batch shapes (compiled side by side on threads)
@@ -296,8 +300,7 @@ def test_each_batch_shape_compiles_once_and_scores_as_one_batch_at_a_time(tiny):
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     model = TrainrunLM(path=str(tiny / "export"), batch_size=2)
-    # inputs of 3 to 49 tokens: batches of 2 rows padded to 64, 32 and 16 positions
-    requests = [(None, [5 + n % 7] * n, [9, 11, 13]) for n in (1, 40, 12, 20, 47, 30, 3)]
+    requests = REQUESTS  # in batches of 2 rows: padded to 64, 32 and 16 positions
     together = model._loglikelihood_tokens(requests, disable_tqdm=True)
     assert sorted(model._programs.compiled) == [(2, 16), (2, 32), (2, 64)]
     assert compiled.count("jit(score)") == 3
@@ -316,7 +319,7 @@ def test_scoring_compiled_at_llvm_level_1_gives_the_default_compiles_scores(tiny
     on sums near 30; lm-eval's ``hf`` is matched to 1e-4)."""
     from trainrun.harness import TrainrunLM
 
-    requests = [(None, [5 + n % 7] * n, [9, 11, 13]) for n in (1, 40, 12, 20, 47, 30, 3)]
+    requests = REQUESTS
     fast = TrainrunLM(path=str(tiny / "export"), batch_size=4)
     assert fast._programs.options == {"xla_backend_optimization_level": 1}
     monkeypatch.setenv("TRAINRUN_FAST_PATHS", "none")

@@ -215,44 +215,49 @@ _gather_rows.defvjp(_gather_rows_forward, _gather_rows_backward)
 Act = Callable[[jax.Array], jax.Array]
 
 
+Hidden = tuple[jax.Array, jax.Array] | None  # each block's gate and up outputs, kept or not
+
+
+def _blocks(act: Act, x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+            block_expert: jax.Array, used: jax.Array, keep: bool
+            ) -> tuple[jax.Array, Hidden]:
+    """``down_e(act(gate_e(x[b])) * up_e(x[b]))`` with ``e = block_expert[b]`` for each block
+    ``b`` of rows (``x`` ``[blocks, rows, d]``), zeros for a block not ``used``: the whole MLP
+    one block at a time under ``lax.scan``; with ``keep``, each block's ``gate`` and ``up``
+    outputs too, for the backward pass."""
+    def one_block(_: None, item: tuple[jax.Array, jax.Array, jax.Array]
+                  ) -> tuple[None, tuple[jax.Array, Hidden]]:
+        xb, e, live = item
+
+        def compute() -> tuple[jax.Array, Hidden]:
+            gated, upped = xb @ gate[e], xb @ up[e]
+            return (act(gated) * upped) @ down[e], (gated, upped) if keep else None
+
+        def skipped() -> tuple[jax.Array, Hidden]:
+            none = jnp.zeros_like(xb, shape=(xb.shape[0], gate.shape[-1]))
+            return (jnp.zeros_like(xb, shape=(xb.shape[0], down.shape[-1])),
+                    (none, none) if keep else None)
+
+        return None, jax.lax.cond(live, compute, skipped)
+
+    return jax.lax.scan(one_block, None, (x, block_expert, used))[1]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _block_mlp(act: Act, x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
                block_expert: jax.Array, used: jax.Array) -> jax.Array:
-    """``down_e(act(gate_e(x[b])) * up_e(x[b]))`` with ``e = block_expert[b]`` for each block
-    ``b`` of rows (``x`` ``[blocks, rows, d]``), zeros for a block not ``used``: the whole MLP
-    one block at a time under ``lax.scan``."""
-    def one_block(_: None, item: tuple[jax.Array, jax.Array, jax.Array]
-                  ) -> tuple[None, jax.Array]:
-        xb, e, live = item
-        return None, jax.lax.cond(
-            live, lambda: (act(xb @ gate[e]) * (xb @ up[e])) @ down[e],
-            lambda: jnp.zeros_like(xb, shape=(xb.shape[0], down.shape[-1])))
-
-    return jax.lax.scan(one_block, None, (x, block_expert, used))[1]
+    """The blocks' outputs (``_blocks``)."""
+    return _blocks(act, x, gate, up, down, block_expert, used, keep=False)[0]
 
 
 def _block_mlp_forward(act: Act, x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
                        block_expert: jax.Array, used: jax.Array
                        ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """The blocks as ``_block_mlp`` computes them, keeping each block's ``gate`` and ``up``
-    outputs for the backward pass, as a dense MLP's autodiff keeps them."""
-    hidden = gate.shape[-1]
-
-    def one_block(_: None, item: tuple[jax.Array, jax.Array, jax.Array]
-                  ) -> tuple[None, tuple[jax.Array, jax.Array, jax.Array]]:
-        xb, e, live = item
-
-        def compute() -> tuple[jax.Array, jax.Array, jax.Array]:
-            gated, upped = xb @ gate[e], xb @ up[e]
-            return (act(gated) * upped) @ down[e], gated, upped
-
-        def skipped() -> tuple[jax.Array, jax.Array, jax.Array]:
-            none = jnp.zeros_like(xb, shape=(xb.shape[0], hidden))
-            return jnp.zeros_like(xb, shape=(xb.shape[0], down.shape[-1])), none, none
-
-        return None, jax.lax.cond(live, compute, skipped)
-
-    out, gated, upped = jax.lax.scan(one_block, None, (x, block_expert, used))[1]
+    """The blocks' outputs, keeping each block's ``gate`` and ``up`` outputs for the backward
+    pass, as a dense MLP's autodiff keeps them."""
+    out, hidden = _blocks(act, x, gate, up, down, block_expert, used, keep=True)
+    assert hidden is not None
+    gated, upped = hidden
     return out, (x, gated, upped, gate, up, down, block_expert, used)
 
 

@@ -326,12 +326,41 @@ def _wait_for(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise TimeoutError(f"no answer from {url} in {timeout} s")
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on ``port`` (Linux's /proc; elsewhere
+    assumed): a server that lost its port to another process exits, and the answer it seemed
+    to give came from that other one."""
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    if not tables[0].exists():
+        return True
+    inodes = {f"socket:[{fields[9]}]" for table in tables if table.exists()
+              for fields in (line.split() for line in table.read_text().splitlines()[1:])
+              if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port}
+    try:
+        return any(os.readlink(fd) in inodes for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
 class ObjectStoreServer:
     """One emulator process: fake-gcs-server (``gs``) or moto's S3 server (``s3``). ``pause``
     and ``resume`` stop and continue the process (SIGSTOP/SIGCONT): requests then hang as they
     do when a store stops answering."""
 
     def __init__(self, scheme: str):
+        # A port found free may be taken by another process (another test worker's server)
+        # before this one binds it: then this server exits and requests reach the other one.
+        for _ in range(5):
+            self._start(scheme)
+            if _listens(self.proc.pid, self.port):
+                break
+            self.proc.kill()  # Popen's kill: nothing once the process is reaped
+            self.proc.wait(10)
+        else:
+            raise RuntimeError(f"no free port held by the {scheme} emulator in 5 tries")
+        self.buckets = 0
+
+    def _start(self, scheme: str) -> None:
         self.scheme, self.port = scheme, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if scheme == "gs":
@@ -349,7 +378,6 @@ class ObjectStoreServer:
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         _wait_for(ready, self.proc)
-        self.buckets = 0
 
     @property
     def env(self) -> dict[str, str]:

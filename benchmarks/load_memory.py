@@ -82,7 +82,7 @@ def child(mode: str, path: str, devices: int) -> None:
     watch = AnonPeak()
     start = time.perf_counter()
     if mode == "placed":
-        params = placed_params(readers(path, cfg, abstract), model, 0, abstract, shardings)
+        params = placed_params(readers(path, cfg, abstract), 0, abstract, shardings)
     else:
         from safetensors.numpy import load_file
 

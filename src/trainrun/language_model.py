@@ -150,7 +150,7 @@ def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> 
     check_model_memory(cfg, jax.local_devices()[:1], "float32", f"the model of {path}")
     model = build_model(cfg)
     abstract = jax.eval_shape(model.init, jax.random.key(0))
-    params = placed_params(readers(str(path), cfg, abstract), model, 0, abstract, None)
+    params = placed_params(readers(str(path), cfg, abstract), 0, abstract, None)
     return LanguageModel(cfg, params)
 
 

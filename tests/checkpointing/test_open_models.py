@@ -165,7 +165,7 @@ def test_adapters_a_model_directory_lacks_are_drawn_as_a_fresh_run_draws_them(ll
     config = finetune(tmp_path, llama_dir, "model.lora={rank: 4, targets: all-linear}")
     model = build_model(config.model)
     abstract = jax.eval_shape(model.init, jax.random.key(0))
-    loaded = placed_params(readers(str(llama_dir), config.model, abstract), model, config.seed,
+    loaded = placed_params(readers(str(llama_dir), config.model, abstract), config.seed,
                            abstract, None)
     drawn = init_state(model, build_optimizer(config.optimizer, 8), config.seed).params
     loaded, drawn = ({param_name(p): np.asarray(x)

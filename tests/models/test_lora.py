@@ -174,3 +174,45 @@ def test_adapters_applied_together_compute_each_adapter_alone(tmp_path):
     finally:
         transformer._project_each = alone
     assert abs(float(together) - float(separately)) < 1e-6 * abs(float(separately))
+
+
+def test_fresh_adapters_leave_the_base_init_alone_and_draw_a_at_its_scale(tmp_path):
+    """The adapters are drawn off a stream of their own: a LoRA model's base params are the
+    plain model's init, bit for bit. Each A ~ N(0, 1/d_in), no two alike; each B is zero."""
+    config = lora_config(tmp_path, *LLAMA_LAYOUT, "model.lora={rank: 8, targets: all-linear}",
+                         "model.d_model=64", "model.layers=3")
+    plain = flat(build_model(config.model.model_copy(update={"lora": None})).init(
+        jax.random.key(5)))
+    adapted = flat(build_model(config.model).init(jax.random.key(5)))
+    assert plain and all(adapted[name].tobytes() == value.tobytes()
+                         for name, value in plain.items())
+    a = {name: value for name, value in adapted.items() if name.endswith("_lora.a")}
+    b = [value for name, value in adapted.items() if name.endswith("_lora.b")]
+    assert len(a) == len(b) == 7 * 3 and not any(value.any() for value in b)
+    assert len({value.tobytes() for value in a.values()}) == len(a)
+    for d_in in {value.shape[0] for value in a.values()}:  # 64 (six layers) and the MLP's
+        pooled = np.concatenate([v.ravel() for v in a.values() if v.shape[0] == d_in])
+        assert abs(pooled.mean()) < 4 / np.sqrt(pooled.size * d_in)
+        assert abs(pooled.std() * np.sqrt(d_in) - 1) < 0.05, (d_in, pooled.std())
+
+
+def test_the_adapters_draw_does_not_grow_with_the_layers(tmp_path):
+    """A fine-tune from a model directory draws its adapters alone: one sampler for all of
+    them, however deep the model (one per adapter made its compile grow with the depth)."""
+    from trainrun.models.transformer import adapter_draws
+
+    def samplers(layers: int) -> int:
+        config = lora_config(tmp_path, *LLAMA_LAYOUT, f"model.layers={layers}",
+                             "model.lora={rank: 4, targets: all-linear}")
+        abstract = jax.eval_shape(build_model(config.model).init, jax.random.key(0))
+        shapes = {name[:-2]: tuple(x.shape) for name, x in flat_shapes(abstract).items()
+                  if name.endswith("_lora.a")}
+        assert len(shapes) == 7 * layers
+        jaxpr = jax.make_jaxpr(lambda: adapter_draws(jax.random.key(0), shapes))()
+        return str(jaxpr).count("random_bits")
+
+    assert samplers(2) == samplers(12) == 1
+
+
+def flat_shapes(params) -> dict[str, jax.ShapeDtypeStruct]:
+    return {param_name(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}

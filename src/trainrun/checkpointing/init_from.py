@@ -65,6 +65,7 @@ from trainrun.models.huggingface import (
     separate_head,
     tensor_map,
 )
+from trainrun.models.transformer import adapter_draws, split_adapters
 from trainrun.program.optim import Optimizer, param_name
 from trainrun.program.precision import Policy
 from trainrun.program.state import INIT_COMPILER_OPTIONS, TrainState, root_keys
@@ -403,7 +404,7 @@ def _checked(found: dict[str, Reader], sizes: dict[str, tuple[int, ...]],
     return found
 
 
-def placed_params(found: dict[str, Reader], model: Model, seed: int, abstract_params: PyTree,
+def placed_params(found: dict[str, Reader], seed: int, abstract_params: PyTree,
                   shardings: PyTree | None) -> PyTree:
     """The model's params, each read from its source straight into its place: every device
     gets its shard from a read of that slice alone, so the host never holds the whole model
@@ -413,38 +414,52 @@ def placed_params(found: dict[str, Reader], model: Model, seed: int, abstract_pa
     names = [param_name(p) for p, _ in leaves]
     placement = (jax.tree.leaves(shardings) if shardings is not None
                  else [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(names))
-    missing = [n for n in names if n not in found]
-    # The fresh params' program compiles on a thread of its own while the source is read.
+    shapes = {name[:-len(".a")]: (abstract.shape[0], abstract.shape[1])
+              for name, (_, abstract) in zip(names, leaves, strict=True)
+              if ADAPTER in name and name.endswith(".a")}
+    missing = [name for name in names if name not in found]
+    # The adapters' draw compiles on a thread of its own while the source is read.
     with concurrent.futures.ThreadPoolExecutor(1, "trainrun-fresh-init") as thread:
-        drawn = thread.submit(_fresh_leaves, model, seed, set(missing),
-                              {n: s for n, s in zip(names, placement, strict=True)
-                               if n in missing})
-        read = {name: jax.make_array_from_callback(abstract.shape, sharding,
-                                                   _cast(found[name], abstract.dtype))
-                for name, (_, abstract), sharding in zip(names, leaves, placement, strict=True)
-                if name in found}
-        fresh = drawn.result()
-    return jax.tree_util.tree_unflatten(tree, [fresh[n] if n in fresh else read[n]
-                                               for n in names])
+        drawn = thread.submit(_adapter_draws, seed, shapes if missing else {})
+        readers = {**found, **{name: _fresh_adapter(name, abstract.shape, drawn)
+                               for name, (_, abstract) in zip(names, leaves, strict=True)
+                               if name in missing}}
+        params = {name: jax.make_array_from_callback(abstract.shape, sharding,
+                                                     _cast(readers[name], abstract.dtype))
+                  for name, (_, abstract), sharding in sorted(
+                      zip(names, leaves, placement, strict=True),
+                      key=lambda leaf: leaf[0] in found, reverse=True)}  # the source's first
+    return jax.tree_util.tree_unflatten(tree, [params[name] for name in names])
 
 
 def _cast(read: Reader, dtype: Any) -> Reader:
     return lambda index: np.asarray(read(index), dtype)
 
 
-def _fresh_leaves(model: Model, seed: int, names: set[str],
-                  shardings: dict[str, Any]) -> dict[str, jax.Array]:
-    """The named params of the model's init, computed alone (the rest is dead code to XLA)."""
-    if not names:
+def _adapter_draws(seed: int, shapes: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+    """Each adapter's ``A`` as a fresh run draws it (``transformer.adapter_draws``, in a
+    program compiled as ``init_state``'s), on the host."""
+    if not shapes:
         return {}
+    draw = jax.jit(lambda: adapter_draws(root_keys(seed)[0], shapes))
+    return split_adapters(np.asarray(draw.lower().compile(
+        compiler_options=INIT_COMPILER_OPTIONS)()), shapes)
 
-    def init() -> dict[str, jax.Array]:
-        params = model.init(root_keys(seed)[0])
-        return {param_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)
-                if param_name(p) in names}
 
-    build = jax.jit(init, out_shardings=shardings)
-    return build.lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
+def _fresh_adapter(name: str, shape: tuple[int, ...],
+                   drawn: concurrent.futures.Future[dict[str, np.ndarray]]) -> Reader:
+    """A reader of a param the source lacks: an adapter's ``A`` as drawn, or its ``B``,
+    zeros."""
+    if ADAPTER not in name or not name.endswith((".a", ".b")):
+        raise WeightsError(f"the source has no tensor for param {name!r}, which is not a "
+                           "LoRA adapter; check the model settings against it")
+    adapter, part = name.rsplit(".", 1)
+
+    def read(index: tuple[slice, ...] | None) -> np.ndarray:
+        whole = drawn.result()[adapter] if part == "a" else np.zeros(shape, np.float32)
+        return whole if index is None else whole[index]
+
+    return read
 
 
 def initial_state(config: RunConfig, model: Model, optimizer: Optimizer, policy: Policy,
@@ -458,7 +473,7 @@ def initial_state(config: RunConfig, model: Model, optimizer: Optimizer, policy:
         raise ValueError("initial_state starts a run from init.from, which is not set")
     if config.init.load == "params":
         found = readers(source, config.model, abstract.params)
-        params = placed_params(found, model, config.seed, abstract.params,
+        params = placed_params(found, config.seed, abstract.params,
                                None if shardings is None else shardings.params)
         model_state = None
         if model.init_model_state is not None:

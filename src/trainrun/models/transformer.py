@@ -162,12 +162,11 @@ def _linear(d_in: int, d_out: int, axes: tuple[str, str], std: float, rngs: nnx.
 
 class LoRA(nnx.Module):
     """A low-rank adapter beside a linear layer: adds ``(alpha / rank) x A B``. ``B`` starts at
-    zero, so a model with fresh adapters computes what its base computes."""
+    zero, so a model with fresh adapters computes what its base computes. ``A`` is drawn by
+    ``draw_adapters`` with every other adapter of the model, once the model is built."""
 
-    def __init__(self, d_in: int, d_out: int, cfg: LoraConfig, axes: tuple[str, str],
-                 rngs: nnx.Rngs):
-        self.a = nnx.Param(nnx.initializers.normal(1.0 / math.sqrt(d_in))(
-            rngs.params(), (d_in, cfg.rank)), axes=(axes[0], None))
+    def __init__(self, d_in: int, d_out: int, cfg: LoraConfig, axes: tuple[str, str]):
+        self.a = nnx.Param(jnp.zeros((d_in, cfg.rank)), axes=(axes[0], None))
         self.b = nnx.Param(jnp.zeros((cfg.rank, d_out)), axes=(None, axes[1]))
         self.scale = cfg.alpha / cfg.rank
 
@@ -179,10 +178,38 @@ class LoRA(nnx.Module):
         return self.a[...] * jnp.asarray(self.scale, self.a.dtype)
 
 
-def _adapter(name: str, d_in: int, d_out: int, axes: tuple[str, str], cfg: TransformerModel,
-             rngs: nnx.Rngs) -> LoRA | None:
-    return (LoRA(d_in, d_out, cfg.lora, axes, rngs)
+def _adapter(name: str, d_in: int, d_out: int, axes: tuple[str, str], cfg: TransformerModel
+             ) -> LoRA | None:
+    return (LoRA(d_in, d_out, cfg.lora, axes)
             if cfg.lora is not None and name in cfg.adapted else None)
+
+
+ADAPTER_STREAM = 0x4C6F5241  # "LoRA": the adapters' draws, folded off the init key
+
+
+def adapter_draws(key: jax.Array, shapes: dict[str, tuple[int, int]]) -> jax.Array:
+    """The ``A`` of every adapter, ``shapes`` by the adapter's dotted name, as one float32
+    vector: the names in sorted order, each ``d_in x rank`` values ~ N(0, 1/d_in), all from one
+    standard normal draw of ``fold_in(key, ADAPTER_STREAM)``. One sampler whatever the depth,
+    so a fine-tune from a model directory, which draws its adapters alone, compiles a program
+    that does not grow with the layers (BENCHMARKS.md, "LoRA against full fine-tuning")."""
+    names = sorted(shapes)
+    sizes = [math.prod(shapes[name]) for name in names]
+    scale = np.repeat(np.asarray([1.0 / math.sqrt(shapes[name][0]) for name in names],
+                                 np.float32), sizes)
+    normal = jax.random.normal(jax.random.fold_in(key, ADAPTER_STREAM), (sum(sizes),),
+                               jnp.float32)
+    return normal * scale
+
+
+def split_adapters(draws: Any, shapes: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """``adapter_draws``' vector (a JAX or NumPy array) cut into each adapter's ``A``."""
+    pieces, at = {}, 0
+    for name in sorted(shapes):
+        size = math.prod(shapes[name])
+        pieces[name] = draws[at:at + size].reshape(shapes[name])
+        at += size
+    return pieces
 
 
 def _project(layer: nnx.Linear, adapter: LoRA | None, x: jax.Array) -> jax.Array:
@@ -254,11 +281,10 @@ class Attention(nnx.Module):
                          cfg.bias or cfg.attention_bias)
         self.q_norm = _rms_norm(cfg, self.head_dim, (None,), rngs) if cfg.qk_norm else None
         self.k_norm = _rms_norm(cfg, self.head_dim, (None,), rngs) if cfg.qk_norm else None
-        # Created after the base layers, so a model without adapters draws the same init.
-        self.q_lora = _adapter("q", d, inner, ("embed", "heads"), cfg, rngs)
-        self.k_lora, self.v_lora = (_adapter(name, d, kv_inner, ("embed", "heads"), cfg, rngs)
+        self.q_lora = _adapter("q", d, inner, ("embed", "heads"), cfg)
+        self.k_lora, self.v_lora = (_adapter(name, d, kv_inner, ("embed", "heads"), cfg)
                                     for name in "kv")
-        self.o_lora = _adapter("o", inner, d, ("heads", "embed"), cfg, rngs)
+        self.o_lora = _adapter("o", inner, d, ("heads", "embed"), cfg)
 
     def __call__(self, x: jax.Array, rope: Rope | None, cache: KV | None = None,
                  pos: jax.Array | int = 0, segments: jax.Array | None = None,
@@ -311,9 +337,9 @@ class MLP(nnx.Module):
                             cfg.init_std / math.sqrt(2 * cfg.layers), rngs, bias)
         self.gate = (_linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, bias)
                      if cfg.gated else None)
-        self.up_lora = _adapter("up", d, hidden, ("embed", "mlp"), cfg, rngs)
-        self.down_lora = _adapter("down", hidden, d, ("mlp", "embed"), cfg, rngs)
-        self.gate_lora = _adapter("gate", d, hidden, ("embed", "mlp"), cfg, rngs)
+        self.up_lora = _adapter("up", d, hidden, ("embed", "mlp"), cfg)
+        self.down_lora = _adapter("down", hidden, d, ("mlp", "embed"), cfg)
+        self.gate_lora = _adapter("gate", d, hidden, ("embed", "mlp"), cfg)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # On [tokens, d_model] rows rather than [batch, seq, d_model]: the weight gradients are
@@ -405,6 +431,14 @@ class Transformer(nnx.Module):
         self.head = (None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.vocab, cfg.d_model)),
             axes=("vocab", "embed")))
+        if cfg.lora is not None:  # off a stream of their own: the base params are the same
+            adapters = {".".join(map(str, path)): node for path, node in nnx.iter_graph(self)
+                        if isinstance(node, LoRA)}
+            shapes = {name: (adapter.a.shape[0], adapter.a.shape[1])
+                      for name, adapter in adapters.items()}
+            drawn = split_adapters(adapter_draws(rngs.params.key[...], shapes), shapes)
+            for name, adapter in adapters.items():
+                adapter.a[...] = drawn[name]
 
     def head_table(self) -> jax.Array:
         """The ``[vocab, d_model]`` table the final features are multiplied by."""

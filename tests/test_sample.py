@@ -58,7 +58,22 @@ def test_cached_decoding_equals_recomputing_the_context_in_one_program():
     assert got.tolist() == recomputed(params, prompt, 30)
     assert bytes(got[:10].astype(np.uint8)) == b"import os\n"
     assert np.array_equal(a, b) and not np.array_equal(a, c)
-    assert programs.count("decode") == 1  # one program for any token, seed and temperature
+    # one program for any token, seed and temperature above 0, one greedy
+    assert programs.count("decode") == 2
+
+
+def test_greedy_decoding_compiles_no_sampler():
+    """At temperature 0 the decoder holds no random bits: their compile is not paid, and the
+    answer is the argmax whatever the key."""
+    params = build_model(CFG).init(jax.random.key(0))
+    args = (params, jnp.zeros((2, 4), jnp.int32), jnp.zeros(2, jnp.int32), jnp.float32(0.0),
+            jax.random.key(0), jnp.array([-1], jnp.int32))
+    greedy, sampled = (str(jax.make_jaxpr(decoder(CFG, 2, 4, 6, sampled=on))(*args))
+                       for on in (False, True))
+    assert "random_bits" in sampled and "random_bits" not in greedy
+    prompt = np.frombuffer(b"def f(", np.uint8)
+    assert generate(CFG, params, prompt, 8, temperature=0.0, seed=1).tolist() == generate(
+        CFG, params, prompt, 8, temperature=0.0, seed=2).tolist() == recomputed(params, prompt, 8)
 
 
 @pytest.mark.slow

@@ -126,9 +126,11 @@ class TrainrunLM(_Base):
                                f"than the model's vocabulary of {self.model.config.vocab}; give "
                                "the directory of the model it was trained with")
         # Frozen sections hash at run time; pyright reads frozen only from class keywords.
+        chosen = strategies.chosen()
         self._programs = ScorePrograms(
-            _scorer(self.model.config, self.model.compute),  # pyright: ignore[reportArgumentType]
-            self.model.params, strategies.chosen().score_compiler_options())
+            _scorer(self.model.config, self.model.compute,  # pyright: ignore[reportArgumentType]
+                    chosen.score_attention_block()),
+            self.model.params, chosen.score_compiler_options())
         self._eos = (None if self.text.eos_id is None
                      else self.text.decode([self.text.eos_id], special=True))
         self._prefix = self.text.decode([self.text.prefix_id], special=True)
@@ -458,11 +460,13 @@ def _batch_size(size: int | str | None, most: int | None) -> tuple[int | None, i
 
 
 @functools.lru_cache(maxsize=8)
-def _scorer(cfg: TransformerModel, compute: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def _scorer(cfg: TransformerModel, compute: str, attention_block: int | None = None
+            ) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """The jitted ``(params, tokens, targets) -> (log p(target), target is the argmax)``, each
-    ``[batch, seq]``, on ``LanguageModel.logits``' forward: only those leave the device."""
+    ``[batch, seq]``, on ``LanguageModel.logits``' forward (attending in blocks of
+    ``attention_block`` query rows on CPU): only those leave the device."""
     # Frozen sections hash at run time; pyright reads frozen only from class keywords.
-    forward = _forward(cfg, compute)  # pyright: ignore[reportArgumentType]
+    forward = _forward(cfg, compute, attention_block)  # pyright: ignore[reportArgumentType]
 
     def score(params: Any, tokens: jax.Array, targets: jax.Array
               ) -> tuple[jax.Array, jax.Array]:

@@ -80,6 +80,30 @@ def test_blocked_causal_attention_is_dot_product_attention(seq):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
+def test_score_programs_attend_in_larger_blocks_and_compute_the_same_logits(monkeypatch):
+    """lm-eval's score programs (``cpu_score_compile``) attend in blocks of 256 query rows:
+    at 300 positions two blocks' matmuls in the program where training's 64 make five, and
+    the same logits."""
+    from trainrun.fast import strategies
+    from trainrun.language_model import _forward
+
+    cfg = SMALL.model_copy(update={"seq_len": 300})
+    block = strategies.chosen().score_attention_block()
+    assert block == 256
+    monkeypatch.setenv("TRAINRUN_FAST_PATHS", "none")
+    assert strategies.chosen().score_attention_block() == 64
+    params = build_model(cfg).init(jax.random.key(0))
+    tokens = jnp.asarray(fixed_batch(cfg, 2)["tokens"][:, :300], jnp.int32)
+    larger, training = _forward(cfg, "float32", block), _forward(cfg, "float32")
+
+    def matmuls(forward) -> int:
+        return str(jax.make_jaxpr(forward)(params, tokens)).count("dot_general")
+
+    assert matmuls(training) - matmuls(larger) == 2 * (5 - 2)  # logits and values per block
+    np.testing.assert_allclose(larger(params, tokens), training(params, tokens), rtol=0,
+                               atol=1e-5)
+
+
 def test_default_xla_flags_respect_the_users_choice_and_are_in_force():
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     assert apply_default_flags(environ) == ["--xla_cpu_experimental_ynn_fusion_type="]

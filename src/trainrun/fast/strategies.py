@@ -6,7 +6,8 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
     the non-finite guard       ``guard.keep_if_not_branched``, else a select of every leaf
     how metric rows are written  ``writer_thread.WriterThread``, else in the loop's thread
     decoding's output head     ``head_layout.head_transposed``, else the model's own table
-    how score programs compile  at LLVM's level 1 on CPU, else at XLA's default
+    how score programs compile  at LLVM's level 1 on CPU, attending in blocks of
+                                ``SCORE_ATTENTION_BLOCK`` rows; else as every program
 
 A fast path that is off, or that does not fit the run, leaves the plain path's default.
 """
@@ -24,12 +25,17 @@ from trainrun.fast.guard import keep_if_not_branched
 from trainrun.fast.head_layout import head_transposed
 from trainrun.fast.packing import PackedState, packing_for
 from trainrun.fast.writer_thread import WriterThread
+from trainrun.models.transformer import ATTENTION_BLOCK
 from trainrun.platform import fast_paths
 from trainrun.platform.fast_paths import FastPaths
 from trainrun.program.carried import StateCarrier, TrainStateCarrier
 from trainrun.program.decode import HeadLayout, head_as_trained
 from trainrun.program.state import TrainState
 from trainrun.program.step import KeepIfNot, keep_if_not
+
+# On CPU, one block up to 256 positions; at 1024, 4x less compile than training's 64 and
+# faster (BENCHMARKS.md, "lm-evaluation-harness").
+SCORE_ATTENTION_BLOCK = 256
 
 if TYPE_CHECKING:
     from trainrun.program.batch_source import BatchSource
@@ -83,9 +89,17 @@ class Strategies:
     def score_compiler_options(self) -> dict[str, Any]:
         """XLA options for the programs that score text (lm-eval's ``ScorePrograms``): on CPU,
         LLVM at level 1 compiles them in less time and runs them as fast (BENCHMARKS.md)."""
-        if self.switch.cpu_score_compile and jax.default_backend() == "cpu":
+        if self._cpu_score():
             return {"xla_backend_optimization_level": 1}
         return {}
+
+    def score_attention_block(self) -> int:
+        """Query rows per block of the score programs' causal attention on CPU: fewer, larger
+        blocks than training's compile in less time and run as fast (BENCHMARKS.md)."""
+        return SCORE_ATTENTION_BLOCK if self._cpu_score() else ATTENTION_BLOCK
+
+    def _cpu_score(self) -> bool:
+        return self.switch.cpu_score_compile and jax.default_backend() == "cpu"
 
 
 def chosen(environ: Mapping[str, str] = os.environ) -> Strategies:

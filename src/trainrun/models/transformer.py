@@ -96,7 +96,7 @@ ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (docs/in
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      segments: jax.Array | None = None, *, scale: float | None = None,
-                     window: int | None = None) -> jax.Array:
+                     window: int | None = None, block: int = ATTENTION_BLOCK) -> jax.Array:
     """Causal self-attention of ``[batch, seq, heads, head_dim]`` queries, keys and values: the
     maths of ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` (scaled logits in
     float32, masked to a large negative number, softmax, weighted sum of values).
@@ -106,6 +106,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     to padding). None: the plain causal program.
     scale: of the logits (None: ``1 / sqrt(head_dim)``). window: a token attends to the last
     ``window`` positions, its own included (a sliding window; None: to every earlier one).
+    block: query rows per block on CPU.
 
     On CPU it runs head-major and in blocks of query rows, each block against only the keys up
     to its own last row: XLA:CPU then skips most of the masked upper triangle (3/8 of the
@@ -135,8 +136,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [batch, heads, seq, head_dim]
     masked = jnp.asarray(-0.7 * float(jnp.finfo(jnp.float32).max), jnp.float32)
     blocks = []
-    for lo in range(0, seq, ATTENTION_BLOCK):
-        hi = min(lo + ATTENTION_BLOCK, seq)
+    for lo in range(0, seq, block):
+        hi = min(lo + block, seq)
         first = 0 if window is None else max(0, lo - window + 1)  # keys any row here sees
         logits = float32_dot(q[:, :, lo:hi], k[:, :, first:hi],
                              (((3,), (3,)), ((0, 1), (0, 1)))) * jnp.float32(scale)
@@ -265,11 +266,12 @@ def _norm(cfg: TransformerModel, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm 
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs, window: int | None = None):
+    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs, window: int | None = None,
+                 block: int = ATTENTION_BLOCK):
         d, std = cfg.d_model, cfg.init_std
         self.heads, self.kv_heads = cfg.heads, cfg.kv_key_heads
         self.head_dim = cfg.attention_head_dim
-        self.scale, self.window = cfg.query_scale, window
+        self.scale, self.window, self.block = cfg.query_scale, window, block
         inner, kv_inner = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attention_bias
         self.q = _linear(d, inner, ("embed", "heads"), std, rngs, qkv_bias)
@@ -307,7 +309,8 @@ class Attention(nnx.Module):
             group = self.heads // self.kv_heads  # query heads sharing a key/value head
             if group > 1:
                 k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-            y = causal_attention(q, k, v, segments, scale=self.scale, window=self.window)
+            y = causal_attention(q, k, v, segments, scale=self.scale, window=self.window,
+                                 block=self.block)
         else:
             cache = KV(jax.lax.dynamic_update_slice(cache.k, k, (0, pos, 0, 0)),
                        jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
@@ -360,9 +363,11 @@ class Block(nnx.Module):
     """One layer: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``; with
     ``post_norms`` each sublayer's output is normed before it is added (Gemma)."""
 
-    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs, index: int = 0):
+    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs, index: int = 0,
+                 attention_block: int = ATTENTION_BLOCK):
         self.ln1 = _norm(cfg, rngs)
-        self.attn = Attention(cfg, rngs, cfg.sliding_window if cfg.local_layer(index) else None)
+        self.attn = Attention(cfg, rngs, cfg.sliding_window if cfg.local_layer(index) else None,
+                              attention_block)
         self.ln2 = _norm(cfg, rngs)
         self.mlp = Experts(cfg, rngs) if cfg.expert_layer(index) else MLP(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
@@ -406,7 +411,12 @@ REMAT_POLICIES = {
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
+    """The decoder-only transformer ``cfg`` describes. ``attention_block``: query rows per
+    block of causal attention on CPU (``causal_attention``); it changes how, not what, the
+    model computes."""
+
+    def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs,
+                 attention_block: int = ATTENTION_BLOCK):
         self.layers, self.kv_heads = cfg.layers, cfg.kv_key_heads
         self.head_dim = cfg.attention_head_dim
         self.rotary = (self.head_dim, cfg.rope_theta, cfg.rope_scaling)  # rotary_frequencies
@@ -423,7 +433,8 @@ class Transformer(nnx.Module):
         self.positions = (nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.seq_len, cfg.d_model)), axes=(None, "embed"))
             if cfg.positions == "learned" else None)
-        self.blocks = nnx.Dict({f"{i}": Block(cfg, rngs, i) for i in range(cfg.layers)})
+        self.blocks = nnx.Dict({f"{i}": Block(cfg, rngs, i, attention_block)
+                                for i in range(cfg.layers)})
         self.ln_f = _norm(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
         # An output head of its own, [vocab, d_model] as the embedding table (and as
@@ -696,9 +707,11 @@ def parameter_count(cfg: TransformerModel) -> int:
             + layers + norm + (0 if cfg.tie_embeddings else table))
 
 
-def bind_transformer(cfg: TransformerModel) -> Callable[..., Transformer]:
+def bind_transformer(cfg: TransformerModel, attention_block: int = ATTENTION_BLOCK
+                     ) -> Callable[..., Transformer]:
     """``params -> Transformer`` holding them (for sampling from trained params)."""
-    return bind_params(lambda rngs: Transformer(cfg, rngs), name="transformer")
+    return bind_params(lambda rngs: Transformer(cfg, rngs, attention_block),
+                       name="transformer")
 
 
 def merge_adapters(cfg: TransformerModel, params: PyTree) -> tuple[TransformerModel, PyTree]:

@@ -18,7 +18,8 @@ plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
     decode_head_layout  decoding multiplies by the output head's table laid out [d_model,
                         vocab] once per call, not [vocab, d_model] (``fast/head_layout.py``)
     cpu_score_compile   on CPU, lm-eval's score programs compile at LLVM's optimisation level
-                        1, not 2 (``harness.ScorePrograms``)
+                        1, not 2, and attend in blocks of 256 query rows, not 64
+                        (``harness.ScorePrograms``)
 
 ``TRAINRUN_FAST_PATHS``: ``all`` (the default), ``none``, or the names to keep on, comma
 separated. Why each pays, and on what: docs/internals.md, "Fast paths".

@@ -11,9 +11,9 @@ backend starts. The allocator and CPU dispatch settings are made by ``trainrun t
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from trainrun.platform.lazy_exports import lazy_exports
 from trainrun.platform.process import apply_default_flags
 
 if TYPE_CHECKING:
@@ -58,18 +58,7 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'trainrun' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # found once; later lookups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOME])
-
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
 __all__ = [
     "ArrayBatches",

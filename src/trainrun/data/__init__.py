@@ -7,12 +7,12 @@ The pipeline's names are imported at first use: what reads a tokenizer or a chat
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainrun.config import DataConfig
 from trainrun.data.errors import DataError
+from trainrun.platform.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from trainrun.data.mixture import MixtureBatches
@@ -38,12 +38,7 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        value = getattr(importlib.import_module(_HOME[name]), name)
-        globals()[name] = value  # found once; later reads skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
 
 Splits = dict[str, Any]  # "train", "eval": arrays or None; a mixture: "train" a list, "weights"

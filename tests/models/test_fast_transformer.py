@@ -104,6 +104,34 @@ def test_score_programs_attend_in_larger_blocks_and_compute_the_same_logits(monk
                                atol=1e-5)
 
 
+def test_a_static_rotary_table_is_one_small_program_with_the_op_by_op_bits():
+    """Tracing a rotary model at a new static length compiles one program for its table (op
+    by op it compiled six), and the table has the bits of the ops run one at a time and of the
+    table a decoding step computes in its program."""
+    from trainrun.language_model import _forward
+    from trainrun.models.transformer import Rope, _static_rope, rotary_frequencies
+
+    compiled: list[str] = []
+
+    def listen(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name", ""))
+
+    cfg = SMALL.model_copy(update={"positions": "rope", "seq_len": 173})
+    params = jax.eval_shape(build_model(cfg).init, jax.random.key(0))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    _forward(cfg, "float32").lower(params, jax.ShapeDtypeStruct((2, 173), jnp.int32))
+    assert len(compiled) == 1, compiled
+    rotary = (16, 10_000.0, None)
+    table = _static_rope(3, 173, rotary)
+    with jax.ensure_compile_time_eval():
+        op_by_op = Rope.at(3 + jnp.arange(173), rotary_frequencies(*rotary))
+    in_program = jax.jit(lambda p: Rope.at(p + jnp.arange(173), rotary_frequencies(*rotary)))(3)
+    for got in (op_by_op, in_program):
+        assert all(np.asarray(a).tobytes() == b.tobytes() for a, b in zip(got, table,
+                                                                            strict=True))
+
+
 def test_default_xla_flags_respect_the_users_choice_and_are_in_force():
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     assert apply_default_flags(environ) == ["--xla_cpu_experimental_ynn_fusion_type="]

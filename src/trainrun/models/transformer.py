@@ -65,6 +65,21 @@ class Rope(NamedTuple):
         return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
+# One program for a table's angles, sines and cosines, where computing them an op at a time
+# compiled six programs for every new length (a first lm-eval command traces several lengths).
+_rope_table = jax.jit(lambda positions, freqs: Rope.at(positions, freqs))
+
+
+@functools.lru_cache(maxsize=64)
+def _static_rope(start: int, chunk: int, rotary: tuple[Any, ...]) -> Rope:
+    """The rotary table of positions ``start`` to ``start + chunk`` as NumPy constants, for a
+    program whose positions are static; computed by XLA as the in-program table is."""
+    with jax.ensure_compile_time_eval():
+        angles = _rope_table(np.arange(start, start + chunk, dtype=np.int32),
+                             rotary_frequencies(*rotary))
+    return Rope(*(np.asarray(t) for t in angles))
+
+
 @functools.lru_cache(maxsize=16)
 def rotary_frequencies(head_dim: int, theta: float = 10_000.0,
                        scaling: RopeScaling | None = None) -> np.ndarray:
@@ -542,17 +557,14 @@ class Transformer(nnx.Module):
         if segment_positions is not None:
             # Packed rows: positions restart in each document. The rotary table stays a
             # constant (see below), gathered per token.
-            with jax.ensure_compile_time_eval():
-                angles = Rope.at(jnp.arange(chunk), rotary_frequencies(*rotary))
-            return Rope(*(jnp.take(np.asarray(t), segment_positions, axis=0) for t in angles))
+            table = _static_rope(0, chunk, rotary)
+            return Rope(*(jnp.take(t, segment_positions, axis=0) for t in table))
         if isinstance(pos, int | np.integer):
             # Static positions (training, a prefill at 0): the table becomes a constant. Left in
             # the program, XLA:CPU fuses sin and cos into their consumers and evaluates them
             # again for every element they scale (BENCHMARKS.md, "The byte LM against PyTorch
             # on CPU": the rotary table computed in the step).
-            with jax.ensure_compile_time_eval():
-                angles = Rope.at(pos + jnp.arange(chunk), rotary_frequencies(*rotary))
-            return Rope(*(np.asarray(t) for t in angles))
+            return _static_rope(int(pos), chunk, rotary)
         return Rope.at(pos + jnp.arange(chunk), rotary_frequencies(*rotary))
 
     def _blocks(self, x: jax.Array, ropes: list[Rope | None], key: jax.Array | None,

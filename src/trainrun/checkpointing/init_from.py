@@ -421,11 +421,11 @@ def placed_params(found: dict[str, Reader], seed: int, abstract_params: PyTree,
     # The adapters' draw compiles on a thread of its own while the source is read.
     with concurrent.futures.ThreadPoolExecutor(1, "trainrun-fresh-init") as thread:
         drawn = thread.submit(_adapter_draws, seed, shapes if missing else {})
-        readers = {**found, **{name: _fresh_adapter(name, abstract.shape, drawn)
+        sources = {**found, **{name: _fresh_adapter(name, abstract.shape, drawn)
                                for name, (_, abstract) in zip(names, leaves, strict=True)
                                if name in missing}}
         params = {name: jax.make_array_from_callback(abstract.shape, sharding,
-                                                     _cast(readers[name], abstract.dtype))
+                                                     _cast(sources[name], abstract.dtype))
                   for name, (_, abstract), sharding in sorted(
                       zip(names, leaves, placement, strict=True),
                       key=lambda leaf: leaf[0] in found, reverse=True)}  # the source's first

@@ -33,8 +33,8 @@ from trainrun.program.decode import HeadLayout, head_as_trained
 from trainrun.program.state import TrainState
 from trainrun.program.step import KeepIfNot, keep_if_not
 
-# On CPU, one block up to 256 positions; at 1024, 4x less compile than training's 64 and
-# faster (BENCHMARKS.md, "lm-evaluation-harness").
+# On CPU, one block up to 256 positions; longer ones compile in less time than in training's
+# blocks and run as fast (BENCHMARKS.md, "lm-evaluation-harness").
 SCORE_ATTENTION_BLOCK = 256
 
 if TYPE_CHECKING:

@@ -179,7 +179,7 @@ def _linear(d_in: int, d_out: int, axes: tuple[str, str], std: float, rngs: nnx.
 class LoRA(nnx.Module):
     """A low-rank adapter beside a linear layer: adds ``(alpha / rank) x A B``. ``B`` starts at
     zero, so a model with fresh adapters computes what its base computes. ``A`` is drawn by
-    ``draw_adapters`` with every other adapter of the model, once the model is built."""
+    ``adapter_draws`` with every other adapter of the model, once the model is built."""
 
     def __init__(self, d_in: int, d_out: int, cfg: LoraConfig, axes: tuple[str, str]):
         self.a = nnx.Param(jnp.zeros((d_in, cfg.rank)), axes=(axes[0], None))

@@ -152,7 +152,7 @@ def decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
     ``padded``; each row's ``start`` is its first token) and ``tokens`` tokens, its output head
     laid out by ``head_layout``: one program (``jit(decode)``), compiled once, for every prompt
     of that shape, token, seed and temperature above 0 (``sampled``), or greedily at
-    temperature 0, a program that holds no sampler (it compiles in about a quarter less time);
+    temperature 0, a program that holds no sampler (and compiles in less time);
     ``generate_batch`` runs it.
 
     It takes ``(params, prompts [rows, width] int32, start [rows] int32, temperature float32,

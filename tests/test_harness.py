@@ -269,17 +269,66 @@ def test_an_adapter_directory_scores_as_hf_with_peft_scores_it(tiny, tasks, tmp_
     assert plain["tiny_mc"] != ours["tiny_mc"]  # the adapters were read
 
 
-def test_a_short_last_batch_runs_in_a_program_of_its_length_that_ran_already():
-    """Rows of a batch: a task's short last batch takes the power of two at or above its
-    requests, unless a full batch of its length ran already (then its program, not one
-    more compile)."""
+def test_a_request_list_is_packed_into_rows_of_one_width():
+    """Requests share rows of the longest one's padded width, longest first, first fit, and
+    every batch of a list takes one shape: one program a list, no request padded to another's
+    length; a list of few rows takes the power of two at or above them."""
     from trainrun.harness import TrainrunLM
 
     scorer = TrainrunLM.__new__(TrainrunLM)  # the batch shapes alone: no model read
-    scorer._rows, scorer._shapes = 16, set()
-    assert [scorer._padded_rows(n, 64) for n in (16, 16, 3)] == [16, 16, 16]
-    assert [scorer._padded_rows(n, 32) for n in (3, 5, 16, 2)] == [4, 8, 16, 16]
-    assert scorer._shapes == {(16, 64), (4, 32), (8, 32), (16, 32)}
+    scorer._rows, scorer._max_length = 2, 120
+    inputs = [3, 42, 14, 22, 49, 32, 5]
+    rows, shape = scorer._packed(inputs)
+    assert shape == (2, 64)
+    assert rows == [[4, 2], [1, 3], [5, 6, 0]]  # 49 + 14, 42 + 22, 32 + 5 + 3
+    assert sorted(i for row in rows for i in row) == list(range(len(inputs)))
+    assert all(sum(inputs[i] for i in row) <= 64 for row in rows)
+    scorer._rows = 16
+    assert scorer._packed(inputs)[1] == (4, 64)  # three rows: a batch of four
+    assert scorer._packed([100] * 40)[1] == (16, 120)  # 40 rows, batches of 16; at most
+    # max_length wide
+    assert scorer._packed([1, 2])[1] == (1, 16)  # the narrowest rows
+
+
+@pytest.mark.parametrize("layout", ["learned", "llama", "sliding"])
+def test_requests_packed_in_a_row_score_as_each_alone(layout):
+    """The score program on a row of three requests (segments 1, 2, 3, positions from 0 in
+    each, padding after) gives each request's log-probabilities and argmax flags as the row
+    of that request alone: learned positions, rotary ones, a sliding window."""
+    from conftest import llama_shaped
+
+    from trainrun.config import TransformerModel
+    from trainrun.harness import _scorer
+    from trainrun.models import build_model
+
+    cfg = TransformerModel(d_model=32, layers=2, heads=2, seq_len=64, init_std=0.1, vocab=97,
+                           positions="learned")
+    if layout != "learned":
+        cfg = llama_shaped(cfg, kv_heads=1)
+    if layout == "sliding":
+        cfg = cfg.model_copy(update={"sliding_window": 5})
+    params = build_model(cfg).init(jax.random.key(0))
+    score = _scorer(cfg, "float32", 16)
+    texts = [np.random.default_rng(n).integers(1, 97, size) for n, size in enumerate((21, 9, 30))]
+
+    def row(members):
+        tokens, targets, segments, positions = (np.zeros((1, 64), np.int32) for _ in range(4))
+        at = 0
+        for segment, text in enumerate(members, 1):
+            end = at + text.size - 1
+            tokens[0, at:end], targets[0, at:end] = text[:-1], text[1:]
+            segments[0, at:end], positions[0, at:end] = segment, np.arange(end - at)
+            at = end
+        return [np.asarray(a)[0] for a in score(params, tokens, targets, segments, positions)]
+
+    logp, greedy = row(texts)
+    at = 0
+    for text in texts:
+        alone, alone_greedy = row([text])
+        n = text.size - 1
+        np.testing.assert_allclose(logp[at:at + n], alone[:n], rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(greedy[at:at + n], alone_greedy[:n])
+        at += n
 
 
 # Continuations of 3 tokens after contexts of 1 to 47: inputs of 3 to 49 tokens.
@@ -288,8 +337,8 @@ REQUESTS = [(None, [5 + n % 7] * n, [9, 11, 13]) for n in (1, 40, 12, 20, 47, 30
 
 @pytest.mark.slow
 def test_each_batch_shape_compiles_once_and_scores_as_one_batch_at_a_time(tiny):
-    """The score programs of a request list's batch shapes (compiled side by side on threads)
-    are each compiled once, and give what scoring each request alone gives."""
+    """A request list, packed, compiles one score program, once, and gives what scoring each
+    request alone gives: a request does not see the others in its row."""
     from trainrun.harness import TrainrunLM
 
     compiled: list[str] = []
@@ -300,12 +349,12 @@ def test_each_batch_shape_compiles_once_and_scores_as_one_batch_at_a_time(tiny):
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     model = TrainrunLM(path=str(tiny / "export"), batch_size=2)
-    requests = REQUESTS  # in batches of 2 rows: padded to 64, 32 and 16 positions
+    requests = REQUESTS  # seven requests in three rows of 64: two batches of 2 rows
     together = model._loglikelihood_tokens(requests, disable_tqdm=True)
-    assert sorted(model._programs.compiled) == [(2, 16), (2, 32), (2, 64)]
-    assert compiled.count("jit(score)") == 3
+    assert list(model._programs.compiled) == [(2, 64)]
+    assert compiled.count("jit(score)") == 1
     assert model._loglikelihood_tokens(requests, disable_tqdm=True) == together
-    assert compiled.count("jit(score)") == 3  # the second time: no compile
+    assert compiled.count("jit(score)") == 1  # the second time: no compile
     alone = TrainrunLM(path=str(tiny / "export"), batch_size=1)
     for request, answer in zip(requests, together, strict=True):
         logp, greedy = alone._loglikelihood_tokens([request], disable_tqdm=True)[0]

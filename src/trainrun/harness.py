@@ -27,14 +27,14 @@ default). ``--device`` is not read: the model runs on JAX's first device.
 Text is tokenized as lm-eval's ``hf`` model tokenizes it (``TemplateLM``: a context's trailing
 spaces go to the continuation, an empty context is the tokenizer's begin-of-text id, a text that
 already starts with it gets no second), and windows are cut as ``hf`` cuts them, so the two give
-the same scores for one model. Requests are sorted longest first and padded into batches of a
-power-of-two length, so a task compiles a few programs, side by side on threads
-(``ScorePrograms``); each batch is one jitted call that returns, per position, the target's
-log-probability (log-softmax in float32) and whether it is the most likely token, not the
-logits. ``generate_until`` decodes through
-``LanguageModel.generate_batch``, stopping at the tokenizer's stop ids and at any token whose
-text holds one of the task's stop strings; the stop strings are then cut from the decoded text
-as ``hf`` cuts them.
+the same scores for one model. The requests of a call are packed, longest first, into rows of
+one power-of-two width, each attending only to its own tokens at its own positions, so a call
+compiles one program (``ScorePrograms``) and no request is padded to a longer one's length;
+each batch is one jitted call that returns, per position, the target's log-probability
+(log-softmax in float32) and whether it is the most likely token, not the logits.
+``generate_until`` decodes through ``LanguageModel.generate_batch``, stopping at the
+tokenizer's stop ids and at any token whose text holds one of the task's stop strings; the stop
+strings are then cut from the decoded text as ``hf`` cuts them.
 
 Without lm-eval installed (the ``eval`` extra) this module imports, registers nothing and
 refuses to build the class in one line.
@@ -42,13 +42,12 @@ refuses to build the class in one line.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
+import gc
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -56,17 +55,20 @@ import numpy as np
 
 from trainrun import extras
 from trainrun.config import TransformerModel
+from trainrun.data.documents import PACKING_BINS, first_fit
 from trainrun.errors import UserError
 from trainrun.fast import strategies
-from trainrun.language_model import LanguageModel, _forward, load
+from trainrun.language_model import LanguageModel, load
+from trainrun.models.losses import tied_head_logits
+from trainrun.models.transformer import ATTENTION_BLOCK, bind_transformer
+from trainrun.program.precision import DTYPES, cast_floats
 from trainrun.text_tokens import TextTokenizer, load_tokenizer
 
 NAME = "trainrun"  # the name lm-eval's --model takes
 FEATURE = "trainrun's lm-eval model"
 AUTO_LOGITS = 2**27  # float32 logits one auto-sized call may hold
 AUTO_ROWS = 64  # the most rows of an auto-sized batch without --max_batch_size
-MIN_LENGTH = 16  # the shortest padded length: short requests share one program
-COMPILE_THREADS = 4  # score programs compiled at once, at most one a core
+MIN_LENGTH = 16  # the narrowest rows: short requests share one program
 OPTIONS = ("path", "ema", "max_length", "max_gen_toks", "chat_template", "seed")
 # generation settings that change nothing when decoding greedily
 GREEDY_IGNORES = ("top_p", "top_k", "min_p", "typical_p")
@@ -93,12 +95,21 @@ class TrainrunLM(_Base):
     """lm-eval's model ``trainrun``: a model ``trainrun.load`` reads, scored and decoded with
     JAX. Built by lm-eval from ``--model_args`` (see the module's docstring)."""
 
+    # Set by ``main`` for its own command: the objects alive when the model is built are
+    # frozen (``gc.freeze``).
+    freeze_heap: ClassVar[bool] = False
+
     def __init__(self, path: str | None = None, ema: bool = False, max_length: int | None = None,
                  max_gen_toks: int = 256, chat_template: str | None = None, seed: int = 0,
                  batch_size: int | str | None = None, max_batch_size: int | None = None,
                  device: str | None = None, trust_remote_code: bool | None = None,
                  **unknown: Any) -> None:
         extras.require("eval", FEATURE)
+        if self.freeze_heap:
+            # lm-eval's task index, built before the model and alive to the end, is hundreds
+            # of thousands of objects that every full collection, and the interpreter's exit,
+            # would walk again (BENCHMARKS.md, "lm-evaluation-harness").
+            gc.freeze()
         super().__init__()
         if unknown:
             names = ", ".join(sorted(unknown))
@@ -135,7 +146,6 @@ class TrainrunLM(_Base):
                      else self.text.decode([self.text.eos_id], special=True))
         self._prefix = self.text.decode([self.text.prefix_id], special=True)
         self._stops: dict[tuple[str, ...], tuple[int, ...]] = {}  # by a task's stop strings
-        self._shapes: set[tuple[int, int]] = set()  # (rows, length) of the batches scored
 
     # ---- what lm-eval reads of a model ----------------------------------------------------
 
@@ -218,7 +228,8 @@ class TrainrunLM(_Base):
                               disable_tqdm: bool = False, **kwargs: Any
                               ) -> list[tuple[float, bool]]:
         """(log-probability, greedy) of each continuation after its context, the two cut to
-        the last ``max_length + 1`` tokens as ``hf`` cuts them."""
+        the last ``max_length + 1`` tokens as ``hf`` cuts them. The requests are packed into
+        rows of one width (``_packed``), so a request list runs in one program."""
         from tqdm import tqdm
 
         windows = [(context + continuation)[-(self.max_length + 1):]
@@ -229,36 +240,36 @@ class TrainrunLM(_Base):
                                f"max_length={self.max_length}, or empty; raise max_length or "
                                "check the task's targets")
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        order = sorted(range(len(requests)), key=lambda i: -len(windows[i]))
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                    desc="Running loglikelihood requests")
-        plan: list[tuple[list[int], int, int]] = []  # (requests, rows, length) of each batch
-        start = 0
-        while start < len(order):
-            length = self._padded(len(windows[order[start]]) - 1)
-            chunk = order[start:start + self._rows_for(length, len(order) - start)]
-            start += len(chunk)
-            plan.append((chunk, self._padded_rows(len(chunk), length), length))
-        # every batch shape's program asked for at once: compiled on threads, side by side
-        self._programs.prepare([(rows, length) for _, rows, length in plan])
-        for chunk, rows, length in plan:
-            tokens = np.zeros((rows, length), np.int32)
-            targets = np.zeros((rows, length), np.int32)
-            for row, i in enumerate(chunk):
-                tokens[row, :len(windows[i]) - 1] = windows[i][:-1]
-                targets[row, :len(windows[i]) - 1] = windows[i][1:]
-            score = self._programs.get((rows, length))
+        rows, shape = self._packed([len(window) - 1 for window in windows])
+        for first in range(0, len(rows), shape[0]):
+            batch = rows[first:first + shape[0]]
+            tokens, targets, segments, positions = (np.zeros(shape, np.int32) for _ in range(4))
+            for row, members in enumerate(batch):
+                at = 0
+                for segment, i in enumerate(members, 1):
+                    end = at + len(windows[i]) - 1
+                    tokens[row, at:end] = windows[i][:-1]
+                    targets[row, at:end] = windows[i][1:]
+                    segments[row, at:end] = segment
+                    positions[row, at:end] = np.arange(end - at)
+                    at = end
+            score = self._programs.get(shape)
             # host arrays straight into the call: no program compiled to place each shape
-            logp, greedy = (np.asarray(a) for a in score(self.model.params, tokens, targets))
-            for row, i in enumerate(chunk):
-                end = len(windows[i]) - 1
-                scored = slice(end - counts[i], end)
-                answer = (float(logp[row, scored].sum(dtype=np.float64)),
-                          bool(greedy[row, scored].all()))
-                results[i] = answer
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
-            bar.update(len(chunk))
+            logp, greedy = (np.asarray(a) for a in score(self.model.params, tokens, targets,
+                                                         segments, positions))
+            for row, members in enumerate(batch):
+                at = 0
+                for i in members:
+                    at += len(windows[i]) - 1
+                    scored = slice(at - counts[i], at)
+                    answer = (float(logp[row, scored].sum(dtype=np.float64)),
+                              bool(greedy[row, scored].all()))
+                    results[i] = answer
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+            bar.update(sum(len(members) for members in batch))
         bar.close()
         return [r if r is not None else (0.0, False) for r in results]  # every one is set
 
@@ -348,59 +359,52 @@ class TrainrunLM(_Base):
 
     # ---- batch shapes --------------------------------------------------------------------------
 
+    def _packed(self, inputs: Sequence[int]) -> tuple[list[list[int]], tuple[int, int]]:
+        """The rows a request list is scored in (each the indices of the requests it holds,
+        the longest first) and the batch shape ``(rows, width)`` every batch of it takes.
+        ``inputs``: each request's input tokens. The width is the longest input's padded
+        length (``_padded``); shorter requests share rows, first fit, each attending only to
+        its own tokens (``Transformer.features``' segments), so no request is padded to a
+        longer one's length and the list compiles one program."""
+        order = sorted(range(len(inputs)), key=lambda i: -inputs[i])
+        width = self._padded(inputs[order[0]]) if order else MIN_LENGTH
+        rows = [[order[k] for k in row]
+                for row in first_fit([inputs[i] for i in order], width, PACKING_BINS)]
+        return rows, (self._batch_rows(width, len(rows)), width)
+
     def _padded(self, length: int) -> int:
-        """The length a batch whose longest input is ``length`` is padded to: a power of two,
-        at most ``max_length``."""
+        """The width of rows whose longest input is ``length`` tokens: a power of two, at
+        most ``max_length``."""
         return min(max(MIN_LENGTH, 1 << max(0, length - 1).bit_length()), self.max_length)
 
-    def _rows_for(self, length: int, left: int) -> int:
-        """Requests in a batch of padded ``length`` (``left``: requests not yet scored)."""
+    def _batch_rows(self, width: int, rows: int) -> int:
+        """Rows per batch of ``width`` for a list of ``rows`` packed rows: the batch size (or
+        as many as ``auto`` fits), or for a list of fewer the power of two at or above them."""
         if self._rows is not None:
-            return min(self._rows, left)
-        fits = max(1, AUTO_LOGITS // (length * self.model.config.vocab))
-        return min(1 << (fits.bit_length() - 1), self._max_rows, left)
-
-    def _padded_rows(self, count: int, length: int) -> int:
-        """Rows of the batch holding ``count`` requests: the batch size, or for the last ones
-        of a task the power of two at or above ``count``, whichever is fewer; but the batch
-        size where a batch of that size and length ran already: one padded batch a length
-        costs less than compiling one more program."""
-        full = self._rows if self._rows is not None else self._rows_for(length, sys.maxsize)
-        rows = full if (full, length) in self._shapes else min(
-            full, 1 << max(0, count - 1).bit_length())
-        self._shapes.add((rows, length))
-        return rows
+            full = self._rows
+        else:
+            fits = max(1, AUTO_LOGITS // (width * self.model.config.vocab))
+            full = min(1 << (fits.bit_length() - 1), self._max_rows)
+        return min(full, 1 << max(0, rows - 1).bit_length())
 
 
 class ScorePrograms:
-    """The score program of each batch shape ``(rows, length)``, compiled once. ``prepare``
-    starts the compiles of the shapes a request list needs, several at a time on threads (an
-    XLA compile runs on one core, outside the GIL), in the order the batches run: the first
-    batch waits for its own program only, and a later program compiles while it runs."""
+    """The score program of each batch shape ``(rows, width)``, compiled once with XLA's
+    options for scoring (``fast/strategies.py``)."""
 
     def __init__(self, score: Any, params: Any, options: dict[str, Any]):
         self.score = score
         self.params = params
-        self.options = options  # XLA's compiler options (``fast/strategies.py``)
-        self.compiled: dict[tuple[int, int], concurrent.futures.Future[Any]] = {}
-        self.threads = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, min(COMPILE_THREADS, os.cpu_count() or 1)),
-            thread_name_prefix="trainrun-compile")
-
-    def prepare(self, shapes: Sequence[tuple[int, int]]) -> None:
-        for shape in dict.fromkeys(shapes):  # first use first, each once
-            if shape not in self.compiled:
-                self.compiled[shape] = self.threads.submit(self._compile, shape)
+        self.options = options
+        self.compiled: dict[tuple[int, int], Any] = {}
 
     def get(self, shape: tuple[int, int]) -> Any:
-        """The compiled program of ``shape`` (compiled now if ``prepare`` was not told)."""
-        self.prepare([shape])
-        return self.compiled[shape].result()
-
-    def _compile(self, shape: tuple[int, int]) -> Any:
-        batch = jax.ShapeDtypeStruct(shape, jnp.int32)
-        return self.score.lower(self.params, batch, batch).compile(
-            compiler_options=self.options)
+        """The compiled program of ``shape``."""
+        if shape not in self.compiled:
+            batch = jax.ShapeDtypeStruct(shape, jnp.int32)
+            self.compiled[shape] = self.score.lower(self.params, batch, batch, batch,
+                                                    batch).compile(compiler_options=self.options)
+        return self.compiled[shape]
 
 
 def _ending_in(text: str, last: str) -> str:
@@ -460,36 +464,46 @@ def _batch_size(size: int | str | None, most: int | None) -> tuple[int | None, i
 
 
 @functools.lru_cache(maxsize=8)
-def _scorer(cfg: TransformerModel, compute: str, attention_block: int | None = None
+def _scorer(cfg: TransformerModel, compute: str, attention_block: int = ATTENTION_BLOCK
             ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """The jitted ``(params, tokens, targets) -> (log p(target), target is the argmax)``, each
-    ``[batch, seq]``, on ``LanguageModel.logits``' forward (attending in blocks of
-    ``attention_block`` query rows on CPU): only those leave the device."""
-    # Frozen sections hash at run time; pyright reads frozen only from class keywords.
-    forward = _forward(cfg, compute, attention_block)  # pyright: ignore[reportArgumentType]
+    """The jitted ``(params, tokens, targets, segments, positions) -> (log p(target), target
+    is the argmax)``, each ``[rows, width]``: rows of requests packed as ``segments`` (1, 2, ...
+    in a row, 0 padding) with ``positions`` counting from 0 in each, on the model's forward
+    (attending in blocks of ``attention_block`` query rows on CPU). Only those two leave the
+    device, not the logits."""
+    module_of = bind_transformer(cfg, attention_block)
+    dtype = DTYPES[compute]
 
-    def score(params: Any, tokens: jax.Array, targets: jax.Array
-              ) -> tuple[jax.Array, jax.Array]:
-        logits = forward(params, tokens).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-        return picked, jnp.argmax(logits, axis=-1) == targets
+    def score(params: Any, tokens: jax.Array, targets: jax.Array, segments: jax.Array,
+              positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        module = module_of(cast_floats(params, dtype))
+        features, _ = module.features(tokens, segments=segments, segment_positions=positions)
+        logits = tied_head_logits(features, module.head_table()).astype(jnp.float32)
+        flat = targets.reshape(-1)
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), flat[:, None],
+                                     axis=-1)[:, 0]
+        return picked.reshape(tokens.shape), (jnp.argmax(logits, -1) == flat).reshape(
+            tokens.shape)
 
     return jax.jit(score)
 
 
 def main(argv: Sequence[str]) -> int:
     """lm-eval's own command line with ``argv`` (``trainrun lm-eval ARGS``), the ``trainrun``
-    model registered; 0 when it returns (its errors are its own)."""
+    model registered; 0 when it returns (its errors are its own). The objects alive when
+    lm-eval builds the model stay frozen for the garbage collector (``gc.freeze``) after it
+    returns: the command's process ends there, and its last collections skip them too."""
     extras.require("eval", "trainrun lm-eval")
     from lm_eval.__main__ import cli_evaluate
 
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]  # lm-eval's parser reads sys.argv itself
+    TrainrunLM.freeze_heap = True
     try:
         cli_evaluate()
     finally:
         sys.argv = saved
+        TrainrunLM.freeze_heap = False
     return 0
 
 

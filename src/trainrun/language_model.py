@@ -94,11 +94,10 @@ class LanguageModel:
 
 
 @functools.lru_cache(maxsize=8)
-def _forward(cfg: TransformerModel, compute: str, attention_block: int | None = None
-             ) -> Callable[..., jax.Array]:
-    from trainrun.models.transformer import ATTENTION_BLOCK, bind_transformer
+def _forward(cfg: TransformerModel, compute: str) -> Callable[..., jax.Array]:
+    from trainrun.models.transformer import bind_transformer
 
-    module_of = bind_transformer(cfg, attention_block or ATTENTION_BLOCK)
+    module_of = bind_transformer(cfg)
 
     def logits(params: PyTree, tokens: jax.Array) -> jax.Array:
         return module_of(cast_floats(params, DTYPES[compute]))(tokens)[0]

@@ -80,12 +80,12 @@ def test_blocked_causal_attention_is_dot_product_attention(seq):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
-def test_score_programs_attend_in_larger_blocks_and_compute_the_same_logits(monkeypatch):
+def test_score_programs_attend_in_larger_blocks_and_compute_the_same_scores(monkeypatch):
     """lm-eval's score programs (``cpu_score_compile``) attend in blocks of 256 query rows:
     at 300 positions two blocks' matmuls in the program where training's 64 make five, and
-    the same logits."""
+    the same log-probabilities and argmax flags."""
     from trainrun.fast import strategies
-    from trainrun.language_model import _forward
+    from trainrun.harness import _scorer
 
     cfg = SMALL.model_copy(update={"seq_len": 300})
     block = strategies.chosen().score_attention_block()
@@ -93,15 +93,18 @@ def test_score_programs_attend_in_larger_blocks_and_compute_the_same_logits(monk
     monkeypatch.setenv("TRAINRUN_FAST_PATHS", "none")
     assert strategies.chosen().score_attention_block() == 64
     params = build_model(cfg).init(jax.random.key(0))
-    tokens = jnp.asarray(fixed_batch(cfg, 2)["tokens"][:, :300], jnp.int32)
-    larger, training = _forward(cfg, "float32", block), _forward(cfg, "float32")
+    rows = fixed_batch(cfg, 2)["tokens"][:, :301].astype(np.int32)
+    segments = np.ones((2, 300), np.int32)
+    batch = (rows[:, :-1], rows[:, 1:], segments, np.broadcast_to(np.arange(300), (2, 300)))
+    larger, training = _scorer(cfg, "float32", block), _scorer(cfg, "float32")
 
-    def matmuls(forward) -> int:
-        return str(jax.make_jaxpr(forward)(params, tokens)).count("dot_general")
+    def matmuls(score) -> int:
+        return str(jax.make_jaxpr(score)(params, *batch)).count("dot_general")
 
     assert matmuls(training) - matmuls(larger) == 2 * (5 - 2)  # logits and values per block
-    np.testing.assert_allclose(larger(params, tokens), training(params, tokens), rtol=0,
-                               atol=1e-5)
+    (logp, greedy), (want, want_greedy) = larger(params, *batch), training(params, *batch)
+    np.testing.assert_allclose(logp, want, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(greedy, want_greedy)
 
 
 def test_a_static_rotary_table_is_one_small_program_with_the_op_by_op_bits():

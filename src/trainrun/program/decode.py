@@ -96,7 +96,7 @@ def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.n
     key = jax.random.key(seed)
     for length, members in sorted(groups.items()):
         answers = _decode_group(cfg, params, [contexts[i] for i in members], tokens,
-                                temperature, jax.random.fold_in(key, length), compute,
+                                temperature, _drawn_from(key, length, temperature), compute,
                                 stop_ids, batch_size, head)
         out.update(zip(members, answers, strict=True))
     return [out[i] for i in range(len(contexts))]
@@ -114,7 +114,7 @@ def _decode_group(cfg: TransformerModel, params: PyTree, contexts: list[np.ndarr
     # Frozen sections hash at run time; pyright reads frozen only from class keywords.
     program = decoder(cfg, rows, width, tokens, compute, padded, head,  # pyright: ignore[reportArgumentType]
                       temperature > 0)
-    stops = jnp.asarray([*stop_ids, -1], jnp.int32)  # -1: no id, so the array is never empty
+    stops = np.asarray([*stop_ids, -1], np.int32)  # -1: no id, so the array is never empty
     out: list[np.ndarray] = []
     for first in range(0, len(contexts), rows):
         group = contexts[first:first + rows]
@@ -123,11 +123,18 @@ def _decode_group(cfg: TransformerModel, params: PyTree, contexts: list[np.ndarr
         for row, context in enumerate(group):
             ids[row, width - context.size:] = context
         start = np.asarray([width - c.size for c in group], np.int32)
-        drawn, counts = program(params, jnp.asarray(ids), jnp.asarray(start),
-                                jnp.float32(temperature), jax.random.fold_in(key, first), stops)
+        # host arrays straight into the call: no small program compiled to place each one
+        drawn, counts = program(params, ids, start, np.float32(temperature),
+                                _drawn_from(key, first, temperature), stops)
         drawn, counts = np.asarray(drawn), np.asarray(counts)
         out += [drawn[row, :counts[row]] for row in range(min(rows, len(contexts) - first))]
     return out
+
+
+def _drawn_from(key: jax.Array, index: int, temperature: float) -> jax.Array:
+    """The key of part ``index`` of a draw: ``fold_in(key, index)``; greedy decoding draws
+    nothing, so its key is passed on as it is, without a program compiled to fold it."""
+    return jax.random.fold_in(key, index) if temperature > 0 else key
 
 
 SEED_MAX = 2**32 - 1  # jax.random.key's range without wrapping, as the config's seed

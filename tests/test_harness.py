@@ -336,7 +336,7 @@ REQUESTS = [(None, [5 + n % 7] * n, [9, 11, 13]) for n in (1, 40, 12, 20, 47, 30
 
 
 @pytest.mark.slow
-def test_each_batch_shape_compiles_once_and_scores_as_one_batch_at_a_time(tiny):
+def test_a_request_list_compiles_one_program_and_scores_as_each_request_alone(tiny):
     """A request list, packed, compiles one score program, once, and gives what scoring each
     request alone gives: a request does not see the others in its row."""
     from trainrun.harness import TrainrunLM
@@ -359,6 +359,29 @@ def test_each_batch_shape_compiles_once_and_scores_as_one_batch_at_a_time(tiny):
     for request, answer in zip(requests, together, strict=True):
         logp, greedy = alone._loglikelihood_tokens([request], disable_tqdm=True)[0]
         assert greedy == answer[1] and logp == pytest.approx(answer[0], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_command_freezes_the_heap_lm_eval_built_and_the_class_alone_does_not(
+        tiny, monkeypatch):
+    """``trainrun lm-eval`` freezes what is alive when lm-eval builds the model (its task
+    index) for the garbage collector; the class built from Python leaves the process's
+    collector alone."""
+    import gc
+
+    import lm_eval.__main__
+
+    from trainrun import harness
+
+    frozen: list[bool] = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    harness.TrainrunLM(path=str(tiny / "export"))
+    assert frozen == []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate",
+                        lambda: harness.TrainrunLM(path=str(tiny / "export")))
+    assert harness.main(["--model", "trainrun"]) == 0
+    assert frozen == [True]
+    assert not harness.TrainrunLM.freeze_heap  # only while the command runs
 
 
 @pytest.mark.slow

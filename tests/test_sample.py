@@ -75,6 +75,16 @@ def test_greedy_decoding_compiles_no_sampler():
     assert generate(CFG, params, prompt, 8, temperature=0.0, seed=1).tolist() == generate(
         CFG, params, prompt, 8, temperature=0.0, seed=2).tolist() == recomputed(params, prompt, 8)
 
+    compiled: list[str] = []
+
+    def listen(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name", ""))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    generate_batch(CFG, params, [prompt[:3], prompt], 7, temperature=0.0, seed=3)
+    assert compiled == ["jit(decode)"]  # no small program to fold a key or place an array
+
 
 @pytest.mark.slow
 def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys):

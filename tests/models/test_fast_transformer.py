@@ -80,6 +80,29 @@ def test_blocked_causal_attention_is_dot_product_attention(seq):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize(("flags", "asked"), [
+    ("--xla_gpu_deterministic_ops=true", [None]),
+    ("--xla_gpu_deterministic_ops=false", ["cudnn", None])])
+def test_gpu_attention_asks_cudnn_only_outside_deterministic_mode(monkeypatch, flags, asked):
+    """On a GPU in bfloat16, attention asks JAX for cuDNN's fused attention only where XLA:GPU
+    is not deterministic (trainrun's GPU default): there a program with two cuDNN attention
+    calls fails when run. Here, on CPU, cuDNN refuses and the XLA form answers."""
+    implementations: list[str | None] = []
+    real = jax.nn.dot_product_attention
+
+    def spy(*args, implementation=None, **kwargs):
+        implementations.append(implementation)
+        return real(*args, implementation=implementation, **kwargs)
+
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16), jnp.bfloat16)
+    out = causal_attention(q, q, q)
+    assert implementations == asked
+    assert out.shape == q.shape
+
+
 def test_score_programs_attend_in_larger_blocks_and_compute_the_same_scores(monkeypatch):
     """lm-eval's score programs (``cpu_score_compile``) attend in blocks of 256 query rows:
     at 300 positions two blocks' matmuls in the program where training's 64 make five, and

@@ -22,6 +22,7 @@ from trainrun.platform.process import (
     GPU_DETERMINISM_FLAGS,
     apply_default_flags,
     gpu_determinism_declined,
+    gpu_deterministic,
     with_device_count,
 )
 
@@ -70,6 +71,15 @@ def test_turning_determinism_off_opts_out_of_every_gpu_default(jaxlib, choice):
     assert gpu_determinism_declined(choice)
     assert apply_default_flags(environ, gpu=True) == []
     assert environ["XLA_FLAGS"] == choice
+
+
+@pytest.mark.parametrize(("flags", "on"), [
+    (" ".join(GPU_FLAGS), True), ("--xla_gpu_deterministic_ops", True), ("", False),
+    ("--xla_gpu_deterministic_ops=false", False), ("--xla_gpu_enable_triton_gemm=false", False),
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=0", False),
+    ("--xla_gpu_exclude_nondeterministic_ops=True", True)])
+def test_whether_xla_gpu_runs_deterministically_is_read_from_the_flags(flags, on):
+    assert gpu_deterministic(flags) is on
 
 
 def test_a_flag_the_user_set_keeps_its_value(jaxlib):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -30,6 +31,7 @@ from trainrun.models.adapters import Model, bind_params, from_nnx
 from trainrun.models.experts import Experts, RouterStats, load_balancing_loss
 from trainrun.models.losses import LN2, next_token_from_features, tied_head_logits
 from trainrun.models.matmul import float32_dot
+from trainrun.platform.process import gpu_deterministic
 
 PyTree = Any
 
@@ -127,14 +129,17 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     to its own last row: XLA:CPU then skips most of the masked upper triangle (3/8 of the
     attention work at seq 256) and its batched matmuls need no transposes. On an NVIDIA GPU in
     bfloat16 or float16 it is cuDNN's fused (flash) attention, which JAX does not pick by
-    itself; elsewhere ``dot_product_attention``'s XLA form.
+    itself, unless XLA:GPU runs deterministically (trainrun's default there: a program with
+    two cuDNN attention calls then fails when run, BENCHMARKS.md, "GPU: bfloat16 training with
+    cuDNN attention"); elsewhere ``dot_product_attention``'s XLA form.
     """
     backend = jax.default_backend()
     local = None if window is None else (window - 1, 0)  # positions before and after a query
     if backend != "cpu":
         same = (None if segments is None else
                 segments[:, None, :, None] == segments[:, None, None, :])  # [batch, 1, q, k]
-        if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        if (backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+                and not gpu_deterministic(os.environ.get("XLA_FLAGS", ""))):
             # cuDNN takes the segment mask as JAX passes it any mask: an additive bias [batch,
             # 1, seq, seq] beside its own causal mask. (Its packed layout of segment offsets is
             # reached only through JAX's private API.) Where it refuses, the XLA form masks.

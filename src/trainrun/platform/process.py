@@ -78,6 +78,17 @@ def gpu_determinism_declined(flags: str) -> bool:
     return False
 
 
+def gpu_deterministic(flags: str) -> bool:
+    """Whether ``XLA_FLAGS`` puts XLA:GPU in its deterministic mode: the last setting of
+    either switch decides (a bare flag means true)."""
+    on = False
+    for flag in flags.split():
+        name, sep, value = flag.lstrip("-").partition("=")
+        if name in DETERMINISM_SWITCHES:
+            on = not sep or value.lower() in ("true", "1")
+    return on
+
+
 def _gpu_plugin() -> bool:
     if importlib.util.find_spec("jax_plugins") is None:
         return False

@@ -285,8 +285,7 @@ def test_a_request_list_is_packed_into_rows_of_one_width():
     assert all(sum(inputs[i] for i in row) <= 64 for row in rows)
     scorer._rows = 16
     assert scorer._packed(inputs)[1] == (4, 64)  # three rows: a batch of four
-    assert scorer._packed([100] * 40)[1] == (16, 120)  # 40 rows, batches of 16; at most
-    # max_length wide
+    assert scorer._packed([100] * 40)[1] == (16, 120)  # batches of 16, max_length wide
     assert scorer._packed([1, 2])[1] == (1, 16)  # the narrowest rows
 
 

@@ -246,6 +246,7 @@ class TrainrunLM(_Base):
         for first in range(0, len(rows), shape[0]):
             batch = rows[first:first + shape[0]]
             tokens, targets, segments, positions = (np.zeros(shape, np.int32) for _ in range(4))
+            ends: list[tuple[int, int, int]] = []  # (request, row, where its inputs end)
             for row, members in enumerate(batch):
                 at = 0
                 for segment, i in enumerate(members, 1):
@@ -254,22 +255,20 @@ class TrainrunLM(_Base):
                     targets[row, at:end] = windows[i][1:]
                     segments[row, at:end] = segment
                     positions[row, at:end] = np.arange(end - at)
+                    ends.append((i, row, end))
                     at = end
             score = self._programs.get(shape)
             # host arrays straight into the call: no program compiled to place each shape
             logp, greedy = (np.asarray(a) for a in score(self.model.params, tokens, targets,
                                                          segments, positions))
-            for row, members in enumerate(batch):
-                at = 0
-                for i in members:
-                    at += len(windows[i]) - 1
-                    scored = slice(at - counts[i], at)
-                    answer = (float(logp[row, scored].sum(dtype=np.float64)),
-                              bool(greedy[row, scored].all()))
-                    results[i] = answer
-                    if requests[i][0] is not None:
-                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
-            bar.update(sum(len(members) for members in batch))
+            for i, row, end in ends:
+                scored = slice(end - counts[i], end)
+                answer = (float(logp[row, scored].sum(dtype=np.float64)),
+                          bool(greedy[row, scored].all()))
+                results[i] = answer
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+            bar.update(len(ends))
         bar.close()
         return [r if r is not None else (0.0, False) for r in results]  # every one is set
 

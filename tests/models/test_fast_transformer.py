@@ -94,6 +94,7 @@ def test_gpu_attention_asks_cudnn_only_outside_deterministic_mode(monkeypatch, f
         implementations.append(implementation)
         return real(*args, implementation=implementation, **kwargs)
 
+    jax.devices()  # the backend starts with the process's own flags, not the ones set here
     monkeypatch.setenv("XLA_FLAGS", flags)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax.nn, "dot_product_attention", spy)

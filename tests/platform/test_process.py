@@ -77,7 +77,8 @@ def test_turning_determinism_off_opts_out_of_every_gpu_default(jaxlib, choice):
     (" ".join(GPU_FLAGS), True), ("--xla_gpu_deterministic_ops", True), ("", False),
     ("--xla_gpu_deterministic_ops=false", False), ("--xla_gpu_enable_triton_gemm=false", False),
     ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=0", False),
-    ("--xla_gpu_exclude_nondeterministic_ops=True", True)])
+    ("--xla_gpu_exclude_nondeterministic_ops=True", True),
+    ("--xla_gpu_exclude_nondeterministic_ops=true --xla_gpu_deterministic_ops=false", True)])
 def test_whether_xla_gpu_runs_deterministically_is_read_from_the_flags(flags, on):
     assert gpu_deterministic(flags) is on
 

@@ -69,24 +69,26 @@ def apply_default_flags(environ: MutableMapping[str, str] = os.environ,
     return added
 
 
-def gpu_determinism_declined(flags: str) -> bool:
-    """Whether ``XLA_FLAGS`` turns XLA:GPU's deterministic mode off."""
-    for flag in flags.split():
-        name, _, value = flag.lstrip("-").partition("=")
-        if name in DETERMINISM_SWITCHES and value.lower() in ("false", "0"):
-            return True
-    return False
-
-
-def gpu_deterministic(flags: str) -> bool:
-    """Whether ``XLA_FLAGS`` puts XLA:GPU in its deterministic mode: the last setting of
-    either switch decides (a bare flag means true)."""
-    on = False
+def _switch_settings(flags: str) -> list[tuple[str, str]]:
+    """Each setting of a determinism switch in ``XLA_FLAGS``, in order: (name, value in lower
+    case; a bare flag's is "true")."""
+    settings = []
     for flag in flags.split():
         name, sep, value = flag.lstrip("-").partition("=")
         if name in DETERMINISM_SWITCHES:
-            on = not sep or value.lower() in ("true", "1")
-    return on
+            settings.append((name, value.lower() if sep else "true"))
+    return settings
+
+
+def gpu_determinism_declined(flags: str) -> bool:
+    """Whether ``XLA_FLAGS`` turns XLA:GPU's deterministic mode off."""
+    return any(value in ("false", "0") for _, value in _switch_settings(flags))
+
+
+def gpu_deterministic(flags: str) -> bool:
+    """Whether ``XLA_FLAGS`` puts XLA:GPU in its deterministic mode: either switch on, each
+    as its last setting says."""
+    return any(value in ("true", "1") for value in dict(_switch_settings(flags)).values())
 
 
 def _gpu_plugin() -> bool:

@@ -1,0 +1,123 @@
+"""Preference losses against their published formulas, computed here in float64 NumPy."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainrun.models.preference_losses import PairLogps, PreferenceLoss
+
+
+def _log_sigmoid(x: np.ndarray) -> np.ndarray:
+    return -np.logaddexp(0.0, -x)
+
+
+# The DPO test vector of the public implementations: per-pair losses at beta 0.1.
+POLICY = PairLogps(jnp.array([-0.5, -10.0, -1.0]), jnp.array([-0.1, -30.0, -21.0]),
+                   jnp.array([2.0, 5.0, 4.0]), jnp.array([1.0, 7.0, 9.0]))
+REFERENCE = PairLogps(jnp.array([-0.5, -10.1, -0.1]), jnp.array([-0.1, -20.1, -0.1]),
+                      POLICY.chosen_tokens, POLICY.rejected_tokens)
+
+
+def _per_pair(spec: PreferenceLoss) -> np.ndarray:
+    """Each pair's loss alone: the mean over a batch of one."""
+    out = []
+    for i in range(3):
+        one = PairLogps(*(x[i:i + 1] for x in POLICY))
+        ref = PairLogps(*(x[i:i + 1] for x in REFERENCE))
+        out.append(float(spec(one, ref if spec.needs_reference else None)[0]))
+    return np.array(out)
+
+
+def test_dpo_matches_the_published_test_vector() -> None:
+    np.testing.assert_allclose(_per_pair(PreferenceLoss("sigmoid", beta=0.1)),
+                               [0.693147, 0.313262, 0.126928], atol=1e-6)
+
+
+def _numpy_inputs() -> tuple[np.ndarray, ...]:
+    p = [np.asarray(x, np.float64) for x in POLICY]
+    r = [np.asarray(x, np.float64) for x in REFERENCE]
+    return (*p, *r)
+
+
+@pytest.mark.parametrize("beta,ls", [(0.1, 0.0), (0.5, 0.2), (2.0, 0.1)])
+def test_losses_with_a_reference_equal_their_formulas(beta: float, ls: float) -> None:
+    pc, pr, nc, nr, rc, rr, _, _ = _numpy_inputs()
+    delta = (pc - pr) - (rc - rr)
+    expected = {
+        "sigmoid": -(1 - ls) * _log_sigmoid(beta * delta) - ls * _log_sigmoid(-beta * delta),
+        "hinge": np.maximum(0.0, 1 - beta * delta),
+        "robust": ((-(1 - ls) * _log_sigmoid(beta * delta) + ls * _log_sigmoid(-beta * delta))
+                   / (1 - 2 * ls)),
+        "ipo": (((pc / nc - pr / nr) - (rc / nc - rr / nr)) - 1 / (2 * beta)) ** 2,
+    }
+    for kind, want in expected.items():
+        smoothing = ls if kind in ("sigmoid", "robust") else 0.0
+        spec = PreferenceLoss(kind, beta=beta, label_smoothing=smoothing)  # type: ignore[arg-type]
+        np.testing.assert_allclose(_per_pair(spec), want, rtol=1e-5, atol=1e-6, err_msg=kind)
+
+
+def test_reference_free_losses_equal_their_formulas() -> None:
+    pc, pr, nc, nr, *_ = _numpy_inputs()
+    mc, mr = pc / nc, pr / nr
+    beta, gamma = 2.0, 0.7
+    simpo = -_log_sigmoid(beta * ((mc - mr) - gamma / beta))
+    np.testing.assert_allclose(_per_pair(PreferenceLoss("simpo", beta=beta, simpo_gamma=gamma)),
+                               simpo, rtol=1e-5)
+    log_odds = (mc - mr) - (np.log1p(-np.exp(mc)) - np.log1p(-np.exp(mr)))
+    nll = -pc / nc  # one pair: its chosen tokens' mean next-token loss
+    np.testing.assert_allclose(_per_pair(PreferenceLoss("orpo", beta=0.1)),
+                               nll - 0.1 * _log_sigmoid(log_odds), rtol=1e-5)
+
+
+def test_metrics_carry_the_names_and_values_trl_reports() -> None:
+    loss, metrics = PreferenceLoss("sigmoid", beta=0.1)(POLICY, REFERENCE)
+    chosen = 0.1 * (np.asarray(POLICY.chosen) - np.asarray(REFERENCE.chosen))
+    rejected = 0.1 * (np.asarray(POLICY.rejected) - np.asarray(REFERENCE.rejected))
+    np.testing.assert_allclose(float(loss), np.mean([0.693147, 0.313262, 0.126928]), atol=1e-6)
+    np.testing.assert_allclose(float(metrics["rewards/chosen"]), chosen.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["rewards/rejected"]), rejected.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["rewards/margins"]), (chosen - rejected).mean(),
+                               rtol=1e-6)
+    assert float(metrics["rewards/accuracies"]) == pytest.approx(np.mean(chosen > rejected))
+    assert float(metrics["logps/chosen"]) == pytest.approx(np.mean(POLICY.chosen))
+    assert float(metrics["logps/rejected"]) == pytest.approx(np.mean(POLICY.rejected))
+
+
+def test_policy_equal_to_reference_gives_ln2_and_a_gradient() -> None:
+    spec = PreferenceLoss("sigmoid", beta=0.1)
+
+    def loss(chosen: jax.Array) -> jax.Array:
+        policy = POLICY._replace(chosen=chosen, rejected=REFERENCE.rejected)
+        return spec(policy, REFERENCE)[0]
+
+    value, grad = jax.value_and_grad(loss)(REFERENCE.chosen)
+    assert abs(float(value) - math.log(2.0)) < 1e-6
+    # d/dc of -log sig(b(c - c_ref) ...) at D = 0 is -b sig(0) / pairs
+    np.testing.assert_allclose(np.asarray(grad), np.full(3, -0.1 * 0.5 / 3), rtol=1e-6)
+
+
+def test_nll_weight_adds_the_chosen_next_token_loss() -> None:
+    plain = float(PreferenceLoss("sigmoid")(POLICY, REFERENCE)[0])
+    weighted = float(PreferenceLoss("sigmoid", nll_weight=0.5)(POLICY, REFERENCE)[0])
+    nll = -float(np.sum(POLICY.chosen)) / float(np.sum(POLICY.chosen_tokens))
+    assert weighted == pytest.approx(plain + 0.5 * nll, rel=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"beta": 0.0}, "beta=0.0"),
+    ({"label_smoothing": 0.5}, "label_smoothing=0.5"),
+    ({"kind": "hinge", "label_smoothing": 0.1}, "not hinge"),
+])
+def test_bad_settings_are_refused(kwargs: dict[str, object], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        PreferenceLoss(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_reference_loss_without_reference_is_refused() -> None:
+    with pytest.raises(ValueError, match="reference"):
+        PreferenceLoss("ipo")(POLICY, None)

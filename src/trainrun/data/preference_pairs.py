@@ -1,0 +1,195 @@
+"""A preference record as one pair: the prompt's token ids and the chosen and the rejected
+completion's, in the three forms TRL's users hold them.
+
+- ``standard``: ``prompt``, ``chosen`` and ``rejected`` strings. The prompt is encoded as a
+  text's start (with the tokenizer's special tokens), each completion after it, then ``eos``.
+- ``conversational``: ``prompt`` a list of messages, ``chosen`` and ``rejected`` lists of the
+  assistant's messages. ``render(prompt, add_generation_prompt=True)`` is the prompt; what
+  ``render(prompt + chosen)`` adds after it, without trailing whitespace (never generated:
+  decoding stops at the end-of-turn token), is the chosen completion, as for chat records.
+- ``implicit``: ``chosen`` and ``rejected`` alone, whole texts or conversations that share the
+  prompt: their longest common start is the prompt (whole messages, or text up to the last
+  space before the two part, as TRL's ``extract_prompt`` splits them).
+
+Truncation is explicit: a prompt longer than ``max_prompt`` keeps its end (what the answer
+follows), a completion longer than ``max_completion`` its start; both are counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from trainrun.data.chat import check_messages
+from trainrun.data.errors import DataError
+from trainrun.data.model_tokenizer import ModelTokenizer
+from trainrun.data.records import describe
+
+PairForm = Literal["standard", "conversational", "implicit"]
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One preference pair's token ids (uint32): the prompt, then either completion."""
+
+    prompt: np.ndarray
+    chosen: np.ndarray
+    rejected: np.ndarray
+
+
+@dataclasses.dataclass
+class PairCounts:
+    """What became of a source's preference records."""
+
+    records: int = 0  # read, bad ones included
+    pairs: int = 0  # encoded
+    prompts_cut: int = 0  # prompts cut to max_prompt (their end kept)
+    completions_cut: int = 0  # pairs with a completion cut to max_completion
+
+    def add(self, other: PairCounts) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+
+def detect_form(record: Mapping[str, Any]) -> PairForm | None:
+    """The form of a record by its fields (None: it has no ``chosen`` and ``rejected``)."""
+    if "chosen" not in record or "rejected" not in record:
+        return None
+    if "prompt" not in record:
+        return "implicit"
+    return "standard" if isinstance(record["prompt"], str) else "conversational"
+
+
+def problem(record: Mapping[str, Any], form: PairForm) -> str | None:
+    """What makes ``record`` unusable as a ``form`` pair (None: nothing)."""
+    names = FIELDS if form != "implicit" else FIELDS[1:]
+    for name in names:
+        if name not in record:
+            return f"no {name!r} field (its fields: {', '.join(sorted(record)) or 'none'})"
+    values = [record[name] for name in names]
+    if form == "standard" or (form == "implicit" and isinstance(values[0], str)):
+        for name, value in zip(names, values, strict=True):
+            if not isinstance(value, str):
+                return f"field {name!r} is {describe(value)}, not a string"
+        if form == "implicit" and not _text_prompt(values[0], values[1])[0]:
+            return "'chosen' and 'rejected' share no prompt at their start"
+        return None
+    for name, value in zip(names, values, strict=True):
+        wrong = _messages(value, needs_assistant=name != "prompt")
+        if wrong is not None:
+            return f"field {name!r}: {wrong}"
+    if form == "conversational":
+        for name in ("chosen", "rejected"):
+            if any(message["role"] != "assistant" for message in record[name]):
+                return f"field {name!r} holds a message whose role is not 'assistant'"
+        return None
+    prompt = _shared_messages(record["chosen"], record["rejected"])
+    if not prompt:
+        return "'chosen' and 'rejected' share no first message: no prompt to split off"
+    if len(prompt) == min(len(record["chosen"]), len(record["rejected"])):
+        return "'chosen' or 'rejected' has no message after the prompt they share"
+    return None
+
+
+def split(record: Mapping[str, Any], form: PairForm) -> tuple[Any, Any, Any]:
+    """``(prompt, chosen, rejected)`` of a record ``problem`` passed, the prompt split off an
+    implicit one: three strings, or three lists of messages."""
+    if form != "implicit":
+        return record["prompt"], record["chosen"], record["rejected"]
+    chosen, rejected = record["chosen"], record["rejected"]
+    if isinstance(chosen, str):
+        prompt, cut = _text_prompt(chosen, rejected)
+        return prompt, chosen[cut:], rejected[cut:]
+    shared = len(_shared_messages(chosen, rejected))
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def encode_pairs(records: Sequence[Mapping[str, Any]], form: PairForm,
+                 tokenizer: ModelTokenizer, max_prompt: int, max_completion: int,
+                 counts: PairCounts) -> list[Pair | str]:
+    """Records ``problem`` passed as pairs, in order; one whose conversation the chat template
+    cannot split into prompt and completion gives what is wrong with it in its place.
+    ``max_prompt``, ``max_completion``: the most tokens kept of each (0: no limit)."""
+    pieces = [split(record, form) for record in records]
+    texts: list[tuple[str, str, str] | str] = []
+    chat = bool(pieces) and not isinstance(pieces[0][0], str)
+    for prompt, chosen, rejected in pieces:
+        texts.append(_rendered(tokenizer, prompt, chosen, rejected) if chat
+                     else (prompt, chosen, rejected))
+    lib = tokenizer.tokenizer
+    whole = [t for t in texts if not isinstance(t, str)]
+    prompts = lib.encode_batch([t[0] for t in whole], add_special_tokens=not chat)
+    answers = lib.encode_batch([piece for t in whole for piece in t[1:]],
+                               add_special_tokens=False)
+    end = [] if chat or tokenizer.eos_id is None else [tokenizer.eos_id]
+    out: list[Pair | str] = []
+    done = 0
+    for item in texts:
+        counts.records += 1
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        prompt = np.asarray(prompts[done].ids, np.uint32)
+        chosen = np.asarray([*answers[2 * done].ids, *end], np.uint32)
+        rejected = np.asarray([*answers[2 * done + 1].ids, *end], np.uint32)
+        done += 1
+        if max_prompt and prompt.size > max_prompt:
+            prompt = prompt[prompt.size - max_prompt:]
+            counts.prompts_cut += 1
+        if max_completion and max(chosen.size, rejected.size) > max_completion:
+            chosen, rejected = chosen[:max_completion], rejected[:max_completion]
+            counts.completions_cut += 1
+        counts.pairs += 1
+        out.append(Pair(prompt, chosen, rejected))
+    return out
+
+
+def _rendered(tokenizer: ModelTokenizer, prompt: list[dict], chosen: list[dict],
+              rejected: list[dict]) -> tuple[str, str, str] | str:
+    """The prompt's text with the generation prompt, and what each completion adds to it."""
+    if tokenizer.template is None:
+        raise DataError(f"conversational preference records need a chat template and "
+                        f"data.tokenizer {tokenizer.source!r} has none; set "
+                        "data.chat_template (chatml, llama3, or a Jinja template)")
+    template, special = tokenizer.template, tokenizer.special
+    try:
+        start = template.render(prompt, add_generation_prompt=True, special=special)
+        answers = []
+        for completion in (chosen, rejected):
+            text = template.render([*prompt, *completion], special=special)
+            if not text.startswith(start):
+                return ("the chat template renders the prompt differently once an answer "
+                        "follows it, so the answer cannot be split off; use another template")
+            answers.append(text[len(start):].rstrip())
+    except DataError as error:
+        return str(error)
+    return start, answers[0], answers[1]
+
+
+def _messages(value: object, needs_assistant: bool) -> str | None:
+    """What is wrong with a list of messages (None: nothing); a prompt needs no assistant."""
+    if not needs_assistant and isinstance(value, list):
+        value = [*value, {"role": "assistant", "content": ""}]
+    checked = check_messages(value)
+    return checked if isinstance(checked, str) else None
+
+
+def _shared_messages(chosen: list[dict], rejected: list[dict]) -> list[dict]:
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    return chosen[:shared]
+
+
+def _text_prompt(chosen: str, rejected: str) -> tuple[str, int]:
+    """The start two texts share, ended before the space that starts the answers."""
+    cut = 0
+    while cut < min(len(chosen), len(rejected)) and chosen[cut] == rejected[cut]:
+        cut += 1
+    if cut < min(len(chosen), len(rejected)) and cut and chosen[cut - 1] == " ":
+        cut -= 1
+    return chosen[:cut], cut

@@ -109,13 +109,14 @@ def test_every_instruction_tuning_command_runs_as_written(tmp_path):
     assert sum(c.startswith("trainrun ") for c in commands) == 4, commands
     out = run_as_written(commands, tmp_path)
     # What the guide says they print and leave behind.
-    assert "data: 512 records -> 512 examples" in out
+    assert "data: 480 records -> 480 examples (32 held out)" in out
     assert "logits (1, 25, 320)" in out
     adapter = sorted(p.name for p in (tmp_path / "sft-lora").iterdir())
     assert {"adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(adapter)
     rows = [json.loads(line) for line in (tmp_path / "runs/sft/metrics.jsonl").open()]
     data_row = next(r for r in rows if r.get("split") == "data")
-    assert (data_row["records"], data_row["examples"]) == (512, 512)
+    assert (data_row["records"], data_row["examples"]) == (480, 480)
+    assert (data_row["held_out_records"], data_row["held_out_examples"]) == (32, 32)
     assert any(r.get("split") == "eval" for r in rows)
     scores = json.loads((tmp_path / "runs/sft/eval/step-60/scores.json").read_text())
     assert scores["scores"]["answers"] == 8

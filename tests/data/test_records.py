@@ -346,6 +346,22 @@ def test_held_out_records_keep_their_loss_mask(tmp_path):
     assert (len(segments(given["train"])), len(segments(given["eval"]))) == (40, 6)
 
 
+def test_held_out_records_are_counted_apart_from_those_that_train(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(40)])
+    counts = record_splits(data(tmp_path, paths=(str(path),), eval_fraction=0.25,
+                                seq_len=256))["counts"]
+    assert (counts.records, counts.examples, counts.held_records, counts.held_examples) == (
+        30, 30, 10, 10)
+    assert counts.summary() == "30 records -> 30 examples (10 held out)"
+    metrics = counts.metrics()
+    assert (metrics["records"], metrics["examples"]) == (30, 30)
+    assert (metrics["held_out_records"], metrics["held_out_examples"]) == (10, 10)
+    held = write_jsonl(tmp_path / "held.jsonl", [chat(100 + i) for i in range(6)])
+    given = record_splits(data(tmp_path, paths=(str(path),), eval_paths=(str(held),),
+                               seq_len=256))
+    assert given["counts"].summary() == "40 records -> 40 examples (6 held out)"
+
+
 def test_the_tokenizer_comes_from_init_from_a_model_directory(tmp_path):
     transformers = pytest.importorskip("transformers")
     from conftest import save_tiny_causal_lm

@@ -71,7 +71,7 @@ from trainrun.rundir import location, remote
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 
-CACHE_FORMAT = 2  # raised when the files' layout changes, so old caches are not read
+CACHE_FORMAT = 3  # raised when the files' layout or counts change, so old caches are not read
 CHUNK_RECORDS = 2048  # records encoded and packed at a time
 SHOWN_BAD = 3  # bad records quoted in the counts
 ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -81,8 +81,10 @@ ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
 class RecordCounts:
     """What became of a source's records."""
 
-    records: int = 0  # read, bad ones included
-    examples: int = 0  # packed into rows (train and held out)
+    records: int = 0  # read, bad ones included, held-out ones not
+    examples: int = 0  # packed into training rows
+    held_records: int = 0  # usable records held out for evaluation
+    held_examples: int = 0  # held-out records packed into eval rows
     skipped: int = 0  # bad records left out (data.bad_records=skip)
     cut: int = 0  # longer than a row: cut to it
     dropped: int = 0  # longer than a row: left out
@@ -102,14 +104,16 @@ class RecordCounts:
 
     def metrics(self) -> dict[str, float]:
         """The counts as metrics (``split: data`` in ``metrics.jsonl``)."""
-        names = {"records": "records", "examples": "examples", "skipped": "skipped_records",
+        names = {"records": "records", "examples": "examples",
+                 "held_records": "held_out_records", "held_examples": "held_out_examples",
+                 "skipped": "skipped_records",
                  "cut": "cut_examples", "dropped": "dropped_examples",
                  "split": "split_examples", "no_answer": "no_answer_examples"}
         return {metric: float(getattr(self, name)) for name, metric in names.items()}
 
     def summary(self) -> str:
-        """One line for the console."""
-        parts = [f"{self.records} records -> {self.examples} examples"]
+        """One line for the console: what trains, then what is held out."""
+        parts = [f"{self.records} records -> {self.examples} examples{self._held()}"]
         for name, what in (("skipped", "bad records skipped"), ("cut", "cut to data.seq_len"),
                            ("dropped", "longer than data.seq_len dropped"),
                            ("split", "split over rows"),
@@ -119,6 +123,13 @@ class RecordCounts:
         if self.bad:
             parts.append(f"first bad: {self.bad[0]}")
         return "; ".join(parts)
+
+    def _held(self) -> str:
+        if not self.held_records:
+            return ""
+        if self.held_examples == self.held_records:
+            return f" ({self.held_records} held out)"
+        return f" ({self.held_records} held out -> {self.held_examples} examples)"
 
 
 def record_splits(cfg: RecordsData) -> dict[str, Any]:
@@ -355,7 +366,7 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
     def flush(split: str) -> None:
         examples = _encode(pending[split], form or "text", cfg, tokenizer, refuse_or_skip)
         pending[split] = []
-        kept = _fit(examples, cfg, counts)
+        kept = _fit(examples, cfg, counts, split)
         if not kept:
             return
         rows = pack_documents([ids.astype(dtypes["tokens"]) for ids, _ in kept],
@@ -409,6 +420,9 @@ def split_records(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, s
             continue
         split = ("eval" if every == -1 or (every and usable % every == every - 1) else "train")
         usable += 1
+        if counts is not None and split == "eval":  # counted apart from the records that train
+            counts.records -= 1
+            counts.held_records += 1
         yield split, where, record, form
 
 
@@ -440,8 +454,10 @@ def _encode(located: Sequence[tuple[str, dict[str, Any]]], form: str, cfg: Recor
     return examples
 
 
-def _fit(examples: list[Example], cfg: RecordsData, counts: RecordCounts) -> list[Example]:
-    """The examples that go into rows, after the ``too_long`` policy; each counted."""
+def _fit(examples: list[Example], cfg: RecordsData, counts: RecordCounts,
+         split: str) -> list[Example]:
+    """The examples of ``split`` that go into rows, after the ``too_long`` policy; each
+    counted."""
     row_len = cfg.seq_len + 1
     kept = []
     for ids, mask in examples:
@@ -458,7 +474,10 @@ def _fit(examples: list[Example], cfg: RecordsData, counts: RecordCounts) -> lis
             counts.no_answer += 1
             continue
         kept.append((ids, mask))
-    counts.examples += len(kept)
+    if split == "eval":
+        counts.held_examples += len(kept)
+    else:
+        counts.examples += len(kept)
     return kept
 
 

@@ -121,3 +121,54 @@ def test_bad_settings_are_refused(kwargs: dict[str, object], words: str) -> None
 def test_a_reference_loss_without_reference_is_refused() -> None:
     with pytest.raises(ValueError, match="reference"):
         PreferenceLoss("ipo")(POLICY, None)
+
+
+@pytest.mark.slow  # a transformer compiled twice
+def test_packed_pairs_score_as_each_pair_alone() -> None:
+    from trainrun.config import TransformerModel
+    from trainrun.data.pair_rows import pack_pairs
+    from trainrun.data.preference_pairs import Pair
+    from trainrun.models import build_model
+    from trainrun.models.transformer import bind_transformer
+
+    cfg = TransformerModel(d_model=32, layers=2, heads=2, seq_len=63, vocab=50)
+    module = bind_transformer(cfg)(build_model(cfg).init(jax.random.key(0)))
+    draw = np.random.default_rng(0)
+
+    def ids(n: int) -> np.ndarray:
+        return draw.integers(0, 50, n).astype(np.uint32)
+
+    pairs = [Pair(ids(p), ids(c), ids(r)) for p, c, r in ((3, 4, 2), (5, 1, 6), (2, 7, 3),
+                                                           (9, 3, 3), (1, 2, 2))]
+    rows, slots = pack_pairs(pairs, cfg.seq_len + 1, bins=2)
+    assert slots > 1 and len(rows["tokens"]) < len(pairs)  # short pairs share rows
+
+    @jax.jit
+    def target_logps(tokens: jax.Array, segments: jax.Array | None,
+                     positions: jax.Array | None) -> jax.Array:
+        features, _ = module.features(tokens[:, :-1], segments=segments,
+                                      segment_positions=positions)
+        logits = (features @ module.head_table().T).reshape(*tokens[:, :-1].shape, -1)
+        return jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+
+    target = target_logps(jnp.asarray(rows["tokens"]),
+                          jnp.asarray(rows["segment_ids"][:, :-1]),
+                          jnp.asarray(rows["positions"][:, :-1]))
+    packed, present = PairLogps.of_rows(target, *(jnp.asarray(rows[name]) for name in
+                                                   ("segment_ids", "pair_slot", "answer")), slots)
+    assert int(present.sum()) == len(pairs)
+
+    def alone(prompt: np.ndarray, answer: np.ndarray) -> float:
+        """The sequence alone in a row, no segments: the padding after it is never attended."""
+        seq = np.zeros((1, cfg.seq_len + 1), np.int32)
+        seq[0, :prompt.size + answer.size] = np.concatenate([prompt, answer])
+        picked = target_logps(jnp.asarray(seq), None, None)[0]
+        return float(picked[prompt.size - 1:prompt.size + answer.size - 1].sum())
+
+    found = {(float(c), float(r)) for c, r, p in zip(packed.chosen, packed.rejected, present,
+                                                     strict=True) if p}
+    for pair in pairs:
+        want = (alone(pair.prompt, pair.chosen), alone(pair.prompt, pair.rejected))
+        assert any(abs(c - want[0]) < 1e-5 and abs(r - want[1]) < 1e-5 for c, r in found), want
+    tokens_counted = np.asarray(packed.chosen_tokens)[np.asarray(present)]
+    assert sorted(tokens_counted.tolist()) == sorted(float(p.chosen.size) for p in pairs)

@@ -41,6 +41,26 @@ class PairLogps(NamedTuple):
     chosen_tokens: jax.Array
     rejected_tokens: jax.Array
 
+    @classmethod
+    def of_rows(cls, target_logps: jax.Array, segment_ids: jax.Array, pair_slot: jax.Array,
+                answer: jax.Array, slots: int) -> tuple[PairLogps, jax.Array]:
+        """Each pair's sums from packed rows (``data/pair_rows.py``): ``target_logps``
+        ``[rows, row_len - 1]`` is log p(token t + 1 | tokens up to t); the other three are the
+        rows' ``[rows, row_len]`` columns. Returns the ``[rows * slots]`` sums, pair ``r * slots
+        + s - 1`` for slot ``s`` of row ``r``, and which of them hold a pair."""
+        segments, targets, side = segment_ids[:, :-1], segment_ids[:, 1:], answer[:, 1:]
+        counted = (targets == segments) & (segments > 0) & (side > 0)
+        rows = jnp.arange(target_logps.shape[0], dtype=jnp.int32)[:, None]
+        pair = rows * slots + jnp.maximum(pair_slot[:, 1:], 1) - 1
+        index = jnp.where(counted, 2 * pair + side - 1, 2 * slots * target_logps.shape[0])
+        count = 2 * slots * target_logps.shape[0]
+        sums = jax.ops.segment_sum(jnp.where(counted, target_logps, 0.0).astype(jnp.float32)
+                                   .reshape(-1), index.reshape(-1), count + 1)[:count]
+        tokens = jax.ops.segment_sum(counted.astype(jnp.float32).reshape(-1),
+                                     index.reshape(-1), count + 1)[:count]
+        present = (tokens[0::2] > 0) | (tokens[1::2] > 0)
+        return cls(sums[0::2], sums[1::2], tokens[0::2], tokens[1::2]), present
+
     def per_token(self) -> tuple[jax.Array, jax.Array]:
         """The mean log-probability per completion token of the chosen and the rejected."""
         return (self.chosen / jnp.maximum(self.chosen_tokens, 1),

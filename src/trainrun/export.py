@@ -6,9 +6,9 @@ Beside the weights go the source directory's tokenizer files and generation conf
 run's own ``data.tokenizer``; ``bos_token_id`` and ``eos_token_id`` come from them. A file of
 the source that is a symbolic link is read only where the link stays inside the source (its
 real path) or, for a Hugging Face hub snapshot (``.../snapshots/<revision>``), inside the
-repository's ``blobs/`` beside ``snapshots/``, where the hub keeps the files its snapshots link
-to; a link anywhere else (a ``special_tokens_map.json`` pointing at a key) is refused on one
-line naming the link and its target, before anything is written. The run's own
+repository's folder that holds ``snapshots/`` and ``blobs/``, where the hub keeps the files its
+snapshots link to; a link anywhere else (a ``special_tokens_map.json`` pointing at a key) is
+refused on one line naming the link and its target, before anything is written. The run's own
 ``data.tokenizer`` is the file its config names, read wherever that is.
 
 Where the export may go, and what ``--replace`` may replace: ``rundir.export_dir``. The
@@ -55,6 +55,7 @@ from trainrun.models.transformer import merge_adapters
 from trainrun.rundir import export_dir, location, storage
 from trainrun.rundir.atomic import create_new
 from trainrun.rundir.export_dir import ExportRefused, check_target
+from trainrun.rundir.path_checks import model_file
 
 DTYPES = ("float32", "bfloat16", "float16")
 _ERRNO = {what: code for code, what in storage.REFUSED.items()}
@@ -205,26 +206,13 @@ def _adapter_base(adapters: Path) -> Path | None:
 
 def _source_files(source: Path, names: tuple[str, ...]) -> dict[str, Path]:
     """The files of ``names`` the source directory has, each as the path to read: a symbolic
-    link only where it stays inside the source or its hub repository's ``blobs/``; any other
-    link is refused on one line naming it and its target."""
-    home = Path(os.path.realpath(source))
-    inside = [home]
-    if home.parent.name == "snapshots":  # a hub snapshot: its files link into ../../blobs
-        inside.append(home.parent.parent / "blobs")
+    link only where it stays inside the source or its hub repository's folder; any other link
+    is refused on one line naming it and its target (``path_checks.model_file``)."""
     found = {}
     for name in names:
-        path = source / name
-        if not path.is_symlink():
-            if path.is_file():
-                found[name] = path
-            continue
-        real = Path(os.path.realpath(path))
-        if not any(real.is_relative_to(folder) for folder in inside):
-            raise ExportRefused(f"{path} is a symbolic link to {real}, outside {source}: export "
-                                "copies a model directory's files only from inside it; put the "
-                                "file itself there, or remove the link")
-        if real.is_file():
-            found[name] = real
+        path = model_file(source / name, ExportRefused)
+        if path.is_file():
+            found[name] = Path(os.path.realpath(path)) if path.is_symlink() else path
     return found
 
 

@@ -152,6 +152,41 @@ def test_a_truncated_or_mismatched_file_is_one_line_naming_it(family_dirs, tmp_p
         trainrun.load(changed)
 
 
+@pytest.mark.parametrize("name", ["config.json", INDEX, "model-00003-of-00012.safetensors"])
+def test_a_file_linking_out_of_the_model_directory_is_refused(family_dirs, tmp_path, name):
+    """Before, a config.json, index or shard linking elsewhere was read as the model's own."""
+    sharded = family_dirs["llama"]
+    assert (sharded / name).is_file()
+    copy = tmp_path / "llama"
+    copy.mkdir()
+    for file in sharded.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    elsewhere = tmp_path / "elsewhere"
+    (copy / name).rename(elsewhere)
+    (copy / name).symlink_to(elsewhere)
+    with pytest.raises(WeightsError) as refused:
+        trainrun.load(copy)
+    assert str(refused.value).startswith(
+        f"{copy}/{name} is a symbolic link to {elsewhere}, outside {copy}: ")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_hub_snapshots_links_into_its_blobs_load(family_dirs, tmp_path):
+    """snapshots/<revision>/<file> -> ../../blobs/<hash>, as the hub cache lays a model out."""
+    sharded = family_dirs["llama"]
+    repo = tmp_path / "models--me--llama"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in sharded.iterdir():
+        (repo / "blobs" / f"blob-{file.name}").write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(f"../../blobs/blob-{file.name}")
+    loaded, own = Tensors.of(snapshot), Tensors.of(sharded)
+    assert loaded.names == own.names
+    for name in sorted(own.names):
+        np.testing.assert_array_equal(loaded.read(name), own.read(name))
+
+
 # ---- every value of config.json checked before use ------------------------------------------
 
 

@@ -465,6 +465,16 @@ def test_truncated_weights_are_refused(written):
     refused(written, "is it complete")
 
 
+@pytest.mark.parametrize("name", [ADAPTER_CONFIG, ADAPTER_WEIGHTS])
+def test_an_adapter_file_linking_out_of_the_directory_is_refused(written, tmp_path_factory,
+                                                                 name):
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / name
+    (written / name).rename(elsewhere)
+    (written / name).symlink_to(elsewhere)
+    line = refused(written, "is a symbolic link to")
+    assert line.startswith(f"{written}/{name} is a symbolic link to {elsewhere}, outside ")
+
+
 def test_not_an_adapter_dir(tmp_path):
     assert not is_adapter_dir(tmp_path)
     refused(tmp_path, "not a PEFT adapter directory")

@@ -10,7 +10,8 @@ its special tokens, the ids that end a document and a turn, and its chat templat
 - a Hugging Face model directory: its ``tokenizer.json`` (read by the ``tokenizers`` library),
   the special tokens ``tokenizer_config.json`` names (``bos_token``, ``eos_token``, ...), its
   chat template (``tokenizer_config.json`` or ``chat_template.jinja``) and the end-of-turn ids of
-  ``generation_config.json``.
+  ``generation_config.json``. A file of it that is a symbolic link out of the directory (or,
+  for a hub snapshot, out of its repository's folder) is refused on one line naming the link.
 - a ``tokenizer.json`` file alone (no template; ``<|endoftext|>`` ends a text when it has one).
 
 Either may be on object storage (``gs://``, ``s3://``), its files read through the storage
@@ -28,6 +29,7 @@ from trainrun.data.chat import CHATML, ChatTemplate
 from trainrun.data.errors import DataError
 from trainrun.data.tokenizer import DOCUMENT_TOKEN, byte_alphabet, library
 from trainrun.rundir import location, remote
+from trainrun.rundir.path_checks import model_file
 
 Location = location.Location
 
@@ -156,7 +158,7 @@ def _tokenizer_file(file: Location, source: str) -> ModelTokenizer:
 
 
 def _model_dir(path: Location, source: str) -> ModelTokenizer:
-    file = path / "tokenizer.json"
+    file = model_file(path / "tokenizer.json", DataError)
     if not location.is_file(file):
         raise DataError(f"data.tokenizer {source!r} has no tokenizer.json (a tokenizer saved by "
                         "an older transformers as vocab files alone is not read); save it with a "
@@ -184,7 +186,7 @@ def _model_dir(path: Location, source: str) -> ModelTokenizer:
 
 def _json_object(file: Location, source: str) -> dict[str, Any]:
     """The JSON object in ``file`` ({} when there is no file)."""
-    if not location.is_file(file):
+    if not location.is_file(model_file(file, DataError)):
         return {}
     try:
         value = json.loads(location.read_text(file))

@@ -252,3 +252,69 @@ def test_decoding_gives_the_same_tokens_with_the_head_layout_fast_path_off():
                               head=strategies.chosen(environ).decode_head())
                for environ in ({}, {"TRAINRUN_FAST_PATHS": "none"}))
     assert [a.tolist() for a in on] == [b.tolist() for b in off]
+
+
+@pytest.mark.slow
+def test_sample_is_greedy_unless_a_temperature_is_given(chat_run, capsys):
+    """A chat answer, or a continued prompt, is the same whatever the seed, and is the most
+    likely tokens' (what `eval` answers); --temperature samples."""
+    from trainrun.cli import build_parser
+
+    run_dir, config = chat_run
+    question = "reverse: abc"
+    greedy = own_loop_answer(run_dir, config, [{"role": "user", "content": question}], 12)
+    for seed in ("0", "7"):
+        assert main(["sample", str(run_dir), "--chat", question, "--tokens", "12",
+                     "--seed", seed]) == 0
+        assert capsys.readouterr().out == greedy + "\n"
+    texts = []
+    for seed in ("0", "7"):
+        assert main(["sample", str(run_dir), "--prompt", "a", "--tokens", "12",
+                     "--seed", seed]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    assert main(["sample", str(run_dir), "--chat", question, "--tokens", "12",
+                 "--temperature", "5", "--seed", "7"]) == 0
+    assert capsys.readouterr().out != greedy + "\n"
+    helps = {a.dest: a.help or "" for a in build_parser()._subparsers._group_actions[0]
+             .choices["sample"]._actions}
+    assert "0 = greedy" in helps["temperature"] and "the default" in helps["temperature"]
+
+
+def test_a_conversations_file_that_never_ends_is_refused_in_one_line(tmp_path, capsys,
+                                                                    monkeypatch):
+    """Before, the file was read whole: /dev/zero until memory ran out."""
+    import trainrun.sample
+
+    assert main(["sample", str(tmp_path / "never-read"), "--file", "/dev/zero"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "/dev/zero holds more than 64 MiB (or never ends)" in err[0], err
+    monkeypatch.setattr(trainrun.sample, "CONVERSATIONS_MAX_BYTES", 100)
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 3)
+    assert main(["sample", str(tmp_path / "never-read"), "--file", str(big)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{big} holds more than" in err[0], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("args", "says"), [
+    (["--chat", "hi", "--system", "\udcff\udcfe"], "--system is not UTF-8 text"),
+    (["--chat", "a\udcff"], "--chat is not UTF-8 text"),
+    (["--prompt", "\udcff"], "--prompt is not UTF-8 text"),
+    (["--file", "FILE", "--system", "\udcff"], "--system is not UTF-8 text"),
+    (["--file", "BAD"], "line 1: turn 1's content is not UTF-8 text"),
+])
+def test_text_that_is_not_utf8_is_refused_in_one_line(chat_run, tmp_path, capsys, args, says):
+    """Bytes that are not UTF-8 on the command line (Python holds them as lone surrogates)
+    and a lone surrogate escaped in a conversation's JSON: before, a TypeError from the
+    tokenizer or a UnicodeEncodeError."""
+    run_dir, _ = chat_run
+    files = {"FILE": "x", "BAD": "x\\udcff"}
+    for name, content in files.items():
+        turn = f'{{"role": "user", "content": "{content}"}}'
+        (tmp_path / name).write_text(f'{{"messages": [{turn}]}}\n')
+    args = [str(tmp_path / a) if a in files else a for a in args]
+    assert main(["sample", str(run_dir), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err

@@ -343,8 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "template renders the turn; the answer ends at the turn's end)")
     sample.add_argument("--tokens", type=int, default=200,
                         help="tokens to generate, at most (default 200)")
-    sample.add_argument("--temperature", type=float, default=0.8,
-                        help="divide logits by this before sampling; 0 = greedy (default 0.8)")
+    sample.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy, the most likely token each time (the default, as "
+                             "eval's); above 0, divide logits by this and sample with --seed")
     sample.add_argument("--seed", type=int, default=0, help="sampling randomness (default 0)")
     sample.add_argument("--ema", action="store_true",
                         help="sample from the params' moving average (runs with optimizer.ema)")

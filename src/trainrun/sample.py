@@ -33,14 +33,16 @@ PyTree = Any
 __all__ = ["SampleError", "chat_answers", "conversation", "read_conversations", "sample_run"]
 
 
-def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: float = 0.8,
+def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: float = 0.0,
                seed: int = 0, ema: bool = False, chat: str | None = None,
                system: str | None = None) -> str:
-    """The prompt and ``tokens`` bytes sampled from the latest checkpoint of an LM run (with
-    ``ema``: from its params' moving average, ``optimizer.ema``). chat: a user turn, rendered
-    with the run's chat template after ``system`` (a system prompt) when given; the answer alone
-    is returned, ended at the turn's end."""
+    """The prompt and ``tokens`` bytes generated from the latest checkpoint of an LM run (with
+    ``ema``: from its params' moving average, ``optimizer.ema``), greedily at ``temperature``
+    0. chat: a user turn, rendered with the run's chat template after ``system`` (a system
+    prompt) when given; the answer alone is returned, ended at the turn's end."""
     require_settings(tokens, temperature, seed)
+    for option, text in (("--prompt", prompt), ("--chat", chat), ("--system", system)):
+        require_text(option, text)
     if chat is not None:
         return chat_answers(run_dir, [chat], tokens, temperature=temperature, seed=seed,
                             ema=ema, system=system)[0]
@@ -70,13 +72,15 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
 
 
 def chat_answers(run_dir: Path | str, questions: Sequence[str | Conversation], tokens: int, *,
-                 temperature: float = 0.8, seed: int = 0, ema: bool = False,
+                 temperature: float = 0.0, seed: int = 0, ema: bool = False,
                  system: str | None = None, batch_size: int = BATCH) -> list[str]:
-    """The answers of a run on chat records, the checkpoint read once and the conversations
-    decoded ``batch_size`` at a time by one program: to each question (a user turn, after
-    ``system`` when given: what ``sample --chat`` prints) or conversation (its turns as
-    records hold them, system prompt included; the answer follows the last turn)."""
+    """The answers of a run on chat records (greedy at ``temperature`` 0), the checkpoint read
+    once and the conversations decoded ``batch_size`` at a time by one program: to each
+    question (a user turn, after ``system`` when given: what ``sample --chat`` prints) or
+    conversation (its turns as records hold them, system prompt included; the answer follows
+    the last turn)."""
     require_settings(tokens, temperature, seed)
+    require_text("--system", system)
     conversations = [conversation(q, system) for q in questions]
     config, params = _trained(run_dir, ema, chat=True)
     assert isinstance(config.data, RecordsData)
@@ -88,13 +92,35 @@ def chat_answers(run_dir: Path | str, questions: Sequence[str | Conversation], t
                         head=strategies.chosen().decode_head())
 
 
+# The most of a conversations file read: a larger one, or one that never ends, is refused.
+CONVERSATIONS_MAX_BYTES = 64 * 2**20
+
+
+def require_text(option: str, text: str | None) -> None:
+    """``text`` refused in one line naming ``option`` where it is no UTF-8 text: a lone
+    surrogate, as Python holds command-line bytes that are not UTF-8."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise SampleError(f"{option} is not UTF-8 text (a byte that is not UTF-8, or a lone "
+                          f"surrogate, at character {err.start}); give UTF-8 text") from None
+
+
 def read_conversations(path: str | Path) -> list[Conversation]:
-    """The conversations of a JSONL file, one ``{"messages": [...]}`` object a line (blank
-    lines skipped); a line that is not one is refused naming the file and the line."""
+    """The conversations of a JSONL file of at most ``CONVERSATIONS_MAX_BYTES``, one
+    ``{"messages": [...]}`` object a line (blank lines skipped); a line that is not one is
+    refused naming the file and the line, and so is a larger file or one that never ends."""
     import json
 
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as file:
+            data = file.read(CONVERSATIONS_MAX_BYTES + 1)
+        if len(data) > CONVERSATIONS_MAX_BYTES:
+            raise SampleError(f"{path} holds more than {CONVERSATIONS_MAX_BYTES // 2**20} MiB "
+                              "(or never ends); give a JSONL file of conversations within that")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise SampleError(f"cannot read {path}: {err}; give a JSONL file of conversations"
                           .replace("\n", " ")) from None
@@ -124,6 +150,7 @@ def conversation(question: str | Conversation, system: str | None = None) -> lis
     """The chat turns a question stands for: a user turn (after ``system``), or a
     conversation's own turns, checked to end with a turn the model answers."""
     if isinstance(question, str):
+        require_text("--chat", question)
         turns = [{"role": "user", "content": question}]
         return turns if system is None else [{"role": "system", "content": system}, *turns]
     turns = [dict(turn) if isinstance(turn, dict) else {} for turn in question]
@@ -132,6 +159,9 @@ def conversation(question: str | Conversation, system: str | None = None) -> lis
                         for t in turns):
         raise SampleError("a conversation is a list of turns {\"role\": ..., \"content\": ...} "
                           "(text); give at least one")
+    for number, turn in enumerate(turns, 1):
+        for key, value in turn.items():
+            require_text(f"turn {number}'s {key}", value)
     if turns[-1]["role"] == "assistant":
         raise SampleError("a conversation ends with the assistant's turn; end it with the turn "
                           "to answer (a user turn)")

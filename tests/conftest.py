@@ -21,39 +21,50 @@ import pytest
 
 import trainrun
 from trainrun import rundir
+from trainrun.platform.process import CACHE_OFF
 from trainrun.reporting.sinks.jsonl import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-# The settings `trainrun train` makes, before any test starts JAX's backend: in-process runs
-# then run as the CLI's do.
-trainrun.configure_process()
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def _suite_compilation_cache() -> str | None:
     """One XLA compilation cache for the session, shared by the test workers and every CLI
-    subprocess they start (through the environment): many tests compile the same programs, and
-    verify-resume compiles each of its runs' programs again (the resnet's: 57 s without the
-    cache, 45 s filling it, 26 s from it; the suite 903 -> 595 s). The key holds XLA_FLAGS and
-    the versions, so a program compiled under other flags is compiled again; a hit is the same
-    executable, the same bits. Not before jaxlib 0.10.2: jaxlib 0.10.0 logs an error-level line
-    to stderr on each hit ("Loading XLA:CPU AOT result. Target machine feature ..."), which the
-    tests of one-line errors on stderr then see (`.ci/lowest` installs it)."""
-    if jaxlib.version.__version_info__ < (0, 10, 2):
-        return
-    if not hasattr(config, "workerinput"):  # the controlling process: before any worker starts
-        config.xla_cache = tempfile.mkdtemp(prefix="trainrun-tests-xla-cache-")
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = config.xla_cache
+    subprocess they start (through the environment), never the user's own: many tests compile
+    the same programs, and verify-resume compiles each of its runs' programs again (the
+    resnet's: 57 s without the cache, 45 s filling it, 26 s from it; the suite 903 -> 595 s).
+    The key holds XLA_FLAGS and the versions, so a program compiled under other flags is
+    compiled again; a hit is the same executable, the same bits. Made by the controlling
+    process, before any worker starts and before ``configure_process`` below would pick the
+    user's cache folder. Not before jaxlib 0.10.2: jaxlib 0.10.0 logs an error-level line to
+    stderr on each hit ("Loading XLA:CPU AOT result. Target machine feature ..."), which the
+    tests of one-line errors on stderr then see (`.ci/lowest` installs it), and trainrun keeps
+    no programs there either. ``TRAINRUN_COMPILATION_CACHE=0`` runs the suite without any
+    (to measure what the cache saves). Returns the folder this process made, if any."""
+    off = os.environ.get("TRAINRUN_COMPILATION_CACHE", "").strip().lower() in CACHE_OFF
+    if jaxlib.version.__version_info__ < (0, 10, 2) or off:
+        return None
+    made = None
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the controlling process (or no workers)
+        made = tempfile.mkdtemp(prefix="trainrun-tests-xla-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = made
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     # JAX read its environment when this file imported it: the values it read are set again.
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return made
+
+
+XLA_CACHE = _suite_compilation_cache()
+# The settings `trainrun train` makes, before any test starts JAX's backend: in-process runs
+# then run as the CLI's do.
+trainrun.configure_process()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if hasattr(config, "xla_cache"):
-        shutil.rmtree(config.xla_cache, ignore_errors=True)
+    if XLA_CACHE is not None:
+        shutil.rmtree(XLA_CACHE, ignore_errors=True)
 
 
 def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:

@@ -40,9 +40,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _verify_resume(args: argparse.Namespace) -> int:
-    from trainrun.platform.process import require_backend
+    from trainrun.platform.process import keep_compiled_programs, require_backend
     from trainrun.verify_resume import verify_resume
 
+    keep_compiled_programs()
     require_backend()  # the runs' states are compared here: one line if JAX cannot start
     return verify_resume(args.config, args.overrides, kill_at=args.kill_at,
                          kill_in_save=args.kill_in_save, work_dir=args.work_dir,
@@ -155,9 +156,10 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from trainrun import extras
     from trainrun.export import export_run
-    from trainrun.platform.process import require_backend
+    from trainrun.platform.process import keep_compiled_programs, require_backend
 
     extras.require("huggingface", "trainrun export")
+    keep_compiled_programs()
     require_backend()
     done = export_run(args.run_dir, args.to, merge=args.merge,
                       replace=args.replace, dtype=args.dtype, shard_size=args.shard_size)
@@ -446,14 +448,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def _renamed_keys_as_lines() -> Iterator[None]:
-    """A config key given by its old name warns in one line, as the command's other warnings
-    do; any other warning shows as Python shows it."""
+    """A config key given by its old name, or a compiled-program cache that cannot be written,
+    warns in one line, as the command's other warnings do; any other warning shows as Python
+    shows it."""
     from trainrun.config.renamed import RenamedKeyWarning
+    from trainrun.platform.user_cache import CompilationCacheWarning
 
     python_shows = warnings.showwarning
 
     def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
-        if issubclass(category, RenamedKeyWarning):
+        if issubclass(category, (RenamedKeyWarning, CompilationCacheWarning)):
             print(f"warning: {printable(str(message))}", file=sys.stderr)
         else:
             python_shows(message, category, *args, **kwargs)

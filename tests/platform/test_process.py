@@ -12,9 +12,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import cli_env, save_tiny_gpt2
+from conftest import cli_env, losses, run_cli, save_tiny_gpt2
 
 from trainrun.platform import process
 from trainrun.platform.process import (
@@ -288,3 +290,87 @@ def test_a_compiled_programs_folder_that_is_a_symlink_is_not_followed(tmp_path):
     assert done.stdout.split()[0] == "None"
     assert sorted(p.name for p in users.iterdir()) == ["notes-cache"]
     assert link.is_symlink() and (users / "notes-cache").read_text() == "mine"
+
+
+FOLDER_CHOICES = """
+    import json, os
+    import jax
+    from trainrun.platform.process import compiled_programs_folder, keep_compiled_programs
+    var = "TRAINRUN_COMPILATION_CACHE"
+    cases = {"unset": {}, "on": {var: "1"}, "off": {var: "0"}, "Off": {var: " Off "},
+             "a folder": {var: "/srv/programs"},
+             "JAX's variable": {"JAX_COMPILATION_CACHE_DIR": "/j"}}
+    out = {name: str(compiled_programs_folder(env)) for name, env in cases.items()}
+    out["this process (0)"] = str(keep_compiled_programs())
+    out["JAX's dir after"] = str(jax.config.values["jax_compilation_cache_dir"] or None)
+    jax.config.update("jax_compilation_cache_dir", "/theirs")
+    out["JAX's option"] = str(compiled_programs_folder({}))
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_enable_compilation_cache", False)
+    out["JAX's cache off"] = str(compiled_programs_folder({}))
+    print(json.dumps(out))
+"""
+
+
+def test_the_compiled_program_folder_is_the_users_choice(tmp_path):
+    """trainrun's user cache by default, split by the host's CPU (a home shared with other CPUs
+    never runs their machine code); TRAINRUN_COMPILATION_CACHE turns it off or names the
+    folder; a cache the user set up or turned off through JAX is left to JAX."""
+    done = python(FOLDER_CHOICES, JAX_COMPILATION_CACHE_DIR="", TRAINRUN_COMPILATION_CACHE="0",
+                  TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    default = tmp_path / "cache" / "compiled" / process.host_cpu()
+    assert out == {"unset": str(default), "on": str(default), "off": "None", "Off": "None",
+                   "a folder": "/srv/programs", "JAX's variable": "None",
+                   "this process (0)": "None", "JAX's dir after": "None",
+                   "JAX's option": "None", "JAX's cache off": "None"}
+    assert not (tmp_path / "cache").exists()  # turned off: nothing made
+
+
+def same_state(a: Path, b: Path) -> bool:
+    """Whether two runs' newest checkpoints hold the same step and the same bits."""
+    import jax
+    import numpy as np
+
+    from trainrun.checkpointing.reader import latest_state, saved_config
+
+    (step_a, state_a), (step_b, state_b) = (latest_state(r, saved_config(r)) for r in (a, b))
+    leaves_a, leaves_b = jax.tree.leaves(state_a), jax.tree.leaves(state_b)
+    return step_a == step_b and len(leaves_a) == len(leaves_b) and all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(leaves_a, leaves_b, strict=True))
+
+
+@pytest.mark.slow
+def test_a_second_train_reads_every_program_back_and_computes_the_same_bits(tmp_path):
+    """`trainrun train` keeps its compiled programs; the same command again compiles none
+    (every program read back), and its losses and checkpoint are the first run's bits and those
+    of a run without the cache. A folder that cannot be written leaves the cache off with one
+    warning line, and the run goes on."""
+    folder = tmp_path / "compiled"
+    blocked = tmp_path / "a-file"  # nothing can be made under a file
+    blocked.write_text("mine\n")
+
+    def train(name: str, cache: Path) -> set[str]:
+        done = run_cli("train", "--run-dir", str(tmp_path / name), "steps=6", "steps_per_call=3",
+                       JAX_COMPILATION_CACHE_DIR="", TRAINRUN_COMPILATION_CACHE=str(cache))
+        assert done.returncode == 0, done.stderr[-2000:]
+        warned = [line for line in done.stderr.splitlines() if "compiled programs" in line]
+        assert warned == ([] if cache == folder else [
+            f"warning: compiled programs are not kept: cannot write {cache} (not a directory); "
+            "make it writable, point TRAINRUN_COMPILATION_CACHE at a folder that is, or set "
+            "it to 0"])
+        return {p.name for p in folder.glob("*-cache")} if folder.exists() else set()
+
+    first = train("first", folder)
+    assert first  # the programs were kept
+    assert train("second", folder) == first  # every program read back: none compiled anew
+    assert train("without", blocked / "compiled") == first
+    assert blocked.read_text() == "mine\n"
+    assert np.array_equal(losses(tmp_path / "first").view(np.uint32),
+                          losses(tmp_path / "second").view(np.uint32))
+    assert np.array_equal(losses(tmp_path / "first").view(np.uint32),
+                          losses(tmp_path / "without").view(np.uint32))
+    assert same_state(tmp_path / "first", tmp_path / "second")
+    assert same_state(tmp_path / "first", tmp_path / "without")

@@ -1,11 +1,14 @@
-"""Every process-wide setting trainrun makes (XLA flags, glibc's allocator, JAX's CPU dispatch),
-here and nowhere else, and when each is made:
+"""Every process-wide setting trainrun makes (XLA flags, glibc's allocator, JAX's CPU dispatch,
+JAX's compiled-program cache), here and nowhere else, and when each is made:
 
     import trainrun          ``apply_default_flags`` only: the XLA flags a promise needs before
                              JAX's backend starts. Nothing else in the process changes.
-    trainrun train / run()   ``configure_process``: the flags, the allocator and the dispatch
-                             setting, if JAX's backend has not started yet (else a one-line
-                             notice, and the run goes on without them).
+    trainrun train / run()   ``configure_process``: the flags, the allocator, the dispatch
+                             setting and the compiled-program cache, if JAX's backend has not
+                             started yet (else a one-line notice, and the run goes on without
+                             them).
+    eval, sample, lm-eval,   ``keep_compiled_programs`` only: the compiled-program cache.
+    export, verify-resume
     a library user           ``trainrun.configure_process()`` before the first computation.
 
 What each setting does and why: docs/internals.md, "Process settings in detail".
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
 import importlib.util
 import os
 import pkgutil
@@ -22,6 +26,8 @@ import platform
 import re
 import shlex
 import sys
+import tempfile
+import warnings
 from collections.abc import Mapping, MutableMapping
 from importlib import metadata
 from pathlib import Path
@@ -30,7 +36,7 @@ import jax
 
 from trainrun.errors import UserError
 from trainrun.platform import fast_paths
-from trainrun.platform.user_cache import cache_dir
+from trainrun.platform.user_cache import CompilationCacheWarning, cache_dir
 
 # flag -> value. Only for jaxlib releases whose XLA knows the flag: XLA aborts the process at
 # backend start on a flag it does not know.
@@ -196,6 +202,7 @@ class ProcessSettings:
     flags: list[str]  # XLA flags added to XLA_FLAGS
     allocator: bool  # glibc keeps and reuses freed memory
     inline_cpu_calls: bool  # one-device CPU calls run in the calling thread
+    compiled_programs: Path | None = None  # the folder compiled programs are kept in
     notice: str = ""  # one line when the backend had started: nothing could be applied
 
     def applied(self) -> bool:
@@ -205,7 +212,8 @@ class ProcessSettings:
 def configure_process(inline_cpu_calls: bool | None = None) -> ProcessSettings:
     """Make trainrun's process settings (docs/internals.md): the default XLA flags, glibc's
     allocator, one-device CPU calls inline (a fast path: None leaves it to
-    ``TRAINRUN_FAST_PATHS``). Call it once, before the first JAX computation; ``trainrun
+    ``TRAINRUN_FAST_PATHS``), compiled programs kept for later processes
+    (``keep_compiled_programs``). Call it once, before the first JAX computation; ``trainrun
     train`` and ``trainrun.run()`` call it themselves when they can. After JAX's backend has
     started nothing is changed and ``notice`` says so."""
     global _made
@@ -221,7 +229,7 @@ def configure_process(inline_cpu_calls: bool | None = None) -> ProcessSettings:
     flags = apply_default_flags()
     allocator = reuse_freed_memory()
     inline = run_cpu_calls_inline() if inline_cpu_calls else False
-    _made = ProcessSettings(flags, allocator, inline)
+    _made = ProcessSettings(flags, allocator, inline, keep_compiled_programs())
     return _made
 
 
@@ -232,6 +240,15 @@ COMPILED_PROGRAMS = "compiled"  # the folder of compiled programs under the user
 COMPILED_PROGRAMS_BYTES = 2**31  # the oldest read programs go past this
 # Before it, XLA:CPU logs an error-level line on stderr each time it loads a cached program.
 CACHE_QUIET_JAXLIB = (0, 10, 2)
+COMPILATION_CACHE_VAR = "TRAINRUN_COMPILATION_CACHE"  # 0 (off, false, no) or a folder
+CACHE_OFF = ("0", "off", "false", "no")
+# JAX settings a user's own environment variable names are theirs: trainrun leaves them.
+CACHE_SETTINGS = {
+    # Programs that compile in well under a second are most of a short command's compiling.
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    # Every size, and no platform override of the smallest entry kept.
+    "jax_persistent_cache_min_entry_size_bytes": -1,
+}
 
 
 def _jaxlib_at_least(version: tuple[int, ...]) -> bool:
@@ -240,29 +257,92 @@ def _jaxlib_at_least(version: tuple[int, ...]) -> bool:
     return tuple(jaxlib.version.__version_info__) >= version
 
 
-def keep_compiled_programs(folder: Path | None = None) -> Path | None:
-    """Keep the programs this process compiles in ``folder`` (default ``compiled`` in trainrun's
-    user cache) for later processes: JAX's persistent compilation cache, for the commands that
-    compile a few programs and run them briefly (``eval``, ``sample``, ``lm-eval``), whose wall
-    time is mostly compiling. A cache the user named (``JAX_COMPILATION_CACHE_DIR``) is kept,
-    and nothing changes once JAX has compiled. A folder that is a symlink is not followed (JAX
-    evicts old programs from it: it must be trainrun's own). Returns the folder in use, or
-    None."""
-    if (backend_started() or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-            or not _jaxlib_at_least(CACHE_QUIET_JAXLIB)):
+def host_cpu() -> str:
+    """This host's CPU as a folder name: its architecture and a digest of its model and
+    feature flags (``/proc/cpuinfo`` where there is one)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        info = platform.processor()
+    lines = sorted({line.split(":", 1)[1].strip() for line in info.splitlines()
+                    if line.split(":", 1)[0].strip() in ("model name", "flags", "Features",
+                                                          "CPU part", "CPU implementer")})
+    digest = hashlib.sha256("\n".join(lines or [info]).encode()).hexdigest()[:12]
+    return f"{platform.machine() or 'cpu'}-{digest}"
+
+
+def compiled_programs_folder(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """Where this process keeps the programs it compiles: the folder ``$TRAINRUN_COMPILATION_
+    CACHE`` names, else ``compiled/<host CPU>`` under trainrun's user cache; None where that
+    variable turns the cache off (``0``, ``off``, ``false``, ``no``) or the user has named
+    JAX's own cache (``JAX_COMPILATION_CACHE_DIR`` or ``jax_compilation_cache_dir``) or turned
+    it off (``jax_enable_compilation_cache``)."""
+    chosen = environ.get(COMPILATION_CACHE_VAR, "").strip()
+    if chosen.lower() in CACHE_OFF:
         return None
-    folder = folder if folder is not None else cache_dir() / COMPILED_PROGRAMS
-    if folder.is_symlink():
+    jax_values = jax.config.values  # these two options are not readable by jax.config.read
+    if (environ.get("JAX_COMPILATION_CACHE_DIR") or jax_values["jax_compilation_cache_dir"]
+            or not jax_values["jax_enable_compilation_cache"]):
+        return None
+    if chosen and chosen.lower() not in ("1", "on", "true", "yes"):
+        return Path(chosen).expanduser()
+    # XLA:CPU's programs are machine code for this CPU; a home shared by other CPUs keeps theirs
+    # apart.
+    return cache_dir() / COMPILED_PROGRAMS / host_cpu()
+
+
+def keep_compiled_programs(folder: Path | None = None) -> Path | None:
+    """Keep the programs this process compiles in ``folder`` (default
+    ``compiled_programs_folder()``) for later processes: JAX's persistent compilation cache,
+    which turns a command's compiling into reading files the next time. A cache the user named
+    or turned off is left as it is, and nothing changes once JAX's backend has started. A
+    folder that is a symlink is not followed (JAX evicts old programs from it: it must be
+    trainrun's own); one that cannot be written leaves the cache off with one
+    ``CompilationCacheWarning``. With several processes JAX writes from process 0 only and
+    every process reads. Returns the folder in use, or None; a second call returns what the
+    first made."""
+    global _kept
+    if _kept is not None:
+        return _kept.folder
+    if backend_started() or not _jaxlib_at_least(CACHE_QUIET_JAXLIB):
+        return None
+    _kept = _Kept(_keep(folder))
+    return _kept.folder
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    folder: Path | None
+
+
+_kept: _Kept | None = None  # what this process's first keep_compiled_programs made
+
+
+def _keep(folder: Path | None) -> Path | None:
+    ours = [folder] if folder is not None else []
+    if folder is None:
+        folder = compiled_programs_folder()
+        if folder is None:
+            return None
+        ours = [folder, folder.parent] if folder.parent.name == COMPILED_PROGRAMS else [folder]
+    if any(path.is_symlink() for path in ours):
         return None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
+        with tempfile.TemporaryFile(dir=folder):  # writable for files, not only for mkdir
+            pass
+    except OSError as err:
+        warnings.warn(f"compiled programs are not kept: cannot write {folder} "
+                      f"({(err.strerror or str(err)).lower()}); make it writable, point "
+                      f"{COMPILATION_CACHE_VAR} at a folder that is, or set it to 0",
+                      CompilationCacheWarning, stacklevel=3)
         return None  # an unwritable cache costs a compile, never the command
     jax.config.update("jax_compilation_cache_dir", str(folder))
     if importlib.util.find_spec("filelock") is not None:  # JAX evicts only under a file lock
         jax.config.update("jax_compilation_cache_max_size", COMPILED_PROGRAMS_BYTES)
-    # Programs that compile in under a second are most of these commands' compiling.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    for name, value in CACHE_SETTINGS.items():
+        if name.upper() not in os.environ:
+            jax.config.update(name, value)
     return folder
 
 

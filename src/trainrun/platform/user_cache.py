@@ -13,3 +13,7 @@ def cache_dir() -> Path:
         return Path(os.environ["TRAINRUN_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "trainrun"
+
+
+class CompilationCacheWarning(UserWarning):
+    """The compiled-program cache is off for this process: its folder cannot be written."""

@@ -65,7 +65,7 @@ def load(name: str, args: Mapping[str, Any] | None = None, weight: float = 1.0) 
         raise DataError(f"reward {name!r} is neither a built-in ({', '.join(BUILT_IN)}) nor "
                         "module:function; name one")
     module = _module(module_name, name)
-    found = getattr(module, attribute, None)
+    found: RewardFn | None = getattr(module, attribute, None)
     if not callable(found):
         raise DataError(f"reward {name}: {module_name} has no function {attribute!r}")
     if not settings:

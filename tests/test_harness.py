@@ -202,6 +202,17 @@ def test_model_args_it_does_not_take_are_one_line(tasks, capfd):
                                   "max_length, max_gen_toks, chat_template, seed")
 
 
+def test_an_unknown_task_is_one_line_naming_it_and_how_to_list_tasks(tasks, capfd):
+    """Before, lm-eval's ValueError ended the command in a traceback."""
+    pytest.importorskip("lm_eval")
+    code = main(["lm-eval", "--model", "trainrun", "--model_args", "path=unused",
+                 "--tasks", "tiny_mc,nosuchtask", "--include_path", str(tasks)])
+    err = capfd.readouterr().err.rstrip("\n").splitlines()
+    assert (code, err) == (2, ["error: --tasks nosuchtask: lm-eval has no such task; "
+                               "`trainrun lm-eval ls tasks` lists them (with --include_path "
+                               "DIR, your own as well)"])
+
+
 def test_without_lm_eval_the_command_names_the_extra(monkeypatch, capsys):
     for module in extras.MODULES["eval"]:
         monkeypatch.setitem(sys.modules, module, None)

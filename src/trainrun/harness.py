@@ -70,6 +70,7 @@ AUTO_LOGITS = 2**27  # float32 logits one auto-sized call may hold
 AUTO_ROWS = 64  # the most rows of an auto-sized batch without --max_batch_size
 MIN_LENGTH = 16  # the narrowest rows: short requests share one program
 OPTIONS = ("path", "ema", "max_length", "max_gen_toks", "chat_template", "seed")
+TASKS_NOT_FOUND = "Tasks not found: "  # how lm-eval's ValueError names unknown --tasks
 # generation settings that change nothing when decoding greedily
 GREEDY_IGNORES = ("top_p", "top_k", "min_p", "typical_p")
 
@@ -489,7 +490,8 @@ def _scorer(cfg: TransformerModel, compute: str, attention_block: int = ATTENTIO
 
 def main(argv: Sequence[str]) -> int:
     """lm-eval's own command line with ``argv`` (``trainrun lm-eval ARGS``), the ``trainrun``
-    model registered; 0 when it returns (its errors are its own). The objects alive when
+    model registered; 0 when it returns (its errors are its own, but for a ``--tasks`` name
+    it does not know: ``HarnessError`` naming them and how to list tasks). The objects alive when
     lm-eval builds the model stay frozen for the garbage collector (``gc.freeze``) after it
     returns: the command's process ends there, and its last collections skip them too."""
     extras.require("eval", "trainrun lm-eval")
@@ -500,6 +502,13 @@ def main(argv: Sequence[str]) -> int:
     TrainrunLM.freeze_heap = True
     try:
         cli_evaluate()
+    except ValueError as err:
+        missing = str(err).removeprefix(TASKS_NOT_FOUND)
+        if missing == str(err):
+            raise
+        raise HarnessError(f"--tasks {missing}: lm-eval has no such task; "
+                           "`trainrun lm-eval ls tasks` lists them (with --include_path DIR, "
+                           "your own as well)") from None
     finally:
         sys.argv = saved
         TrainrunLM.freeze_heap = False

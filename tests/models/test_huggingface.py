@@ -222,6 +222,9 @@ def edited_copy(source, to, **changes):
                                           "num_key_value_heads 3"),
     ("gpt2", {"n_head": 3}, "n_embd 32 is not a multiple of n_head 3"),
     ("gpt2", {"n_layer": 2.0}, "n_layer 2.0, which is not a whole number"),
+    ("llama", {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "decoder_sparse_step": 0},
+     "decoder_sparse_step 0, which is not a whole number from 1 to 2\\*\\*63 - 1"),
 ])
 def test_each_config_json_value_is_checked_before_use(family_dirs, tmp_path, family, changes,
                                                       says):

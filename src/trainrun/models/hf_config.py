@@ -86,7 +86,8 @@ class GPT2Config(_ModelConfig):
 
 class LlamaConfig(_ModelConfig):
     """The keys of a config.json of the Llama layout's families (``llama``, ``qwen2``,
-    ``mistral``, ``qwen3``, ``gemma3_text``, ``phi3``) that trainrun reads."""
+    ``mistral``, ``qwen3``, ``gemma3_text``, ``phi3`` and the mixtures of experts) that
+    trainrun reads."""
 
     hidden_size: Count | None = Field(default=None, description=COUNT)
     num_hidden_layers: Count | None = Field(default=None, description=COUNT)
@@ -109,6 +110,7 @@ class LlamaConfig(_ModelConfig):
     hidden_activation: Text | None = Field(default=None, description="an activation's name")
     query_pre_attn_scalar: Positive | None = Field(default=None, description=POSITIVE)
     rope_local_base_freq: Positive | None = Field(default=None, description=POSITIVE)
+    decoder_sparse_step: Count | None = Field(default=None, description=COUNT)
 
     @pydantic.model_validator(mode="after")
     def _heads_divide(self) -> LlamaConfig:

@@ -5,6 +5,7 @@ or stops answering."""
 from __future__ import annotations
 
 import io
+import re
 import threading
 import time
 
@@ -201,3 +202,99 @@ def test_a_store_that_stops_answering_mid_stream_is_waited_for(object_store_serv
     finally:
         remote.set_deadline(300)
     assert first + rest == data
+
+
+@pytest.mark.parametrize("url, says", [
+    ("az://c/x", r"^'az://c/x': trainrun does not read or write az:// locations; give "
+                 r"gs://BUCKET/PATH, s3://BUCKET/PATH or a local path$"),
+    ("https://host/runs/x", "does not read or write https:// locations"),
+    ("s3://", r"^'s3://' names no bucket; give s3://BUCKET/PATH$"),
+    ("gs:///runs/x", "names no bucket; give gs://BUCKET/PATH"),
+    ("gs://grel/../x", r"^'gs://grel/\.\./x' has a '\.\.' segment, .*give the path within "
+                       r"bucket 'grel' without '\.', '\.\.' or '//'$"),
+    ("s3://rel/runs/../../x", r"has a '\.\.' segment, .*bucket 'rel'"),
+    ("gs://b/./x", r"has a '\.' segment"),
+    ("gs://b//x", r"has an empty segment \(//\)"),
+])
+def test_a_location_trainrun_cannot_take_is_one_line_where_it_enters(url, says, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for enters in (remote.is_remote, location.location):  # every reader asks one or the other
+        with pytest.raises(remote.BadLocation, match=says):
+            enters(url)
+    assert list(tmp_path.iterdir()) == []  # no local folder named az: or gs:
+
+
+def test_bucket_urls_and_local_paths_are_taken_as_they_are(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert all(remote.is_remote(u) for u in ("gs://b", "s3://b/", "gs://b/runs/x/", "s3://b/a.b"))
+    assert not any(remote.is_remote(p) for p in ("runs/x", "runs/a://b", "./x", "/tmp/x..y"))
+
+
+def _fresh_clients() -> None:
+    """No client fsspec keeps from an earlier test: each reads the environment anew."""
+    import gcsfs
+    import s3fs
+
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "which does not exist"),
+    ("{not json", r"which is not a credentials file google-auth reads \(.*not a valid json "
+                  r"file\.\)"),
+    ('{"type": "service_account"}', r"which is not a credentials file google-auth reads \("
+                                    r"Failed to load service account credentials .*\)"),
+])
+def test_a_gcs_key_file_that_cannot_be_loaded_is_one_line_at_once(
+        content, why, object_store_servers, tmp_path, monkeypatch, capsys):
+    key = tmp_path / "key.json"
+    if content is not None:
+        key.write_text(content)
+    # Credentials are looked for as on GCS itself (an emulator takes none), with no network:
+    # what gcsfs falls back to would fail as a store not answering, until the deadline.
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    remote.set_deadline(3)
+    _fresh_clients()
+    try:
+        with pytest.raises(remote.StorageRefused, match=(
+                f"^GOOGLE_APPLICATION_CREDENTIALS names {re.escape(str(key))}, {why}: give it the "
+                "path of a "
+                "service account key")) as err:
+            location.list_names(location.location("gs://bucket/runs"))
+        assert "\n" not in str(err.value)
+        from trainrun.cli import main
+
+        assert main(["runs", "--root", "gs://bucket/runs"]) == 2
+        assert capsys.readouterr().err == f"error: {err.value}\n"
+    finally:
+        remote.set_deadline(300)
+        _fresh_clients()
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[default\naws_access_key_id\n", r"^AWS_SHARED_CREDENTIALS_FILE names {file}, which "
+     r"botocore cannot parse as a credentials or config file \(listing {url}\): fix the file, "
+     r"or unset AWS_SHARED_CREDENTIALS_FILE$"),
+    (None, r"^no credentials for {url} \(listing; AWS_SHARED_CREDENTIALS_FILE names {file}, "
+     r"which does not exist\): give them through AWS_ACCESS_KEY_ID"),
+])
+def test_an_aws_credentials_file_that_cannot_be_read_is_named_in_one_line(
+        content, says, object_store_servers, tmp_path, monkeypatch):
+    file = tmp_path / "credentials"
+    if content is not None:
+        file.write_text(content)
+    url = f"{object_store_servers['s3'].new_bucket()}/runs"
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")  # the file is where botocore looks for them
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(file))
+    monkeypatch.delenv("AWS_CONFIG_FILE", raising=False)
+    _fresh_clients()
+    try:
+        with pytest.raises(remote.StorageRefused,
+                           match=says.format(file=re.escape(str(file)), url=re.escape(url))):
+            location.list_names(location.location(url))
+    finally:
+        _fresh_clients()

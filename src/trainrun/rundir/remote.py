@@ -18,7 +18,13 @@ works on whole objects:
 Credentials and endpoints come from where each ecosystem's own tools look: for GCS,
 ``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's login or the metadata server, and
 ``STORAGE_EMULATOR_HOST`` for an emulator; for S3, ``AWS_*`` variables, profiles and
-``AWS_ENDPOINT_URL``. Nothing of them is written anywhere.
+``AWS_ENDPOINT_URL``. Nothing of them is written anywhere. A ``GOOGLE_APPLICATION_CREDENTIALS``
+that names no loadable key is one line before any request (gcsfs would go on without
+credentials); a credentials file botocore cannot parse is one line naming its variable.
+
+``is_remote``, which every path passes before it is read or written, refuses what is no
+location: a URL of another scheme, a bucket URL without a bucket or with ``.``, ``..`` or empty
+segments (``BadLocation``, one line).
 
 A request that fails for a reason that may pass (the store not answering, a timeout, a 5xx, a
 429) is tried again with exponential backoff until ``deadline_s`` (``storage.deadline_s``) has
@@ -32,9 +38,11 @@ import contextlib
 import dataclasses
 import datetime
 import errno
+import functools
 import io
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -62,10 +70,41 @@ class StorageRefused(UserError):
     credentials, no such bucket, no permission); one line, exit 2."""
 
 
+class BadLocation(UserError):
+    """A location trainrun cannot take: a URL of another scheme, a bucket URL without a
+    bucket, or one whose path has ``.``, ``..`` or empty segments; one line, exit 2."""
+
+
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # RFC 3986's scheme, then an authority
+
+
 def is_remote(path: Any) -> bool:
-    """Whether ``path`` (a string, ``pathlib`` or ``epath`` path) names an object store."""
+    """Whether ``path`` (a string, ``pathlib`` or ``epath`` path) names an object store.
+
+    Every location passes here before it is read or written, so this is where a URL trainrun
+    cannot take is refused (``BadLocation``): one of another scheme (``az://``, which would
+    otherwise be a local folder ``az:``), a ``gs://``/``s3://`` one that names no bucket, or
+    one with a ``.``, ``..`` or empty segment (the store takes each as part of a key, so
+    ``gs://b/runs/../x`` would be written under the key ``runs/../x`` while the checkpoint
+    library resolves it elsewhere)."""
     text = str(path)
-    return any(text.startswith(f"{scheme}://") for scheme in SCHEMES)
+    found = _URL.match(text)
+    if found is None:
+        return False
+    scheme = found.group(1)
+    if scheme not in SCHEMES:
+        raise BadLocation(f"{text!r}: trainrun does not read or write {scheme}:// locations; "
+                          "give gs://BUCKET/PATH, s3://BUCKET/PATH or a local path")
+    segments = text[found.end():].rstrip("/").split("/")
+    if not segments[0]:
+        raise BadLocation(f"{text!r} names no bucket; give {scheme}://BUCKET/PATH")
+    bad = next((s for s in segments[1:] if s in ("", ".", "..")), None)
+    if bad is not None:
+        what = "an empty segment (//)" if bad == "" else f"a {bad!r} segment"
+        raise BadLocation(f"{text!r} has {what}, which object storage keeps as part of the "
+                          f"name; give the path within bucket {segments[0]!r} without '.', "
+                          "'..' or '//'")
+    return True
 
 
 def scheme_of(path: Any) -> str:
@@ -82,11 +121,9 @@ Location = Any  # pathlib.Path locally, etils.epath.Path on object storage
 def location(path: str | os.PathLike[str] | Any) -> Location:
     """``path`` as the path type its store takes: an ``epath.Path`` for ``gs://`` and ``s3://``
     (whose client is set up first), a ``pathlib.Path`` otherwise."""
-    if not is_remote(path):
+    if not is_remote(path):  # a URL trainrun cannot take is refused there
         return Path(path)
     text = str(path).rstrip("/")
-    if not bucket_of(text):
-        raise UserError(f"{text!r} names no bucket; give {scheme_of(text)}://BUCKET/PATH")
     filesystem(text)  # the extra's hint, and the client configured, before any use
     from etils import epath
 
@@ -138,6 +175,9 @@ def filesystem(path: Any) -> Any:
 
             # An emulator takes no credentials: none are looked for (nor a metadata server).
             token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
+            key = os.environ.get(GCS_KEY_VARIABLE)
+            if token is None and key:
+                _require_gcs_key(key)
             return GCSFileSystem(requests_timeout=REQUEST_TIMEOUT_S, token=token)
         import fsspec
 
@@ -146,6 +186,33 @@ def filesystem(path: Any) -> Any:
             "retries": {"mode": "standard", "total_max_attempts": 1}})
         fs.retries = 1  # one attempt per call, by s3fs and botocore: retried here to the deadline
         return fs
+
+
+GCS_KEY_VARIABLE = "GOOGLE_APPLICATION_CREDENTIALS"
+S3_FILE_VARIABLES = ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
+
+
+@functools.lru_cache(maxsize=8)
+def _require_gcs_key(key: str) -> None:
+    """``StorageRefused`` when ``GOOGLE_APPLICATION_CREDENTIALS`` names a file google-auth
+    cannot load: gcsfs would fall back to anonymous requests, which a store or a network
+    refuses as failures that may pass, so the deadline would run out without naming it."""
+    import google.auth
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        google.auth.load_credentials_from_file(key)
+    except (DefaultCredentialsError, OSError, ValueError) as err:
+        if not os.path.exists(key):
+            why = "does not exist"
+        else:
+            detail = err.args[0] if isinstance(err, DefaultCredentialsError) and err.args \
+                else err
+            why = f"is not a credentials file google-auth reads ({' '.join(str(detail).split())})"
+        raise StorageRefused(
+            f"{GCS_KEY_VARIABLE} names {key}, which {why}: give it the path of a service "
+            "account key (JSON), or unset it to use gcloud's login or the machine's service "
+            "account") from None
 
 
 def _timeout(nbytes: int) -> float:
@@ -215,16 +282,37 @@ def _credentials_missing(err: BaseException) -> bool:
                          "RefreshError"}) or status == 401
 
 
+def _unparsed_file(err: BaseException) -> str | None:
+    """The file of botocore's ``ConfigParseError`` in ``err``'s chain (a credentials or config
+    file it cannot parse), if any."""
+    for e in _chain(err):
+        if type(e).__name__ == "ConfigParseError":
+            return str(getattr(e, "kwargs", {}).get("path", "")) or "?"
+    return None
+
+
 def refused_line(path: Any, err: BaseException, doing: str) -> str:
     """The one line for a request the store refused for good."""
     scheme = scheme_of(path)
+    unparsed = _unparsed_file(err)
+    if unparsed is not None:
+        named = [v for v in S3_FILE_VARIABLES if os.path.expanduser(
+            os.environ.get(v, "")) == unparsed]
+        where, fix = ((f"{named[0]} names {unparsed}", f"unset {named[0]}") if named else
+                      (f"the AWS file {unparsed}", "move it aside"))
+        return (f"{where}, which botocore cannot parse as a credentials or config file "
+                f"({doing} {path}): fix the file, or {fix}")
     if _credentials_missing(err):
         where = ("GOOGLE_APPLICATION_CREDENTIALS (a service account key), `gcloud auth "
                  "application-default login`, or a machine with a service account; "
                  "STORAGE_EMULATOR_HOST for an emulator" if scheme == "gs" else
                  "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a machine role; "
                  "AWS_ENDPOINT_URL for another endpoint")
-        return f"no credentials for {path} ({doing}): give them through {where}"
+        missing = [f"{v} names {os.environ[v]}, which does not exist" for v in S3_FILE_VARIABLES
+                   if scheme == "s3" and os.environ.get(v)
+                   and not os.path.exists(os.path.expanduser(os.environ[v]))]
+        return (f"no credentials for {path} ({doing}"
+                f"{''.join(f'; {m}' for m in missing)}): give them through {where}")
     status = _status(err)
     if status == 403 or isinstance(err, PermissionError):
         return (f"permission denied {doing} {path}: give these credentials access to bucket "

@@ -35,7 +35,8 @@ def _train(args: argparse.Namespace) -> int:
     # joins the other processes, if any, before JAX starts; not a job that runs already
     with session(resolved.config.distributed, lambda: refuse_joining(run_dir)):
         run(resolved.config, run_dir, fresh=args.fresh,
-            allow_config_change=args.allow_config_change)
+            allow_config_change=args.allow_config_change,
+            allow_data_change=args.allow_data_change)
     return 0
 
 
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(model, optimizer, data, seed, ...); steps may always change")
     train.add_argument("overrides", nargs="*", metavar="key.path=value")
     train.set_defaults(handler=_train)
+    train.add_argument("--allow-data-change", action="store_true",
+                       help="resume even though a data file the run reads is not the one it "
+                            "trained on (appended to, rewritten or replaced)")
 
     verify = commands.add_parser(
         "verify-resume", help="prove that a killed and resumed run equals an uninterrupted one",

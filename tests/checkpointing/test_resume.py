@@ -1,19 +1,30 @@
 """Resume, proved: ``trainrun verify-resume`` kills real processes (SIGKILL) at checkpoints, one
 of them while an asynchronous save is in flight, and passes only when every step's loss and
 the final state are bitwise equal to an uninterrupted run; a planted fault makes it fail. A
-checkpoint written on 4 devices resumes on 2 and on 1."""
+checkpoint written on 4 devices resumes on 2 and on 1. A resume on data files other than
+those the run trained on is refused, unless asked for; the same files, touched, resume
+bitwise."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import os
 import shutil
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import losses
 
+from trainrun import data, rundir
+from trainrun.checkpointing.resume import DataChangedError
 from trainrun.cli import main as cli_main
+from trainrun.config import load_config
 from trainrun.reporting.sinks.jsonl import read_metrics
+from trainrun.training.loop import run
 
 # A model that draws from the step key (dropout) on a shuffled iterator (batch < examples):
 # resume is only right if the key, the step and the data position all come back.
@@ -132,3 +143,117 @@ def test_checkpoint_from_4_devices_resumes_on_2_and_on_1(cli, tmp_path):
         got = np.array([r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")])
         assert len(got) == 20
         np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+# ---- the data a run reads --------------------------------------------------------------------
+
+# The chat config on record files, shrunk to a few quick steps; a checkpoint every 2.
+RECORDS = ["data.synthetic=null", "steps_per_call=1", "eval.every=0", "checkpoint.every=2",
+           "data.batch_size=2", "optimizer.schedule.kind=constant", "model.d_model=16",
+           "model.layers=1", "model.heads=2", "metrics.every=1", "metrics.tensorboard=false"]
+
+
+def write_chat(path: Path, answer: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"question {i}"},
+        {"role": "assistant", "content": f"{answer} {i}"}]}) + "\n" for i in range(24)))
+    return path
+
+
+def sha256(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def listing(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    """The test's folder as the working directory, with its own record cache; the data a
+    process loaded is forgotten, as a new process would read the files again."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+    data._load.cache_clear()
+    yield tmp_path
+    data._load.cache_clear()
+
+
+@pytest.mark.slow
+def test_a_resume_on_rewritten_records_is_refused_naming_the_file(in_tmp, capfd):
+    records = write_chat(in_tmp / "data" / "edit2.jsonl", "answer")
+    argv = ["train", "--config", "chat", *RECORDS, "data.paths=[data/edit2.jsonl]",
+            "--run-dir", "c07b"]
+    assert cli_main([*argv, "steps=2"]) == 0
+    recorded = rundir.read_json(in_tmp / "c07b" / rundir.DATA_FILES)
+    assert recorded == {"files": {"data/edit2.jsonl": sha256(records)}}
+
+    write_chat(records, "reply")  # every answer rewritten
+    data._load.cache_clear()
+    before = listing(in_tmp / "c07b")
+    capfd.readouterr()
+    assert cli_main([*argv, "steps=4"]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: c07b was trained on other data "
+                                                   "(data/edit2.jsonl changed)"), err
+    assert "--allow-data-change" in err
+    assert listing(in_tmp / "c07b") == before  # refused before anything was written
+
+    assert cli_main([*argv, "steps=4", "--allow-data-change"]) == 0
+    assert [r["step"] for r in read_metrics(in_tmp / "c07b" / rundir.METRICS)] == [1, 2, 3, 4]
+    assert rundir.read_json(in_tmp / "c07b" / rundir.DATA_FILES) == {
+        "files": {"data/edit2.jsonl": sha256(records)}}  # what it trains on from now on
+
+
+@pytest.mark.slow
+def test_records_touched_but_unchanged_resume_bitwise_and_appended_are_refused(in_tmp):
+    records = write_chat(in_tmp / "chat.jsonl", "answer")
+
+    def train(run_dir: str, steps: int, **allow: bool) -> str:
+        out = io.StringIO()
+        config = load_config("chat", [*RECORDS, f"data.paths=[{records}]", f"steps={steps}"])
+        run(config, run_dir, out=out, **allow)
+        data._load.cache_clear()
+        return out.getvalue()
+
+    train("whole", 4)
+    train("split", 2)
+    later = records.stat().st_mtime + 100
+    os.utime(records, (later, later))  # a new time, the same bytes
+    out = train("split", 4)
+    assert "resumed from step 2" in out and "warning" not in out
+    assert losses(in_tmp / "split").tobytes() == losses(in_tmp / "whole").tobytes()
+
+    # a run directory from before the record: nothing to compare, recorded from now on
+    (in_tmp / "split" / rundir.DATA_FILES).unlink()
+    out = train("split", 6)
+    assert "resumed from step 4" in out and "warning" not in out
+    assert rundir.read_json(in_tmp / "split" / rundir.DATA_FILES) == {
+        "files": {str(records): sha256(records)}}
+
+    with records.open("a") as more:  # appended to
+        more.write(json.dumps({"messages": [{"role": "user", "content": "one more"},
+                                            {"role": "assistant", "content": "yes"}]}) + "\n")
+    with pytest.raises(DataChangedError, match=f"{records} changed"):
+        train("split", 8)
+    out = train("split", 8, allow_data_change=True)
+    assert (f"warning: resuming on changed data (--allow-data-change): {records} changed"
+            in out) and "resumed from step 6" in out
+
+
+def test_data_changes_name_each_file_changed_new_or_gone(tmp_path):
+    from trainrun.checkpointing.resume import check_data
+
+    saved = {"a.jsonl": "sha256:1", "b.jsonl": "sha256:2", "c.jsonl": "sha256:3"}
+    now = {"a.jsonl": "sha256:1", "b.jsonl": "sha256:9", "d.jsonl": "sha256:4"}
+    with pytest.raises(DataChangedError) as err:
+        check_data(saved, now, False, tmp_path / "run")
+    assert str(err.value).startswith(
+        f"{tmp_path / 'run'} was trained on other data (b.jsonl changed; c.jsonl is no longer "
+        "read; d.jsonl is read now and was not); ")
+    assert check_data(saved, now, True, tmp_path) == [
+        "b.jsonl changed", "c.jsonl is no longer read", "d.jsonl is read now and was not"]
+    assert check_data(None, now, False, tmp_path) == []  # a run that recorded none
+    assert check_data(saved, dict(saved), False, tmp_path) == []

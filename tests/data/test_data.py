@@ -3,14 +3,16 @@ restores to exactly the batches an uninterrupted iterator gives."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from trainrun.config import ArrayData, DigitsData, TextData, TokenData, load_config
+from trainrun.config import ArrayData, DigitsData, RecordsData, TextData, TokenData, load_config
 from trainrun.data import (
     ArrayBatches,
     BatchCursor,
@@ -18,6 +20,7 @@ from trainrun.data import (
     batch_iterator,
     build_dataset,
     build_eval_dataset,
+    data_files,
     stack_batches,
     token_windows,
 )
@@ -211,6 +214,34 @@ def _fails_with(tmp_path, overrides: list[str], *words: str) -> None:
     for word in words:
         assert word in message, message
     assert not (run_dir / "metrics.jsonl").exists()  # refused before anything was written
+
+
+def test_every_data_file_read_is_fingerprinted_by_its_bytes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+
+    def write(name: str, blob: bytes) -> str:
+        (tmp_path / name).write_bytes(blob)
+        return str(tmp_path / name)
+
+    def sha(*paths: str) -> dict[str, str]:
+        return {p: "sha256:" + hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
+
+    a, b = write("a.txt", b"x" * 300), write("b.txt", b"y" * 300)
+    assert data_files(TextData(paths=(str(tmp_path / "*.txt"),), seq_len=16)) == sha(a, b)
+    mixed = TextData(mix=({"source": a}, {"source": b}), seq_len=16)
+    assert data_files(mixed) == sha(a, b)
+    train, held = (write(f"{n}.bin", np.arange(400, dtype=np.uint16).tobytes())
+                   for n in ("train", "val"))
+    assert data_files(TokenData(paths=train, eval_paths=held, seq_len=16)) == sha(train, held)
+    np.save(tmp_path / "x.npy", np.ones((40, 2), np.float32))
+    np.savez(tmp_path / "held.npz", x=np.ones((8, 2), np.float32))
+    arrays = ArrayData(paths={"x": str(tmp_path / "x.npy")}, eval_paths=str(tmp_path / "held.npz"))
+    assert data_files(arrays) == sha(str(tmp_path / "x.npy"), str(tmp_path / "held.npz"))
+    records, held_out = (write(f"{n}.jsonl", json.dumps({"text": n * 40}).encode() + b"\n")
+                         for n in ("r", "h"))
+    cfg = RecordsData(paths=(records,), eval_paths=(held_out,), seq_len=64, batch_size=1)
+    assert data_files(cfg) == sha(records, held_out)
+    assert data_files(DigitsData()) == {}
 
 
 def test_bad_data_errors_name_the_problem(tmp_path):

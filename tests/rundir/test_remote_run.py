@@ -8,6 +8,7 @@ named ``gs:`` or ``s3:``: each test runs in an empty working directory that must
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import json
 import os
@@ -114,6 +115,30 @@ def test_a_changed_byte_in_a_bucket_step_moves_it_aside_and_resumes_from_the_one
     assert [n.split("-")[0] for n in location.list_names(ckpt / "corrupt")] == ["4"]
     np.testing.assert_array_equal(remote_losses(url).view(np.uint32),
                                   local_losses(*MLP, "steps=6").view(np.uint32))
+
+
+@pytest.mark.slow
+def test_a_bucket_run_records_its_data_files_and_refuses_them_changed(bucket, workdir, tmp_path,
+                                                                      monkeypatch):
+    from trainrun import data
+    from trainrun.checkpointing.resume import DataChangedError
+
+    def arrays(scale: float) -> str:
+        x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8) * scale
+        np.savez(tmp_path / "train.npz", x=x, y=x.sum(1, keepdims=True))
+        data._load.cache_clear()  # read again, as a new process would
+        return str(tmp_path / "train.npz")
+
+    url = f"{bucket}/runs/data"
+    files = ["data.kind=arrays", f"data.paths={arrays(1.0)}", "data.batch_size=16"]
+    digest = hashlib.sha256((tmp_path / "train.npz").read_bytes()).hexdigest()
+    train(url, 2, tmp_path / "machine-1", monkeypatch, *files)
+    record = location.location(url) / rundir.DATA_FILES
+    assert rundir.read_json(record) == {"files": {str(tmp_path / "train.npz"): f"sha256:{digest}"}}
+    arrays(2.0)  # the same name, other values
+    with pytest.raises(DataChangedError, match=f"{tmp_path / 'train.npz'} changed"):
+        train(url, 4, tmp_path / "machine-2", monkeypatch, *files)
+    assert rundir.committed_steps(location.location(url) / rundir.CHECKPOINTS) == [2]
 
 
 def test_one_job_holds_a_bucket_run_until_its_lease_runs_out(bucket, workdir, tmp_path,

@@ -8,6 +8,8 @@ A checkpoint's metadata holds the config and provenance it was written with. On 
                                              named, since it then changes the learning rate
     jax / jaxlib / the lock's digest /       allowed; bitwise equality is not promised
     backend / device count
+    the bytes of a data file the run reads   refused unless asked for (the run directory's
+                                             ``data_files.json`` against the files now)
 
 Bitwise resume also needs the program to compute the same bits in a new process. XLA:CPU does by
 default (measured: benchmarks/determinism.py); XLA:GPU does only with deterministic ops (no
@@ -106,6 +108,40 @@ def check_config(saved: dict[str, Any], config: RunConfig, allow: bool, where: P
             f"{where} was trained with a different config ({shown}); resuming with these "
             "changes alters the run. Leave out --config to resume with the run's own config "
             "(overrides apply over it), pass --allow-config-change to resume anyway, or "
+            "--fresh to move the run aside")
+    return changes
+
+
+class DataChangedError(UserError):
+    """Resuming on data files whose content differs from what the run trained on, without
+    asking for it."""
+
+
+def data_changes(saved: dict[str, str], current: dict[str, str]) -> list[str]:
+    """How the data files read now differ from those a run recorded (name -> content
+    fingerprint): each file whose content changed, that is new, or that is no longer read."""
+    changed = []
+    for name in sorted(saved.keys() | current.keys()):
+        if name not in current:
+            changed.append(f"{name} is no longer read")
+        elif name not in saved:
+            changed.append(f"{name} is read now and was not")
+        elif saved[name] != current[name]:
+            changed.append(f"{name} changed")
+    return changed
+
+
+def check_data(saved: dict[str, str] | None, current: dict[str, str], allow: bool,
+               where: Path) -> list[str]:
+    """The differences between the data files a run recorded (None: it recorded none, so
+    there is nothing to compare) and those read now; raises unless ``allow``."""
+    changes = [] if saved is None else data_changes(saved, current)
+    if changes and not allow:
+        shown = "; ".join(changes[:SHOWN_CHANGES]) + (
+            f"; and {len(changes) - SHOWN_CHANGES} more" if len(changes) > SHOWN_CHANGES else "")
+        raise DataChangedError(
+            f"{where} was trained on other data ({shown}); resuming on it alters the run. "
+            "Put the data back as it was, pass --allow-data-change to resume anyway, or "
             "--fresh to move the run aside")
     return changes
 

@@ -77,6 +77,14 @@ def data_counts(cfg) -> RecordCounts | None:
     return counts if isinstance(counts, RecordCounts) else None
 
 
+def data_files(cfg) -> dict[str, str]:
+    """The content fingerprint of each file a data section reads, by its name: the sha256 of
+    its bytes (``sha256:<hex>``, hashed where the source reads or keys them), or an object's
+    version and size as its store gives them; none for data made in memory or the standard
+    library's corpus."""
+    return dict(_splits(cfg).get("files", {}))
+
+
 def data_notices(cfg) -> list[str]:
     """What the console says of a data section's loading (kept record rows found damaged and
     made anew, say): lines; none for most sources."""
@@ -132,6 +140,7 @@ __all__ = [
     "build_dataset",
     "build_eval_dataset",
     "data_counts",
+    "data_files",
     "data_notices",
     "eval_batches",
     "held_out_arrays",

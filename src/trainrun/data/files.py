@@ -7,8 +7,10 @@ reads from disk only the windows of its own batches.
 
 from __future__ import annotations
 
+import hashlib
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,13 +56,29 @@ def load_arrays(spec: str | dict[str, str], key: str) -> Arrays:
     return arrays
 
 
-def array_splits(cfg) -> dict[str, Arrays | None]:
+def fingerprints(*specs: str | dict[str, str] | None) -> dict[str, str]:
+    """Each file the specs name (a path, or names to paths; None: none) with the sha256 of its
+    bytes (``sha256:<hex>``), read a block at a time: mapped files are not read whole
+    otherwise, so this is their one read through."""
+    paths = [path for spec in specs if spec is not None
+             for path in ([spec] if isinstance(spec, str) else spec.values())]
+    found = {}
+    for path in paths:
+        with open(Path(path).expanduser(), "rb") as file:
+            found[path] = f"sha256:{hashlib.file_digest(file, 'sha256').hexdigest()}"
+    return found
+
+
+def array_splits(cfg) -> dict[str, Any]:
+    """``{"train": arrays, "eval": arrays or None, "files": fingerprints}`` of ``data.paths``
+    and ``data.eval_paths``."""
     if cfg.paths is None:
         raise DataError("data.kind=arrays needs data.paths: a .npz file or a mapping of names "
                         "to .npy files")
     return {"train": load_arrays(cfg.paths, "data.paths"),
             "eval": (load_arrays(cfg.eval_paths, "data.eval_paths")
-                     if cfg.eval_paths is not None else None)}
+                     if cfg.eval_paths is not None else None),
+            "files": fingerprints(cfg.paths, cfg.eval_paths)}
 
 
 def load_tokens(path: str, dtype: str, key: str) -> np.ndarray:
@@ -75,7 +93,9 @@ def load_tokens(path: str, dtype: str, key: str) -> np.ndarray:
     return np.memmap(file, dtype=dtype, mode="r")
 
 
-def token_splits(cfg) -> dict[str, Arrays | None]:
+def token_splits(cfg) -> dict[str, Any]:
+    """``{"train": windows, "eval": windows or None, "files": fingerprints}`` of the token
+    files ``data.paths`` and ``data.eval_paths``."""
     if cfg.paths is None:
         raise DataError("data.kind=tokens needs data.paths: the path of a .bin token file")
     train = load_tokens(cfg.paths, cfg.dtype, "data.paths")
@@ -84,4 +104,5 @@ def token_splits(cfg) -> dict[str, Arrays | None]:
     return {"train": {"tokens": token_windows(train, cfg.seq_len, f"data.paths {cfg.paths!r}")},
             "eval": None if held is None else
             {"tokens": token_windows(held, cfg.seq_len, f"data.eval_paths {cfg.eval_paths!r}",
-                                     strict=False)}}
+                                     strict=False)},
+            "files": fingerprints(cfg.paths, cfg.eval_paths)}

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import mmap
@@ -133,8 +134,9 @@ class RecordCounts:
 
 
 def record_splits(cfg: RecordsData) -> dict[str, Any]:
-    """``{"train": arrays, "eval": arrays or None, "counts": RecordCounts, "notices": lines}``
-    (``notices``: kept rows found damaged and made anew); for ``data.mix`` ``"train"`` is a
+    """``{"train": arrays, "eval": arrays or None, "counts": RecordCounts, "notices": lines,
+    "files": fingerprints}`` (``notices``: kept rows found damaged and made anew; ``files``:
+    each record file read, with ``Source.fingerprints``); for ``data.mix`` ``"train"`` is a
     list (one per source) beside ``"weights"``."""
     tokenizer = model_tokenizer.of_records(cfg)
     sources: list[Source] = (
@@ -157,11 +159,14 @@ def record_splits(cfg: RecordsData) -> dict[str, Any]:
     eval_rows = (None if not found else found[0] if len(found) == 1 else
                  {name: np.concatenate([rows[name] for rows in found]) for name in found[0]})
     notices = [part.notice for part in (*parts, *held) if part.notice]
+    files = {name: found for source in (*sources, *([held_out] if held_out else []))
+             for name, found in source.fingerprints().items()}
     if not cfg.mix:
-        return {"train": parts[0].train, "eval": eval_rows, "counts": counts, "notices": notices}
+        return {"train": parts[0].train, "eval": eval_rows, "counts": counts, "notices": notices,
+                "files": files}
     return {"train": [part.train for part in parts],
             "weights": [mix.weight for mix in cfg.mix], "eval": eval_rows, "counts": counts,
-            "notices": notices}
+            "notices": notices, "files": files}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +185,23 @@ class Source:
     def key(self) -> list[Any]:
         if self.synthetic:
             return ["task", self.synthetic]  # the key kept rows were made under: still valid
+        return self._identities
+
+    @functools.cached_property
+    def _identities(self) -> list[list[Any]]:
+        """Each file's identity, asked of it once: its resolved path and the sha256 of its
+        bytes, or an object's ``_object_identity``."""
         return [_object_identity(file) if location.is_remote(file) else
                 [str(file.resolve()), _content_digest(file)] for file in self.files]
+
+    def fingerprints(self) -> dict[str, str]:
+        """Each file by its name, with its content fingerprint: ``sha256:<hex>`` of a local
+        file's bytes, or ``<version> <size>`` as the store gives them for an object."""
+        if self.synthetic:
+            return {}
+        return {str(file): (f"version {identity[2]}, {identity[3]} bytes"
+                            if identity[1] == "version" else f"sha256:{identity[1]}")
+                for file, identity in zip(self.files, self._identities, strict=True)}
 
     def records(self, cfg: RecordsData) -> Iterator[Located]:
         if self.synthetic:

@@ -20,6 +20,7 @@ packages excluded): real code present on every machine. It differs between Pytho
 from __future__ import annotations
 
 import glob
+import hashlib
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,17 +86,30 @@ def read_file(path: Location) -> bytes:
                         "listed); run again once the data stops changing") from None
 
 
-def read_corpus(patterns: Sequence[str]) -> np.ndarray:
-    """The matched files' bytes, joined, as a uint8 array."""
-    blob = b"".join(read_file(path) for path in corpus_files(patterns))
-    return np.frombuffer(blob, np.uint8)
+def read_files(patterns: Sequence[str], files: dict[str, str] | None = None) -> list[bytes]:
+    """The bytes of each file the patterns match, in order; ``files``, when given, gets each
+    file's name with the sha256 of the bytes read (``sha256:<hex>``)."""
+    blobs = []
+    for path in corpus_files(patterns):
+        blob = read_file(path)
+        if files is not None:
+            files[str(path)] = f"sha256:{hashlib.sha256(blob).hexdigest()}"
+        blobs.append(blob)
+    return blobs
 
 
-def text_arrays(cfg, patterns: Sequence[str] = ()) -> dict[str, dict[str, np.ndarray]]:
+def read_corpus(patterns: Sequence[str], files: dict[str, str] | None = None) -> np.ndarray:
+    """The matched files' bytes, joined, as a uint8 array (``files``: as ``read_files``)."""
+    return np.frombuffer(b"".join(read_files(patterns, files)), np.uint8)
+
+
+def text_arrays(cfg, patterns: Sequence[str] = (),
+                files: dict[str, str] | None = None) -> dict[str, dict[str, np.ndarray]]:
     """``{"train": {"tokens"}, "eval": {"tokens"}}``: windows ``[N, seq_len + 1]`` uint8 of the
-    files ``patterns`` match (default: ``data.paths``, else the standard library)."""
+    files ``patterns`` match (default: ``data.paths``, else the standard library);
+    ``files``: as ``read_files``."""
     patterns = patterns or cfg.paths or stdlib_patterns()
-    stream = read_corpus(patterns)
+    stream = read_corpus(patterns, files)
     if stream.size == 0:
         raise DataError(f"the text corpus {list(patterns)} is empty (0 bytes); point data.paths "
                         "at files with text in them")
@@ -106,12 +120,12 @@ def text_arrays(cfg, patterns: Sequence[str] = ()) -> dict[str, dict[str, np.nda
                                              strict=False)}}
 
 
-def split_documents(patterns: Sequence[str],
-                    eval_fraction: float) -> tuple[list[bytes], list[bytes]]:
+def split_documents(patterns: Sequence[str], eval_fraction: float,
+                    files: dict[str, str] | None = None) -> tuple[list[bytes], list[bytes]]:
     """The matched files as documents, split as ``text_arrays`` splits their bytes: the last
     ``eval_fraction`` of the joined bytes is held out, and the file that the cut falls in
-    becomes two documents. Empty documents are left out."""
-    documents = [read_file(path) for path in corpus_files(patterns)]
+    becomes two documents. Empty documents are left out. ``files``: as ``read_files``."""
+    documents = read_files(patterns, files)
     total = sum(len(doc) for doc in documents)
     if total == 0:
         raise DataError(f"the text corpus {list(patterns)} is empty (0 bytes); point data.paths "
@@ -134,24 +148,29 @@ def split_documents(patterns: Sequence[str],
 
 
 def text_splits(cfg) -> dict:
-    """A ``text`` section's data: ``{"train": arrays, "eval": arrays}`` of one source
-    (``data.paths``), or for ``data.mix`` ``{"train": [arrays per source], "weights": [...],
-    "eval": every source's held-out rows}``. Bytes in windows, or with ``data.tokenizer``
-    documents packed into rows (``packed_sources``)."""
+    """A ``text`` section's data: ``{"train": arrays, "eval": arrays, "files": fingerprints}``
+    of one source (``data.paths``), or for ``data.mix`` ``{"train": [arrays per source],
+    "weights": [...], "eval": every source's held-out rows, "files": ...}``. Bytes in windows,
+    or with ``data.tokenizer`` documents packed into rows (``packed_sources``). ``files``: each
+    file read with the sha256 of its bytes (``read_files``); none for the standard library's,
+    which are no user's files."""
     sources = [source.source for source in cfg.mix] or [cfg.paths or stdlib_patterns()]
+    files: dict[str, str] = {}
+    recorded = files if cfg.mix or cfg.paths else None
     if cfg.tokenizer is None:
-        parts = [text_arrays(cfg, patterns) for patterns in sources]
+        parts = [text_arrays(cfg, patterns, recorded) for patterns in sources]
     else:
-        parts = packed_sources(cfg, sources)
+        parts = packed_sources(cfg, sources, recorded)
     if not cfg.mix:
-        return parts[0]
+        return {**parts[0], "files": files}
     held = {name: np.concatenate([part["eval"][name] for part in parts])
             for name in parts[0]["eval"]}
     return {"train": [part["train"] for part in parts],
-            "weights": [source.weight for source in cfg.mix], "eval": held}
+            "weights": [source.weight for source in cfg.mix], "eval": held, "files": files}
 
 
-def packed_sources(cfg, sources: Sequence[Sequence[str]]) -> list[dict[str, dict]]:
+def packed_sources(cfg, sources: Sequence[Sequence[str]],
+                   files: dict[str, str] | None = None) -> list[dict[str, dict]]:
     """Per source, its training and held-out documents as ``data.tokenizer`` token ids, packed
     into rows of ``seq_len + 1`` (``documents.pack_documents``), with ``token_bytes``: the bytes
     of text each token stands for (0 for padding and document tokens), from which eval reports
@@ -159,13 +178,14 @@ def packed_sources(cfg, sources: Sequence[Sequence[str]]) -> list[dict[str, dict
     (a tokenizer that normalizes text), as the bytes a token covers are then unknown.
 
     The tokenizer is trained at first use on every source's training documents; the encoded
-    ids are kept for the next run (``tokenizer.encoded_cache``)."""
+    ids are kept for the next run (``tokenizer.encoded_cache``). ``files``: as
+    ``read_files``."""
     from trainrun.data import tokenizer as tokenizers
     from trainrun.data.documents import pack_documents
 
     texts = []
     for patterns in sources:
-        train, held = split_documents(patterns, cfg.eval_fraction)
+        train, held = split_documents(patterns, cfg.eval_fraction, files)
         texts.append({"train": [doc.decode("utf-8", "replace") for doc in train],
                       "eval": [doc.decode("utf-8", "replace") for doc in held]})
     tokenizer = tokenizers.load_or_train(

@@ -19,6 +19,7 @@ from trainrun.rundir.layout import (
     CHECKPOINTS,
     COMMIT_FILE,
     CONFIG,
+    DATA_FILES,
     FORMAT,
     MARKER,
     METRICS,
@@ -33,7 +34,7 @@ from trainrun.rundir.layout import (
 from trainrun.rundir.ownership import Found, enclosing_run, inspect, write_marker
 from trainrun.rundir.run_directory import RunDirectory, move_aside
 from trainrun.rundir.run_files import DamagedFile, read_json, read_yaml, write_json, write_text
-from trainrun.rundir.run_start import start, truncate_metrics
+from trainrun.rundir.run_start import read_data_files, start, truncate_metrics
 from trainrun.rundir.status import (
     STATUSES,
     finished_message,
@@ -48,6 +49,7 @@ __all__ = [
     "CHECKPOINTS",
     "COMMIT_FILE",
     "CONFIG",
+    "DATA_FILES",
     "FORMAT",
     "MARKER",
     "METRICS",
@@ -69,6 +71,7 @@ __all__ = [
     "location",
     "mark_failed",
     "move_aside",
+    "read_data_files",
     "read_json",
     "read_status",
     "read_summary",

@@ -4,6 +4,7 @@
               trainrun.lock     held (flock) by the one process writing the run
               config.yaml       the resolved config
               provenance.json   what the run was measured on
+              data_files.json   the content fingerprint of each data file the run reads
               metrics.jsonl     one line per training step (and per eval)
               summary.json      written at the end: final loss, timing, throughput
               timing.jsonl      one line per timing window: device time per step
@@ -23,6 +24,7 @@ MARKER = "trainrun.json"
 FORMAT = 1  # the run directory layout this trainrun reads and writes
 CONFIG = "config.yaml"
 PROVENANCE = "provenance.json"
+DATA_FILES = "data_files.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 TIMING = "timing.jsonl"
@@ -32,7 +34,7 @@ ORBAX_TMP = ".orbax-checkpoint-tmp"  # Orbax's suffix for a step still being wri
 COMMIT_FILE = "commit_success.txt"  # Orbax's mark of a committed step on object storage
 
 # The files a run writes at its top: none may be a link, which a write would follow out of it.
-RUN_FILES = (MARKER, LOCK, CONFIG, PROVENANCE, METRICS, SUMMARY, TIMING, STATUS)
+RUN_FILES = (MARKER, LOCK, CONFIG, PROVENANCE, DATA_FILES, METRICS, SUMMARY, TIMING, STATUS)
 
 
 def default_run_dir(config: RunConfig) -> Path:

@@ -1,5 +1,6 @@
-"""A run's files as it (re)starts at a step: its config, its provenance, and its metrics cut
-back to that step, so that each step is written once."""
+"""A run's files as it (re)starts at a step: its config, its provenance, the fingerprints of
+the data files it reads, and its metrics cut back to that step, so that each step is written
+once."""
 
 from __future__ import annotations
 
@@ -8,19 +9,36 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.config import RunConfig, dump_yaml
-from trainrun.rundir.layout import CONFIG, METRICS, PROVENANCE, TIMING
-from trainrun.rundir.run_files import write_json, write_text
+from trainrun.rundir import location
+from trainrun.rundir.layout import CONFIG, DATA_FILES, METRICS, PROVENANCE, TIMING
+from trainrun.rundir.run_files import DamagedFile, read_json, write_json, write_text
 
 
-def start(run_dir: Path, config: RunConfig, provenance: dict[str, Any], step: int) -> None:
+def start(run_dir: Path, config: RunConfig, provenance: dict[str, Any], step: int,
+          data_files: dict[str, str] | None = None) -> None:
     """Write the run's files for a run (re)starting at ``step``: the config (``steps`` may have
-    grown), this process's provenance, and ``metrics.jsonl`` cut back to ``step`` so that each
-    step is in it once."""
+    grown), this process's provenance, the fingerprint of each data file it reads (None: data
+    given as a dataset, nothing recorded), and ``metrics.jsonl`` cut back to ``step`` so that
+    each step is in it once."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / CONFIG, dump_yaml(config))
     write_json(run_dir / PROVENANCE, provenance)
+    if data_files is not None:
+        write_json(run_dir / DATA_FILES, {"files": data_files})
     truncate_metrics(run_dir / METRICS, step)
     truncate_metrics(run_dir / TIMING, step)
+
+
+def read_data_files(run_dir: Path) -> dict[str, str] | None:
+    """The data files' fingerprints a run recorded as it started (``start``); None for a run
+    that recorded none (one from before the record, or trained on a dataset it was given)."""
+    path = run_dir / DATA_FILES
+    if not location.is_file(path):
+        return None
+    files = read_json(path).get("files")
+    if not isinstance(files, dict):
+        raise DamagedFile(path, "no mapping of files")
+    return {str(name): str(fingerprint) for name, fingerprint in files.items()}
 
 
 def truncate_metrics(path: Path, step: int) -> int:

@@ -53,7 +53,8 @@ Batch = Any
 
 def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = None,
         data: grain.MapDataset | Iterator[Batch] | None = None, fresh: bool = False,
-        allow_config_change: bool = False, out: TextIO = sys.stdout,
+        allow_config_change: bool = False, allow_data_change: bool = False,
+        out: TextIO = sys.stdout,
         eval_data: grain.MapDataset | None = None,
         callbacks: Sequence[Callback] = (), clock: Clock = time.monotonic) -> RunSummary:
     """Train ``config`` and return its summary (also written to ``summary.json``).
@@ -68,6 +69,8 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
         process's ``data`` yields its own rows of each global batch.
     fresh: move an existing run (and its checkpoints) aside and start over.
     allow_config_change: resume even though config keys that alter the trajectory changed.
+    allow_data_change: resume even though a data file the run reads differs from the one it
+        trained on (its content fingerprint in the run's ``data_files.json``).
     eval_data: the held-out split that ``eval.every`` evaluates, batch ``i`` at index ``i``;
         defaults to the one ``config.data`` holds out.
     callbacks: ``trainrun.Callback`` objects, called at every call boundary, or with
@@ -98,6 +101,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
                 wall_start = time.perf_counter()
                 built = setup(config, path, directory, model=model, data=data,
                               eval_data=eval_data, allow_config_change=allow_config_change,
+                              allow_data_change=allow_data_change,
                               out=out, cleanup=cleanup)
                 started = True
                 if isinstance(built, RunSummary):  # finished already: nothing to do

@@ -36,13 +36,19 @@ from trainrun.checkpointing.checkpoints import (
     checkpoint_dir,
 )
 from trainrun.checkpointing.policy import CheckpointPolicy, Clock
-from trainrun.checkpointing.resume import check_config, provenance_changes, schedule_shift
+from trainrun.checkpointing.resume import (
+    check_config,
+    check_data,
+    provenance_changes,
+    schedule_shift,
+)
 from trainrun.config import ConfigError, RunConfig, TransformerModel, schedule_notices
 from trainrun.data import (
     batch_iterator,
     build_dataset,
     build_eval_dataset,
     data_counts,
+    data_files,
     data_notices,
 )
 from trainrun.data.record_rows import RecordCounts
@@ -163,7 +169,8 @@ def run_directory(config: RunConfig, run_dir: Any, fresh: bool) -> rundir.RunDir
 
 def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
           model: Model | None, data: Any, eval_data: grain.MapDataset | None, out: TextIO,
-          allow_config_change: bool, cleanup: contextlib.ExitStack) -> Run | RunSummary:
+          allow_config_change: bool, allow_data_change: bool,
+          cleanup: contextlib.ExitStack) -> Run | RunSummary:
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
     chosen, primary, prov = _process(config, directory)
     batch_size = getattr(data, "batch_size", None) or config.data.batch_size
@@ -172,7 +179,7 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     if resumes is not None and resumes >= config.steps:  # finished: nothing to do
         return _finished(run_dir, directory, resumes, config.steps, console, primary)
     parts = _parts(config, model, batch_size, console)
-    data, batches, records = _data(config, data, parts, console)
+    data, batches, records, files = _data(config, data, parts, console)
     evaluator = _evaluator(config, parts, eval_data, chosen.decode_head())
     stream = _metric_stream(config)
     timing = Timing(watch=Stopwatch(), timer=StepTimer(inline=chosen.switch.inline_cpu_calls))
@@ -181,8 +188,9 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     loaded = _init_from_state(config, parts, resumes, timing.watch)
     checkpoints, mirror = _claim(config, directory, prov, primary, console, cleanup)
     with timing.watch.phase("init"):
-        state = _restore_or_init(checkpoints, config, parts, batches, loaded, allow_config_change,
-                                 _Resuming(run_dir, directory.display, prov, console, primary))
+        state = _restore_or_init(checkpoints, config, parts, batches, loaded,
+                                 _Resuming(run_dir, directory.display, prov, console, primary,
+                                           files, allow_config_change, allow_data_change))
     reporting = _reporting(config, run_dir, console, primary, prov, int(state.step))
     _report_start(config, reporting, records, stream, int(state.step), parts.model.name,
                   directory.display)
@@ -270,10 +278,11 @@ def _model(config: RunConfig, mesh: Any) -> Model:
 
 
 def _data(config: RunConfig, data: Any, parts: Parts, console: Console,
-          ) -> tuple[Any, Any, RecordCounts | None]:
+          ) -> tuple[Any, Any, RecordCounts | None, dict[str, str] | None]:
     """The training data (``data`` as given, else the config's: this process's rows), its
-    host batches, and what became of its records when it has a count of them."""
-    records = None
+    host batches, what became of its records when it has a count of them, and the content
+    fingerprint of each file the config's data reads (None: ``data`` was given)."""
+    records = files = None
     if data is None:
         rows = parts.placement.rows
         data = build_dataset(config.data, seed=config.seed, process_index=rows[0],
@@ -283,7 +292,8 @@ def _data(config: RunConfig, data: Any, parts: Parts, console: Console,
         records = data_counts(config.data)
         if records is not None:
             preflight.check_vocab(records.vocab, config.model, config.data)
-    return data, _batches(config, data, parts), records
+        files = data_files(config.data)
+    return data, _batches(config, data, parts), records, files
 
 
 def _batches(config: RunConfig, data: Any, parts: Parts) -> Any:
@@ -531,27 +541,45 @@ def _fresh_state(config: RunConfig, parts: Parts) -> TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class _Resuming:
-    """What the start of the run's files and its console messages need."""
+    """What the start of the run's files, its checks on resume and its console messages
+    need."""
 
     run_dir: Path
     shown: Any  # the run directory as messages show it
     provenance: dict[str, Any]
     console: Console
     primary: bool
+    data_files: dict[str, str] | None  # None: data given as a dataset, no files to compare
+    allow_config_change: bool
+    allow_data_change: bool
+
+    def changes(self, config: RunConfig, meta: dict[str, Any]) -> tuple[list[str], list[str]]:
+        """The config's and the data files' differences from what the checkpoint's run trained
+        on; raises for either unless allowed. Process 0 holds the run's files, and checks the
+        data files."""
+        configs = check_config(meta["config"], config, self.allow_config_change, self.shown)
+        if not self.primary or self.data_files is None:
+            return configs, []
+        return configs, check_data(rundir.read_data_files(self.run_dir), self.data_files,
+                                   self.allow_data_change, self.shown)
 
 
 def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, batches: Any,
-                     loaded: TrainState | None, allow_config_change: bool,
-                     resuming: _Resuming) -> TrainState:
+                     loaded: TrainState | None, resuming: _Resuming) -> TrainState:
     """The newest readable checkpoint's state, placed by the state's shardings (any mesh), with
-    the data iterator set to its position; else a fresh state (``loaded``: init.from's, made
-    already). Then the run's files are written for the step it starts at (nothing is written
-    before a refusal)."""
+    the data iterator set to its position, once its config and the data files are checked
+    against the run's; else a fresh state (``loaded``: init.from's, made already). Then the
+    run's files are written for the step it starts at, the data files' fingerprints among
+    them (nothing is written before a refusal)."""
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           parts.abstract, parts.state_sharding)
     changes: list[str] = []
-    restored = checkpoints.restore(target, batches, lambda meta: changes.extend(
-        check_config(meta["config"], config, allow_config_change, resuming.shown)))
+    data_changes: list[str] = []
+
+    def check(meta: dict[str, Any]) -> None:  # each step tried: the last one's are said
+        changes[:], data_changes[:] = resuming.changes(config, meta)
+
+    restored = checkpoints.restore(target, batches, check)
     if restored is None:
         state = loaded if loaded is not None else _fresh_state(config, parts)
         step = int(state.step)
@@ -559,14 +587,14 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, 
         state, step = restored.state, restored.step
         checkpoints.last_committed = step
     if resuming.primary:
-        rundir.start(resuming.run_dir, config, resuming.provenance, step)
+        rundir.start(resuming.run_dir, config, resuming.provenance, step, resuming.data_files)
     _say_cleanups(checkpoints, resuming.console)
     if restored is None:
         if config.init.from_ is not None:
             resuming.console.message(f"starting from {config.init.load} of {config.init.from_} "
                                      f"(init.from) at step {step}")
         return state
-    _say_restored(restored, config, checkpoints, changes, resuming)
+    _say_restored(restored, config, checkpoints, changes, data_changes, resuming)
     return state
 
 
@@ -585,9 +613,10 @@ def _say_cleanups(checkpoints: Checkpoints, console: Console) -> None:
 
 
 def _say_restored(restored: Restored, config: RunConfig, checkpoints: Checkpoints,
-                  changes: list[str], resuming: _Resuming) -> None:
+                  changes: list[str], data_changes: list[str], resuming: _Resuming) -> None:
     """What a resume passed over or differs in (unreadable steps, no checksums, a changed
-    config, a shifted schedule, other versions), then where it resumed from."""
+    config, changed data files, a shifted schedule, other versions), then where it resumed
+    from."""
     console, step = resuming.console, restored.step
     for bad, why, where in restored.moved:
         console.message(f"warning: checkpoint step {bad} cannot be read ({why}); "
@@ -598,6 +627,9 @@ def _say_restored(restored: Restored, config: RunConfig, checkpoints: Checkpoint
     if changes:
         console.message("warning: resuming with a changed config (--allow-config-change): "
                         + "; ".join(changes))
+    if data_changes:
+        console.message("warning: resuming on changed data (--allow-data-change): "
+                        + "; ".join(data_changes))
     _say_drift(restored, config, step, resuming)
     console.message(f"resumed from step {step} ({checkpoints.directory / str(step)})")
 

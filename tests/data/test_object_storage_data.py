@@ -145,16 +145,21 @@ def test_records_in_a_bucket_give_the_rows_of_the_same_files_on_disk(bucket, tmp
     assert_same_arrays(build_eval_dataset(here_cfg)[0], build_eval_dataset(there_cfg)[0])
 
 
-def test_an_object_rewritten_in_place_gives_its_new_rows(bucket, tmp_path):
+def test_an_object_rewritten_in_place_gives_its_new_rows_and_fingerprint(bucket, tmp_path):
     url = upload(write_jsonl(tmp_path / "old.jsonl", [chat(i) for i in range(10, 30)]),
                  f"{bucket}/chat.jsonl")
     cfg = records(paths=(url,))
-    old = segments(record_splits(cfg)["train"])
+    first = record_splits(cfg)
+    old = segments(first["train"])
     new = write_jsonl(tmp_path / "new.jsonl", [chat(i) for i in range(50, 70)])  # same size
     upload(new, url)
-    rows = segments(record_splits(cfg)["train"])
+    again = record_splits(cfg)
+    rows = segments(again["train"])
     assert rows == segments(record_splits(records(paths=(str(new),)))["train"])
     assert rows != old
+    # what a resume compares with the run's record: another fingerprint, so it is refused
+    assert list(first["files"]) == list(again["files"]) == [url]
+    assert first["files"][url] != again["files"][url]
 
 
 def test_a_model_directorys_tokenizer_in_a_bucket_encodes_as_from_disk(bucket, tmp_path):

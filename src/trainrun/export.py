@@ -55,7 +55,6 @@ from trainrun.models.transformer import merge_adapters
 from trainrun.rundir import export_dir, location, storage
 from trainrun.rundir.atomic import create_new
 from trainrun.rundir.export_dir import ExportRefused, check_target
-from trainrun.rundir.path_checks import model_file
 
 DTYPES = ("float32", "bfloat16", "float16")
 _ERRNO = {what: code for code, what in storage.REFUSED.items()}
@@ -207,10 +206,10 @@ def _adapter_base(adapters: Path) -> Path | None:
 def _source_files(source: Path, names: tuple[str, ...]) -> dict[str, Path]:
     """The files of ``names`` the source directory has, each as the path to read: a symbolic
     link only where it stays inside the source or its hub repository's folder; any other link
-    is refused on one line naming it and its target (``path_checks.model_file``)."""
+    is refused on one line naming it and its target (``location.model_file``)."""
     found = {}
     for name in names:
-        path = model_file(source / name, ExportRefused)
+        path = location.model_file(source / name, ExportRefused)
         if path.is_file():
             found[name] = Path(os.path.realpath(path)) if path.is_symlink() else path
     return found

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from trainrun import rundir
 from trainrun.errors import UserError
 from trainrun.rundir import location
-from trainrun.rundir.path_checks import model_file
 
 if TYPE_CHECKING:  # the tokenizers stack is imported only where a tokenizer is read
     from trainrun.data.chat import ChatTemplate
@@ -163,7 +162,8 @@ def _config_ids(file: Path) -> dict[str, int]:
     import json
 
     try:
-        config = json.loads(model_file(file, TokenizerError).read_text(encoding="utf-8"))
+        text = location.model_file(file, TokenizerError).read_text(encoding="utf-8")
+        config = json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError):
         return {}  # the model's loader reports an unreadable config.json
     if not isinstance(config, dict):

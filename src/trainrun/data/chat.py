@@ -49,7 +49,6 @@ import numpy as np
 from trainrun.data.errors import DataError
 from trainrun.errors import printable
 from trainrun.rundir import location
-from trainrun.rundir.path_checks import model_file
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -158,12 +157,12 @@ class ChatTemplate:
         ``chat_template.jinja`` when there is one (transformers reads it first), else the
         ``"chat_template"`` of ``tokenizer_config.json`` (a string, or a list of
         ``{"name", "template"}`` of which "default" is taken); None when there is neither.
-        Either file linking out of the folder is refused (``path_checks.model_file``)."""
+        Either file linking out of the folder is refused (``location.model_file``)."""
         folder = path if location.is_remote(path) else Path(path)
-        jinja_file = model_file(folder / TEMPLATE_FILE, DataError)
+        jinja_file = location.model_file(folder / TEMPLATE_FILE, DataError)
         if location.is_file(jinja_file):
             return cls(_read(jinja_file), str(jinja_file))
-        config_file = model_file(folder / CONFIG_FILE, DataError)
+        config_file = location.model_file(folder / CONFIG_FILE, DataError)
         if not location.is_file(config_file):
             return None
         try:

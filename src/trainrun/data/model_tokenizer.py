@@ -29,7 +29,6 @@ from trainrun.data.chat import CHATML, ChatTemplate
 from trainrun.data.errors import DataError
 from trainrun.data.tokenizer import DOCUMENT_TOKEN, byte_alphabet, library
 from trainrun.rundir import location, remote
-from trainrun.rundir.path_checks import model_file
 
 Location = location.Location
 
@@ -158,7 +157,7 @@ def _tokenizer_file(file: Location, source: str) -> ModelTokenizer:
 
 
 def _model_dir(path: Location, source: str) -> ModelTokenizer:
-    file = model_file(path / "tokenizer.json", DataError)
+    file = location.model_file(path / "tokenizer.json", DataError)
     if not location.is_file(file):
         raise DataError(f"data.tokenizer {source!r} has no tokenizer.json (a tokenizer saved by "
                         "an older transformers as vocab files alone is not read); save it with a "
@@ -186,7 +185,7 @@ def _model_dir(path: Location, source: str) -> ModelTokenizer:
 
 def _json_object(file: Location, source: str) -> dict[str, Any]:
     """The JSON object in ``file`` ({} when there is no file)."""
-    if not location.is_file(model_file(file, DataError)):
+    if not location.is_file(location.model_file(file, DataError)):
         return {}
     try:
         value = json.loads(location.read_text(file))

@@ -30,7 +30,6 @@ from trainrun.errors import UserError, read_refused
 from trainrun.models import safetensors_ranges as ranges
 from trainrun.models.hf_config import checked_model_config
 from trainrun.rundir import location, remote
-from trainrun.rundir.path_checks import model_file
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 
@@ -163,8 +162,7 @@ def _llama_family(hf: dict[str, Any], model_type: str) -> Architecture:
             "head_dim": "head_dim", "mlp_hidden": "intermediate_size",
             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
             "rope_scaling": "rope_scaling", "tie_embeddings": "tie_word_embeddings",
-            "mlp": act_key, "sliding_window": "sliding_window", "sliding_layers": "layer_types",
-            "fused_projections": "model_type"}
+            "mlp": act_key, "sliding_window": "sliding_window", "sliding_layers": "layer_types"}
     fields = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": layers,
               "heads": heads, "kv_heads": kv_heads if kv_heads != heads else None,
               "head_dim": head_dim if head_dim * heads != d else None,
@@ -180,7 +178,6 @@ def _llama_family(hf: dict[str, Any], model_type: str) -> Architecture:
               "query_scale": (float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5
                               if gemma else None),
               "sliding_window": window, "sliding_layers": sliding,
-              "fused_projections": model_type in FUSED,
               "local_rope_theta": local_theta if window is not None else None,
               "tie_embeddings": bool(hf.get("tie_word_embeddings",
                                             model_type in ("qwen2", *GEMMA))),
@@ -448,7 +445,7 @@ def read_config(path: Location) -> dict[str, Any]:
 def read_file(file: Location) -> bytes:
     """A file of a model directory, local or on object storage; a local file the system will
     not read is its one line, a missing object one naming it (or its missing bucket), a link
-    out of the directory one naming the link (``path_checks.model_file``)."""
+    out of the directory one naming the link (``location.model_file``)."""
     if location.is_remote(file):
         try:
             return location.read_bytes(file)
@@ -456,7 +453,7 @@ def read_file(file: Location) -> bytes:
             raise WeightsError(f"{remote.missing_line(file, 'object')}; the model "
                                "directory is incomplete: copy it again") from None
     try:
-        return Path(model_file(file, WeightsError)).read_bytes()
+        return Path(location.model_file(file, WeightsError)).read_bytes()
     except OSError as err:  # not the file's fault: the system's cause, said as such
         raise read_refused(err) from None
 
@@ -598,7 +595,7 @@ class Tensors:
             return cls({path: header(path)}, entries)
         index = path / INDEX
         if location.is_file(path / WEIGHTS):
-            weights = model_file(path / WEIGHTS, WeightsError)
+            weights = location.model_file(path / WEIGHTS, WeightsError)
             return cls({weights: header(weights)}, entries)
         if not location.is_file(index):
             raise WeightsError(f"{path} has neither {WEIGHTS} nor {INDEX}; save the model with "
@@ -615,7 +612,7 @@ class Tensors:
             if str(file.parent) != str(path) or not location.is_file(file):
                 raise WeightsError(f"{index} lists {file.name}, which is not in {path}; the "
                                    "download is incomplete")
-            found = header(model_file(file, WeightsError))
+            found = header(location.model_file(file, WeightsError))
             listed = {n for n, f in files.items() if f == file}
             if listed - set(found):
                 raise WeightsError(f"{file.name} lacks tensor {sorted(listed - set(found))[0]!r} "
@@ -869,7 +866,7 @@ def model_type_of(cfg: TransformerModel) -> str:
     if cfg.positions == "learned" and cfg.norm == "layernorm" and cfg.mlp == "gelu":
         return "gpt2"
     if cfg.positions == "rope" and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu":
-        return "phi3" if cfg.fused_projections else "qwen2" if cfg.qkv_bias else "llama"
+        return "qwen2" if cfg.qkv_bias else "llama"
     raise WeightsError(f"the model's layout ({cfg.norm}, {cfg.mlp} MLP, {cfg.positions} "
                        "positions) is no Hugging Face family's: train with GPT-2's "
                        "(model.positions=learned, model.bias=true) or the Llama family's "

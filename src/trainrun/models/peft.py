@@ -37,7 +37,6 @@ from trainrun.models.huggingface import (
     refuse_unreadable,
 )
 from trainrun.rundir import location
-from trainrun.rundir.path_checks import model_file
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 
@@ -430,7 +429,7 @@ def _read_tensors(path: Location) -> dict[str, np.ndarray]:
         raise WeightsError(f"{path} has no {ADAPTER_WEIGHTS}; PeftModel.save_pretrained "
                            "writes it")
     if not location.is_remote(weights):  # safetensors says "No such file" for a denied read
-        refuse_unreadable(model_file(weights, WeightsError))
+        refuse_unreadable(location.model_file(weights, WeightsError))
     data = read_file(weights) if location.is_remote(weights) else None
     try:
         tensors = load_file(str(weights)) if data is None else load(data)

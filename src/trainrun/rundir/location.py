@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import IO, Any
 
+from trainrun.errors import UserError
 from trainrun.rundir import remote
 from trainrun.rundir.atomic import replace_file
 
@@ -135,3 +136,26 @@ def make_dirs(path: Location) -> None:
 def open_read(path: Location) -> IO[bytes]:
     """The file for reading a block at a time (ranged requests remotely)."""
     return remote.open_read(path) if is_remote(path) else open(path, "rb")
+
+
+def model_file(file: Location, error: type[UserError] = UserError) -> Location:
+    """``file`` of a model directory (its folder is ``file``'s parent), to be read: returned as
+    given where its real path is inside the folder's real path or, for a Hugging Face hub
+    snapshot (``<repo>/snapshots/<revision>``, whose files link to ``../../blobs/``), inside
+    the repository's folder (the one holding ``snapshots`` and ``blobs``); a symbolic link
+    anywhere else raises ``error`` on one line naming the link and its target. A location on
+    object storage (no links there) is returned as is."""
+    if is_remote(file):
+        return file
+    file = Path(file)
+    folder = file.parent
+    home = Path(os.path.realpath(folder))
+    repos = [parent.parent for parent in (home, *home.parents)
+             if parent.name == "snapshots" and (parent.parent / "blobs").is_dir()]
+    inside = repos[0] if repos else home
+    real = Path(os.path.realpath(file))
+    if not real.is_relative_to(inside):
+        raise error(f"{file} is a symbolic link to {real}, outside {folder}: trainrun reads a "
+                    "model directory's files only from inside it; put the file itself there, "
+                    "or remove the link")
+    return file

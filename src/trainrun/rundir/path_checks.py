@@ -1,12 +1,10 @@
 """Paths refused up front, in one line, before anything is written: names the file system would
-refuse, bytes that are not UTF-8, links where trainrun writes its own files, and links that
-take a model directory's file from outside it."""
+refuse, bytes that are not UTF-8, and links where trainrun writes its own files."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from trainrun.errors import UserError
 from trainrun.rundir.layout import RUN_FILES
@@ -59,25 +57,3 @@ def require_utf8(path: Path, flag: str) -> None:
     except UnicodeDecodeError as err:
         raise UserError(f"{flag} {raw!r} is not valid UTF-8 (byte {raw[err.start]:#04x}); "
                         "checkpoints need a UTF-8 path: give one") from None
-
-
-def model_file(file: Any, error: type[UserError] = UserError) -> Any:
-    """``file`` of a model directory (its folder is ``file``'s parent), to be read: returned as
-    given where its real path is inside the folder's real path or, for a Hugging Face hub
-    snapshot (``<repo>/snapshots/<revision>``, whose files link to ``../../blobs/``), inside
-    the repository's folder (the one holding ``snapshots`` and ``blobs``); a symbolic link
-    anywhere else raises ``error`` on one line naming the link and its target. A location on
-    object storage (no links there) is returned as is."""
-    if not isinstance(file, Path):
-        return file
-    folder = file.parent
-    home = Path(os.path.realpath(folder))
-    repos = [parent.parent for parent in (home, *home.parents)
-             if parent.name == "snapshots" and (parent.parent / "blobs").is_dir()]
-    inside = repos[0] if repos else home
-    real = Path(os.path.realpath(file))
-    if not real.is_relative_to(inside):
-        raise error(f"{file} is a symbolic link to {real}, outside {folder}: trainrun reads a "
-                    "model directory's files only from inside it; put the file itself there, "
-                    "or remove the link")
-    return file

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainrun.platform.lazy_exports import lazy_exports
+from trainrun.platform.lazy_exports import lazy_exports, serve_own_reads
 from trainrun.platform.process import apply_default_flags
 
 if TYPE_CHECKING:
@@ -83,3 +83,5 @@ __all__ = [
     "load_tokenizer",
     "run",
 ]
+
+serve_own_reads(__name__, _HOME)  # after every function above is defined

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainrun.config import DataConfig
 from trainrun.data.errors import DataError
-from trainrun.platform.lazy_exports import lazy_exports
+from trainrun.platform.lazy_exports import lazy_exports, serve_own_reads
 
 if TYPE_CHECKING:
     from trainrun.data.mixture import MixtureBatches
@@ -147,3 +147,5 @@ __all__ = [
     "stack_batches",
     "token_windows",
 ]
+
+serve_own_reads(__name__, _HOME)  # after every function above is defined

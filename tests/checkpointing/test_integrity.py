@@ -82,6 +82,33 @@ def test_every_item_has_checksums_and_verify_checkpoint_reads_them(tmp_path, cap
     assert "no checkpoint of step 25; its steps: 10, 20, 30" in capsys.readouterr().err
 
 
+def test_a_damaged_step_record_is_reported_and_a_resume_rewrites_it(tmp_path, capsys, whole):
+    """Before, verify-checkpoint passed a step whose _CHECKPOINT_METADATA held random bytes,
+    and a resume stopped on a traceback where it held a JSON object Orbax does not take."""
+    run_dir = tmp_path / "run"
+    train(run_dir)
+    steps = run_dir / "checkpoints"
+    (steps / "30" / integrity.STEP_RECORD).write_bytes(b"\x93garbage{\x00")
+    (steps / "20" / integrity.STEP_RECORD).write_text('{"item_handlers": 5}')
+    capsys.readouterr()
+    assert cli_main(["verify-checkpoint", str(run_dir)]) == 1
+    assert capsys.readouterr().out.startswith(
+        f"{steps / '30'}: _CHECKPOINT_METADATA, Orbax's record of step 30, is not JSON")
+    assert cli_main(["verify-checkpoint", str(run_dir), "20"]) == 1
+    assert capsys.readouterr().out.startswith(
+        f"{steps / '20'}: _CHECKPOINT_METADATA, Orbax's record of step 20, is not one Orbax "
+        "reads")
+    assert cli_main(["verify-checkpoint", str(run_dir), "10"]) == 0
+
+    out = train(run_dir, "steps=40")  # the record is Orbax's: rewritten, the step's files kept
+    assert "rewrote step 20's _CHECKPOINT_METADATA" in out
+    assert "rewrote step 30's _CHECKPOINT_METADATA" in out
+    assert "resumed from step 30" in out
+    assert losses(run_dir).tobytes() == whole.tobytes()
+    for step in ("20", "30", "40"):
+        assert cli_main(["verify-checkpoint", str(run_dir), step]) == 0
+
+
 def test_missing_or_extra_files_and_a_step_without_checksums(tmp_path):
     run_dir = tmp_path / "run"
     train(run_dir)

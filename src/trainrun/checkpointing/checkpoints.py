@@ -185,7 +185,7 @@ def newest_readable(steps: Iterable[int], read: Callable[[int], Any]
     return None, None, unreadable
 
 
-STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax writes it when a step is committed
+STEP_METADATA = integrity.STEP_RECORD  # Orbax writes it when a step is committed
 
 
 def finish_deletions(directory: Path) -> list[str]:
@@ -205,9 +205,10 @@ def finish_deletions(directory: Path) -> list[str]:
 
 
 def repair_step_metadata(directory: Path) -> list[str]:
-    """Rewrites, as an empty record, each step's Orbax metadata file that is not a JSON object:
-    it lies outside trainrun's checksums (the step's own files are checked when it is read),
-    and Orbax would log its parse error on every start. Returns the steps' names."""
+    """Rewrites, as an empty record, each step's Orbax metadata file that Orbax cannot read
+    (``integrity.step_record_problem``): it lies outside trainrun's checksums (the step's own
+    files are checked when it is read), and Orbax would log its parse error on every start or
+    stop on a record it cannot take. Returns the steps' names."""
     if not directory.is_dir():
         return []
     repaired = []
@@ -215,11 +216,7 @@ def repair_step_metadata(directory: Path) -> list[str]:
         record = path / STEP_METADATA
         if not (path.name.isdigit() and record.is_file() and not record.is_symlink()):
             continue
-        try:
-            ok = isinstance(json.loads(record.read_text()), dict)
-        except (OSError, UnicodeDecodeError, ValueError):
-            ok = False
-        if not ok:
+        if integrity.step_record_problem(path) is not None:
             rundir.write_text(record, "{}\n")
             repaired.append(path.name)
     return repaired

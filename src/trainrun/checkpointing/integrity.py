@@ -9,11 +9,15 @@ process 0 once every process has written its files and before it renames the ste
 committed name, so a committed step always has its checksums.
 
 Verification reads every file of a step and compares: a changed, missing or unlisted file makes
-the step unreadable (the caller falls back to the step before). A step without any checksum file
-was written by a trainrun from before them; it is restored unverified, and said so. A step on
-object storage is listed and read through the storage layer (``rundir.location``) alike; its
-record also keeps the store's own checksum of each object, which a restore compares from one
-listing instead of reading every byte twice (``verify-checkpoint`` still reads them all).
+the step unreadable (the caller falls back to the step before). Orbax's record of the step
+(``_CHECKPOINT_METADATA``), written after the checksums, is checked by reading it as Orbax does:
+one it cannot read is damage ``verify-checkpoint`` reports, and one a resume rewrites, since
+reading the step's files does not need it (``checkpoints.repair_step_metadata``). A step
+without any checksum file was written by a trainrun from before them; it is restored
+unverified, and said so. A step on object storage is listed and read through the storage layer
+(``rundir.location``) alike; its record also keeps the store's own checksum of each object,
+which a restore compares from one listing instead of reading every byte twice
+(``verify-checkpoint`` still reads them all).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from trainrun.rundir import location, remote
 
 MANIFEST = "trainrun-checksums.json"
 ITEMS = ("state", "data", "meta")
+STEP_RECORD = "_CHECKPOINT_METADATA"  # Orbax's record of a step, written as it commits
 # Orbax's own commit marks, written after the items are finalized (so after the checksums).
-ORBAX_MARKS = frozenset({"commit_success.txt", "_CHECKPOINT_METADATA"})
+ORBAX_MARKS = frozenset({"commit_success.txt", STEP_RECORD})
 BLOCK = 1 << 20  # bytes hashed at a time: a file of any size in little memory
 # A large object's ranged reads: their size and how many at once, what one file holds in memory
 # while it is hashed (BENCHMARKS.md, "Object storage").
@@ -151,6 +156,27 @@ def _verify_item(item: location.Location, result: Verified, read: bool = True) -
     return problems
 
 
+def step_record_problem(step_dir: location.Location) -> str | None:
+    """Why Orbax cannot read its record of the step at ``step_dir`` (``_CHECKPOINT_METADATA``:
+    the step's item handlers, timestamps and metrics, written as the step commits, after the
+    checksums and so outside them), as read by Orbax's own ``get_step_metadata``; None when
+    it reads, or when there is none (Orbax then goes without)."""
+    try:
+        json.loads(location.read_text(step_dir / STEP_RECORD))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:  # not UTF-8 text, or not JSON
+        return f"{STEP_RECORD}, Orbax's record of step {step_dir.name}, is not JSON ({err})"
+    from orbax.checkpoint import metadata
+
+    try:
+        metadata.get_step_metadata(step_dir)
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        return (f"{STEP_RECORD}, Orbax's record of step {step_dir.name}, is not one Orbax "
+                f"reads ({err})").replace("\n", " ")
+    return None
+
+
 def verify_run_checkpoint(run_dir: location.Location | str,
                           step: int | None = None) -> tuple[bool, str]:
     """``trainrun verify-checkpoint``: the checksums of one committed step of a run (default
@@ -175,6 +201,9 @@ def verify_run_checkpoint(run_dir: location.Location | str,
                         f"{', '.join(map(str, steps))}")
     where = ckpt_dir / str(step)
     result = verify_step(where)
+    record = step_record_problem(where)
+    if record is not None:  # the files may still match: resuming rewrites the record
+        result.problems.append(f"{record}; resuming the run rewrites it")
     if result.problems:
         return False, f"{where}: " + "; ".join(result.problems)
     if not result.checked:

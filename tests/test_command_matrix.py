@@ -267,6 +267,29 @@ def finetune(s: Sandbox, source: Path | str) -> list[str]:
             "metrics.tensorboard=false"]
 
 
+# command -> its arguments with a location ``u`` where the command takes one
+LOCATION_TAKERS: dict[str, Callable[[Sandbox, str], list[str]]] = {
+    "train-run-dir": lambda s, u: ["train", "--run-dir", u, "steps=1"],
+    "runs-root": lambda s, u: ["runs", "--root", u],
+    "report": lambda s, u: ["report", u],
+    "compare": lambda s, u: ["compare", str(s.mlp), u, "--out", str(s.tmp / "c.png")],
+    "compare-out": lambda s, u: ["compare", str(s.mlp), "--out", u],
+    "sample": lambda s, u: ["sample", u],
+    "eval": lambda s, u: ["eval", u],
+    "export": lambda s, u: ["export", u, "--to", str(s.tmp / "out")],
+    "export-to": lambda s, u: ["export", str(s.lm), "--to", u],
+    "verify-checkpoint": lambda s, u: ["verify-checkpoint", u],
+    "verify-resume-work-dir": lambda s, u: ["verify-resume", "--work-dir", u, "steps=2"],
+    "config-show-run-dir": lambda s, u: ["config", "show", "--run-dir", u],
+    "train-checkpoint-dir": lambda s, u: [
+        "train", "--run-dir", str(s.tmp / "run"), f"checkpoint.dir={u}"],
+    "train-init-from": lambda s, u: finetune(s, u),
+    "train-data-paths": lambda s, u: text_run(s, f"[{u}/*.txt]"),
+    "train-records-paths": lambda s, u: [*s.records_run("{}")[:5], "data.synthetic=null",
+                                         f"data.paths={u}/chat.jsonl"],
+    "train-data-tokenizer": lambda s, u: s.records_run("{}", f"data.tokenizer={u}"),
+}
+
 CASES = [
     # ---- report RUN_DIR ----
     Case("report-missing", lambda s: ["report", str(s.missing)], 2, "holds no trainrun run"),
@@ -471,6 +494,21 @@ CASES = [
     # ---- bench ceiling ----
     Case("bench-ceiling-too-small", lambda s: ["bench", "ceiling", "--size", "3"], 2,
          "--size >= 64"),
+    # ---- a location of another scheme, or a bucket URL that is no location: every command
+    # that takes a location refuses it where it enters (no folder az: or gs: made here) ----
+    *[Case(f"{name}-other-scheme", lambda s, argv=argv: argv(s, "az://c/x"), 2,
+           r"'az://c/x[^']*': trainrun does not read or write az:// locations; give "
+           r"gs://BUCKET/PATH, s3://BUCKET/PATH or a local path$")
+      for name, argv in LOCATION_TAKERS.items()],
+    *[Case(f"{name}-{kind}", lambda s, argv=LOCATION_TAKERS[name], url=url: argv(s, url), 2,
+           says)
+      for kind, url, says in (
+          ("dot-dot-in-a-bucket-url", "s3://rel/runs/../../x",
+           r"'s3://rel/runs/\.\./\.\./x[^']*' has a '\.\.' segment.* without '\.', '\.\.' or "
+           "'//'$"),
+          ("empty-segment-in-a-bucket-url", "gs://b//x", r"'gs://b//x[^']*' has an empty segment"),
+          ("no-bucket", "s3://", r"^error: 's3://[^']*' names no bucket; give s3://BUCKET/PATH$"))
+      for name in ("train-run-dir", "runs-root", "export-to", "train-data-paths")],
 ]
 
 
@@ -565,6 +603,11 @@ REMOTE_CASES = [  # the same commands given locations on object storage
     Case("report-remote-missing", lambda s: ["report", f"{s.bucket}/runs/none"], 2,
          r"^error: (gs|s3)://bucket-.*/runs/none holds no trainrun run \(no config\.yaml\)"),
     Case("report-remote-no-bucket", lambda s: ["report", s.nowhere], 2, NO_BUCKET),
+    *[Case(f"report-remote-someones-config-{kind}", lambda s, text=text: [
+        "report", s.prefix("alice", **{"config.yaml": text})], 2,
+        r"^error: (gs|s3)://bucket-.*/alice is not a trainrun run directory: its config\.yaml "
+        r"is not one trainrun wrote \(no trainrun\.json beside it\)")
+      for kind, text in (("mapping", "name: alice\nitems: [1, 2]\n"), ("list", "- 1\n- 2\n"))],
     Case("compare-remote-missing", lambda s: [
         "compare", str(s.mlp), f"{s.bucket}/runs/none", "--out", str(s.tmp / "c.png")], 2,
         "/runs/none holds no trainrun run"),
@@ -572,8 +615,12 @@ REMOTE_CASES = [  # the same commands given locations on object storage
         "compare", s.nowhere, "--out", str(s.tmp / "c.png")], 2, NO_BUCKET),
     Case("compare-out-remote-no-bucket", lambda s: [
         "compare", str(s.mlp), "--out", s.nowhere + "/c.png"], 2, NO_BUCKET_TO_WRITE),
-    Case("runs-remote-missing", lambda s: ["runs", "--root", f"{s.bucket}/runs"], 2,
-         r"no runs directory (gs|s3)://bucket-.*/runs; train a run first"),
+    Case("runs-remote-empty-prefix", lambda s: ["runs", "--root", f"{s.bucket}/runs"], 0,
+         r"^no runs under (gs|s3)://bucket-[^/]*/runs\n$", stream="out"),  # as a local folder
+    Case("runs-remote-empty-bucket", lambda s: ["runs", "--root", s.bucket], 0,
+         r"^no runs under (gs|s3)://bucket-[^/]*\n$", stream="out"),
+    Case("runs-remote-an-object", lambda s: ["runs", "--root", s.prefix("x", y="mine") + "/y"],
+         2, r"no runs directory (gs|s3)://bucket-.*/x/y; train a run first"),
     Case("runs-remote-no-bucket", lambda s: ["runs", "--root", s.nowhere], 2, NO_BUCKET),
     Case("verify-checkpoint-remote-missing", lambda s: [
         "verify-checkpoint", f"{s.bucket}/runs/none"], 2, "holds no trainrun run"),

@@ -120,6 +120,19 @@ def test_runs_lists_the_runs_under_a_remote_root_with_status_and_step(bucket, tr
     assert [line.split() for line in lines[:3]] == [line.split() for line in local]
 
 
+def test_runs_on_a_bucket_lists_only_what_train_takes_for_a_run(bucket, trained, workdir,
+                                                               tmp_path, monkeypatch, capsys):
+    upload_run(trained / "mlp", f"{bucket}/runs/mlp")
+    for key, text in (("alice", "name: alice\nitems: [1, 2]\n"), ("team/bob", "- 1\n- 2\n")):
+        location.write_text(location.location(f"{bucket}/runs/{key}/config.yaml"), text)
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["train", "--run-dir", f"{bucket}/runs/alice", "steps=1"]) == 2
+    assert "is not a trainrun run directory" in capsys.readouterr().err  # train's own test
+    assert main(["runs", "--root", f"{bucket}/runs"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and [line.split()[0] for line in out.splitlines()[1:]] == ["mlp"]
+
+
 def test_verify_checkpoint_of_a_remote_run_passes_and_finds_a_changed_byte(bucket, trained,
                                                                           workdir, capsys):
     run = upload_run(trained / "mlp", f"{bucket}/runs/mlp")

@@ -151,6 +151,38 @@ def test_runs_flags_a_metrics_file_cut_short(runs_root, tmp_path, capsys):
     assert f"[metrics.jsonl: 1 unreadable line, {100 - trained} steps without a row]" in listing
 
 
+def someones_folders(root):
+    """Folders holding a ``config.yaml`` trainrun did not write, one and two levels below
+    ``root``: a mapping of other keys and a YAML list."""
+    for folder, text in ((root / "alice", "name: alice\nitems: [1, 2]\n"),
+                         (root / "team" / "bob", "- 1\n- 2\n")):
+        folder.mkdir(parents=True)
+        (folder / rundir.CONFIG).write_text(text)
+    return [root / "alice", root / "team" / "bob"]
+
+
+def test_runs_and_report_take_for_a_run_only_what_train_does(runs_root, tmp_path, capsys):
+    root, _ = runs_root
+    copy = tmp_path / "runs"
+    shutil.copytree(root / "finished", copy / "finished")
+    theirs = someones_folders(copy)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    assert [rundir.inspect(folder).kind for folder in theirs] == ["foreign", "foreign"]  # train
+    assert main(["runs", "--root", str(copy)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[1:]] == ["finished"]
+    for folder in theirs:
+        assert main(["report", str(folder)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: {folder} is not a trainrun run directory: its config.yaml is not one "
+            "trainrun wrote (no trainrun.json beside it); give a run directory such as runs/mlp "
+            "(`trainrun runs` lists them)\n")
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    (tmp_path / "empty").mkdir()  # an empty folder holds no runs: said, not refused
+    assert main(["runs", "--root", str(tmp_path / "empty")]) == 0
+    assert capsys.readouterr().out == f"no runs under {tmp_path / 'empty'}\n"
+
+
 def fresh_copy(run_dir, to):
     """A copy of a run directory without any report written into it."""
     shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns("report", "report.html"))

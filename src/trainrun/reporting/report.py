@@ -30,6 +30,7 @@ from trainrun import extras, rundir
 from trainrun.errors import UserError, WriteFailed, path_refused, printable
 from trainrun.reporting.units import duration, time_unit
 from trainrun.rundir import location
+from trainrun.rundir.run_config import saved_config_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -102,6 +103,10 @@ def load_run(path: location.Location | str) -> RunRecord:
     if not location.exists(run_dir / rundir.CONFIG):
         location.require_bucket(run_dir)
         raise ReportError(f"{run_dir} holds no trainrun run (no {rundir.CONFIG}); give a run "
+                          "directory such as runs/mlp (`trainrun runs` lists them)")
+    if saved_config_file(run_dir) is None:  # the test `train` makes before writing there
+        raise ReportError(f"{run_dir} is not a trainrun run directory: its {rundir.CONFIG} is "
+                          f"not one trainrun wrote (no {rundir.MARKER} beside it); give a run "
                           "directory such as runs/mlp (`trainrun runs` lists them)")
     unreadable: list[str] = []
     metrics = _read_jsonl(run_dir / rundir.METRICS, unreadable)
@@ -420,12 +425,15 @@ def compare(run_dirs: list[location.Location | str], out: location.Location | st
 
 
 def list_runs(root: location.Location | str = "runs") -> str:
-    """A table of the runs under ``root`` (any directory holding a ``config.yaml``, one or two
-    levels down)."""
+    """A table of the trainrun runs under ``root`` (the folders one or two levels down that
+    ``train`` takes for runs: ``_run_dirs``). An empty folder, bucket or prefix has none; a
+    local folder that is not there, or a bucket that is not, is refused."""
     root = location.location(root)
     if not location.is_dir(root):
         location.require_bucket(root)
-        raise ReportError(f"no runs directory {root}; train a run first, or pass --root DIR")
+        # a prefix with nothing below it is an empty folder, as a bucket has no folders
+        if not location.is_remote(root) or location.is_file(root):
+            raise ReportError(f"no runs directory {root}; train a run first, or pass --root DIR")
     rows = []
     for name, run_dir in _run_dirs(root):
         try:
@@ -453,18 +461,25 @@ def list_runs(root: location.Location | str = "runs") -> str:
 
 def _run_dirs(root: location.Location) -> list[tuple[str, location.Location]]:
     """``(name relative to root, path)`` of each folder one or two levels below ``root`` that
-    holds a ``config.yaml``, in the order of those files' paths. On object storage each level
-    is one listing by prefix (a run's own files are not listed further)."""
+    holds a trainrun run's ``config.yaml`` (``saved_config_file``: one with trainrun's marker,
+    or locally a run from before it; someone else's ``config.yaml`` is no run), in the order of
+    those files' paths. On object storage each level is one listing by prefix (a run's own
+    files are not listed further)."""
     if not location.is_remote(root):
         configs = [*root.glob(f"*/{rundir.CONFIG}"), *root.glob(f"*/*/{rundir.CONFIG}")]
-        return [(str(c.parent.relative_to(root)), c.parent) for c in sorted(configs)]
+        return [(str(c.parent.relative_to(root)), c.parent) for c in sorted(configs)
+                if saved_config_file(c.parent) is not None]
+
+    def is_run(names: list[str]) -> bool:  # saved_config_file's test, from the listing
+        return rundir.CONFIG in names and rundir.MARKER in names
+
     found = []
     for name in location.list_names(root):
         names = location.list_names(root / name)
-        if rundir.CONFIG in names:
+        if is_run(names):
             found.append((name, root / name))
         for inner in names:
-            if inner not in rundir.RUN_FILES and inner != REPORT_HTML and rundir.CONFIG in (
+            if inner not in rundir.RUN_FILES and inner != REPORT_HTML and is_run(
                     location.list_names(root / name / inner)):
                 found.append((f"{name}/{inner}", root / name / inner))
     return sorted(found, key=lambda pair: PurePosixPath(pair[0], rundir.CONFIG))

@@ -288,6 +288,10 @@ LOCATION_TAKERS: dict[str, Callable[[Sandbox, str], list[str]]] = {
     "train-records-paths": lambda s, u: [*s.records_run("{}")[:5], "data.synthetic=null",
                                          f"data.paths={u}/chat.jsonl"],
     "train-data-tokenizer": lambda s, u: s.records_run("{}", f"data.tokenizer={u}"),
+    "train-arrays-paths": lambda s, u: [
+        "train", "--run-dir", str(s.tmp / "run"), "data.kind=arrays", f"data.paths={u}/x.npz"],
+    "train-tokens-paths": lambda s, u: [
+        "train", "--run-dir", str(s.tmp / "run"), "data.kind=tokens", f"data.paths={u}/x.bin"],
 }
 
 CASES = [
@@ -509,6 +513,9 @@ CASES = [
           ("empty-segment-in-a-bucket-url", "gs://b//x", r"'gs://b//x[^']*' has an empty segment"),
           ("no-bucket", "s3://", r"^error: 's3://[^']*' names no bucket; give s3://BUCKET/PATH$"))
       for name in ("train-run-dir", "runs-root", "export-to", "train-data-paths")],
+    Case("train-arrays-on-object-storage", lambda s: LOCATION_TAKERS["train-arrays-paths"](
+        s, "gs://b"), 2, r"data\.paths: 'gs://b/x\.npz' is on object storage, and arrays and "
+        "token files are memory-mapped from a local disk; copy it there"),
 ]
 
 
@@ -757,11 +764,13 @@ def test_object_storage_inputs_answer_in_one_line(case, bucket, trained, tmp_pat
     ("file", "trainrun.load .* not a trainrun run directory, a Hugging Face model directory"),
     ("mlp", "trains model.kind=mlp; load reads transformer language models"),
     ("garbage", r"config\.yaml is damaged"),
+    ("other-scheme", "^'az://c/x': trainrun does not read or write az:// locations; give gs://"),
 ])
 def test_load_refuses_in_one_line(what, expected, trained, tmp_path):
     sandbox = Sandbox(tmp_path, trained)
     path = {"missing": sandbox.missing, "long": sandbox.long, "file": sandbox.file(),
-            "mlp": sandbox.mlp, "garbage": sandbox.garbage("lm", "config.yaml")}[what]
+            "mlp": sandbox.mlp, "garbage": sandbox.garbage("lm", "config.yaml"),
+            "other-scheme": "az://c/x"}[what]
     with pytest.raises(trainrun.UserError) as err:
         trainrun.load(path)
     assert "\n" not in str(err.value) and re.search(expected, str(err.value)), err.value

@@ -1,10 +1,12 @@
-"""Sampling: the cached decoder gives what recomputing the whole context would, past the
-context length too; one compile per call; and `trainrun sample` on a trained run."""
+"""Sampling: the cached decoder gives what recomputing the whole text would; an answer stops
+where the model's context ends, and says so; one compile per call; and `trainrun sample` on a
+trained run."""
 
 from __future__ import annotations
 
 import io
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import own_loop_answer, traced
 
+import trainrun
 from trainrun import rundir
 from trainrun.checkpointing.reader import latest_params
 from trainrun.cli import main
@@ -19,30 +22,30 @@ from trainrun.config import TransformerModel, dump_yaml, load_config
 from trainrun.fast import strategies
 from trainrun.models import build_model
 from trainrun.models.transformer import bind_transformer
-from trainrun.program.decode import decoder, generate, generate_batch
+from trainrun.program.decode import ContextWarning, decoder, generate, generate_batch
 from trainrun.sample import SampleError
 from trainrun.training.loop import run
 
 CFG = TransformerModel(d_model=32, layers=2, heads=4, seq_len=16)
+LONG = CFG.model_copy(update={"seq_len": 64})  # the same params, a longer context
 
 
-def recomputed(params, prompt: np.ndarray, tokens: int) -> list[int]:
-    """Greedy decoding by a full forward pass over the visible context for every token: the
-    context is the last seq_len - 1 prompt bytes, and when it is full it keeps its last half."""
-    window, keep = CFG.seq_len, CFG.seq_len // 2
-    module_of = bind_transformer(CFG)
+def recomputed(params, prompt: np.ndarray, tokens: int, cfg: TransformerModel = CFG
+               ) -> list[int]:
+    """Greedy decoding by a full forward pass over the whole text for every token: the last
+    seq_len - 1 prompt bytes, then the answer, up to ``tokens`` or the end of the context."""
+    window = cfg.seq_len
+    module_of = bind_transformer(cfg)
 
     @jax.jit
     def logits_at(padded, last):  # causal: the padding after `last` changes nothing before it
         return module_of(params)(padded[None])[0][0, last]
 
     context, out = list(prompt[-(window - 1):]), list(prompt)
-    for _ in range(tokens):
+    while len(out) < len(prompt) + tokens and len(context) < window:
         padded = jnp.asarray(context + [0] * (window - len(context)), jnp.int32)
         token = int(jnp.argmax(logits_at(padded, len(context) - 1)))
         out.append(token)
-        if len(context) >= window:
-            context = context[-keep:]
         context.append(token)
     return out
 
@@ -53,9 +56,11 @@ def test_cached_decoding_equals_recomputing_the_context_in_one_program():
     prompt = np.frombuffer(b"import os\n", np.uint8)
     decoder.cache_clear()  # the decoder of this shape is made, and traced, in this test
     with traced() as programs:
-        got = generate(CFG, params, prompt, 30, temperature=0.0)  # 10 + 30 > 16: refills twice
-        a, b, c = (generate(CFG, params, prompt, 30, temperature=1.0, seed=s) for s in (1, 1, 2))
-    assert got.tolist() == recomputed(params, prompt, 30)
+        got = generate(LONG, params, prompt, 30, temperature=0.0)
+        a, b, c = (generate(LONG, params, prompt, 30, temperature=1.0, seed=s)
+                   for s in (1, 1, 2))
+    assert got.tolist() == recomputed(params, prompt, 30, LONG)
+    assert len(got) == 40
     assert bytes(got[:10].astype(np.uint8)) == b"import os\n"
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     # one program for any token, seed and temperature above 0, one greedy
@@ -86,6 +91,11 @@ def test_greedy_decoding_compiles_no_sampler():
     assert compiled == ["jit(decode)"]  # no small program to fold a key or place an array
 
 
+def as_text(ids: np.ndarray) -> str:
+    """Byte ids as ``trainrun sample`` prints them."""
+    return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
 @pytest.mark.slow
 def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys):
     corpus = tmp_path / "corpus.py"
@@ -105,6 +115,27 @@ def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys)
                         temperature=0.0)
     assert step == 40 and text == bytes(expected.astype(np.uint8)).decode() + "\n"
     assert set(text[4:]) - {" ", "\n"}  # more than blanks: it learned some of the corpus
+
+    # Past the 32-byte rows: rotary positions read on, every token attending to the whole
+    # text (before, decoding went on from the last 16 bytes, without a word).
+    prompt = np.frombuffer(b"def ", np.uint8)
+    whole = trainrun.load(tmp_path / "lm").generate(prompt, 60)
+    assert len(whole) == 64
+    assert isinstance(config.model, TransformerModel)
+    assert whole.tolist() == generate(config.model.model_copy(update={"seq_len": 64}), params,
+                                      prompt, 60, temperature=0.0).tolist()
+    assert main(["sample", str(tmp_path / "lm"), "--prompt", "def ", "--tokens", "60"]) == 0
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == (as_text(whole) + "\n", "")
+    assert main(["sample", str(tmp_path / "lm"), "--prompt", "def ", "--tokens", "60",
+                 "--context", "40"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == as_text(whole[:40]) + "\n"
+    assert captured.err.startswith("warning: the answer stopped before 60 tokens: the model "
+                                   "reads 40 positions") and captured.err.count("\n") == 1
+    assert main(["sample", str(tmp_path / "lm"), "--context", "1"]) == 2
+    assert capsys.readouterr().err == ("error: context=1: give a number of positions above "
+                                       "1\n")
 
     (tmp_path / "mlp").mkdir()
     (tmp_path / "mlp" / rundir.CONFIG).write_text(dump_yaml(load_config("mlp")))
@@ -142,8 +173,14 @@ def test_any_token_count_from_one_and_any_prompt_length_decodes_and_zero_is_refu
     params = build_model(CFG).init(jax.random.key(0))
     for prompt, tokens in ((b"def ", 1), (b"def ", 3), (b"x" * 15, 1), (b"x" * 40, 2)):
         ids = np.frombuffer(prompt, np.uint8)
-        got = generate(CFG, params, ids, tokens, temperature=0.0)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = generate(CFG, params, ids, tokens, temperature=0.0)
         assert got.tolist() == recomputed(params, ids, tokens)
+        # 40 bytes: the prompt keeps its last 15, and the answer its one position left
+        assert [str(w.message).split(":")[0] for w in said] == (
+            ["the prompt was cut to its last 15 tokens and the answer stopped before 2 tokens"]
+            if len(prompt) == 40 else [])
     for tokens in (0, -1):
         try:
             generate(CFG, params, np.frombuffer(b"def ", np.uint8), tokens)
@@ -228,12 +265,23 @@ def test_a_batch_of_prompts_of_different_lengths_answers_each_as_alone_with_one_
     assert len(stopped[1]) <= 3
 
 
-def test_prompts_of_a_batch_decode_past_the_context_as_alone():
+def test_answers_stop_where_the_context_ends_and_say_so():
+    """Before, the decoder went on from the last half of a full context, without a word, and
+    departed from what the model computes over the whole text."""
     params = build_model(CFG).init(jax.random.key(0))
     texts = (b"def", b"import os\n", b"x=2", b"ab")
     prompts = [np.frombuffer(text, np.uint8) for text in texts]
-    got = generate_batch(CFG, params, prompts, 30, temperature=0.0)  # refills twice and more
+    with pytest.warns(ContextWarning, match="^4 of 4 answers stopped before 30 tokens: the "
+                                            "model reads 16 positions"):
+        got = generate_batch(CFG, params, prompts, 30, temperature=0.0)
     assert [g.tolist() for g in got] == [recomputed(params, p, 30)[p.size:] for p in prompts]
+    assert [len(g) for g in got] == [16 - p.size for p in prompts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the context nothing is said
+        longer = generate_batch(LONG, params, prompts, 30, temperature=0.0)
+    assert [g.tolist() for g in longer] == [recomputed(params, p, 30, LONG)[p.size:]
+                                            for p in prompts]
+    assert {len(g) for g in longer} == {30}
 
 
 def test_sampled_batches_follow_the_seed():
@@ -248,7 +296,7 @@ def test_sampled_batches_follow_the_seed():
 def test_decoding_gives_the_same_tokens_with_the_head_layout_fast_path_off():
     params = build_model(CFG).init(jax.random.key(0))
     prompts = [np.frombuffer(text, np.uint8) for text in (b"ab", b"import", b"x = 1\n")]
-    on, off = (generate_batch(CFG, params, prompts, 12, temperature=0.0,
+    on, off = (generate_batch(LONG, params, prompts, 12, temperature=0.0,
                               head=strategies.chosen(environ).decode_head())
                for environ in ({}, {"TRAINRUN_FAST_PATHS": "none"}))
     assert [a.tolist() for a in on] == [b.tolist() for b in off]
@@ -258,8 +306,6 @@ def test_decoding_gives_the_same_tokens_with_the_head_layout_fast_path_off():
 def test_sample_is_greedy_unless_a_temperature_is_given(chat_run, capsys):
     """A chat answer, or a continued prompt, is the same whatever the seed, and is the most
     likely tokens' (what `eval` answers); --temperature samples."""
-    from trainrun.cli import build_parser
-
     run_dir, config = chat_run
     question = "reverse: abc"
     greedy = own_loop_answer(run_dir, config, [{"role": "user", "content": question}], 12)
@@ -276,9 +322,10 @@ def test_sample_is_greedy_unless_a_temperature_is_given(chat_run, capsys):
     assert main(["sample", str(run_dir), "--chat", question, "--tokens", "12",
                  "--temperature", "5", "--seed", "7"]) == 0
     assert capsys.readouterr().out != greedy + "\n"
-    helps = {a.dest: a.help or "" for a in build_parser()._subparsers._group_actions[0]
-             .choices["sample"]._actions}
-    assert "0 = greedy" in helps["temperature"] and "the default" in helps["temperature"]
+    with pytest.raises(SystemExit):
+        main(["sample", "--help"])
+    assert "0 = greedy, the most likely token each time (the default" in " ".join(
+        capsys.readouterr().out.split())
 
 
 def test_a_conversations_file_that_never_ends_is_refused_in_one_line(tmp_path, capsys,

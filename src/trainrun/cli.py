@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from trainrun.errors import (
+    LineWarning,
     OutOfMemory,
     ReadFailed,
     UserError,
@@ -123,12 +124,13 @@ def _sample(args: argparse.Namespace) -> int:
         conversations = read_conversations(args.file)
         answers = chat_answers(args.run_dir, conversations, args.tokens,
                                temperature=args.temperature, seed=args.seed, ema=args.ema,
-                               system=args.system)
+                               system=args.system, context=args.context)
         for turns, answer in zip(conversations, answers, strict=True):
             print(json.dumps({"messages": turns, "answer": answer}, ensure_ascii=False))
         return 0
     print(sample_run(args.run_dir, args.prompt, args.tokens, temperature=args.temperature,
-                     seed=args.seed, ema=args.ema, chat=args.chat, system=args.system))
+                     seed=args.seed, ema=args.ema, chat=args.chat, system=args.system,
+                     context=args.context))
     return 0
 
 
@@ -353,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="0 = greedy, the most likely token each time (the default, as "
                              "eval's); above 0, divide logits by this and sample with --seed")
     sample.add_argument("--seed", type=int, default=0, help="sampling randomness (default 0)")
+    sample.add_argument("--context", type=int, metavar="N",
+                        help="positions prompt and answer take together, at most (default: "
+                             "what the architecture reads: the init.from model's "
+                             "max_position_embeddings, a learned position table's size, or "
+                             "2048 for rotary positions from scratch); an answer that reaches "
+                             "it stops there, with a warning")
     sample.add_argument("--ema", action="store_true",
                         help="sample from the params' moving average (runs with optimizer.ema)")
     sample.add_argument("--system", metavar="TEXT",
@@ -452,16 +460,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def _renamed_keys_as_lines() -> Iterator[None]:
-    """A config key given by its old name, or a compiled-program cache that cannot be written,
-    warns in one line, as the command's other warnings do; any other warning shows as Python
-    shows it."""
+    """A config key given by its old name, a compiled-program cache that cannot be written, or
+    a ``LineWarning`` (generation that reached the model's context) warns in one line, as the
+    command's other warnings do; any other warning shows as Python shows it."""
     from trainrun.config.renamed import RenamedKeyWarning
     from trainrun.platform.user_cache import CompilationCacheWarning
 
     python_shows = warnings.showwarning
 
     def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
-        if issubclass(category, (RenamedKeyWarning, CompilationCacheWarning)):
+        if issubclass(category, (RenamedKeyWarning, CompilationCacheWarning, LineWarning)):
             print(f"warning: {printable(str(message))}", file=sys.stderr)
         else:
             python_shows(message, category, *args, **kwargs)

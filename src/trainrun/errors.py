@@ -10,6 +10,10 @@ class UserError(Exception):
     """Base of every error caused by input (config, data, checkpoint, flags), not by a bug."""
 
 
+class LineWarning(UserWarning):
+    """A warning the CLI prints on one line (``warning: ...``), as it prints errors."""
+
+
 class WriteFailed(Exception):
     """Not bad input: the file system refused a write (a full disk, a read-only folder). The
     run stops with one line naming the file and the last committed checkpoint; exit 1."""

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainrun.config import RecordsData, RunConfig, TransformerModel
+from trainrun.config import RecordsData, RunConfig
 from trainrun.errors import UserError
 from trainrun.rundir import location
 from trainrun.training.answers import answer_all, answer_scores, normalised, questions
@@ -70,11 +70,12 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     answers: list[dict[str, Any]] = []
     if isinstance(section, RecordsData):
         from trainrun.fast import strategies
+        from trainrun.language_model import run_model, within
 
         asked = questions(section, limit)
-        assert isinstance(config.model, TransformerModel)  # refused above otherwise
-        produced = answer_all(config.model, config.precision.compute, section, params, asked,
-                              tokens, temperature=temperature, seed=seed,
+        model = run_model(config)  # answers within the architecture's context
+        produced = answer_all(model, config.precision.compute, section, within(model, params),
+                              asked, tokens, temperature=temperature, seed=seed,
                               batch_size=batch_size, progress=say,
                               head=strategies.chosen().decode_head())
         answers = [{"where": q.where, "prompt": q.prompt, "expected": q.expected,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun import rundir
-from trainrun.config import TransformerModel
+from trainrun.config import RunConfig, TransformerModel
 from trainrun.errors import UserError, path_refused
 from trainrun.program.precision import DTYPES, cast_floats
 from trainrun.rundir import location
@@ -33,7 +33,8 @@ class LoadError(UserError):
 class LanguageModel:
     """A transformer and its params, on this process's first device.
 
-    config: the architecture (``trainrun.config.TransformerModel``).
+    config: the architecture (``trainrun.config.TransformerModel``); its ``seq_len`` is the
+        context the model reads and generates within.
     params: the params as a nested dict of arrays (LoRA adapters included, not merged).
     compute: the dtype the model runs in (a run's ``precision.compute``; float32 otherwise).
     step: the checkpoint's step for a run directory, else None.
@@ -69,7 +70,8 @@ class LanguageModel:
     def generate(self, prompt: Sequence[int] | np.ndarray, tokens: int, *,
                  temperature: float = 0.0, seed: int = 0) -> np.ndarray:
         """``prompt`` (token ids) followed by ``tokens`` generated ones (``temperature`` 0:
-        the most likely token each time)."""
+        the most likely token each time), or fewer where the model's context
+        (``config.seq_len``) ends first: then a ``ContextWarning`` says so."""
         from trainrun.fast import strategies
         from trainrun.program.decode import generate
 
@@ -81,8 +83,9 @@ class LanguageModel:
                        temperature: float = 0.0, seed: int = 0, stop_ids: Sequence[int] = (),
                        batch_size: int = 16) -> list[np.ndarray]:
         """What the model generates after each of ``prompts`` (token ids, any lengths):
-        ``tokens`` ids, or fewer, up to and including the first of ``stop_ids``. Prompts are
-        decoded ``batch_size`` at a time with one compiled program."""
+        ``tokens`` ids, or fewer, up to and including the first of ``stop_ids`` or up to the
+        end of the model's context (a ``ContextWarning`` says so). Prompts are decoded
+        ``batch_size`` at a time with one compiled program."""
         from trainrun.fast import strategies
         from trainrun.program.decode import generate_batch
 
@@ -110,11 +113,14 @@ def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> 
     directory (with its base model where ``base_model_name_or_path`` says); a run directory
     may be on object storage (``gs://bucket/runs/lm``, ``s3://...``). ``ema``: a run's moving
     average of the params instead of the params. ``context``: the longest text the model
-    reads and generates within, for a Hugging Face or adapter directory (default: its
-    ``max_position_embeddings``); a run keeps its own ``model.seq_len``."""
+    reads and generates within (its ``config.seq_len``), at most what the architecture
+    allows; default: a Hugging Face or adapter directory's ``max_position_embeddings``, and
+    for a run what ``run_model`` gives (the ``init.from`` source's, not the training rows'
+    length)."""
     from trainrun.platform.process import require_backend
 
     require_backend()  # one line, not JAX's assertion, when JAX cannot start
+    require_context(context)
     if location.is_remote(path):
         run = location.location(path)
         if not location.is_file(run / rundir.CONFIG):
@@ -122,7 +128,7 @@ def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> 
             raise LoadError(f"{run} holds no trainrun run (no {rundir.CONFIG}); on object "
                             "storage trainrun.load reads run directories: give one, or the "
                             "local path of a Hugging Face or adapter directory")
-        return _load_run(run, ema)
+        return _load_run(run, ema, context)
     path = Path(path).expanduser()
     try:
         path.stat()
@@ -131,7 +137,7 @@ def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> 
         if code == 2:  # a path no file system holds: said in one line
             raise LoadError(line) from None
     if (path / rundir.CONFIG).is_file():
-        return _load_run(path, ema)
+        return _load_run(path, ema, context)
     if ema:
         raise LoadError(f"{path} is not a run directory: only a run keeps a moving average")
     from trainrun.checkpointing.init_from import model_of, placed_params, readers, source_kind
@@ -141,8 +147,6 @@ def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> 
     if kind not in ("huggingface", "adapter"):
         raise LoadError(f"{path} is a lone weights file: load its model directory (with "
                         "config.json), a run directory or an adapter directory")
-    if context is not None and not (isinstance(context, int) and context > 1):
-        raise LoadError(f"context={context!r}: give a number of positions above 1")
     cfg = model_of(path, seq_len=context, full_context=True)
     from trainrun.training.preflight import check_model_memory
 
@@ -154,9 +158,9 @@ def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> 
     return LanguageModel(cfg, params)
 
 
-def _load_run(path: location.Location, ema: bool) -> LanguageModel:
+def _load_run(path: location.Location, ema: bool, context: int | None) -> LanguageModel:
     """A run directory's model at its newest readable checkpoint (local or on object storage,
-    where only run directories are read)."""
+    where only run directories are read), within ``context`` (``run_model``)."""
     from trainrun.checkpointing.reader import latest_state, saved_config
 
     config = saved_config(path)
@@ -166,6 +170,84 @@ def _load_run(path: location.Location, ema: bool) -> LanguageModel:
     if ema and config.optimizer.ema is None:
         raise LoadError(f"{path} keeps no moving average (optimizer.ema is not set); "
                         "load it without ema")
+    model = run_model(config, context, named=str(path))
     step, state = latest_state(path, config)
-    return LanguageModel(config.model, state.ema if ema else state.params,
-                         config.precision.compute, step)
+    params = within(model, state.ema if ema else state.params)
+    return LanguageModel(model, params, config.precision.compute, step)
+
+
+# A rotary run's context where no init.from source gives one: its positions allow any length,
+# and lm-evaluation-harness's hf model reads this many where a model names none.
+ROPE_CONTEXT = 2048
+
+
+def run_model(config: RunConfig, context: int | None = None, *,
+              named: str = "the run") -> TransformerModel:
+    """The transformer of a run (its ``config``; the run is ``named`` so in a refusal) with
+    the context it generates within as ``seq_len``: ``context`` where given, else the
+    architecture's. Learned positions read their table (the run's ``model.seq_len``) and no
+    further. Rotary ones read the ``max_position_embeddings`` of the Hugging Face model the
+    run started from (``init.from``, through runs started from runs and adapter directories),
+    and no further; without one they allow any length, ``ROPE_CONTEXT`` by default (or the
+    run's longer ``seq_len``); where the source can no longer be read, the run's ``seq_len``
+    by default. A ``context`` past what the architecture allows is refused in one line."""
+    require_context(context)
+    model = config.model
+    assert isinstance(model, TransformerModel)
+    if model.positions == "learned":
+        limit, default = model.seq_len, model.seq_len
+        why = f"a table of {limit} learned positions"
+    else:
+        found = source_positions(config)
+        if found is None:
+            limit, default, why = None, model.seq_len, ""
+        elif found[0]:
+            limit, default = found[0], found[0]
+            why = f"the max_position_embeddings of {found[1]}, its init.from"
+        else:
+            limit, default, why = None, max(model.seq_len, ROPE_CONTEXT), ""
+    if context is not None and limit is not None and context > limit:
+        raise LoadError(f"context={context}: the model of {named} reads at most {limit} "
+                        f"positions ({why}); give at most {limit}")
+    return model.model_copy(update={"seq_len": context or default})
+
+
+def require_context(context: int | None) -> None:
+    """A ``context`` that is no number of positions above 1, refused in one line."""
+    if context is not None and (type(context) is not int or context < 2):
+        raise LoadError(f"context={context!r}: give a number of positions above 1")
+
+
+def within(model: TransformerModel, params: PyTree) -> PyTree:
+    """``params`` as ``model`` (``run_model``'s) holds them: a learned position table cut to
+    its context, which its first rows are."""
+    if model.positions != "learned" or params["positions"].shape[0] == model.seq_len:
+        return params
+    return {**params, "positions": params["positions"][:model.seq_len]}
+
+
+def source_positions(config: RunConfig) -> tuple[int, str] | None:
+    """The ``max_position_embeddings`` (0: none given) of the Hugging Face model a run
+    started from, and that model's directory, followed through ``init.from`` runs and adapter
+    directories; ``(0, "")`` for a run that started from none, and None where a source on the
+    way can no longer be read."""
+    from trainrun.checkpointing.init_from import _adapter_base, source_kind, source_location
+    from trainrun.checkpointing.reader import saved_config
+    from trainrun.models.huggingface import architecture, read_config
+
+    seen: set[str] = set()
+    while config.init.from_ is not None and config.init.from_ not in seen:
+        seen.add(config.init.from_)
+        path = source_location(config.init.from_)
+        try:
+            kind = source_kind(path)
+            if kind == "run":
+                config = saved_config(path)
+                continue
+            if kind not in ("huggingface", "adapter"):
+                return 0, ""  # lone weights: no config gives a context
+            base = _adapter_base(path) if kind == "adapter" else path
+            return architecture(read_config(base)).max_positions, str(base)
+        except UserError:
+            return None
+    return 0, ""

@@ -35,26 +35,28 @@ __all__ = ["SampleError", "chat_answers", "conversation", "read_conversations", 
 
 def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: float = 0.0,
                seed: int = 0, ema: bool = False, chat: str | None = None,
-               system: str | None = None) -> str:
+               system: str | None = None, context: int | None = None) -> str:
     """The prompt and ``tokens`` bytes generated from the latest checkpoint of an LM run (with
     ``ema``: from its params' moving average, ``optimizer.ema``), greedily at ``temperature``
-    0. chat: a user turn, rendered with the run's chat template after ``system`` (a system
-    prompt) when given; the answer alone is returned, ended at the turn's end."""
+    0, within the context of its architecture or ``context`` (``trainrun.load``'s; an answer
+    that reaches it stops there, with a ``ContextWarning``). chat: a user turn, rendered with
+    the run's chat template after ``system`` (a system prompt) when given; the answer alone
+    is returned, ended at the turn's end."""
     require_settings(tokens, temperature, seed)
     for option, text in (("--prompt", prompt), ("--chat", chat), ("--system", system)):
         require_text(option, text)
     if chat is not None:
         return chat_answers(run_dir, [chat], tokens, temperature=temperature, seed=seed,
-                            ema=ema, system=system)[0]
+                            ema=ema, system=system, context=context)[0]
     if system is not None:
         raise SampleError("a system prompt (--system) goes with a chat turn: give --chat TEXT "
                           "or --file conversations.jsonl")
-    config, params = _trained(run_dir, ema)
+    config, model, params = _trained(run_dir, ema, context=context)
     compute, head = config.precision.compute, strategies.chosen().decode_head()
     if isinstance(config.data, RecordsData):
         from trainrun.data import model_tokenizer
 
-        return _sample_records(config.model, params, model_tokenizer.of_records(config.data),
+        return _sample_records(model, params, model_tokenizer.of_records(config.data),
                                prompt, tokens, temperature=temperature, seed=seed,
                                compute=compute, head=head)
     if config.data.tokenizer is not None:  # a tokenized run: text in and out through its own
@@ -63,30 +65,31 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
         tokenizer = load(config.data.tokenizer, config.data.vocab_size)
         # As in training, a document starts with the document token: the prompt opens one.
         ids = [tokenizer.token_to_id(DOCUMENT_TOKEN), *tokenizer.encode(prompt).ids]
-        out = generate(config.model, params, np.array(ids, np.int32), tokens,
+        out = generate(model, params, np.array(ids, np.int32), tokens,
                        temperature=temperature, seed=seed, compute=compute, head=head)
         return tokenizer.decode(out[1:].tolist())
-    out = generate(config.model, params, np.frombuffer(prompt.encode(), np.uint8), tokens,
+    out = generate(model, params, np.frombuffer(prompt.encode(), np.uint8), tokens,
                    temperature=temperature, seed=seed, compute=compute, head=head)
     return out.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
 def chat_answers(run_dir: Path | str, questions: Sequence[str | Conversation], tokens: int, *,
                  temperature: float = 0.0, seed: int = 0, ema: bool = False,
-                 system: str | None = None, batch_size: int = BATCH) -> list[str]:
+                 system: str | None = None, batch_size: int = BATCH,
+                 context: int | None = None) -> list[str]:
     """The answers of a run on chat records (greedy at ``temperature`` 0), the checkpoint read
     once and the conversations decoded ``batch_size`` at a time by one program: to each
     question (a user turn, after ``system`` when given: what ``sample --chat`` prints) or
     conversation (its turns as records hold them, system prompt included; the answer follows
-    the last turn)."""
+    the last turn). context: as ``sample_run``'s."""
     require_settings(tokens, temperature, seed)
     require_text("--system", system)
     conversations = [conversation(q, system) for q in questions]
-    config, params = _trained(run_dir, ema, chat=True)
+    config, model, params = _trained(run_dir, ema, chat=True, context=context)
     assert isinstance(config.data, RecordsData)
     from trainrun.data import model_tokenizer
 
-    return chat_replies(config.model, params, model_tokenizer.of_records(config.data),
+    return chat_replies(model, params, model_tokenizer.of_records(config.data),
                         conversations, tokens, temperature=temperature, seed=seed,
                         compute=config.precision.compute, batch_size=batch_size,
                         head=strategies.chosen().decode_head())
@@ -173,12 +176,17 @@ def conversation(question: str | Conversation, system: str | None = None) -> lis
     return turns
 
 
-def _trained(run_dir: Path | str, ema: bool, chat: bool = False) -> tuple[Any, PyTree]:
-    """A language-model run's config and its latest params (or their moving average). chat:
-    the run must be one on records, which have a chat template."""
+def _trained(run_dir: Path | str, ema: bool, chat: bool = False, context: int | None = None,
+             ) -> tuple[Any, TransformerModel, PyTree]:
+    """A language-model run's config, its model within ``context`` (``run_model``) and its
+    latest params (or their moving average) as that model holds them. chat: the run must be
+    one on records, which have a chat template."""
+    from trainrun.language_model import run_model, within
+
     run, config = language_run(run_dir, ema, chat=chat)
+    model = run_model(config, context, named=str(run))
     _, state = latest_state(run, config)
-    return config, state.ema if ema else state.params
+    return config, model, within(model, state.ema if ema else state.params)
 
 
 def language_run(run_dir: Path | str, ema: bool, *, chat: bool = False,

@@ -5,13 +5,16 @@ A batch is left-padded to its longest prompt; each row's first slot sets its pos
 hides its padding from attention. The prompts fill a key/value cache (``prefill``), then a
 ``lax.while_loop`` draws one token per row per iteration, attending over the cache, until the
 count is drawn or every row has drawn a stop id (a chat turn's end), so nothing is recompiled
-per token. The cache holds the model's context (``model.seq_len``); when it is full the last
-half of the text is re-read into a fresh cache and decoding goes on from there.
+per token. Prompt and answer together stay within the model's context (``model.seq_len`` of
+the config given: ``trainrun.load`` sets it to what the architecture reads): a longer prompt
+keeps its last tokens, an answer stops where the context ends, and a ``ContextWarning`` says
+so; attention always covers the whole text.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun.config import TransformerModel
-from trainrun.errors import UserError
+from trainrun.errors import LineWarning, UserError
 from trainrun.models.transformer import Transformer, bind_transformer
 from trainrun.program.precision import DTYPES, cast_floats
 
@@ -42,11 +45,17 @@ class SampleError(UserError):
     """Generation that cannot run as asked; the CLI prints it on one line and exits 2."""
 
 
+class ContextWarning(LineWarning):
+    """Generation that reached the model's context: a prompt cut to fit it, or an answer
+    stopped where it ends. The CLI prints it on one line."""
+
+
 def generate(cfg: TransformerModel, params: PyTree, prompt: np.ndarray, tokens: int, *,
              temperature: float = 1.0, seed: int = 0, compute: str = "float32",
              stop_ids: Sequence[int] = (), head: HeadLayout = head_as_trained) -> np.ndarray:
     """``prompt`` (1-D token ids) followed by ``tokens`` sampled ones, or fewer: up to and
-    including the first of ``stop_ids`` drawn.
+    including the first of ``stop_ids`` drawn, or up to the end of the model's context
+    (``cfg.seq_len``, prompt included; a ``ContextWarning`` says so).
 
     temperature: logits are divided by it before sampling; 0 takes the most likely token.
     compute: the dtype the model runs in (the run's ``precision.compute``): params and the
@@ -73,9 +82,11 @@ def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.n
     decoded together, left-padded to the longest, by one program for every batch.
 
     A greedy answer (temperature 0) is the prompt's own, whatever prompts are beside it;
-    sampling draws each batch from ``seed``. A prompt whose answer may run past the model's
-    context (which is then re-read from its last half) is decoded among prompts of its own
-    length, a program for each such length. head: as ``generate``'s."""
+    sampling draws each batch from ``seed``. Prompt and answer stay within the model's
+    context (``cfg.seq_len``): a prompt longer than it keeps its last ``seq_len - 1`` tokens,
+    and a prompt whose answer would run past it is decoded among prompts of its own length (a
+    program for each such length), its answer stopped where the context ends; one
+    ``ContextWarning`` says how many were cut or stopped. head: as ``generate``'s."""
     if not prompts:
         return []
     if any(np.asarray(p).size == 0 for p in prompts):
@@ -93,13 +104,36 @@ def generate_batch(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.n
         groups.setdefault(0 if context.size + tokens <= cfg.seq_len else context.size,
                           []).append(i)
     out: dict[int, np.ndarray] = {}
+    stopped = 0  # answers the end of the context stopped before ``tokens``
     key = jax.random.key(seed)
     for length, members in sorted(groups.items()):
-        answers = _decode_group(cfg, params, [contexts[i] for i in members], tokens,
+        room = tokens if length == 0 else cfg.seq_len - length
+        answers = _decode_group(cfg, params, [contexts[i] for i in members], room,
                                 temperature, _drawn_from(key, length, temperature), compute,
                                 stop_ids, batch_size, head)
         out.update(zip(members, answers, strict=True))
+        if length:
+            stopped += sum(a.size == room and int(a[-1]) not in stop_ids for a in answers)
+    cut = sum(np.asarray(p).size > c.size for p, c in zip(prompts, contexts, strict=True))
+    if cut or stopped:
+        warnings.warn(ContextWarning(_reached(len(prompts), cut, stopped, tokens, cfg.seq_len)),
+                      stacklevel=2)
     return [out[i] for i in range(len(contexts))]
+
+
+def _reached(prompts: int, cut: int, stopped: int, tokens: int, context: int) -> str:
+    """The line that says how many of ``prompts`` were ``cut`` to the ``context`` and how
+    many answers it ``stopped`` before ``tokens``."""
+    said = []
+    if cut:
+        said.append(f"the prompt was cut to its last {context - 1} tokens" if prompts == 1 else
+                    f"{cut} of {prompts} prompts were cut to their last {context - 1} tokens")
+    if stopped:
+        said.append(f"the answer stopped before {tokens} tokens" if prompts == 1 else
+                    f"{stopped} of {prompts} answers stopped before {tokens} tokens")
+    return (f"{' and '.join(said)}: the model reads {context} positions, prompt and answer "
+            "together (a longer context: trainrun.load(..., context=N) or --context N, as far "
+            "as the model's positions allow)")
 
 
 def _decode_group(cfg: TransformerModel, params: PyTree, contexts: list[np.ndarray],
@@ -164,15 +198,12 @@ def decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
 
     It takes ``(params, prompts [rows, width] int32, start [rows] int32, temperature float32,
     key, stops [n] int32)`` and returns the drawn ids ``[rows, tokens]`` and each row's count
-    of them."""
+    of them. ``width + tokens`` is within the model's context: ``generate_batch`` sees to it."""
     module_of = bind_transformer(cfg)
     dtype = DTYPES[compute]
-    # The cache holds what this call needs, up to the model's context: a model made for a long
-    # context is not given a cache of that length for a short answer.
-    window = min(cfg.seq_len, width + tokens)
-    keep = window // 2  # tokens carried into a fresh cache when the cache is full
-    # The cache fills only if the answer may run past the context; else no refill is compiled.
-    may_fill = width + tokens > cfg.seq_len
+    # The cache holds what this call needs: a model made for a long context is not given a
+    # cache of that length for a short answer.
+    window = width + tokens
 
     def pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
         if not sampled:  # greedy draws no noise: no random bits, nor their compile
@@ -183,20 +214,9 @@ def decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
     def decode(params, prompts, start, temperature, key, stops):
         module: Transformer = module_of(cast_floats(params, dtype))
         head = head_layout(module)  # carried into the loop as an operand: made once per call
-        # At least ``keep`` long, so the refill's slice is valid even where the text is too
-        # short to ever fill the cache (then the refill is traced but never taken).
-        seq = jnp.zeros((rows, max(width + tokens, keep)), jnp.int32).at[:, :width].set(prompts)
+        seq = jnp.zeros((rows, window), jnp.int32).at[:, :width].set(prompts)
         logits, filled = module.last_logits(prompts, module.empty_cache(rows, window, dtype),
                                             0, start if padded else None, head)
-
-        def refill(seq: jax.Array, end: jax.Array, start: jax.Array):
-            """A fresh cache holding the ``keep`` slots before ``end``, and each row's first
-            slot in it."""
-            recent = jax.lax.dynamic_slice(seq, (0, end - keep), (rows, keep))
-            start = jnp.maximum(start - (end - keep), 0)
-            _, fresh = module.last_logits(recent, module.empty_cache(rows, window, dtype), 0,
-                                          start if padded else None)
-            return fresh, start
 
         def body(carry):
             i, done, counts, seq, cache, pos, start, last = carry
@@ -205,10 +225,6 @@ def decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
             done = done | jnp.any(token[:, None] == stops[None], axis=-1)
             end = width + i  # the new tokens' slot in seq
             seq = jax.lax.dynamic_update_slice(seq, token[:, None], (0, end))
-            if may_fill:
-                cache, start, pos = jax.lax.cond(
-                    pos >= window, lambda: (*refill(seq, end, start), jnp.int32(keep)),
-                    lambda: (cache, start, pos))
             logits, cache = module.last_logits(token[:, None], cache, pos,
                                                start if padded else None, head)
             return i + 1, done, counts, seq, cache, pos + 1, start, logits

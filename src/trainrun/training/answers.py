@@ -109,8 +109,11 @@ def answer_scorer(config: Any,
     """params -> ``exact_match`` and ``normalised_match`` of the first ``eval.generate``
     held-out answers (greedy, at most ``eval.answer_tokens`` each), for evaluation in
     training; the questions are read once, here. head: as ``answer_all``'s."""
-    model, data = config.model, config.data
-    assert isinstance(model, TransformerModel) and isinstance(data, RecordsData)
+    from trainrun.language_model import run_model
+
+    data = config.data
+    assert isinstance(data, RecordsData)
+    model = run_model(config)  # answers within the architecture's context, as `eval` gives
     asked = questions(data, config.eval.generate)
     if not asked:
         from trainrun.data.errors import DataError

@@ -224,9 +224,15 @@ def repair_step_metadata(directory: Path) -> list[str]:
 
 class Checkpoints:
     """The run's checkpoint directory: save a step (when: ``checkpoint_policy.py``), keep the
-    latest ``keep`` (and the best by ``keep_best``), restore the newest readable one."""
+    latest ``keep`` (and the best by ``keep_best``), restore the newest readable one.
 
-    def __init__(self, directory: Path, config: RunConfig, provenance: dict[str, Any]):
+    On object storage, ``stalled(last_committed)`` gives the error that ends a wait for a save
+    the store no longer answers (the run's mirror failed past storage.deadline_s; None: go on
+    waiting), and ``say`` where progress of a long wait is said."""
+
+    def __init__(self, directory: Path, config: RunConfig, provenance: dict[str, Any], *,
+                 stalled: Callable[[int | None], Exception | None] | None = None,
+                 say: Callable[[str], None] | None = None):
         self.remote = location.is_remote(directory)
         self.directory = (location.location(directory) if self.remote
                           else Path(directory).absolute())
@@ -269,10 +275,7 @@ class Checkpoints:
             item_handlers=handlers)  # pyright: ignore[reportArgumentType]
         self._in_flight = False  # a save may still be being written in the background
         self._closed = False
-        # On object storage: what stops a wait for a save the store no longer answers (the
-        # run's mirror failed past storage.deadline_s), and where progress is said.
-        self.stalled: Callable[[], Exception | None] | None = None
-        self.say: Callable[[str], None] | None = None
+        self.stalled, self.say = stalled, say
         self.in_flight_step: int | None = None
         self.last_committed: int | None = None
 
@@ -450,7 +453,7 @@ class Checkpoints:
     def _give_up_if_stalled(self) -> None:
         """Raise the mirror's failure, giving up the save in flight (``abandoned()``): closing
         would wait for a store that does not answer."""
-        failure = self.stalled() if self.stalled is not None else None
+        failure = self.stalled(self.last_committed) if self.stalled is not None else None
         if failure is not None:
             _ABANDONED.set()
             self._closed = True

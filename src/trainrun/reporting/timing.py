@@ -169,3 +169,11 @@ class _Phase:
 
     def __exit__(self, *exc: object) -> None:
         self.watch.add(self.name, time.perf_counter() - self.start)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timing:
+    """A run's wall-time split (``watch``) and its step windows (``timer``)."""
+
+    watch: Stopwatch
+    timer: StepTimer

@@ -14,8 +14,8 @@ import numpy as np
 
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.sharding import BatchPlacement
+from trainrun.reporting.timing import Timing
 from trainrun.training.metrics_reader import PendingCall
-from trainrun.training.setup import Timing
 
 # Calls queued on the devices when dispatch is asynchronous: enough to keep a device fed;
 # without a bound, simulated CPU devices deadlocked in XLA's collectives with calls dispatched

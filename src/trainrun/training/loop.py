@@ -1,15 +1,15 @@
 """``run(config)``: the training run, and the only place that orders its side effects.
 
-Set-up (``setup.py``) builds the mesh, state, programs, writers, checkpoints and evaluator once;
+Set-up (``setup.py``) builds the mesh, state, programs, writers, checkpoints and evaluator once
+and hands back what the loop runs: where it starts, its hooks, its calls and its finish.
 ``_train`` below is the loop: calls sized by the hooks, run back to back until a hook or a
-metrics read needs the host, then every hook at that boundary; ``_finish`` writes the summary.
-Metrics are read one call late, so the device is not left waiting for the host.
+metrics read needs the host, then every hook at that boundary; ``finish`` (``finish.py``) writes
+the summary. Metrics are read one call late, so the device is not left waiting for the host.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -17,35 +17,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import grain
-import jax
 
 from trainrun import rundir
 from trainrun.checkpointing import init_from
 from trainrun.errors import UserError
 from trainrun.platform.process import configure_process
-from trainrun.rundir import location, storage
+from trainrun.rundir import storage
 from trainrun.training.calls import CallRunner
 from trainrun.training.hooks import Boundary, HookRunner
-from trainrun.training.metric_log import MetricLog
-from trainrun.training.metrics_reader import MetricsReader
 from trainrun.training.preemption import Preemption
-from trainrun.training.setup import (
-    Reporting,
-    Start,
-    Timing,
-    build_hooks,
-    metric_log,
-    params_copier,
-    run_directory,
-    setup,
-)
-from trainrun.training.summary import RunSummary, summarize
+from trainrun.training.run_parts import Start
+from trainrun.training.setup import Asked, run_directory, setup
+from trainrun.training.summary import RunSummary
 
 if TYPE_CHECKING:
-    from trainrun.checkpointing.checkpoints import Checkpoints
     from trainrun.checkpointing.policy import Clock
     from trainrun.config import RunConfig
-    from trainrun.program.compiled import CompiledSteps
     from trainrun.training.callbacks import Callback
 
 Batch = Any
@@ -80,56 +67,26 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
     """
     settings = configure_process()  # while JAX's backend has not started; else a notice
     config = init_from.resolved(config)  # a Hugging Face source's config.json: the model
-    if run_dir is not None and location.is_remote(run_dir):  # written through a local stage
-        directory = run_directory(config, run_dir, fresh)
-        path = directory.run_dir
-    else:
-        path = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
-        if fresh:  # `--run-dir . --fresh`: the new run goes where `.` was, not into the old one
-            path = Path(os.path.abspath(path))
-        # The folders' claim: checked, then locked for the run's life (released last, after a
-        # failure is recorded).
-        directory = run_directory(config, path, fresh)
+    # The folders' claim: checked, then locked for the run's life (released last, after a
+    # failure is recorded).
+    directory = run_directory(config, run_dir, fresh)
+    asked = Asked(model=model, data=data, eval_data=eval_data, out=out,
+                  allow_config_change=allow_config_change, allow_data_change=allow_data_change,
+                  callbacks=list(callbacks), clock=clock,
+                  process_notice=None if settings.applied() else settings.notice)
     with Preemption() as preemption:
-        preemption.on_abort = lambda: rundir.mark_failed(path, "aborted by a second interrupt",
-                                                         directory.ckpt_dir)
+        preemption.on_abort = lambda: rundir.mark_failed(
+            directory.run_dir, "aborted by a second interrupt", directory.ckpt_dir)
         started = False
         try:
             # `cleanup` closes what setup opened (the checkpoint manager, letting a save in
             # flight commit) however the run ends.
             with contextlib.ExitStack() as cleanup:
-                wall_start = time.perf_counter()
-                built = setup(config, path, directory, model=model, data=data,
-                              eval_data=eval_data, allow_config_change=allow_config_change,
-                              allow_data_change=allow_data_change,
-                              out=out, cleanup=cleanup)
+                built = setup(config, directory, asked, preemption, cleanup)
                 started = True
                 if isinstance(built, RunSummary):  # finished already: nothing to do
                     return built
-                if not settings.applied():
-                    built.reporting.console.message(settings.notice)
-                log = metric_log(built.reporting.output, built.timing, built.batch_size,
-                                 built.stream is not None, built.strategies)
-                hooks = HookRunner(
-                    build_hooks(config, built.reporting, log, built.timing.watch,
-                                built.checkpoints, batches=built.batches,
-                                evaluator=built.evaluator, mirror=built.mirror,
-                                start_nonfinite=built.start.nonfinite, preemption=preemption,
-                                callbacks=list(callbacks), clock=clock),
-                    config.steps_per_call, config.steps,
-                    MetricsReader(built.programs, built.timing.timer, config.metrics.every),
-                    built.programs.state, params_copier(built.programs))
-                calls = CallRunner(built.programs, built.batches, built.parts.placement,
-                                   built.timing, stacked=config.steps_per_call > 1,
-                                   saving=built.checkpoints.saving,
-                                   reset_rate=built.reporting.output.reset_rate)
-                boundary = _train(built.start, hooks, calls)
-                summary = _finish(boundary, log, calls, wall_start, config=config,
-                                  reporting=built.reporting, timing=built.timing,
-                                  checkpoints=built.checkpoints, programs=built.programs,
-                                  counted=built.parts.counted, batch_size=built.batch_size,
-                                  start_step=built.start.step,
-                                  streamed=built.stream is not None)
+                summary = built.finish(_train(built.start, built.hooks, built.calls))
             directory.finish()  # a run on object storage: its files all uploaded
             return summary
         except BaseException as err:
@@ -164,45 +121,3 @@ def _train(start: Start, hooks: HookRunner, calls: CallRunner) -> Boundary:
     finally:
         hooks.close()  # a profile trace stops, callbacks are told, however the loop ended
     return boundary
-
-
-def _finish(boundary: Boundary, log: MetricLog, calls: CallRunner, wall_start: float, *,
-            config: RunConfig, reporting: Reporting, timing: Timing, checkpoints: Checkpoints,
-            programs: CompiledSteps, counted: Any, batch_size: int, start_step: int,
-            streamed: bool) -> RunSummary:
-    """Everything written and committed, then the summary (and the run's status)."""
-    step = boundary.step
-    if streamed:
-        jax.effects_barrier()  # every streamed row has been written
-    log.finish()  # every row written, the writers closed
-    with timing.watch.phase("checkpoint"):
-        checkpoints.wait()  # the final save is committed before the run reports done
-    if boundary.preempted:
-        checkpoints.close()
-        return _preempted(boundary, reporting, config.steps, start_step)
-    if boundary.stop_reason:
-        reporting.console.message(f"stopped at step {step}: {boundary.stop_reason}")
-    flops = programs.flops_per_step(calls.example, counted, batch_size)
-    summary = summarize(config, boundary, time.perf_counter() - wall_start, flops=flops,
-                        timer=timing.timer, watch=timing.watch, batch_size=batch_size,
-                        start_step=start_step, final_metrics=log.last,
-                        best_checkpoint=checkpoints.best(), provenance=reporting.provenance)
-    checkpoints.close()
-    if reporting.primary:
-        rundir.write_json(reporting.run_dir / rundir.SUMMARY, summary.to_dict())
-        rundir.write_status(reporting.run_dir, "finished", step)
-    reporting.console.message(summary.text())
-    return summary
-
-
-def _preempted(boundary: Boundary, reporting: Reporting, steps: int,
-               start_step: int) -> RunSummary:
-    """A stopped run's summary, its status "preempted": the same command resumes it."""
-    step = boundary.step
-    if reporting.primary:
-        rundir.write_status(reporting.run_dir, "preempted", step)
-    reporting.console.message(f"{boundary.stop_reason} after step {step}: checkpoint saved to "
-                              f"{boundary.saved}. Run the same command to resume.")
-    return RunSummary(status="preempted", steps=steps, steps_done=step, start_step=start_step,
-                      preempted_at=step, checkpoint=str(boundary.saved),
-                      provenance=reporting.provenance)

@@ -3,13 +3,15 @@
     mesh, batch placement -> model, optimizer, precision -> abstract state and its shardings
     -> data -> evaluator -> step program compiled on shapes -> init.from's state
     -> run directory claimed -> checkpoints -> state (restored or fresh) -> writers
+    -> the loop's runners: the hooks, the calls and the finish
 
 Every input is checked (mesh, model, data, init.from's source, the memory the state and the
 compiled step need) before anything is written; a refusal after the claim has the run
 (``loop.run``) withdraw it. ``setup`` is the list of builders in that order, each returning
-what it builds. ``Run`` is the frozen record of what set-up made, in bundles the loop's pieces
-take (``Parts``, ``Reporting``, ``Timing``, ``Start``); ``build_hooks`` lists what acts
-between the calls (``hooks.py``).
+what it builds, in the bundles the loop's pieces take (``run_parts.py``); it returns
+``Runners``, what the loop runs, each built whole. ``run_directory`` is the one place that
+asks whether a run is on object storage; ``build_hooks`` lists what acts between the calls
+(``hooks.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -60,92 +63,44 @@ from trainrun.platform.process import calls_run_inline, require_backend
 from trainrun.program import sharding
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.decode import HeadLayout
-from trainrun.program.optim import Optimizer, build_optimizer
-from trainrun.program.precision import Policy, policy_from_config
+from trainrun.program.optim import build_optimizer
+from trainrun.program.precision import policy_from_config
 from trainrun.program.state import TrainState, abstract_state, init_state
 from trainrun.reporting.console import Console, make_console
 from trainrun.reporting.provenance import provenance
 from trainrun.reporting.run_output import RunOutput, build_output
 from trainrun.reporting.stream import MetricStream
-from trainrun.reporting.timing import StepTimer, Stopwatch
+from trainrun.reporting.timing import StepTimer, Stopwatch, Timing
 from trainrun.rundir import location, remote
 from trainrun.rundir.lock import refuse_joining
 from trainrun.rundir.remote_run import RemoteRunDirectory, RunMirror
 from trainrun.training import preflight
 from trainrun.training.answers import answer_scorer
 from trainrun.training.callbacks import Callback, CallbackHook
+from trainrun.training.calls import CallRunner
 from trainrun.training.checkpoint_hook import CheckpointHook
 from trainrun.training.evaluation import EvalHook, Evaluator
-from trainrun.training.hooks import Hook
+from trainrun.training.finish import Finish
+from trainrun.training.hooks import Hook, HookRunner
 from trainrun.training.metric_log import MetricLog, OrderedOutput
+from trainrun.training.metrics_reader import MetricsReader
 from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
 from trainrun.training.profiling import ProfileWindow
+from trainrun.training.run_parts import Parts, Reporting, Start
 from trainrun.training.storage_hook import StorageHook
 from trainrun.training.summary import RunSummary
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Parts:
-    """The model and the shapes of its training program on the run's mesh, built before any
-    data or state is made."""
+class Runners:
+    """What the loop runs, built by set-up: where the first call starts, the hooks that act
+    between calls, the calls themselves, and the end that writes the summary."""
 
-    mesh: Any
-    placement: sharding.BatchPlacement  # where a training batch goes on the mesh
-    model: Model
-    counted: Any  # the config's model (an analytic FLOP count), None for a model passed in
-    optimizer: Optimizer
-    policy: Policy
-    abstract: TrainState
-    state_sharding: TrainState
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Reporting:
-    """Where the run's record goes: its folder, written by process 0, its console and its
-    metric writers."""
-
-    run_dir: Path
-    primary: bool  # process 0: the one that writes files and prints
-    provenance: dict[str, Any]
-    console: Console
-    output: RunOutput
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Timing:
-    """The run's wall-time split (``watch``) and its step windows (``timer``)."""
-
-    watch: Stopwatch
-    timer: StepTimer
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Start:
-    """Where the first call starts: the state as the calls carry it, and its counters."""
-
-    state: Any  # ``programs.carry`` of the restored or fresh state
-    step: int
-    nonfinite: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Run:
-    """What set-up made for a run, built once: its parts and the state its first call takes."""
-
-    config: RunConfig
-    reporting: Reporting
-    timing: Timing
-    parts: Parts
-    batches: Any  # this process's host batches (checkpointable position when it has one)
-    evaluator: Evaluator | None
-    checkpoints: Checkpoints
-    programs: CompiledSteps
     start: Start
-    batch_size: int
-    stream: MetricStream | None
-    strategies: Strategies  # the seams' strategies, chosen once (fast/strategies.py)
-    mirror: RunMirror | None  # uploads a run on object storage from its stage (process 0)
+    hooks: HookRunner
+    calls: CallRunner
+    finish: Finish
 
 
 def params_copier(programs: CompiledSteps) -> Callable[[TrainState], Any]:
@@ -155,32 +110,52 @@ def params_copier(programs: CompiledSteps) -> Callable[[TrainState], Any]:
     return lambda state: jax.tree.map(jnp.copy, state.params)
 
 
-def run_directory(config: RunConfig, run_dir: Any, fresh: bool) -> rundir.RunDirectory:
-    """The run's folders (run and checkpoints), to be checked, claimed and locked; a run
-    directory on object storage is written through a local stage (``rundir/remote_run.py``)."""
-    if location.is_remote(run_dir):
+def run_directory(config: RunConfig, run_dir: Path | str | None,
+                  fresh: bool) -> rundir.RunDirectory:
+    """The run's folders (run and checkpoints), to be checked, claimed and locked: ``run_dir``,
+    or the config's default. The one place that asks whether a run is on object storage: such
+    a run is written through a local stage (``rundir/remote_run.py``)."""
+    if run_dir is not None and location.is_remote(run_dir):
         url = location.location(run_dir)
         remote.set_deadline(config.storage.deadline_s)
         return RemoteRunDirectory(url, checkpoint_dir(config, url), fresh,
                                   lease_s=config.storage.lease_s,
                                   sync_every_s=config.storage.sync_every_s)
-    return rundir.RunDirectory(run_dir, checkpoint_dir(config, run_dir), fresh)
+    path = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
+    if fresh:  # `--run-dir . --fresh`: the new run goes where `.` was, not into the old one
+        path = Path(os.path.abspath(path))
+    return rundir.RunDirectory(path, checkpoint_dir(config, path), fresh)
 
 
-def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
-          model: Model | None, data: Any, eval_data: grain.MapDataset | None, out: TextIO,
-          allow_config_change: bool, allow_data_change: bool,
-          cleanup: contextlib.ExitStack) -> Run | RunSummary:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Asked:
+    """What the caller of ``run`` passed besides the config and the run directory."""
+
+    model: Model | None
+    data: Any
+    eval_data: grain.MapDataset | None
+    out: TextIO
+    allow_config_change: bool
+    allow_data_change: bool
+    callbacks: list[Callback]
+    clock: Clock
+    process_notice: str | None  # the process settings could not be applied: said once
+
+
+def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
+          preemption: Preemption, cleanup: contextlib.ExitStack) -> Runners | RunSummary:
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
+    wall_start = time.perf_counter()
+    run_dir = directory.run_dir
     chosen, primary, prov = _process(config, directory)
-    batch_size = getattr(data, "batch_size", None) or config.data.batch_size
-    console = _console(config, batch_size, out if primary else None)
+    batch_size = getattr(asked.data, "batch_size", None) or config.data.batch_size
+    console = _console(config, batch_size, asked.out if primary else None)
     resumes = _resume_step(directory)
     if resumes is not None and resumes >= config.steps:  # finished: nothing to do
         return _finished(run_dir, directory, resumes, config.steps, console, primary)
-    parts = _parts(config, model, batch_size, console)
-    data, batches, records, files = _data(config, data, parts, console)
-    evaluator = _evaluator(config, parts, eval_data, chosen.decode_head())
+    parts = _parts(config, asked.model, batch_size, console)
+    data, batches, records, files = _data(config, asked.data, parts, console)
+    evaluator = _evaluator(config, parts, asked.eval_data, chosen.decode_head())
     stream = _metric_stream(config)
     timing = Timing(watch=Stopwatch(), timer=StepTimer(inline=chosen.switch.inline_cpu_calls))
     compiled_steps = _compiled_steps(config, parts, timing.watch, stream, chosen)
@@ -190,15 +165,31 @@ def setup(config: RunConfig, run_dir: Path, directory: rundir.RunDirectory, *,
     with timing.watch.phase("init"):
         state = _restore_or_init(checkpoints, config, parts, batches, loaded,
                                  _Resuming(run_dir, directory.display, prov, console, primary,
-                                           files, allow_config_change, allow_data_change))
+                                           files, asked.allow_config_change,
+                                           asked.allow_data_change))
     reporting = _reporting(config, run_dir, console, primary, prov, int(state.step))
     _report_start(config, reporting, records, stream, int(state.step), parts.model.name,
                   directory.display)
     programs = _at_data_position(compiled_steps, programs, batches, int(state.step))
-    return Run(config=config, reporting=reporting, timing=timing, parts=parts, batches=batches,
-               evaluator=evaluator, checkpoints=checkpoints, programs=programs,
-               start=_start(programs, state), batch_size=batch_size, stream=stream,
-               strategies=chosen, mirror=mirror)
+    if asked.process_notice is not None:
+        console.message(asked.process_notice)
+    log = metric_log(reporting.output, timing, batch_size, stream is not None, chosen)
+    start = _start(programs, state)
+    hooks = HookRunner(
+        build_hooks(config, reporting, log, timing.watch, checkpoints, batches=batches,
+                    evaluator=evaluator, mirror=mirror, start_nonfinite=start.nonfinite,
+                    preemption=preemption, callbacks=asked.callbacks, clock=asked.clock),
+        config.steps_per_call, config.steps,
+        MetricsReader(programs, timing.timer, config.metrics.every), programs.state,
+        params_copier(programs))
+    calls = CallRunner(programs, batches, parts.placement, timing,
+                       stacked=config.steps_per_call > 1, saving=checkpoints.saving,
+                       reset_rate=reporting.output.reset_rate)
+    finish = Finish(config=config, reporting=reporting, timing=timing, log=log, calls=calls,
+                    checkpoints=checkpoints, programs=programs, counted=parts.counted,
+                    batch_size=batch_size, start_step=start.step, streamed=stream is not None,
+                    wall_start=wall_start)
+    return Runners(start=start, hooks=hooks, calls=calls, finish=finish)
 
 
 def _process(config: RunConfig, directory: rundir.RunDirectory,
@@ -355,11 +346,12 @@ def _claim(config: RunConfig, directory: rundir.RunDirectory, prov: dict[str, An
     if primary:
         for notice in directory.claim():
             console.message(notice)
-    checkpoints = cleanup.enter_context(Checkpoints(directory.ckpt_dir, config, prov))
-    mirror = getattr(directory, "mirror", None) if primary else None
-    if mirror is not None:  # a wait for an upload ends when the store is lost, and says so
-        checkpoints.stalled = lambda: mirror.stopped(checkpoints.last_committed)
-        checkpoints.say = console.message
+    mirror = directory.mirror if primary and isinstance(directory, RemoteRunDirectory) else None
+    # a wait for an upload ends when the store is lost, and says so
+    checkpoints = cleanup.enter_context(Checkpoints(
+        directory.ckpt_dir, config, prov, stalled=None if mirror is None else mirror.stopped,
+        say=None if mirror is None else console.message))
+    if mirror is not None:
         remote.set_notice(console.message)
         cleanup.callback(remote.set_notice, None)
     return checkpoints, mirror

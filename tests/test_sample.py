@@ -211,8 +211,7 @@ def test_a_system_prompt_and_a_file_of_conversations_are_answered_as_an_own_loop
                       {"role": "user", "content": "c"}]]
     path = tmp_path / "conversations.jsonl"
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations) + "\n")
-    # 4 tokens: every answer ends within the 64-token context, where a batch answers each
-    # conversation as it is answered alone
+    # a batch answers each conversation as it is answered alone
     assert main(["sample", str(run_dir), "--file", str(path), "--temperature", "0",
                  "--tokens", "4"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

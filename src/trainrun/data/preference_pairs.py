@@ -70,27 +70,37 @@ def problem(record: Mapping[str, Any], form: PairForm) -> str | None:
     for name in names:
         if name not in record:
             return f"no {name!r} field (its fields: {', '.join(sorted(record)) or 'none'})"
-    values = [record[name] for name in names]
-    if form == "standard" or (form == "implicit" and isinstance(values[0], str)):
-        for name, value in zip(names, values, strict=True):
-            if not isinstance(value, str):
-                return f"field {name!r} is {describe(value)}, not a string"
-        if form == "implicit" and not _text_prompt(values[0], values[1])[0]:
-            return "'chosen' and 'rejected' share no prompt at their start"
-        return None
-    for name, value in zip(names, values, strict=True):
-        wrong = _messages(value, needs_assistant=name != "prompt")
+    if form == "standard" or (form == "implicit" and isinstance(record["chosen"], str)):
+        return _text_problem(record, form, names)
+    for name in names:
+        wrong = _messages(record[name], needs_assistant=name != "prompt")
         if wrong is not None:
             return f"field {name!r}: {wrong}"
+    return _turns_problem(record, form)
+
+
+def _text_problem(record: Mapping[str, Any], form: PairForm,
+                  names: tuple[str, ...]) -> str | None:
+    for name in names:
+        if not isinstance(record[name], str):
+            return f"field {name!r} is {describe(record[name])}, not a string"
+    if form == "implicit" and not _text_prompt(record["chosen"], record["rejected"])[0]:
+        return "'chosen' and 'rejected' share no prompt at their start"
+    return None
+
+
+def _turns_problem(record: Mapping[str, Any], form: PairForm) -> str | None:
+    """What is wrong with a conversational pair's turns, its messages each well formed."""
+    chosen, rejected = record["chosen"], record["rejected"]
     if form == "conversational":
-        for name in ("chosen", "rejected"):
-            if any(message["role"] != "assistant" for message in record[name]):
+        for name, turns in (("chosen", chosen), ("rejected", rejected)):
+            if any(message["role"] != "assistant" for message in turns):
                 return f"field {name!r} holds a message whose role is not 'assistant'"
         return None
-    prompt = _shared_messages(record["chosen"], record["rejected"])
+    prompt = _shared_messages(chosen, rejected)
     if not prompt:
         return "'chosen' and 'rejected' share no first message: no prompt to split off"
-    if len(prompt) == min(len(record["chosen"]), len(record["rejected"])):
+    if len(prompt) == min(len(chosen), len(rejected)):
         return "'chosen' or 'rejected' has no message after the prompt they share"
     return None
 

@@ -368,6 +368,76 @@ def test_links_inside_the_source_or_a_hub_snapshot_are_copied_as_files(lora_run,
     assert files["special_tokens_map.json"].read_bytes() == tokenizer
 
 
+# ---- the source's config.json -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def odd_source(tmp_path_factory) -> tuple[Path, Path]:
+    """A Llama directory whose config.json holds values trainrun would not write (an
+    initializer_range of 0.1, keys it does not know, the hub's nested rope_scaling beside
+    rope_parameters, torch_dtype, an eos id unlike the generation config's), and a byte corpus
+    to fine-tune it on."""
+    from conftest import save_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("odd")
+    source = save_tiny_causal_lm(root / "llama", "llama", vocab_size=300)
+    hf = json.loads((source / "config.json").read_text())
+    del hf["dtype"]
+    hf.update(initializer_range=0.1, torch_dtype="float32", eos_token_id=2,
+              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+              lab_notes={"kept": ["as", "written"], "depth": {"x": 1.5}}, use_cache=False)
+    (source / "config.json").write_text(json.dumps(hf, indent=1))
+    generation = json.loads((source / "generation_config.json").read_text())
+    (source / "generation_config.json").write_text(json.dumps({**generation,
+                                                               "eos_token_id": [2, 7]}))
+    corpus = root / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    return source, corpus
+
+
+def fine_tuned(source: Path, corpus: Path, run_dir: Path, *extra: str) -> Path:
+    config = load_config("finetune", [
+        "steps=2", "steps_per_call=1", "checkpoint.every=0", "eval.every=0",
+        "optimizer.schedule.warmup=1", "metrics.tensorboard=false", f"init.from={source}",
+        f"data.paths=[{corpus}]", "data.seq_len=32", "data.batch_size=2", *extra])
+    run(config, run_dir, out=io.StringIO())
+    return run_dir
+
+
+@pytest.mark.slow
+def test_the_source_config_json_is_kept_as_it_was(odd_source, tmp_path):
+    """Before, the export wrote initializer_range 0.02 over 0.1, added a top-level rope_theta,
+    renamed torch_dtype and took the generation config's eos ids into config.json."""
+    source, corpus = odd_source
+    before = json.loads((source / "config.json").read_text())
+    full = export.export_run(fine_tuned(source, corpus, tmp_path / "full"), tmp_path / "out")
+    assert json.loads((full.path / "config.json").read_text()) == before
+
+    lora = fine_tuned(source, corpus, tmp_path / "lora", "model.lora={rank: 4, targets: [q, v]}")
+    adapters = export.export_run(lora, tmp_path / "adapters")
+    assert "config.json" not in adapters.files  # the adapters name the source as their base
+    assert json.loads((adapters.path / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] == str(source)
+    merged = export.export_run(lora, tmp_path / "merged", merge=True)
+    assert json.loads((merged.path / "config.json").read_text()) == before
+    assert json.loads((source / "config.json").read_text()) == before
+
+
+def test_a_run_from_scratch_exports_the_config_json_it_did(lm_run, tmp_path):
+    """No source config.json: every field is trainrun's, as before."""
+    out = export.export_run(lm_run, tmp_path / "out")
+    assert json.loads((out.path / "config.json").read_text()) == SCRATCH_CONFIG
+
+
+SCRATCH_CONFIG = {  # what the export wrote before config.json kept a source's fields
+    "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "activation_function": "gelu_new",
+    "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2, "n_inner": 128,
+    "n_positions": 32, "layer_norm_epsilon": 1e-05, "initializer_range": 0.02,
+    "tie_word_embeddings": True, "scale_attn_weights": True, "bos_token_id": None,
+    "eos_token_id": None, "dtype": "float32"}
+
+
 # ---- what a killed export leaves -------------------------------------------------------------
 
 

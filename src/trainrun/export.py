@@ -118,7 +118,10 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
                                    staging)
         else:
             model, weights = merge_adapters(model, weights)
-            source_config = {**(source_config or {}), **_token_ids(config, copies)}
+            ids = _token_ids(config, copies)
+            # the run's own tokenizer's ids are what it trained with; else the source's stand
+            source_config = ({**(source_config or {}), **ids} if own is not None
+                             else {**ids, **(source_config or {})})
             write_model_dir(weights, model, staging, model_type=model_type,
                             source=source_config, dtype=dtype, shard_bytes=shard_bytes)
         _copy_tokenizer(copies, own, staging)

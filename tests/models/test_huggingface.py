@@ -16,7 +16,15 @@ from conftest import hf_logits, save_tiny_causal_lm, save_tiny_gpt2
 import trainrun
 from trainrun.checkpointing.init_from import model_of
 from trainrun.config import TransformerModel
-from trainrun.models.huggingface import INDEX, Tensors, WeightsError, write_model_dir
+from trainrun.models.huggingface import (
+    INDEX,
+    ROPE_KEYS,
+    Tensors,
+    WeightsError,
+    architecture,
+    config_json,
+    write_model_dir,
+)
 from trainrun.platform.host_memory import HostMemory
 
 pytest.importorskip("transformers", reason="the tests' extra holds transformers")
@@ -185,6 +193,22 @@ def test_a_hub_snapshots_links_into_its_blobs_load(family_dirs, tmp_path):
     assert loaded.names == own.names
     for name in sorted(own.names):
         np.testing.assert_array_equal(loaded.read(name), own.read(name))
+
+
+def test_config_json_keeps_the_source_but_what_the_run_changed(family_dirs):
+    """The source's fields stay as written; a changed rotary base and a longer context are
+    written, and read back as the model trained."""
+    path = family_dirs["llama"]
+    source = {**json.loads((path / "config.json").read_text()), "initializer_range": 0.1,
+              "lab_notes": {"kept": [1, 2.5]}}
+    cfg = trainrun.load(path).config
+    assert config_json(cfg, "llama", source) == source
+    changed = cfg.model_copy(update={"rope_theta": 10000.0, "seq_len": 1024})
+    out = config_json(changed, "llama", source)
+    assert {k: v for k, v in out.items() if k not in ROPE_KEYS} == {
+        **{k: v for k, v in source.items() if k not in ROPE_KEYS},
+        "max_position_embeddings": 1024}
+    assert architecture(out).fields == {**architecture(source).fields, "rope_theta": 10000.0}
 
 
 # ---- every value of config.json checked before use ------------------------------------------

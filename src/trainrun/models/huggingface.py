@@ -290,7 +290,8 @@ def refuse_unsupported(hf: dict[str, Any], seq_len: int, where: str = CONFIG) ->
 def config_json(cfg: TransformerModel, model_type: str,
                 source: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``config.json`` for ``cfg`` in ``model_type``'s layout. ``source``: the config.json
-    the model was loaded from; its other fields (token ids, context, dtype) are kept."""
+    the model was loaded from; every field of it is kept as it was but those whose value for
+    the model ``cfg`` changed (``kept_source``)."""
     if model_type == "gpt2":
         if (cfg.positions != "learned" or not cfg.bias or cfg.norm != "layernorm"
                 or cfg.mlp != "gelu" or cfg.kv_heads not in (None, cfg.heads)
@@ -306,7 +307,7 @@ def config_json(cfg: TransformerModel, model_type: str,
                "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True}
         out.setdefault("bos_token_id", None)
         out.setdefault("eos_token_id", None)
-        return out
+        return kept_source(out, source)
     if model_type not in LLAMA_FAMILY:
         raise WeightsError(f"model_type {model_type!r} is not one trainrun writes; it writes "
                            + ", ".join(MODEL_TYPES))
@@ -364,7 +365,47 @@ def config_json(cfg: TransformerModel, model_type: str,
     if scaling is not None and not gemma:  # hub checkpoints' key, read by older transformers
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     _refuse_unwritten(cfg, out, model_type)
-    return out
+    return kept_source(out, source)
+
+
+def kept_source(out: dict[str, Any], source: dict[str, Any] | None) -> dict[str, Any]:
+    """The source's ``config.json`` with ``out``'s value (the model as trained) only where the
+    model differs: each field ``architecture`` reads whose value changed, its key written as
+    ``out`` writes it, and a longer ``max_position_embeddings``. Every other field stays as the
+    source has it (``initializer_range``, keys trainrun does not read, ``rope_theta`` beside
+    ``rope_parameters``). ``out`` as it is where there is no source of its model_type, or
+    where the source's keys cannot say the change."""
+    if not source or source.get("model_type") != out["model_type"]:
+        return out
+    theirs, ours = architecture(source), architecture(out)
+    kept = dict(source)
+    for field, value in ours.fields.items():
+        if _same(theirs.fields.get(field), value):
+            continue
+        key = ours.keys.get(field)
+        if key is None:
+            return out
+        for name in ROPE_KEYS if key in ROPE_KEYS else (key,):
+            if name in out:
+                kept[name] = out[name]
+            else:
+                kept.pop(name, None)
+    if ours.max_positions > theirs.max_positions:
+        kept["max_position_embeddings"] = out["max_position_embeddings"]
+    back = architecture(kept).fields
+    if any(not _same(back.get(field), value) for field, value in ours.fields.items()):
+        return out
+    return kept
+
+
+ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")  # one setting, three spellings
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal, floats within rounding (a value read back from JSON)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b)
+    return a == b
 
 
 def _experts_json(cfg: TransformerModel, model_type: str) -> dict[str, Any]:
@@ -841,8 +882,8 @@ def write_model_dir(params: PyTree, cfg: TransformerModel, path: Path, *, model_
     dict, without adapters) in ``model_type``'s layout, which ``transformers`` loads with
     ``from_pretrained``. ``source``: the config.json the model came from (kept fields)."""
     hf = config_json(cfg, model_type, source)
-    hf["dtype"] = dtype
-    hf.pop("torch_dtype", None)
+    for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
+        hf[key] = dtype  # the weights' dtype, under the source's spelling (older: torch_dtype)
     path.mkdir(parents=True, exist_ok=True)
     write_weights(hf_tensors(dotted(params), cfg, model_type), path, dtype=dtype,
                   shard_bytes=shard_bytes)

@@ -16,8 +16,8 @@ from conftest import hf_greedy, save_tiny_causal_lm, save_tiny_family
 
 import trainrun
 from trainrun.checkpointing.init_from import resolved
+from trainrun.checkpointing.run_context import ROPE_CONTEXT, ContextRefused, run_model, within
 from trainrun.config import load_config
-from trainrun.language_model import ROPE_CONTEXT, LoadError, run_model, within
 from trainrun.program.decode import ContextWarning
 
 pytest.importorskip("transformers", reason="the tests' extra holds transformers")
@@ -54,7 +54,7 @@ def test_a_run_decodes_300_tokens_as_transformers_generates_its_export(tmp_path)
     assert len(got) == len(want) == 309
     np.testing.assert_array_equal(got, want)
 
-    with pytest.raises(LoadError, match=r"^context=513: the model of .* reads at most 512 "
+    with pytest.raises(ContextRefused, match=r"^context=513: the model of .* reads at most 512 "
                                         r"positions \(the max_position_embeddings of "):
         trainrun.load(tmp_path / "run", context=513)
 
@@ -70,10 +70,10 @@ def test_the_context_of_a_run_is_its_architectures(tmp_path):
     assert config.model.seq_len == 24  # type: ignore[union-attr]  # the rows it trains on
     assert run_model(config).seq_len == 320  # the source's max_position_embeddings
     assert run_model(config, 100).seq_len == 100
-    with pytest.raises(LoadError, match="context=321: the model of the run reads at most 320"):
+    with pytest.raises(ContextRefused, match="context=321: the model of the run reads at most 320"):
         run_model(config, 321)
     for bad in (1, 0, 2.5, True):
-        with pytest.raises(LoadError, match="give a number of positions above 1"):
+        with pytest.raises(ContextRefused, match="give a number of positions above 1"):
             run_model(config, bad)  # type: ignore[arg-type]
     # A run started from a run that started from the model: the model's context still.
     forked = config.model_copy(update={"init": config.init.model_copy(
@@ -95,7 +95,7 @@ def test_the_context_of_a_run_is_its_architectures(tmp_path):
                                  "model.positions=learned", "model.seq_len=48"])
     assert run_model(learned).seq_len == 48
     assert run_model(learned, 30).seq_len == 30
-    with pytest.raises(LoadError, match=r"reads at most 48 positions \(a table of 48 learned "
+    with pytest.raises(ContextRefused, match=r"reads at most 48 positions \(a table of 48 learned "
                                         "positions\\); give at most 48"):
         run_model(learned, 49)
 

@@ -69,8 +69,8 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     say(f"loss {scores['loss']:.4g} over the held-out tokens")
     answers: list[dict[str, Any]] = []
     if isinstance(section, RecordsData):
+        from trainrun.checkpointing.run_context import run_model, within
         from trainrun.fast import strategies
-        from trainrun.language_model import run_model, within
 
         asked = questions(section, limit)
         model = run_model(config)  # answers within the architecture's context

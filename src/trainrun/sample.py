@@ -181,7 +181,7 @@ def _trained(run_dir: Path | str, ema: bool, chat: bool = False, context: int | 
     """A language-model run's config, its model within ``context`` (``run_model``) and its
     latest params (or their moving average) as that model holds them. chat: the run must be
     one on records, which have a chat template."""
-    from trainrun.language_model import run_model, within
+    from trainrun.checkpointing.run_context import run_model, within
 
     run, config = language_run(run_dir, ema, chat=chat)
     model = run_model(config, context, named=str(run))

@@ -109,7 +109,7 @@ def answer_scorer(config: Any,
     """params -> ``exact_match`` and ``normalised_match`` of the first ``eval.generate``
     held-out answers (greedy, at most ``eval.answer_tokens`` each), for evaluation in
     training; the questions are read once, here. head: as ``answer_all``'s."""
-    from trainrun.language_model import run_model
+    from trainrun.checkpointing.run_context import run_model
 
     data = config.data
     assert isinstance(data, RecordsData)

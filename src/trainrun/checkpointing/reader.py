@@ -22,7 +22,7 @@ from trainrun.checkpointing.checkpoints import (
     newest_readable,
     readable,
 )
-from trainrun.checkpointing.integrity import verify_step
+from trainrun.checkpointing.integrity import step_record_problem, verify_step
 from trainrun.config import ConfigError, RunConfig, config_from_dict
 from trainrun.errors import UserError
 from trainrun.models import build_model
@@ -78,9 +78,7 @@ def latest_state(run_dir: location.Location, config: RunConfig) -> tuple[int, An
     options = ocp.CheckpointManagerOptions(
         read_only=True, create=False, save_interval_steps=0, enable_async_checkpointing=False,
         **(object_store.manager_options() if remote else {}))
-    with _without_read_only_notice(), ocp.CheckpointManager(
-            directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler()}) as ckpt:
+    with _without_read_only_notice(), _opened(directory, options) as ckpt:
         steps = sorted(rundir.committed_steps(directory) if remote else ckpt.all_steps(),
                        reverse=True)
         if not steps:
@@ -106,6 +104,27 @@ def latest_state(run_dir: location.Location, config: RunConfig) -> tuple[int, An
     raise RunReadError(f"no checkpoint in {directory} can be read ("
                       + "; ".join(f"step {s}: {why}" for s, why in problems)
                       + "): restore its files from a copy, or train the run again")
+
+
+@contextlib.contextmanager
+def _opened(directory: location.Location, options: ocp.CheckpointManagerOptions
+            ) -> Iterator[ocp.CheckpointManager]:
+    """Orbax's manager of the checkpoints in ``directory``. Orbax reads every step's record as
+    it opens them, and stops on one it cannot take: that is one line naming each such record
+    (a resume rewrites them: ``checkpoints.repair_step_metadata``)."""
+    try:
+        manager = ocp.CheckpointManager(directory, options=options,
+                                        item_handlers={"state": ocp.StandardCheckpointHandler()})
+    except ValueError:
+        steps = sorted(int(name) for name in location.list_names(directory) if name.isdigit())
+        found = [f"{directory / str(step)}: {why}" for step in steps
+                 if (why := step_record_problem(directory / str(step))) is not None]
+        if not found:
+            raise
+        raise RunReadError("; ".join(found) + "; resuming the run (trainrun train) rewrites "
+                           "it, or restore the file from a copy") from None
+    with manager:
+        yield manager
 
 
 @contextlib.contextmanager

@@ -1,0 +1,36 @@
+"""Reading a run's newest checkpoint (``sample``, ``export``, ``trainrun.load``) where Orbax's
+record of a step is damaged: random bytes are passed over, a record Orbax cannot take is one
+line naming it."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from trainrun.checkpointing import integrity
+from trainrun.checkpointing.reader import RunReadError, latest_params, saved_config
+from trainrun.config import load_config
+from trainrun.training.loop import run
+
+
+def test_a_step_record_orbax_cannot_take_is_one_line_naming_it(tmp_path):
+    """Before, a JSON object Orbax does not take in a step's _CHECKPOINT_METADATA stopped every
+    read of the run with Orbax's ValueError traceback."""
+    run_dir = tmp_path / "run"
+    run(load_config("mlp", ["steps=2", "checkpoint.every=1", "metrics.tensorboard=false"]),
+        run_dir, out=io.StringIO())
+    config = saved_config(run_dir)
+    record = run_dir / "checkpoints" / "1" / integrity.STEP_RECORD
+    record.write_bytes(b"\x93garbage{")  # Orbax goes without it: the read goes on
+    assert latest_params(run_dir, config)[0] == 2
+    record.write_text(json.dumps({"item_handlers": 5}))
+    with pytest.raises(RunReadError) as refused:
+        latest_params(run_dir, config)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert line.startswith(f"{record.parent}: _CHECKPOINT_METADATA, Orbax's record of step 1, "
+                           "is not one Orbax reads (")
+    assert line.endswith("resuming the run (trainrun train) rewrites it, or restore the file "
+                         "from a copy")

@@ -76,23 +76,8 @@ def initialize(cfg: DistributedConfig,
     try:
         with joining:
             jax.distributed.initialize(**options)
-    except RuntimeError as err:
-        if "must be called before" in str(err):
-            raise DistributedError("distributed start-up must come before any use of JAX "
-                                   "devices; call trainrun.run (or distributed.initialize) "
-                                   "first") from None
-        raise DistributedError(f"could not join the processes at {where}: "
-                               f"{_first_line(err)}") from None
-    except ValueError as err:
-        if cfg.kind == "auto":
-            raise DistributedError("distributed=auto found no cluster to join (SLURM, Open MPI, "
-                                   "Cloud TPU, ...); run under one, use `trainrun launch` on "
-                                   "one machine, or set distributed.kind=explicit with "
-                                   "coordinator, num_processes and process_id") from None
-        raise DistributedError(f"distributed start-up failed: {_first_line(err)}") from None
-    except Exception as err:  # the coordinator unreachable, a port taken, a timeout
-        raise DistributedError(f"could not join the processes at {where}: "
-                               f"{_first_line(err)}") from None
+    except Exception as err:  # the coordinator unreachable, a port taken, a timeout, ...
+        raise _join_error(cfg, err, where) from None
     if jax.process_count() > 1:
         _watch = PeerWatch(jax.process_index(), jax.process_count(), cfg.peer_timeout_s)
         _watch.start()
@@ -100,6 +85,21 @@ def initialize(cfg: DistributedConfig,
             _presence = coordinator.JobPresence(address, jax.process_count())
             _presence.start()
     return _watch
+
+
+def _join_error(cfg: DistributedConfig, err: Exception, where: str) -> DistributedError:
+    """The one line for ``jax.distributed.initialize`` failing with ``err``."""
+    if isinstance(err, RuntimeError) and "must be called before" in str(err):
+        return DistributedError("distributed start-up must come before any use of JAX "
+                                "devices; call trainrun.run (or distributed.initialize) first")
+    if isinstance(err, ValueError):
+        if cfg.kind == "auto":
+            return DistributedError("distributed=auto found no cluster to join (SLURM, Open MPI, "
+                                    "Cloud TPU, ...); run under one, use `trainrun launch` on "
+                                    "one machine, or set distributed.kind=explicit with "
+                                    "coordinator, num_processes and process_id")
+        return DistributedError(f"distributed start-up failed: {_first_line(err)}")
+    return DistributedError(f"could not join the processes at {where}: {_first_line(err)}")
 
 
 def _explicit_options(cfg: ExplicitDistributed) -> dict[str, Any]:
@@ -330,101 +330,136 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
         raise DistributedError("launch needs -n >= 1 and --devices-per-process >= 1")
     port = free_port()
     env = process_env(devices_per_process, port)
-    lock = threading.Lock()
+    return _Job(n, train_args, port, out, on_job_stopped).run(env, grace_s)
 
-    def say(text: str) -> None:
-        with lock:
-            out.write(text + "\n")
-            out.flush()
 
-    def stopped(line: str) -> None:
+class _Job:
+    """The ``n`` processes ``launch`` starts: their output, their exits and the job's status."""
+
+    def __init__(self, n: int, train_args: list[str], port: int, out: TextIO,
+                 on_job_stopped: Callable[[str, list[str], int], str] | None) -> None:
+        self.n, self.port, self.out, self.on_job_stopped = n, port, out, on_job_stopped
+        self.lock = threading.Lock()
+        self.commands = [[*train_args, "distributed.kind=explicit",
+                          f"distributed.coordinator=127.0.0.1:{port}",
+                          f"distributed.num_processes={n}", f"distributed.process_id={i}"]
+                         for i in range(n)]
+        self.procs: list[subprocess.Popen[str]] = []
+        self.held: list[list[str]] = []  # each process's native log lines
+        self.pumps: list[threading.Thread] = []
+        self.stopped_by: str | None = None  # the id a process that is not the job's joined under
+        self.first_failure: int | None = None
+        self.cause: tuple[int, int] | None = None  # the first process to fail and its return code
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def stopped(self, line: str) -> None:
         """The job was stopped by what no process could report: recorded, then said."""
-        if on_job_stopped is not None:
+        if self.on_job_stopped is not None:
             with contextlib.suppress(Exception):  # the line goes out however it fares
-                line = on_job_stopped(line, commands[0], procs[0].pid)
-        say(f"[launch] error: {line}")
+                line = self.on_job_stopped(line, self.commands[0], self.procs[0].pid)
+        self.say(f"[launch] error: {line}")
 
-    procs: list[subprocess.Popen[str]] = []
-    commands = [[*train_args, "distributed.kind=explicit",
-                 f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={n}",
-                 f"distributed.process_id={i}"] for i in range(n)]
-    for i, command in enumerate(commands):
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainrun", *command],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, bufsize=1, env=env))
-        say(f"[launch] process {i} of {n}: pid {procs[-1].pid}")
-    held: list[list[str]] = [[] for _ in procs]  # each process's native log lines
-    pumps = [threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", say, held[i]),
-                              daemon=True) for i, p in enumerate(procs)]
-    for pump in pumps:
-        pump.start()
-    stopped_by: str | None = None  # the id a process that is not the job's joined under
+    def run(self, env: dict[str, str], grace_s: float) -> int:
+        """Start the processes, wait for all of them, and return the job's exit status."""
+        self.start(env)
+        forward = {sig: signal.signal(sig, self.forward_signal)
+                   for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.wait(grace_s)
+        finally:
+            for sig, handler in forward.items():
+                signal.signal(sig, handler)
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+        for pump in self.pumps:
+            pump.join(timeout=5)
+        if self.cause is not None and self.cause[1] < 0 and self.stopped_by is None:
+            i, code = self.cause  # every process has exited: what the run's status says is final
+            self.stopped(_died(i, self.n, self.procs[i].pid, code, self.echo(i, code)))
+        return self.first_failure or 0
 
-    def echo(i: int, code: int) -> bool:
+    def start(self, env: dict[str, str]) -> None:
+        """Start each process and a thread that streams its output."""
+        for i, command in enumerate(self.commands):
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "trainrun", *command],
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                               text=True, bufsize=1, env=env))
+            self.say(f"[launch] process {i} of {self.n}: pid {self.procs[-1].pid}")
+        self.held = [[] for _ in self.procs]
+        self.pumps = [threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", self.say,
+                                                           self.held[i]), daemon=True)
+                      for i, p in enumerate(self.procs)]
+        for pump in self.pumps:
+            pump.start()
+
+    def forward_signal(self, signum: int, _frame: Any) -> None:
+        for p in self.procs:
+            p.send_signal(signum)
+
+    def wait(self, grace_s: float) -> None:
+        """Poll until every process has exited; once one has failed, the others get
+        ``grace_s`` seconds before they are terminated, then ten more before they are killed."""
+        deadline: float | None = None
+        terminated = False
+        while any(p.returncode is None for p in self.procs):
+            ended = [(i, code) for i, p in enumerate(self.procs)
+                     if p.returncode is None and (code := p.poll()) is not None]
+            for i, _ in ended:
+                self.pumps[i].join(timeout=5)  # its last lines read
+            # Found ended together: the one that failed before those its failure stopped.
+            for i, code in sorted(ended, key=lambda item: self.echo(*item)):
+                if self.record_exit(i, code):
+                    deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                self.stop_the_rest(kill=terminated)
+                terminated, deadline = True, time.monotonic() + 10
+            time.sleep(0.05)
+
+    def record_exit(self, i: int, code: int) -> bool:
+        """Say that process ``i`` exited with ``code``; whether it is the job's first failure."""
+        self.exited(i, code, first=self.first_failure is None)
+        self.say(f"[launch] process {i} exited with {_describe(code)}")
+        if code == 0 or self.first_failure is not None:
+            return False
+        self.first_failure = JOB_STOPPED_EXIT if self.stopped_by else _status(code)
+        self.cause = (i, code)
+        return True
+
+    def stop_the_rest(self, kill: bool) -> None:
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.say(f"[launch] process {i} still running after a failure; "
+                         f"{'killing' if kill else 'terminating'} it")
+                p.kill() if kill else p.terminate()
+
+    def echo(self, i: int, code: int) -> bool:
         """Whether process ``i`` stopped because another failed (trainrun's watch or JAX's
         coordination client stopped it), rather than failing itself."""
         return code == PEER_LOST_EXIT or (
-            code < 0 and any(STOPPED_BY_JAX.search(line) for line in held[i]))
+            code < 0 and any(STOPPED_BY_JAX.search(line) for line in self.held[i]))
 
-    def exited(i: int, code: int, first: bool) -> None:
-        nonlocal stopped_by
+    def exited(self, i: int, code: int, first: bool) -> None:
+        """Name a stranger at the coordinator (once), or else show the held native log lines of
+        process ``i`` unless its failure only echoes another's."""
         # process 0 hosts the coordinator: its log names the intruder before anyone aborts
-        found = INTRUDER.search("\n".join(line for lines in held for line in lines))
+        found = INTRUDER.search("\n".join(line for lines in self.held for line in lines))
         if code != 0 and found is not None:
-            if stopped_by is None:
-                stopped_by = found.group(1)
-                stopped(f"a process that is not this job's joined its coordinator at "
-                        f"127.0.0.1:{port} as process {stopped_by} (another job's, a stale one, "
-                        "or a wrong distributed.process_id); JAX's coordinator cannot refuse it "
-                        "and stopped every process of this job")
+            if self.stopped_by is None:
+                self.stopped_by = found.group(1)
+                self.stopped(f"a process that is not this job's joined its coordinator at "
+                             f"127.0.0.1:{self.port} as process {self.stopped_by} (another "
+                             "job's, a stale one, or a wrong distributed.process_id); JAX's "
+                             "coordinator cannot refuse it and stopped every process of this job")
             return
-        if code != 0 and (not first or echo(i, code)):
+        if code != 0 and (not first or self.echo(i, code)):
             return  # stopped by another's failure: its logs only echo that failure
-        for text in held[i]:  # not a stop it can name: XLA's own words
-            say(f"[{i}] {text}")
-
-    first_failure: int | None = None
-    cause: tuple[int, int] | None = None  # the first process to fail and its return code
-    deadline: float | None = None
-    terminated = False
-    def forward_signal(signum: int, _frame: Any) -> None:
-        for p in procs:
-            p.send_signal(signum)
-
-    forward = {sig: signal.signal(sig, forward_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while any(p.returncode is None for p in procs):
-            ended = [(i, code) for i, p in enumerate(procs)
-                     if p.returncode is None and (code := p.poll()) is not None]
-            for i, _ in ended:
-                pumps[i].join(timeout=5)  # its last lines read
-            # Found ended together: the one that failed before those its failure stopped.
-            for i, code in sorted(ended, key=lambda item: echo(*item)):
-                exited(i, code, first=first_failure is None)
-                say(f"[launch] process {i} exited with {_describe(code)}")
-                if code != 0 and first_failure is None:
-                    first_failure = JOB_STOPPED_EXIT if stopped_by else _status(code)
-                    cause, deadline = (i, code), time.monotonic() + grace_s
-            if deadline is not None and time.monotonic() > deadline:
-                for i, p in enumerate(procs):
-                    if p.poll() is None:
-                        say(f"[launch] process {i} still running after a failure; "
-                            f"{'killing' if terminated else 'terminating'} it")
-                        p.kill() if terminated else p.terminate()
-                terminated, deadline = True, time.monotonic() + 10
-            time.sleep(0.05)
-    finally:
-        for sig, handler in forward.items():
-            signal.signal(sig, handler)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for pump in pumps:
-        pump.join(timeout=5)
-    if cause is not None and cause[1] < 0 and stopped_by is None:
-        i, code = cause  # every process has exited: what the run's status says is final
-        stopped(_died(i, n, procs[i].pid, code, echo(i, code)))
-    return first_failure or 0
+        for text in self.held[i]:  # not a stop it can name: XLA's own words
+            self.say(f"[{i}] {text}")
 
 
 def _pump(stream: TextIO, prefix: str, say: Any, held: list[str]) -> None:

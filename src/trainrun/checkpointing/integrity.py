@@ -159,18 +159,19 @@ def _verify_item(item: location.Location, result: Verified, read: bool = True) -
 def step_record_problem(step_dir: location.Location) -> str | None:
     """Why Orbax cannot read its record of the step at ``step_dir`` (``_CHECKPOINT_METADATA``:
     the step's item handlers, timestamps and metrics, written as the step commits, after the
-    checksums and so outside them), as read by Orbax's own ``get_step_metadata``; None when
-    it reads, or when there is none (Orbax then goes without)."""
+    checksums and so outside them), read through the storage layer and checked by Orbax's
+    own deserializer; None when it reads, or when there is none (Orbax then goes without)."""
     try:
-        json.loads(location.read_text(step_dir / STEP_RECORD))
+        record = json.loads(location.read_text(step_dir / STEP_RECORD))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:  # not UTF-8 text, or not JSON
         return f"{STEP_RECORD}, Orbax's record of step {step_dir.name}, is not JSON ({err})"
-    from orbax.checkpoint import metadata
+    # what Orbax's get_step_metadata runs on the file's JSON (no public name for it alone)
+    from orbax.checkpoint._src.metadata import step_metadata_serialization
 
     try:
-        metadata.get_step_metadata(step_dir)
+        step_metadata_serialization.deserialize(record)
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         return (f"{STEP_RECORD}, Orbax's record of step {step_dir.name}, is not one Orbax "
                 f"reads ({err})").replace("\n", " ")

@@ -61,32 +61,9 @@ class Chain:
 def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
                   kill_in_save: list[int], work_dir: str | None = None, keep: bool = False,
                   jobs: int | None = None, out: TextIO = sys.stdout) -> int:
-    config = load_config(config_name, [*overrides, "checkpoint.dir=null",
-                                       "checkpoint.every_seconds=0"])
-    if not config.checkpoint.every and config.steps >= 2:  # saves by time only: pick a step
-        config = load_config(config_name, [*overrides, "checkpoint.dir=null",
-                                           "checkpoint.every_seconds=0",
-                                           f"checkpoint.every={config.steps // 2}"])
-    # Written resolved: an init.from source's architecture (and tokenizer) as the runs' own
-    # values, which that source then agrees with (the defaults it replaces would not).
-    config = init_from.resolved(config)
+    config = _config_to_check(config_name, overrides)
     kills = _kill_points(config, kill_at, kill_in_save)
-    if work_dir and location.is_remote(work_dir):  # the runs on object storage, the config here
-        base = location.location(work_dir)
-        if location.list_names(base) or not remote.bucket_exists(base):
-            location.require_bucket(base, "writing")
-            raise UserError(f"--work-dir {base} is not empty; its runs would be resumed, not "
-                            "redone. Give a new or empty location")
-        local = Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
-    else:
-        if work_dir and Path(work_dir).exists() and not Path(work_dir).is_dir():
-            raise UserError(f"--work-dir {work_dir} is a file; give a new or empty directory")
-        base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
-        if base.exists() and any(base.iterdir()):
-            raise UserError(f"--work-dir {base} is not empty; its runs would be resumed, not "
-                            "redone. Give a new or empty directory")
-        base.mkdir(parents=True, exist_ok=True)
-        local = base
+    base, local = _work_dirs(work_dir)
     config_path = local / "config.yaml"
     config_path.write_text(dump_yaml(config))
 
@@ -122,6 +99,41 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
         out.write(f"runs kept in {base}\n")
     out.flush()
     return 0 if ok else 1
+
+
+def _config_to_check(config_name: str, overrides: list[str]) -> RunConfig:
+    """The config with its saves by steps only (at half its steps if it saved by time only),
+    resolved against its init.from source."""
+    config = load_config(config_name, [*overrides, "checkpoint.dir=null",
+                                       "checkpoint.every_seconds=0"])
+    if not config.checkpoint.every and config.steps >= 2:  # saves by time only: pick a step
+        config = load_config(config_name, [*overrides, "checkpoint.dir=null",
+                                           "checkpoint.every_seconds=0",
+                                           f"checkpoint.every={config.steps // 2}"])
+    # Written resolved: an init.from source's architecture (and tokenizer) as the runs' own
+    # values, which that source then agrees with (the defaults it replaces would not).
+    return init_from.resolved(config)
+
+
+def _work_dirs(work_dir: str | None) -> tuple[location.Location, Path]:
+    """Where the runs go (``work_dir``, which must be new or empty, or a new temporary
+    directory), and the local directory for their config and logs (the same one unless the
+    runs are on object storage)."""
+    if work_dir and location.is_remote(work_dir):  # the runs on object storage, the config here
+        base = location.location(work_dir)
+        if location.list_names(base) or not remote.bucket_exists(base):
+            location.require_bucket(base, "writing")
+            raise UserError(f"--work-dir {base} is not empty; its runs would be resumed, not "
+                            "redone. Give a new or empty location")
+        return base, Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
+    if work_dir and Path(work_dir).exists() and not Path(work_dir).is_dir():
+        raise UserError(f"--work-dir {work_dir} is a file; give a new or empty directory")
+    local = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
+    if local.exists() and any(local.iterdir()):
+        raise UserError(f"--work-dir {local} is not empty; its runs would be resumed, not "
+                        "redone. Give a new or empty directory")
+    local.mkdir(parents=True, exist_ok=True)
+    return local, local
 
 
 def _kill_points(config: RunConfig, kill_at: list[int],

@@ -86,3 +86,14 @@ def test_cli_config_errors_exit_2_with_one_line_and_no_traceback(tmp_path, cli, 
     assert lines[0].startswith("error: ") and expected in lines[0]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "r").exists()  # nothing written for a config that never ran
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["model.lora={targets: [router]}"], "names router, which only a mixture of experts"),
+    (["model.mlp=swiglu", "model.fused_projections=true", "model.lora={targets: [q, o]}"],
+     "names q without k and v; this model fuses q, k and v into one qkv_proj"),
+])
+def test_lora_targets_the_model_cannot_hold_are_refused_in_one_line(overrides, says):
+    with pytest.raises(ConfigError) as err:
+        load_config("lm", overrides)
+    assert says in str(err.value) and "\n" not in str(err.value)

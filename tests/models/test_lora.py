@@ -216,3 +216,49 @@ def test_the_adapters_draw_does_not_grow_with_the_layers(tmp_path):
 
 def flat_shapes(params) -> dict[str, jax.ShapeDtypeStruct]:
     return {param_name(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def test_each_experts_adapter_a_is_drawn_at_its_d_in_scale():
+    """An expert layer's ``a`` ``[experts, d_in, rank]`` is drawn ~ N(0, 1/d_in), as a plain
+    layer's ``[d_in, rank]``."""
+    from trainrun.models.transformer import adapter_draws, split_adapters
+
+    shapes = {"blocks.0.mlp.down_lora": (8, 96, 8), "blocks.0.mlp.gate_lora": (8, 16, 8)}
+    drawn = split_adapters(np.asarray(adapter_draws(jax.random.key(0), shapes)), shapes)
+    for name, shape in shapes.items():
+        assert drawn[name].shape == shape
+        assert abs(drawn[name].std() * np.sqrt(shape[1]) - 1) < 0.05, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["model.mlp=swiglu", "model.experts=4", "model.expert_hidden=24", "model.dense_layers=[1]"],
+    ["model.fused_projections=true", "model.kv_heads=1"],
+])
+def test_merged_adapters_of_experts_router_and_fused_layers_compute_the_adapted_model(
+        tmp_path, layout):
+    """``export --merge``'s weights: each expert's ``W + s A B``, the router's, and a fused
+    adapter's ``s A B`` split over the layers it spans give the adapted model's loss."""
+    from trainrun.models.transformer import merge_adapters
+
+    config = lora_config(tmp_path, *LLAMA_LAYOUT, *layout,
+                         "model.lora={rank: 3, alpha: 6, targets: all-linear}")
+    model = build_model(config.model)
+    params = model.init(jax.random.key(0))
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    params = jax.tree.unflatten(tree, [leaf + 0.2 * jax.random.normal(key, leaf.shape)
+                                       for leaf, key in zip(leaves, keys, strict=True)])
+    batch = {"tokens": np.arange(4 * 33).reshape(4, 33).astype(np.uint8) % 200}
+    adapted = float(jax.jit(model.eval_loss)(params, batch)[0])
+    names = flat(params)
+    assert any(n.endswith(("mlp.gate_lora.a", "attn.qkv_lora.a")) and v.ndim >= 2
+               for n, v in names.items())
+    cfg, merged = merge_adapters(config.model, jax.tree.map(np.asarray, params))
+    assert cfg.lora is None and not any("_lora" in n for n in flat(merged))
+    plain = jax.jit(build_model(cfg).eval_loss)
+    assert abs(float(plain(merged, batch)[0]) - adapted) < 1e-5 * adapted
+    dropped = {**params, "blocks": {
+        i: {part: {n: v for n, v in layers.items() if not n.endswith("_lora")}
+            for part, layers in block.items()} for i, block in params["blocks"].items()}}
+    assert abs(float(plain(dropped, batch)[0]) - adapted) > 1e-3  # the adapters count

@@ -96,6 +96,10 @@ def test_remat_under_scanned_layers_lowers_the_steps_temporaries():
     {"llama": True},
     {"bias": True, "mlp": "swiglu", "lora": {"rank": 3, "alpha": 2.0, "targets": ["all-linear"]}},
     {"lora": {"rank": 2, "alpha": 2.0, "targets": ["q", "down"]}, "scan_layers": True},
+    {"mlp": "swiglu", "experts": 4, "expert_hidden": 12, "dense_layers": [1],
+     "lora": {"rank": 2, "alpha": 2.0, "targets": ["all-linear"]}},
+    {"mlp": "swiglu", "fused_projections": True, "kv_heads": 1,
+     "lora": {"rank": 2, "alpha": 2.0, "targets": ["all-linear"]}},
 ])
 def test_parameter_count_is_the_count_of_the_params_init_makes(changes):
     from trainrun.models.transformer import parameter_count

@@ -245,10 +245,13 @@ def test_fsdp_and_tensor_parallel_match_data_parallel_on_the_transformer(tmp_pat
 
 @pytest.mark.slow
 def test_expert_parallel_matches_one_device_alone_and_with_fsdp(tmp_path):
+    """Every param trains, the experts' LoRA adapters (split over the devices with their
+    experts) beside the experts' own weights."""
     corpus = Path(json.__file__).parent / "*.py"
     moe = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.seq_len=16",
            "model.mlp=swiglu", "model.experts=8", "model.experts_per_token=2",
-           "model.expert_hidden=64", "data.seq_len=16", "data.batch_size=8",
+           "model.expert_hidden=64", "model.lora={rank: 2, targets: all-linear}",
+           "optimizer.trainable=[.]", "data.seq_len=16", "data.batch_size=8",
            f"data.paths=[{corpus}]", "data.prefetch_threads=0", "steps=20", "steps_per_call=5",
            "eval.every=0", "optimizer.schedule.warmup=2", "metrics.tensorboard=false",
            "mesh.fsdp_min_size=0"]
@@ -265,6 +268,8 @@ def test_expert_parallel_matches_one_device_alone_and_with_fsdp(tmp_path):
     assert out["ep"]["params"][gate] == [[8, 32, 64], [2, 32, 64]]  # 2 experts a device
     assert out["ep"]["mu"][gate] == [[8, 32, 64], [2, 32, 64]]
     assert out["fsdp_ep"]["params"][gate] == [[8, 32, 64], [4, 32, 32]]  # and FSDP within
+    gate_b = "['blocks']['0']['mlp']['gate_lora']['b']"
+    assert out["ep"]["params"][gate_b] == [[8, 2, 64], [2, 2, 64]]  # with their experts
 
 
 def test_experts_the_expert_axis_does_not_divide_are_refused():

@@ -237,7 +237,7 @@ ARCHITECTURE = ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "
                 "mlp_bias", "qk_norm", "norm_plus_one", "post_norms", "embed_scale",
                 "query_scale", "sliding_window", "sliding_layers", "local_rope_theta",
                 "experts", "experts_per_token", "expert_hidden", "shared_expert_hidden",
-                "router_renormalise", "router_aux_loss", "dense_layers")
+                "router_renormalise", "router_aux_loss", "dense_layers", "fused_projections")
 
 
 def _run_architecture(source: TransformerModel) -> Architecture:
@@ -414,7 +414,7 @@ def placed_params(found: dict[str, Reader], seed: int, abstract_params: PyTree,
     names = [param_name(p) for p, _ in leaves]
     placement = (jax.tree.leaves(shardings) if shardings is not None
                  else [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(names))
-    shapes = {name[:-len(".a")]: (abstract.shape[0], abstract.shape[1])
+    shapes = {name[:-len(".a")]: tuple(abstract.shape)
               for name, (_, abstract) in zip(names, leaves, strict=True)
               if ADAPTER in name and name.endswith(".a")}
     missing = [name for name in names if name not in found]
@@ -436,7 +436,7 @@ def _cast(read: Reader, dtype: Any) -> Reader:
     return lambda index: np.asarray(read(index), dtype)
 
 
-def _adapter_draws(seed: int, shapes: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+def _adapter_draws(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """Each adapter's ``A`` as a fresh run draws it (``transformer.adapter_draws``, in a
     program compiled as ``init_state``'s), on the host."""
     if not shapes:

@@ -4,6 +4,7 @@ every field typed, defaulted and bounded. ``run.py`` puts them together into ``R
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
@@ -79,8 +80,9 @@ class ResNetModel(Section):
     bn_momentum: float = Field(default=0.9, gt=0, lt=1)
 
 
-# all-linear: every linear layer of the blocks the model has (PEFT's name for it)
-LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down", "all-linear"]
+# all-linear: every linear layer of the blocks the model has (PEFT's name for it); router: a
+# mixture of experts' router
+LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down", "router", "all-linear"]
 
 
 class LoraConfig(Section):
@@ -108,6 +110,11 @@ class RopeScaling(Section):
     low_freq_factor: float = Field(default=1.0, gt=0)
     high_freq_factor: float = Field(default=4.0, gt=0)
     original_max_positions: int = Field(default=8192, gt=0)
+
+
+def _and(names: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 class TransformerModel(Section):
@@ -163,6 +170,9 @@ class TransformerModel(Section):
     router_renormalise: bool = True
     router_aux_loss: float = Field(default=0.01, ge=0)
     dense_layers: tuple[int, ...] = ()
+    # q/k/v and gate/up each one layer (Phi-3's qkv_proj and gate_up_proj): a LoRA adapter spans
+    # the layer's whole output, so q, k and v (and gate and up) are adapted together or not
+    fused_projections: bool = False
     lora: LoraConfig | None = None  # adapters; with them only the adapters train by default
     # How the program is built; the maths and the params' layout stay the same, so a checkpoint
     # written under one setting restores under any other.
@@ -200,22 +210,34 @@ class TransformerModel(Section):
                                  f"than model.experts={self.experts}")
             if not self.gated:
                 raise ValueError("model.experts needs a gated MLP (model.mlp=swiglu or geglu)")
-            if self.lora is not None and self.adapted & {"gate", "up", "down"}:
-                raise ValueError("model.lora on gate, up or down of a mixture-of-experts "
-                                 "model is not supported; target the attention (q, k, v, o)")
         if self.lora is not None and self.mlp == "gelu" and "gate" in self.lora.targets:
             raise ValueError("model.lora.targets names gate, which only model.mlp=swiglu has; "
                              "drop it, or give all-linear")
+        if self.lora is not None and self.experts is None and "router" in self.lora.targets:
+            raise ValueError("model.lora.targets names router, which only a mixture of experts "
+                             "(model.experts) has; drop it, or give all-linear")
+        if self.lora is not None and self.fused_projections:
+            for group, layer in ((("q", "k", "v"), "qkv_proj"), (("gate", "up"), "gate_up_proj")):
+                named = [t for t in group if t in self.adapted]
+                if named and len(named) < len(group):
+                    raise ValueError(
+                        f"model.lora.targets names {_and(named)} without "
+                        f"{_and([t for t in group if t not in named])}; this model fuses "
+                        f"{_and(group)} into one {layer}, which takes one adapter: name "
+                        f"{_and(group)} all, or give all-linear")
         return self
 
     @property
     def adapted(self) -> frozenset[str]:
-        """The linear layers that carry LoRA adapters (``all-linear`` resolved)."""
+        """The linear layers that carry LoRA adapters (``all-linear`` resolved). In a mixture of
+        experts, gate, up and down are each expert's (the dense layers' MLPs carry none, as
+        PEFT's ``all-linear`` leaves them) and ``router`` is the router's."""
         if self.lora is None:
             return frozenset()
         if "all-linear" in self.lora.targets:
             return frozenset(("q", "k", "v", "o", "up", "down")
-                             + (("gate",) if self.gated else ()))
+                             + (("gate",) if self.gated else ())
+                             + (("router",) if self.experts is not None else ()))
         return frozenset(self.lora.targets)
 
     @property

@@ -162,7 +162,8 @@ def _llama_family(hf: dict[str, Any], model_type: str) -> Architecture:
             "head_dim": "head_dim", "mlp_hidden": "intermediate_size",
             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
             "rope_scaling": "rope_scaling", "tie_embeddings": "tie_word_embeddings",
-            "mlp": act_key, "sliding_window": "sliding_window", "sliding_layers": "layer_types"}
+            "mlp": act_key, "sliding_window": "sliding_window", "sliding_layers": "layer_types",
+            "fused_projections": "model_type"}
     fields = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": layers,
               "heads": heads, "kv_heads": kv_heads if kv_heads != heads else None,
               "head_dim": head_dim if head_dim * heads != d else None,
@@ -178,6 +179,7 @@ def _llama_family(hf: dict[str, Any], model_type: str) -> Architecture:
               "query_scale": (float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5
                               if gemma else None),
               "sliding_window": window, "sliding_layers": sliding,
+              "fused_projections": model_type in FUSED,
               "local_rope_theta": local_theta if window is not None else None,
               "tie_embeddings": bool(hf.get("tie_word_embeddings",
                                             model_type in ("qwen2", *GEMMA))),
@@ -907,7 +909,7 @@ def model_type_of(cfg: TransformerModel) -> str:
     if cfg.positions == "learned" and cfg.norm == "layernorm" and cfg.mlp == "gelu":
         return "gpt2"
     if cfg.positions == "rope" and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu":
-        return "qwen2" if cfg.qkv_bias else "llama"
+        return "phi3" if cfg.fused_projections else "qwen2" if cfg.qkv_bias else "llama"
     raise WeightsError(f"the model's layout ({cfg.norm}, {cfg.mlp} MLP, {cfg.positions} "
                        "positions) is no Hugging Face family's: train with GPT-2's "
                        "(model.positions=learned, model.bias=true) or the Llama family's "

@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trainrun.config import LoraConfig, RopeScaling, TransformerModel
+from trainrun.config import RopeScaling, TransformerModel
 from trainrun.models.adapters import Model, bind_params, from_nnx
 from trainrun.models.experts import Experts, RouterStats, load_balancing_loss
+from trainrun.models.lora import LoRA
 from trainrun.models.losses import LN2, next_token_from_features, tied_head_logits
 from trainrun.models.matmul import float32_dot
 from trainrun.platform.process import gpu_deterministic
@@ -181,49 +182,32 @@ def _linear(d_in: int, d_out: int, axes: tuple[str, str], std: float, rngs: nnx.
                       bias_metadata={"axes": axes[1:]})
 
 
-class LoRA(nnx.Module):
-    """A low-rank adapter beside a linear layer: adds ``(alpha / rank) x A B``. ``B`` starts at
-    zero, so a model with fresh adapters computes what its base computes. ``A`` is drawn by
-    ``adapter_draws`` with every other adapter of the model, once the model is built."""
-
-    def __init__(self, d_in: int, d_out: int, cfg: LoraConfig, axes: tuple[str, str]):
-        self.a = nnx.Param(jnp.zeros((d_in, cfg.rank)), axes=(axes[0], None))
-        self.b = nnx.Param(jnp.zeros((cfg.rank, d_out)), axes=(None, axes[1]))
-        self.scale = cfg.alpha / cfg.rank
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # A scaled by alpha / rank: a multiply of the small weights, not of the outputs
-        return (x @ self.scaled_a()) @ self.b[...]
-
-    def scaled_a(self) -> jax.Array:
-        return self.a[...] * jnp.asarray(self.scale, self.a.dtype)
-
-
-def _adapter(name: str, d_in: int, d_out: int, axes: tuple[str, str], cfg: TransformerModel
-             ) -> LoRA | None:
-    return (LoRA(d_in, d_out, cfg.lora, axes)
+def _adapter(name: str, d_in: int, d_out: int, axes: tuple[str, str], cfg: TransformerModel,
+             experts: int | None = None) -> LoRA | None:
+    return (LoRA(d_in, d_out, cfg.lora, axes, experts)
             if cfg.lora is not None and name in cfg.adapted else None)
 
 
 ADAPTER_STREAM = 0x4C6F5241  # "LoRA": the adapters' draws, folded off the init key
 
 
-def adapter_draws(key: jax.Array, shapes: dict[str, tuple[int, int]]) -> jax.Array:
+def adapter_draws(key: jax.Array, shapes: dict[str, tuple[int, ...]]) -> jax.Array:
     """The ``A`` of every adapter, ``shapes`` by the adapter's dotted name, as one float32
-    vector: the names in sorted order, each ``d_in x rank`` values ~ N(0, 1/d_in), all from one
-    standard normal draw of ``fold_in(key, ADAPTER_STREAM)``. One sampler whatever the depth,
-    so a fine-tune from a model directory, which draws its adapters alone, compiles a program
-    that does not grow with the layers (BENCHMARKS.md, "LoRA against full fine-tuning")."""
+    vector: the names in sorted order, each ``[experts,] d_in x rank`` values ~ N(0, 1/d_in),
+    all from one standard normal draw of ``fold_in(key, ADAPTER_STREAM)``. One sampler whatever
+    the depth, so a fine-tune from a model directory, which draws its adapters alone, compiles
+    a program that does not grow with the layers (BENCHMARKS.md, "LoRA against full
+    fine-tuning")."""
     names = sorted(shapes)
     sizes = [math.prod(shapes[name]) for name in names]
-    scale = np.repeat(np.asarray([1.0 / math.sqrt(shapes[name][0]) for name in names],
+    scale = np.repeat(np.asarray([1.0 / math.sqrt(shapes[name][-2]) for name in names],
                                  np.float32), sizes)
     normal = jax.random.normal(jax.random.fold_in(key, ADAPTER_STREAM), (sum(sizes),),
                                jnp.float32)
     return normal * scale
 
 
-def split_adapters(draws: Any, shapes: dict[str, tuple[int, int]]) -> dict[str, Any]:
+def split_adapters(draws: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """``adapter_draws``' vector (a JAX or NumPy array) cut into each adapter's ``A``."""
     pieces, at = {}, 0
     for name in sorted(shapes):
@@ -235,6 +219,18 @@ def split_adapters(draws: Any, shapes: dict[str, tuple[int, int]]) -> dict[str, 
 
 def _project(layer: nnx.Linear, adapter: LoRA | None, x: jax.Array) -> jax.Array:
     return layer(x) if adapter is None else layer(x) + adapter(x)
+
+
+def _project_fused(layers: Sequence[nnx.Linear], adapter: LoRA | None, x: jax.Array
+                   ) -> list[jax.Array]:
+    """Linear layers that read the same ``x`` and are one layer in the model's family (Phi-3's
+    qkv_proj, gate_up_proj), with one adapter over their outputs side by side."""
+    out = [layer(x) for layer in layers]
+    if adapter is None:
+        return out
+    delta = adapter(x)
+    cuts = np.cumsum([y.shape[-1] for y in out])[:-1].tolist()
+    return [y + part for y, part in zip(out, jnp.split(delta, cuts, axis=-1), strict=True)]
 
 
 def _project_each(pairs: Sequence[tuple[nnx.Linear, LoRA | None]], x: jax.Array
@@ -303,8 +299,13 @@ class Attention(nnx.Module):
                          cfg.bias or cfg.attention_bias)
         self.q_norm = _rms_norm(cfg, self.head_dim, (None,), rngs) if cfg.qk_norm else None
         self.k_norm = _rms_norm(cfg, self.head_dim, (None,), rngs) if cfg.qk_norm else None
-        self.q_lora = _adapter("q", d, inner, ("embed", "heads"), cfg)
-        self.k_lora, self.v_lora = (_adapter(name, d, kv_inner, ("embed", "heads"), cfg)
+        fused = cfg.fused_projections
+        # fused: one adapter over q, k and v side by side (Phi-3's qkv_proj)
+        self.qkv_lora = (_adapter("q", d, inner + 2 * kv_inner, ("embed", "heads"), cfg)
+                         if fused else None)
+        self.q_lora = None if fused else _adapter("q", d, inner, ("embed", "heads"), cfg)
+        self.k_lora, self.v_lora = (None if fused else
+                                    _adapter(name, d, kv_inner, ("embed", "heads"), cfg)
                                     for name in "kv")
         self.o_lora = _adapter("o", inner, d, ("heads", "embed"), cfg)
 
@@ -318,9 +319,12 @@ class Attention(nnx.Module):
         it hold a shorter prompt's left padding) when given."""
         b, c, d = x.shape
         rows = x.reshape(b * c, d)  # 2-D matmuls: see MLP.__call__
+        projected = (_project_fused((self.q, self.k, self.v), self.qkv_lora, rows)
+                     if self.qkv_lora is not None else
+                     _project_each(((self.q, self.q_lora), (self.k, self.k_lora),
+                                    (self.v, self.v_lora)), rows))
         q, k, v = (y.reshape(b, c, heads, self.head_dim) for y, heads in zip(
-            _project_each(((self.q, self.q_lora), (self.k, self.k_lora), (self.v, self.v_lora)),
-                          rows), (self.heads, self.kv_heads, self.kv_heads), strict=True))
+            projected, (self.heads, self.kv_heads, self.kv_heads), strict=True))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -349,7 +353,8 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """GELU (``down(gelu(up(x)))``), SwiGLU (``down(silu(gate(x)) * up(x))``) or GeGLU (the
-    same with tanh-approximated GELU for silu)."""
+    same with tanh-approximated GELU for silu). The dense layers of a mixture of experts carry
+    no adapters (``TransformerModel.adapted``)."""
 
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs):
         d, hidden = cfg.d_model, cfg.hidden
@@ -360,9 +365,16 @@ class MLP(nnx.Module):
                             cfg.init_std / math.sqrt(2 * cfg.layers), rngs, bias)
         self.gate = (_linear(d, hidden, ("embed", "mlp"), cfg.init_std, rngs, bias)
                      if cfg.gated else None)
-        self.up_lora = _adapter("up", d, hidden, ("embed", "mlp"), cfg)
-        self.down_lora = _adapter("down", hidden, d, ("mlp", "embed"), cfg)
-        self.gate_lora = _adapter("gate", d, hidden, ("embed", "mlp"), cfg)
+        own = cfg.experts is None  # a mixture's dense layers: none
+        fused = cfg.fused_projections and cfg.gated
+        self.up_lora = (_adapter("up", d, hidden, ("embed", "mlp"), cfg)
+                        if own and not fused else None)
+        self.down_lora = _adapter("down", hidden, d, ("mlp", "embed"), cfg) if own else None
+        self.gate_lora = (_adapter("gate", d, hidden, ("embed", "mlp"), cfg)
+                          if own and not fused else None)
+        # fused: one adapter over gate and up side by side (Phi-3's gate_up_proj)
+        self.gate_up_lora = (_adapter("gate", d, 2 * hidden, ("embed", "mlp"), cfg)
+                             if own and fused else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # On [tokens, d_model] rows rather than [batch, seq, d_model]: the weight gradients are
@@ -370,7 +382,10 @@ class MLP(nnx.Module):
         # transposed for them (a strided pass over the 4 x d_model wide activations).
         rows = x.reshape(-1, x.shape[-1])
         if self.gate is not None:
-            gate, up = _project_each(((self.gate, self.gate_lora), (self.up, self.up_lora)), rows)
+            gate, up = (_project_fused((self.gate, self.up), self.gate_up_lora, rows)
+                        if self.gate_up_lora is not None else
+                        _project_each(((self.gate, self.gate_lora), (self.up, self.up_lora)),
+                                      rows))
             gate = (jax.nn.silu(gate) if self.kind == "swiglu"
                     else jax.nn.gelu(gate, approximate=True))
             hidden = gate * up
@@ -465,8 +480,7 @@ class Transformer(nnx.Module):
         if cfg.lora is not None:  # off a stream of their own: the base params are the same
             adapters = {".".join(map(str, path)): node for path, node in nnx.iter_graph(self)
                         if isinstance(node, LoRA)}
-            shapes = {name: (adapter.a.shape[0], adapter.a.shape[1])
-                      for name, adapter in adapters.items()}
+            shapes = {name: tuple(adapter.a.shape) for name, adapter in adapters.items()}
             drawn = split_adapters(adapter_draws(rngs.params.key[...], shapes), shapes)
             for name, adapter in adapters.items():
                 adapter.a[...] = drawn[name]
@@ -709,14 +723,25 @@ def parameter_count(cfg: TransformerModel) -> int:
         mlp += (2 if cfg.gated else 1) * hidden + d
     shapes = {"q": (d, inner), "k": (d, kv_inner), "v": (d, kv_inner), "o": (inner, d),
               "gate": (d, hidden), "up": (d, hidden), "down": (hidden, d)}
+    if cfg.fused_projections:  # one adapter over q, k, v and one over gate, up
+        shapes.update(q=(d, inner + 2 * kv_inner), k=(0, 0), v=(0, 0), gate=(d, 2 * hidden),
+                      up=(0, 0))
     rank = cfg.lora.rank if cfg.lora is not None else 0
-    adapters = sum(rank * sum(shapes[t]) for t in cfg.adapted)
+    in_attention = {"q", "k", "v", "o"} & cfg.adapted
+    adapters = sum(rank * sum(shapes[t]) for t in in_attention)
+    if cfg.experts is None:  # a mixture's dense layers carry no adapters
+        mlp += sum(rank * sum(shapes[t]) for t in cfg.adapted - in_attention)
     block = (4 if cfg.post_norms else 2) * norm + attention + adapters
     experts = 0
     if cfg.experts is not None:
         shared = cfg.shared_expert_hidden or 0
-        experts = (d * cfg.experts + 3 * cfg.experts * d * cfg.expert_width
+        width = cfg.expert_width
+        experts = (d * cfg.experts + 3 * cfg.experts * d * width
                    + (3 * d * shared + d if shared else 0))
+        expert_shapes = {"gate": (d, width), "up": (d, width), "down": (width, d)}
+        experts += sum(rank * cfg.experts * sum(expert_shapes[t])
+                       for t in cfg.adapted & set(expert_shapes))
+        experts += rank * (d + cfg.experts) if "router" in cfg.adapted else 0
     expert_layers = cfg.expert_layer_count()
     layers = cfg.layers * block + expert_layers * experts + (cfg.layers - expert_layers) * mlp
     table = cfg.vocab * d
@@ -733,10 +758,13 @@ def bind_transformer(cfg: TransformerModel, attention_block: int = ATTENTION_BLO
 
 def merge_adapters(cfg: TransformerModel, params: PyTree) -> tuple[TransformerModel, PyTree]:
     """The model without adapters that computes what ``params`` with adapters compute: each
-    targeted kernel becomes ``W + (alpha / rank) A B`` (float32), the adapters are dropped."""
+    targeted kernel (an expert's weights, the router) becomes ``W + (alpha / rank) A B``
+    (float32), a fused adapter's ``A B`` split over the layers it spans; the adapters are
+    dropped."""
     if cfg.lora is None:
         return cfg, params
-    scale = cfg.lora.alpha / cfg.lora.rank
+    scale = np.float32(cfg.lora.alpha / cfg.lora.rank)
+    fused = {"qkv_lora": ("q", "k", "v"), "gate_up_lora": ("gate", "up")}
     blocks = {}
     for i, block in params["blocks"].items():
         merged = {}
@@ -744,16 +772,29 @@ def merge_adapters(cfg: TransformerModel, params: PyTree) -> tuple[TransformerMo
             if part not in ("attn", "mlp"):
                 merged[part] = layers
                 continue
+            deltas: dict[str, np.ndarray] = {}
+            for name, adapter in layers.items():
+                if not name.endswith("_lora"):
+                    continue
+                # batched over the experts where the adapter is an expert's
+                delta = scale * np.matmul(np.asarray(adapter["a"], np.float32),
+                                          np.asarray(adapter["b"], np.float32))
+                spans = fused.get(name, (name.removesuffix("_lora"),))
+                widths = [_kernel(layers[n]).shape[-1] for n in spans]
+                cuts = np.cumsum(widths)[:-1]
+                deltas.update(zip(spans, np.split(delta, cuts, axis=-1), strict=True))
             merged[part] = {}
             for name, layer in layers.items():
                 if name.endswith("_lora"):
                     continue
-                adapter = layers.get(f"{name}_lora")
-                if adapter is not None:
-                    delta = np.asarray(adapter["a"], np.float32) @ np.asarray(adapter["b"],
-                                                                               np.float32)
-                    layer = {**layer, "kernel": np.asarray(layer["kernel"], np.float32)
-                             + np.float32(scale) * delta}
+                if name in deltas:
+                    kernel = np.asarray(_kernel(layer), np.float32) + deltas[name]
+                    layer = {**layer, "kernel": kernel} if isinstance(layer, dict) else kernel
                 merged[part][name] = layer
         blocks[i] = merged
     return cfg.model_copy(update={"lora": None}), {**params, "blocks": blocks}
+
+
+def _kernel(layer: PyTree) -> Any:
+    """A linear layer's kernel; an expert layer's (or the router's) param is the array."""
+    return layer["kernel"] if isinstance(layer, dict) else layer

@@ -158,15 +158,13 @@ def test_a_lora_fine_tune_exports_adapters_peft_loads_with_trainruns_logits(byte
     from trainrun.config import load_config
     from trainrun.training.loop import run
 
-    targets = ("[o, down]" if family == "phi3" else "[q, k, v, o]" if family in MOE_CONFIGS
-               else "all-linear")
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(32, 96)) * 40)
     config = resolved(load_config("finetune", [
         "steps=6", "steps_per_call=3", "checkpoint.every=0", "eval.every=0",
         "optimizer.lr=0.01", "optimizer.schedule.warmup=1",
         f"init.from={byte_vocab_dirs[family]}", f"data.paths=[{corpus}]", "data.seq_len=24",
-        "data.batch_size=2", f"model.lora={{rank: 4, alpha: 8, targets: {targets}}}"]))
+        "data.batch_size=2", "model.lora={rank: 4, alpha: 8, targets: all-linear}"]))
     run(config, tmp_path / "run", out=io.StringIO())
     trained = trainrun.load(tmp_path / "run")
     base = trainrun.load(byte_vocab_dirs[family])
@@ -176,6 +174,27 @@ def test_a_lora_fine_tune_exports_adapters_peft_loads_with_trainruns_logits(byte
     np.testing.assert_allclose(logits_of(byte_vocab_dirs[family], tokens,
                                          adapters=tmp_path / "adapters"),
                                trained(tokens), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(trainrun.load(tmp_path / "adapters")(tokens), trained(tokens),
+                               rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("targets", "named"), [("[q, v]", "q and v without k"),
+                                                ("[o, up]", "up without gate")])
+def test_adapters_phi3_cannot_export_are_refused_before_the_run(family_dirs, tmp_path,
+                                                                targets, named, capsys):
+    """Phi-3 fuses q, k and v (and gate and up) into one layer, which takes one adapter: some
+    of them alone has no PEFT form, so the config is refused, exit 2, nothing written."""
+    from trainrun.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(32, 96)) * 40)
+    code = main(["train", "--config", "finetune", "--run-dir", str(tmp_path / "run"),
+                 f"init.from={family_dirs['phi3']}", f"data.paths=[{corpus}]",
+                 "data.seq_len=24", f"model.lora={{rank: 4, targets: {targets}}}"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert f"model.lora.targets names {named}" in lines[0] and "all-linear" in lines[0]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("family", sorted(MOE_CONFIGS))

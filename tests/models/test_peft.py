@@ -359,6 +359,8 @@ def edit_config(path: Path, **fields: Any) -> None:
     ({"rank_pattern": {"v_proj": 8}}, "rank 4 but adapter_config.json says 8"),
     ({"init_lora_weights": "pissa"}, "path_initial_model_for_weight_conversion"),
     ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+    ({"target_parameters": ["mlp.experts.down_proj"]},
+     "target_parameters, which trainrun reads for a mixture of experts'"),
 ])
 def test_config_fields_that_change_the_maths_are_refused(written, fields, match):
     edit_config(written, **fields)
@@ -486,3 +488,118 @@ def test_export_without_adapters_is_refused(tmp_path):
         adapter_files({}, cfg, "llama", None)
     with pytest.raises(WeightsError, match="model_type 'bert'"):
         adapter_files({}, trainrun_cfg("llama"), "bert", None)
+
+
+# ---- mixtures of experts, Phi-3's fused layers ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def family_bases(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random models saved by ``transformers``: Qwen3-MoE (its layer 1 dense), Mixtral
+    and Phi-3, two layers each."""
+    from conftest import save_tiny_family
+
+    root = tmp_path_factory.mktemp("peft-families")
+    return {family: save_tiny_family(root / family, family, num_hidden_layers=2)
+            for family in ("qwen3_moe", "mixtral", "phi3")}
+
+
+def adapted_model(base: Path, seed: int = 3) -> Any:
+    """The model at ``base`` with all-linear adapters of rank 3, every a and b drawn."""
+    import jax
+
+    import trainrun
+    from trainrun.models import build_model
+
+    model = trainrun.load(base)
+    cfg = TransformerModel.model_validate({**model.config.model_dump(), "lora": {
+        "rank": 3, "alpha": 6.0, "targets": ["all-linear"]}})
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(build_model(cfg).init, jax.random.key(0))
+
+    def fill(shape: Any, param: Any) -> np.ndarray:
+        return (np.asarray(param) if param is not None
+                else rng.normal(0, 0.2, shape.shape).astype(np.float32))
+
+    params = jax.tree.map(fill, shapes, _with_missing(shapes, model.params))
+    return trainrun.LanguageModel(cfg, params)
+
+
+def _with_missing(shapes: Any, params: Any) -> Any:
+    """``params`` shaped as ``shapes``: None where ``params`` has nothing (the adapters)."""
+    if not isinstance(shapes, dict):
+        return params
+    return {k: _with_missing(v, params.get(k) if isinstance(params, dict) else None)
+            for k, v in shapes.items()}
+
+
+def without(model: Any, adapters: tuple[str, ...]) -> Any:
+    """``model`` with the b of each adapter named in ``adapters`` zero."""
+    import jax
+
+    import trainrun
+
+    def zero(path: Any, x: Any) -> Any:
+        names = [getattr(p, "key", "") for p in path]
+        return np.zeros_like(x) if names[-1] == "b" and names[-2] in adapters else x
+
+    return trainrun.LanguageModel(model.config,
+                                  jax.tree_util.tree_map_with_path(zero, model.params))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "groups"), [
+    ("qwen3_moe", (("gate_lora", "up_lora", "down_lora"), ("router_lora",))),
+    ("mixtral", (("gate_lora", "up_lora", "down_lora"), ("router_lora",))),
+    ("phi3", (("qkv_lora",), ("gate_up_lora",))),
+])
+def test_all_linear_adapters_of_experts_and_fused_layers_load_in_peft_with_their_logits(
+        family_bases, tmp_path, family, groups):
+    """A mixture's adapters on its experts (PEFT's target_parameters) and router, and Phi-3's
+    one adapter over each fused layer, load in PEFT onto the transformers model with the
+    logits trainrun computes, and ``trainrun.load`` reads them back."""
+    from conftest import hf_logits
+
+    import trainrun
+
+    base = family_bases[family]
+    model = adapted_model(base)
+    tokens = TOKENS  # below every family's vocabulary
+    ours = np.asarray(model(tokens))
+    assert np.abs(ours - np.asarray(trainrun.load(base)(tokens))).max() > 0.1
+    for group in groups:  # the experts', the router's, each fused layer's adapters count
+        assert np.abs(ours - np.asarray(without(model, group)(tokens))).max() > 0.1, group
+    model_type = json.loads((base / "config.json").read_text())["model_type"]
+    write_adapter_dir(model.params, model.config, model_type, str(base), tmp_path / "ad")
+    config = json.loads((tmp_path / "ad" / ADAPTER_CONFIG).read_text())
+    if family == "phi3":
+        assert config["target_modules"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    else:
+        assert config["target_parameters"] == ["mlp.experts.gate_up_proj",
+                                               "mlp.experts.down_proj", "mlp.gate.weight"]
+    np.testing.assert_allclose(hf_logits(base, tokens, adapters=tmp_path / "ad"), ours,
+                               rtol=0, atol=1e-4)
+    back = trainrun.load(tmp_path / "ad")
+    assert back.config.lora == model.config.lora.model_copy(
+        update={"targets": tuple(t for t in ("q", "k", "v", "o", "gate", "up", "down",
+                                             "router") if t in model.config.adapted)})
+    np.testing.assert_allclose(np.asarray(back(tokens)), ours, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_peft_adapters_on_the_experts_read_back_with_peft_logits(family_bases, tmp_path):
+    """An adapter PEFT made on Qwen3-MoE's experts, its router and q_proj (one rank for the
+    fused gate_up_proj, drawn at random) reads back into trainrun with PEFT's logits."""
+    import trainrun
+
+    base = family_bases["qwen3_moe"]
+    torch.manual_seed(1)
+    model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        peft.LoraConfig(r=2, lora_alpha=5, target_modules=["q_proj"], init_lora_weights=False,
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                           "mlp.gate.weight"])).eval()
+    model.save_pretrained(tmp_path)
+    back = trainrun.load(tmp_path)
+    assert back.config.lora.targets == ("q", "gate", "up", "down", "router")
+    np.testing.assert_allclose(np.asarray(back(TOKENS)), logits(model), rtol=0, atol=1e-4)

@@ -6,10 +6,22 @@
 trainrun's adapter on a linear layer is ``a`` ``[d_in, rank]`` and ``b`` ``[rank, d_out]``,
 adding ``(alpha / rank) x a b``; PEFT's is ``lora_A.weight`` ``[rank, d_in]`` and
 ``lora_B.weight`` ``[d_out, rank]``, adding ``scaling x A^T B^T``, so ``A = a^T``, ``B = b^T``
-and the scalings are equal. Two model families: the Llama family (``llama``, ``qwen2``,
-``mistral``), one HF module per trainrun layer; GPT-2, whose ``attn.c_attn`` holds q, k and v in
-one Conv1D, so trainrun's q/k/v adapters travel as one ``c_attn`` adapter of the summed rank
-(``rank_pattern`` / ``alpha_pattern`` keep its scale).
+and the scalings are equal. The Llama family (``llama``, ``qwen2``, ``mistral``, ...), one HF
+module per trainrun layer; GPT-2, whose ``attn.c_attn`` holds q, k and v in one Conv1D, so
+trainrun's q/k/v adapters travel as one ``c_attn`` adapter of the summed rank
+(``rank_pattern`` / ``alpha_pattern`` keep its scale); Phi-3, whose ``qkv_proj`` and
+``gate_up_proj`` each take one adapter over the fused output, as trainrun's ``qkv_lora`` and
+``gate_up_lora`` are.
+
+A mixture of experts (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) keeps its experts in
+``transformers`` as two 3-D parameters per layer, ``mlp.experts.gate_up_proj`` ``[experts, 2 x
+width, d]`` and ``mlp.experts.down_proj`` ``[experts, d, width]``, and its router as
+``mlp.gate.weight``; PEFT adapts them through ``target_parameters`` (its ``ParamWrapper``): per
+expert ``e``, ``lora_A.weight`` rows ``e*r .. (e+1)*r`` and ``lora_B.weight`` columns
+``j*experts + e``. trainrun's adapters on the experts' gate and up travel as one
+``gate_up_proj`` adapter of the summed rank, block-diagonal (as PEFT itself converts an
+adapter on the separate projections); two parameters of one module nest, the first
+(``gate_up_proj``) then named ``mlp.experts.base_layer``.
 
 An adapter directory may be on object storage (``gs://``, ``s3://``), its files read through
 the storage layer, as may the base model its ``base_model_name_or_path`` names.
@@ -30,8 +42,10 @@ from trainrun.config import LoraConfig, TransformerModel
 from trainrun.config.sections import LoraTarget
 from trainrun.models.hf_config import checked_adapter_config
 from trainrun.models.huggingface import (
+    FUSED,
     LLAMA_FAMILY,
     MODEL_TYPES,
+    MOE_FAMILY,
     WeightsError,
     read_file,
     refuse_unreadable,
@@ -45,7 +59,7 @@ ADAPTER_WEIGHTS, ADAPTER_CONFIG, ADAPTER_BIN = (
     "adapter_model.safetensors", "adapter_config.json", "adapter_model.bin")
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 # trainrun's order, kept in configs
-TARGETS: tuple[LoraTarget, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+TARGETS: tuple[LoraTarget, ...] = ("q", "k", "v", "o", "gate", "up", "down", "router")
 
 # trainrun target -> (block part, HF module path inside a decoder layer)
 _LLAMA = {"q": ("attn", "self_attn.q_proj"), "k": ("attn", "self_attn.k_proj"),
@@ -56,6 +70,12 @@ _LLAMA = {"q": ("attn", "self_attn.q_proj"), "k": ("attn", "self_attn.k_proj"),
 _GPT2 = {"o": ("attn", "attn.c_proj"), "up": ("mlp", "mlp.c_fc"),
          "down": ("mlp", "mlp.c_proj")}
 C_ATTN = "attn.c_attn"
+# Phi-3's fused layers: trainrun's fused adapter -> (block part, HF module, the targets it spans)
+_PHI3 = {"qkv": ("attn", "self_attn.qkv_proj", ("q", "k", "v")),
+         "gate_up": ("mlp", "mlp.gate_up_proj", ("gate", "up"))}
+# A mixture's parameters PEFT adapts (target_parameters), each named as a module kind here.
+GATE_UP, DOWN, ROUTER = "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"
+EXPERT_KINDS = (GATE_UP, DOWN, ROUTER)
 _TENSOR = re.compile(r"(?P<module>.+)\.lora_(?P<kind>A|B)\.weight")
 # init_lora_weights values whose adapters fit a base model PEFT changed while initialising them.
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
@@ -105,17 +125,38 @@ def adapter_files(params: PyTree, cfg: TransformerModel, model_type: str,
     modules: list[str] = []
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, float] = {}
+    parameters: list[str] = []
     if model_type in LLAMA_FAMILY:
-        fused = [t for t in targets if t in ("q", "k", "v", "gate", "up")]
-        if model_type == "phi3" and fused:
-            raise WeightsError(f"LoRA on {', '.join(fused)} of a phi3 model does not export: "
-                               "Phi-3 fuses them into qkv_proj and gate_up_proj; train "
-                               "adapters on o and down (model.lora.targets=[o, down])")
+        _check_family(cfg, model_type, targets)
+        joint = {name: spans for name, (_, _, spans) in _PHI3.items()
+                 if cfg.fused_projections and spans[0] in targets}
+        in_fused = {t for spans in joint.values() for t in spans}
+        moe = cfg.experts is not None
+        mlp = ("gate", "up", "down", "router")
+        plain = [t for t in targets if t not in in_fused and not (moe and t in mlp)]
         for i in range(cfg.layers):
-            for t in targets:
+            layer = f"model.layers.{i}"
+            for name in joint:
+                a, b = _adapter(params, i, name, rank)
+                _put(tensors, f"{layer}.{_PHI3[name][1]}", a.T, b.T)
+            for t in plain:
                 a, b = _adapter(params, i, t, rank)
-                _put(tensors, f"model.layers.{i}.{_LLAMA[t][1]}", a.T, b.T)
-        modules = [_LLAMA[t][1].rsplit(".", 1)[1] for t in targets]
+                _put(tensors, f"{layer}.{_LLAMA[t][1]}", a.T, b.T)
+            if moe and cfg.expert_layer(i):
+                _put_experts(tensors, params, cfg, i, [t for t in targets if t in mlp])
+        for t in targets:
+            module = next((_PHI3[name][1] for name, spans in joint.items() if t in spans),
+                          _LLAMA[t][1] if t in plain else None)
+            if module is not None and module.rsplit(".", 1)[1] not in modules:
+                modules.append(module.rsplit(".", 1)[1])
+        if moe:
+            joined = [t for t in ("gate", "up") if t in targets]
+            parameters = ([GATE_UP] if joined else []) + (
+                [DOWN] if "down" in targets else []) + ([ROUTER] if "router" in targets else [])
+            if len(joined) > 1:  # the same scale, alpha / rank, at the summed rank
+                key = rf".*\.{re.escape(GATE_UP.rsplit('.', 1)[1])}"
+                rank_pattern[key] = rank * len(joined)
+                alpha_pattern[key] = _number(alpha * len(joined))
     else:
         fused = [t for t in "qkv" if t in targets]
         d = cfg.d_model
@@ -147,6 +188,7 @@ def adapter_files(params: PyTree, cfg: TransformerModel, model_type: str,
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": rank, "lora_alpha": _number(alpha), "target_modules": modules,
+        "target_parameters": parameters or None,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "lora_dropout": 0.0,
         "bias": "none", "fan_in_fan_out": model_type == "gpt2", "use_rslora": False,
         "use_dora": False, "lora_bias": False, "modules_to_save": None,
@@ -178,15 +220,17 @@ def read_adapter_dir(path: Location, cfg: TransformerModel,
     _check_model_type(model_type)
     path = _folder(path)
     config = _read_config(path)
-    _check_config(config, cfg)
-    kinds = _module_kinds(model_type)
+    _check_config(config, cfg, model_type)
+    kinds = _module_kinds(model_type, cfg)
     named = _named_modules(config, kinds)
     tensors = _read_tensors(path)
+    rslora = bool(config.get("use_rslora"))
+    experts = _expert_adapters(config, tensors, cfg, model_type)  # taken out of ``tensors``
     prefix = "model.layers" if model_type in LLAMA_FAMILY else "transformer.h"
     excluded = {(i, kind) for i in range(cfg.layers) for kind in kinds
                 if _excluded(config.get("exclude_modules"), f"{prefix}.{i}.{kind}")}
-    modules = _modules(tensors, cfg, model_type, kinds, excluded)
-    rslora = bool(config.get("use_rslora"))
+    modules = (_modules(tensors, cfg, model_type, kinds, excluded)
+               if tensors or not experts else set())
     for name, matched in named.items():
         everywhere_excluded = all((i, k) in excluded for k in matched for i in range(cfg.layers))
         if not matched & modules and not everywhere_excluded:
@@ -224,28 +268,127 @@ def read_adapter_dir(path: Location, cfg: TransformerModel,
                                    f"{want_r}; the file does not match its config")
             found[kind].append((a_t, b_t, alpha / (math.sqrt(r) if rslora else r)))
     adapters = _trainrun_adapters(found, cfg, model_type, int(config.get("r", 8)))
+    adapters.update(experts)
     return _settings(adapters)
+
+
+def _expert_adapters(config: dict[str, Any], tensors: dict[str, np.ndarray],
+                     cfg: TransformerModel, model_type: str
+                     ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]:
+    """(layer, trainrun target) -> (a, b, scale) of the adapters on a mixture's experts and
+    router (``target_parameters``), their tensors taken out of ``tensors``; an adapter that
+    does not fit the model is refused in one line."""
+    wanted = _target_parameters(config, cfg, model_type)
+    if not wanted:
+        return {}
+    assert cfg.experts is not None
+    experts, rslora = cfg.experts, bool(config.get("use_rslora"))
+    d, width = cfg.d_model, cfg.expert_width
+    # the first of two parameters of one module nests inside the second's wrapper
+    where = {GATE_UP: "mlp.experts.base_layer" if DOWN in wanted else "mlp.experts",
+             DOWN: "mlp.experts", ROUTER: "mlp.gate"}
+    dims = {GATE_UP: (d, 2 * width), DOWN: (width, d), ROUTER: (d, experts)}
+    found: dict[str, list[tuple[int, np.ndarray, np.ndarray, float]]] = {}
+    for kind in wanted:
+        found[kind] = []
+        d_in, d_out = dims[kind]
+        per = 1 if kind == ROUTER else experts  # a router's adapter is one plain pair
+        for i in range(cfg.layers):
+            module = f"model.layers.{i}.{where[kind]}"
+            names = (f"{module}.lora_A.weight", f"{module}.lora_B.weight")
+            if not cfg.expert_layer(i):
+                continue
+            for name in names:
+                if name not in tensors:
+                    raise WeightsError(f"tensor {PREFIX}{name} is missing; target_parameters "
+                                       f"names {kind.rsplit('.', 1)[0] if kind == ROUTER else kind}"
+                                       " and trainrun adapts it in every expert layer")
+            a_t, b_t = tensors.pop(names[0]), tensors.pop(names[1])
+            r = a_t.shape[0] // per
+            if r < 1 or a_t.shape != (r * per, d_in) or b_t.shape != (d_out, r * per):
+                raise WeightsError(f"{module} has lora_A {a_t.shape} and lora_B {b_t.shape}; "
+                                   f"the model's {kind} needs [r x {per}, {d_in}] and "
+                                   f"[{d_out}, r x {per}] (is the adapter for this base model?)")
+            full = f"model.layers.{i}.{kind.removesuffix('.weight')}"
+            want_r = _pattern(config.get("rank_pattern"), full, config.get("r", 8))
+            if r != want_r:
+                raise WeightsError(f"{module} has rank {r} but adapter_config.json says "
+                                   f"{want_r}; the file does not match its config")
+            alpha = _pattern(config.get("alpha_pattern"), full, config.get("lora_alpha", 8))
+            found[kind].append((i, a_t, b_t, alpha / (math.sqrt(r) if rslora else r)))
+    out: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]] = {}
+    for i, a_t, b_t, scale in found.get(ROUTER, []):
+        out[i, "router"] = (a_t.T, b_t.T, scale)
+    for i, a_t, b_t, scale in found.get(DOWN, []):
+        a_e, b_e = _from_per_expert(a_t, b_t, experts)
+        out[i, "down"] = (np.swapaxes(a_e, 1, 2), np.swapaxes(b_e, 1, 2), scale)
+    layers = [(i, *_from_per_expert(a_t, b_t, experts), scale)
+              for i, a_t, b_t, scale in found.get(GATE_UP, [])]
+    if layers:
+        columns = _fused_columns([b for _, _, b_e, _ in layers for b in b_e],
+                                 {"gate": (0, width), "up": (width, 2 * width)},
+                                 int(config.get("r", 8)))
+        for i, a_e, b_e, scale in layers:
+            for t, (lo, hi) in (("gate", (0, width)), ("up", (width, 2 * width))):
+                cols = columns[t]
+                if cols is not None:
+                    out[i, t] = (np.swapaxes(a_e[:, cols], 1, 2),
+                                 np.swapaxes(b_e[:, lo:hi][:, :, cols], 1, 2), scale)
+    for name in sorted(tensors):
+        if re.fullmatch(r"model\.layers\.\d+\.mlp\.(experts(\.base_layer)?|gate)\..*", name):
+            raise WeightsError(f"tensor {PREFIX}{name} adapts an expert parameter that "
+                               "target_parameters does not name (or a dense layer); the file "
+                               "does not match its config")
+    return out
+
+
+def _target_parameters(config: dict[str, Any], cfg: TransformerModel, model_type: str
+                       ) -> list[str]:
+    """The experts' parameters (``GATE_UP``, ``DOWN``, ``ROUTER``) ``target_parameters``
+    names, each matched as PEFT matches it (the whole name or a dotted suffix of it)."""
+    entries = config.get("target_parameters") or []
+    if not entries:
+        return []
+    if model_type not in MOE_FAMILY or cfg.experts is None:
+        raise WeightsError("adapter_config.json sets target_parameters, which trainrun reads "
+                           "for a mixture of experts' experts and router only; train with "
+                           "target_modules")
+    if isinstance(entries, str) or not all(isinstance(e, str) for e in entries):
+        raise WeightsError("adapter_config.json's target_parameters is not a list of names; "
+                           "correct it, or save the adapter again with PEFT's save_pretrained")
+    wanted = []
+    for entry in entries:
+        hits = [kind for kind in EXPERT_KINDS
+                if f"model.layers.0.{kind}" == entry or kind == entry
+                or f"model.layers.0.{kind}".endswith("." + entry)]
+        if not hits:
+            raise WeightsError(f"target_parameters entry {entry!r} is not a parameter trainrun "
+                               f"adapts ({', '.join(EXPERT_KINDS)}); train the adapter "
+                               "without it")
+        wanted += [kind for kind in hits if kind not in wanted]
+    return [kind for kind in EXPERT_KINDS if kind in wanted]
 
 
 def _settings(adapters: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]
               ) -> tuple[LoraSettings, dict[str, np.ndarray]]:
     """One rank and alpha for all of ``adapters`` ((layer, target) -> (a, b, scale)); a module
     whose scale differs from the first's has its b scaled to match, which is exact."""
-    ranks = {(t, a.shape[1]) for (_, t), (a, _, _) in adapters.items()}  # over every layer
+    ranks = {(t, a.shape[-1]) for (_, t), (a, _, _) in adapters.items()}  # over every layer
     if len({r for _, r in ranks}) > 1:
         listed = ", ".join(f"{t} {r}" for t, r in sorted(ranks, key=_target_order))
         raise WeightsError(f"the adapter's ranks differ ({listed}; rank_pattern?); trainrun has "
                            "one rank for every adapter: train the adapter with one r")
     rank = next(iter(ranks))[1]
-    first = min(adapters, key=lambda key: (key[0], TARGETS.index(key[1])))
+    first = min(adapters, key=lambda key: (key[0], _target_order((key[1], 0))))
     scale = adapters[first][2]
     out: dict[str, np.ndarray] = {}
     for (i, t), (a, b, s) in adapters.items():
-        part = "attn" if t in ("q", "k", "v", "o") else "mlp"
+        part = "attn" if t in ("q", "k", "v", "o", "qkv") else "mlp"
         out[f"blocks.{i}.{part}.{t}_lora.a"] = np.ascontiguousarray(a, np.float32)
         out[f"blocks.{i}.{part}.{t}_lora.b"] = np.ascontiguousarray(
             b if s == scale else b * np.float32(s / scale), np.float32)
-    targets: tuple[LoraTarget, ...] = tuple(t for t in TARGETS if any(t == u for u, _ in ranks))
+    named = {t for u, _ in ranks for t in (_PHI3[u][2] if u in _PHI3 else (u,))}
+    targets: tuple[LoraTarget, ...] = tuple(t for t in TARGETS if t in named)
     return LoraSettings(rank=rank, alpha=scale * rank, targets=targets), out
 
 
@@ -254,14 +397,14 @@ def _trainrun_adapters(found: dict[str, list[tuple[np.ndarray, np.ndarray, float
                        ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]:
     """(layer, trainrun target) -> (a, b, scale) from PEFT's per-module (A, B, scale)."""
     out: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]] = {}
-    table = _LLAMA if model_type in LLAMA_FAMILY else _GPT2
-    for t, (_, kind) in table.items():
+    for t, kind in _module_table(model_type, cfg).items():
         for i, (a_t, b_t, s) in enumerate(found.get(kind, ())):
             out[i, t] = (a_t.T, b_t.T, s)
     if C_ATTN in found:
         d = cfg.d_model
         layers = found[C_ATTN]
-        columns = _c_attn_columns([b_t for _, b_t, _ in layers], d, rank)
+        columns = _fused_columns([b_t for _, b_t, _ in layers],
+                                 {t: (j * d, (j + 1) * d) for j, t in enumerate("qkv")}, rank)
         for i, (a_t, b_t, s) in enumerate(layers):
             for j, t in enumerate("qkv"):
                 if columns[t] is not None:
@@ -270,25 +413,26 @@ def _trainrun_adapters(found: dict[str, list[tuple[np.ndarray, np.ndarray, float
     return out
 
 
-def _c_attn_columns(bs: list[np.ndarray], d: int, rank: int) -> dict[str, Any]:
-    """Which of c_attn's rank components each of q, k, v uses. An adapter that trainrun wrote
-    (or any whose B gives each projection columns of its own) splits back into the projections
-    that have columns, at their own rank; any other gives q, k and v all of them, or, when B is
-    all zero, the config's rank ``rank`` of them."""
+def _fused_columns(bs: list[np.ndarray], spans: dict[str, tuple[int, int]], rank: int
+                   ) -> dict[str, Any]:
+    """Which of a fused layer's rank components each of its parts (``spans``: rows of ``B``)
+    uses. An adapter that trainrun wrote (or any whose B gives each part columns of its own)
+    splits back into the parts that have columns, at their own rank; any other gives every part
+    all of them, or, when B is all zero, the config's rank ``rank`` of them."""
     r = bs[0].shape[1]
-    used = {t: np.zeros(r, bool) for t in "qkv"}
+    used = {t: np.zeros(r, bool) for t in spans}
     for b_t in bs:
-        for j, t in enumerate("qkv"):
-            used[t] |= np.any(b_t[j * d:(j + 1) * d] != 0, axis=0)
-    shared = used["q"].astype(int) + used["k"] + used["v"]
+        for t, (lo, hi) in spans.items():
+            used[t] |= np.any(b_t[lo:hi] != 0, axis=0)
+    shared = np.sum([u.astype(int) for u in used.values()], axis=0)
     if shared.max() == 1:
         return {t: np.flatnonzero(u) if u.any() else None for t, u in used.items()}
     if shared.max() == 0:  # B all zero (untrained): any r of A's rows give the same zero delta
-        return {t: np.arange(min(r, rank)) for t in "qkv"}
-    return {t: np.arange(r) for t in "qkv"}  # dense: each projection takes every column
+        return {t: np.arange(min(r, rank)) for t in spans}
+    return {t: np.arange(r) for t in spans}  # dense: each part takes every column
 
 
-def _check_config(config: dict[str, Any], cfg: TransformerModel) -> None:
+def _check_config(config: dict[str, Any], cfg: TransformerModel, model_type: str) -> None:
     """Refuses, on one line each, what changes the adapter's maths beyond ``scaling x A^T B^T``
     on the linear layers trainrun adapts."""
     if config.get("peft_type", "LORA") != "LORA":
@@ -304,8 +448,6 @@ def _check_config(config: dict[str, Any], cfg: TransformerModel) -> None:
                                    "the adapter into the base model instead",
         "layer_replication": "layer_replication changes the model's depth; merge the adapter "
                              "into the base model instead",
-        "target_parameters": "adapters on parameters (target_parameters) are not trainrun's "
-                             "linear-layer adapters; train with target_modules",
         "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) applies only "
                                    "after its tokens; train a plain LoRA adapter",
         "use_qalora": "QA-LoRA pools the layer's input; train a plain LoRA adapter",
@@ -333,6 +475,7 @@ def _check_config(config: dict[str, Any], cfg: TransformerModel) -> None:
         if len(chosen) != cfg.layers or chosen != set(range(cfg.layers)):
             raise WeightsError(f"layers_to_transform {layers} adapts only some layers; trainrun "
                                "adapts every layer: train the adapter on all of them")
+    _target_parameters(config, cfg, model_type)
     if config.get("use_rslora") and (config.get("rank_pattern") or config.get("alpha_pattern")):
         raise WeightsError("use_rslora with rank_pattern/alpha_pattern: PEFT refuses it too; "
                            "drop one of them")
@@ -444,10 +587,23 @@ def _read_tensors(path: Location) -> dict[str, np.ndarray]:
             for name, value in tensors.items()}
 
 
-def _module_kinds(model_type: str) -> tuple[str, ...]:
-    if model_type in LLAMA_FAMILY:
-        return tuple(module for _, module in _LLAMA.values())
-    return (C_ATTN, *(module for _, module in _GPT2.values()))
+def _module_table(model_type: str, cfg: TransformerModel) -> dict[str, str]:
+    """trainrun's adapter (a target, or a fused ``qkv``/``gate_up``) -> the HF module kind
+    inside a decoder layer that carries it as a plain LoRA pair."""
+    if model_type not in LLAMA_FAMILY:
+        return {t: kind for t, (_, kind) in _GPT2.items()}
+    table = {t: kind for t, (_, kind) in _LLAMA.items()}
+    if cfg.fused_projections:
+        table = {t: kind for t, kind in table.items() if t in ("o", "down")}
+        table.update({name: kind for name, (_, kind, _) in _PHI3.items()})
+    if cfg.experts is not None:  # the experts' adapters are parameters': _expert_adapters
+        table = {t: kind for t, kind in table.items() if t in ("q", "k", "v", "o")}
+    return table
+
+
+def _module_kinds(model_type: str, cfg: TransformerModel) -> tuple[str, ...]:
+    kinds = tuple(_module_table(model_type, cfg).values())
+    return kinds if model_type in LLAMA_FAMILY else (C_ATTN, *kinds)
 
 
 def _dims(cfg: TransformerModel, model_type: str, kind: str) -> tuple[int, int]:
@@ -459,7 +615,8 @@ def _dims(cfg: TransformerModel, model_type: str, kind: str) -> tuple[int, int]:
     q, kv = cfg.heads * cfg.attention_head_dim, cfg.kv_key_heads * cfg.attention_head_dim
     return {"self_attn.q_proj": (d, q), "self_attn.k_proj": (d, kv), "self_attn.v_proj": (d, kv),
             "self_attn.o_proj": (q, d), "mlp.gate_proj": (d, hidden),
-            "mlp.up_proj": (d, hidden), "mlp.down_proj": (hidden, d)}[kind]
+            "mlp.up_proj": (d, hidden), "mlp.down_proj": (hidden, d),
+            "self_attn.qkv_proj": (d, q + 2 * kv), "mlp.gate_up_proj": (d, 2 * hidden)}[kind]
 
 
 def _pattern(patterns: Any, module: str, default: Any) -> float:
@@ -472,7 +629,9 @@ def _pattern(patterns: Any, module: str, default: Any) -> float:
 
 
 def _adapter(params: PyTree, i: int, target: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    part = "attn" if target in ("q", "k", "v", "o") else "mlp"
+    """Layer ``i``'s adapter ``target`` (a fused one: ``qkv``, ``gate_up``): its ``a`` and
+    ``b``, ``[experts, ...]`` for an expert's."""
+    part = "attn" if target in ("q", "k", "v", "o", "qkv") else "mlp"
     name = f"blocks.{i}.{part}.{target}_lora"
     try:
         blocks = params["blocks"]
@@ -480,9 +639,72 @@ def _adapter(params: PyTree, i: int, target: str, rank: int) -> tuple[np.ndarray
         a, b = np.asarray(adapter["a"], np.float32), np.asarray(adapter["b"], np.float32)
     except (KeyError, TypeError, IndexError):
         raise WeightsError(f"params have no {name}.a/.b; are they the adapted model's?") from None
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != rank or b.shape[0] != rank:
+    if (a.ndim not in (2, 3) or b.ndim != a.ndim or a.shape[-1] != rank
+            or b.shape[-2] != rank):
         raise WeightsError(f"{name} has a {a.shape} and b {b.shape}; model.lora.rank is {rank}")
     return a, b
+
+
+def _check_family(cfg: TransformerModel, model_type: str, targets: list[str]) -> None:
+    """Adapters a ``model_type`` adapter directory cannot hold are refused in one line (a
+    config checks them before training: ``TransformerModel``; a run of older trainrun may not
+    have)."""
+    if cfg.fused_projections and model_type not in FUSED:
+        raise WeightsError(f"the model's adapters span fused q/k/v and gate/up layers, which a "
+                           f"{model_type} model does not have; export with --merge")
+    split = [t for t in targets if t in ("q", "k", "v", "gate", "up")]
+    if model_type in FUSED and split and not cfg.fused_projections:
+        raise WeightsError(f"LoRA on {', '.join(split)} of a phi3 model does not export: "
+                           "Phi-3 fuses them into qkv_proj and gate_up_proj, and these "
+                           "adapters are separate; export with --merge")
+    if cfg.experts is not None and model_type not in MOE_FAMILY:
+        raise WeightsError(f"the model has experts, which a {model_type} model does not; "
+                           "export with --merge")
+
+
+def _put_experts(tensors: dict[str, np.ndarray], params: PyTree, cfg: TransformerModel, i: int,
+                 targets: list[str]) -> None:
+    """Layer ``i``'s adapters on its experts and router as PEFT's ``ParamWrapper`` tensors."""
+    assert cfg.lora is not None and cfg.experts is not None
+    rank, experts = cfg.lora.rank, cfg.experts
+    moe = f"model.layers.{i}.mlp"
+    joined = [t for t in ("gate", "up") if t in targets]
+    # Two parameters of one module nest: the first one's wrapper is the second's base layer.
+    both = bool(joined) and "down" in targets
+    if joined:
+        pairs = [_adapter(params, i, t, rank) for t in joined]
+        width = pairs[0][1].shape[-1]
+        a_e = np.concatenate([np.swapaxes(a, 1, 2) for a, _ in pairs], axis=1)  # [E, R, d]
+        b_e = np.zeros((experts, 2 * width, rank * len(joined)), np.float32)
+        for n, (t, (_, b)) in enumerate(zip(joined, pairs, strict=True)):
+            rows = slice(0, width) if t == "gate" else slice(width, 2 * width)
+            b_e[:, rows, n * rank:(n + 1) * rank] = np.swapaxes(b, 1, 2)
+        _put(tensors, f"{moe}.experts{'.base_layer' if both else ''}", *_per_expert(a_e, b_e))
+    if "down" in targets:
+        a, b = _adapter(params, i, "down", rank)
+        _put(tensors, f"{moe}.experts", *_per_expert(np.swapaxes(a, 1, 2), np.swapaxes(b, 1, 2)))
+    if "router" in targets:
+        a, b = _adapter(params, i, "router", rank)
+        _put(tensors, f"{moe}.gate", a.T, b.T)
+
+
+def _per_expert(a_e: np.ndarray, b_e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's ``lora_A`` ``[r x experts, d_in]`` and ``lora_B`` ``[d_out, r x experts]`` from
+    each expert's ``A`` ``[experts, r, d_in]`` and ``B`` ``[experts, d_out, r]``."""
+    experts, r, d_in = a_e.shape
+    lora_a = a_e.reshape(experts * r, d_in)
+    lora_b = np.transpose(b_e, (1, 2, 0)).reshape(b_e.shape[1], r * experts)
+    return lora_a, lora_b
+
+
+def _from_per_expert(lora_a: np.ndarray, lora_b: np.ndarray, experts: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Each expert's ``A`` ``[experts, r, d_in]`` and ``B`` ``[experts, d_out, r]`` from PEFT's
+    tensors (``_per_expert`` undone)."""
+    r = lora_a.shape[0] // experts
+    a_e = lora_a.reshape(experts, r, lora_a.shape[1])
+    b_e = np.transpose(lora_b.reshape(lora_b.shape[0], r, experts), (2, 0, 1))
+    return a_e, b_e
 
 
 def _put(tensors: dict[str, np.ndarray], module: str, lora_a: np.ndarray,
@@ -503,4 +725,6 @@ def _number(value: float) -> int | float:
 
 
 def _target_order(item: tuple[str, int]) -> tuple[int, int]:
-    return TARGETS.index(item[0]), item[1]
+    """(target, rank) in trainrun's order of targets; a fused adapter where its first is."""
+    target = _PHI3[item[0]][2][0] if item[0] in _PHI3 else item[0]
+    return TARGETS.index(target), item[1]

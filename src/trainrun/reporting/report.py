@@ -184,9 +184,9 @@ def _log_scale_if_wide(ax: Any, values: list[float]) -> None:
         ax.set_yscale("log")
 
 
-def _plot_run(run: RunRecord, out_dir: location.Location,
-              ) -> list[tuple[str, location.Location]]:
-    """Each plot the run's files allow, as ``(caption, png path)``."""
+def _metric_plots(run: RunRecord) -> list[tuple[str, Figure]]:
+    """Train and eval loss, each eval metric, the learning rate and the gradient norm: those the
+    run logged."""
     plots: list[tuple[str, Figure]] = []
     steps, loss = run.series(run.train, "loss")
     if loss:
@@ -212,26 +212,45 @@ def _plot_run(run: RunRecord, out_dir: location.Location,
             if name == "grad_norm":
                 _log_scale_if_wide(ax, values)
             plots.append((caption, fig))
-    if run.timing:
-        s, rate = run.series(run.timing, "examples_per_s")
-        fig, ax = _figure("throughput (device time per timing window)", ylabel="examples/s")
-        ax.plot(s, rate, "o-", ms=3, color="tab:orange")
-        ax.set_ylim(bottom=0)
-        plots.append(("throughput", fig))
-        _, step_s = run.series(run.timing[1:] or run.timing, "step_time_s")  # first: warmup
-        size, unit = time_unit(statistics.median(step_s)) if step_s else (1e-6, "µs")
-        fig, ax = _figure("step time per timing window (after warmup)",
-                          xlabel=f"{unit} per step", ylabel="windows")
-        ax.hist([t / size for t in step_s], bins=min(30, max(5, len(step_s))), color="tab:cyan",
-                edgecolor="black")
-        plots.append(("step-time histogram", fig))
+    return plots
+
+
+def _timing_plots(run: RunRecord) -> list[tuple[str, Figure]]:
+    """Throughput and a histogram of step time per timing window, when the run timed any."""
+    if not run.timing:
+        return []
+    plots: list[tuple[str, Figure]] = []
+    s, rate = run.series(run.timing, "examples_per_s")
+    fig, ax = _figure("throughput (device time per timing window)", ylabel="examples/s")
+    ax.plot(s, rate, "o-", ms=3, color="tab:orange")
+    ax.set_ylim(bottom=0)
+    plots.append(("throughput", fig))
+    _, step_s = run.series(run.timing[1:] or run.timing, "step_time_s")  # first: warmup
+    size, unit = time_unit(statistics.median(step_s)) if step_s else (1e-6, "µs")
+    fig, ax = _figure("step time per timing window (after warmup)",
+                      xlabel=f"{unit} per step", ylabel="windows")
+    ax.hist([t / size for t in step_s], bins=min(30, max(5, len(step_s))), color="tab:cyan",
+            edgecolor="black")
+    plots.append(("step-time histogram", fig))
+    return plots
+
+
+def _wall_time_plots(run: RunRecord) -> list[tuple[str, Figure]]:
+    """Where the wall time went, when the run's summary splits it."""
     split = run.summary.get("wall_time_split_s")
-    if split:
-        parts = [(name, seconds) for name, seconds in split.items() if seconds > 0]
-        fig, ax = _figure("where the wall time went", xlabel="seconds", ylabel="")
-        ax.barh([n for n, _ in parts], [s for _, s in parts], color="tab:blue")
-        ax.invert_yaxis()
-        plots.append(("wall-time split", fig))
+    if not split:
+        return []
+    parts = [(name, seconds) for name, seconds in split.items() if seconds > 0]
+    fig, ax = _figure("where the wall time went", xlabel="seconds", ylabel="")
+    ax.barh([n for n, _ in parts], [s for _, s in parts], color="tab:blue")
+    ax.invert_yaxis()
+    return [("wall-time split", fig)]
+
+
+def _plot_run(run: RunRecord, out_dir: location.Location,
+              ) -> list[tuple[str, location.Location]]:
+    """Each plot the run's files allow, as ``(caption, png path)``."""
+    plots = [*_metric_plots(run), *_timing_plots(run), *_wall_time_plots(run)]
 
     location.make_dirs(out_dir)
     written = []

@@ -82,30 +82,49 @@ def inspect(path: Path, role: str = "run") -> Found:
     if not names:
         return Found("empty")
     if MARKER in names:
-        marker = _json(path / MARKER)
-        if not isinstance(marker, dict) or not isinstance(marker.get("format"), int):
-            return Found("foreign", f"its {MARKER} cannot be read")
-        if marker["format"] > FORMAT:
-            raise UserError(f"{path} was written by a newer trainrun (run directory format "
-                            f"{marker['format']}; this one reads {FORMAT}); use that version, "
-                            "or give another directory")
-        if marker.get("holds", "run") != role:
-            return Found("foreign", f"it holds trainrun {marker.get('holds')}, not a {role}")
-        return Found("marked")
-    ckpts = path / CHECKPOINTS
-    if role == "run":
-        if CONFIG in names and _by_trainrun(path):
-            return Found("legacy")
-        if names <= {LOCK, CHECKPOINTS} and (
-                CHECKPOINTS not in names or (ckpts.is_dir() and not any(ckpts.iterdir()))):
-            return Found("leftover")
-    else:  # step directories (each with trainrun's meta/), partial saves and corrupt/ only
-        if names == {LOCK}:
-            return Found("leftover")
-        steps = [p for p in path.iterdir() if p.name.isdigit()]
-        if (steps and all((p / "meta").is_dir() for p in steps)
-                and all(n.isdigit() or ORBAX_TMP in n or n in ("corrupt", LOCK)
-                        for n in names)):
-            return Found("legacy")
+        return _by_marker(path, role)
+    unmarked = (_unmarked_run(path, names) if role == "run"
+                else _unmarked_checkpoints(path, names))
+    if unmarked is not None:
+        return unmarked
     shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
     return Found("foreign", f"it holds {shown} and no {MARKER}")
+
+
+def _by_marker(path: Path, role: str) -> Found:
+    """What a folder with trainrun's marker holds: a ``role`` (marked), trainrun's other kind,
+    or a marker it cannot read (foreign)."""
+    marker = _json(path / MARKER)
+    if not isinstance(marker, dict) or not isinstance(marker.get("format"), int):
+        return Found("foreign", f"its {MARKER} cannot be read")
+    if marker["format"] > FORMAT:
+        raise UserError(f"{path} was written by a newer trainrun (run directory format "
+                        f"{marker['format']}; this one reads {FORMAT}); use that version, "
+                        "or give another directory")
+    if marker.get("holds", "run") != role:
+        return Found("foreign", f"it holds trainrun {marker.get('holds')}, not a {role}")
+    return Found("marked")
+
+
+def _unmarked_run(path: Path, names: set[str]) -> Found | None:
+    """A run directory from before the marker, or what a run left with nothing but its lock
+    and an empty checkpoints folder; None when ``names`` are neither."""
+    ckpts = path / CHECKPOINTS
+    if CONFIG in names and _by_trainrun(path):
+        return Found("legacy")
+    if names <= {LOCK, CHECKPOINTS} and (
+            CHECKPOINTS not in names or (ckpts.is_dir() and not any(ckpts.iterdir()))):
+        return Found("leftover")
+    return None
+
+
+def _unmarked_checkpoints(path: Path, names: set[str]) -> Found | None:
+    """A checkpoint directory from before the marker (step directories each with trainrun's
+    meta/, partial saves and corrupt/ only), or one with only its lock; None otherwise."""
+    if names == {LOCK}:
+        return Found("leftover")
+    steps = [p for p in path.iterdir() if p.name.isdigit()]
+    if (steps and all((p / "meta").is_dir() for p in steps)
+            and all(n.isdigit() or ORBAX_TMP in n or n in ("corrupt", LOCK) for n in names)):
+        return Found("legacy")
+    return None

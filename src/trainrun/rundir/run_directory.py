@@ -132,6 +132,13 @@ class RunDirectory:
         """Undo ``claim`` for a run refused before it started: remove the folders it created
         and what it added to existing ones, and move a run it moved aside back. Call while the
         locks are held (nobody else wrote there since the claim)."""
+        self._remove_added()
+        self._remove_created()
+        self._move_back()
+        self.created, self.held_before, self.moved = [], {}, []
+
+    def _remove_added(self) -> None:
+        """Remove what the claim added to folders that existed before it (never through a link)."""
         for path, names in self.held_before.items():
             for entry in path.iterdir() if path.is_dir() else ():
                 if entry.name in names:
@@ -141,6 +148,9 @@ class RunDirectory:
                 else:
                     with contextlib.suppress(OSError):
                         entry.unlink()
+
+    def _remove_created(self) -> None:
+        """Remove the claimed folders the claim created, then the parents it created if empty."""
         claimed = {path for path, _, _ in self.folders}
         for path in self.created:
             if path in claimed:
@@ -148,12 +158,14 @@ class RunDirectory:
         for path in sorted(set(self.created) - claimed, key=lambda p: -len(p.parts)):
             with contextlib.suppress(OSError):  # a parent: another run may have started in it
                 path.rmdir()
+
+    def _move_back(self) -> None:
+        """Move each run the claim moved aside back to its place, with its lock as it was."""
         for path, target, had_lock in reversed(self.moved):
             if not path.exists():
                 target.rename(path)
                 if not had_lock:
                     (path / LOCK).unlink(missing_ok=True)
-        self.created, self.held_before, self.moved = [], {}, []
 
     def release(self) -> None:
         for lock in self.locks.values():

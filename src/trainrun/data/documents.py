@@ -39,12 +39,42 @@ def pack_documents(documents: Sequence[np.ndarray], row_len: int,
     """
     if row_len < 2:
         raise ValueError(f"row_len {row_len} leaves nothing to predict; give at least 2")
-    stride = row_len - 1
     dtype = documents[0].dtype if len(documents) else np.uint16
-    full: list[np.ndarray] = []
-    pieces: list[np.ndarray] = []
-    full_masks: list[np.ndarray] = []
-    piece_masks: list[np.ndarray] = []
+    full, pieces, full_masks, piece_masks = _cut(documents, row_len, masks)
+    packed = first_fit([piece.size for piece in pieces], row_len, bins)
+    n_full = sum(len(rows) for rows in full)
+    index_dtype = row_index_dtype(row_len)
+    tokens = np.zeros((n_full + len(packed), row_len), dtype)
+    segment_ids = np.zeros(tokens.shape, index_dtype)
+    positions = np.zeros(tokens.shape, index_dtype)
+    loss_mask = np.zeros(tokens.shape, np.uint8) if masks is not None else None
+    if full:
+        tokens[:n_full] = np.concatenate(full)
+        segment_ids[:n_full] = 1
+        positions[:n_full] = np.arange(row_len)
+        if loss_mask is not None:
+            loss_mask[:n_full] = np.concatenate(full_masks)
+    _place_pieces(pieces, piece_masks, packed, n_full, tokens, segment_ids, positions,
+                  loss_mask)
+    rows = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+    if loss_mask is not None:
+        rows["loss_mask"] = loss_mask
+    return rows
+
+
+_Pieces = list[np.ndarray]
+
+
+def _cut(documents: Sequence[np.ndarray], row_len: int, masks: Sequence[np.ndarray] | None,
+         ) -> tuple[_Pieces, _Pieces, _Pieces, _Pieces]:
+    """Each document of two tokens or more cut into full rows (a ``[count, row_len]`` view per
+    document) and the shorter piece left at its end, and their masks cut alike when given:
+    ``(full, pieces, full_masks, piece_masks)``."""
+    stride = row_len - 1
+    full: _Pieces = []
+    pieces: _Pieces = []
+    full_masks: _Pieces = []
+    piece_masks: _Pieces = []
     for n, doc in enumerate(documents):
         if doc.size < 2:
             continue
@@ -59,20 +89,15 @@ def pack_documents(documents: Sequence[np.ndarray], row_len: int,
             pieces.append(doc[count * stride:])
             if mask is not None:
                 piece_masks.append(mask[count * stride:])
-    packed = first_fit([piece.size for piece in pieces], row_len, bins)
-    n_full = sum(len(rows) for rows in full)
-    index_dtype = row_index_dtype(row_len)
-    tokens = np.zeros((n_full + len(packed), row_len), dtype)
-    segment_ids = np.zeros(tokens.shape, index_dtype)
-    positions = np.zeros(tokens.shape, index_dtype)
-    loss_mask = np.zeros(tokens.shape, np.uint8) if masks is not None else None
-    if full:
-        tokens[:n_full] = np.concatenate(full)
-        segment_ids[:n_full] = 1
-        positions[:n_full] = np.arange(row_len)
-        if loss_mask is not None:
-            loss_mask[:n_full] = np.concatenate(full_masks)
-    for row, members in enumerate(packed, n_full):
+    return full, pieces, full_masks, piece_masks
+
+
+def _place_pieces(pieces: _Pieces, piece_masks: _Pieces, packed: list[list[int]], first_row: int,
+                  tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray,
+                  loss_mask: np.ndarray | None) -> None:
+    """Write the pieces into the rows from ``first_row`` on, each row's members (``packed``)
+    side by side as segments 1, 2, ..., with their positions and masks."""
+    for row, members in enumerate(packed, first_row):
         at = 0
         for segment, i in enumerate(members, 1):
             size = pieces[i].size
@@ -82,10 +107,6 @@ def pack_documents(documents: Sequence[np.ndarray], row_len: int,
             if loss_mask is not None:
                 loss_mask[row, at:at + size] = piece_masks[i]
             at += size
-    rows = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
-    if loss_mask is not None:
-        rows["loss_mask"] = loss_mask
-    return rows
 
 
 def row_index_dtype(row_len: int) -> type[np.unsignedinteger]:

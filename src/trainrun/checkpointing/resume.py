@@ -102,10 +102,8 @@ def check_config(saved: dict[str, Any], config: RunConfig, allow: bool, where: P
     changes = config_changes(same_warmup(renamed.upgrade(saved, None), config),
                              config.to_dict())
     if changes and not allow:
-        shown = "; ".join(changes[:SHOWN_CHANGES]) + (
-            f"; and {len(changes) - SHOWN_CHANGES} more" if len(changes) > SHOWN_CHANGES else "")
         raise ConfigChangedError(
-            f"{where} was trained with a different config ({shown}); resuming with these "
+            f"{where} was trained with a different config ({_first(changes)}); resuming with these "
             "changes alters the run. Leave out --config to resume with the run's own config "
             "(overrides apply over it), pass --allow-config-change to resume anyway, or "
             "--fresh to move the run aside")
@@ -137,13 +135,17 @@ def check_data(saved: dict[str, str] | None, current: dict[str, str], allow: boo
     there is nothing to compare) and those read now; raises unless ``allow``."""
     changes = [] if saved is None else data_changes(saved, current)
     if changes and not allow:
-        shown = "; ".join(changes[:SHOWN_CHANGES]) + (
-            f"; and {len(changes) - SHOWN_CHANGES} more" if len(changes) > SHOWN_CHANGES else "")
         raise DataChangedError(
-            f"{where} was trained on other data ({shown}); resuming on it alters the run. "
-            "Put the data back as it was, pass --allow-data-change to resume anyway, or "
+            f"{where} was trained on other data ({_first(changes)}); resuming on it alters the "
+            "run. Put the data back as it was, pass --allow-data-change to resume anyway, or "
             "--fresh to move the run aside")
     return changes
+
+
+def _first(changes: list[str]) -> str:
+    """The first ``SHOWN_CHANGES`` changes, and how many more there are."""
+    more = len(changes) - SHOWN_CHANGES
+    return "; ".join(changes[:SHOWN_CHANGES]) + (f"; and {more} more" if more > 0 else "")
 
 
 def schedule_shift(saved: dict[str, Any], config: RunConfig, step: int) -> int | None:

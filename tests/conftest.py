@@ -31,7 +31,8 @@ def _suite_compilation_cache() -> str | None:
     """One XLA compilation cache for the session, shared by the test workers and every CLI
     subprocess they start (through the environment), never the user's own: many tests compile
     the same programs, and verify-resume compiles each of its runs' programs again (the
-    resnet's: 57 s without the cache, 45 s filling it, 26 s from it; the suite 903 -> 595 s).
+    resnet's: 57 s without the cache, 45 s filling it, 26 s from it; the suite 903 -> 595 s;
+    BENCHMARKS.md, "The test suite's one cache").
     The key holds XLA_FLAGS and the versions, so a program compiled under other flags is
     compiled again; a hit is the same executable, the same bits. Made by the controlling
     process, before any worker starts and before ``configure_process`` below would pick the

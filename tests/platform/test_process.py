@@ -260,7 +260,7 @@ COMPILE_TWICE = """
 
 
 def test_a_second_command_reads_the_programs_the_first_compiled(tmp_path):
-    """eval, sample and lm-eval keep compiled programs for the next process; a cache the user
+    """A command keeps the programs it compiles for the next process; a cache the user
     named through JAX's own variable is left to JAX."""
     folder = tmp_path / "compiled"
     # The suite's own cache (conftest.py) is named through the variable: unset here.

@@ -1,0 +1,136 @@
+"""Whole commands with JAX's persistent compilation cache: ``trainrun train``, ``sample`` and
+``eval`` on the built-in chat config at a few steps, each without the cache
+(``TRAINRUN_COMPILATION_CACHE=0``), from an empty cache folder (cold) and again from the folder
+the cold command filled (warm).
+
+    python benchmarks/compile_cache.py [--rounds 3] [--steps 4] [--min-compile-s 0 1 ...]
+
+A chat run is trained once here (cache off) for ``sample`` and ``eval`` to read; ``train``
+makes a new run directory each time. Every round runs each command off, then cold and warm
+for each least compile time a program needs to be kept (``--min-compile-s``, given to JAX as
+``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``; trainrun's own is 0), one after the other:
+the rounds interleave the variants. The table gives the median wall time and CPU time (user
+and system, the command's process and its children) of each, the warm command's against the
+cold one's, and the programs the cold one kept. Each command's output is compared across all
+variants (the losses of ``train``, the answer of ``sample``, the scores of ``eval``): the
+cache must not change a bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per train (default 4)")
+    parser.add_argument("--min-compile-s", type=float, nargs="+", default=[0.0],
+                        help="least compile times for a program to be kept, each measured "
+                             "(default: trainrun's, 0)")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 2:
+        parser.error("give --rounds >= 1 and --steps >= 2")
+    return args
+
+
+def chat(run_dir: Path, steps: int) -> list[str]:
+    return ["train", "--config", "chat", "--run-dir", str(run_dir), f"steps={steps}",
+            f"steps_per_call={steps // 2}", "eval.every=0", "metrics.every=1",
+            "checkpoint.every=0", "optimizer.schedule.warmup=1"]
+
+
+def cpu_seconds() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def trainrun(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """``trainrun ARGV`` in a fresh process: its wall time, its CPU time and its stdout."""
+    start, cpu = time.perf_counter(), cpu_seconds()
+    done = subprocess.run([str(Path(sys.executable).parent / "trainrun"), *argv], env=env,
+                          capture_output=True, text=True)
+    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    if done.returncode != 0:
+        sys.exit(f"trainrun {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+    return seconds, cpu, done.stdout
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text()
+            .splitlines() if "loss" in json.loads(line)]
+
+
+def main() -> None:
+    args = parse()
+    folder = Path(tempfile.mkdtemp(prefix="compile-cache-"))
+    try:
+        measure(args, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, folder: Path) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")
+            and k != "JAX_COMPILATION_CACHE_DIR"}
+    base["TRAINRUN_CACHE_DIR"] = str(folder / "user-cache")  # the chat records, made once
+    trainrun(chat(folder / "chat", args.steps), {**base, "TRAINRUN_COMPILATION_CACHE": "0"})
+    commands = {
+        "train": lambda out: (chat(out, args.steps), lambda stdout: losses(out)),
+        "sample": lambda out: (["sample", str(folder / "chat"), "--chat", "reverse hello",
+                                "--tokens", "16"], lambda stdout: stdout),
+        "eval": lambda out: (["eval", str(folder / "chat"), "--tokens", "16", "--limit", "32",
+                              "--out", str(out)],
+                             lambda stdout: (out / "scores.json").read_text()),
+    }
+    variants = ["off"] + [f"{kind} {least:g}" for least in args.min_compile_s
+                          for kind in ("cold", "warm")]
+    wall: dict[tuple[str, str], list[float]] = {(n, v): [] for n in commands for v in variants}
+    cpu: dict[tuple[str, str], list[float]] = {(n, v): [] for n in commands for v in variants}
+    kept: dict[tuple[str, str], list[int]] = {(n, v): [] for n in commands for v in variants}
+    for round_ in range(args.rounds):
+        for name, command in commands.items():
+            results = []
+            for variant in variants:
+                kind, _, least = variant.partition(" ")
+                cache = folder / f"programs-{name}-{round_}-{least}"
+                env = {**base, "TRAINRUN_COMPILATION_CACHE": "0" if kind == "off" else
+                       str(cache)}
+                if kind != "off":
+                    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = least
+                out = folder / f"out-{name}-{round_}-{variant.replace(' ', '-')}"
+                argv, result = command(out)
+                seconds, used, stdout = trainrun(argv, env)
+                wall[name, variant].append(seconds)
+                cpu[name, variant].append(used)
+                results.append(result(stdout))
+                kept[name, variant].append(len(list(cache.glob("*-cache"))))
+            if any(r != results[0] for r in results):
+                sys.exit(f"{name}: the cache changed the result:\n{results}")
+    print(f"\n{args.rounds} round(s), chat config at {args.steps} steps; median wall and CPU "
+          "time, the same results in every variant")
+    print("| command | least compile time kept | wall: off | cold | warm | warm / cold "
+          "| CPU: off | cold | warm | warm / cold | programs kept |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in commands:
+        for least in args.min_compile_s:
+            cold, warm = f"cold {least:g}", f"warm {least:g}"
+            w = {v: statistics.median(wall[name, v]) for v in ("off", cold, warm)}
+            c = {v: statistics.median(cpu[name, v]) for v in ("off", cold, warm)}
+            print(f"| `trainrun {name}` | {least:g} s | {w['off']:.2f} s | {w[cold]:.2f} s | "
+                  f"{w[warm]:.2f} s | {w[warm] / w[cold]:.2f}x | {c['off']:.2f} s | "
+                  f"{c[cold]:.2f} s | {c[warm]:.2f} s | {c[warm] / c[cold]:.2f}x | "
+                  f"{statistics.median(kept[name, cold]):.0f} |")
+
+if __name__ == "__main__":
+    main()

@@ -96,42 +96,37 @@ def _jsonl(path: Location) -> Iterator[Located]:
             for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue  # a blank line (the last one, often) is no record
-                where = f"{path}:{number}"
-                try:
-                    text = line.decode("utf-8")
-                except UnicodeDecodeError as err:
-                    yield where, f"not UTF-8 (byte {err.start + 1})"
-                    continue
-                if _depth(line) > MAX_DEPTH:
-                    yield where, _TOO_DEEP
-                    continue
-                try:
-                    value = json.loads(text)
-                except json.JSONDecodeError as err:
-                    yield where, f"not valid JSON ({err.msg} at column {err.colno})"
-                    continue
-                except RecursionError:  # deeper than the stack left here, though within the cap
-                    yield where, _TOO_DEEP
-                    continue
-                except ValueError:  # the one other refusal of json: an integer's digits
-                    yield where, (f"an integer of more than {sys.get_int_max_str_digits()} "
-                                  "digits, more than Python reads (write it as a string)")
-                    continue
-                if not isinstance(value, dict):
-                    yield where, f"{describe(value)}, not a JSON object"
-                    continue
-                # a lone surrogate can only come from a \u escape: other lines are not walked
-                surrogate = lone_surrogate(value) if _SURROGATE_ESCAPE.search(line) else None
-                if surrogate is not None:
-                    yield where, surrogate
-                    continue
-                yield where, value
+                yield f"{path}:{number}", _jsonl_record(line)
     except (gzip.BadGzipFile, EOFError, zlib.error) as err:
         raise DataError(f"data.paths: {str(path)!r} is not a whole gzip file ({err}); "
                         "compress it again, or give it uncompressed") from None
     except OSError as err:
         raise DataError(f"data.paths: cannot read {str(path)!r} ({err.strerror or err}); "
                         "check the file and its permissions") from None
+
+
+def _jsonl_record(line: bytes) -> dict[str, Any] | str:
+    """The JSON object on ``line``, or what is wrong with it."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"not UTF-8 (byte {err.start + 1})"
+    if _depth(line) > MAX_DEPTH:
+        return _TOO_DEEP
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        return f"not valid JSON ({err.msg} at column {err.colno})"
+    except RecursionError:  # deeper than the stack left here, though within the cap
+        return _TOO_DEEP
+    except ValueError:  # the one other refusal of json: an integer's digits
+        return (f"an integer of more than {sys.get_int_max_str_digits()} "
+                "digits, more than Python reads (write it as a string)")
+    if not isinstance(value, dict):
+        return f"{describe(value)}, not a JSON object"
+    # a lone surrogate can only come from a \u escape: other lines are not walked
+    surrogate = lone_surrogate(value) if _SURROGATE_ESCAPE.search(line) else None
+    return value if surrogate is None else surrogate
 
 
 def _parquet(path: Location, columns: Sequence[str]) -> Iterator[Located]:

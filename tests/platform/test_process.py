@@ -374,3 +374,23 @@ def test_a_second_train_reads_every_program_back_and_computes_the_same_bits(tmp_
                           losses(tmp_path / "without").view(np.uint32))
     assert same_state(tmp_path / "first", tmp_path / "second")
     assert same_state(tmp_path / "first", tmp_path / "without")
+
+
+@pytest.mark.slow
+def test_a_second_sample_reads_its_programs_back_and_draws_the_same_tokens(chat_run, tmp_path):
+    """`trainrun sample` with its programs read back draws the tokens it drew compiling them,
+    and those drawn without the cache."""
+    run_dir, _ = chat_run
+    folder = tmp_path / "compiled"
+
+    def sample(cache: str) -> tuple[str, set[str]]:
+        done = run_cli("sample", str(run_dir), "--chat", "reverse abc", "--tokens", "8",
+                       "--temperature", "0.8", "--seed", "3", JAX_COMPILATION_CACHE_DIR="",
+                       TRAINRUN_COMPILATION_CACHE=cache)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout, {p.name for p in folder.glob("*-cache")}
+
+    cold, kept = sample(str(folder))
+    assert kept
+    assert sample(str(folder)) == (cold, kept)  # every program read back, the same tokens
+    assert sample("0") == (cold, kept)

@@ -288,6 +288,11 @@ def test_a_compiled_programs_folder_that_is_a_symlink_is_not_followed(tmp_path):
     done = python(COMPILE_TWICE, str(link), JAX_COMPILATION_CACHE_DIR="")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[0] == "None"
+    # The default folder, compiled/<host CPU> under the user cache, with compiled a symlink.
+    default = python(COMPILE_TWICE, "-", JAX_COMPILATION_CACHE_DIR="",
+                     TRAINRUN_COMPILATION_CACHE="", TRAINRUN_CACHE_DIR=str(tmp_path))
+    assert default.returncode == 0, default.stderr[-2000:]
+    assert default.stdout.split()[0] == "None"
     assert sorted(p.name for p in users.iterdir()) == ["notes-cache"]
     assert link.is_symlink() and (users / "notes-cache").read_text() == "mine"
 

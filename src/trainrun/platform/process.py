@@ -319,11 +319,13 @@ _kept: _Kept | None = None  # what this process's first keep_compiled_programs m
 
 
 def _keep(folder: Path | None) -> Path | None:
-    ours = [folder] if folder is not None else []
-    if folder is None:
+    if folder is not None:
+        ours = [folder]
+    else:
         folder = compiled_programs_folder()
         if folder is None:
             return None
+        # The default's per-CPU folder and the ``compiled`` folder above it are both trainrun's.
         ours = [folder, folder.parent] if folder.parent.name == COMPILED_PROGRAMS else [folder]
     if any(path.is_symlink() for path in ours):
         return None

@@ -387,16 +387,8 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
         examples = _encode(pending[split], form or "text", cfg, tokenizer, refuse_or_skip)
         pending[split] = []
         kept = _fit(examples, cfg, counts, split)
-        if not kept:
-            return
-        rows = pack_documents([ids.astype(dtypes["tokens"]) for ids, _ in kept],
-                              cfg.seq_len + 1, masks=[mask for _, mask in kept])
-        for name in ARRAYS:
-            data = np.ascontiguousarray(rows[name], dtypes[name]).tobytes()
-            file = f"{split}.{name}.bin"
-            digests.setdefault(file, hashlib.sha256()).update(data)
-            with open(folder / file, "ab") as out:
-                out.write(data)
+        if kept:
+            _append_rows(kept, cfg.seq_len + 1, dtypes, folder, split, digests)
 
     for split, where, record, found in split_records(cfg, tokenizer, source, every, counts,
                                                      refuse_or_skip):
@@ -408,6 +400,20 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
         if pending[split]:
             flush(split)
     return counts, {file: digest.hexdigest() for file, digest in digests.items()}
+
+
+def _append_rows(kept: list[Example], row_len: int, dtypes: dict[str, str], folder: Path,
+                 split: str, digests: dict[str, Any]) -> None:
+    """Pack the examples ``kept`` (token ids and loss mask each) into rows and append each
+    array to its ``split`` file in ``folder``, updating that file's sha256 in ``digests``."""
+    rows = pack_documents([ids.astype(dtypes["tokens"]) for ids, _ in kept],
+                          row_len, masks=[mask for _, mask in kept])
+    for name in ARRAYS:
+        data = np.ascontiguousarray(rows[name], dtypes[name]).tobytes()
+        file = f"{split}.{name}.bin"
+        digests.setdefault(file, hashlib.sha256()).update(data)
+        with open(folder / file, "ab") as out:
+            out.write(data)
 
 
 def split_records(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,

@@ -414,15 +414,26 @@ def _environment() -> Any:
     """The one sandboxed environment every template compiles in (its state is per render)."""
     _jinja()  # one line when jinja2 is missing
     import jinja2.ext
-    import jinja2.nodes
     import jinja2.sandbox
-    import jinja2.utils
 
     version = tuple(int(part) for part in re.findall(r"\d+", jinja2.__version__)[:3])
     if version < MIN_JINJA:
         raise DataError(f"chat templates need jinja2>=3.1.6 (older releases let a template "
                         f"escape its sandbox), not {jinja2.__version__}: "
                         "pip install -U 'jinja2>=3.1.6'")
+
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_generation_extension(), jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals.update(_template_globals())
+    return environment
+
+
+def _generation_extension() -> type:
+    """The Jinja extension behind ``{% generation %}``, which marks an assistant's reply."""
+    import jinja2.ext
+    import jinja2.nodes
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}body{% endgeneration %}``: renders the body and, while
@@ -442,6 +453,15 @@ def _environment() -> Any:
             if recording is not None:
                 recording.spans.append((recording.length, recording.length + len(text)))
             return str(text)
+
+    return Generation
+
+
+def _template_globals() -> dict[str, Any]:
+    """What a model's chat template may call besides Jinja's own: ``raise_exception``,
+    ``dict``, a ``namespace`` that refuses private names, and ``strftime_now``."""
+    import jinja2.exceptions
+    import jinja2.utils
 
     def refuse_private(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
@@ -471,15 +491,11 @@ def _environment() -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
+    return {"raise_exception": raise_exception, "dict": DictMaker(), "namespace": Namespace,
+            "strftime_now": lambda format: datetime.now().strftime(format)}
 
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
-    environment.filters["tojson"] = tojson
-    environment.globals.update(
-        raise_exception=raise_exception, dict=DictMaker(), namespace=Namespace,
-        strftime_now=lambda format: datetime.now().strftime(format))
-    return environment
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)

@@ -326,48 +326,8 @@ class Checkpoints:
         check: called with a step's metadata before its arrays are read; raises to refuse it
             (a changed config).
         """
-
-        def load(step: int) -> tuple[dict[str, Any], Any, bool]:
-            meta = readable(lambda: self._restore(step, meta=MetaRestore())["meta"])
-            saved_tree = readable(lambda: self.manager.item_metadata(step)["state"].tree)
-            check(meta)
-            differences = leaf_differences(saved_tree, target, meta.get("key_impls", {}))
-            if differences:
-                raise CheckpointError(
-                    f"checkpoint {self.directory / str(step)} holds a different model: "
-                    f"{'; '.join(differences[:3])}"
-                    f"{f' (and {len(differences) - 3} more)' if len(differences) > 3 else ''}. "
-                    "Train it with the config it was written with, or pass --fresh to move "
-                    "this run aside (or --run-dir for a new one)")
-            items: dict[str, ocp.args.CheckpointArgs] = {"state": StateRestore(target)}
-            saved_position = has_position(iterator) and meta.get("data_position", True)
-            if saved_position:
-                items["data"] = DataRestore(iterator)
-            return meta, readable(lambda: self._restore(step, **items)), saved_position
-
-        def read(step: int) -> tuple[dict[str, Any], Any, bool, integrity.Verified]:
-            step_dir = self.directory / str(step)
-            if not self.remote:  # checked first: nothing of a changed step is read
-                verified = integrity.verify_step(step_dir)
-                if verified.problems:  # a changed or missing file: as unreadable as a torn one
-                    raise Unreadable("; ".join(verified.problems[:2]))
-                return (*load(step), verified)
-            # On object storage every byte is read twice, once to check it: both at once, and
-            # nothing read is used unless every checksum matches.
-            with ThreadPoolExecutor(1) as pool:
-                checking = pool.submit(integrity.verify_step, step_dir, read=False)
-                try:
-                    loaded = load(step)
-                except BaseException:
-                    if checking.result().problems:
-                        raise Unreadable("; ".join(checking.result().problems[:2])) from None
-                    raise
-                verified = checking.result()
-            if verified.problems:
-                raise Unreadable("; ".join(verified.problems[:2]))
-            return (*loaded, verified)
-
-        step, found, unreadable = newest_readable(self.steps(), read)
+        step, found, unreadable = newest_readable(
+            self.steps(), lambda s: self._read(s, target, iterator, check))
         if step is None or found is None:  # found: a step was read
             if unreadable:
                 raise CheckpointError(
@@ -381,6 +341,54 @@ class Checkpoints:
                 next(iterator)
         moved = [(s, why, self._move_aside(s)) for s, why in unreadable]
         return Restored(step, restored["state"], meta, moved, verified.checked)
+
+    def _read(self, step: int, target: PyTree, iterator: Any,
+              check: Callable[[dict[str, Any]], None],
+              ) -> tuple[dict[str, Any], Any, bool, integrity.Verified]:
+        """Step ``step`` loaded (``_load``) once its files' checksums match; ``Unreadable``
+        when they do not."""
+        step_dir = self.directory / str(step)
+        if not self.remote:  # checked first: nothing of a changed step is read
+            verified = integrity.verify_step(step_dir)
+            if verified.problems:  # a changed or missing file: as unreadable as a torn one
+                raise Unreadable("; ".join(verified.problems[:2]))
+            return (*self._load(step, target, iterator, check), verified)
+        # On object storage every byte is read twice, once to check it: both at once, and
+        # nothing read is used unless every checksum matches.
+        with ThreadPoolExecutor(1) as pool:
+            checking = pool.submit(integrity.verify_step, step_dir, read=False)
+            try:
+                loaded = self._load(step, target, iterator, check)
+            except BaseException:
+                if checking.result().problems:
+                    raise Unreadable("; ".join(checking.result().problems[:2])) from None
+                raise
+            verified = checking.result()
+        if verified.problems:
+            raise Unreadable("; ".join(verified.problems[:2]))
+        return (*loaded, verified)
+
+    def _load(self, step: int, target: PyTree, iterator: Any,
+              check: Callable[[dict[str, Any]], None]) -> tuple[dict[str, Any], Any, bool]:
+        """Step ``step``'s metadata, its state restored into ``target`` (and its data position
+        into ``iterator`` when it saved one), and whether it did; refused by ``check`` or when
+        its arrays are not ``target``'s."""
+        meta = readable(lambda: self._restore(step, meta=MetaRestore())["meta"])
+        saved_tree = readable(lambda: self.manager.item_metadata(step)["state"].tree)
+        check(meta)
+        differences = leaf_differences(saved_tree, target, meta.get("key_impls", {}))
+        if differences:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} holds a different model: "
+                f"{'; '.join(differences[:3])}"
+                f"{f' (and {len(differences) - 3} more)' if len(differences) > 3 else ''}. "
+                "Train it with the config it was written with, or pass --fresh to move "
+                "this run aside (or --run-dir for a new one)")
+        items: dict[str, ocp.args.CheckpointArgs] = {"state": StateRestore(target)}
+        saved_position = has_position(iterator) and meta.get("data_position", True)
+        if saved_position:
+            items["data"] = DataRestore(iterator)
+        return meta, readable(lambda: self._restore(step, **items)), saved_position
 
     def _restore(self, step: int, **items: Any) -> Any:
         return self.manager.restore(step, args=ocp.args.Composite(**items))

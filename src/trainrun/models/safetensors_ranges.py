@@ -59,6 +59,19 @@ def read_header(path: Any) -> dict[str, Entry]:
     if info is None:
         raise FileNotFoundError(f"no object {path}")
     size = info.size
+    header, data_start = _json_header(path, size)
+    dtypes = _dtypes()
+    entries: dict[str, Entry] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        entries[str(name)] = _checked_entry(name, entry, dtypes, data_start, size)
+    return entries
+
+
+def _json_header(path: Any, size: int) -> tuple[dict[str, Any], int]:
+    """The JSON object at the head of the ``size``-byte object at ``path``, and the offset where
+    the tensors' bytes start (after the 8-byte length and the header)."""
     if size < 8:
         raise Unreadable(f"it holds {size} bytes, fewer than the 8 of a header length")
     first = remote.read_range(path, 0, min(size, FIRST_READ))
@@ -74,29 +87,30 @@ def read_header(path: Any) -> dict[str, Entry]:
         raise Unreadable(f"its header is not JSON ({err})") from None
     if not isinstance(header, dict):
         raise Unreadable("its header is not a JSON object")
-    dtypes = _dtypes()
-    data_start, entries = 8 + length, {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise Unreadable(f"tensor {name!r} has no dtype, shape and data_offsets") from None
-        if dtype not in dtypes:
-            raise Unreadable(f"tensor {name!r} has dtype {dtype!r}, which trainrun does not "
-                             "read")
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-                and all(type(n) is int for n in (begin, end))):
-            raise Unreadable(f"tensor {name!r} has shape {shape} and data_offsets "
-                             f"{entry['data_offsets']}, not whole numbers")
-        nbytes = math.prod(shape) * dtypes[dtype].itemsize
-        if not 0 <= begin <= end or end - begin != nbytes or data_start + end > size:
-            raise Unreadable(f"tensor {name!r} ({dtype} {shape}, {nbytes} bytes) has "
-                             f"data_offsets [{begin}, {end}] outside the object's {size} bytes "
-                             "or of another length")
-        entries[str(name)] = Entry(dtype, tuple(shape), data_start + begin, data_start + end)
-    return entries
+    return header, 8 + length
+
+
+def _checked_entry(name: str, entry: Any, dtypes: dict[str, np.dtype], data_start: int,
+                   size: int) -> Entry:
+    """Tensor ``name``'s header ``entry`` as an ``Entry``, once its dtype is known, its shape
+    whole numbers and its byte range exactly its elements inside the ``size``-byte object."""
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        raise Unreadable(f"tensor {name!r} has no dtype, shape and data_offsets") from None
+    if dtype not in dtypes:
+        raise Unreadable(f"tensor {name!r} has dtype {dtype!r}, which trainrun does not "
+                         "read")
+    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+            and all(type(n) is int for n in (begin, end))):
+        raise Unreadable(f"tensor {name!r} has shape {shape} and data_offsets "
+                         f"{entry['data_offsets']}, not whole numbers")
+    nbytes = math.prod(shape) * dtypes[dtype].itemsize
+    if not 0 <= begin <= end or end - begin != nbytes or data_start + end > size:
+        raise Unreadable(f"tensor {name!r} ({dtype} {shape}, {nbytes} bytes) has "
+                         f"data_offsets [{begin}, {end}] outside the object's {size} bytes "
+                         "or of another length")
+    return Entry(dtype, tuple(shape), data_start + begin, data_start + end)
 
 
 def read_tensor(path: Any, entry: Entry, index: tuple[slice, ...] | None = None) -> np.ndarray:

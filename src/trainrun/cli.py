@@ -257,11 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--allow-config-change", action="store_true",
                        help="resume even though config keys that alter the run changed "
                             "(model, optimizer, data, seed, ...); steps may always change")
-    train.add_argument("overrides", nargs="*", metavar="key.path=value")
-    train.set_defaults(handler=_train)
     train.add_argument("--allow-data-change", action="store_true",
                        help="resume even though a data file the run reads is not the one it "
                             "trained on (appended to, rewritten or replaced)")
+    train.add_argument("overrides", nargs="*", metavar="key.path=value")
+    train.set_defaults(handler=_train)
 
     verify = commands.add_parser(
         "verify-resume", help="prove that a killed and resumed run equals an uninterrupted one",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -106,23 +106,43 @@ def param_spec(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
                         f"{len(names)} dims; give one name (or None) per dim")
     tensor, fsdp, expert = sizes["tensor"], sizes["fsdp"], sizes.get("expert", 1)
     if expert > 1 and names is not None:
-        for dim, (size, name) in enumerate(zip(shape, names, strict=True)):
-            if name == "expert":
-                if size % expert:
-                    raise MeshError(f"{where} has {size} experts, which mesh.expert={expert} "
-                                    "does not divide; choose a mesh.expert that divides the "
-                                    "number of experts")
-                spec[dim] = "expert"
+        _shard_experts(spec, shape, names, expert, where)
     if tensor > 1 and names is not None:
-        for dim, (size, name) in enumerate(zip(shape, names, strict=True)):
-            if name in cfg.tensor_axes and size % tensor == 0:
-                spec[dim] = "tensor"
-                break  # a mesh axis shards one dim at most
+        _shard_over_tensor(spec, shape, names, tensor, cfg.tensor_axes)
     if fsdp > 1 and math.prod(shape) >= cfg.fsdp_min_size:
-        free = [dim for dim in range(len(shape)) if spec[dim] is None and shape[dim] % fsdp == 0]
-        if free:
-            spec[max(free, key=lambda dim: shape[dim])] = "fsdp"  # max keeps the first of ties
+        _shard_over_fsdp(spec, shape, fsdp)
     return P(*spec)
+
+
+def _shard_experts(spec: list[str | None], shape: tuple[int, ...],
+                   names: tuple[str | None, ...], expert: int, where: str) -> None:
+    """Put each dim named ``expert`` on the ``expert`` mesh axis (of size ``expert``), which
+    must divide it."""
+    for dim, (size, name) in enumerate(zip(shape, names, strict=True)):
+        if name == "expert":
+            if size % expert:
+                raise MeshError(f"{where} has {size} experts, which mesh.expert={expert} "
+                                "does not divide; choose a mesh.expert that divides the "
+                                "number of experts")
+            spec[dim] = "expert"
+
+
+def _shard_over_tensor(spec: list[str | None], shape: tuple[int, ...],
+                       names: tuple[str | None, ...], tensor: int,
+                       tensor_axes: Sequence[str]) -> None:
+    """Put the first dim named in ``tensor_axes`` that ``tensor`` divides on the ``tensor``
+    mesh axis."""
+    for dim, (size, name) in enumerate(zip(shape, names, strict=True)):
+        if name in tensor_axes and size % tensor == 0:
+            spec[dim] = "tensor"
+            break  # a mesh axis shards one dim at most
+
+
+def _shard_over_fsdp(spec: list[str | None], shape: tuple[int, ...], fsdp: int) -> None:
+    """Put the largest dim still unsharded that ``fsdp`` divides on the ``fsdp`` mesh axis."""
+    free = [dim for dim in range(len(shape)) if spec[dim] is None and shape[dim] % fsdp == 0]
+    if free:
+        spec[max(free, key=lambda dim: shape[dim])] = "fsdp"  # max keeps the first of ties
 
 
 def param_shardings(mesh: Mesh, params: PyTree, logical_axes: PyTree | None,

@@ -39,7 +39,7 @@ import numpy as np
 from trainrun.checkpointing.checkpoints import Checkpoints
 from trainrun.config import load_config
 from trainrun.platform.process import configure_process
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 from trainrun.training.loop import run
 
 ROOT = Path(__file__).resolve().parents[1]

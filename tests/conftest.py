@@ -472,7 +472,7 @@ def upload_run(local: Path, url: str):
     each committed step's ``commit_success.txt`` (what marks a step committed on object
     storage; Orbax writes it on disk too): how a run is moved to a bucket. Returns the
     location."""
-    from trainrun.rundir import location
+    from trainrun.storage import location
 
     root = location.location(url)
     for path in sorted(local.rglob("*")):

@@ -33,7 +33,7 @@ from conftest import cli_env, upload_run
 import trainrun
 from trainrun.cli import main
 from trainrun.config import load_config
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 ROOT = os.geteuid() == 0  # root reads and writes through any mode bits
 LOGGERS = ("absl", "orbax", "jax", "matplotlib")
@@ -683,7 +683,7 @@ def test_each_command_answers_a_bad_remote_location_in_one_line(case, bucket, tr
 def put(source: Path, url: str, cut: int = 0) -> str:
     """``source`` (a file, or a folder's files) uploaded to ``url``; ``cut``: bytes left off
     the end of each ``.safetensors`` file."""
-    from trainrun.rundir import location
+    from trainrun.storage import location
 
     for file in [source] if source.is_file() else sorted(source.iterdir()):
         data = file.read_bytes()

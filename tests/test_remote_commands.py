@@ -21,7 +21,7 @@ import trainrun
 from trainrun import rundir
 from trainrun.cli import main
 from trainrun.config import load_config
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 LOCK = "trainrun.lock"  # the local writer's lock file: not a file a run on a bucket has
 

@@ -137,7 +137,7 @@ def _sample(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from trainrun import evaluate
     from trainrun.platform.process import keep_compiled_programs, require_backend
-    from trainrun.rundir import location
+    from trainrun.storage import location
 
     keep_compiled_programs()
     require_backend()

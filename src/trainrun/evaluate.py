@@ -24,7 +24,7 @@ from typing import Any
 
 from trainrun.config import RecordsData, RunConfig
 from trainrun.errors import UserError
-from trainrun.rundir import location
+from trainrun.storage import location
 from trainrun.training.answers import answer_all, answer_scores, normalised, questions
 
 PyTree = Any

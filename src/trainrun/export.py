@@ -52,12 +52,13 @@ from trainrun.models.huggingface import (
     write_model_dir,
 )
 from trainrun.models.transformer import merge_adapters
-from trainrun.rundir import export_dir, location, storage
-from trainrun.rundir.atomic import create_new
+from trainrun.rundir import export_dir, write_failures
 from trainrun.rundir.export_dir import ExportRefused, check_target
+from trainrun.storage import location
+from trainrun.storage.atomic import create_new
 
 DTYPES = ("float32", "bfloat16", "float16")
-_ERRNO = {what: code for code, what in storage.REFUSED.items()}
+_ERRNO = {what: code for code, what in write_failures.REFUSED.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +153,10 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
 
 
 def _refused_write(err: BaseException, target: Path) -> str | None:
-    """What the file system refused (``storage.REFUSED``'s words) when ``err`` is a write of
+    """What the file system refused (``write_failures.REFUSED``'s words) when ``err`` is a write of
     the export beside ``target`` it refused (safetensors reports one in its own error's text);
     None for anything else, a file read elsewhere included (the CLI names that one)."""
-    refused = storage.refused_write(err)
+    refused = write_failures.refused_write(err)
     if refused is None:
         return None
     what, file = refused

@@ -21,7 +21,7 @@ from trainrun.checkpointing.run_context import require_context, run_model, withi
 from trainrun.config import TransformerModel
 from trainrun.errors import UserError, path_refused
 from trainrun.program.precision import DTYPES, cast_floats
-from trainrun.rundir import location
+from trainrun.storage import location
 
 PyTree = Any
 

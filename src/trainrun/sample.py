@@ -23,7 +23,7 @@ from trainrun.program.decode import (
     generate,
     require_settings,
 )
-from trainrun.rundir import location
+from trainrun.storage import location
 
 if TYPE_CHECKING:  # the tokenizers stack is imported only where a run on records is sampled
     from trainrun.data.model_tokenizer import ModelTokenizer

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainrun import rundir
 from trainrun.errors import UserError
-from trainrun.rundir import location
+from trainrun.storage import location
 
 if TYPE_CHECKING:  # the tokenizers stack is imported only where a tokenizer is read
     from trainrun.data.chat import ChatTemplate

@@ -37,7 +37,8 @@ from trainrun.checkpointing.checkpoints import TMP_MARK
 from trainrun.checkpointing.integrity import MANIFEST
 from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
 from trainrun.errors import UserError
-from trainrun.rundir import CHECKPOINTS, METRICS, committed_steps, location, read_summary, remote
+from trainrun.rundir import CHECKPOINTS, METRICS, committed_steps, read_summary
+from trainrun.storage import location, remote
 from trainrun.training.callbacks import Boundary, Callback
 
 COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)

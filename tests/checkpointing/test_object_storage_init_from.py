@@ -26,7 +26,7 @@ from trainrun.models.transformer import bind_transformer
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import abstract_state
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 from trainrun.training.loop import run
 
 pytest.importorskip("transformers", reason="the tests' extra holds transformers")

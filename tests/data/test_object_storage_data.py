@@ -16,7 +16,7 @@ from trainrun.config import RecordsData, TextData
 from trainrun.data import DataError, build_dataset, build_eval_dataset
 from trainrun.data.record_rows import record_splits
 from trainrun.data.text import corpus_files, text_splits
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 TEXTS = {"a.txt": "def add(a, b):\n    return a + b\n" * 30,
          "b.txt": "the quick brown fox jumps over the lazy dog\n" * 25,

@@ -27,9 +27,9 @@ import trainrun
 from trainrun import rundir
 from trainrun.config import load_config
 from trainrun.errors import UserError
-from trainrun.rundir import location, remote
 from trainrun.rundir.lease import LEASES, Lease, LeaseLost, job_gone
 from trainrun.rundir.lock import RunDirLocked
+from trainrun.storage import location, remote
 
 MLP = ["metrics.tensorboard=false", "checkpoint.every=2"]
 

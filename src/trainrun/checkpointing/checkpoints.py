@@ -38,7 +38,8 @@ from trainrun import rundir
 from trainrun.checkpointing import integrity, object_store
 from trainrun.config import RunConfig
 from trainrun.errors import UserError, WriteFailed
-from trainrun.rundir import location, storage
+from trainrun.rundir import write_failures
+from trainrun.storage import location
 
 DEFAULT_DIR = rundir.CHECKPOINTS
 CORRUPT_DIR = "corrupt"  # unreadable steps are moved here, never deleted
@@ -267,7 +268,7 @@ class Checkpoints:
         )
         # A refused write (a full disk) is reported by the run on one line, not by Orbax's
         # threads with a traceback each.
-        self._unquiet = storage.quiet_orbax_errors()
+        self._unquiet = write_failures.quiet_orbax_errors()
         handlers = {"state": StateHandler(), "data": DataHandler(), "meta": MetaHandler()}
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,

@@ -69,7 +69,7 @@ from trainrun.models.transformer import adapter_draws, split_adapters
 from trainrun.program.optim import Optimizer, param_name
 from trainrun.program.precision import Policy
 from trainrun.program.state import INIT_COMPILER_OPTIONS, TrainState, root_keys
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 PyTree = Any
 Location = location.Location  # a local path, or a gs:// or s3:// one

@@ -15,7 +15,7 @@ one it cannot read is damage ``verify-checkpoint`` reports, and one a resume rew
 reading the step's files does not need it (``checkpoints.repair_step_metadata``). A step
 without any checksum file was written by a trainrun from before them; it is restored
 unverified, and said so. A step on object storage is listed and read through the storage layer
-(``rundir.location``) alike; its record also keeps the store's own checksum of each object,
+(``storage.location``) alike; its record also keeps the store's own checksum of each object,
 which a restore compares from one listing instead of reading every byte twice
 (``verify-checkpoint`` still reads them all).
 """
@@ -27,7 +27,7 @@ import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 MANIFEST = "trainrun-checksums.json"
 ITEMS = ("state", "data", "meta")

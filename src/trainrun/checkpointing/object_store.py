@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 from trainrun.errors import UserError
-from trainrun.rundir import remote
+from trainrun.storage import remote
 
 S3_ATTEMPTS = 16  # botocore's tries of one request Orbax makes itself (about 4 minutes)
 _patched = threading.Lock()

@@ -29,7 +29,7 @@ from trainrun.models import build_model
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import abstract_state
-from trainrun.rundir import location
+from trainrun.storage import location
 
 PyTree = Any
 

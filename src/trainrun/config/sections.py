@@ -827,7 +827,7 @@ class MetricsConfig(Section):
 
 class StorageConfig(Section):
     """How a run keeps its directory on object storage (``gs://``, ``s3://``;
-    ``rundir/remote.py``); a local run directory ignores it.
+    ``storage/remote.py``); a local run directory ignores it.
 
     lease_s: how long the run's lock holds without renewal. The run renews it four times per
         lease; a job whose process died leaves it to expire, and another may then take it.

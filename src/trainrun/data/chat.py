@@ -48,7 +48,7 @@ import numpy as np
 
 from trainrun.data.errors import DataError
 from trainrun.errors import printable
-from trainrun.rundir import location
+from trainrun.storage import location
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -16,7 +16,7 @@ import numpy as np
 
 from trainrun.data.errors import DataError
 from trainrun.data.pipeline import token_windows
-from trainrun.rundir import location
+from trainrun.storage import location
 
 Arrays = dict[str, np.ndarray]
 

@@ -28,7 +28,7 @@ from typing import Any
 from trainrun.data.chat import CHATML, ChatTemplate
 from trainrun.data.errors import DataError
 from trainrun.data.tokenizer import DOCUMENT_TOKEN, byte_alphabet, library
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 Location = location.Location
 

@@ -68,7 +68,7 @@ from trainrun.data.tasks import task_records
 from trainrun.data.text import corpus_files
 from trainrun.errors import WriteFailed
 from trainrun.platform.user_cache import cache_dir
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from trainrun.data.errors import DataError
-from trainrun.rundir import location
+from trainrun.storage import location
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 

@@ -9,7 +9,7 @@ very same bytes.
 
 ``data.paths`` (and each source of ``data.mix``) may name ``gs://bucket/...`` and
 ``s3://bucket/...`` objects, globs included (``gs://b/corpus/*.txt``), read through the
-storage layer (``rundir/remote.py``): the patterns are matched by the store's listing and each
+storage layer (``storage/remote.py``): the patterns are matched by the store's listing and each
 object read whole into memory, as a local file is.
 
 The default corpus is the ``.py`` files of the running Python's standard library (installed
@@ -29,7 +29,7 @@ import numpy as np
 
 from trainrun.data.errors import DataError
 from trainrun.data.pipeline import token_windows
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 Location = location.Location
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from trainrun.data.errors import DataError
 from trainrun.platform.user_cache import cache_dir
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 Location = location.Location
 

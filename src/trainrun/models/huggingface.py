@@ -29,7 +29,7 @@ from trainrun.config import RopeScaling, TransformerModel
 from trainrun.errors import UserError, read_refused
 from trainrun.models import safetensors_ranges as ranges
 from trainrun.models.hf_config import checked_model_config
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 

@@ -50,7 +50,7 @@ from trainrun.models.huggingface import (
     read_file,
     refuse_unreadable,
 )
-from trainrun.rundir import location
+from trainrun.storage import location
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 

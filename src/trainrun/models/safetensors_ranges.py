@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from trainrun.errors import UserError
-from trainrun.rundir import remote
+from trainrun.storage import remote
 
 FIRST_READ = 2**16  # bytes read at once from the start: the header of a shard, mostly
 MAX_HEADER = 100 * 2**20  # the largest header safetensors itself reads

@@ -9,7 +9,7 @@
 Everything is read from the files a run leaves (see ``rundir``); nothing here imports JAX.
 The plots need the report extra (matplotlib); ``runs`` does not. A run directory, ``--root`` or
 ``--out`` may be on object storage (``gs://``, ``s3://``): every file is read and written
-through ``rundir.location``, a report's files and a plot each as one whole object.
+through ``storage.location``, a report's files and a plot each as one whole object.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import yaml
 from trainrun import extras, rundir
 from trainrun.errors import UserError, WriteFailed, path_refused, printable
 from trainrun.reporting.units import duration, time_unit
-from trainrun.rundir import location
 from trainrun.rundir.run_config import saved_config_file
+from trainrun.storage import location
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

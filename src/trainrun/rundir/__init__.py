@@ -6,14 +6,14 @@ trainrun writes only into a folder it can tell is its own (``ownership.py``). Th
 ``run_start.py`` (the files as a run starts), ``status.py`` (where a run stands),
 ``checkpoint_steps.py`` (committed saves), ``path_checks.py`` (paths refused up front),
 ``ownership.py`` (whose folder it is), ``run_directory.py`` (claim and lock), ``lock.py``,
-``lease.py``, ``remote_run.py``, ``storage.py``, ``export_dir.py``, ``run_config.py``; below
-them the storage layer: ``atomic.py``, ``remote.py``, ``location.py``.
+``lease.py``, ``remote_run.py``, ``write_failures.py`` (a refused write, one line),
+``export_dir.py``, ``run_config.py``. Every file is read and written through the storage layer
+below (``trainrun.storage``).
 
 These names are re-exported here so that callers write ``rundir.METRICS``,
 ``rundir.read_status(...)``.
 """
 
-from trainrun.rundir import location
 from trainrun.rundir.checkpoint_steps import committed_steps, uncommitted_steps
 from trainrun.rundir.layout import (
     CHECKPOINTS,
@@ -68,7 +68,6 @@ __all__ = [
     "enclosing_run",
     "finished_message",
     "inspect",
-    "location",
     "mark_failed",
     "move_aside",
     "read_data_files",

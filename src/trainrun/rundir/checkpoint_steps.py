@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainrun.rundir import location
 from trainrun.rundir.layout import COMMIT_FILE
+from trainrun.storage import location
 
 
 def committed_steps(ckpt_dir: Path) -> list[int]:

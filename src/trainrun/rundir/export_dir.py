@@ -45,7 +45,8 @@ from trainrun.models.huggingface import (
     WEIGHTS,
 )
 from trainrun.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from trainrun.rundir import layout, location, ownership, remote
+from trainrun.rundir import layout, ownership
+from trainrun.storage import location, remote
 
 # Every file an export writes, and every file transformers 5.x's save_pretrained (model,
 # tokenizer, generation config; safetensors only) and peft's (adapter, model card) write for

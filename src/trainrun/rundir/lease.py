@@ -27,8 +27,8 @@ import secrets
 import socket
 from typing import Any
 
-from trainrun.rundir import remote
 from trainrun.rundir.lock import RunDirLocked
+from trainrun.storage import remote
 
 LEASES = "trainrun.lease"  # the folder of lease objects in a run directory on object storage
 DIGITS = 8

@@ -31,14 +31,14 @@ from typing import Any
 
 from trainrun.errors import UserError, WriteFailed
 from trainrun.platform.user_cache import cache_dir
-from trainrun.rundir import remote
-from trainrun.rundir.atomic import TMP_SUFFIX
 from trainrun.rundir.checkpoint_steps import committed_steps
 from trainrun.rundir.layout import CHECKPOINTS, FORMAT, MARKER
 from trainrun.rundir.lease import LEASES, Lease, LeaseLost
 from trainrun.rundir.lock import LOCK, RunLock
 from trainrun.rundir.ownership import write_marker
 from trainrun.rundir.run_directory import RunDirectory
+from trainrun.storage import remote
+from trainrun.storage.atomic import TMP_SUFFIX
 
 STAGE = "remote-runs"
 

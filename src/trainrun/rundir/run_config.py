@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.config import Layer, RunConfig, config_from_layers, config_layers, saved_layers
-from trainrun.rundir import location
 from trainrun.rundir.layout import CONFIG, MARKER, default_run_dir
 from trainrun.rundir.ownership import inspect
+from trainrun.storage import location
 
 DEFAULT_CONFIG = "mlp"  # the built-in config of a command that names none and no run
 

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from trainrun.errors import UserError
-from trainrun.rundir import location
+from trainrun.storage import location
 
 
 def write_text(path: Path, text: str) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.config import RunConfig, dump_yaml
-from trainrun.rundir import location
 from trainrun.rundir.layout import CONFIG, DATA_FILES, METRICS, PROVENANCE, TIMING
 from trainrun.rundir.run_files import DamagedFile, read_json, write_json, write_text
+from trainrun.storage import location
 
 
 def start(run_dir: Path, config: RunConfig, provenance: dict[str, Any], step: int,

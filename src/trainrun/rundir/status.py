@@ -11,10 +11,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from trainrun.rundir import location
 from trainrun.rundir.checkpoint_steps import committed_steps
 from trainrun.rundir.layout import STATUS, SUMMARY
 from trainrun.rundir.run_files import DamagedFile, read_json, write_json
+from trainrun.storage import location
 
 STATUSES = ("running", "finished", "preempted", "failed")
 

@@ -22,7 +22,7 @@ from trainrun import rundir
 from trainrun.checkpointing import init_from
 from trainrun.errors import UserError
 from trainrun.platform.process import configure_process
-from trainrun.rundir import storage
+from trainrun.rundir import write_failures
 from trainrun.training.calls import CallRunner
 from trainrun.training.hooks import Boundary, HookRunner
 from trainrun.training.preemption import Preemption
@@ -92,7 +92,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
         except BaseException as err:
             if isinstance(err, UserError) and not started:  # refused: leave the disk as found
                 directory.withdraw()
-            failure = storage.on_failure(err, directory)  # status "failed", with the reason
+            failure = write_failures.on_failure(err, directory)  # status "failed", with the reason
             if failure is None:
                 raise
             raise failure from err

@@ -71,9 +71,9 @@ from trainrun.reporting.provenance import provenance
 from trainrun.reporting.run_output import RunOutput, build_output
 from trainrun.reporting.stream import MetricStream
 from trainrun.reporting.timing import StepTimer, Stopwatch, Timing
-from trainrun.rundir import location, remote
 from trainrun.rundir.lock import refuse_joining
 from trainrun.rundir.remote_run import RemoteRunDirectory, RunMirror
+from trainrun.storage import location, remote
 from trainrun.training import preflight
 from trainrun.training.answers import answer_scorer
 from trainrun.training.callbacks import Callback, CallbackHook

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.errors import OutOfMemory, ReadFailed, WriteFailed
-from trainrun.rundir.atomic import TMP_SUFFIX
 from trainrun.rundir.checkpoint_steps import committed_steps, uncommitted_steps
 from trainrun.rundir.layout import ORBAX_TMP
-from trainrun.rundir.location import is_remote
 from trainrun.rundir.run_directory import RunDirectory
 from trainrun.rundir.status import mark_failed
+from trainrun.storage.atomic import TMP_SUFFIX
+from trainrun.storage.location import is_remote
 
 # errno -> how the line says it (strerror's wording, lower case)
 REFUSED = {

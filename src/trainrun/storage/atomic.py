@@ -18,7 +18,7 @@ import secrets
 from pathlib import Path
 from typing import BinaryIO
 
-TMP_SUFFIX = ".tmp"  # what a killed or refused write leaves: storage.remove_partial's pattern
+TMP_SUFFIX = ".tmp"  # what a killed or refused write leaves (rundir/write_failures.py)
 # Creates a file that did not exist, never opening an existing name or following a link.
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -22,7 +22,7 @@ from trainrun.config import load_config
 from trainrun.errors import WriteFailed
 from trainrun.reporting.sinks import jsonl
 from trainrun.reporting.sinks.jsonl import JsonlWriter, read_metrics
-from trainrun.rundir import storage
+from trainrun.rundir import write_failures
 from trainrun.training.loop import run
 
 RUN = ["steps=1000", "checkpoint.every=100", "metrics.every=500"]
@@ -159,21 +159,21 @@ def test_refused_writes_are_found_through_orbax_and_tensorstore_errors():
         except ValueError as inner:
             raise RuntimeError("save failed") from inner
     except RuntimeError as outer:
-        assert storage.refused_write(outer) == (
+        assert write_failures.refused_write(outer) == (
             "no space left on device", "/r/checkpoints/100.orbax-checkpoint-tmp/state/_sharding")
-    assert storage.refused_write(OSError(errno.EROFS, "x", "/a")) == ("read-only file system",
-                                                                      "/a")
-    assert storage.refused_write(ValueError("something else")) is None
+    assert write_failures.refused_write(OSError(errno.EROFS, "x", "/a")) == (
+        "read-only file system", "/a")
+    assert write_failures.refused_write(ValueError("something else")) is None
 
 
 def test_a_path_in_an_errors_text_is_taken_from_one_line():
     # An error whose text holds a traceback: quotes on different lines are not a path.
     text = ("  File '/venv/orbax/x.py', line 9\n    await ts.open(\nValueError: Error writing "
             "local file \"/mnt/run/ckpt/manifest.ocdbt\": No space left on device")
-    what, path = storage.refused_write(ValueError(text))
+    what, path = write_failures.refused_write(ValueError(text))
     assert what == "no space left on device" and "\n" not in path
     stray = "opened '/mnt/a\nline two' then \"/mnt/run/f\": No space left on device"
-    assert storage.refused_write(ValueError(stray))[1] == "/mnt/run/f"
+    assert write_failures.refused_write(ValueError(stray))[1] == "/mnt/run/f"
 
 
 def test_a_write_failed_outside_the_run_keeps_its_own_line(tmp_path):
@@ -187,6 +187,6 @@ def test_a_write_failed_outside_the_run_keeps_its_own_line(tmp_path):
         except OSError:
             raise WriteFailed(line)  # noqa: B904 (its context is what the report must not use)
     except WriteFailed as err:
-        failure = storage.on_failure(err, directory)
+        failure = write_failures.on_failure(err, directory)
     assert isinstance(failure, WriteFailed) and str(failure) == line
     assert not (tmp_path / "run").exists()

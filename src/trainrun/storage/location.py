@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainrun.errors import UserError
-from trainrun.rundir import remote
-from trainrun.rundir.atomic import replace_file
+from trainrun.storage import remote
+from trainrun.storage.atomic import replace_file
 
 Location = Any  # pathlib.Path, or etils.epath.Path for gs:// and s3://
 is_remote = remote.is_remote

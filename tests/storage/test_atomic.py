@@ -9,7 +9,7 @@ import os
 import pytest
 
 from trainrun import rundir
-from trainrun.rundir import atomic
+from trainrun.storage import atomic
 
 
 def test_write_text_never_writes_through_a_link_placed_at_its_temporary_name(tmp_path):

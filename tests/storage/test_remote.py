@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from trainrun.rundir import location, remote
+from trainrun.storage import location, remote
 
 
 def test_whole_objects_read_back_listed_and_deleted(bucket):

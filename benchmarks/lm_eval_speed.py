@@ -208,7 +208,7 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from trainrun.harness import TrainrunLM
+    from trainrun.evaluation.harness import TrainrunLM
 
     torch.set_num_threads(args.cores)
     export = args.export or make_model(folder, args.d_model, args.layers)

@@ -157,7 +157,7 @@ def test_verify_checkpoint_of_a_remote_run_passes_and_finds_a_changed_byte(bucke
 
 @pytest.mark.slow
 def test_sample_of_a_remote_run_is_the_local_runs_text(bucket, trained, workdir):
-    from trainrun.sample import sample_run
+    from trainrun.evaluation.sample import sample_run
 
     run = upload_run(trained / "lm", f"{bucket}/runs/lm")
     for seed in (0, 7):

@@ -20,11 +20,11 @@ if TYPE_CHECKING:
     from trainrun.config import ConfigError, RunConfig, load_config
     from trainrun.data import ArrayBatches, DataError
     from trainrun.errors import UserError
-    from trainrun.language_model import LanguageModel, load
+    from trainrun.evaluation.language_model import LanguageModel, load
+    from trainrun.evaluation.text_tokens import TextTokenizer, load_tokenizer
     from trainrun.models import Model, from_functions, from_nnx
     from trainrun.platform.process import configure_process
     from trainrun.program.state import TrainState
-    from trainrun.text_tokens import TextTokenizer, load_tokenizer
     from trainrun.training.callbacks import Boundary, Callback, EarlyStopping, MetricLogger
     from trainrun.training.loop import run
     from trainrun.training.summary import RunSummary
@@ -40,20 +40,20 @@ _HOME = {
     "ConfigError": "trainrun.config",
     "DataError": "trainrun.data",
     "EarlyStopping": "trainrun.training.callbacks",
-    "LanguageModel": "trainrun.language_model",
+    "LanguageModel": "trainrun.evaluation.language_model",
     "MetricLogger": "trainrun.training.callbacks",
     "Model": "trainrun.models",
     "RunConfig": "trainrun.config",
     "RunSummary": "trainrun.training.summary",
-    "TextTokenizer": "trainrun.text_tokens",
+    "TextTokenizer": "trainrun.evaluation.text_tokens",
     "TrainState": "trainrun.program.state",
     "UserError": "trainrun.errors",
     "configure_process": "trainrun.platform.process",
     "from_functions": "trainrun.models",
     "from_nnx": "trainrun.models",
-    "load": "trainrun.language_model",
+    "load": "trainrun.evaluation.language_model",
     "load_config": "trainrun.config",
-    "load_tokenizer": "trainrun.text_tokens",
+    "load_tokenizer": "trainrun.evaluation.text_tokens",
     "run": "trainrun.training.loop",
 }
 

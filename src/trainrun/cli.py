@@ -111,13 +111,13 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
+    from trainrun.evaluation.sample import sample_run
     from trainrun.platform.process import keep_compiled_programs, require_backend
-    from trainrun.sample import sample_run
 
     keep_compiled_programs()
     require_backend()
     if args.file is not None:
-        from trainrun.sample import SampleError, chat_answers, read_conversations
+        from trainrun.evaluation.sample import SampleError, chat_answers, read_conversations
 
         if args.chat is not None:
             raise SampleError("--chat and --file both give the turns to answer; give one")
@@ -135,7 +135,7 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from trainrun import evaluate
+    from trainrun.evaluation import evaluate
     from trainrun.platform.process import keep_compiled_programs, require_backend
     from trainrun.storage import location
 
@@ -175,7 +175,7 @@ def _lm_eval(args: argparse.Namespace) -> int:
     from trainrun import extras
 
     extras.require("eval", "trainrun lm-eval")
-    from trainrun import harness  # registers the model "trainrun" with lm-eval
+    from trainrun.evaluation import harness  # registers the model "trainrun" with lm-eval
     from trainrun.platform.process import keep_compiled_programs
 
     keep_compiled_programs()

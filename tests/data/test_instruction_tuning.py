@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trainrun.data.tasks import task_answer, task_prompts
-from trainrun.sample import chat_answers
+from trainrun.evaluation.sample import chat_answers
 
 HELD_OUT = 32  # prompts checked
 EXACT = 0.9  # the share of them answered exactly

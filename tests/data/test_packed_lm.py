@@ -20,11 +20,11 @@ from trainrun import rundir
 from trainrun.config import TransformerModel, load_config
 from trainrun.data import ArrayBatches
 from trainrun.data.documents import pack_documents
+from trainrun.evaluation.sample import sample_run
 from trainrun.models import build_model
 from trainrun.models import transformer as tf
 from trainrun.models.losses import next_token_from_features
 from trainrun.reporting.sinks.jsonl import read_metrics
-from trainrun.sample import sample_run
 from trainrun.training.evaluation import Evaluator
 from trainrun.training.loop import run
 

@@ -108,8 +108,8 @@ def test_score_programs_attend_in_larger_blocks_and_compute_the_same_scores(monk
     """lm-eval's score programs (``cpu_score_compile``) attend in blocks of 256 query rows:
     at 300 positions two blocks' matmuls in the program where training's 64 make five, and
     the same log-probabilities and argmax flags."""
+    from trainrun.evaluation.harness import _scorer
     from trainrun.fast import strategies
-    from trainrun.harness import _scorer
 
     cfg = SMALL.model_copy(update={"seq_len": 300})
     block = strategies.chosen().score_attention_block()
@@ -135,7 +135,7 @@ def test_a_static_rotary_table_is_one_small_program_with_the_op_by_op_bits():
     """Tracing a rotary model at a new static length compiles one program for its table (op
     by op it compiled six), and the table has the bits of the ops run one at a time and of the
     table a decoding step computes in its program."""
-    from trainrun.language_model import _forward
+    from trainrun.evaluation.language_model import _forward
     from trainrun.models.transformer import Rope, _static_rope, rotary_frequencies
 
     compiled: list[str] = []

@@ -151,8 +151,8 @@ def test_import_loads_the_public_names_when_first_used():
     checkpointer and modules unimported until a public name that needs them is used."""
     done = python(LAZY_NAMES)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["[]", "trainrun.training.loop", "trainrun.language_model",
-                                   "True", "True"]
+    assert done.stdout.split() == ["[]", "trainrun.training.loop",
+                                   "trainrun.evaluation.language_model", "True", "True"]
 
 
 LOAD_AND_SCORE = """

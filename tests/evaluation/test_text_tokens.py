@@ -8,7 +8,7 @@ import json
 import pytest
 
 from trainrun.data.model_tokenizer import byte_tokenizer
-from trainrun.text_tokens import TokenizerError, load_tokenizer
+from trainrun.evaluation.text_tokens import TokenizerError, load_tokenizer
 
 
 def test_a_config_json_linking_out_of_the_model_directory_is_refused(tmp_path):

@@ -19,11 +19,11 @@ from trainrun import rundir
 from trainrun.checkpointing.reader import latest_params
 from trainrun.cli import main
 from trainrun.config import TransformerModel, dump_yaml, load_config
+from trainrun.evaluation.sample import SampleError
 from trainrun.fast import strategies
 from trainrun.models import build_model
 from trainrun.models.transformer import bind_transformer
 from trainrun.program.decode import ContextWarning, decoder, generate, generate_batch
-from trainrun.sample import SampleError
 from trainrun.training.loop import run
 
 CFG = TransformerModel(d_model=32, layers=2, heads=4, seq_len=16)
@@ -193,7 +193,7 @@ def test_any_token_count_from_one_and_any_prompt_length_decodes_and_zero_is_refu
 @pytest.mark.slow
 def test_a_system_prompt_and_a_file_of_conversations_are_answered_as_an_own_loop_would(
         chat_run, tmp_path, capsys):
-    from trainrun.sample import chat_answers
+    from trainrun.evaluation.sample import chat_answers
 
     run_dir, config = chat_run
     system, question = "Answer in one word.", "reverse: abc"
@@ -330,12 +330,12 @@ def test_sample_is_greedy_unless_a_temperature_is_given(chat_run, capsys):
 def test_a_conversations_file_that_never_ends_is_refused_in_one_line(tmp_path, capsys,
                                                                     monkeypatch):
     """Before, the file was read whole: /dev/zero until memory ran out."""
-    import trainrun.sample
+    import trainrun.evaluation.sample
 
     assert main(["sample", str(tmp_path / "never-read"), "--file", "/dev/zero"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "/dev/zero holds more than 64 MiB (or never ends)" in err[0], err
-    monkeypatch.setattr(trainrun.sample, "CONVERSATIONS_MAX_BYTES", 100)
+    monkeypatch.setattr(trainrun.evaluation.sample, "CONVERSATIONS_MAX_BYTES", 100)
     big = tmp_path / "big.jsonl"
     big.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 3)
     assert main(["sample", str(tmp_path / "never-read"), "--file", str(big)]) == 2

@@ -157,14 +157,14 @@ def test_trainrun_and_hf_score_the_export_alike(tiny, tasks, hf_scores, tmp_path
 
 @pytest.mark.slow
 def test_the_run_from_python_scores_as_its_export(tiny, tasks, hf_scores, tmp_path):
-    """``lm_eval.simple_evaluate(model="trainrun")`` once ``trainrun.harness`` is imported, on
-    the run directory (its own tokenizer), with a fixed batch size that leaves a short last
-    batch: the export's scores."""
+    """``lm_eval.simple_evaluate(model="trainrun")`` once ``trainrun.evaluation.harness`` is
+    imported, on the run directory (its own tokenizer), with a fixed batch size that leaves a
+    short last batch: the export's scores."""
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
-    import trainrun.harness  # noqa: F401
+    import trainrun.evaluation.harness  # noqa: F401
 
     tracker = EvaluationTracker(output_path=str(tmp_path))
     results = lm_eval.simple_evaluate(
@@ -227,7 +227,7 @@ def test_chat_turns_render_as_transformers_renders_them(tiny):
     the assistant's opening or ending in the turn to continue; no template is one line."""
     transformers = pytest.importorskip("transformers")
     from trainrun.data.chat import CHATML
-    from trainrun.harness import HarnessError, TrainrunLM
+    from trainrun.evaluation.harness import HarnessError, TrainrunLM
 
     ours = TrainrunLM(path=str(tiny / "export"), chat_template="chatml")
     theirs = transformers.AutoTokenizer.from_pretrained(tiny / "export")
@@ -284,7 +284,7 @@ def test_a_request_list_is_packed_into_rows_of_one_width():
     """Requests share rows of the longest one's padded width, longest first, first fit, and
     every batch of a list takes one shape: one program a list, no request padded to another's
     length; a list of few rows takes the power of two at or above them."""
-    from trainrun.harness import TrainrunLM
+    from trainrun.evaluation.harness import TrainrunLM
 
     scorer = TrainrunLM.__new__(TrainrunLM)  # the batch shapes alone: no model read
     scorer._rows, scorer._max_length = 2, 120
@@ -308,7 +308,7 @@ def test_requests_packed_in_a_row_score_as_each_alone(layout):
     from conftest import llama_shaped
 
     from trainrun.config import TransformerModel
-    from trainrun.harness import _scorer
+    from trainrun.evaluation.harness import _scorer
     from trainrun.models import build_model
 
     cfg = TransformerModel(d_model=32, layers=2, heads=2, seq_len=64, init_std=0.1, vocab=97,
@@ -349,7 +349,7 @@ REQUESTS = [(None, [5 + n % 7] * n, [9, 11, 13]) for n in (1, 40, 12, 20, 47, 30
 def test_a_request_list_compiles_one_program_and_scores_as_each_request_alone(tiny):
     """A request list, packed, compiles one score program, once, and gives what scoring each
     request alone gives: a request does not see the others in its row."""
-    from trainrun.harness import TrainrunLM
+    from trainrun.evaluation.harness import TrainrunLM
 
     compiled: list[str] = []
 
@@ -381,7 +381,7 @@ def test_the_command_freezes_the_heap_lm_eval_built_and_the_class_alone_does_not
 
     import lm_eval.__main__
 
-    from trainrun import harness
+    from trainrun.evaluation import harness
 
     frozen: list[bool] = []
     monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
@@ -399,7 +399,7 @@ def test_scoring_compiled_at_llvm_level_1_gives_the_default_compiles_scores(tiny
     """The ``cpu_score_compile`` fast path changes the score programs' compile, not what they
     compute: every answer's greedy flag, and its log-probability to float32's rounding (1e-5
     on sums near 30; lm-eval's ``hf`` is matched to 1e-4)."""
-    from trainrun.harness import TrainrunLM
+    from trainrun.evaluation.harness import TrainrunLM
 
     requests = REQUESTS
     fast = TrainrunLM(path=str(tiny / "export"), batch_size=4)

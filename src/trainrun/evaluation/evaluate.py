@@ -54,7 +54,7 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     ``data`` (a JSONL or Parquet file, or a folder or pattern of them). ``tokens``: the most
     tokens an answer may take; ``limit``: answers generated (0: one for every question)."""
     from trainrun.checkpointing.reader import latest_state
-    from trainrun.sample import language_run, require_settings
+    from trainrun.evaluation.sample import language_run, require_settings
 
     require_settings(tokens, temperature, seed)
     if batch_size < 1 or limit < 0:

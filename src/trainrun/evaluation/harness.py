@@ -10,7 +10,7 @@ tokenizer (``trainrun.load_tokenizer``). From the shell, lm-eval's own options a
 From Python, importing this module registers the class with lm-eval::
 
     import lm_eval
-    import trainrun.harness  # noqa: F401
+    import trainrun.evaluation.harness  # noqa: F401
 
     lm_eval.simple_evaluate(model="trainrun", model_args={"path": "runs/lm_bpe"},
                             tasks=["lambada_openai"], batch_size="auto")
@@ -57,12 +57,12 @@ from trainrun import extras
 from trainrun.config import TransformerModel
 from trainrun.data.documents import PACKING_BINS, first_fit
 from trainrun.errors import UserError
+from trainrun.evaluation.language_model import LanguageModel, load
+from trainrun.evaluation.text_tokens import TextTokenizer, load_tokenizer
 from trainrun.fast import strategies
-from trainrun.language_model import LanguageModel, load
 from trainrun.models.losses import tied_head_logits
 from trainrun.models.transformer import ATTENTION_BLOCK, bind_transformer
 from trainrun.program.precision import DTYPES, cast_floats
-from trainrun.text_tokens import TextTokenizer, load_tokenizer
 
 NAME = "trainrun"  # the name lm-eval's --model takes
 FEATURE = "trainrun's lm-eval model"

@@ -4,14 +4,23 @@ or stops answering."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from trainrun.storage import location, remote
+
+
+@pytest.fixture
+def deadlines() -> Iterator[contextlib.ExitStack]:
+    """Deadlines a test sets (``remote.deadline``), each as before once the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield stack
 
 
 def test_whole_objects_read_back_listed_and_deleted(bucket):
@@ -61,11 +70,11 @@ def test_a_missing_bucket_is_one_line(object_store_servers):
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
 def test_a_store_that_stops_answering_is_retried_then_one_line(object_store_servers, scheme,
-                                                               monkeypatch):
+                                                               monkeypatch, deadlines):
     server = object_store_servers[scheme]
     path = location.location(f"{server.new_bucket()}/x")
     monkeypatch.setattr(remote, "REQUEST_TIMEOUT_S", 1.0)
-    remote.set_deadline(60)
+    deadlines.enter_context(remote.deadline(60))
     # Paused for 3 s: the write waits, is tried again and succeeds.
     server.pause()
     timer = threading.Timer(3, server.resume)
@@ -77,7 +86,7 @@ def test_a_store_that_stops_answering_is_retried_then_one_line(object_store_serv
         server.resume()
     assert location.read_text(path) == "after the pause"
     # Paused past the deadline: one line naming the location and the deadline.
-    remote.set_deadline(4)
+    deadlines.enter_context(remote.deadline(4))
     server.pause()
     start = time.monotonic()
     try:
@@ -86,14 +95,13 @@ def test_a_store_that_stops_answering_is_retried_then_one_line(object_store_serv
             location.write_text(path, "never")
     finally:
         server.resume()
-        remote.set_deadline(300)
     assert time.monotonic() - start < 60 and "\n" not in str(err.value)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
 def test_every_request_to_a_store_that_stopped_answering_ends_at_the_deadline(
-        object_store_servers, scheme, monkeypatch, tmp_path):
+        object_store_servers, scheme, monkeypatch, tmp_path, deadlines):
     server = object_store_servers[scheme]
     bucket = server.new_bucket()
     local = tmp_path / "blob"
@@ -101,7 +109,7 @@ def test_every_request_to_a_store_that_stopped_answering_ends_at_the_deadline(
     remote.upload(local, location.location(f"{bucket}/x"))
     monkeypatch.setattr(remote, "REQUEST_TIMEOUT_S", 1.0)
     monkeypatch.setattr(remote, "list_tree", lambda path: {"x": local.stat().st_size})
-    remote.set_deadline(0.5)
+    deadlines.enter_context(remote.deadline(0.5))
     calls = {  # s3fs's upload once waited without end for a store that stopped answering
         "upload": lambda: remote.upload(local, location.location(f"{bucket}/y")),
         "write": lambda: remote.write_bytes(location.location(f"{bucket}/z"), b"abc"),
@@ -129,7 +137,6 @@ def test_every_request_to_a_store_that_stopped_answering_ends_at_the_deadline(
             assert isinstance(ended[name], remote.StorageUnavailable), (name, ended[name])
     finally:
         server.resume()
-        remote.set_deadline(300)
 
 
 def test_a_streamed_read_is_ranged_requests_that_seek(bucket, monkeypatch):
@@ -180,27 +187,24 @@ def test_a_glob_matches_objects_below_prefixes_never_the_prefixes(bucket):
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
 def test_a_store_that_stops_answering_mid_stream_is_waited_for(object_store_servers, scheme,
-                                                               monkeypatch):
+                                                               monkeypatch, deadlines):
     server = object_store_servers[scheme]
     path = location.location(f"{server.new_bucket()}/x.bin")
     data = bytes(range(256)) * 16
     location.write_bytes(path, data)
     monkeypatch.setattr(remote, "READ_BLOCK", 1024)
     monkeypatch.setattr(remote, "REQUEST_TIMEOUT_S", 1.0)
-    remote.set_deadline(60)
-    try:
-        with location.open_read(path) as f:
-            first = f.read(1024)
-            server.pause()
-            timer = threading.Timer(3, server.resume)
-            timer.start()
-            try:
-                rest = f.read()
-            finally:
-                timer.join()
-                server.resume()
-    finally:
-        remote.set_deadline(300)
+    deadlines.enter_context(remote.deadline(60))
+    with location.open_read(path) as f:
+        first = f.read(1024)
+        server.pause()
+        timer = threading.Timer(3, server.resume)
+        timer.start()
+        try:
+            rest = f.read()
+        finally:
+            timer.join()
+            server.resume()
     assert first + rest == data
 
 
@@ -248,7 +252,7 @@ def _fresh_clients() -> None:
                                     r"Failed to load service account credentials .*\)"),
 ])
 def test_a_gcs_key_file_that_cannot_be_loaded_is_one_line_at_once(
-        content, why, object_store_servers, tmp_path, monkeypatch, capsys):
+        content, why, object_store_servers, tmp_path, monkeypatch, capsys, deadlines):
     key = tmp_path / "key.json"
     if content is not None:
         key.write_text(content)
@@ -256,7 +260,7 @@ def test_a_gcs_key_file_that_cannot_be_loaded_is_one_line_at_once(
     # what gcsfs falls back to would fail as a store not answering, until the deadline.
     monkeypatch.delenv("STORAGE_EMULATOR_HOST")
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
-    remote.set_deadline(3)
+    deadlines.enter_context(remote.deadline(3))
     _fresh_clients()
     try:
         with pytest.raises(remote.StorageRefused, match=(
@@ -270,7 +274,6 @@ def test_a_gcs_key_file_that_cannot_be_loaded_is_one_line_at_once(
         assert main(["runs", "--root", "gs://bucket/runs"]) == 2
         assert capsys.readouterr().err == f"error: {err.value}\n"
     finally:
-        remote.set_deadline(300)
         _fresh_clients()
 
 

@@ -168,8 +168,9 @@ class RemoteRunDirectory(RunDirectory):
     ``ckpt_dir`` on the bucket."""
 
     def __init__(self, url: Any, ckpt_dir: Any, fresh: bool, *, lease_s: float,
-                 sync_every_s: float):
+                 sync_every_s: float, deadline_s: float):
         self.url = url
+        self.deadline_s = deadline_s
         stage = stage_of(url)
         super().__init__(stage, stage / CHECKPOINTS, fresh)
         self.ckpt_dir = ckpt_dir
@@ -183,6 +184,10 @@ class RemoteRunDirectory(RunDirectory):
     @property
     def display(self) -> Any:
         return self.url
+
+    def requests(self) -> contextlib.AbstractContextManager[Any]:
+        """Every request of the run, in any thread, given up after ``storage.deadline_s``."""
+        return remote.deadline(self.deadline_s)
 
     def check(self) -> None:
         if self.fresh:

@@ -65,6 +65,11 @@ class RunDirectory:
         """The run directory as the user named it (a stage's bucket location)."""
         return self.run_dir
 
+    def requests(self) -> contextlib.AbstractContextManager[Any]:
+        """What the run's requests to object storage are held to while it runs (a local run
+        directory: the store's defaults, for data read from a bucket too)."""
+        return contextlib.nullcontext()
+
     def finish(self) -> None:
         """The run ended as it should: nothing left to do for a local directory."""
 

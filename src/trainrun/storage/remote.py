@@ -143,10 +143,16 @@ _settings = {"deadline_s": 300.0}
 _lock = threading.Lock()
 
 
-def set_deadline(seconds: float) -> None:
-    """How long a request may keep failing for reasons that may pass before it is given up
-    (``storage.deadline_s``)."""
-    _settings["deadline_s"] = float(seconds)
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Within the block, a request that keeps failing for reasons that may pass is given up
+    after ``seconds`` (``storage.deadline_s``; 300 s outside any block). Every thread's
+    requests take it, the run's and Orbax's alike; it is as before after the block."""
+    before, _settings["deadline_s"] = _settings["deadline_s"], float(seconds)
+    try:
+        yield
+    finally:
+        _settings["deadline_s"] = before
 
 
 def deadline_s() -> float:
@@ -157,9 +163,15 @@ _notices: list[Callable[[str], None]] = []
 NOTICE_AFTER_S = 10.0  # a request retried this long is said on the console, once
 
 
-def set_notice(say: Callable[[str], None] | None) -> None:
-    """Where a request that keeps failing is said (a run's console); None: nowhere."""
-    _notices[:] = [say] if say is not None else []
+@contextlib.contextmanager
+def notices(say: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, a request that keeps failing is said through ``say`` (a run's
+    console) once it has been retried for ``NOTICE_AFTER_S``; outside, nowhere."""
+    before, _notices[:] = list(_notices), [say]
+    try:
+        yield
+    finally:
+        _notices[:] = before
 
 
 def filesystem(path: Any) -> Any:

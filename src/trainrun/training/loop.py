@@ -74,7 +74,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
                   allow_config_change=allow_config_change, allow_data_change=allow_data_change,
                   callbacks=list(callbacks), clock=clock,
                   process_notice=None if settings.applied() else settings.notice)
-    with Preemption() as preemption:
+    with directory.requests(), Preemption() as preemption:  # a bucket's deadline, say
         preemption.on_abort = lambda: rundir.mark_failed(
             directory.run_dir, "aborted by a second interrupt", directory.ckpt_dir)
         started = False
@@ -92,7 +92,7 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
         except BaseException as err:
             if isinstance(err, UserError) and not started:  # refused: leave the disk as found
                 directory.withdraw()
-            failure = write_failures.on_failure(err, directory)  # status "failed", with the reason
+            failure = write_failures.on_failure(err, directory)  # status "failed", and why
             if failure is None:
                 raise
             raise failure from err

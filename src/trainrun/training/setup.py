@@ -117,10 +117,10 @@ def run_directory(config: RunConfig, run_dir: Path | str | None,
     a run is written through a local stage (``rundir/remote_run.py``)."""
     if run_dir is not None and location.is_remote(run_dir):
         url = location.location(run_dir)
-        remote.set_deadline(config.storage.deadline_s)
         return RemoteRunDirectory(url, checkpoint_dir(config, url), fresh,
                                   lease_s=config.storage.lease_s,
-                                  sync_every_s=config.storage.sync_every_s)
+                                  sync_every_s=config.storage.sync_every_s,
+                                  deadline_s=config.storage.deadline_s)
     path = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
     if fresh:  # `--run-dir . --fresh`: the new run goes where `.` was, not into the old one
         path = Path(os.path.abspath(path))
@@ -351,9 +351,8 @@ def _claim(config: RunConfig, directory: rundir.RunDirectory, prov: dict[str, An
     checkpoints = cleanup.enter_context(Checkpoints(
         directory.ckpt_dir, config, prov, stalled=None if mirror is None else mirror.stopped,
         say=None if mirror is None else console.message))
-    if mirror is not None:
-        remote.set_notice(console.message)
-        cleanup.callback(remote.set_notice, None)
+    if mirror is not None:  # a request that keeps failing is said on the console
+        cleanup.enter_context(remote.notices(console.message))
     return checkpoints, mirror
 
 

@@ -146,3 +146,20 @@ def test_cli_page_covers_every_command():
                 assert f"`{option}" in page or f", {option}" in page, (name, option)
     assert "trainrun config show" in titles and "trainrun bench ceiling" in titles
     assert "runs/&lt;config name&gt;" in page  # help text kept whole, not read as HTML
+
+
+def test_the_families_the_readme_and_the_guide_list_are_those_trainrun_reads():
+    """The model types the README's fine-tuning section and the fine-tuning guide's table of
+    sources name, against ``models.huggingface.MODEL_TYPES``."""
+    from trainrun.models.huggingface import MODEL_TYPES
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("### Fine-tuning"):]
+    section = section[:section.index("directory, a")]
+    guide = (root / "docs" / "guides" / "fine-tuning.md").read_text()
+    row = next(line for line in guide.splitlines()
+               if line.startswith("| a Hugging Face model directory"))
+    for listed in (section, row):
+        named = set(re.findall(r"`([a-z0-9_]+)`", listed)) - {"init.from"}
+        assert named == set(MODEL_TYPES), named ^ set(MODEL_TYPES)

@@ -405,9 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a transformer run as a Hugging Face model or PEFT adapters",
         description="Writes the newest readable checkpoint of RUN_DIR as a Hugging Face model "
                     "directory that transformers loads (config.json, safetensors weights, the "
-                    "source's tokenizer files) in the family of its init.from source (gpt2, "
-                    "llama, qwen2, mistral), or, for a run with LoRA adapters, as a PEFT adapter "
-                    "directory for that source.")
+                    "source's tokenizer files) in the family of its init.from source (any "
+                    "model_type init.from reads), or, for a run with LoRA adapters, as a PEFT "
+                    "adapter directory for that source.")
     export.add_argument("run_dir", metavar="RUN_DIR")
     export.add_argument("--to", required=True, metavar="DIR",
                         help="directory to write: a new or empty one (or see --replace)")

@@ -4,7 +4,7 @@
                                   params``) or the whole state (``state``: optimizer moments,
                                   step, key and loss scale too: a fork of that run)
     a Hugging Face directory      ``config.json`` + ``model.safetensors`` (or shards and their
-                                  index) of model_type gpt2, llama, qwen2 or mistral
+                                  index) of a model_type in huggingface.MODEL_TYPES
     a PEFT adapter directory      ``adapter_config.json`` + ``adapter_model.safetensors``: its
                                   base model (a Hugging Face directory) with the adapters
     a ``.safetensors`` file       Hugging Face's tensor names, or trainrun's dotted param paths

@@ -653,7 +653,7 @@ class OptimizerConfig(Section):
 
 class InitConfig(Section):
     """``from``: start a fresh run (one without checkpoints) from another run's newest
-    checkpoint, a Hugging Face model directory (gpt2, llama, qwen2, mistral), a PEFT adapter
+    checkpoint, a Hugging Face model directory (``huggingface.MODEL_TYPES``), a PEFT adapter
     directory or a ``.safetensors`` file instead of random init
     (``trainrun.checkpointing.init_from``). ``load``: ``params`` takes the params only (a
     fine-tune: new optimizer state, step 0); ``state`` takes a run's whole state (a fork: its

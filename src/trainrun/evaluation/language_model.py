@@ -1,8 +1,8 @@
 """``trainrun.load(path)``: a trained language model to call from Python, whichever form it is
 in: a trainrun run directory (its newest readable checkpoint), a Hugging Face model directory
-(gpt2, llama, qwen2, mistral), or a PEFT adapter directory on such a base, as ``trainrun
-export`` writes them. The result gives logits for a batch of token ids and generates from a
-prompt with the run's key/value-cache decoder."""
+(of a ``model_type`` in ``models.huggingface.MODEL_TYPES``), or a PEFT adapter directory on
+such a base, as ``trainrun export`` writes them. The result gives logits for a batch of token
+ids and generates from a prompt with the run's key/value-cache decoder."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Weights in and out of Hugging Face's layout for the GPT-2 and Llama families (``model_type``
-gpt2, llama, qwen2, mistral): a model directory of ``config.json`` and ``model.safetensors``, or
-of shards listed in ``model.safetensors.index.json``, as ``transformers``' ``save_pretrained``
-writes it and ``from_pretrained`` reads it. Through ``safetensors`` alone: neither
-``transformers`` nor PyTorch is imported.
+"""Weights in and out of Hugging Face's layout for the GPT-2 and Llama families and their mixtures
+of experts (each ``model_type`` of ``MODEL_TYPES``): a model directory of ``config.json`` and
+``model.safetensors``, or of shards listed in ``model.safetensors.index.json``, as
+``transformers``' ``save_pretrained`` writes it and ``from_pretrained`` reads it. Through
+``safetensors`` alone: neither ``transformers`` nor PyTorch is imported.
 
 A model directory may be on object storage (``gs://``, ``s3://``): its files are read through
 the storage layer, each shard's header and tensors by ranged reads, never copied whole.
@@ -10,8 +10,7 @@ the storage layer, each shard's header and tensors by ranged reads, never copied
 ``config.json`` gives the architecture: every field that changes the maths is either carried
 into the transformer's config or refused on one line. Tensors are read lazily, a slice at a
 time, so a model can be placed shard by shard on a mesh without the host holding it whole. The
-tensor-by-tensor mapping: docs/internals.md, "Hugging Face weights".
-"""
+tensor-by-tensor mapping: docs/internals.md, "Hugging Face weights"."""
 
 from __future__ import annotations
 

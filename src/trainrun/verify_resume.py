@@ -61,7 +61,8 @@ class Chain:
 
 def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
                   kill_in_save: list[int], work_dir: str | None = None, keep: bool = False,
-                  jobs: int | None = None, out: TextIO = sys.stdout) -> int:
+                  jobs: int | None = None, out: TextIO | None = None) -> int:
+    shown: TextIO = sys.stdout if out is None else out  # the stdout of now, not of the import
     config = _config_to_check(config_name, overrides)
     kills = _kill_points(config, kill_at, kill_in_save)
     base, local = _work_dirs(work_dir)
@@ -74,9 +75,9 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
                 else f"kill -9 during async save of {step}")
         chains.append(Chain(what, base / f"kill-{when}-{step}", kill=f"{step}:{when}"))
     ckpt = config.checkpoint
-    out.write(f"verify-resume: {config.name}, {config.steps} steps, checkpoint every "
+    shown.write(f"verify-resume: {config.name}, {config.steps} steps, checkpoint every "
               f"{ckpt.every} ({'async' if ckpt.async_ else 'sync'}), runs in {base}\n")
-    out.flush()
+    shown.flush()
     jobs = jobs or min(len(chains), os.cpu_count() or 1)
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(lambda c: _run_chain(c, config_path, local), chains))
@@ -85,9 +86,9 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
     for chain in chains[1:]:
         _compare(reference, chain, config.steps)
     ok = all(not c.problems for c in chains)
-    _table(chains, config.steps, out)
+    _table(chains, config.steps, shown)
     if ok:
-        out.write(f"PASS: every step's {' and '.join(COMPARED)} and the final state (params, "
+        shown.write(f"PASS: every step's {' and '.join(COMPARED)} and the final state (params, "
                   "optimizer state, step, key, data position) are bitwise equal\n")
         if not keep:
             location.delete_tree(base)
@@ -96,9 +97,9 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
     else:
         for chain in chains:
             for problem in chain.problems:
-                out.write(f"FAIL {chain.label}: {problem}\n")
-        out.write(f"runs kept in {base}\n")
-    out.flush()
+                shown.write(f"FAIL {chain.label}: {problem}\n")
+        shown.write(f"runs kept in {base}\n")
+    shown.flush()
     return 0 if ok else 1
 
 

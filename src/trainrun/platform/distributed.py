@@ -304,7 +304,7 @@ JOB_STOPPED_EXIT = 1  # the environment stopped the job, not its input
 
 
 def launch(n: int, train_args: list[str], devices_per_process: int | None = None,
-           grace_s: float = 90.0, out: TextIO = sys.stdout,
+           grace_s: float = 90.0, out: TextIO | None = None,
            on_job_stopped: Callable[[str, list[str], int], str] | None = None) -> int:
     """Run ``trainrun <train_args>`` as ``n`` processes of one run on this machine.
 
@@ -330,7 +330,8 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
         raise DistributedError("launch needs -n >= 1 and --devices-per-process >= 1")
     port = free_port()
     env = process_env(devices_per_process, port)
-    return _Job(n, train_args, port, out, on_job_stopped).run(env, grace_s)
+    return _Job(n, train_args, port, sys.stdout if out is None else out,
+                on_job_stopped).run(env, grace_s)
 
 
 class _Job:

@@ -20,11 +20,11 @@ class ConsoleLog:
     """Plain log lines every ``metrics.every`` steps: step, loss, lr, steps/s, examples/s. Used when
     the output is not a terminal (CI, a file): one line per log point, never a redraw."""
 
-    def __init__(self, total_steps: int, examples_per_step: int, out: TextIO = sys.stdout,
+    def __init__(self, total_steps: int, examples_per_step: int, out: TextIO | None = None,
                  unit: str = "examples"):
         self.total = total_steps
         self.examples_per_step = examples_per_step
-        self.out = out
+        self.out = sys.stdout if out is None else out  # the stdout of now, not of the import
         self.unit = unit
 
     def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float,

@@ -41,7 +41,7 @@ Batch = Any
 def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = None,
         data: grain.MapDataset | Iterator[Batch] | None = None, fresh: bool = False,
         allow_config_change: bool = False, allow_data_change: bool = False,
-        out: TextIO = sys.stdout,
+        out: TextIO | None = None,
         eval_data: grain.MapDataset | None = None,
         callbacks: Sequence[Callback] = (), clock: Clock = time.monotonic) -> RunSummary:
     """Train ``config`` and return its summary (also written to ``summary.json``).
@@ -70,7 +70,8 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
     # The folders' claim: checked, then locked for the run's life (released last, after a
     # failure is recorded).
     directory = run_directory(config, run_dir, fresh)
-    asked = Asked(model=model, data=data, eval_data=eval_data, out=out,
+    asked = Asked(model=model, data=data, eval_data=eval_data,
+                  out=sys.stdout if out is None else out,  # the stdout of now
                   allow_config_change=allow_config_change, allow_data_change=allow_data_change,
                   callbacks=list(callbacks), clock=clock,
                   process_notice=None if settings.applied() else settings.notice)

@@ -257,3 +257,19 @@ def test_data_changes_name_each_file_changed_new_or_gone(tmp_path):
         "b.jsonl changed", "c.jsonl is no longer read", "d.jsonl is read now and was not"]
     assert check_data(None, now, False, tmp_path) == []  # a run that recorded none
     assert check_data(saved, dict(saved), False, tmp_path) == []
+
+
+def test_a_key_added_since_the_checkpoint_resumes_at_its_default(tmp_path):
+    """A run saved before ``model.fused_projections`` existed resumes: the key it lacks takes
+    its default, which computes what the run computed. The same key at another value than the
+    default is still a change."""
+    from trainrun.checkpointing.resume import ConfigChangedError, check_config
+
+    config = load_config("lm", ["steps=4"])
+    saved = config.to_dict()
+    del saved["model"]["fused_projections"]
+    assert check_config(saved, config, False, tmp_path) == []
+    fused = config.model_copy(update={"model": config.model.model_copy(
+        update={"fused_projections": True})})
+    with pytest.raises(ConfigChangedError, match=r"model\.fused_projections: False -> True"):
+        check_config(saved, fused, False, tmp_path)

@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun.config import (
+    ConfigError,
     RunConfig,
+    config_from_dict,
     renamed,
     schedule_steps,
     warmup_in_steps,
@@ -75,6 +77,15 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return changed
 
 
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config with the keys added since it was written, at their defaults; as it was
+    where it no longer loads (every difference is then said)."""
+    try:
+        return config_from_dict(saved, source=None).to_dict()
+    except ConfigError:
+        return saved
+
+
 def same_warmup(saved: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     """``saved`` with its warm-up spelled as ``config`` spells it where the two come to the
     same steps (a whole number of steps and a fraction of the run, e.g. 50 and 0.0833 of
@@ -98,8 +109,9 @@ def same_warmup(saved: dict[str, Any], config: RunConfig) -> dict[str, Any]:
 def check_config(saved: dict[str, Any], config: RunConfig, allow: bool, where: Path) -> list[str]:
     """The trajectory-changing differences between a checkpoint's config and ``config``;
     raises unless ``allow``."""
-    # a checkpoint written before a key was renamed holds it by its old name
-    changes = config_changes(same_warmup(renamed.upgrade(saved, None), config),
+    # a checkpoint written before a key was renamed holds it by its old name, and one written
+    # before a key was added holds none: its default, which computes what was computed before
+    changes = config_changes(same_warmup(_with_defaults(renamed.upgrade(saved, None)), config),
                              config.to_dict())
     if changes and not allow:
         raise ConfigChangedError(

@@ -149,3 +149,28 @@ def test_answers_during_training_need_records_and_evaluations(capsys):
     assert main(["train", "--config", "lm", "eval.generate=4"]) == 2
     err = capsys.readouterr().err
     assert "eval.generate=4 generates held-out answers" in err and len(err.splitlines()) == 1
+
+
+def test_eval_builds_the_run_model_once_for_the_checkpoint_and_the_loss(chat_run, monkeypatch):
+    """Reading the checkpoint and scoring the held-out loss share one build of the model (each
+    build traces the whole module for its shapes), and the loss is the one a model built
+    apart from the checkpoint's gives."""
+    import trainrun.checkpointing.reader as reader
+    import trainrun.models
+    from trainrun.evaluation.evaluate import evaluate_run, held_out_loss
+
+    run_dir, config = chat_run
+    built: list[object] = []
+    real = trainrun.models.build_model
+
+    def counted(cfg):
+        built.append(cfg)
+        return real(cfg)
+
+    monkeypatch.setattr(trainrun.models, "build_model", counted)
+    monkeypatch.setattr(reader, "build_model", counted)
+    result = evaluate_run(run_dir, tokens=4, limit=2)
+    assert len(built) == 1
+    _, state = reader.latest_state(reader.location.location(run_dir), config)
+    alone = held_out_loss(config, config.data, state.params)
+    assert {k: result.scores[k] for k in alone} == alone

@@ -25,7 +25,7 @@ from trainrun.checkpointing.checkpoints import (
 from trainrun.checkpointing.integrity import step_record_problem, verify_step
 from trainrun.config import ConfigError, RunConfig, config_from_dict
 from trainrun.errors import UserError
-from trainrun.models import build_model
+from trainrun.models import Model, build_model
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import abstract_state
@@ -58,8 +58,11 @@ def latest_params(run_dir: location.Location, config: RunConfig) -> tuple[int, P
     return step, state.params
 
 
-def latest_state(run_dir: location.Location, config: RunConfig) -> tuple[int, Any]:
-    """``(step, TrainState)`` of the run's newest readable checkpoint, on one device.
+def latest_state(run_dir: location.Location, config: RunConfig,
+                 model: Model | None = None) -> tuple[int, Any]:
+    """``(step, TrainState)`` of the run's newest readable checkpoint, on one device. model:
+    the run's model (``build_model(config.model)``) where the caller built it already; built
+    here otherwise.
 
     Read-only: the checkpoint directory is opened without creating, cleaning or deleting
     anything, so sampling is safe while the run is still training and saving. A newest step
@@ -85,7 +88,7 @@ def latest_state(run_dir: location.Location, config: RunConfig) -> tuple[int, An
             raise RunReadError(f"{directory} holds no committed checkpoint yet; let the run "
                               "reach its first checkpoint (checkpoint.every) and try again")
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = abstract_state(build_model(config.model),
+        abstract = abstract_state(model or build_model(config.model),
                                   build_optimizer(config.optimizer, config.steps), config.seed,
                                   policy_from_config(config.precision))
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),

@@ -20,12 +20,15 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainrun.config import RecordsData, RunConfig
 from trainrun.errors import UserError
 from trainrun.storage import location
 from trainrun.training.answers import answer_all, answer_scores, normalised, questions
+
+if TYPE_CHECKING:  # the models are imported where a run is read
+    from trainrun.models import Model
 
 PyTree = Any
 Progress = Callable[[str], None]
@@ -55,6 +58,7 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     tokens an answer may take; ``limit``: answers generated (0: one for every question)."""
     from trainrun.checkpointing.reader import latest_state
     from trainrun.evaluation.sample import language_run, require_settings
+    from trainrun.models import build_model
 
     require_settings(tokens, temperature, seed)
     if batch_size < 1 or limit < 0:
@@ -63,9 +67,10 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     run, config = language_run(run_dir, ema, doing="eval", command="evaluate")
     section = _data_section(config, data)
     say = progress or (lambda line: None)
-    step, state = latest_state(run, config)
+    built = build_model(config.model)  # traced once, for the checkpoint and the loss alike
+    step, state = latest_state(run, config, built)
     params = state.ema if ema else state.params
-    scores = held_out_loss(config, section, params)
+    scores = held_out_loss(config, section, params, built)
     say(f"loss {scores['loss']:.4g} over the held-out tokens")
     answers: list[dict[str, Any]] = []
     if isinstance(section, RecordsData):
@@ -98,10 +103,12 @@ def _data_section(config: RunConfig, data: str | None) -> Any:
     return config.data.model_copy(update={"eval_paths": [data], "eval_fraction": 0.0})
 
 
-def held_out_loss(config: RunConfig, section: Any, params: PyTree) -> dict[str, float]:
+def held_out_loss(config: RunConfig, section: Any, params: PyTree,
+                  model: Model | None = None) -> dict[str, float]:
     """``loss`` and the model's metrics (``accuracy``: token accuracy) over the held-out split
     of ``section``, as evaluation during training computes them, in batches of the run's eval
-    batch size (or fewer rows, where the split is smaller)."""
+    batch size (or fewer rows, where the split is smaller). model: the run's model
+    (``build_model(config.model)``) where the caller built it already."""
     from trainrun.data import ArrayBatches, held_out_arrays
     from trainrun.data.errors import DataError
     from trainrun.models import build_model
@@ -116,7 +123,7 @@ def held_out_loss(config: RunConfig, section: Any, params: PyTree) -> dict[str, 
     rows = len(next(iter(arrays.values())))
     size = min(config.eval.batch_size or config.data.batch_size, rows)
     dataset = ArrayBatches(arrays, size, shuffle=False, seed=0, split="eval")
-    evaluator = Evaluator(build_model(config.model), dataset, every=1,
+    evaluator = Evaluator(model or build_model(config.model), dataset, every=1,
                           policy=policy_from_config(config.precision))
     return evaluator(params)
 

@@ -153,10 +153,14 @@ def test_each_kind_of_source_that_is_not_read_gets_its_own_line(tmp_path):
     no_weights = tmp_path / "config-only"
     no_weights.mkdir()
     (no_weights / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "model.bin").write_bytes(b"\0")
+    (tmp_path / "other").mkdir()
     cases = {str(torch_dir): "pytorch_model.bin, which trainrun does not read",
              str(no_weights): "weights are missing",
+             str(tmp_path / "model.bin"): "a PyTorch .bin file, which trainrun does not read",
              str(tmp_path / "nothing"): "no such file or directory",
-             "meta-llama/Llama-3.2-1B": "a hub name is not fetched"}
+             "meta-llama/Llama-3.2-1B": "a hub name is not fetched",
+             str(tmp_path / "other"): "not a trainrun run directory, a Hugging Face model"}
     for source, says in cases.items():
         with pytest.raises(WeightsError, match=re.escape(says)):
             source_kind(Path(source))

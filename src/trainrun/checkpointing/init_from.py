@@ -93,35 +93,47 @@ def source_kind(path: Location, what: str = "init.from") -> str:
         extras.require("huggingface", f"{what} {path}")
         return "adapter"
     if location.is_file(path / CONFIG):
-        if location.is_file(path / WEIGHTS) or location.is_file(path / INDEX):
-            extras.require("huggingface", f"{what} {path}")
-            return "huggingface"
-        if any(name.startswith("pytorch_model") and name.endswith(".bin")
-               for name in location.list_names(path)):
-            raise WeightsError(f"{what} {path}: its weights are pytorch_model.bin, which "
-                               "trainrun does not read; save them as safetensors "
-                               "(save_pretrained(..., safe_serialization=True))")
-        raise WeightsError(f"{what} {path}: config.json but no {WEIGHTS} or {INDEX}; the "
-                           "weights are missing (an incomplete download?)")
+        if not (location.is_file(path / WEIGHTS) or location.is_file(path / INDEX)):
+            raise _weights_unread(path, what)
+        extras.require("huggingface", f"{what} {path}")
+        return "huggingface"
     if path.suffix == ".safetensors" and location.is_file(path):
         extras.require("huggingface", f"{what} {path}")
         return "safetensors"
+    raise _not_a_source(path, what)
+
+
+def _weights_unread(path: Location, what: str) -> WeightsError:
+    """The line for a model directory (``config.json``) without safetensors weights: the
+    PyTorch ``.bin`` weights it holds instead, or none."""
+    if any(name.startswith("pytorch_model") and name.endswith(".bin")
+           for name in location.list_names(path)):
+        return WeightsError(f"{what} {path}: its weights are pytorch_model.bin, which "
+                            "trainrun does not read; save them as safetensors "
+                            "(save_pretrained(..., safe_serialization=True))")
+    return WeightsError(f"{what} {path}: config.json but no {WEIGHTS} or {INDEX}; the "
+                        "weights are missing (an incomplete download?)")
+
+
+def _not_a_source(path: Location, what: str) -> WeightsError:
+    """The line for a path that holds no source ``source_kind`` reads: a PyTorch ``.bin``
+    file, nothing at all (a hub name given for a local path is told so), or something else."""
     if path.suffix == ".bin" and location.is_file(path):
-        raise WeightsError(f"{what} {path}: a PyTorch .bin file, which trainrun does not "
-                           "read; save the model as safetensors")
+        return WeightsError(f"{what} {path}: a PyTorch .bin file, which trainrun does not "
+                            "read; save the model as safetensors")
     if location.is_remote(path):
         if not location.is_file(path) and not location.is_dir(path):
-            raise WeightsError(f"{what}: {remote.missing_line(path, 'object or folder')}; "
-                               "give the location of a run, a model directory or an adapter "
-                               "directory")
+            return WeightsError(f"{what}: {remote.missing_line(path, 'object or folder')}; "
+                                "give the location of a run, a model directory or an adapter "
+                                "directory")
     elif not path.exists():
         hub = "/" in str(path) and not str(path).startswith((".", "/", "~"))
         hint = (f"; a hub name is not fetched: download it (e.g. `hf download {path} "
                 "--local-dir DIR`) and give DIR" if hub else "")
-        raise WeightsError(f"{what} {path}: no such file or directory{hint}")
-    raise WeightsError(f"{what} {path}: not a trainrun run directory, a Hugging Face model "
-                       "directory (config.json + model.safetensors), a PEFT adapter directory "
-                       "or a .safetensors file")
+        return WeightsError(f"{what} {path}: no such file or directory{hint}")
+    return WeightsError(f"{what} {path}: not a trainrun run directory, a Hugging Face model "
+                        "directory (config.json + model.safetensors), a PEFT adapter directory "
+                        "or a .safetensors file")
 
 
 # ---- the architecture ------------------------------------------------------------------------

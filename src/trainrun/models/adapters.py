@@ -8,6 +8,7 @@ sharding rules see the same thing.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -96,6 +97,8 @@ def from_nnx(make_module: Callable[[nnx.Rngs], M],
         built = make_module(nnx.Rngs(params=key))
         return nnx.to_pure_dict(nnx.state(built, nnx.Param))
 
+    _INIT_SHAPES[init] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                      nnx.to_pure_dict(param_state))
     if not jax.tree.leaves(rest):
         def module_loss(params: PyTree, batch: Batch, key: jax.Array,
                         model_state: PyTree = None) -> tuple[jax.Array, Aux, PyTree]:
@@ -129,6 +132,19 @@ def from_nnx(make_module: Callable[[nnx.Rngs], M],
 
     return Model(init=init, loss=stateful_loss, name=name, logical_axes=axes,
                  eval_loss=stateful_eval_loss, init_model_state=init_model_state)
+
+
+# Each NNX init's params as shapes and dtypes, traced once with the module (``from_nnx``), so
+# the state's shapes need no second trace of the module; keyed by the init function itself, so
+# a model given another init is traced as before.
+_INIT_SHAPES: weakref.WeakKeyDictionary[Callable[..., PyTree], PyTree] = (
+    weakref.WeakKeyDictionary())
+
+
+def init_shapes(init: Callable[[jax.Array], PyTree]) -> PyTree | None:
+    """The shapes and dtypes (``jax.ShapeDtypeStruct``) of the params ``init`` returns, where
+    ``from_nnx`` made it and traced its module already; None for any other init."""
+    return _INIT_SHAPES.get(init)
 
 
 def _with_aux(out: Any) -> tuple[jax.Array, Aux]:

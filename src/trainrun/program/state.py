@@ -123,8 +123,22 @@ def _state_builder(model: Model, optimizer: Optimizer, seed: int, policy: Policy
 
 def abstract_state(model: Model, optimizer: Optimizer, seed: int,
                    policy: Policy | None = None) -> TrainState:
-    """The state's shapes and dtypes, computed without allocating it."""
-    return jax.eval_shape(_state_builder(model, optimizer, seed, policy))
+    """The state's shapes and dtypes, computed without allocating it: from the params' shapes
+    where the model's adapter knows them already (``adapters.init_shapes``), else by tracing
+    its init."""
+    from trainrun.models.adapters import init_shapes
+
+    shapes = init_shapes(model.init) if model.init_model_state is None else None
+    if shapes is None:
+        return jax.eval_shape(_state_builder(model, optimizer, seed, policy))
+    policy = policy or Policy()
+
+    def around(params: PyTree) -> TrainState:  # what _state_builder's build returns
+        _, base_key = root_keys(seed)
+        return create_state(policy.cast_to_param(params), optimizer.tx, base_key,
+                            policy.initial_loss_scale(), ema=optimizer.ema is not None)
+
+    return jax.eval_shape(around, shapes)
 
 
 def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None = None,

@@ -97,3 +97,28 @@ def test_lora_targets_the_model_cannot_hold_are_refused_in_one_line(overrides, s
     with pytest.raises(ConfigError) as err:
         load_config("lm", overrides)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["model.heads=3"], "d_model=128 is not a multiple of heads=3; change one, or set head_dim"),
+    (["model.kv_heads=3"], "heads=4 is not a multiple of kv_heads=3; each key/value head"),
+    (["model.head_dim=5"], "rotary positions need an even head dimension, not 5"),
+    (["model.sliding_window=4", "model.sliding_layers=[2]"],
+     "model.sliding_layers=[2] names a layer outside 0..1"),
+    (["model.sliding_layers=[0]"], "model.sliding_layers is set without model.sliding_window"),
+    (["model.sliding_window=4", "model.sliding_layers=[0]", "model.scan_layers=true"],
+     "model.scan_layers=true needs every layer alike"),
+    (["model.mlp=swiglu", "model.experts=2", "model.experts_per_token=3"],
+     "model.experts_per_token=3 is more than model.experts=2"),
+    (["model.experts=2"], "model.experts needs a gated MLP"),
+    (["model.lora={targets: [gate]}"], "names gate, which only model.mlp=swiglu has"),
+    # several at once: the heads are checked first, then the layers, experts and adapters
+    (["model.heads=3", "model.sliding_layers=[9]", "model.experts=2"], "heads=3"),
+    (["model.sliding_layers=[9]", "model.experts=2", "model.lora={targets: [gate]}"],
+     "model.sliding_layers=[9]"),
+    (["model.experts=2", "model.lora={targets: [gate]}"], "model.experts needs a gated MLP"),
+])
+def test_model_shapes_that_do_not_fit_are_refused_in_one_line(overrides, says):
+    with pytest.raises(ConfigError) as err:
+        load_config("lm", overrides)
+    assert says in str(err.value) and "\n" not in str(err.value)

@@ -182,6 +182,16 @@ class TransformerModel(Section):
 
     @pydantic.model_validator(mode="after")
     def _shapes_fit(self) -> TransformerModel:
+        self._check_heads()
+        self._check_layers()
+        self._check_experts()
+        if self.lora is not None:
+            self._check_lora_targets(self.lora)
+        return self
+
+    def _check_heads(self) -> None:
+        """The width splits into the heads, the query heads into groups of one key/value head,
+        and a rotary head dimension is even."""
         if self.head_dim is None and self.d_model % self.heads:
             raise ValueError(f"d_model={self.d_model} is not a multiple of heads={self.heads}; "
                              "change one, or set head_dim")
@@ -192,6 +202,10 @@ class TransformerModel(Section):
         if self.positions == "rope" and self.attention_head_dim % 2:
             raise ValueError(f"rotary positions need an even head dimension, not "
                              f"{self.attention_head_dim}; change d_model, heads or head_dim")
+
+    def _check_layers(self) -> None:
+        """The sliding layers are layers of the model and have a window; under scan_layers
+        every layer is alike."""
         if self.sliding_layers is not None and any(not 0 <= i < self.layers
                                                    for i in self.sliding_layers):
             raise ValueError(f"model.sliding_layers={list(self.sliding_layers)} names a layer "
@@ -204,19 +218,27 @@ class TransformerModel(Section):
             raise ValueError("model.scan_layers=true needs every layer alike, but "
                              "model.sliding_layers or model.dense_layers make them differ; "
                              "set scan_layers=false")
+
+    def _check_experts(self) -> None:
+        """A mixture of experts routes each token to no more experts than it has, each a gated
+        MLP."""
         if self.experts is not None:
             if self.experts_per_token > self.experts:
                 raise ValueError(f"model.experts_per_token={self.experts_per_token} is more "
                                  f"than model.experts={self.experts}")
             if not self.gated:
                 raise ValueError("model.experts needs a gated MLP (model.mlp=swiglu or geglu)")
-        if self.lora is not None and self.mlp == "gelu" and "gate" in self.lora.targets:
+
+    def _check_lora_targets(self, lora: LoraConfig) -> None:
+        """``lora.targets`` (this model's ``lora``) names layers this model has, and a fused
+        layer's parts all or none."""
+        if self.mlp == "gelu" and "gate" in lora.targets:
             raise ValueError("model.lora.targets names gate, which only model.mlp=swiglu has; "
                              "drop it, or give all-linear")
-        if self.lora is not None and self.experts is None and "router" in self.lora.targets:
+        if self.experts is None and "router" in lora.targets:
             raise ValueError("model.lora.targets names router, which only a mixture of experts "
                              "(model.experts) has; drop it, or give all-linear")
-        if self.lora is not None and self.fused_projections:
+        if self.fused_projections:
             for group, layer in ((("q", "k", "v"), "qkv_proj"), (("gate", "up"), "gate_up_proj")):
                 named = [t for t in group if t in self.adapted]
                 if named and len(named) < len(group):
@@ -225,7 +247,6 @@ class TransformerModel(Section):
                         f"{_and([t for t in group if t not in named])}; this model fuses "
                         f"{_and(group)} into one {layer}, which takes one adapter: name "
                         f"{_and(group)} all, or give all-linear")
-        return self
 
     @property
     def adapted(self) -> frozenset[str]:

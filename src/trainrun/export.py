@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,14 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
             files = write(Path(staged))
             export_dir.publish(Path(staged), dest)
         return Export(step, dest, files)
+    return Export(step, dest, _swapped_in(write, target, dest))
+
+
+def _swapped_in(write: Callable[[Path], tuple[str, ...]], target: Path,
+                dest: location.Location) -> tuple[str, ...]:
+    """The names of the files ``write`` puts in a new folder beside ``target``, which then
+    replaces ``target`` in one rename (``dest``: the path as given, ``target`` where it
+    leads). A write the file system refuses is one line, with ``target`` as it was."""
     export_dir.remove_leftovers(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +158,7 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
             raise
         line, _ = path_refused(OSError(_ERRNO[what], what, str(dest)))
         raise WriteFailed(f"{line} (the export was not written; {dest} is as it was)") from None
-    return Export(step, dest, files)
+    return files
 
 
 def _refused_write(err: BaseException, target: Path) -> str | None:

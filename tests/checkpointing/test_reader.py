@@ -34,3 +34,17 @@ def test_a_step_record_orbax_cannot_take_is_one_line_naming_it(tmp_path):
                            "is not one Orbax reads (")
     assert line.endswith("resuming the run (trainrun train) rewrites it, or restore the file "
                          "from a copy")
+
+
+def test_reading_a_checkpoint_imports_no_grain():
+    """The reader (what ``sample`` and ``eval`` read a run with) leaves the data pipeline
+    unimported: about a tenth of a second of every such command's start."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import sys\n"
+                           "import trainrun.checkpointing.reader\n"
+                           "print('grain' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False"]

@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -63,21 +62,22 @@ def has_position(iterator: Any) -> bool:
     return hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
 
 
-class DataHandler(grain.checkpoint.CheckpointHandler):
+class DataHandler:
     """The data position, in Grain's layout (``process_<i>-of-<n>.json``), for any iterator with
     ``get_state``/``set_state``: Grain's own iterators and trainrun's ``BatchCursor`` (whose
-    state is a dict, which Grain's handler does not take).
+    state is a dict, which Grain's handler does not take). It has the methods of Grain's
+    handler without subclassing it, so reading a checkpoint does not import Grain.
 
     Restoring onto another process count reads the position any process saved when they all
     agree (trainrun's datasets index global batches, so the position is the same everywhere).
     """
 
-    def save(self, directory, item=None, args=None):
+    def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
         state = (item or args.item).get_state()
         text = state.decode() if isinstance(state, bytes) else json.dumps(state, indent=1)
         (directory / _process_file()).write_text(text)
 
-    def restore(self, directory, item=None, args=None):
+    def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
         item = item or args.item
         own = directory / _process_file()
         saved = ({own.read_text()} if own.exists()
@@ -86,12 +86,28 @@ class DataHandler(grain.checkpoint.CheckpointHandler):
             raise ValueError(f"{own.name} is missing and the other processes' positions "
                              "differ" if saved else f"{own.name} is missing")
         text = saved.pop()
+        import grain  # here: reading a checkpoint's state alone needs no Grain
+
         item.set_state(text.encode() if isinstance(item, grain.DataLoaderIterator)
                        else json.loads(text))
         return item
 
-    def finalize(self, directory):
+    def finalize(self, directory: Any) -> None:
         integrity.write_manifest(directory)
+
+    # Orbax's interface: a position has no tree structure nor metadata.
+    def structure(self, directory: Any) -> None:
+        return None
+
+    def metadata(self, directory: Any) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    @classmethod
+    def typestr(cls) -> str:  # the name Grain's handler gives it, kept in step metadata
+        return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class StateHandler(ocp.StandardCheckpointHandler):

@@ -593,55 +593,64 @@ class Transformer(nnx.Module):
         entry per layer either way, so checkpoints do not depend on these settings. Layer
         ``i``'s dropout key is ``fold_in(key, i + 1)`` in every form."""
         total: RouterStats | None = None
-
-        def add(stats: RouterStats | None) -> None:
-            nonlocal total
-            if stats is not None:
-                total = stats if total is None else total + stats
-
         if not self.scan_layers and self.remat == "none":
             for i in range(self.layers):
                 layer_key = None if key is None else jax.random.fold_in(key, i + 1)
                 x, _, stats = self.blocks[f"{i}"](x, ropes[i], layer_key, segments=segments)
-                add(stats)
+                total = _summed(total, stats)
             return x, total
         split = [nnx.split(self.blocks[f"{i}"]) for i in range(self.layers)]
-        states = [state for _, state in split]
-        rope = ropes[0]  # under scan every layer is alike (TransformerModel checks)
-
-        def layer(graphdef: nnx.GraphDef, rope: Rope | None):
-            def block(state: nnx.State, x: jax.Array, index: jax.Array
-                      ) -> tuple[jax.Array, RouterStats | None]:
-                layer_key = None if key is None else jax.random.fold_in(key, index)
-                x, _, stats = nnx.merge(graphdef, state)(x, rope, layer_key, segments=segments)
-                return x, stats
-            return block
-
-        def remat(block):
-            if self.remat == "none":
-                return block
-            # Under scan the loop already keeps the recomputation in the backward pass, so the
-            # barrier against CSE is not needed (JAX's advice for checkpoint inside scan).
-            # Unrolled, XLA:CPU is free to schedule the recomputation early: there remat did
-            # not lower the step's temporaries (BENCHMARKS.md, "Layers under scan").
-            return jax.checkpoint(block, policy=REMAT_POLICIES[self.remat],
-                                  prevent_cse=not self.scan_layers)
-
         if not self.scan_layers:
             for i, (graphdef, state) in enumerate(split):
-                x, stats = remat(layer(graphdef, ropes[i]))(state, x, jnp.uint32(i + 1))
-                add(stats)
+                x, stats = self._layer(graphdef, ropes[i], key, segments)(state, x,
+                                                                          jnp.uint32(i + 1))
+                total = _summed(total, stats)
             return x, total
-        block = remat(layer(split[0][0], rope))
+        return self._scanned(x, split, ropes[0], key, segments)
+
+    def _scanned(self, x: jax.Array, split: list[tuple[nnx.GraphDef, nnx.State]],
+                 rope: Rope | None, key: jax.Array | None, segments: jax.Array | None
+                 ) -> tuple[jax.Array, RouterStats | None]:
+        """The layers (``split``: each one's graph and params) as one block under ``lax.scan``
+        over their params stacked here; ``rope``: every layer's (under scan every layer is
+        alike, as TransformerModel checks). Router statistics come back summed over layers."""
+        states = [state for _, state in split]
+        block = self._layer(split[0][0], rope, key, segments)
         stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *states)
         x, per_layer = jax.lax.scan(lambda x, layer: block(layer[0], x, layer[1]), x,
                                     (stacked, jnp.arange(1, self.layers + 1, dtype=jnp.uint32)))
         return x, (None if per_layer is None else
                    RouterStats(*(jnp.sum(t, axis=0) for t in per_layer)))
 
+    def _layer(self, graphdef: nnx.GraphDef, rope: Rope | None, key: jax.Array | None,
+               segments: jax.Array | None) -> Callable[..., tuple[jax.Array, RouterStats | None]]:
+        """A layer as a function of its params, ``x`` and its index (``uint32``, from 1: its
+        dropout key is ``fold_in(key, index)``), rematerialized as ``remat`` says."""
+        def block(state: nnx.State, x: jax.Array, index: jax.Array
+                  ) -> tuple[jax.Array, RouterStats | None]:
+            layer_key = None if key is None else jax.random.fold_in(key, index)
+            x, _, stats = nnx.merge(graphdef, state)(x, rope, layer_key, segments=segments)
+            return x, stats
+
+        if self.remat == "none":
+            return block
+        # Under scan the loop already keeps the recomputation in the backward pass, so the
+        # barrier against CSE is not needed (JAX's advice for checkpoint inside scan).
+        # Unrolled, XLA:CPU is free to schedule the recomputation early: there remat did
+        # not lower the step's temporaries (BENCHMARKS.md, "Layers under scan").
+        return jax.checkpoint(block, policy=REMAT_POLICIES[self.remat],
+                              prevent_cse=not self.scan_layers)
+
     def empty_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> list[KV]:
         shape = (batch, max_len, self.kv_heads, self.head_dim)
         return [KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.layers)]
+
+
+def _summed(total: RouterStats | None, stats: RouterStats | None) -> RouterStats | None:
+    """``total`` plus one more layer's router statistics (None: a layer without experts)."""
+    if stats is None:
+        return total
+    return stats if total is None else total + stats
 
 
 def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None,

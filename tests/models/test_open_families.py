@@ -131,9 +131,9 @@ def test_what_gemma_asks_and_trainrun_does_not_compute_is_refused(tmp_path):
 def test_a_context_given_to_load_sizes_the_model(family_dirs):
     model = trainrun.load(family_dirs["qwen3"], context=64)
     assert model.config.seq_len == 64
-    from trainrun.evaluation.language_model import LoadError
+    from trainrun.checkpointing.run_context import ContextRefused
 
-    with pytest.raises(LoadError, match="context=1"):
+    with pytest.raises(ContextRefused, match="context=1"):
         trainrun.load(family_dirs["qwen3"], context=1)
 
 

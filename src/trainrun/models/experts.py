@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.custom_derivatives import CustomVJPPrimal
 from jax.sharding import PartitionSpec as P
 
 from trainrun.config import BATCH_AXES, TransformerModel
@@ -330,14 +331,18 @@ Saved = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, 
               jax.Array, ExpertAdapters | None, Wanted]
 
 
+def _is_primal(leaf: Any) -> bool:
+    return isinstance(leaf, CustomVJPPrimal)
+
+
 def _value(primal: Any) -> Any:
     """A pytree of ``CustomVJPPrimal`` as its values."""
-    return jax.tree.map(lambda p: p.value, primal, is_leaf=lambda p: hasattr(p, "perturbed"))
+    return jax.tree.map(lambda p: p.value, primal, is_leaf=_is_primal)
 
 
 def _perturbed(primal: Any) -> tuple[()] | None:
     """``()`` when any leaf of ``primal`` (``CustomVJPPrimal``) is differentiated, else None."""
-    leaves = jax.tree.leaves(primal, is_leaf=lambda p: hasattr(p, "perturbed"))
+    leaves = jax.tree.leaves(primal, is_leaf=_is_primal)
     return () if any(p.perturbed for p in leaves) else None
 
 

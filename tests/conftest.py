@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -423,10 +424,15 @@ class ObjectStoreServer:
         return f"{self.scheme}://{name}"
 
     def pause(self) -> None:
-        os.kill(self.proc.pid, 19)  # SIGSTOP
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        # kill returns before every thread has stopped: wait until none can answer.
+        deadline = time.monotonic() + 10
+        while not all(_stopped(stat) for stat in Path(f"/proc/{self.proc.pid}/task").glob(
+                "*/stat")) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def resume(self) -> None:
-        os.kill(self.proc.pid, 18)  # SIGCONT
+        os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         self.resume()
@@ -435,6 +441,14 @@ class ObjectStoreServer:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def _stopped(stat: Path) -> bool:
+    """Whether the thread whose ``/proc/.../stat`` this is has stopped (or has gone)."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 @pytest.fixture(scope="session")

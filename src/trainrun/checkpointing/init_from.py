@@ -246,8 +246,9 @@ def _adapter_base(path: Location) -> Location:
 ARCHITECTURE = ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "mlp", "mlp_ratio",
                 "mlp_hidden", "norm", "norm_eps", "seq_len", "positions", "rope_theta",
                 "rope_scaling", "tie_embeddings", "bias", "qkv_bias", "attention_bias",
-                "mlp_bias", "qk_norm", "norm_plus_one", "post_norms", "embed_scale",
-                "query_scale", "sliding_window", "sliding_layers", "local_rope_theta",
+                "mlp_bias", "qk_norm", "qk_norm_over", "norm_plus_one", "pre_norms",
+                "post_norms", "embed_scale", "query_scale", "attention_logit_softcap",
+                "final_logit_softcap", "sliding_window", "sliding_layers", "local_rope_theta",
                 "experts", "experts_per_token", "expert_hidden", "shared_expert_hidden",
                 "router_renormalise", "router_aux_loss", "dense_layers", "fused_projections")
 

@@ -147,11 +147,18 @@ class TransformerModel(Section):
     attention_bias: bool = False  # biases on q, k, v and the output projection (Llama's option)
     mlp_bias: bool = False  # biases on the MLP's projections (Llama's option)
     qk_norm: bool = False  # an RMSNorm over each head's queries and keys (Qwen3, Gemma 3)
+    # what qk_norm's RMSNorm spans: each head, or the whole q and k projections (OLMo-2's)
+    qk_norm_over: Literal["head", "projection"] = "head"
     norm_plus_one: bool = False  # RMSNorm scales by 1 + w, w starting at 0 (Gemma)
+    pre_norms: bool = True  # a norm on each sublayer's input (false with post_norms: OLMo-2)
     post_norms: bool = False  # a norm on each sublayer's output before the residual (Gemma)
     embed_scale: bool = False  # the embedding rows times sqrt(d_model) (Gemma)
     # attention logits' scale; 1/sqrt(head_dim)
     query_scale: float | None = Field(default=None, gt=0)
+    # Soft-capping to cap * tanh(logits / cap) (None: none), of the attention logits before
+    # the mask and of the output head's logits (Gemma 2's).
+    attention_logit_softcap: float | None = Field(default=None, gt=0)
+    final_logit_softcap: float | None = Field(default=None, gt=0)
     # Attention to the last sliding_window positions (the token's own included) on the layers
     # sliding_layers lists (None: every layer); those layers' rotary base is local_rope_theta
     # where set, unscaled (Gemma 3's local layers).
@@ -191,7 +198,7 @@ class TransformerModel(Section):
 
     def _check_heads(self) -> None:
         """The width splits into the heads, the query heads into groups of one key/value head,
-        and a rotary head dimension is even."""
+        qk_norm_over goes with qk_norm, and a rotary head dimension is even."""
         if self.head_dim is None and self.d_model % self.heads:
             raise ValueError(f"d_model={self.d_model} is not a multiple of heads={self.heads}; "
                              "change one, or set head_dim")
@@ -199,6 +206,9 @@ class TransformerModel(Section):
             raise ValueError(f"heads={self.heads} is not a multiple of kv_heads="
                              f"{self.kv_key_heads}; each key/value head serves a group of query "
                              "heads")
+        if self.qk_norm_over != "head" and not self.qk_norm:
+            raise ValueError(f"model.qk_norm_over={self.qk_norm_over} is set without "
+                             "model.qk_norm; set qk_norm=true, or drop qk_norm_over")
         if self.positions == "rope" and self.attention_head_dim % 2:
             raise ValueError(f"rotary positions need an even head dimension, not "
                              f"{self.attention_head_dim}; change d_model, heads or head_dim")

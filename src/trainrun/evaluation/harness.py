@@ -60,7 +60,6 @@ from trainrun.errors import UserError
 from trainrun.evaluation.language_model import LanguageModel, load
 from trainrun.evaluation.text_tokens import TextTokenizer, load_tokenizer
 from trainrun.fast import strategies
-from trainrun.models.losses import tied_head_logits
 from trainrun.models.transformer import ATTENTION_BLOCK, bind_transformer
 from trainrun.program.precision import DTYPES, cast_floats
 
@@ -478,7 +477,7 @@ def _scorer(cfg: TransformerModel, compute: str, attention_block: int = ATTENTIO
               positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         module = module_of(cast_floats(params, dtype))
         features, _ = module.features(tokens, segments=segments, segment_positions=positions)
-        logits = tied_head_logits(features, module.head_table()).astype(jnp.float32)
+        logits = module.head_logits(features)
         flat = targets.reshape(-1)
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), flat[:, None],
                                      axis=-1)[:, 0]

@@ -40,7 +40,7 @@ def next_token(logits: jax.Array,
 
 def next_token_from_features(features: jax.Array, embedding: jax.Array, targets: jax.Array,
                              chunk: int = 0, unit: str = "bits_per_token",
-                             weights: jax.Array | None = None,
+                             weights: jax.Array | None = None, softcap: float | None = None,
                              ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The language-model loss of a tied output head: ``logits = features @ embedding.T``, then
     mean cross-entropy against ``targets``, without ever holding the ``[tokens, vocab]`` logits
@@ -54,6 +54,8 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
     weights: ``[tokens]`` booleans, the targets that count (packed rows: not padding, not across
         a document boundary). The loss is then the mean over those, and aux ``"weight"`` their
         number (``Model``); a target left out changes neither the loss nor any gradient.
+    softcap: the logits become ``softcap * tanh(logits / softcap)`` before the cross-entropy
+        (None: as they are), in the backward pass too.
 
     The head's matmuls take their operands in the compute dtype and accumulate in float32
     (``preferred_element_type``); the log-sum-exp, the loss and the logits' gradient are float32,
@@ -69,7 +71,7 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
         targets = jnp.where(weights, targets, -1)  # -1: a row the head's loss skips
     # custom_vjp's unannotated __new__ (JAX) loses the wrapped function's return type.
     loss_sum, hits = _head_cross_entropy(  # pyright: ignore[reportGeneralTypeIssues]
-        features, embedding, targets, chunk, count)
+        features, embedding, targets, chunk, count, softcap)
     if weights is None:
         loss = loss_sum / tokens
         return loss, {"accuracy": hits / tokens, unit: loss / LN2}
@@ -94,10 +96,20 @@ def _chunks(x: jax.Array, chunk: int, count: int, fill: int | float = 0) -> jax.
     return x.reshape(count, chunk, *x.shape[1:])
 
 
-def _chunk_forward(features: jax.Array, embedding: jax.Array, targets: jax.Array):
+def softcapped(logits: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(logits / cap)``: logits squashed into ``(-cap, cap)`` (attention's or the
+    output head's); as they are where ``cap`` is None."""
+    if cap is None:
+        return logits
+    return jnp.tanh(logits / jnp.asarray(cap, logits.dtype)) * jnp.asarray(cap, logits.dtype)
+
+
+def _chunk_forward(features: jax.Array, embedding: jax.Array, targets: jax.Array,
+                   softcap: float | None = None):
     """Per token of one chunk: log-sum-exp, loss, whether the argmax is the target; and the
-    chunk's logits. Padded rows (target -1) have loss and hit 0."""
-    logits = tied_head_logits(features, embedding)
+    chunk's logits (soft-capped by ``softcap`` where given). Padded rows (target -1) have loss
+    and hit 0."""
+    logits = softcapped(tied_head_logits(features, embedding), softcap)
     lse = jax.nn.logsumexp(logits, axis=-1)
     valid = targets >= 0
     picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
@@ -115,19 +127,19 @@ def _chunk_logits_grad(logits: jax.Array, lse: jax.Array, targets: jax.Array,
     return jnp.where((targets >= 0)[:, None], grad, 0.0) * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _head_cross_entropy(features, embedding, targets, chunk, count):
-    return _head_cross_entropy_fwd(features, embedding, targets, chunk, count)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _head_cross_entropy(features, embedding, targets, chunk, count, softcap=None):
+    return _head_cross_entropy_fwd(features, embedding, targets, chunk, count, softcap)[0]
 
 
-def _head_cross_entropy_fwd(features, embedding, targets, chunk, count):
+def _head_cross_entropy_fwd(features, embedding, targets, chunk, count, softcap=None):
     if count == 1:  # one chunk: keep its logits for the backward pass, as autodiff would
-        lse, loss, hit, logits = _chunk_forward(features, embedding, targets)
+        lse, loss, hit, logits = _chunk_forward(features, embedding, targets, softcap)
         out = (jnp.sum(loss), jnp.sum(hit.astype(jnp.float32)))
         return out, (features, embedding, targets, lse, logits)
 
     def body(carry, part):
-        lse, loss, hit, _ = _chunk_forward(part[0], embedding, part[1])
+        lse, loss, hit, _ = _chunk_forward(part[0], embedding, part[1], softcap)
         return (carry[0] + jnp.sum(loss), carry[1] + jnp.sum(hit.astype(jnp.float32))), lse
 
     zero = jnp.zeros((), jnp.float32)
@@ -136,13 +148,15 @@ def _head_cross_entropy_fwd(features, embedding, targets, chunk, count):
     return out, (features, embedding, targets, lse, None)
 
 
-def _head_cross_entropy_bwd(chunk, count, residuals, cotangents):
+def _head_cross_entropy_bwd(chunk, count, softcap, residuals, cotangents):
     features, embedding, targets, lse, logits = residuals
     scale = cotangents[0].astype(jnp.float32)  # the hit count has no gradient
     dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
 
     def grads(part_features, part_targets, part_lse, part_logits):
         d_logits = _chunk_logits_grad(part_logits, part_lse, part_targets, scale)
+        if softcap is not None:  # through the cap: d tanh(u) = 1 - tanh(u)^2
+            d_logits = d_logits * (1.0 - jnp.square(part_logits / jnp.float32(softcap)))
         d_logits = d_logits.astype(features.dtype)
         d_features = dot(d_logits, embedding, (((1,), (0,)), ((), ())))
         d_embedding = dot(d_logits, part_features, (((0,), (0,)), ((), ())))
@@ -153,7 +167,7 @@ def _head_cross_entropy_bwd(chunk, count, residuals, cotangents):
     else:
         def body(total, part):
             part_features, part_targets, part_lse = part
-            part_logits = tied_head_logits(part_features, embedding)
+            part_logits = softcapped(tied_head_logits(part_features, embedding), softcap)
             d_features, d_embedding = grads(part_features, part_targets, part_lse, part_logits)
             return total + d_embedding, d_features
 

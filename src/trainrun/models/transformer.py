@@ -30,7 +30,12 @@ from trainrun.config import RopeScaling, TransformerModel
 from trainrun.models.adapters import Model, bind_params, from_nnx
 from trainrun.models.experts import Experts, RouterStats, load_balancing_loss
 from trainrun.models.lora import LoRA
-from trainrun.models.losses import LN2, next_token_from_features, tied_head_logits
+from trainrun.models.losses import (
+    LN2,
+    next_token_from_features,
+    softcapped,
+    tied_head_logits,
+)
 from trainrun.models.matmul import float32_dot
 from trainrun.platform.process import gpu_deterministic
 
@@ -114,7 +119,8 @@ ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (docs/in
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      segments: jax.Array | None = None, *, scale: float | None = None,
-                     window: int | None = None, block: int = ATTENTION_BLOCK) -> jax.Array:
+                     window: int | None = None, softcap: float | None = None,
+                     block: int = ATTENTION_BLOCK) -> jax.Array:
     """Causal self-attention of ``[batch, seq, heads, head_dim]`` queries, keys and values: the
     maths of ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` (scaled logits in
     float32, masked to a large negative number, softmax, weighted sum of values).
@@ -124,9 +130,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     to padding). None: the plain causal program.
     scale: of the logits (None: ``1 / sqrt(head_dim)``). window: a token attends to the last
     ``window`` positions, its own included (a sliding window; None: to every earlier one).
-    block: query rows per block on CPU.
+    softcap: the scaled logits become ``softcap * tanh(logits / softcap)`` before the mask
+    (``softcapped``; None: as they are). block: query rows per block.
 
-    On CPU it runs head-major and in blocks of query rows, each block against only the keys up
+    On CPU, and on every backend with ``softcap`` (which ``dot_product_attention`` does not
+    compute), it runs head-major and in blocks of query rows, each block against only the keys up
     to its own last row: XLA:CPU then skips most of the masked upper triangle (3/8 of the
     attention work at seq 256) and its batched matmuls need no transposes. On an NVIDIA GPU in
     bfloat16 or float16 it is cuDNN's fused (flash) attention, which JAX does not pick by
@@ -136,7 +144,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     """
     backend = jax.default_backend()
     local = None if window is None else (window - 1, 0)  # positions before and after a query
-    if backend != "cpu":
+    if backend != "cpu" and softcap is None:
         same = (None if segments is None else
                 segments[:, None, :, None] == segments[:, None, None, :])  # [batch, 1, q, k]
         if (backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
@@ -162,6 +170,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         first = 0 if window is None else max(0, lo - window + 1)  # keys any row here sees
         logits = float32_dot(q[:, :, lo:hi], k[:, :, first:hi],
                              (((3,), (3,)), ((0, 1), (0, 1)))) * jnp.float32(scale)
+        logits = softcapped(logits, softcap)
         keys, rows = jnp.arange(first, hi)[None, :], jnp.arange(lo, hi)[:, None]
         visible = keys <= rows
         if window is not None:
@@ -173,6 +182,29 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         blocks.append(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype),
                                  v[:, :, first:hi]))
     return jnp.concatenate(blocks, axis=2).transpose(0, 2, 1, 3)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
+                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
+    """Attention of ``[batch, chunk, heads, head_dim]`` queries to a cache's ``[batch, slots,
+    kv_heads, head_dim]`` keys and values, each query to the slots ``visible`` (``[batch or 1,
+    chunk, slots]``) marks; grouped-query attention as ``dot_product_attention`` takes it
+    (query head ``h`` reads key/value head ``h // (heads // kv_heads)``). With ``softcap`` the
+    scaled logits are soft-capped (``softcapped``), which ``dot_product_attention`` does not
+    compute: its XLA form's maths are then written out here."""
+    if softcap is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], scale=scale)
+    batch, chunk, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    grouped = q.reshape(batch, chunk, kv_heads, heads // kv_heads, head_dim)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, k,
+                        preferred_element_type=jnp.float32) * jnp.float32(scale)
+    masked = jnp.asarray(-0.7 * float(jnp.finfo(jnp.float32).max), jnp.float32)
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], softcapped(logits, softcap),
+                                     masked), axis=-1)
+    y = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
+    return y.reshape(batch, chunk, heads, head_dim)
 
 
 def _linear(d_in: int, d_out: int, axes: tuple[str, str], std: float, rngs: nnx.Rngs,
@@ -288,6 +320,7 @@ class Attention(nnx.Module):
         self.heads, self.kv_heads = cfg.heads, cfg.kv_key_heads
         self.head_dim = cfg.attention_head_dim
         self.scale, self.window, self.block = cfg.query_scale, window, block
+        self.softcap = cfg.attention_logit_softcap
         inner, kv_inner = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attention_bias
         self.q = _linear(d, inner, ("embed", "heads"), std, rngs, qkv_bias)
@@ -297,8 +330,13 @@ class Attention(nnx.Module):
         # with depth (GPT-2).
         self.o = _linear(inner, d, ("heads", "embed"), std / math.sqrt(2 * cfg.layers), rngs,
                          cfg.bias or cfg.attention_bias)
-        self.q_norm = _rms_norm(cfg, self.head_dim, (None,), rngs) if cfg.qk_norm else None
-        self.k_norm = _rms_norm(cfg, self.head_dim, (None,), rngs) if cfg.qk_norm else None
+        # qk_norm over each head, or over the whole q and k projections (their heads together)
+        self.qk_norm_over = cfg.qk_norm_over
+        whole = cfg.qk_norm_over == "projection"
+        widths = (inner, kv_inner) if whole else (self.head_dim, self.head_dim)
+        self.q_norm, self.k_norm = ((_rms_norm(cfg, width, ("heads",) if whole else (None,),
+                                               rngs) if cfg.qk_norm else None)
+                                    for width in widths)
         fused = cfg.fused_projections
         # fused: one adapter over q, k and v side by side (Phi-3's qkv_proj)
         self.qkv_lora = (_adapter("q", d, inner + 2 * kv_inner, ("embed", "heads"), cfg)
@@ -323,9 +361,12 @@ class Attention(nnx.Module):
                      if self.qkv_lora is not None else
                      _project_each(((self.q, self.q_lora), (self.k, self.k_lora),
                                     (self.v, self.v_lora)), rows))
+        whole = self.qk_norm_over == "projection"
+        if whole and self.q_norm is not None and self.k_norm is not None:
+            projected = [self.q_norm(projected[0]), self.k_norm(projected[1]), projected[2]]
         q, k, v = (y.reshape(b, c, heads, self.head_dim) for y, heads in zip(
             projected, (self.heads, self.kv_heads, self.kv_heads), strict=True))
-        if self.q_norm is not None and self.k_norm is not None:
+        if not whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rope.apply(q), rope.apply(k)
@@ -334,7 +375,7 @@ class Attention(nnx.Module):
             if group > 1:
                 k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
             y = causal_attention(q, k, v, segments, scale=self.scale, window=self.window,
-                                 block=self.block)
+                                 softcap=self.softcap, block=self.block)
         else:
             cache = KV(jax.lax.dynamic_update_slice(cache.k, k, (0, pos, 0, 0)),
                        jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
@@ -344,9 +385,8 @@ class Attention(nnx.Module):
                 visible = visible & (keys > rows - self.window)
             if start is not None:
                 visible = visible & (keys >= start[:, None, None])
-            # grouped-query attention as dot_product_attention takes it: fewer key/value heads
-            y = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=visible[:, None],
-                                             scale=self.scale)
+            y = cached_attention(q, cache.k, cache.v, visible, scale=self.scale,
+                                 softcap=self.softcap)
         y = y.reshape(b * c, self.heads * self.head_dim)
         return _project(self.o, self.o_lora, y).reshape(b, c, d), cache
 
@@ -396,14 +436,15 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     """One layer: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``; with
-    ``post_norms`` each sublayer's output is normed before it is added (Gemma)."""
+    ``post_norms`` each sublayer's output is normed before it is added (Gemma); without
+    ``pre_norms`` each sublayer reads ``x`` itself, unnormed (OLMo-2, with post_norms)."""
 
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs, index: int = 0,
                  attention_block: int = ATTENTION_BLOCK):
-        self.ln1 = _norm(cfg, rngs)
+        self.ln1 = _norm(cfg, rngs) if cfg.pre_norms else None
         self.attn = Attention(cfg, rngs, cfg.sliding_window if cfg.local_layer(index) else None,
                               attention_block)
-        self.ln2 = _norm(cfg, rngs)
+        self.ln2 = _norm(cfg, rngs) if cfg.pre_norms else None
         self.mlp = Experts(cfg, rngs) if cfg.expert_layer(index) else MLP(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
         self.attn_out_norm = _norm(cfg, rngs) if cfg.post_norms else None
@@ -415,19 +456,25 @@ class Block(nnx.Module):
                  ) -> tuple[jax.Array, KV | None, RouterStats | None]:
         """The layer's output, its updated cache, and its router's statistics (a mixture of
         experts; else None)."""
-        y, cache = self.attn(self.ln1(x), rope, cache, pos, segments, start)
+        y, cache = self.attn(_normed(self.ln1, x), rope, cache, pos, segments, start)
         if self.attn_out_norm is not None:
             y = self.attn_out_norm(y)
         x = x + _dropout(self.drop, y, key, 0)
         stats = None
         if isinstance(self.mlp, Experts):
-            y, stats = self.mlp(self.ln2(x))
+            y, stats = self.mlp(_normed(self.ln2, x))
         else:
-            y = self.mlp(self.ln2(x))
+            y = self.mlp(_normed(self.ln2, x))
         if self.mlp_out_norm is not None:
             y = self.mlp_out_norm(y)
         x = x + _dropout(self.drop, y, key, 1)
         return x, cache, stats
+
+
+def _normed(norm: nnx.LayerNorm | nnx.RMSNorm | RMSNormPlusOne | None, x: jax.Array
+            ) -> jax.Array:
+    """``norm(x)``, or ``x`` where the layer has no such norm."""
+    return x if norm is None else norm(x)
 
 
 def _dropout(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None, site: int) -> jax.Array:
@@ -461,6 +508,7 @@ class Transformer(nnx.Module):
         self.own_rotary = tuple(self.local_rotary is not None and cfg.local_layer(i)
                                 for i in range(cfg.layers))
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
+        self.final_softcap = cfg.final_logit_softcap
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs,
                                embedding_init=nnx.initializers.normal(cfg.init_std),
@@ -489,6 +537,11 @@ class Transformer(nnx.Module):
         """The ``[vocab, d_model]`` table the final features are multiplied by."""
         return self.embed.embedding[...] if self.head is None else self.head[...]
 
+    def head_logits(self, features: jax.Array) -> jax.Array:
+        """The float32 logits ``[tokens, vocab]`` of the final features ``[tokens,
+        d_model]``: times the head's table, soft-capped where ``final_logit_softcap`` says."""
+        return softcapped(tied_head_logits(features, self.head_table()), self.final_softcap)
+
     def __call__(self, tokens: jax.Array, key: jax.Array | None = None,
                  cache: list[KV] | None = None,
                  pos: jax.Array | int = 0) -> tuple[jax.Array, list[KV] | None]:
@@ -497,8 +550,7 @@ class Transformer(nnx.Module):
         ``KV`` per layer for decoding, returned updated; None for training."""
         batch, chunk = tokens.shape
         x, new_cache = self.features(tokens, key, cache, pos)
-        logits = tied_head_logits(x, self.head_table())
-        return logits.reshape(batch, chunk, -1), new_cache
+        return self.head_logits(x).reshape(batch, chunk, -1), new_cache
 
     def last_logits(self, tokens: jax.Array, cache: list[KV], pos: jax.Array | int = 0,
                     start: jax.Array | None = None, head_columns: jax.Array | None = None,
@@ -513,9 +565,10 @@ class Transformer(nnx.Module):
         assert new_cache is not None  # features given a cache returns it updated
         last = x.reshape(batch, chunk, -1)[:, -1]
         if head_columns is None:
-            return tied_head_logits(last, self.head_table()), new_cache
-        return jax.lax.dot_general(last, head_columns, (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32), new_cache
+            return self.head_logits(last), new_cache
+        return softcapped(jax.lax.dot_general(last, head_columns, (((1,), (0,)), ((), ())),
+                                              preferred_element_type=jnp.float32),
+                          self.final_softcap), new_cache
 
     def features(self, tokens: jax.Array, key: jax.Array | None = None,
                  cache: list[KV] | None = None, pos: jax.Array | int = 0,
@@ -672,8 +725,8 @@ def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | 
         features, _ = module.features(tokens[:, :-1], key, router=router)
         unit = "bits_per_byte" if tokens.dtype == jnp.uint8 else "bits_per_token"
         return _with_router(next_token_from_features(
-            features, module.head_table(), tokens[:, 1:].reshape(-1), chunk, unit),
-            router, router_aux)
+            features, module.head_table(), tokens[:, 1:].reshape(-1), chunk, unit,
+            softcap=module.final_softcap), router, router_aux)
     segments = batch["segment_ids"].astype(jnp.int32)
     inputs = segments[:, :-1]
     features, _ = module.features(tokens[:, :-1], key, segments=inputs,
@@ -684,7 +737,8 @@ def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | 
         counted = counted & (batch["loss_mask"][:, 1:] > 0)
     loss, aux = next_token_from_features(features, module.head_table(),
                                          tokens[:, 1:].reshape(-1), chunk, "bits_per_token",
-                                         weights=counted.reshape(-1))
+                                         weights=counted.reshape(-1),
+                                         softcap=module.final_softcap)
     if "token_bytes" in batch:
         covered = jnp.sum(jnp.where(counted, batch["token_bytes"][:, 1:], 0), dtype=jnp.float32)
         aux["bits_per_byte"] = loss * aux["weight"] / LN2 / jnp.maximum(covered, 1.0)
@@ -722,11 +776,12 @@ def parameter_count(cfg: TransformerModel) -> int:
     d, hidden, head_dim = cfg.d_model, cfg.hidden, cfg.attention_head_dim
     inner, kv_inner = cfg.heads * head_dim, cfg.kv_key_heads * head_dim
     norm = 2 * d if cfg.norm == "layernorm" else d
+    qk_norms = inner + kv_inner if cfg.qk_norm_over == "projection" else 2 * head_dim
     qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attention_bias
     o_bias, mlp_bias = cfg.bias or cfg.attention_bias, cfg.bias or cfg.mlp_bias
     attention = (d * inner + 2 * d * kv_inner + inner * d
                  + (inner + 2 * kv_inner if qkv_bias else 0) + (d if o_bias else 0)
-                 + (2 * head_dim if cfg.qk_norm else 0))
+                 + (qk_norms if cfg.qk_norm else 0))
     mlp = (3 if cfg.gated else 2) * d * hidden
     if mlp_bias:
         mlp += (2 if cfg.gated else 1) * hidden + d
@@ -740,7 +795,7 @@ def parameter_count(cfg: TransformerModel) -> int:
     adapters = sum(rank * sum(shapes[t]) for t in in_attention)
     if cfg.experts is None:  # a mixture's dense layers carry no adapters
         mlp += sum(rank * sum(shapes[t]) for t in cfg.adapted - in_attention)
-    block = (4 if cfg.post_norms else 2) * norm + attention + adapters
+    block = (2 * cfg.pre_norms + 2 * cfg.post_norms) * norm + attention + adapters
     experts = 0
     if cfg.experts is not None:
         shared = cfg.shared_expert_hidden or 0

@@ -14,7 +14,7 @@ from conftest import llama_shaped
 
 from trainrun.config import CNNModel, NNXMLPModel, TransformerModel
 from trainrun.data.digits import digits_arrays
-from trainrun.models import build_model
+from trainrun.models import bind_params, build_model
 from trainrun.models.transformer import bind_transformer
 
 TINY = dict(d_model=32, layers=2, heads=4, seq_len=16)
@@ -152,3 +152,28 @@ def test_nnx_mlp_regression_fits_the_chapter_task():
     data = {"x": x, "y": x.sum(1, keepdims=True)}
     losses, _ = fit(build_model(NNXMLPModel(hidden=[32])), lambda i: data, 200, lr=1e-2)
     assert losses[-1] < losses[0] / 50
+
+
+def test_a_model_and_its_decoder_trace_the_module_once(monkeypatch):
+    from trainrun.models import transformer
+
+    built: list[TransformerModel] = []
+    init = transformer.Transformer.__init__
+
+    def counted(self, cfg, *args, **kwargs):
+        built.append(cfg)
+        init(self, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(transformer.Transformer, "__init__", counted)
+    cfg = TransformerModel(**TINY, init_std=0.0123457)  # a config no other test builds
+    model = build_model(cfg)
+    module_of = bind_transformer(cfg)
+    assert len(built) == 1
+    params = model.init(jax.random.key(0))
+    assert len(built) == 2  # init builds the module with real params
+    uncached = bind_params(lambda rngs: transformer.Transformer(cfg, rngs))
+    assert len(built) == 3
+    assert np.array_equal(module_of(params)(jnp.asarray(tokens()))[0],
+                          uncached(params)(jnp.asarray(tokens()))[0])
+    bind_transformer(TransformerModel(**TINY, init_std=0.0123458))  # another config: traced anew
+    assert len(built) == 4

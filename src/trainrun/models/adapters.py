@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 import jax
@@ -73,7 +73,8 @@ def from_functions(init: Callable[[jax.Array], PyTree], loss: Callable[..., Any]
 
 def from_nnx(make_module: Callable[[nnx.Rngs], M],
              loss: Callable[[M, Batch, jax.Array | None], Any], name: str = "model",
-             eval_loss: Callable[[M, Batch], Any] | None = None) -> Model:
+             eval_loss: Callable[[M, Batch], Any] | None = None,
+             same_module: Hashable | None = None) -> Model:
     """A Flax NNX module, trained through ``nnx.split`` / ``nnx.merge``.
 
     make_module: ``rngs -> module``; called with ``nnx.Rngs(params=key)`` at init.
@@ -89,8 +90,11 @@ def from_nnx(make_module: Callable[[nnx.Rngs], M],
     mode (``module.train()``) in ``loss``, which returns their new values, and in eval mode
     (``module.eval()``: running averages used, not updated) in ``eval_loss``. Stored RNG
     counters (``nnx.Rngs`` kept in the module) are refused: pass rngs at call time instead.
+
+    same_module: a key naming what ``make_module`` builds; calls (here or in ``bind_params``)
+    with the same key trace the module's shapes once in a process.
     """
-    module, param_state, rest = _binder(make_module, name)
+    module, param_state, rest = _binder(make_module, name, same_module)
     axes = _axes(param_state)
 
     def init(key: jax.Array) -> PyTree:
@@ -152,16 +156,33 @@ def _with_aux(out: Any) -> tuple[jax.Array, Aux]:
     return out if isinstance(out, tuple) else (out, {})
 
 
-def bind_params(make_module: Callable[[nnx.Rngs], M],
-                name: str = "model") -> Callable[..., M]:
+def bind_params(make_module: Callable[[nnx.Rngs], M], name: str = "model",
+                same_module: Hashable | None = None) -> Callable[..., M]:
     """``(params[, model_state]) -> module``: the module ``make_module`` builds, holding
     ``params`` (a pure dict, e.g. restored from a checkpoint). Traceable: use it inside jitted
-    functions."""
-    return _binder(make_module, name)[0]
+    functions. ``same_module`` as for ``from_nnx``."""
+    return _binder(make_module, name, same_module)[0]
 
 
-def _binder(make_module: Callable[[nnx.Rngs], M],
-            name: str) -> tuple[Callable[..., M], nnx.State, nnx.State]:
+# Binders by the caller's key for the module they build: loading a model and decoding from it
+# trace its shapes once. Few entries: a process builds a handful of models.
+_BINDERS: dict[Hashable, tuple[Callable[..., Any], nnx.State, nnx.State]] = {}
+_BINDERS_KEPT = 8
+
+
+def _binder(make_module: Callable[[nnx.Rngs], M], name: str, same_module: Hashable | None
+            ) -> tuple[Callable[..., M], nnx.State, nnx.State]:
+    if same_module is None:
+        return _new_binder(make_module, name)
+    if same_module not in _BINDERS:
+        while len(_BINDERS) >= _BINDERS_KEPT:
+            del _BINDERS[next(iter(_BINDERS))]
+        _BINDERS[same_module] = _new_binder(make_module, name)
+    return _BINDERS[same_module]
+
+
+def _new_binder(make_module: Callable[[nnx.Rngs], M],
+                name: str) -> tuple[Callable[..., M], nnx.State, nnx.State]:
     abstract = nnx.eval_shape(lambda: make_module(nnx.Rngs(params=0)))
     graphdef, param_state, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]  # flax types split's filters as one variadic tuple
     rng = [v for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))

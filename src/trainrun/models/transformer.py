@@ -767,7 +767,13 @@ def make_transformer(cfg: TransformerModel) -> Model:
         return _lm_loss(module, batch, key, cfg.loss_chunk, cfg.router_aux_loss)
 
     return from_nnx(lambda rngs: Transformer(cfg, rngs), loss, name="transformer",
-                    eval_loss=lambda module, batch: loss(module, batch, None))
+                    eval_loss=lambda module, batch: loss(module, batch, None),
+                    same_module=_module_key(cfg, ATTENTION_BLOCK))
+
+
+def _module_key(cfg: TransformerModel, attention_block: int) -> tuple[str, str, int]:
+    """What names the ``Transformer`` a config builds, for tracing its shapes once."""
+    return ("transformer", cfg.model_dump_json(), attention_block)
 
 
 def parameter_count(cfg: TransformerModel) -> int:
@@ -817,7 +823,7 @@ def bind_transformer(cfg: TransformerModel, attention_block: int = ATTENTION_BLO
                      ) -> Callable[..., Transformer]:
     """``params -> Transformer`` holding them (for sampling from trained params)."""
     return bind_params(lambda rngs: Transformer(cfg, rngs, attention_block),
-                       name="transformer")
+                       name="transformer", same_module=_module_key(cfg, attention_block))
 
 
 def merge_adapters(cfg: TransformerModel, params: PyTree) -> tuple[TransformerModel, PyTree]:

@@ -122,3 +122,34 @@ def test_model_shapes_that_do_not_fit_are_refused_in_one_line(overrides, says):
     with pytest.raises(ConfigError) as err:
         load_config("lm", overrides)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- preference tuning -----------------------------------------------------------------------
+
+
+def test_the_preference_section_holds_trls_defaults_and_leaves_other_digests_alone():
+    config = load_config("dpo", ["preference=null"])  # the section follows data.format
+    assert config.preference is not None
+    defaults = config.preference.model_dump()
+    assert defaults == {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0,
+                        "simpo_gamma": 0.5, "nll_weight": 0.0, "max_prompt": 512,
+                        "max_completion": 0, "reference": "cached",
+                        "reference_batch_size": 32}
+    assert "preference" in config.to_dict()
+    chat = load_config("chat")
+    assert chat.preference is None and "preference" not in chat.to_dict()
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["preference={loss: sigmoid}"], "the preference section trains on preference records, "
+     "not data.format=chat"),
+    (["preference.loss=hinge", "preference.label_smoothing=0.1"],
+     "label_smoothing applies to the sigmoid, robust and simpo losses, not hinge"),
+    (["preference.reference=in_step", "init.from=somewhere"], "use preference.reference=cached"),
+    (["data.synthetic=reverse"], "pair data.synthetic=last with data.format=preference"),
+])
+def test_preference_settings_that_do_not_fit_are_one_line(overrides, words):
+    base = "chat" if overrides[0].startswith("preference={") else "dpo"
+    with pytest.raises(ConfigError) as err:
+        load_config(base, overrides)
+    assert words in str(err.value) and "\n" not in str(err.value)

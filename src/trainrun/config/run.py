@@ -32,6 +32,7 @@ from trainrun.config.sections import (
     NNXMLPModel,
     OptimizerConfig,
     PrecisionConfig,
+    PreferenceConfig,
     ProfileConfig,
     RecordsData,
     RegressionData,
@@ -84,6 +85,9 @@ class RunConfig(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    # Preference tuning; None for the other runs, and then left out of the dumped config, so
+    # their digests stay what they were.
+    preference: PreferenceConfig | None = None
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -157,8 +161,22 @@ class RunConfig(Section):
     def _distributed_shorthand(cls, value: Any) -> Any:
         return {"kind": value} if isinstance(value, str) else value  # `distributed: auto`
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _pairs_tune_by_preference(cls, raw: Any) -> Any:
+        """Preference records (``data.format: preference``) train under the ``preference``
+        section's defaults when the config gives none."""
+        if not isinstance(raw, dict) or raw.get("preference") is not None:
+            return raw
+        data = raw.get("data")
+        form = (data.get("format") if isinstance(data, dict) else getattr(data, "format", None))
+        return {**raw, "preference": {}} if form == "preference" else raw
+
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        dumped = self.model_dump(mode="json")
+        if dumped.get("preference") is None:
+            dumped.pop("preference", None)
+        return dumped
 
     def digest(self) -> str:
         """sha256 of the resolved config: names a trajectory in provenance and on resume.
@@ -384,6 +402,7 @@ def _check_model_and_data(config: RunConfig) -> None:
         raise ConfigError(f"model.task={model.task} needs '{target}' targets, which data.kind="
                           f"{data.kind} does not have; drop model.task (it follows the data: "
                           f"{TASK_OF_DATA[data.kind]})")
+    _check_preference(config)
     if config.eval.params == "ema" and config.optimizer.ema is None:
         raise ConfigError("eval.params=ema needs a moving average to evaluate: set "
                           "optimizer.ema (e.g. 0.999)")
@@ -396,6 +415,34 @@ def _check_model_and_data(config: RunConfig) -> None:
                           "a transformer on chat or completion records at each evaluation: it "
                           "needs model.kind=transformer, data.kind=records and eval.every > 0 "
                           "(or set eval.generate=0)")
+
+
+def _check_preference(config: RunConfig) -> None:
+    """A ``preference`` section trains a transformer on preference records, and only there."""
+    if config.preference is None:
+        return
+    data = config.data
+    if not isinstance(data, RecordsData) or data.format != "preference":
+        shown = f"data.format={data.format}" if isinstance(data, RecordsData) else (
+            f"data.kind={data.kind}")
+        raise ConfigError(f"the preference section trains on preference records, not {shown}; "
+                          "set data.kind=records and data.format=preference, or drop the "
+                          "preference section")
+    if config.model.kind != "transformer":
+        raise ConfigError(f"preference tuning trains a transformer, not model.kind="
+                          f"{config.model.kind}; set model.kind=transformer")
+    if data.mix:
+        raise ConfigError("data.format=preference reads data.paths or data.synthetic, not "
+                          "data.mix; list the files in data.paths")
+    if (config.preference.reference == "in_step" and config.init.from_ is not None
+            and getattr(config.model, "lora", None) is None):
+        raise ConfigError("preference.reference=in_step keeps the starting params of a fresh "
+                          "init, not init.from's; use preference.reference=cached, or train "
+                          "LoRA adapters (model.lora), whose reference is the base model")
+    if config.eval.generate:
+        raise ConfigError(f"eval.generate={config.eval.generate} scores generated answers of "
+                          "chat or completion records, not preference pairs; set "
+                          "eval.generate=0 (evaluation reports reward accuracy and margins)")
 
 
 # ---- error messages --------------------------------------------------------------------------

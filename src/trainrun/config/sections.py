@@ -455,7 +455,10 @@ class RecordsData(DataSection):
 
     format: ``text`` (a ``text`` field; every token counts), ``completion`` (``prompt`` and
         ``completion``; the completion counts), ``chat`` (``messages``, rendered with the chat
-        template; the assistant turns count); ``auto``: from the first record's fields.
+        template; the assistant turns count), ``preference`` (``prompt``, ``chosen`` and
+        ``rejected``, or ``chosen`` and ``rejected`` alone: pairs for preference tuning, the
+        ``preference`` section's); ``auto``: from the first record's fields (never
+        ``preference``: name it).
     fields: the field names of each format.
     tokenizer: a Hugging Face model directory, a ``tokenizer.json`` or ``bytes``; none given:
         ``init.from``'s model when it is a model or adapter directory, else ``bytes``.
@@ -468,14 +471,16 @@ class RecordsData(DataSection):
     too_long: an example longer than ``seq_len + 1`` tokens is ``cut`` to it, ``dropped``, or
         ``split`` over rows as text documents are; counted either way.
     synthetic: ``reverse`` or ``add``: a synthetic chat task whose answer is a function of the
-        prompt, ``synthetic_examples`` records of it (held out as above).
+        prompt, ``synthetic_examples`` records of it (held out as above); ``last``: a
+        synthetic preference task (``format: preference``): the last letter of a word chosen
+        over another of its letters.
     """
 
     kind: Literal["records"] = "records"
     paths: tuple[str, ...] = ()
     mix: tuple[MixSource, ...] = ()
     eval_paths: tuple[str, ...] = ()
-    format: Literal["auto", "text", "completion", "chat"] = "auto"
+    format: Literal["auto", "text", "completion", "chat", "preference"] = "auto"
     fields: RecordFields = RecordFields()
     tokenizer: str | None = None
     chat_template: str | None = None
@@ -484,7 +489,7 @@ class RecordsData(DataSection):
     eval_fraction: float = Field(default=0.01, ge=0, lt=1)
     bad_records: Literal["refuse", "skip"] = "refuse"
     too_long: Literal["cut", "drop", "split"] = "cut"
-    synthetic: Literal["reverse", "add"] | None = None
+    synthetic: Literal["reverse", "add", "last"] | None = None
     synthetic_examples: int = Field(default=4096, gt=0)
 
     @pydantic.field_validator("paths", "eval_paths", mode="before")
@@ -498,8 +503,53 @@ class RecordsData(DataSection):
                                           ("data.synthetic", self.synthetic)) if value]
         if len(given) != 1:
             raise ValueError("give one of data.paths (record files), data.mix (record files "
-                             "with weights) or data.synthetic (reverse, add)"
+                             "with weights) or data.synthetic (reverse, add, last)"
                              + (f"; got {' and '.join(given)}" if given else ""))
+        if (self.synthetic == "last") != (self.synthetic is not None
+                                           and self.format == "preference"):
+            raise ValueError(f"data.synthetic={self.synthetic} does not make data.format="
+                             f"{self.format} records; pair data.synthetic=last with "
+                             "data.format=preference, reverse or add with chat")
+        return self
+
+
+class PreferenceConfig(Section):
+    """Preference tuning (DPO and its kin) on pairs (``data.format: preference``): the loss
+    and its settings, with TRL's defaults (``models/preference_losses.py`` has the formulas).
+
+    loss: ``sigmoid`` (DPO), ``ipo``, ``hinge``, ``robust``, ``simpo`` or ``orpo``.
+    beta: the inverse temperature (DPO's KL weight; IPO's tau; ORPO's lambda).
+    label_smoothing: the assumed fraction of flipped labels (``sigmoid``, ``robust``,
+        ``simpo``).
+    simpo_gamma: SimPO's target reward margin.
+    nll_weight: weight of the chosen answers' next-token loss added to the loss (TRL's
+        ``rpo_alpha``, ``cpo_alpha``).
+    max_prompt, max_completion: the most tokens kept of a prompt (its end) and of each
+        completion (its start); 0: no limit. A pair is the prompt twice and both completions
+        in one row of ``data.seq_len + 1`` tokens: a longer one is dropped and counted.
+    reference: where the reference model's log-probabilities come from: ``cached`` (computed
+        once before training from the starting params, kept on disk beside the rows and read
+        as a batch column) or ``in_step`` (computed in each step: the starting params kept in
+        the state, or the same params with the LoRA adapters off). The reference-free losses
+        (``simpo``, ``orpo``) need none.
+    reference_batch_size: rows per forward pass of the cached reference's computation.
+    """
+
+    loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
+    beta: float = Field(default=0.1, gt=0)
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    simpo_gamma: float = Field(default=0.5, ge=0)
+    nll_weight: float = Field(default=0.0, ge=0)
+    max_prompt: int = Field(default=512, ge=0)
+    max_completion: int = Field(default=0, ge=0)
+    reference: Literal["cached", "in_step"] = "cached"
+    reference_batch_size: int = Field(default=32, gt=0)
+
+    @pydantic.model_validator(mode="after")
+    def _smoothed_losses(self) -> PreferenceConfig:
+        if self.label_smoothing and self.loss not in ("sigmoid", "robust", "simpo"):
+            raise ValueError(f"preference.label_smoothing applies to the sigmoid, robust and "
+                             f"simpo losses, not {self.loss}; set it to 0")
         return self
 
 

@@ -208,7 +208,8 @@ class Source:
             for i, record in enumerate(task_records(self.synthetic, cfg.synthetic_examples), 1):
                 yield f"data.synthetic={self.synthetic} record {i}", record
             return
-        columns = list(cfg.fields.model_dump().values())
+        columns = (["prompt", "chosen", "rejected"] if cfg.format == "preference" else
+                   list(cfg.fields.model_dump().values()))
         for file in self.files:
             yield from read_records(file, columns)
 

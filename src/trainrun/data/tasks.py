@@ -3,6 +3,8 @@ held-out exact-match check of what a fine-tune learned.
 
 - ``reverse``: ``reverse <letters>`` -> the letters backwards (4 to 7 lowercase letters).
 - ``add``: ``add <a> + <b>`` -> their sum (0 to 99 each).
+- ``last`` (preference pairs): ``last <letters>`` -> its last letter chosen over one of its
+  other letters (4 to 7 different lowercase letters).
 
 The records are drawn from a fixed seed, so every run (whatever its own seed) splits the same
 records into the same training and held-out sets.
@@ -38,7 +40,23 @@ def task_answer(task: str, prompt: str) -> str:
 
 
 def task_records(task: str, count: int) -> list[dict[str, list[dict[str, str]]]]:
-    """``count`` chat records: a user turn with the prompt, an assistant turn with its answer."""
+    """``count`` chat records: a user turn with the prompt, an assistant turn with its answer;
+    for ``last``, conversational preference pairs: the prompt's user turn, the chosen and the
+    rejected assistant turn."""
+    if task == "last":
+        return _last_letter_pairs(count)
     return [{"messages": [{"role": "user", "content": prompt},
                           {"role": "assistant", "content": task_answer(task, prompt)}]}
             for prompt in task_prompts(task, count)]
+
+
+def _last_letter_pairs(count: int) -> list[dict[str, list[dict[str, str]]]]:
+    rng = np.random.default_rng((TASK_SEED, len(TASKS)))
+    records = []
+    for _ in range(count):
+        word = rng.permutation(list(string.ascii_lowercase))[:rng.integers(4, 8)]
+        other = str(word[rng.integers(0, word.size - 1)])
+        records.append({"prompt": [{"role": "user", "content": "last " + "".join(word)}],
+                        "chosen": [{"role": "assistant", "content": str(word[-1])}],
+                        "rejected": [{"role": "assistant", "content": other}]})
+    return records

@@ -1,0 +1,281 @@
+"""Preference records as packed pair rows, kept on disk as chat records' rows are
+(``record_rows.py``): read as a stream (``records.py``), each record made a pair
+(``preference_pairs.py``), packed (``pair_rows.py``) and appended to one file per array in the
+cache (``$TRAINRUN_CACHE_DIR/records/<key>``), each file's sha256 in the manifest, checked as a
+run opens them: rows found damaged are made anew, with a notice.
+
+The key names everything that decides the rows: the files' content (path and sha256, or an
+object's version), the tokenizer and template, the row length, the truncation lengths, the bad
+records' policy. A bad record (not JSON, no ``chosen``/``rejected``, messages out of order) is
+one line naming its file and line (``data.bad_records=refuse``), or skipped and counted.
+A pair longer than a row is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainrun.config import RecordsData
+from trainrun.data import model_tokenizer
+from trainrun.data.documents import row_index_dtype
+from trainrun.data.errors import DataError
+from trainrun.data.pair_rows import ARRAYS, pack_pairs, pair_length
+from trainrun.data.preference_pairs import Pair, PairCounts, PairForm, detect_form, encode_pairs
+from trainrun.data.preference_pairs import problem as pair_problem
+from trainrun.data.record_rows import (
+    CHUNK_RECORDS,
+    SHOWN_BAD,
+    Damaged,
+    RecordCounts,
+    Source,
+)
+from trainrun.data.record_rows import _cache_refused as cache_refused
+from trainrun.data.record_rows import _locked as locked
+from trainrun.data.record_rows import _mapped as mapped
+from trainrun.data.text import corpus_files
+from trainrun.errors import WriteFailed
+from trainrun.platform.user_cache import cache_dir
+
+CACHE_FORMAT = 1  # raised when the files' layout or counts change, so old rows are not read
+OPEN_ROWS = 16  # rows open at a time while packing (first fit)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairRows:
+    """A source's pair rows (``pair_rows.ARRAYS``, each ``[rows, row_len]``) per split, where
+    they are kept, what became of the records, and the notice of rows made anew."""
+
+    train: dict[str, np.ndarray] | None
+    eval: dict[str, np.ndarray] | None
+    folder: Path
+    counts: RecordCounts
+    truncated: PairCounts
+    notice: str | None = None
+
+
+def preference_rows(cfg: RecordsData, max_prompt: int, max_completion: int,
+                    ) -> tuple[PairRows, PairRows | None, dict[str, str]]:
+    """The training source's rows (with every ``round(1 / eval_fraction)``-th usable record
+    held out), the held-out files' rows (``data.eval_paths``; None without) and the content
+    fingerprint of each file read."""
+    tokenizer = model_tokenizer.of_records(cfg)
+    source = (Source(synthetic=cfg.synthetic) if cfg.synthetic else
+              Source(files=tuple(corpus_files(cfg.paths))))
+    every = 0 if cfg.eval_paths or not cfg.eval_fraction else round(1 / cfg.eval_fraction)
+    train = kept_pair_rows(cfg, tokenizer, source, every, max_prompt, max_completion)
+    held = None
+    files = dict(source.fingerprints())
+    if cfg.eval_paths:
+        held_source = Source(files=tuple(corpus_files(cfg.eval_paths)))
+        held = kept_pair_rows(cfg, tokenizer, held_source, -1, max_prompt, max_completion)
+        files.update(held_source.fingerprints())
+    if train.train is None:
+        raise DataError(f"no preference pairs to train on in {source.describe()} "
+                        f"({train.counts.summary()}); check data.format and the records' "
+                        "prompt, chosen and rejected fields")
+    return train, held, files
+
+
+def kept_pair_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
+                   every: int, max_prompt: int, max_completion: int) -> PairRows:
+    """A source's pair rows from the cache, made first when missing or damaged. every: hold
+    out each ``every``-th usable record (0: none; -1: all of them)."""
+    settings = {"format": CACHE_FORMAT, "kind": "preference", "source": source.key(),
+                "every": every, "tokenizer": tokenizer.fingerprint(), "seq_len": cfg.seq_len,
+                "max_prompt": max_prompt, "max_completion": max_completion,
+                "bad_records": cfg.bad_records, "examples": cfg.synthetic_examples}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
+    root = cache_dir() / "records"
+    refused: OSError | None = None
+    try:
+        return _kept_or_built(cfg, tokenizer, source, every, (max_prompt, max_completion),
+                              root / key)
+    except OSError as err:
+        refused = err
+    raise cache_refused(refused, root)
+
+
+def _kept_or_built(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
+                   every: int, limits: tuple[int, int], folder: Path) -> PairRows:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with locked(folder.parent / f"{folder.name}.lock", fcntl.LOCK_EX):  # one builder
+        notice = None
+        try:
+            rows = _open(folder)
+        except Damaged as damage:
+            notice = (f"the preference pairs kept in {folder} were damaged ({damage}); "
+                      "making them anew")
+            if folder.is_symlink():  # not a folder this cache made: not followed, not removed
+                raise WriteFailed(f"{folder} is a symbolic link where trainrun keeps "
+                                  "preference pairs; remove the link") from None
+            shutil.rmtree(folder)
+            rows = None
+        if rows is None:
+            _build(cfg, tokenizer, source, every, limits, folder)
+            try:
+                rows = _open(folder)
+            except Damaged as damage:
+                raise WriteFailed(f"the preference pairs written to {folder} do not read back "
+                                  f"({damage}); check the disk, or point TRAINRUN_CACHE_DIR "
+                                  "elsewhere") from None
+            assert rows is not None  # just written
+    return dataclasses.replace(rows, notice=notice)
+
+
+def _dtypes(vocab: int, row_len: int) -> dict[str, str]:
+    index = np.dtype(row_index_dtype(row_len)).name
+    return {"tokens": "uint16" if vocab <= 2**16 else "uint32", "segment_ids": index,
+            "positions": index, "pair_slot": index, "answer": "uint8"}
+
+
+def _build(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
+           every: int, limits: tuple[int, int], folder: Path) -> None:
+    """Write the pair rows of ``source`` into ``folder`` (whole or not at all: a temporary
+    folder renamed into place)."""
+    staging = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    row_len = cfg.seq_len + 1
+    try:
+        writer = _RowWriter(staging, _dtypes(tokenizer.size, row_len), row_len)
+        counts, truncated = _write_pairs(cfg, tokenizer, source, every, limits, writer)
+        manifest = {"row_len": row_len, "rows": writer.rows, "dtypes": writer.dtypes,
+                    "sha256": {name: d.hexdigest() for name, d in writer.digests.items()},
+                    "counts": dataclasses.asdict(counts),
+                    "truncated": dataclasses.asdict(truncated)}
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        os.replace(staging, folder)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class _RowWriter:
+    """Appends packed pairs to one file per split and array, hashing the bytes as they go."""
+
+    folder: Path
+    dtypes: dict[str, str]
+    row_len: int
+    rows: dict[str, int] = dataclasses.field(default_factory=lambda: {"train": 0, "eval": 0})
+    digests: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def append(self, split: str, pairs: list[Pair]) -> None:
+        arrays, _ = pack_pairs(pairs, self.row_len, OPEN_ROWS)
+        self.rows[split] += arrays["tokens"].shape[0]
+        for name in ARRAYS:
+            data = np.ascontiguousarray(arrays[name], self.dtypes[name]).tobytes()
+            file = f"{split}.{name}.bin"
+            self.digests.setdefault(file, hashlib.sha256()).update(data)
+            with open(self.folder / file, "ab") as out:
+                out.write(data)
+
+
+def _write_pairs(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
+                 every: int, limits: tuple[int, int], writer: _RowWriter,
+                 ) -> tuple[RecordCounts, PairCounts]:
+    counts, truncated = RecordCounts(vocab=tokenizer.size), PairCounts()
+    pending: dict[str, list[tuple[str, dict[str, Any]]]] = {"train": [], "eval": []}
+    forms: list[PairForm] = []
+
+    def refuse_or_skip(where: str, what: str) -> None:
+        if cfg.bad_records == "refuse":
+            raise DataError(f"record {where}: {what}; fix or remove it, or set "
+                            "data.bad_records=skip to leave bad records out (they are counted)")
+        counts.skipped += 1
+        if len(counts.bad) < SHOWN_BAD:
+            counts.bad.append(f"{where}: {what}")
+
+    def flush(split: str) -> None:
+        located, pending[split] = pending[split], []
+        encoded = encode_pairs([record for _, record in located], forms[0], tokenizer,
+                               *limits, truncated)
+        kept = []
+        for (where, _), pair in zip(located, encoded, strict=True):
+            if isinstance(pair, str):
+                refuse_or_skip(where, pair)
+            elif pair_length(pair) > writer.row_len:
+                counts.dropped += 1
+            elif pair.chosen.size == 0 and pair.rejected.size == 0:
+                counts.no_answer += 1
+            else:
+                kept.append(pair)
+        if split == "eval":
+            counts.held_examples += len(kept)
+        else:
+            counts.examples += len(kept)
+        if kept:
+            writer.append(split, kept)
+
+    for split, where, record in _usable(cfg, source, every, counts, forms, refuse_or_skip):
+        pending[split].append((where, record))
+        if len(pending[split]) >= CHUNK_RECORDS:
+            flush(split)
+    for split in pending:
+        if pending[split]:
+            flush(split)
+    return counts, truncated
+
+
+def _usable(cfg: RecordsData, source: Source, every: int, counts: RecordCounts,
+            forms: list[PairForm], refuse_or_skip: Callable[[str, str], None],
+            ) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """``(split, where, record)`` for each usable record, in order; the first one's form is
+    every record's (``forms[0]``), a record of another form is a bad one."""
+    usable = 0
+    for where, record in source.records(cfg):
+        counts.records += 1
+        if isinstance(record, str):
+            refuse_or_skip(where, record)
+            continue
+        form = detect_form(record)
+        if form is None:
+            refuse_or_skip(where, f"has no 'chosen' and 'rejected' fields (its fields: "
+                                  f"{', '.join(sorted(record)) or 'none'})")
+            continue
+        forms[:] = forms or [form]
+        what = (pair_problem(record, form) if form == forms[0] else
+                f"a {form} pair where the records before it are {forms[0]} pairs")
+        if what is not None:
+            refuse_or_skip(where, what)
+            continue
+        split = "eval" if every == -1 or (every and usable % every == every - 1) else "train"
+        usable += 1
+        if split == "eval":  # counted apart from the records that train
+            counts.records -= 1
+            counts.held_records += 1
+        yield split, where, record
+
+
+def _open(folder: Path) -> PairRows | None:
+    """The rows in ``folder``, each file checked against its sha256; None when never made;
+    ``Damaged`` when they do not read back as written."""
+    if not folder.exists():
+        return None
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        row_len, dtypes, digests = manifest["row_len"], manifest["dtypes"], manifest["sha256"]
+        splits: dict[str, dict[str, np.ndarray] | None] = {}
+        for split, rows in manifest["rows"].items():
+            splits[split] = None if not rows else {
+                name: mapped(folder / f"{split}.{name}.bin", dtypes[name], rows, row_len,
+                             digests[f"{split}.{name}.bin"]) for name in ARRAYS}
+        return PairRows(train=splits["train"], eval=splits["eval"], folder=folder,
+                        counts=RecordCounts(**manifest["counts"]),
+                        truncated=PairCounts(**manifest["truncated"]))
+    except FileNotFoundError as err:
+        raise Damaged(f"{Path(err.filename or '?').name} is missing") from None
+    except OSError as err:
+        raise Damaged(f"{Path(err.filename or '?').name}: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise Damaged(f"manifest.json is not as written ({type(err).__name__}: {err})") from None

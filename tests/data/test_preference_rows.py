@@ -1,0 +1,89 @@
+"""Preference records as packed pair rows kept on disk: bad records refused or counted, pairs
+too long for a row dropped and counted, rows kept and read back, a damaged file made anew."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainrun.config import RecordsData
+from trainrun.data.errors import DataError
+from trainrun.data.pair_rows import CHOSEN, REJECTED
+from trainrun.data.preference_rows import preference_rows
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _pairs_file(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def _good(i: int) -> str:
+    return json.dumps({"prompt": f"q{i} ", "chosen": "yes", "rejected": "no"})
+
+
+def _section(path: Path, **changes: object) -> RecordsData:
+    settings: dict[str, object] = {"eval_fraction": 0.0, **changes}
+    return RecordsData(paths=(str(path),), format="preference", tokenizer="bytes", seq_len=63,
+                       **settings)  # type: ignore[arg-type]
+
+
+def test_pairs_are_packed_with_their_answers_marked(tmp_path: Path) -> None:
+    source = _pairs_file(tmp_path / "pairs.jsonl", [_good(i) for i in range(6)])
+    train, held, files = preference_rows(_section(source), 512, 0)
+    rows = train.train
+    assert rows is not None and held is None and train.eval is None
+    assert list(files) == [str(source)] and files[str(source)].startswith("sha256:")
+    assert train.counts.examples == 6 and rows["tokens"].shape[1] == 64
+    chosen = rows["tokens"][rows["answer"] == CHOSEN]
+    rejected = rows["tokens"][rows["answer"] == REJECTED]
+    assert bytes(chosen[:3].astype(np.uint8)) == b"yes"  # the first pair's chosen answer
+    assert bytes(rejected[:2].astype(np.uint8)) == b"no"
+    assert int(rows["pair_slot"].max()) > 1  # short pairs share a row
+
+
+def test_a_bad_record_is_one_line_naming_file_and_line_or_skipped_and_counted(
+        tmp_path: Path) -> None:
+    source = _pairs_file(tmp_path / "pairs.jsonl", [
+        _good(0), "{not json", json.dumps({"prompt": "q", "chosen": "a"}), _good(3)])
+    with pytest.raises(DataError) as err:
+        preference_rows(_section(source), 512, 0)
+    assert f"record {source}:2:" in str(err.value) and "data.bad_records=skip" in str(err.value)
+    assert "\n" not in str(err.value)
+    train, _, _ = preference_rows(_section(source, bad_records="skip"), 512, 0)
+    assert (train.counts.records, train.counts.skipped, train.counts.examples) == (4, 2, 2)
+    assert train.counts.bad[1].startswith(f"{source}:3: ") and "chosen" in train.counts.bad[1]
+
+
+def test_pairs_too_long_are_dropped_and_truncation_is_counted(tmp_path: Path) -> None:
+    source = _pairs_file(tmp_path / "pairs.jsonl", [
+        _good(0), json.dumps({"prompt": "p" * 40, "chosen": "c", "rejected": "r"})])
+    train, _, _ = preference_rows(_section(source), 512, 0)
+    assert (train.counts.examples, train.counts.dropped) == (1, 1)
+    train, _, _ = preference_rows(_section(source), 20, 2)
+    assert (train.counts.examples, train.counts.dropped) == (2, 0)
+    assert (train.truncated.prompts_cut, train.truncated.completions_cut) == (1, 1)  # yes<eos>
+
+
+def test_kept_rows_are_read_back_and_a_flipped_byte_makes_them_anew(tmp_path: Path) -> None:
+    source = _pairs_file(tmp_path / "pairs.jsonl", [_good(i) for i in range(20)])
+    first, _, _ = preference_rows(_section(source, eval_fraction=0.25), 512, 0)
+    assert first.eval is not None and first.counts.held_records == 5
+    again, _, _ = preference_rows(_section(source, eval_fraction=0.25), 512, 0)
+    assert again.folder == first.folder and again.notice is None
+    kept = first.folder / "train.tokens.bin"
+    written = kept.read_bytes()
+    data = bytearray(written)
+    data[3] ^= 0xFF
+    kept.write_bytes(bytes(data))
+    remade, _, _ = preference_rows(_section(source, eval_fraction=0.25), 512, 0)
+    assert remade.notice is not None
+    assert "train.tokens.bin does not match its sha256" in remade.notice
+    assert kept.read_bytes() == written  # made anew, as first written

@@ -47,11 +47,10 @@ from trainrun.config import (
 from trainrun.data import model_tokenizer
 from trainrun.models import peft
 from trainrun.models.adapters import Model
+from trainrun.models.families import FAMILIES
 from trainrun.models.huggingface import (
     CONFIG,
     INDEX,
-    LLAMA_FAMILY,
-    PREFIX,
     WEIGHTS,
     Architecture,
     Source,
@@ -343,12 +342,9 @@ def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reade
         return out
     tensors = Tensors.of(path)
     names = tensors.names
-    if any(n.startswith(PREFIX) for n in names):
-        return _from_hf(tensors, base_cfg, "gpt2", shapes, str(path))
-    if "model.embed_tokens.weight" in names:
-        fused = any(".self_attn.qkv_proj." in n for n in names)  # Phi-3's layout
-        return _from_hf(tensors, base_cfg, "phi3" if fused else "qwen2" if cfg.qkv_bias
-                        else LLAMA_FAMILY[0], shapes, str(path))
+    layout = next((t for t, family in FAMILIES.items() if family.reads_bare(names)), None)
+    if layout is not None:  # Hugging Face's names, of the first family whose layout they are
+        return _from_hf(tensors, base_cfg, layout, shapes, str(path))
     sizes = {n: tensors.shape(n) for n in names}
     tensors.check_floats(names)
     return _checked({n: _tensor_reader(tensors, Source(n)) for n in names}, sizes, shapes,

@@ -1,8 +1,9 @@
 """The JSON files of Hugging Face directories, typed: the keys of ``config.json`` that trainrun
-reads (GPT-2's, the Llama family's) and those of PEFT's ``adapter_config.json``. Each value is
-checked before it is used; a wrong type, a size out of range or a regular expression that does
-not compile is one line naming the file, the key, the value and what the key takes. Keys
-trainrun does not read pass unchecked (``extra="allow"``), as ``transformers`` keeps them.
+reads (every family's, the Llama layout's; a family's own in its module under ``families/``)
+and those of PEFT's ``adapter_config.json``. Each value is checked before it is used; a wrong
+type, a size out of range or a regular expression that does not compile is one line naming the
+file, the key, the value and what the key takes. Keys trainrun does not read pass unchecked
+(``extra="allow"``), as ``transformers`` keeps them.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class RopeParameters(_JsonFile):
     partial_rotary_factor: Positive | None = Field(default=None, description=POSITIVE)
 
 
-class _ModelConfig(_JsonFile):
+class ModelConfig(_JsonFile):
+    """The keys of a config.json that trainrun reads of every family."""
+
     model_type: Text = Field(description="a model type's name")
     vocab_size: Count | None = Field(default=None, description=COUNT)
     tie_word_embeddings: Flag | None = Field(default=None, description=FLAG)
@@ -62,32 +65,9 @@ class _ModelConfig(_JsonFile):
         default=None, description="an object of rotary settings (rope_type, rope_theta, ...)")
 
 
-class GPT2Config(_ModelConfig):
-    """The keys of a ``gpt2`` config.json that trainrun reads."""
-
-    n_embd: Count | None = Field(default=None, description=COUNT)
-    n_layer: Count | None = Field(default=None, description=COUNT)
-    n_head: Count | None = Field(default=None, description=COUNT)
-    n_inner: Count | None = Field(default=None, description=COUNT)
-    n_positions: Count | None = Field(default=None, description=COUNT)
-    layer_norm_epsilon: Positive | None = Field(default=None, description=POSITIVE)
-    activation_function: Text | None = Field(default=None, description="an activation's name")
-    scale_attn_weights: Flag | None = Field(default=None, description=FLAG)
-    scale_attn_by_inverse_layer_idx: Flag | None = Field(default=None, description=FLAG)
-    reorder_and_upcast_attn: Flag | None = Field(default=None, description=FLAG)
-
-    @pydantic.model_validator(mode="after")
-    def _heads_divide(self) -> GPT2Config:
-        if self.n_embd is not None and self.n_head is not None and self.n_embd % self.n_head:
-            raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}, "
-                             "which GPT-2's attention needs")
-        return self
-
-
-class LlamaConfig(_ModelConfig):
-    """The keys of a config.json of the Llama layout's families (``llama``, ``qwen2``,
-    ``mistral``, ``qwen3``, ``gemma3_text``, ``phi3`` and the mixtures of experts) that
-    trainrun reads."""
+class LlamaConfig(ModelConfig):
+    """The keys of a config.json of the families of the Llama layout
+    (``families/llama_layout.py``) that trainrun reads."""
 
     hidden_size: Count | None = Field(default=None, description=COUNT)
     num_hidden_layers: Count | None = Field(default=None, description=COUNT)
@@ -163,18 +143,15 @@ class AdapterConfig(_JsonFile):
         return self
 
 
-MODEL_CONFIGS: dict[str, type[_ModelConfig]] = {
-    "gpt2": GPT2Config, "llama": LlamaConfig, "qwen2": LlamaConfig, "mistral": LlamaConfig,
-    "qwen3": LlamaConfig, "gemma3_text": LlamaConfig, "phi3": LlamaConfig,
-    "mixtral": LlamaConfig, "qwen2_moe": LlamaConfig, "qwen3_moe": LlamaConfig}
 MODEL_FIX = "correct it, or save the model again with save_pretrained"
 ADAPTER_FIX = "correct it, or save the adapter again with PEFT's save_pretrained"
 
 
-def checked_model_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """``hf`` (a ``config.json`` of a model_type trainrun reads) once every key trainrun reads
-    holds what it takes; else ``HFConfigError`` on one line."""
-    checked(MODEL_CONFIGS[str(hf.get("model_type"))], hf, where, MODEL_FIX)
+def checked_model_config(hf: dict[str, Any], where: str,
+                         schema: type[ModelConfig]) -> dict[str, Any]:
+    """``hf`` (a ``config.json`` of a model_type trainrun reads, whose keys ``schema`` types)
+    once every key trainrun reads holds what it takes; else ``HFConfigError`` on one line."""
+    checked(schema, hf, where, MODEL_FIX)
     return hf
 
 

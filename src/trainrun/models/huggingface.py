@@ -1,8 +1,9 @@
-"""Weights in and out of Hugging Face's layout for the GPT-2 and Llama families and their mixtures
-of experts (each ``model_type`` of ``MODEL_TYPES``): a model directory of ``config.json`` and
-``model.safetensors``, or of shards listed in ``model.safetensors.index.json``, as
-``transformers``' ``save_pretrained`` writes it and ``from_pretrained`` reads it. Through
-``safetensors`` alone: neither ``transformers`` nor PyTorch is imported.
+"""Weights in and out of Hugging Face's layout for each ``model_type`` of ``MODEL_TYPES`` (one
+module per family under ``families/``, which says its config.json and tensor names both ways):
+a model directory of ``config.json`` and ``model.safetensors``, or of shards listed in
+``model.safetensors.index.json``, as ``transformers``' ``save_pretrained`` writes it and
+``from_pretrained`` reads it. Through ``safetensors`` alone: neither ``transformers`` nor
+PyTorch is imported.
 
 A model directory may be on object storage (``gs://``, ``s3://``): its files are read through
 the storage layer, each shard's header and tensors by ranged reads, never copied whole.
@@ -14,7 +15,6 @@ tensor-by-tensor mapping: docs/internals.md, "Hugging Face weights"."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -24,268 +24,61 @@ from typing import Any
 
 import numpy as np
 
-from trainrun.config import RopeScaling, TransformerModel
-from trainrun.errors import UserError, read_refused
+from trainrun.config import TransformerModel
+from trainrun.errors import read_refused
 from trainrun.models import safetensors_ranges as ranges
+from trainrun.models.families import FAMILIES, MODEL_TYPES
+from trainrun.models.families.family import (
+    CONFIG,
+    HEAD,
+    Architecture,
+    Family,
+    Source,
+    WeightsError,
+)
+from trainrun.models.families.gpt2 import PREFIX
 from trainrun.models.hf_config import checked_model_config
 from trainrun.storage import location, remote
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 
 PyTree = Any
-WEIGHTS, CONFIG, INDEX = "model.safetensors", "config.json", "model.safetensors.index.json"
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 GENERATION_CONFIG = "generation_config.json"
-HEAD = "lm_head.weight"
 # safetensors' float dtypes that numpy (or JAX, for bfloat16) reads as the values they hold
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 BLOCK_ELEMENTS = 2**24  # of a large table compared a block at a time, never read whole
-PREFIX = "transformer."  # GPT2LMHeadModel's body; a bare GPT2Model's names lack it
-MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe")
-LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "phi3", *MOE_FAMILY)
-MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
 # Files a model directory carries beside its weights, copied by an export from its source.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", GENERATION_CONFIG)
 
 
-class WeightsError(UserError):
-    """Weights that do not fit the model; the CLI prints it on one line and exits 2."""
-
-
 # ---- config.json -----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """What a ``config.json`` says of the model: the transformer's fields it sets, with the
-    config.json key each came from (for messages), and the longest context it was made for."""
-
-    model_type: str
-    fields: dict[str, Any]
-    keys: dict[str, str]
-    max_positions: int
+def family(model_type: object, what: str) -> Family:
+    """The family of ``model_type``; one trainrun does not know is refused in one line ending
+    ``what`` (e.g. "reads": "... trainrun reads gpt2, llama, ...")."""
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise WeightsError(f"{what} " + ", ".join(MODEL_TYPES))
+    return FAMILIES[model_type]
 
 
 def architecture(hf: dict[str, Any], where: str = CONFIG) -> Architecture:
     """The transformer a ``config.json`` describes; a value of the wrong type or out of range,
     or a field trainrun cannot compute, is refused in one line naming it."""
     model_type = hf.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise WeightsError(f"{where} has model_type {model_type!r}; trainrun reads "
-                           + ", ".join(MODEL_TYPES))
-    checked_model_config(hf, where)
-    if hf.get("quantization_config"):
-        raise WeightsError(f"{where} describes quantized weights (quantization_config); "
-                           "trainrun reads float weights: give the unquantized model")
-    partial = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
-                                                   hf.get("partial_rotary_factor", 1.0))
-    if float(partial) != 1.0:
-        raise WeightsError(f"{where} has partial_rotary_factor {partial}; trainrun rotates the "
-                           "whole head dimension")
-    try:
-        return _gpt2(hf) if model_type == "gpt2" else _llama_family(hf, model_type)
-    except KeyError as err:
-        raise WeightsError(f"{where} lacks {err.args[0]!r}, which a {model_type} config.json "
-                           "has; is it complete?") from None
-    except (TypeError, ValueError) as err:
-        raise WeightsError(f"{where} has a value of the wrong type ({err})") from None
-
-
-def _gpt2(hf: dict[str, Any]) -> Architecture:
-    activation = hf.get("activation_function", "gelu_new")
-    if activation not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise WeightsError(f"activation_function {activation!r} is not GPT-2's tanh GELU "
-                           "(gelu_new), the one trainrun's transformer has")
-    if not hf.get("scale_attn_weights", True):
-        raise WeightsError("scale_attn_weights=false (attention logits not divided by "
-                           "sqrt(head_dim)) is not supported; trainrun's attention scales them")
-    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if hf.get(key):
-            raise WeightsError(f"{key}=true is not supported; trainrun's attention has neither")
-    d = int(hf["n_embd"])
-    keys = {"vocab": "vocab_size", "d_model": "n_embd", "layers": "n_layer", "heads": "n_head",
-            "mlp_hidden": "n_inner", "seq_len": "n_positions",
-            "norm_eps": "layer_norm_epsilon", "tie_embeddings": "tie_word_embeddings"}
-    fields = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": int(hf["n_layer"]),
-              "heads": int(hf["n_head"]), "kv_heads": None, "head_dim": None,
-              "mlp": "gelu", "mlp_hidden": int(hf.get("n_inner") or 4 * d),
-              "norm": "layernorm", "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
-              "seq_len": int(hf["n_positions"]), "positions": "learned", "bias": True,
-              "qkv_bias": False, "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
-              "rope_scaling": None}
-    return Architecture("gpt2", fields, keys, int(hf["n_positions"]))
-
-
-# What sets each family of the Llama layout apart (transformers' modeling files).
-QKV_BIAS = ("qwen2", "qwen2_moe")  # biases on q/k/v alone
-ATTENTION_BIAS = ("llama", "qwen3", "gemma3_text", "qwen3_moe")  # on q/k/v and o
-MLP_BIAS = ("llama",)  # mlp_bias
-QK_NORM = ("qwen3", "gemma3_text", "qwen3_moe")
-GEMMA = ("gemma3_text",)  # 1 + w norms, norms after each sublayer, scaled embeddings
-FUSED = ("phi3",)  # one qkv_proj and one gate_up_proj per layer
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
-ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
-
-
-def _llama_family(hf: dict[str, Any], model_type: str) -> Architecture:
-    act_key = "hidden_activation" if model_type in GEMMA else "hidden_act"
-    activation = hf.get(act_key, "gelu_pytorch_tanh" if model_type in GEMMA else "silu")
-    if activation not in ACTIVATIONS:
-        raise WeightsError(f"{act_key} {activation!r} is not supported; trainrun's gated MLPs "
-                           "take silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)")
-    for key, families in (("attention_bias", ATTENTION_BIAS), ("mlp_bias", MLP_BIAS)):
-        if hf.get(key) and model_type not in families:
-            raise WeightsError(f"{key}=true is not supported for {model_type}: transformers' "
-                               f"{model_type} layers have no such biases")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key) is not None and model_type in GEMMA:
-            raise WeightsError(f"{key}={hf[key]} is not supported; trainrun's attention and "
-                               "output head do not soft-cap")
-    if model_type in GEMMA and hf.get("use_bidirectional_attention"):
-        raise WeightsError("use_bidirectional_attention=true is not supported; trainrun's "
-                           "attention is causal")
-    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    layers = int(hf["num_hidden_layers"])
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    head_dim = int(hf.get("head_dim") or d // heads)
-    theta, scaling, local_theta = _rope(hf)
-    window, sliding = _sliding(hf, model_type, layers)
-    gemma = model_type in GEMMA
-    keys = {"vocab": "vocab_size", "d_model": "hidden_size", "layers": "num_hidden_layers",
-            "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
-            "head_dim": "head_dim", "mlp_hidden": "intermediate_size",
-            "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
-            "rope_scaling": "rope_scaling", "tie_embeddings": "tie_word_embeddings",
-            "mlp": act_key, "sliding_window": "sliding_window", "sliding_layers": "layer_types",
-            "fused_projections": "model_type"}
-    fields = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": layers,
-              "heads": heads, "kv_heads": kv_heads if kv_heads != heads else None,
-              "head_dim": head_dim if head_dim * heads != d else None,
-              "mlp": ACTIVATIONS[activation], "mlp_hidden": int(hf["intermediate_size"]),
-              "norm": "rmsnorm", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-              "positions": "rope", "rope_theta": theta, "rope_scaling": scaling, "bias": False,
-              "qkv_bias": (bool(hf.get("qkv_bias", True)) if model_type == "qwen2_moe"
-                           else model_type in QKV_BIAS),
-              "attention_bias": bool(hf.get("attention_bias", False)),
-              "mlp_bias": bool(hf.get("mlp_bias", False)),
-              "qk_norm": model_type in QK_NORM, "norm_plus_one": gemma, "post_norms": gemma,
-              "embed_scale": gemma,
-              "query_scale": (float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5
-                              if gemma else None),
-              "sliding_window": window, "sliding_layers": sliding,
-              "fused_projections": model_type in FUSED,
-              "local_rope_theta": local_theta if window is not None else None,
-              "tie_embeddings": bool(hf.get("tie_word_embeddings",
-                                            model_type in ("qwen2", *GEMMA))),
-              **(_experts(hf, model_type, layers) if model_type in MOE_FAMILY else {})}
-    if model_type in MOE_FAMILY:
-        keys.update(experts="num_experts", experts_per_token="num_experts_per_tok",
-                    expert_hidden="moe_intermediate_size",
-                    shared_expert_hidden="shared_expert_intermediate_size",
-                    router_aux_loss="router_aux_loss_coef", dense_layers="mlp_only_layers")
-    return Architecture(model_type, fields, keys, int(hf.get("max_position_embeddings") or 0))
-
-
-def _experts(hf: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json."""
-    if float(hf.get("router_jitter_noise") or 0.0):
-        raise WeightsError(f"router_jitter_noise {hf['router_jitter_noise']} is not supported; "
-                           "trainrun's router adds no noise: set it to 0")
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-    if experts < 2:
-        raise WeightsError(f"num_experts {experts} names no mixture; a dense model has its "
-                           "own model_type")
-    if model_type == "mixtral":
-        return {"experts": experts, "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
-                "expert_hidden": None, "router_renormalise": True, "dense_layers": (),
-                "shared_expert_hidden": None,
-                "router_aux_loss": float(hf.get("router_aux_loss_coef", 0.001))}
-    step = int(hf.get("decoder_sparse_step", 1))
-    only = {int(i) for i in hf.get("mlp_only_layers") or ()}
-    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-    shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
-    return {"experts": experts, "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
-            "expert_hidden": int(hf["moe_intermediate_size"]),
-            "router_renormalise": bool(hf.get("norm_topk_prob", model_type == "qwen3_moe")),
-            "dense_layers": dense, "shared_expert_hidden": int(shared) if shared else None,
-            "router_aux_loss": float(hf.get("router_aux_loss_coef", 0.001))}
-
-
-def _sliding(hf: dict[str, Any], model_type: str, layers: int
-             ) -> tuple[int | None, tuple[int, ...] | None]:
-    """(window, the layers it applies to, None: every layer) as transformers' ``model_type``
-    builds its masks: from ``layer_types`` where the config has them (Qwen2, Qwen3, Gemma 3),
-    else on every layer where ``sliding_window`` is set (Mistral, Phi-3)."""
-    window = hf.get("sliding_window")
-    types = hf.get("layer_types")
-    if types is None and model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-        start = int(hf.get("max_window_layers", layers))
-        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
-    if types is None and model_type in GEMMA:
-        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(layers)]
-    if types is not None:
-        if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
-            raise WeightsError(f"layer_types {types!r} is not one of sliding_attention or "
-                               f"full_attention per layer ({layers} layers)")
-        sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
-        if not sliding:
-            return None, None
-        if not window:
-            raise WeightsError("layer_types names sliding_attention layers but sliding_window "
-                               "is not set; give the window's length")
-        return int(window), None if len(sliding) == layers else sliding
-    if model_type in ("mistral", "phi3", "mixtral") and window:
-        return int(window), None
-    return None, None
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
-    """(theta, scaling, the local layers' theta) from ``rope_theta`` and ``rope_scaling`` (the
-    form hub checkpoints carry) or ``rope_parameters`` (the form ``transformers`` 5 writes;
-    per layer type for Gemma 3, whose local layers have a base of their own, unscaled)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    local = hf.get("rope_local_base_freq")
-    if "full_attention" in params or "sliding_attention" in params:
-        sliding = dict(params.get("sliding_attention") or {})
-        if sliding.get("rope_type", "default") != "default":
-            raise WeightsError(f"rope_parameters.sliding_attention has rope_type "
-                               f"{sliding['rope_type']!r}; trainrun's local layers take the "
-                               "default rotary scheme")
-        local = sliding.get("rope_theta", local)
-        params = dict(params.get("full_attention") or {})
-    elif params and "rope_type" not in params and "type" not in params \
-            and "rope_theta" not in params:
-        raise WeightsError("rope_parameters per layer type other than full_attention and "
-                           "sliding_attention are not supported")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
-    local_theta = None if local is None else float(local)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind in ("default", None):
-        return theta, None, local_theta
-    if kind == "linear":
-        return theta, RopeScaling(type="linear", factor=float(params["factor"])), local_theta
-    if kind == "llama3":
-        return theta, RopeScaling(
-            type="llama3", factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_positions=int(params["original_max_position_embeddings"])), local_theta
-    raise WeightsError(f"rope_scaling type {kind!r} is not supported; trainrun computes "
-                       "default, linear and llama3 rotary frequencies")
+    return family(model_type, f"{where} has model_type {model_type!r}; trainrun reads"
+                  ).architecture(hf, where)
 
 
 def refuse_unsupported(hf: dict[str, Any], seq_len: int, where: str = CONFIG) -> None:
     """What ``config.json`` asks checked before a run of ``seq_len`` tokens uses it (every
     value trainrun reads holds what its key takes; sliding windows are computed)."""
-    if hf.get("model_type") in MODEL_TYPES:
-        checked_model_config(hf, where)
+    model_type = hf.get("model_type")
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        checked_model_config(hf, where, FAMILIES[model_type].schema)
 
 
 def config_json(cfg: TransformerModel, model_type: str,
@@ -293,80 +86,9 @@ def config_json(cfg: TransformerModel, model_type: str,
     """A ``config.json`` for ``cfg`` in ``model_type``'s layout. ``source``: the config.json
     the model was loaded from; every field of it is kept as it was but those whose value for
     the model ``cfg`` changed (``kept_source``)."""
-    if model_type == "gpt2":
-        if (cfg.positions != "learned" or not cfg.bias or cfg.norm != "layernorm"
-                or cfg.mlp != "gelu" or cfg.kv_heads not in (None, cfg.heads)
-                or cfg.head_dim not in (None, cfg.d_model // cfg.heads)):
-            raise WeightsError("only a transformer with GPT-2's layout exports as gpt2 "
-                               "(positions=learned, bias=true, layernorm, gelu MLP, one key/value "
-                               "head per head)")
-        out = {**(source or {}), "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-               "activation_function": "gelu_new", "vocab_size": cfg.vocab,
-               "n_embd": cfg.d_model, "n_layer": cfg.layers, "n_head": cfg.heads,
-               "n_inner": cfg.hidden, "n_positions": cfg.seq_len,
-               "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std,
-               "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True}
-        out.setdefault("bos_token_id", None)
-        out.setdefault("eos_token_id", None)
-        return kept_source(out, source)
-    if model_type not in LLAMA_FAMILY:
-        raise WeightsError(f"model_type {model_type!r} is not one trainrun writes; it writes "
-                           + ", ".join(MODEL_TYPES))
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    scaling = cfg.rope_scaling
-    if scaling is not None and scaling.type == "linear":
-        rope = {**rope, "rope_type": "linear", "factor": scaling.factor}
-    elif scaling is not None:
-        rope = {**rope, "rope_type": "llama3", "factor": scaling.factor,
-                "low_freq_factor": scaling.low_freq_factor,
-                "high_freq_factor": scaling.high_freq_factor,
-                "original_max_position_embeddings": scaling.original_max_positions}
-    gemma = model_type in GEMMA
-    dropped = ("rope_scaling", "rope_theta", "rope_local_base_freq", "layer_types",
-               "use_sliding_window", "max_window_layers", "sliding_window")
-    out = {k: v for k, v in (source or {}).items() if k not in dropped}
-    out.update({
-        "model_type": model_type, "architectures": [ARCHITECTURES[model_type]],
-        "vocab_size": cfg.vocab, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_key_heads,
-        "head_dim": cfg.attention_head_dim, "intermediate_size": cfg.hidden,
-        "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std})
-    activation = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}.get(cfg.mlp, cfg.mlp)
-    out["hidden_activation" if gemma else "hidden_act"] = activation
-    if model_type in ATTENTION_BIAS:
-        out["attention_bias"] = cfg.attention_bias
-    if model_type in MLP_BIAS:
-        out["mlp_bias"] = cfg.mlp_bias
-    if gemma:
-        scalar = (cfg.attention_head_dim if cfg.query_scale is None
-                  else cfg.query_scale ** -2)
-        # transformers takes a whole number here; 1/sqrt round trips within float error
-        out["query_pre_attn_scalar"] = (round(scalar) if math.isclose(scalar, round(scalar))
-                                        else scalar)
-        local = {"rope_type": "default",
-                 "rope_theta": cfg.local_rope_theta or cfg.rope_theta}
-        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
-    if cfg.sliding_window is not None:
-        out["sliding_window"] = cfg.sliding_window
-        if model_type in ("qwen2", "qwen3", *GEMMA):
-            out["layer_types"] = ["sliding_attention" if cfg.local_layer(i) else
-                                  "full_attention" for i in range(cfg.layers)]
-            out["use_sliding_window"] = True
-            out["max_window_layers"] = 0
-    elif model_type in ("mistral", "phi3", "mixtral"):
-        out["sliding_window"] = None
-    elif gemma:  # every layer global
-        out["sliding_window"] = 4096
-        out["layer_types"] = ["full_attention"] * cfg.layers
-    if model_type in MOE_FAMILY:
-        out.update(_experts_json(cfg, model_type))
-    out["max_position_embeddings"] = max(int(out.get("max_position_embeddings") or 0),
-                                         cfg.seq_len)
-    if scaling is not None and not gemma:  # hub checkpoints' key, read by older transformers
-        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    _refuse_unwritten(cfg, out, model_type)
-    return kept_source(out, source)
+    written = family(model_type, f"model_type {model_type!r} is not one trainrun writes; it "
+                     "writes")
+    return kept_source(written.config_json(cfg, source), source)
 
 
 def kept_source(out: dict[str, Any], source: dict[str, Any] | None) -> dict[str, Any]:
@@ -409,68 +131,6 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-def _experts_json(cfg: TransformerModel, model_type: str) -> dict[str, Any]:
-    if cfg.experts is None:
-        raise WeightsError(f"the model has no experts, which {model_type} has: export it as "
-                           "the dense family it was trained from")
-    out: dict[str, Any] = {"num_experts_per_tok": cfg.experts_per_token,
-                           "router_aux_loss_coef": cfg.router_aux_loss,
-                           "output_router_logits": False}
-    if model_type == "mixtral":
-        return {**out, "num_local_experts": cfg.experts}
-    out.update(num_experts=cfg.experts, moe_intermediate_size=cfg.expert_width,
-               norm_topk_prob=cfg.router_renormalise, decoder_sparse_step=1,
-               mlp_only_layers=list(cfg.dense_layers))
-    if model_type == "qwen2_moe":
-        out.update(shared_expert_intermediate_size=cfg.shared_expert_hidden or 0,
-                   qkv_bias=cfg.qkv_bias)
-    return out
-
-
-def _expert_sources(cfg: TransformerModel, model_type: str, hf: str, ours: str
-                    ) -> dict[str, Source]:
-    """The sources of one expert layer's params (``hf``: the layer's prefix)."""
-    assert cfg.experts is not None
-    if model_type == "mixtral":
-        moe, parts = f"{hf}block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
-    else:
-        moe, parts = f"{hf}mlp.", {p: f"{p}_proj" for p in ("gate", "up", "down")}
-    names = {f"{ours}router": Source(f"{moe}gate.weight", transpose=True)}
-    for ours_name, theirs in parts.items():
-        stack = tuple(f"{moe}experts.{e}.{theirs}.weight" for e in range(cfg.experts))
-        names[f"{ours}{ours_name}"] = Source(stack[0], transpose=True, stack=stack)
-    if cfg.shared_expert_hidden is not None:
-        names[f"{ours}shared_gate"] = Source(f"{moe}shared_expert_gate.weight", transpose=True)
-        for p in ("gate", "up", "down"):
-            key = "shared_gate_proj" if p == "gate" else f"shared_{p}"
-            names[f"{ours}{key}"] = Source(f"{moe}shared_expert.{p}_proj.weight", transpose=True)
-    return names
-
-
-def _refuse_unwritten(cfg: TransformerModel, out: dict[str, Any], model_type: str) -> None:
-    """A layout ``model_type``'s config.json cannot say (read back, it would describe another
-    model) is refused in one line naming the first field that differs."""
-    back = architecture(out).fields
-    for field, value in back.items():
-        if field in ("seq_len",):
-            continue
-        mine = getattr(cfg, field)
-        if field == "kv_heads":
-            mine, value = cfg.kv_key_heads, value or cfg.heads
-        elif field == "head_dim":
-            mine, value = cfg.attention_head_dim, value or cfg.d_model // cfg.heads
-        elif field == "mlp_hidden":
-            mine = cfg.hidden
-        elif field == "query_scale" and value is not None and mine is None:
-            mine = cfg.attention_head_dim ** -0.5
-        if isinstance(mine, float) and isinstance(value, float) and math.isclose(mine, value):
-            continue
-        if mine != value and not (field == "local_rope_theta" and mine is None):
-            raise WeightsError(f"the model has {field}={mine!r}, which a {model_type} "
-                               f"config.json cannot say (it would read {value!r}): export it "
-                               "as the family it was trained from")
-
-
 def read_config(path: Location) -> dict[str, Any]:
     """A model directory's ``config.json`` as a dict; unreadable is one line."""
     file = path / CONFIG
@@ -503,96 +163,11 @@ def read_file(file: Location) -> bytes:
 # ---- tensors ---------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """Where a param comes from in Hugging Face's tensors: ``name``, transposed (a ``Linear``'s
-    ``[out, in]`` weight), and for a fused tensor (GPT-2's and Phi-3's q/k/v, Phi-3's gate and
-    up) the range of the param's last axis in it, of ``fused`` in all."""
-
-    name: str
-    transpose: bool = False
-    span: tuple[int, int] | None = None
-    fused: int = 0
-    stack: tuple[str, ...] = ()  # the tensors of each expert, stacked on the param's first axis
-
-
 def tensor_map(cfg: TransformerModel, model_type: str) -> dict[str, Source]:
     """trainrun's dotted param name -> its Hugging Face source, for every base param (LoRA
     adapters have none: ``peft.py``)."""
-    names: dict[str, Source] = {}
-    if model_type == "gpt2":
-        d = cfg.d_model
-        names["embed.embedding"] = Source(PREFIX + "wte.weight")
-        names["positions"] = Source(PREFIX + "wpe.weight")
-        names["ln_f.scale"], names["ln_f.bias"] = (Source(f"{PREFIX}ln_f.{p}")
-                                                   for p in ("weight", "bias"))
-        for i in range(cfg.layers):
-            hf, ours = f"{PREFIX}h.{i}.", f"blocks.{i}."
-            for theirs, norm in (("ln_1", "ln1"), ("ln_2", "ln2")):
-                names[f"{ours}{norm}.scale"] = Source(f"{hf}{theirs}.weight")
-                names[f"{ours}{norm}.bias"] = Source(f"{hf}{theirs}.bias")
-            for j, proj in enumerate("qkv"):
-                span = (j * d, (j + 1) * d)
-                names[f"{ours}attn.{proj}.kernel"] = Source(f"{hf}attn.c_attn.weight", span=span,
-                                                            fused=3 * d)
-                names[f"{ours}attn.{proj}.bias"] = Source(f"{hf}attn.c_attn.bias", span=span,
-                                                          fused=3 * d)
-            for theirs, layer in (("attn.c_proj", "attn.o"), ("mlp.c_fc", "mlp.up"),
-                                  ("mlp.c_proj", "mlp.down")):
-                names[f"{ours}{layer}.kernel"] = Source(f"{hf}{theirs}.weight")
-                names[f"{ours}{layer}.bias"] = Source(f"{hf}{theirs}.bias")
-    else:
-        names["embed.embedding"] = Source("model.embed_tokens.weight")
-        names["ln_f.scale"] = Source("model.norm.weight")
-        head_dim = cfg.attention_head_dim
-        inner, kv_inner = cfg.heads * head_dim, cfg.kv_key_heads * head_dim
-        qkv_spans = {"q": (0, inner), "k": (inner, inner + kv_inner),
-                     "v": (inner + kv_inner, inner + 2 * kv_inner)}
-        norms = (("ln1", "input_layernorm"), ("ln2", "pre_feedforward_layernorm"),
-                 ("attn_out_norm", "post_attention_layernorm"),
-                 ("mlp_out_norm", "post_feedforward_layernorm")) if cfg.post_norms else (
-                 ("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))
-        qkv_bias = cfg.qkv_bias or cfg.attention_bias
-        mlp_bias = cfg.mlp_bias
-        for i in range(cfg.layers):
-            hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-            for norm, theirs in norms:
-                names[f"{ours}{norm}.scale"] = Source(f"{hf}{theirs}.weight")
-            if cfg.qk_norm:
-                for proj in "qk":
-                    names[f"{ours}attn.{proj}_norm.scale"] = Source(
-                        f"{hf}self_attn.{proj}_norm.weight")
-            for proj in "qkv":
-                if model_type in FUSED:
-                    names[f"{ours}attn.{proj}.kernel"] = Source(
-                        f"{hf}self_attn.qkv_proj.weight", transpose=True, span=qkv_spans[proj],
-                        fused=inner + 2 * kv_inner)
-                else:
-                    names[f"{ours}attn.{proj}.kernel"] = Source(
-                        f"{hf}self_attn.{proj}_proj.weight", transpose=True)
-                if qkv_bias:
-                    names[f"{ours}attn.{proj}.bias"] = Source(f"{hf}self_attn.{proj}_proj.bias")
-            names[f"{ours}attn.o.kernel"] = Source(f"{hf}self_attn.o_proj.weight", transpose=True)
-            if cfg.attention_bias:
-                names[f"{ours}attn.o.bias"] = Source(f"{hf}self_attn.o_proj.bias")
-            if cfg.expert_layer(i):
-                names.update(_expert_sources(cfg, model_type, hf, f"{ours}mlp."))
-                continue
-            for j, proj in enumerate(("gate", "up")):
-                if model_type in FUSED:
-                    names[f"{ours}mlp.{proj}.kernel"] = Source(
-                        f"{hf}mlp.gate_up_proj.weight", transpose=True,
-                        span=(j * cfg.hidden, (j + 1) * cfg.hidden), fused=2 * cfg.hidden)
-                else:
-                    names[f"{ours}mlp.{proj}.kernel"] = Source(f"{hf}mlp.{proj}_proj.weight",
-                                                               transpose=True)
-            names[f"{ours}mlp.down.kernel"] = Source(f"{hf}mlp.down_proj.weight", transpose=True)
-            if mlp_bias:
-                for proj in ("gate", "up", "down"):
-                    names[f"{ours}mlp.{proj}.bias"] = Source(f"{hf}mlp.{proj}_proj.bias")
-    if not cfg.tie_embeddings:
-        names["head"] = Source(HEAD)
-    return names
+    return family(model_type, f"model_type {model_type!r} has no tensor layout in trainrun; it "
+                  "knows").tensor_map(cfg)
 
 
 class Tensors:
@@ -784,7 +359,8 @@ def separate_head(tensors: Tensors, model_type: str) -> bool:
     ``transformers`` then loads it as a head of its own whatever ``tie_word_embeddings`` says
     (``PreTrainedModel.tie_weights`` ties only equal tensors), so trainrun unties it too. The
     two are compared a block of rows at a time, never whole in memory."""
-    embedding = PREFIX + "wte.weight" if model_type == "gpt2" else "model.embed_tokens.weight"
+    embedding = family(model_type, f"model_type {model_type!r} has no tensor layout in "
+                       "trainrun; it knows").embedding
     if HEAD not in tensors.names or embedding not in tensors.names:
         return False  # no head: tied; no embedding: check_tensors names it missing
     shape = tensors.shape(HEAD)
@@ -905,10 +481,9 @@ def dotted(tree: PyTree, prefix: str = "") -> dict[str, np.ndarray]:
 def model_type_of(cfg: TransformerModel) -> str:
     """The Hugging Face family a transformer's layout is (for a model that came from none);
     a layout that is no family's is refused in one line."""
-    if cfg.positions == "learned" and cfg.norm == "layernorm" and cfg.mlp == "gelu":
-        return "gpt2"
-    if cfg.positions == "rope" and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu":
-        return "phi3" if cfg.fused_projections else "qwen2" if cfg.qkv_bias else "llama"
+    for model_type, written in FAMILIES.items():
+        if written.writes_fresh(cfg):
+            return model_type
     raise WeightsError(f"the model's layout ({cfg.norm}, {cfg.mlp} MLP, {cfg.positions} "
                        "positions) is no Hugging Face family's: train with GPT-2's "
                        "(model.positions=learned, model.bias=true) or the Llama family's "

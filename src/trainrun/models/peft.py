@@ -6,14 +6,14 @@
 trainrun's adapter on a linear layer is ``a`` ``[d_in, rank]`` and ``b`` ``[rank, d_out]``,
 adding ``(alpha / rank) x a b``; PEFT's is ``lora_A.weight`` ``[rank, d_in]`` and
 ``lora_B.weight`` ``[d_out, rank]``, adding ``scaling x A^T B^T``, so ``A = a^T``, ``B = b^T``
-and the scalings are equal. The Llama family (``llama``, ``qwen2``, ``mistral``, ...), one HF
-module per trainrun layer; GPT-2, whose ``attn.c_attn`` holds q, k and v in one Conv1D, so
-trainrun's q/k/v adapters travel as one ``c_attn`` adapter of the summed rank
-(``rank_pattern`` / ``alpha_pattern`` keep its scale); Phi-3, whose ``qkv_proj`` and
-``gate_up_proj`` each take one adapter over the fused output, as trainrun's ``qkv_lora`` and
-``gate_up_lora`` are.
+and the scalings are equal. Which module carries which adapter is the family's
+(``Family.adapters``, its module under ``families/``): in the Llama layout one HF module per
+trainrun layer; in GPT-2, whose ``attn.c_attn`` holds q, k and v in one Conv1D, trainrun's
+q/k/v adapters travel as one ``c_attn`` adapter of the summed rank (``rank_pattern`` /
+``alpha_pattern`` keep its scale); in Phi-3, ``qkv_proj`` and ``gate_up_proj`` each take one
+adapter over the fused output, as trainrun's ``qkv_lora`` and ``gate_up_lora`` are.
 
-A mixture of experts (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) keeps its experts in
+A mixture of experts (a family whose adapters take ``experts``) keeps its experts in
 ``transformers`` as two 3-D parameters per layer, ``mlp.experts.gate_up_proj`` ``[experts, 2 x
 width, d]`` and ``mlp.experts.down_proj`` ``[experts, d, width]``, and its router as
 ``mlp.gate.weight``; PEFT adapts them through ``target_parameters`` (its ``ParamWrapper``): per
@@ -40,16 +40,10 @@ import numpy as np
 
 from trainrun.config import LoraConfig, TransformerModel
 from trainrun.config.sections import LoraTarget
+from trainrun.models.families import FAMILIES, MODEL_TYPES
+from trainrun.models.families.family import AdapterLayout, Family
 from trainrun.models.hf_config import checked_adapter_config
-from trainrun.models.huggingface import (
-    FUSED,
-    LLAMA_FAMILY,
-    MODEL_TYPES,
-    MOE_FAMILY,
-    WeightsError,
-    read_file,
-    refuse_unreadable,
-)
+from trainrun.models.huggingface import WeightsError, read_file, refuse_unreadable
 from trainrun.storage import location
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
@@ -61,18 +55,9 @@ PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 # trainrun's order, kept in configs
 TARGETS: tuple[LoraTarget, ...] = ("q", "k", "v", "o", "gate", "up", "down", "router")
 
-# trainrun target -> (block part, HF module path inside a decoder layer)
-_LLAMA = {"q": ("attn", "self_attn.q_proj"), "k": ("attn", "self_attn.k_proj"),
-          "v": ("attn", "self_attn.v_proj"), "o": ("attn", "self_attn.o_proj"),
-          "gate": ("mlp", "mlp.gate_proj"), "up": ("mlp", "mlp.up_proj"),
-          "down": ("mlp", "mlp.down_proj")}
-# GPT-2's c_proj names two layers, so its target_modules entries keep the parent's name.
-_GPT2 = {"o": ("attn", "attn.c_proj"), "up": ("mlp", "mlp.c_fc"),
-         "down": ("mlp", "mlp.c_proj")}
-C_ATTN = "attn.c_attn"
-# Phi-3's fused layers: trainrun's fused adapter -> (block part, HF module, the targets it spans)
-_PHI3 = {"qkv": ("attn", "self_attn.qkv_proj", ("q", "k", "v")),
-         "gate_up": ("mlp", "mlp.gate_up_proj", ("gate", "up"))}
+# trainrun's fused adapters -> the targets each spans
+FUSED_TARGETS: dict[str, tuple[LoraTarget, ...]] = {"qkv": ("q", "k", "v"),
+                                                    "gate_up": ("gate", "up")}
 # A mixture's parameters PEFT adapts (target_parameters), each named as a module kind here.
 GATE_UP, DOWN, ROUTER = "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"
 EXPERT_KINDS = (GATE_UP, DOWN, ROUTER)
@@ -111,90 +96,133 @@ def base_model_name(path: Location) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
+@dataclasses.dataclass
+class _Written:
+    """What an adapter directory holds besides its settings: PEFT's tensors by name, and the
+    target_modules, target_parameters, rank_pattern and alpha_pattern of its config."""
+
+    tensors: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    modules: list[str] = dataclasses.field(default_factory=list)
+    parameters: list[str] = dataclasses.field(default_factory=list)
+    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
+    alpha_pattern: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
 def adapter_files(params: PyTree, cfg: TransformerModel, model_type: str,
                   base_model: str | None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """PEFT's tensors (float32, contiguous) and ``adapter_config.json`` for the adapters in
     ``params`` of a model with config ``cfg``, whose base is a ``model_type`` checkpoint named
     ``base_model`` (a hub id or path; PeftModel loads it when given only the adapter)."""
-    _check_model_type(model_type)
+    family = _family(model_type)
     if cfg.lora is None or not cfg.adapted:
         raise WeightsError("the model has no LoRA adapters to export; set model.lora")
     rank, alpha = cfg.lora.rank, float(cfg.lora.alpha)
     targets: list[str] = [t for t in TARGETS if t in cfg.adapted]
-    tensors: dict[str, np.ndarray] = {}
-    modules: list[str] = []
-    rank_pattern: dict[str, int] = {}
-    alpha_pattern: dict[str, float] = {}
-    parameters: list[str] = []
-    if model_type in LLAMA_FAMILY:
-        _check_family(cfg, model_type, targets)
-        joint = {name: spans for name, (_, _, spans) in _PHI3.items()
-                 if cfg.fused_projections and spans[0] in targets}
-        in_fused = {t for spans in joint.values() for t in spans}
-        moe = cfg.experts is not None
-        mlp = ("gate", "up", "down", "router")
-        plain = [t for t in targets if t not in in_fused and not (moe and t in mlp)]
-        for i in range(cfg.layers):
-            layer = f"model.layers.{i}"
-            for name in joint:
-                a, b = _adapter(params, i, name, rank)
-                _put(tensors, f"{layer}.{_PHI3[name][1]}", a.T, b.T)
-            for t in plain:
-                a, b = _adapter(params, i, t, rank)
-                _put(tensors, f"{layer}.{_LLAMA[t][1]}", a.T, b.T)
-            if moe and cfg.expert_layer(i):
-                _put_experts(tensors, params, cfg, i, [t for t in targets if t in mlp])
-        for t in targets:
-            module = next((_PHI3[name][1] for name, spans in joint.items() if t in spans),
-                          _LLAMA[t][1] if t in plain else None)
-            if module is not None and module.rsplit(".", 1)[1] not in modules:
-                modules.append(module.rsplit(".", 1)[1])
-        if moe:
-            joined = [t for t in ("gate", "up") if t in targets]
-            parameters = ([GATE_UP] if joined else []) + (
-                [DOWN] if "down" in targets else []) + ([ROUTER] if "router" in targets else [])
-            if len(joined) > 1:  # the same scale, alpha / rank, at the summed rank
-                key = rf".*\.{re.escape(GATE_UP.rsplit('.', 1)[1])}"
-                rank_pattern[key] = rank * len(joined)
-                alpha_pattern[key] = _number(alpha * len(joined))
-    else:
-        fused = [t for t in "qkv" if t in targets]
-        d = cfg.d_model
-        for i in range(cfg.layers):
-            block = f"transformer.h.{i}"
-            if fused:
-                # One adapter of rank n * rank: A stacks the a's; B holds each b in its
-                # projection's rows and its own columns, zeros elsewhere.
-                pairs = [_adapter(params, i, t, rank) for t in fused]
-                big_b = np.zeros((3 * d, rank * len(fused)), np.float32)
-                for n, (t, (_, b)) in enumerate(zip(fused, pairs, strict=True)):
-                    j = "qkv".index(t)
-                    if b.shape[1] != d:
-                        raise WeightsError(f"blocks.{i}.attn.{t}_lora.b has shape {b.shape}; "
-                                           f"GPT-2's c_attn needs [rank, {d}]")
-                    big_b[j * d:(j + 1) * d, n * rank:(n + 1) * rank] = b.T
-                _put(tensors, f"{block}.{C_ATTN}", np.concatenate([a.T for a, _ in pairs]),
-                     big_b)
-            for t in targets:
-                if t in _GPT2:
-                    a, b = _adapter(params, i, t, rank)
-                    _put(tensors, f"{block}.{_GPT2[t][1]}", a.T, b.T)
-        if fused:
-            modules.append("c_attn")
-            if len(fused) > 1:  # the same scale, alpha / rank, at the summed rank
-                rank_pattern["c_attn"] = rank * len(fused)
-                alpha_pattern["c_attn"] = _number(alpha * len(fused))
-        modules += [_GPT2[t][1] for t in targets if t in _GPT2]
+    layout = family.adapters
+    written = (_joined_adapters(params, cfg, family, targets) if layout.joined is not None
+               else _module_adapters(params, cfg, family, targets))
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": rank, "lora_alpha": _number(alpha), "target_modules": modules,
-        "target_parameters": parameters or None,
-        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "lora_dropout": 0.0,
-        "bias": "none", "fan_in_fan_out": model_type == "gpt2", "use_rslora": False,
-        "use_dora": False, "lora_bias": False, "modules_to_save": None,
+        "r": rank, "lora_alpha": _number(alpha), "target_modules": written.modules,
+        "target_parameters": written.parameters or None,
+        "rank_pattern": written.rank_pattern, "alpha_pattern": written.alpha_pattern,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": layout.fan_in_fan_out,
+        "use_rslora": False, "use_dora": False, "lora_bias": False, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None,
         "init_lora_weights": True, "inference_mode": True, "revision": None}
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, config
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in written.tensors.items()}, config
+
+
+def _module_adapters(params: PyTree, cfg: TransformerModel, family: Family,
+                     targets: list[str]) -> _Written:
+    """The adapters as one LoRA pair per module (a fused module's over its fused output) and,
+    in a mixture, PEFT's ``target_parameters`` on the experts and router."""
+    assert cfg.lora is not None
+    _check_family(cfg, family, targets)
+    layout, rank = family.adapters, cfg.lora.rank
+    joint = {name: FUSED_TARGETS[name] for name in layout.fused
+             if cfg.fused_projections and FUSED_TARGETS[name][0] in targets}
+    in_fused = {t for spans in joint.values() for t in spans}
+    moe = cfg.experts is not None
+    mlp = ("gate", "up", "down", "router")
+    plain = [t for t in targets if t not in in_fused and not (moe and t in mlp)]
+    written = _Written()
+    for i in range(cfg.layers):
+        layer = f"{layout.layers}.{i}"
+        for name in joint:
+            a, b = _adapter(params, i, name, rank)
+            _put(written.tensors, f"{layer}.{layout.fused[name]}", a.T, b.T)
+        for t in plain:
+            a, b = _adapter(params, i, t, rank)
+            _put(written.tensors, f"{layer}.{layout.modules[t]}", a.T, b.T)
+        if moe and cfg.expert_layer(i):
+            _put_experts(written.tensors, params, cfg, i, [t for t in targets if t in mlp])
+    for t in targets:
+        module = next((layout.fused[name] for name, spans in joint.items() if t in spans),
+                      layout.modules[t] if t in plain else None)
+        if module is not None and module.rsplit(".", 1)[1] not in written.modules:
+            written.modules.append(module.rsplit(".", 1)[1])
+    if moe:
+        _expert_parameters(written, targets, rank, float(cfg.lora.alpha))
+    return written
+
+
+def _expert_parameters(written: _Written, targets: list[str], rank: int, alpha: float) -> None:
+    """A mixture's ``target_parameters``, and the summed rank of a joined gate and up."""
+    joined = [t for t in ("gate", "up") if t in targets]
+    written.parameters = ([GATE_UP] if joined else []) + (
+        [DOWN] if "down" in targets else []) + ([ROUTER] if "router" in targets else [])
+    if len(joined) > 1:  # the same scale, alpha / rank, at the summed rank
+        key = rf".*\.{re.escape(GATE_UP.rsplit('.', 1)[1])}"
+        written.rank_pattern[key] = rank * len(joined)
+        written.alpha_pattern[key] = _number(alpha * len(joined))
+
+
+def _joined_adapters(params: PyTree, cfg: TransformerModel, family: Family,
+                     targets: list[str]) -> _Written:
+    """The adapters where one module holds q, k and v (``AdapterLayout.joined``): trainrun's
+    q/k/v adapters as one adapter of their summed rank, the others one pair per module."""
+    assert cfg.lora is not None
+    layout, rank = family.adapters, cfg.lora.rank
+    assert layout.joined is not None
+    fused = [t for t in "qkv" if t in targets]
+    written = _Written()
+    for i in range(cfg.layers):
+        block = f"{layout.layers}.{i}"
+        if fused:
+            _put(written.tensors, f"{block}.{layout.joined}",
+                 *_joined_pair(params, cfg, family, i, fused))
+        for t in targets:
+            if t in layout.modules:
+                a, b = _adapter(params, i, t, rank)
+                _put(written.tensors, f"{block}.{layout.modules[t]}", a.T, b.T)
+    if fused:
+        short = layout.joined.rsplit(".", 1)[1]
+        written.modules.append(short)
+        if len(fused) > 1:  # the same scale, alpha / rank, at the summed rank
+            written.rank_pattern[short] = rank * len(fused)
+            written.alpha_pattern[short] = _number(float(cfg.lora.alpha) * len(fused))
+    written.modules += [layout.modules[t] for t in targets if t in layout.modules]
+    return written
+
+
+def _joined_pair(params: PyTree, cfg: TransformerModel, family: Family, i: int,
+                 fused: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Layer ``i``'s q/k/v adapters (those of ``fused``) as one adapter of the summed rank: A
+    stacks the a's; B holds each b in its projection's rows and its own columns, zeros
+    elsewhere."""
+    assert cfg.lora is not None and family.adapters.joined is not None
+    rank, d = cfg.lora.rank, cfg.d_model
+    pairs = [_adapter(params, i, t, rank) for t in fused]
+    big_b = np.zeros((3 * d, rank * len(fused)), np.float32)
+    for n, (t, (_, b)) in enumerate(zip(fused, pairs, strict=True)):
+        j = "qkv".index(t)
+        if b.shape[1] != d:
+            raise WeightsError(f"blocks.{i}.attn.{t}_lora.b has shape {b.shape}; "
+                               f"{family.title}'s {family.adapters.joined.rsplit('.', 1)[1]} "
+                               f"needs [rank, {d}]")
+        big_b[j * d:(j + 1) * d, n * rank:(n + 1) * rank] = b.T
+    return np.concatenate([a.T for a, _ in pairs]), big_b
 
 
 def write_adapter_dir(params: PyTree, cfg: TransformerModel, model_type: str,
@@ -217,19 +245,19 @@ def read_adapter_dir(path: Location, cfg: TransformerModel,
     PEFT LoRA adapter directory for a ``model_type`` base model whose trainrun config is ``cfg``
     (its ``lora`` is not consulted). What trainrun's adapters cannot express exactly raises
     ``WeightsError`` on one line, naming the field and what to do."""
-    _check_model_type(model_type)
+    layout = _family(model_type).adapters
     path = _folder(path)
     config = _read_config(path)
-    _check_config(config, cfg, model_type)
-    kinds = _module_kinds(model_type, cfg)
+    _check_config(config, cfg, layout)
+    kinds = _module_kinds(layout, cfg)
     named = _named_modules(config, kinds)
     tensors = _read_tensors(path)
     rslora = bool(config.get("use_rslora"))
-    experts = _expert_adapters(config, tensors, cfg, model_type)  # taken out of ``tensors``
-    prefix = "model.layers" if model_type in LLAMA_FAMILY else "transformer.h"
+    experts = _expert_adapters(config, tensors, cfg, layout)  # taken out of ``tensors``
+    prefix = layout.layers
     excluded = {(i, kind) for i in range(cfg.layers) for kind in kinds
                 if _excluded(config.get("exclude_modules"), f"{prefix}.{i}.{kind}")}
-    modules = (_modules(tensors, cfg, model_type, kinds, excluded)
+    modules = (_modules(tensors, cfg, prefix, kinds, excluded)
                if tensors or not experts else set())
     for name, matched in named.items():
         everywhere_excluded = all((i, k) in excluded for k in matched for i in range(cfg.layers))
@@ -242,7 +270,7 @@ def read_adapter_dir(path: Location, cfg: TransformerModel,
         if kind not in modules:
             continue
         found[kind] = []
-        d_in, d_out = _dims(cfg, model_type, kind)
+        d_in, d_out = layout.dims(cfg)[kind]
         kept = next((i for i in range(cfg.layers) if (i, kind) not in excluded), None)
         if kept is None:
             raise WeightsError(f"{ADAPTER_WEIGHTS} adapts {kind}, which exclude_modules "
@@ -267,73 +295,33 @@ def read_adapter_dir(path: Location, cfg: TransformerModel,
                 raise WeightsError(f"{module} has rank {r} but adapter_config.json says "
                                    f"{want_r}; the file does not match its config")
             found[kind].append((a_t, b_t, alpha / (math.sqrt(r) if rslora else r)))
-    adapters = _trainrun_adapters(found, cfg, model_type, int(config.get("r", 8)))
+    adapters = _trainrun_adapters(found, cfg, layout, int(config.get("r", 8)))
     adapters.update(experts)
     return _settings(adapters)
 
 
+ExpertPair = tuple[int, np.ndarray, np.ndarray, float]  # layer, PEFT's A and B, its scaling
+
+
 def _expert_adapters(config: dict[str, Any], tensors: dict[str, np.ndarray],
-                     cfg: TransformerModel, model_type: str
+                     cfg: TransformerModel, layout: AdapterLayout
                      ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]:
     """(layer, trainrun target) -> (a, b, scale) of the adapters on a mixture's experts and
     router (``target_parameters``), their tensors taken out of ``tensors``; an adapter that
     does not fit the model is refused in one line."""
-    wanted = _target_parameters(config, cfg, model_type)
+    wanted = _target_parameters(config, cfg, layout)
     if not wanted:
         return {}
     assert cfg.experts is not None
-    experts, rslora = cfg.experts, bool(config.get("use_rslora"))
-    d, width = cfg.d_model, cfg.expert_width
-    # the first of two parameters of one module nests inside the second's wrapper
-    where = {GATE_UP: "mlp.experts.base_layer" if DOWN in wanted else "mlp.experts",
-             DOWN: "mlp.experts", ROUTER: "mlp.gate"}
-    dims = {GATE_UP: (d, 2 * width), DOWN: (width, d), ROUTER: (d, experts)}
-    found: dict[str, list[tuple[int, np.ndarray, np.ndarray, float]]] = {}
-    for kind in wanted:
-        found[kind] = []
-        d_in, d_out = dims[kind]
-        per = 1 if kind == ROUTER else experts  # a router's adapter is one plain pair
-        for i in range(cfg.layers):
-            module = f"model.layers.{i}.{where[kind]}"
-            names = (f"{module}.lora_A.weight", f"{module}.lora_B.weight")
-            if not cfg.expert_layer(i):
-                continue
-            for name in names:
-                if name not in tensors:
-                    raise WeightsError(f"tensor {PREFIX}{name} is missing; target_parameters "
-                                       f"names {kind.rsplit('.', 1)[0] if kind == ROUTER else kind}"
-                                       " and trainrun adapts it in every expert layer")
-            a_t, b_t = tensors.pop(names[0]), tensors.pop(names[1])
-            r = a_t.shape[0] // per
-            if r < 1 or a_t.shape != (r * per, d_in) or b_t.shape != (d_out, r * per):
-                raise WeightsError(f"{module} has lora_A {a_t.shape} and lora_B {b_t.shape}; "
-                                   f"the model's {kind} needs [r x {per}, {d_in}] and "
-                                   f"[{d_out}, r x {per}] (is the adapter for this base model?)")
-            full = f"model.layers.{i}.{kind.removesuffix('.weight')}"
-            want_r = _pattern(config.get("rank_pattern"), full, config.get("r", 8))
-            if r != want_r:
-                raise WeightsError(f"{module} has rank {r} but adapter_config.json says "
-                                   f"{want_r}; the file does not match its config")
-            alpha = _pattern(config.get("alpha_pattern"), full, config.get("lora_alpha", 8))
-            found[kind].append((i, a_t, b_t, alpha / (math.sqrt(r) if rslora else r)))
+    experts = cfg.experts
+    found = {kind: _expert_pairs(config, tensors, cfg, kind, DOWN in wanted) for kind in wanted}
     out: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]] = {}
     for i, a_t, b_t, scale in found.get(ROUTER, []):
         out[i, "router"] = (a_t.T, b_t.T, scale)
     for i, a_t, b_t, scale in found.get(DOWN, []):
         a_e, b_e = _from_per_expert(a_t, b_t, experts)
         out[i, "down"] = (np.swapaxes(a_e, 1, 2), np.swapaxes(b_e, 1, 2), scale)
-    layers = [(i, *_from_per_expert(a_t, b_t, experts), scale)
-              for i, a_t, b_t, scale in found.get(GATE_UP, [])]
-    if layers:
-        columns = _fused_columns([b for _, _, b_e, _ in layers for b in b_e],
-                                 {"gate": (0, width), "up": (width, 2 * width)},
-                                 int(config.get("r", 8)))
-        for i, a_e, b_e, scale in layers:
-            for t, (lo, hi) in (("gate", (0, width)), ("up", (width, 2 * width))):
-                cols = columns[t]
-                if cols is not None:
-                    out[i, t] = (np.swapaxes(a_e[:, cols], 1, 2),
-                                 np.swapaxes(b_e[:, lo:hi][:, :, cols], 1, 2), scale)
+    out.update(_gate_up_adapters(found.get(GATE_UP, []), cfg, int(config.get("r", 8))))
     for name in sorted(tensors):
         if re.fullmatch(r"model\.layers\.\d+\.mlp\.(experts(\.base_layer)?|gate)\..*", name):
             raise WeightsError(f"tensor {PREFIX}{name} adapts an expert parameter that "
@@ -342,14 +330,74 @@ def _expert_adapters(config: dict[str, Any], tensors: dict[str, np.ndarray],
     return out
 
 
-def _target_parameters(config: dict[str, Any], cfg: TransformerModel, model_type: str
+def _expert_pairs(config: dict[str, Any], tensors: dict[str, np.ndarray],
+                  cfg: TransformerModel, kind: str, nested: bool) -> list[ExpertPair]:
+    """Each expert layer's PEFT pair on the mixture's parameter ``kind``, taken out of
+    ``tensors`` (``nested``: the first of two parameters of one module nests inside the
+    second's wrapper)."""
+    assert cfg.experts is not None
+    experts, rslora = cfg.experts, bool(config.get("use_rslora"))
+    d, width = cfg.d_model, cfg.expert_width
+    where = {GATE_UP: "mlp.experts.base_layer" if nested else "mlp.experts",
+             DOWN: "mlp.experts", ROUTER: "mlp.gate"}[kind]
+    d_in, d_out = {GATE_UP: (d, 2 * width), DOWN: (width, d), ROUTER: (d, experts)}[kind]
+    per = 1 if kind == ROUTER else experts  # a router's adapter is one plain pair
+    found: list[ExpertPair] = []
+    for i in range(cfg.layers):
+        module = f"model.layers.{i}.{where}"
+        names = (f"{module}.lora_A.weight", f"{module}.lora_B.weight")
+        if not cfg.expert_layer(i):
+            continue
+        for name in names:
+            if name not in tensors:
+                raise WeightsError(f"tensor {PREFIX}{name} is missing; target_parameters "
+                                   f"names {kind.rsplit('.', 1)[0] if kind == ROUTER else kind}"
+                                   " and trainrun adapts it in every expert layer")
+        a_t, b_t = tensors.pop(names[0]), tensors.pop(names[1])
+        r = a_t.shape[0] // per
+        if r < 1 or a_t.shape != (r * per, d_in) or b_t.shape != (d_out, r * per):
+            raise WeightsError(f"{module} has lora_A {a_t.shape} and lora_B {b_t.shape}; "
+                               f"the model's {kind} needs [r x {per}, {d_in}] and "
+                               f"[{d_out}, r x {per}] (is the adapter for this base model?)")
+        full = f"model.layers.{i}.{kind.removesuffix('.weight')}"
+        want_r = _pattern(config.get("rank_pattern"), full, config.get("r", 8))
+        if r != want_r:
+            raise WeightsError(f"{module} has rank {r} but adapter_config.json says "
+                               f"{want_r}; the file does not match its config")
+        alpha = _pattern(config.get("alpha_pattern"), full, config.get("lora_alpha", 8))
+        found.append((i, a_t, b_t, alpha / (math.sqrt(r) if rslora else r)))
+    return found
+
+
+def _gate_up_adapters(pairs: list[ExpertPair], cfg: TransformerModel, rank: int
+                      ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]:
+    """The experts' gate and up adapters of each layer's joined ``gate_up_proj`` pair."""
+    assert cfg.experts is not None
+    width = cfg.expert_width
+    layers = [(i, *_from_per_expert(a_t, b_t, cfg.experts), scale)
+              for i, a_t, b_t, scale in pairs]
+    out: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]] = {}
+    if not layers:
+        return out
+    columns = _fused_columns([b for _, _, b_e, _ in layers for b in b_e],
+                             {"gate": (0, width), "up": (width, 2 * width)}, rank)
+    for i, a_e, b_e, scale in layers:
+        for t, (lo, hi) in (("gate", (0, width)), ("up", (width, 2 * width))):
+            cols = columns[t]
+            if cols is not None:
+                out[i, t] = (np.swapaxes(a_e[:, cols], 1, 2),
+                             np.swapaxes(b_e[:, lo:hi][:, :, cols], 1, 2), scale)
+    return out
+
+
+def _target_parameters(config: dict[str, Any], cfg: TransformerModel, layout: AdapterLayout
                        ) -> list[str]:
     """The experts' parameters (``GATE_UP``, ``DOWN``, ``ROUTER``) ``target_parameters``
     names, each matched as PEFT matches it (the whole name or a dotted suffix of it)."""
     entries = config.get("target_parameters") or []
     if not entries:
         return []
-    if model_type not in MOE_FAMILY or cfg.experts is None:
+    if not layout.experts or cfg.experts is None:
         raise WeightsError("adapter_config.json sets target_parameters, which trainrun reads "
                            "for a mixture of experts' experts and router only; train with "
                            "target_modules")
@@ -387,22 +435,22 @@ def _settings(adapters: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, floa
         out[f"blocks.{i}.{part}.{t}_lora.a"] = np.ascontiguousarray(a, np.float32)
         out[f"blocks.{i}.{part}.{t}_lora.b"] = np.ascontiguousarray(
             b if s == scale else b * np.float32(s / scale), np.float32)
-    named = {t for u, _ in ranks for t in (_PHI3[u][2] if u in _PHI3 else (u,))}
+    named = {t for u, _ in ranks for t in FUSED_TARGETS.get(u, (u,))}
     targets: tuple[LoraTarget, ...] = tuple(t for t in TARGETS if t in named)
     return LoraSettings(rank=rank, alpha=scale * rank, targets=targets), out
 
 
 def _trainrun_adapters(found: dict[str, list[tuple[np.ndarray, np.ndarray, float]]],
-                       cfg: TransformerModel, model_type: str, rank: int
+                       cfg: TransformerModel, layout: AdapterLayout, rank: int
                        ) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]:
     """(layer, trainrun target) -> (a, b, scale) from PEFT's per-module (A, B, scale)."""
     out: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]] = {}
-    for t, kind in _module_table(model_type, cfg).items():
+    for t, kind in _module_table(layout, cfg).items():
         for i, (a_t, b_t, s) in enumerate(found.get(kind, ())):
             out[i, t] = (a_t.T, b_t.T, s)
-    if C_ATTN in found:
+    if layout.joined is not None and layout.joined in found:
         d = cfg.d_model
-        layers = found[C_ATTN]
+        layers = found[layout.joined]
         columns = _fused_columns([b_t for _, b_t, _ in layers],
                                  {t: (j * d, (j + 1) * d) for j, t in enumerate("qkv")}, rank)
         for i, (a_t, b_t, s) in enumerate(layers):
@@ -432,7 +480,8 @@ def _fused_columns(bs: list[np.ndarray], spans: dict[str, tuple[int, int]], rank
     return {t: np.arange(r) for t in spans}  # dense: each part takes every column
 
 
-def _check_config(config: dict[str, Any], cfg: TransformerModel, model_type: str) -> None:
+def _check_config(config: dict[str, Any], cfg: TransformerModel, layout: AdapterLayout
+                  ) -> None:
     """Refuses, on one line each, what changes the adapter's maths beyond ``scaling x A^T B^T``
     on the linear layers trainrun adapts."""
     if config.get("peft_type", "LORA") != "LORA":
@@ -475,7 +524,7 @@ def _check_config(config: dict[str, Any], cfg: TransformerModel, model_type: str
         if len(chosen) != cfg.layers or chosen != set(range(cfg.layers)):
             raise WeightsError(f"layers_to_transform {layers} adapts only some layers; trainrun "
                                "adapts every layer: train the adapter on all of them")
-    _target_parameters(config, cfg, model_type)
+    _target_parameters(config, cfg, layout)
     if config.get("use_rslora") and (config.get("rank_pattern") or config.get("alpha_pattern")):
         raise WeightsError("use_rslora with rank_pattern/alpha_pattern: PEFT refuses it too; "
                            "drop one of them")
@@ -509,11 +558,11 @@ def _excluded(exclude: list[str] | str | None, module: str) -> bool:
     return module in exclude or any(module.endswith(f".{name}") for name in exclude)
 
 
-def _modules(tensors: dict[str, np.ndarray], cfg: TransformerModel, model_type: str,
+def _modules(tensors: dict[str, np.ndarray], cfg: TransformerModel, prefix: str,
              kinds: tuple[str, ...], excluded: set[tuple[int, str]]) -> set[str]:
     """The module kinds (e.g. ``self_attn.q_proj``) that carry adapters; every tensor must be
-    one of theirs, and every layer but those ``excluded`` must have both of each kind's."""
-    prefix = "model.layers" if model_type in LLAMA_FAMILY else "transformer.h"
+    one of theirs, and every layer but those ``excluded`` must have both of each kind's
+    (``prefix``: the layers' path)."""
     layer = re.compile(rf"{re.escape(prefix)}\.(\d+)\.(.+)")
     present: set[tuple[int, str, str]] = set()
     for name in tensors:
@@ -587,36 +636,23 @@ def _read_tensors(path: Location) -> dict[str, np.ndarray]:
             for name, value in tensors.items()}
 
 
-def _module_table(model_type: str, cfg: TransformerModel) -> dict[str, str]:
+def _module_table(layout: AdapterLayout, cfg: TransformerModel) -> dict[str, str]:
     """trainrun's adapter (a target, or a fused ``qkv``/``gate_up``) -> the HF module kind
     inside a decoder layer that carries it as a plain LoRA pair."""
-    if model_type not in LLAMA_FAMILY:
-        return {t: kind for t, (_, kind) in _GPT2.items()}
-    table = {t: kind for t, (_, kind) in _LLAMA.items()}
+    table = dict(layout.modules)
+    if layout.joined is not None:  # q, k and v travel joined: _trainrun_adapters
+        return table
     if cfg.fused_projections:
         table = {t: kind for t, kind in table.items() if t in ("o", "down")}
-        table.update({name: kind for name, (_, kind, _) in _PHI3.items()})
+        table.update(layout.fused)
     if cfg.experts is not None:  # the experts' adapters are parameters': _expert_adapters
         table = {t: kind for t, kind in table.items() if t in ("q", "k", "v", "o")}
     return table
 
 
-def _module_kinds(model_type: str, cfg: TransformerModel) -> tuple[str, ...]:
-    kinds = tuple(_module_table(model_type, cfg).values())
-    return kinds if model_type in LLAMA_FAMILY else (C_ATTN, *kinds)
-
-
-def _dims(cfg: TransformerModel, model_type: str, kind: str) -> tuple[int, int]:
-    """(d_in, d_out) of a module kind in the model ``cfg`` describes."""
-    d, hidden = cfg.d_model, cfg.hidden
-    if model_type == "gpt2":
-        return {C_ATTN: (d, 3 * d), "attn.c_proj": (d, d), "mlp.c_fc": (d, hidden),
-                "mlp.c_proj": (hidden, d)}[kind]
-    q, kv = cfg.heads * cfg.attention_head_dim, cfg.kv_key_heads * cfg.attention_head_dim
-    return {"self_attn.q_proj": (d, q), "self_attn.k_proj": (d, kv), "self_attn.v_proj": (d, kv),
-            "self_attn.o_proj": (q, d), "mlp.gate_proj": (d, hidden),
-            "mlp.up_proj": (d, hidden), "mlp.down_proj": (hidden, d),
-            "self_attn.qkv_proj": (d, q + 2 * kv), "mlp.gate_up_proj": (d, 2 * hidden)}[kind]
+def _module_kinds(layout: AdapterLayout, cfg: TransformerModel) -> tuple[str, ...]:
+    kinds = tuple(_module_table(layout, cfg).values())
+    return kinds if layout.joined is None else (layout.joined, *kinds)
 
 
 def _pattern(patterns: Any, module: str, default: Any) -> float:
@@ -645,19 +681,21 @@ def _adapter(params: PyTree, i: int, target: str, rank: int) -> tuple[np.ndarray
     return a, b
 
 
-def _check_family(cfg: TransformerModel, model_type: str, targets: list[str]) -> None:
-    """Adapters a ``model_type`` adapter directory cannot hold are refused in one line (a
-    config checks them before training: ``TransformerModel``; a run of older trainrun may not
+def _check_family(cfg: TransformerModel, family: Family, targets: list[str]) -> None:
+    """Adapters the family's adapter directory cannot hold are refused in one line (a config
+    checks them before training: ``TransformerModel``; a run of older trainrun may not
     have)."""
-    if cfg.fused_projections and model_type not in FUSED:
+    model_type, layout = family.model_type, family.adapters
+    if cfg.fused_projections and not layout.fused:
         raise WeightsError(f"the model's adapters span fused q/k/v and gate/up layers, which a "
                            f"{model_type} model does not have; export with --merge")
     split = [t for t in targets if t in ("q", "k", "v", "gate", "up")]
-    if model_type in FUSED and split and not cfg.fused_projections:
-        raise WeightsError(f"LoRA on {', '.join(split)} of a phi3 model does not export: "
-                           "Phi-3 fuses them into qkv_proj and gate_up_proj, and these "
+    if layout.fused and split and not cfg.fused_projections:
+        fused = " and ".join(module.rsplit(".", 1)[1] for module in layout.fused.values())
+        raise WeightsError(f"LoRA on {', '.join(split)} of a {model_type} model does not "
+                           f"export: {family.title} fuses them into {fused}, and these "
                            "adapters are separate; export with --merge")
-    if cfg.experts is not None and model_type not in MOE_FAMILY:
+    if cfg.experts is not None and not layout.experts:
         raise WeightsError(f"the model has experts, which a {model_type} model does not; "
                            "export with --merge")
 
@@ -713,10 +751,11 @@ def _put(tensors: dict[str, np.ndarray], module: str, lora_a: np.ndarray,
     tensors[f"{PREFIX}{module}.lora_B.weight"] = lora_b
 
 
-def _check_model_type(model_type: str) -> None:
-    if model_type not in MODEL_TYPES:
+def _family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
         raise WeightsError(f"model_type {model_type!r} has no PEFT adapter layout in trainrun; "
                            f"it knows {', '.join(MODEL_TYPES)}")
+    return FAMILIES[model_type]
 
 
 def _number(value: float) -> int | float:
@@ -726,5 +765,5 @@ def _number(value: float) -> int | float:
 
 def _target_order(item: tuple[str, int]) -> tuple[int, int]:
     """(target, rank) in trainrun's order of targets; a fused adapter where its first is."""
-    target = _PHI3[item[0]][2][0] if item[0] in _PHI3 else item[0]
+    target = FUSED_TARGETS[item[0]][0] if item[0] in FUSED_TARGETS else item[0]
     return TARGETS.index(target), item[1]

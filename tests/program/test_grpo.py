@@ -1,0 +1,96 @@
+"""The GRPO update's loss on a transformer's rollouts: with one update per rollout batch its
+gradient is the group-baseline policy gradient; its metrics are those of the rollouts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainrun.config import TransformerModel
+from trainrun.models import build_model
+from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages, token_entropy
+from trainrun.models.reference import plain_logits
+from trainrun.program.grpo import grpo_loss
+from trainrun.program.rollouts import RolloutSettings, draw_rollouts
+
+CFG = TransformerModel(d_model=32, layers=1, heads=4, seq_len=32)
+PROMPTS = [np.frombuffer(text, np.uint8) for text in (b"ab", b"import")]
+G, LIMIT = 3, 8
+REWARDS = np.array([1.0, 0.0, 0.5, 2.0, -1.0, 0.0], np.float32)
+
+
+@pytest.fixture(scope="module")
+def drawn():
+    params = build_model(CFG).init(jax.random.key(0))
+    # stop ids some completions draw: completions of several lengths
+    rollouts = draw_rollouts(CFG, params, PROMPTS, jax.random.key(1), 4,
+                             RolloutSettings(G, LIMIT, stop_ids=(10, 32, 101)))
+    assert len(set(np.asarray(rollouts.completion_lengths).tolist())) > 1
+    return params, rollouts
+
+
+def row_logps(params, text: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The summed log-probability of a row's completion tokens (``mask`` over its last
+    ``LIMIT``), and the entropy of each of their distributions, by the plain transformer over
+    the row's own text, unpadded."""
+    logits = plain_logits(CFG, params, text[None, :-1])[0]
+    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), text[1:, None], axis=-1)
+    return (jnp.sum(jnp.where(mask, picked[-LIMIT:, 0], 0.0)),
+            token_entropy(jax.lax.stop_gradient(logits[-LIMIT:])))
+
+
+@pytest.fixture(scope="module")
+def by_rows(drawn):
+    """Each row's gradient of its summed completion log-probability and its tokens'
+    entropies, from the row's own text."""
+    params, rollouts = drawn
+    each = jax.jit(jax.grad(row_logps, has_aux=True))
+    return [each(params, rollouts.tokens[row, int(rollouts.start[row]):],
+                 rollouts.completion_mask[row]) for row in range(rollouts.tokens.shape[0])]
+
+
+@pytest.mark.slow
+def test_one_update_gives_the_group_baseline_policy_gradient(drawn, by_rows):
+    """-sum_i A_i sum_t grad logp_it / the normalisation's divisor, each row's log-probability
+    from a forward pass of its own text: the REINFORCE gradient with each group's mean as
+    baseline."""
+    params, rollouts = drawn
+    advantages = group_advantages(jnp.asarray(REWARDS), G)
+    mask = np.asarray(rollouts.completion_mask)
+    rows = mask.shape[0]
+    for normalisation, divisor in (("grpo", mask.sum(axis=1) * rows),
+                                   ("dapo", np.full(rows, mask.sum())),
+                                   ("dr_grpo", np.full(rows, rows * LIMIT))):
+        objective = PolicyGradientLoss(normalisation, max_completion_tokens=LIMIT)  # type: ignore[arg-type]
+        loss = grpo_loss(CFG, objective)
+        grad = jax.jit(jax.grad(lambda p, loss=loss: loss(p, rollouts, advantages,
+                                                          rollouts.old_logps)[0]))(params)
+        hand = jax.tree.map(jnp.zeros_like, params)
+        for row, (row_grad, _) in enumerate(by_rows):
+            weight = -float(advantages[row]) / float(divisor[row])
+            hand = jax.tree.map(lambda total, g, w=weight: total + w * g, hand, row_grad)
+        for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(hand), strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+        assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grad)) > 1e-3
+
+
+@pytest.mark.slow
+def test_the_metrics_are_the_rollouts_clip_fraction_kl_entropy_and_length(drawn, by_rows):
+    params, rollouts = drawn
+    advantages = group_advantages(jnp.asarray(REWARDS), G)
+    objective = PolicyGradientLoss("dapo", beta=0.04)
+    loss, metrics = jax.jit(grpo_loss(CFG, objective))(
+        params, rollouts, advantages, rollouts.old_logps, rollouts.old_logps)
+    mask = np.asarray(rollouts.completion_mask)
+    # the params that drew them and the reference: ratio 1, nothing clipped, no divergence
+    assert float(metrics["clip_ratio/region_mean"]) == 0.0
+    assert abs(float(metrics["kl"])) < 1e-6
+    # ratio 1: the loss is minus the token-weighted mean advantage
+    weighted = (np.asarray(advantages)[:, None] * mask).sum() / mask.sum()
+    assert float(loss) == pytest.approx(-weighted, abs=1e-6)
+    assert float(metrics["completion_length"]) == pytest.approx(mask.sum(axis=1).mean())
+    entropies = np.concatenate([np.asarray(entropy)[mask[row]]
+                                for row, (_, entropy) in enumerate(by_rows)])
+    assert float(metrics["entropy"]) == pytest.approx(entropies.mean(), abs=1e-5)

@@ -172,3 +172,27 @@ def test_packed_pairs_score_as_each_pair_alone() -> None:
         assert any(abs(c - want[0]) < 1e-5 and abs(r - want[1]) < 1e-5 for c, r in found), want
     tokens_counted = np.asarray(packed.chosen_tokens)[np.asarray(present)]
     assert sorted(tokens_counted.tolist()) == sorted(float(p.chosen.size) for p in pairs)
+
+
+def test_absent_pairs_change_neither_the_loss_nor_the_gradient() -> None:
+    """Packed rows give every slot a sum; those without a pair (zero sums, zero tokens: ORPO's
+    log of 1 - 1) count for nothing, not even a NaN gradient."""
+    empty = PairLogps(*(jnp.zeros(2) for _ in range(4)))
+    padded_policy = PairLogps(*(jnp.concatenate([x, e])
+                                for x, e in zip(POLICY, empty, strict=True)))
+    padded_reference = PairLogps(*(jnp.concatenate([x, e])
+                                   for x, e in zip(REFERENCE, empty, strict=True)))
+    present = jnp.array([True, True, True, False, False])
+    for kind in ("sigmoid", "ipo", "orpo", "simpo"):
+        spec = PreferenceLoss(kind)  # type: ignore[arg-type]
+
+        def loss(chosen: jax.Array, padded: bool, spec: PreferenceLoss = spec) -> jax.Array:
+            policy = (padded_policy if padded else POLICY)._replace(chosen=chosen)
+            reference = padded_reference if padded else REFERENCE
+            return spec(policy, reference, present if padded else None)[0]
+
+        alone, grad_alone = jax.value_and_grad(loss)(POLICY.chosen, False)
+        packed, grad_packed = jax.value_and_grad(loss)(padded_policy.chosen, True)
+        np.testing.assert_allclose(float(packed), float(alone), rtol=1e-6, err_msg=kind)
+        np.testing.assert_allclose(grad_packed, [*grad_alone, 0.0, 0.0], rtol=1e-6,
+                                   err_msg=kind)

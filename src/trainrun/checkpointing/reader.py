@@ -88,7 +88,7 @@ def latest_state(run_dir: location.Location, config: RunConfig,
             raise RunReadError(f"{directory} holds no committed checkpoint yet; let the run "
                               "reach its first checkpoint (checkpoint.every) and try again")
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = abstract_state(model or build_model(config.model),
+        abstract = abstract_state(model or build_model(config.model, config.preference),
                                   build_optimizer(config.optimizer, config.steps), config.seed,
                                   policy_from_config(config.precision))
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),

@@ -8,8 +8,13 @@ from trainrun.models.adapters import Model, bind_params, from_functions, from_nn
 __all__ = ["Model", "bind_params", "build_model", "from_functions", "from_nnx"]
 
 
-def build_model(cfg) -> Model:
-    """The model a config's ``model`` section names."""
+def build_model(cfg, preference=None) -> Model:
+    """The model a config's ``model`` section names; with a ``preference`` section, the
+    transformer trained on preference pairs (``preference_transformer.py``)."""
+    if preference is not None:
+        from trainrun.models.preference_transformer import make_preference_transformer
+
+        return make_preference_transformer(cfg, preference)
     from trainrun.models.cnn import make_cnn
     from trainrun.models.mlp import make_mlp
     from trainrun.models.nnx_mlp import make_nnx_mlp

@@ -98,33 +98,54 @@ class PreferenceLoss:
         return self.kind not in REFERENCE_FREE
 
     def __call__(self, policy: PairLogps, reference: PairLogps | None = None,
-                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The mean loss over the pairs and the metrics TRL reports under the same names."""
-        policy = PairLogps(*(jnp.asarray(x, jnp.float32) for x in policy))
+                 present: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The mean loss over the pairs and the metrics TRL reports under the same names.
+        present: which pairs count (``[pairs]`` booleans, ``PairLogps.of_rows``'s); the means
+        are over those, and the others change neither the loss nor any gradient."""
+        policy = _held(policy, present)
         if self.needs_reference:
             if reference is None:
                 raise ValueError(f"the {self.kind} loss compares with a reference model: "
                                  "give its log-probabilities")
-            reference = PairLogps(*(jnp.asarray(x, jnp.float32) for x in reference))
+            reference = _held(reference, present)
             losses, chosen_reward, rejected_reward = _with_reference(self, policy, reference)
         else:
             losses, chosen_reward, rejected_reward = _reference_free(self, policy)
-        nll = -jnp.sum(policy.chosen) / jnp.maximum(jnp.sum(policy.chosen_tokens), 1)
-        loss = jnp.mean(losses)
+        weights = (jnp.ones_like(policy.chosen) if present is None else
+                   present.astype(jnp.float32))
+
+        def mean(x: jax.Array) -> jax.Array:
+            return jnp.sum(jnp.where(weights > 0, x, 0.0)) / jnp.maximum(jnp.sum(weights), 1)
+
+        chosen_sum = jnp.sum(jnp.where(weights > 0, policy.chosen, 0.0))
+        chosen_tokens = jnp.sum(jnp.where(weights > 0, policy.chosen_tokens, 0.0))
+        nll = -chosen_sum / jnp.maximum(chosen_tokens, 1)
+        loss = mean(losses)
         if self.kind == "orpo":
             loss = loss + nll
         if self.nll_weight:
             loss = loss + self.nll_weight * nll
         metrics = {
-            "rewards/chosen": jnp.mean(chosen_reward),
-            "rewards/rejected": jnp.mean(rejected_reward),
-            "rewards/accuracies": jnp.mean((chosen_reward > rejected_reward).astype(jnp.float32)),
-            "rewards/margins": jnp.mean(chosen_reward - rejected_reward),
-            "logps/chosen": jnp.mean(policy.chosen),
-            "logps/rejected": jnp.mean(policy.rejected),
+            "rewards/chosen": mean(chosen_reward),
+            "rewards/rejected": mean(rejected_reward),
+            "rewards/accuracies": mean((chosen_reward > rejected_reward).astype(jnp.float32)),
+            "rewards/margins": mean(chosen_reward - rejected_reward),
+            "logps/chosen": mean(policy.chosen),
+            "logps/rejected": mean(policy.rejected),
             "nll_loss": nll,
         }
         return loss, metrics
+
+
+def _held(logps: PairLogps, present: jax.Array | None) -> PairLogps:
+    """``logps`` in float32, an absent pair's values replaced by a finite stand-in (one token
+    of log-probability -1): a loss of its zero sums (ORPO's log of 1 - 1) would be NaN, and a
+    NaN's gradient survives the mask."""
+    values = PairLogps(*(jnp.asarray(x, jnp.float32) for x in logps))
+    if present is None:
+        return values
+    return PairLogps(*(jnp.where(present, x, stand_in)
+                       for x, stand_in in zip(values, (-1.0, -1.0, 1.0, 1.0), strict=True)))
 
 
 def _with_reference(spec: PreferenceLoss, policy: PairLogps, reference: PairLogps,

@@ -70,8 +70,8 @@ class Evaluator:
         per_batch = [self.fn(params, self.put(self.dataset[i]), model_state)
                      for i in self.indices]
         rows = jax.device_get(per_batch)
-        names = ["loss", *sorted(name for name in rows[0]
-                                 if name not in ("loss", "weight") and "/" not in name)]
+        names = ["loss", *sorted(name for name in rows[0] if name not in ("loss", "weight")
+                                 and not name.startswith("weight/"))]
         # A metric with its own weight (``weight/bits_per_byte``: bytes, where the loss is over
         # tokens) is combined by that one.
         metrics = {name: float(np.average([row[name] for row in rows], weights=np.array(

@@ -47,6 +47,7 @@ from trainrun.checkpointing.resume import (
 )
 from trainrun.config import ConfigError, RunConfig, TransformerModel, schedule_notices
 from trainrun.data import (
+    ArrayBatches,
     batch_iterator,
     build_dataset,
     build_eval_dataset,
@@ -86,6 +87,7 @@ from trainrun.training.metric_log import MetricLog, OrderedOutput
 from trainrun.training.metrics_reader import MetricsReader
 from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
+from trainrun.training.preference_data import preference_data
 from trainrun.training.profiling import ProfileWindow
 from trainrun.training.run_parts import Parts, Reporting, Start
 from trainrun.training.storage_hook import StorageHook
@@ -154,8 +156,8 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
     if resumes is not None and resumes >= config.steps:  # finished: nothing to do
         return _finished(run_dir, directory, resumes, config.steps, console, primary)
     parts = _parts(config, asked.model, batch_size, console)
-    data, batches, records, files = _data(config, asked.data, parts, console)
-    evaluator = _evaluator(config, parts, asked.eval_data, chosen.decode_head())
+    data, batches, records, files, eval_data = _data(config, asked, parts, console)
+    evaluator = _evaluator(config, parts, eval_data, chosen.decode_head())
     stream = _metric_stream(config)
     timing = Timing(watch=Stopwatch(), timer=StepTimer(inline=chosen.switch.inline_cpu_calls))
     compiled_steps = _compiled_steps(config, parts, timing.watch, stream, chosen)
@@ -265,15 +267,26 @@ def _model(config: RunConfig, mesh: Any) -> Model:
         preflight.check_model_memory(
             config.model, list(mesh.devices.flat), config.precision.params,
             f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
-    return build_model(config.model)
+    return build_model(config.model, config.preference)
 
 
-def _data(config: RunConfig, data: Any, parts: Parts, console: Console,
-          ) -> tuple[Any, Any, RecordCounts | None, dict[str, str] | None]:
-    """The training data (``data`` as given, else the config's: this process's rows), its
-    host batches, what became of its records when it has a count of them, and the content
-    fingerprint of each file the config's data reads (None: ``data`` was given)."""
+def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
+          ) -> tuple[Any, Any, RecordCounts | None, dict[str, str] | None, Any]:
+    """The training data (as given, else the config's: this process's rows), its host
+    batches, what became of its records when it has a count of them, the content fingerprint
+    of each file the config's data reads (None: data was given), and the held-out data as
+    given (a preference run's: its held-out pair rows)."""
+    data, eval_data = asked.data, asked.eval_data
     records = files = None
+    if data is None and config.preference is not None:
+        pairs = preference_data(config, parts.policy, lambda: _fresh_state(config, parts).params,
+                                parts.placement.rows)
+        for notice in pairs.notices:
+            console.message(notice)
+        preflight.check_vocab(pairs.counts.vocab, config.model, config.data)
+        held = None if pairs.eval is None else ("pairs", pairs.eval)
+        return (pairs.train, _batches(config, pairs.train, parts), pairs.counts, pairs.files,
+                eval_data if eval_data is not None else held)
     if data is None:
         rows = parts.placement.rows
         data = build_dataset(config.data, seed=config.seed, process_index=rows[0],
@@ -284,7 +297,7 @@ def _data(config: RunConfig, data: Any, parts: Parts, console: Console,
         if records is not None:
             preflight.check_vocab(records.vocab, config.model, config.data)
         files = data_files(config.data)
-    return data, _batches(config, data, parts), records, files
+    return data, _batches(config, data, parts), records, files, eval_data
 
 
 def _batches(config: RunConfig, data: Any, parts: Parts) -> Any:
@@ -464,14 +477,24 @@ def _checkpoint_hooks(config: RunConfig, checkpoints: Checkpoints, log: MetricLo
                                checkpoints.last_committed))]
 
 
-def _evaluator(config: RunConfig, parts: Parts, eval_data: grain.MapDataset | None,
+def _evaluator(config: RunConfig, parts: Parts,
+               eval_data: grain.MapDataset | tuple[str, dict[str, Any]] | None,
                head: HeadLayout) -> Evaluator | None:
     """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
-    the held-out split, placed on the mesh as training batches are."""
+    the held-out split (``("pairs", rows)``: a preference run's held-out pair rows), placed on
+    the mesh as training batches are."""
     if not config.eval.every:
         return None
     size = config.eval.batch_size or config.data.batch_size
     placement = sharding.batch_placement(parts.mesh, size, stacked=False)
+    if isinstance(eval_data, tuple):
+        eval_data = ArrayBatches(eval_data[1], size, shuffle=False, seed=0,
+                                 process_index=placement.rows[0],
+                                 process_count=placement.rows[1], split="eval")
+    elif config.preference is not None and eval_data is None:
+        raise ConfigError("eval.every is set but the preference records hold no held-out pair; "
+                          "give data.eval_paths or a data.eval_fraction that leaves one out, or "
+                          "set eval.every=0")
     if eval_data is None:
         eval_data = build_eval_dataset(config.data, size, process_index=placement.rows[0],
                                        process_count=placement.rows[1])

@@ -1,0 +1,220 @@
+"""A preference run's batches: the pair rows (``data/preference_rows.py``) and, for a loss with
+a reference and ``preference.reference: cached``, the reference model's per-token
+log-probabilities as one more column, ``reference_logps``.
+
+That column is computed once, before training, from the starting params (the run's fresh init,
+or ``init.from``'s), in forward passes of ``preference.reference_batch_size`` rows, by the same
+function the step runs (``preference_transformer.token_logps``) under the run's precision. It is
+kept beside the rows it scores (``<rows>/reference/<key>``), keyed by content: the rows' own
+key, the sha256 of the starting params' bytes, the model and the compute dtype; its files'
+sha256 sit in its manifest and are checked as a run opens them. A resumed run and the next run
+on the same data and start read it; a damaged file is computed anew, with a notice.
+
+The column travels as the float32 values' bits in ``int32``: the step casts floating batch
+leaves to the compute dtype, which would round the reference to bfloat16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrun.config import RunConfig
+from trainrun.data.pipeline import ArrayBatches
+from trainrun.data.preference_rows import PairRows, preference_rows
+from trainrun.data.record_rows import Damaged, RecordCounts
+from trainrun.data.record_rows import _locked as locked
+from trainrun.data.record_rows import _mapped as mapped
+from trainrun.errors import WriteFailed
+from trainrun.models.preference_transformer import REFERENCE_COLUMN, token_logps
+from trainrun.models.transformer import bind_transformer
+from trainrun.program.precision import Policy
+
+PyTree = Any
+CACHE_FORMAT = 1  # raised when the column's layout changes, so old files are not read
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceData:
+    """What a preference run trains and evaluates on, and what it says of its data."""
+
+    train: ArrayBatches
+    eval: dict[str, np.ndarray] | None  # the held-out rows (columns as training's)
+    counts: RecordCounts
+    files: dict[str, str]  # each file read, by its content fingerprint
+    notices: list[str]
+
+
+def needs_reference_column(config: RunConfig) -> bool:
+    """Whether the run's batches carry the cached reference column."""
+    preference = config.preference
+    return (preference is not None and preference.reference == "cached"
+            and preference.loss not in ("simpo", "orpo"))
+
+
+def preference_data(config: RunConfig, policy: Policy, start: Callable[[], PyTree],
+                    rows: tuple[int, int]) -> PreferenceData:
+    """The run's training batches (this process's ``rows``: its index and the count) and its
+    held-out rows; ``start``: the starting params, asked for only when the reference column
+    is needed."""
+    preference = config.preference
+    assert preference is not None  # a preference run
+    data = config.data
+    train, held, files = preference_rows(data, preference.max_prompt,  # type: ignore[arg-type]
+                                         preference.max_completion)
+    counts = RecordCounts(vocab=train.counts.vocab)
+    for part in (train, held):
+        if part is not None:
+            counts.add(part.counts)
+    notices = [part.notice for part in (train, held) if part is not None and part.notice]
+    cut = train.truncated
+    if cut.prompts_cut or cut.completions_cut:
+        notices.append(f"preference pairs: {cut.prompts_cut} prompts cut to preference."
+                       f"max_prompt, {cut.completions_cut} pairs' completions cut to "
+                       "preference.max_completion")
+    train_rows, eval_rows = train.train, (held.eval if held is not None else train.eval)
+    assert train_rows is not None  # preference_rows refuses a source without
+    if needs_reference_column(config):
+        params = start()
+        train_rows = _with_column(config, policy, params, train, "train", train_rows, notices)
+        if eval_rows is not None:
+            source = held if held is not None else train
+            eval_rows = _with_column(config, policy, params, source, "eval", eval_rows, notices)
+    batches = ArrayBatches(train_rows, data.batch_size, shuffle=data.shuffle, seed=config.seed,
+                           process_index=rows[0], process_count=rows[1])
+    return PreferenceData(train=batches, eval=eval_rows, counts=counts, files=files,
+                          notices=notices)
+
+
+def _with_column(config: RunConfig, policy: Policy, params: PyTree, rows: PairRows, split: str,
+                 arrays: dict[str, np.ndarray], notices: list[str]) -> dict[str, np.ndarray]:
+    column = reference_column(config, policy, params, rows.folder, split, arrays, notices)
+    return {**arrays, REFERENCE_COLUMN: column.view(np.int32)}
+
+
+def params_fingerprint(params: PyTree) -> str:
+    """The sha256 of the params' bytes, each leaf's path, dtype and shape with them."""
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        value = np.asarray(jax.device_get(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)} {value.dtype} {value.shape}".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()
+
+
+def reference_column(config: RunConfig, policy: Policy, params: PyTree, rows_folder: Path,
+                     split: str, arrays: dict[str, np.ndarray],
+                     notices: list[str]) -> np.ndarray:
+    """``[rows, row_len]`` float32: the reference log-probability of each token of ``split``'s
+    rows (0 at a row's first), kept in the cache, computed first when missing or damaged."""
+    preference = config.preference
+    assert preference is not None
+    settings = {"format": CACHE_FORMAT, "rows": rows_folder.name,
+                "params": params_fingerprint(params), "model": config.model.model_dump(
+                    mode="json"), "compute": config.precision.compute}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
+    folder = rows_folder / "reference" / key
+    shape = arrays["tokens"].shape
+    folder.parent.mkdir(exist_ok=True)
+    with locked(folder.parent / f"{key}.{split}.lock", fcntl.LOCK_EX):  # one computer
+        try:
+            kept = _open(folder, split, shape)
+        except Damaged as damage:
+            notices.append(f"the reference log-probabilities kept in {folder} were damaged "
+                           f"({damage}); computing them anew")
+            _remove(folder, split)
+            kept = None
+        if kept is not None:
+            return kept
+        values = compute_reference(config, policy, params, arrays, preference.reference_batch_size)
+        _write(folder, split, values)
+        try:
+            kept = _open(folder, split, shape)
+        except Damaged as damage:
+            raise WriteFailed(f"the reference log-probabilities written to {folder} do not read "
+                              f"back ({damage}); check the disk, or point TRAINRUN_CACHE_DIR "
+                              "elsewhere") from None
+        assert kept is not None  # just written
+        return kept
+
+
+def compute_reference(config: RunConfig, policy: Policy, params: PyTree,
+                      arrays: dict[str, np.ndarray], batch_size: int) -> np.ndarray:
+    """The reference column of ``arrays``' rows from ``params``, ``batch_size`` rows per forward
+    pass (the last one padded with empty rows)."""
+    bind = bind_transformer(config.model)  # type: ignore[arg-type]
+
+    @jax.jit
+    def scored(params: PyTree, batch: dict[str, jax.Array]) -> jax.Array:
+        logps = token_logps(bind(policy.cast_to_compute(params)), batch)
+        return jnp.pad(logps, ((0, 0), (1, 0)))
+
+    names = ("tokens", "segment_ids", "positions")
+    total = arrays["tokens"].shape[0]
+    out = np.zeros(arrays["tokens"].shape, np.float32)
+    for start in range(0, total, batch_size):
+        batch = {name: np.asarray(arrays[name][start:start + batch_size]) for name in names}
+        short = batch_size - batch["tokens"].shape[0]
+        if short:  # the one compiled shape: empty rows (segment 0) score nothing
+            batch = {name: np.pad(value, ((0, short), (0, 0))) for name, value in batch.items()}
+        out[start:start + batch_size] = np.asarray(scored(params, batch))[:batch_size - short]
+    return out
+
+
+def _write(folder: Path, split: str, values: np.ndarray) -> None:
+    """The column's file and the manifest that holds its sha256 (each written whole, then
+    renamed into place; the manifest last)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = np.ascontiguousarray(values, np.float32).tobytes()
+    file = folder / f"{split}.{REFERENCE_COLUMN}.bin"
+    staged = file.with_name(f".{file.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    staged.write_bytes(data)
+    os.replace(staged, file)
+    manifest_file = folder / f"{split}.manifest.json"
+    manifest = {"rows": values.shape[0], "row_len": values.shape[1],
+                "sha256": hashlib.sha256(data).hexdigest()}
+    staged = manifest_file.with_name(f".{manifest_file.name}.{uuid.uuid4().hex[:8]}")
+    staged.write_text(json.dumps(manifest))
+    os.replace(staged, manifest_file)
+
+
+def _open(folder: Path, split: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The kept column, its bytes checked against the manifest's sha256; None when never
+    written; ``Damaged`` when it does not read back as written."""
+    manifest_file = folder / f"{split}.manifest.json"
+    if not manifest_file.exists():
+        return None
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        if (manifest["rows"], manifest["row_len"]) != tuple(shape):
+            raise Damaged(f"it holds {manifest['rows']} rows of {manifest['row_len']}, not "
+                          f"{shape[0]} of {shape[1]}")
+        return mapped(folder / f"{split}.{REFERENCE_COLUMN}.bin", "float32", shape[0],
+                      shape[1], manifest["sha256"])
+    except FileNotFoundError as err:
+        raise Damaged(f"{Path(err.filename or '?').name} is missing") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise Damaged(f"{split}.manifest.json is not as written ({type(err).__name__})") from None
+
+
+def _remove(folder: Path, split: str) -> None:
+    """The split's kept files, which this cache wrote (a link there is not followed)."""
+    if folder.is_symlink():
+        raise WriteFailed(f"{folder} is a symbolic link where trainrun keeps reference "
+                          "log-probabilities; remove the link")
+    for name in (f"{split}.manifest.json", f"{split}.{REFERENCE_COLUMN}.bin"):
+        (folder / name).unlink(missing_ok=True)
+    if not any(folder.iterdir()):
+        shutil.rmtree(folder)

@@ -1,0 +1,114 @@
+"""The transformer's preference loss over packed pair rows: DPO's ln 2 at the start, the cached
+reference and the in-step one giving the same numbers (full fine-tune and LoRA, whose reference
+is the base with its adapters off), and accumulation giving the full batch's gradient."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainrun.config import LoraConfig, PreferenceConfig, TransformerModel
+from trainrun.data.pair_rows import pack_pairs
+from trainrun.data.preference_pairs import Pair
+from trainrun.models.preference_transformer import (
+    REFERENCE_COLUMN,
+    adapters_off,
+    make_preference_transformer,
+    token_logps,
+)
+from trainrun.models.transformer import bind_transformer
+from trainrun.program.precision import Policy
+from trainrun.program.step import make_gradient_fn
+
+TINY = TransformerModel(d_model=32, layers=1, heads=2, seq_len=48, vocab=64, dropout=0.0)
+
+
+def _rows(count: int = 6, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    pairs = [Pair(*(rng.integers(1, 64, n).astype(np.uint32)
+                    for n in (rng.integers(2, 6), rng.integers(1, 4), rng.integers(1, 4))))
+             for _ in range(count)]
+    rows, _ = pack_pairs(pairs, 49, bins=4)
+    return rows
+
+
+def _column(cfg: TransformerModel, params, rows: dict[str, np.ndarray]) -> np.ndarray:
+    """The cached reference column of ``rows`` from ``params``, as the run stores it."""
+    logps = np.asarray(jax.jit(lambda p, b: token_logps(bind_transformer(cfg)(p), b))(params,
+                                                                                    rows))
+    return np.pad(logps, ((0, 0), (1, 0))).astype(np.float32).view(np.int32)
+
+
+def _perturbed(params, seed: int = 1):
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params))))
+    return jax.tree.map(lambda p: p + 0.05 * jax.random.normal(next(keys), p.shape), params)
+
+
+def test_the_first_step_of_dpo_has_loss_ln2() -> None:
+    model = make_preference_transformer(TINY, PreferenceConfig())
+    params = jax.jit(model.init)(jax.random.key(0))
+    rows = _rows()
+    batch = {**rows, REFERENCE_COLUMN: _column(TINY, params, rows)}
+    loss, aux, _ = jax.jit(model.loss)(params, batch, jax.random.key(1))
+    assert abs(float(loss) - math.log(2.0)) < 1e-6
+    assert float(aux["weight"]) == 6.0  # the pairs, not the rows' slots
+    assert abs(float(aux["rewards/margins"])) < 1e-6
+
+
+@pytest.mark.slow
+def test_cached_and_in_step_references_give_the_same_loss_and_gradient() -> None:
+    cached = make_preference_transformer(TINY, PreferenceConfig(beta=0.5))
+    in_step = make_preference_transformer(TINY, PreferenceConfig(beta=0.5, reference="in_step"))
+    assert cached.init_model_state is None and in_step.init_model_state is not None
+    start = jax.jit(in_step.init_model_state)(jax.random.key(0))
+    params = _perturbed(start)  # trained away from the start: the reference matters
+    rows = _rows()
+    batch = {**rows, REFERENCE_COLUMN: _column(TINY, start, rows)}
+    loss_a, grads_a = jax.jit(jax.value_and_grad(
+        lambda p: cached.loss(p, batch, jax.random.key(1))[0]))(params)
+    loss_b, grads_b = jax.jit(jax.value_and_grad(
+        lambda p: in_step.loss(p, rows, jax.random.key(1), start)[0]))(params)
+    assert float(loss_a) != pytest.approx(math.log(2.0), abs=1e-3)
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 grads_a, grads_b)
+
+
+@pytest.mark.slow
+def test_lora_in_step_reference_is_the_base_with_its_adapters_off() -> None:
+    cfg = TINY.model_copy(update={"lora": LoraConfig(rank=2, alpha=4, targets=("q", "v"))})
+    model = make_preference_transformer(cfg, PreferenceConfig(reference="in_step"))
+    assert model.init_model_state is None  # no second copy of the weights
+    start = jax.jit(model.init)(jax.random.key(0))
+    params = _perturbed(start)
+    assert float(jnp.abs(params["blocks"]["0"]["attn"]["q_lora"]["b"]).sum()) > 0
+    base = adapters_off(params)
+    assert float(jnp.abs(base["blocks"]["0"]["attn"]["q_lora"]["b"]).sum()) == 0
+    rows = _rows()
+    cached = make_preference_transformer(cfg, PreferenceConfig())
+    loss_in_step, aux, _ = jax.jit(model.loss)(params, rows, jax.random.key(1))
+    loss_cached, _, _ = jax.jit(cached.loss)(
+        params, {**rows, REFERENCE_COLUMN: _column(cfg, base, rows)}, jax.random.key(1))
+    np.testing.assert_allclose(float(loss_in_step), float(loss_cached), rtol=1e-6)
+    assert float(aux["rewards/margins"]) != 0.0
+
+
+@pytest.mark.slow
+def test_accumulated_microbatches_give_the_full_batch_gradient() -> None:
+    model = make_preference_transformer(TINY, PreferenceConfig(reference="in_step"))
+    start = jax.jit(model.init_model_state)(jax.random.key(0))  # type: ignore[arg-type]
+    params = _perturbed(start)
+    rows = _rows(count=16, seed=0)
+    rows = {name: value[:4] for name, value in rows.items()}
+    assert len({int(row.max()) for row in rows["pair_slot"]}) > 1  # pairs per row differ
+    whole = jax.jit(make_gradient_fn(model, Policy()))
+    split = jax.jit(make_gradient_fn(model, Policy(), accumulate=2))
+    loss_a, _, grads_a, _ = whole(params, rows, jax.random.key(1), None, start)
+    loss_b, _, grads_b, _ = split(params, rows, jax.random.key(1), None, start)
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 grads_a, grads_b)

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from trainrun.config import BATCH_AXES, TransformerModel
 from trainrun.models.losses import tied_head_logits
 from trainrun.models.policy_gradient import token_entropy
+from trainrun.models.preference_transformer import adapters_off
 from trainrun.models.transformer import Transformer, bind_transformer
 from trainrun.program.decode import (
     SampleError,
@@ -224,26 +225,12 @@ def completion_logps(cfg: TransformerModel, params: PyTree, tokens: jax.Array,
     return _logps_program(cfg, compute)(params, tokens, start, mask)  # pyright: ignore[reportArgumentType]
 
 
-def without_adapters(cfg: TransformerModel, params: PyTree) -> tuple[TransformerModel, PyTree]:
-    """The model and params of ``params`` with its LoRA adapters off: the config without
-    ``lora`` and the params without the adapters' (the base params, as they are)."""
-    if cfg.lora is None:
-        return cfg, params
-
-    def base(tree: PyTree) -> PyTree:
-        if not isinstance(tree, dict):
-            return tree
-        return {name: base(value) for name, value in tree.items()
-                if not str(name).endswith("_lora")}
-
-    return cfg.model_copy(update={"lora": None}), base(params)
-
-
 def reference_logps(cfg: TransformerModel, params: PyTree, rollouts: Rollouts,
                     compute: str = "float32") -> jax.Array:
     """``[rows, limit]`` float32: each completion token's log-probability under the reference
     model, ``params`` as given (the starting params), or for a model with LoRA adapters those
-    params with the adapters off (``without_adapters``); 0 outside the completion mask."""
-    base_cfg, base_params = without_adapters(cfg, params)
-    return completion_logps(base_cfg, base_params, rollouts.tokens, rollouts.start,
+    params with the adapters off (``adapters_off``: each ``b`` read as zero, the base model's
+    function); 0 outside the completion mask."""
+    reference = params if cfg.lora is None else adapters_off(params)
+    return completion_logps(cfg, reference, rollouts.tokens, rollouts.start,
                             rollouts.completion_mask, compute)

@@ -10,7 +10,9 @@ Two measures, on the run's held-out split or on the records of ``--data FILE``:
   same after whitespace runs become one space, the ends are stripped and case is folded).
 
 Each record's prompt, expected and produced answer go to ``answers.jsonl`` beside the numbers
-(``scores.json``), in ``RUN_DIR/eval/step-N`` unless ``--out`` names a folder.
+(``scores.json``), in ``RUN_DIR/eval/step-N`` unless ``--out`` names a folder. A preference
+run is scored on its held-out pairs instead (``preference_eval.py``): the loss, reward
+accuracy and margins against the reference.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
         raise EvalError(f"--batch-size {batch_size} --limit {limit}: give a batch size of at "
                         "least 1 and a limit of 0 (every answer) or more")
     run, config = language_run(run_dir, ema, doing="eval", command="evaluate")
+    if config.preference is not None:  # pairs: their loss and reward metrics, no answers
+        from trainrun.evaluation.preference_eval import preference_scores
+
+        return EvalResult(*preference_scores(config, run, data, ema), answers=[])
     section = _data_section(config, data)
     say = progress or (lambda line: None)
     built = build_model(config.model)  # traced once, for the checkpoint and the loss alike

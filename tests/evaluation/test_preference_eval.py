@@ -1,0 +1,32 @@
+"""``trainrun eval`` on a preference run: its held-out pairs' loss and reward metrics against
+the reference, the numbers evaluation during training gives for the same params."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from trainrun.config import load_config
+from trainrun.evaluation.evaluate import evaluate_run
+from trainrun.reporting.sinks.jsonl import read_metrics
+from trainrun.training.loop import run
+
+
+@pytest.mark.slow
+def test_eval_scores_a_preference_run_as_its_training_evaluation_did(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+    config = load_config("dpo", [
+        "steps=4", "steps_per_call=2", "model.d_model=16", "model.layers=1",
+        "data.synthetic_examples=128", "data.batch_size=4", "eval.every=4", "eval.batches=0",
+        "eval.batch_size=2", "checkpoint.every=4", "metrics.tensorboard=false"])
+    run(config, tmp_path / "run", out=io.StringIO())
+    (during,) = read_metrics(tmp_path / "run" / "metrics.jsonl", "eval")
+    result = evaluate_run(tmp_path / "run")
+    assert result.step == 4 and result.answers == []
+    for name in ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen",
+                 "logps/chosen", "logps/rejected"):
+        assert result.scores[name] == pytest.approx(during[name], rel=1e-5, abs=1e-6), name
+    assert result.scores["rewards/margins"] != 0.0  # trained away from the reference

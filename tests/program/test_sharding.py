@@ -295,3 +295,19 @@ def test_bad_mesh_config_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: unknown config key 'mesh.pipeline'; valid keys in mesh: "
                           "data, fsdp, expert, tensor") and err.count("\n") == 1
+
+
+def test_a_preference_runs_reference_params_are_sharded_as_the_params():
+    """The starting params an in-step reference keeps in the model state are a second copy of
+    the weights: replicated, each device would hold all of them."""
+    from trainrun.config import PreferenceConfig
+
+    cfg = TransformerModel(d_model=32, layers=1, heads=4, seq_len=16, vocab=64)
+    model = build_model(cfg, PreferenceConfig(reference="in_step"))
+    optimizer = build_optimizer(OptimizerConfig(name="adam"), 10)
+    state = abstract_state(model, optimizer, seed=0)
+    shardings = sharding.state_shardings(abstract_mesh(1, 2, 2), state, model.logical_axes,
+                                         optimizer.tx, MeshConfig(fsdp_min_size=0))
+    params = jax.tree.map(lambda s: s.spec, shardings.params)
+    assert any(spec != P() for spec in jax.tree.leaves(params))
+    assert jax.tree.map(lambda s: s.spec, shardings.model_state) == params

@@ -164,7 +164,9 @@ def param_shardings(mesh: Mesh, params: PyTree, logical_axes: PyTree | None,
 
 def state_shardings(mesh: Mesh, abstract_state: Any, logical_axes: PyTree | None,
                     tx: optax.GradientTransformation, cfg: MeshConfig) -> Any:
-    """Shardings for a whole TrainState: params by the rules, optimizer state following them."""
+    """Shardings for a whole TrainState: params by the rules, optimizer state following them,
+    a moving average and a model state shaped as the params lying as they do; the rest
+    replicated."""
     params = param_shardings(mesh, abstract_state.params, logical_axes, cfg)
     whole = replicated(mesh)
     # A frozen param's slot in a masked state (optimizer.trainable) is an empty MaskedNode.
@@ -173,8 +175,20 @@ def state_shardings(mesh: Mesh, abstract_state: Any, logical_axes: PyTree | None
         tx, lambda value, sharding: value if masked(value) else sharding,
         abstract_state.opt_state, params, transform_non_params=lambda _: whole, is_leaf=masked)
     ema = params if abstract_state.ema is not None else None  # the average lies as params do
-    return jax.tree.map(lambda _: whole, abstract_state).replace(params=params,
-                                                                 opt_state=opt_state, ema=ema)
+    placed = jax.tree.map(lambda _: whole, abstract_state).replace(params=params,
+                                                                   opt_state=opt_state, ema=ema)
+    if _shaped_like(abstract_state.model_state, abstract_state.params):
+        # a copy of the params (a preference run's reference) is sharded as they are
+        placed = placed.replace(model_state=params)
+    return placed
+
+
+def _shaped_like(tree: PyTree, params: PyTree) -> bool:
+    """Whether ``tree`` has the params' structure and each leaf their shape."""
+    if tree is None or jax.tree.structure(tree) != jax.tree.structure(params):
+        return False
+    return all(a.shape == b.shape for a, b in zip(jax.tree.leaves(tree),
+                                                  jax.tree.leaves(params), strict=True))
 
 
 # ---- the batch -------------------------------------------------------------------------------

@@ -108,6 +108,13 @@ def test_a_bad_record_is_refused_naming_its_file_and_line(tmp_path, line, what):
     assert not list((tmp_path / "cache" / "records").glob("*/manifest.json"))  # nothing kept
 
 
+def test_preference_pairs_read_as_other_records_name_the_format_that_reads_them(tmp_path):
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}])
+    with pytest.raises(DataError) as err:
+        record_splits(data(tmp_path, paths=(str(path),)))
+    assert f"{path}:1: is a preference pair: set data.format=preference" in str(err.value)
+
+
 def test_records_json_would_crash_on_are_skipped_and_counted(tmp_path):
     """Under data.bad_records=skip the records nested too deep, with a 5,000-digit integer or a
     lone surrogate are counted and left out; an escaped surrogate pair (an emoji) is text."""

@@ -436,8 +436,10 @@ def split_records(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, s
             form = detect_format(record, cfg.fields)
             if form is None:
                 f = cfg.fields
-                refuse_or_skip(where, f"has none of the fields {f.messages!r}, {f.prompt!r} and "
-                                      f"{f.completion!r}, or {f.text!r} (set data.fields)")
+                pair = "chosen" in record and "rejected" in record
+                refuse_or_skip(where, "is a preference pair: set data.format=preference" if pair
+                               else f"has none of the fields {f.messages!r}, {f.prompt!r} and "
+                                    f"{f.completion!r}, or {f.text!r} (set data.fields)")
                 continue
         if form == "chat":
             require_template(tokenizer)

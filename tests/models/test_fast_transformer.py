@@ -80,13 +80,19 @@ def test_blocked_causal_attention_is_dot_product_attention(seq):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize(("flags", "asked"), [
-    ("--xla_gpu_deterministic_ops=true", [None]),
-    ("--xla_gpu_deterministic_ops=false", ["cudnn", None])])
-def test_gpu_attention_asks_cudnn_only_outside_deterministic_mode(monkeypatch, flags, asked):
-    """On a GPU in bfloat16, attention asks JAX for cuDNN's fused attention only where XLA:GPU
-    is not deterministic (trainrun's GPU default): there a program with two cuDNN attention
-    calls fails when run. Here, on CPU, cuDNN refuses and the XLA form answers."""
+@pytest.mark.parametrize(("flags", "switch", "asked"), [
+    ("--xla_gpu_deterministic_ops=true", "all", [None]),
+    ("--xla_gpu_deterministic_ops=false", "all", ["cudnn", None]),
+    ("--xla_gpu_deterministic_ops=false", "none", [None])])
+def test_gpu_attention_is_cudnn_only_where_chosen_outside_deterministic_mode(
+        monkeypatch, flags, switch, asked):
+    """On a GPU in bfloat16, the attention chosen once (``Strategies.attention``) is cuDNN's
+    fused attention only where XLA:GPU is not deterministic (trainrun's GPU default: there a
+    program with two cuDNN attention calls fails when run) and ``fused_gpu_attention`` is on;
+    attention itself reads no environment. Here, on CPU, cuDNN refuses and the XLA form
+    answers."""
+    from trainrun.fast import strategies
+
     implementations: list[str | None] = []
     real = jax.nn.dot_product_attention
 
@@ -95,11 +101,14 @@ def test_gpu_attention_asks_cudnn_only_outside_deterministic_mode(monkeypatch, f
         return real(*args, implementation=implementation, **kwargs)
 
     jax.devices()  # the backend starts with the process's own flags, not the ones set here
-    monkeypatch.setenv("XLA_FLAGS", flags)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    path = strategies.chosen({"TRAINRUN_FAST_PATHS": switch}).attention({"XLA_FLAGS": flags})
+    assert path.fused_gpu == (asked[0] == "cudnn")
     monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true" if path.fused_gpu else
+                       "--xla_gpu_deterministic_ops=false")  # read by no one from here on
     q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16), jnp.bfloat16)
-    out = causal_attention(q, q, q)
+    out = causal_attention(q, q, q, path=path)
     assert implementations == asked
     assert out.shape == q.shape
 
@@ -112,15 +121,15 @@ def test_score_programs_attend_in_larger_blocks_and_compute_the_same_scores(monk
     from trainrun.fast import strategies
 
     cfg = SMALL.model_copy(update={"seq_len": 300})
-    block = strategies.chosen().score_attention_block()
-    assert block == 256
+    larger_blocks = strategies.chosen().score_attention()
+    assert larger_blocks.block == 256
     monkeypatch.setenv("TRAINRUN_FAST_PATHS", "none")
-    assert strategies.chosen().score_attention_block() == 64
+    assert strategies.chosen().score_attention().block == 64
     params = build_model(cfg).init(jax.random.key(0))
     rows = fixed_batch(cfg, 2)["tokens"][:, :301].astype(np.int32)
     segments = np.ones((2, 300), np.int32)
     batch = (rows[:, :-1], rows[:, 1:], segments, np.broadcast_to(np.arange(300), (2, 300)))
-    larger, training = _scorer(cfg, "float32", block), _scorer(cfg, "float32")
+    larger, training = _scorer(cfg, "float32", larger_blocks), _scorer(cfg, "float32")
 
     def matmuls(score) -> int:
         return str(jax.make_jaxpr(score)(params, *batch)).count("dot_general")

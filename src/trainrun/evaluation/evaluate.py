@@ -60,6 +60,7 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     tokens an answer may take; ``limit``: answers generated (0: one for every question)."""
     from trainrun.checkpointing.reader import latest_state
     from trainrun.evaluation.sample import language_run, require_settings
+    from trainrun.fast import strategies
     from trainrun.models import build_model
 
     require_settings(tokens, temperature, seed)
@@ -73,7 +74,8 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
         return EvalResult(*preference_scores(config, run, data, ema), answers=[])
     section = _data_section(config, data)
     say = progress or (lambda line: None)
-    built = build_model(config.model)  # traced once, for the checkpoint and the loss alike
+    # traced once, for the checkpoint and the loss alike
+    built = build_model(config.model, attention=strategies.chosen().attention())
     step, state = latest_state(run, config, built)
     params = state.ema if ema else state.params
     scores = held_out_loss(config, section, params, built)
@@ -81,7 +83,6 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
     answers: list[dict[str, Any]] = []
     if isinstance(section, RecordsData):
         from trainrun.checkpointing.run_context import run_model, within
-        from trainrun.fast import strategies
 
         asked = questions(section, limit)
         model = run_model(config)  # answers within the architecture's context

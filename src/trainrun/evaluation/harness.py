@@ -60,7 +60,7 @@ from trainrun.errors import UserError
 from trainrun.evaluation.language_model import LanguageModel, load
 from trainrun.evaluation.text_tokens import TextTokenizer, load_tokenizer
 from trainrun.fast import strategies
-from trainrun.models.transformer import ATTENTION_BLOCK, bind_transformer
+from trainrun.models.transformer import PLAIN_ATTENTION, AttentionPath, bind_transformer
 from trainrun.program.precision import DTYPES, cast_floats
 
 NAME = "trainrun"  # the name lm-eval's --model takes
@@ -140,7 +140,7 @@ class TrainrunLM(_Base):
         chosen = strategies.chosen()
         self._programs = ScorePrograms(
             _scorer(self.model.config, self.model.compute,  # pyright: ignore[reportArgumentType]
-                    chosen.score_attention_block()),
+                    chosen.score_attention()),
             self.model.params, chosen.score_compiler_options())
         self._eos = (None if self.text.eos_id is None
                      else self.text.decode([self.text.eos_id], special=True))
@@ -463,14 +463,14 @@ def _batch_size(size: int | str | None, most: int | None) -> tuple[int | None, i
 
 
 @functools.lru_cache(maxsize=8)
-def _scorer(cfg: TransformerModel, compute: str, attention_block: int = ATTENTION_BLOCK
+def _scorer(cfg: TransformerModel, compute: str, attention: AttentionPath = PLAIN_ATTENTION
             ) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """The jitted ``(params, tokens, targets, segments, positions) -> (log p(target), target
     is the argmax)``, each ``[rows, width]``: rows of requests packed as ``segments`` (1, 2, ...
     in a row, 0 padding) with ``positions`` counting from 0 in each, on the model's forward
-    (attending in blocks of ``attention_block`` query rows on CPU). Only those two leave the
+    (its attention computed as ``attention`` says). Only those two leave the
     device, not the logits."""
-    module_of = bind_transformer(cfg, attention_block)
+    module_of = bind_transformer(cfg, attention)
     dtype = DTYPES[compute]
 
     def score(params: Any, tokens: jax.Array, targets: jax.Array, segments: jax.Array,

@@ -8,6 +8,8 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
     decoding's output head     ``head_layout.head_transposed``, else the model's own table
     how score programs compile  at LLVM's level 1 on CPU, attending in blocks of
                                 ``SCORE_ATTENTION_BLOCK`` rows; else as every program
+    how attention is computed  cuDNN's fused attention on an NVIDIA GPU where XLA:GPU is not
+                               deterministic; else ``AttentionPath()``, XLA's form
 
 A fast path that is off, or that does not fit the run, leaves the plain path's default.
 """
@@ -25,9 +27,10 @@ from trainrun.fast.guard import keep_if_not_branched
 from trainrun.fast.head_layout import head_transposed
 from trainrun.fast.packing import PackedState, packing_for
 from trainrun.fast.writer_thread import WriterThread
-from trainrun.models.transformer import ATTENTION_BLOCK
+from trainrun.models.transformer import ATTENTION_BLOCK, AttentionPath
 from trainrun.platform import fast_paths
 from trainrun.platform.fast_paths import FastPaths
+from trainrun.platform.process import gpu_deterministic
 from trainrun.program.carried import StateCarrier, TrainStateCarrier
 from trainrun.program.decode import HeadLayout, head_as_trained
 from trainrun.program.state import TrainState
@@ -93,10 +96,20 @@ class Strategies:
             return {"xla_backend_optimization_level": 1}
         return {}
 
-    def score_attention_block(self) -> int:
-        """Query rows per block of the score programs' causal attention on CPU: fewer, larger
-        blocks than training's compile in less time and run as fast (BENCHMARKS.md)."""
-        return SCORE_ATTENTION_BLOCK if self._cpu_score() else ATTENTION_BLOCK
+    def score_attention(self) -> AttentionPath:
+        """The score programs' attention: as every program's, in blocks of 256 query rows on
+        CPU: fewer, larger blocks than training's compile in less time and run as fast
+        (BENCHMARKS.md)."""
+        return dataclasses.replace(
+            self.attention(), block=SCORE_ATTENTION_BLOCK if self._cpu_score() else ATTENTION_BLOCK)
+
+    def attention(self, environ: Mapping[str, str] = os.environ) -> AttentionPath:
+        """cuDNN's fused attention on an NVIDIA GPU, unless XLA:GPU runs deterministically
+        (``XLA_FLAGS``; trainrun's default there): a program with two cuDNN attention calls
+        then fails when run (BENCHMARKS.md, "GPU: bfloat16 training with cuDNN attention")."""
+        fused = (self.switch.fused_gpu_attention and jax.default_backend() == "gpu"
+                 and not gpu_deterministic(environ.get("XLA_FLAGS", "")))
+        return AttentionPath(fused_gpu=fused)
 
     def _cpu_score(self) -> bool:
         return self.switch.cpu_score_compile and jax.default_backend() == "cpu"

@@ -15,9 +15,9 @@ rules: docs/internals.md, "The transformer".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -37,7 +37,6 @@ from trainrun.models.losses import (
     tied_head_logits,
 )
 from trainrun.models.matmul import float32_dot
-from trainrun.platform.process import gpu_deterministic
 
 PyTree = Any
 
@@ -117,10 +116,24 @@ def rotary_frequencies(head_dim: int, theta: float = 10_000.0,
 ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (docs/internals.md)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionPath:
+    """How ``causal_attention`` computes (never what): ``block``, query rows per block on CPU
+    and with a soft-cap; ``fused_gpu``, cuDNN's fused (flash) attention on an NVIDIA GPU in
+    bfloat16 or float16. The plain path is the default; ``fast/strategies.py`` chooses another
+    once per run or command."""
+
+    block: int = ATTENTION_BLOCK
+    fused_gpu: bool = False
+
+
+PLAIN_ATTENTION = AttentionPath()
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      segments: jax.Array | None = None, *, scale: float | None = None,
                      window: int | None = None, softcap: float | None = None,
-                     block: int = ATTENTION_BLOCK) -> jax.Array:
+                     path: AttentionPath = AttentionPath()) -> jax.Array:
     """Causal self-attention of ``[batch, seq, heads, head_dim]`` queries, keys and values: the
     maths of ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` (scaled logits in
     float32, masked to a large negative number, softmax, weighted sum of values).
@@ -131,24 +144,22 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     scale: of the logits (None: ``1 / sqrt(head_dim)``). window: a token attends to the last
     ``window`` positions, its own included (a sliding window; None: to every earlier one).
     softcap: the scaled logits become ``softcap * tanh(logits / softcap)`` before the mask
-    (``softcapped``; None: as they are). block: query rows per block.
+    (``softcapped``; None: as they are). path: how it is computed (``AttentionPath``).
 
     On CPU, and on every backend with ``softcap`` (which ``dot_product_attention`` does not
-    compute), it runs head-major and in blocks of query rows, each block against only the keys up
-    to its own last row: XLA:CPU then skips most of the masked upper triangle (3/8 of the
-    attention work at seq 256) and its batched matmuls need no transposes. On an NVIDIA GPU in
-    bfloat16 or float16 it is cuDNN's fused (flash) attention, which JAX does not pick by
-    itself, unless XLA:GPU runs deterministically (trainrun's default there: a program with
-    two cuDNN attention calls then fails when run, BENCHMARKS.md, "GPU: bfloat16 training with
-    cuDNN attention"); elsewhere ``dot_product_attention``'s XLA form.
+    compute), it runs head-major and in blocks of ``path.block`` query rows, each block against
+    only the keys up to its own last row: XLA:CPU then skips most of the masked upper triangle
+    (3/8 of the attention work at seq 256) and its batched matmuls need no transposes. On an
+    NVIDIA GPU in bfloat16 or float16 with ``path.fused_gpu`` it is cuDNN's fused (flash)
+    attention, which JAX does not pick by itself; elsewhere ``dot_product_attention``'s XLA
+    form.
     """
     backend = jax.default_backend()
     local = None if window is None else (window - 1, 0)  # positions before and after a query
     if backend != "cpu" and softcap is None:
         same = (None if segments is None else
                 segments[:, None, :, None] == segments[:, None, None, :])  # [batch, 1, q, k]
-        if (backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-                and not gpu_deterministic(os.environ.get("XLA_FLAGS", ""))):
+        if path.fused_gpu and backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
             # cuDNN takes the segment mask as JAX passes it any mask: an additive bias [batch,
             # 1, seq, seq] beside its own causal mask. (Its packed layout of segment offsets is
             # reached only through JAX's private API.) Where it refuses, the XLA form masks.
@@ -165,8 +176,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [batch, heads, seq, head_dim]
     masked = jnp.asarray(-0.7 * float(jnp.finfo(jnp.float32).max), jnp.float32)
     blocks = []
-    for lo in range(0, seq, block):
-        hi = min(lo + block, seq)
+    for lo in range(0, seq, path.block):
+        hi = min(lo + path.block, seq)
         first = 0 if window is None else max(0, lo - window + 1)  # keys any row here sees
         logits = float32_dot(q[:, :, lo:hi], k[:, :, first:hi],
                              (((3,), (3,)), ((0, 1), (0, 1)))) * jnp.float32(scale)
@@ -315,11 +326,11 @@ def _norm(cfg: TransformerModel, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs, window: int | None = None,
-                 block: int = ATTENTION_BLOCK):
+                 path: AttentionPath = AttentionPath()):
         d, std = cfg.d_model, cfg.init_std
         self.heads, self.kv_heads = cfg.heads, cfg.kv_key_heads
         self.head_dim = cfg.attention_head_dim
-        self.scale, self.window, self.block = cfg.query_scale, window, block
+        self.scale, self.window, self.path = cfg.query_scale, window, path
         self.softcap = cfg.attention_logit_softcap
         inner, kv_inner = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attention_bias
@@ -375,7 +386,7 @@ class Attention(nnx.Module):
             if group > 1:
                 k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
             y = causal_attention(q, k, v, segments, scale=self.scale, window=self.window,
-                                 softcap=self.softcap, block=self.block)
+                                 softcap=self.softcap, path=self.path)
         else:
             cache = KV(jax.lax.dynamic_update_slice(cache.k, k, (0, pos, 0, 0)),
                        jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
@@ -440,10 +451,10 @@ class Block(nnx.Module):
     ``pre_norms`` each sublayer reads ``x`` itself, unnormed (OLMo-2, with post_norms)."""
 
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs, index: int = 0,
-                 attention_block: int = ATTENTION_BLOCK):
+                 attention: AttentionPath = AttentionPath()):
         self.ln1 = _norm(cfg, rngs) if cfg.pre_norms else None
         self.attn = Attention(cfg, rngs, cfg.sliding_window if cfg.local_layer(index) else None,
-                              attention_block)
+                              attention)
         self.ln2 = _norm(cfg, rngs) if cfg.pre_norms else None
         self.mlp = Experts(cfg, rngs) if cfg.expert_layer(index) else MLP(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
@@ -493,12 +504,11 @@ REMAT_POLICIES = {
 
 
 class Transformer(nnx.Module):
-    """The decoder-only transformer ``cfg`` describes. ``attention_block``: query rows per
-    block of causal attention on CPU (``causal_attention``); it changes how, not what, the
-    model computes."""
+    """The decoder-only transformer ``cfg`` describes. ``attention``: how its causal attention
+    is computed (``AttentionPath``); it changes how, not what, the model computes."""
 
     def __init__(self, cfg: TransformerModel, rngs: nnx.Rngs,
-                 attention_block: int = ATTENTION_BLOCK):
+                 attention: AttentionPath = AttentionPath()):
         self.layers, self.kv_heads = cfg.layers, cfg.kv_key_heads
         self.head_dim = cfg.attention_head_dim
         self.rotary = (self.head_dim, cfg.rope_theta, cfg.rope_scaling)  # rotary_frequencies
@@ -516,7 +526,7 @@ class Transformer(nnx.Module):
         self.positions = (nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.seq_len, cfg.d_model)), axes=(None, "embed"))
             if cfg.positions == "learned" else None)
-        self.blocks = nnx.Dict({f"{i}": Block(cfg, rngs, i, attention_block)
+        self.blocks = nnx.Dict({f"{i}": Block(cfg, rngs, i, attention)
                                 for i in range(cfg.layers)})
         self.ln_f = _norm(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout)
@@ -762,18 +772,20 @@ def _with_router(result: tuple[jax.Array, dict[str, jax.Array]], router: list[Ro
     return loss + jnp.float32(coefficient) * balance, aux
 
 
-def make_transformer(cfg: TransformerModel) -> Model:
+def make_transformer(cfg: TransformerModel, attention: AttentionPath = AttentionPath()
+                     ) -> Model:
     def loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None):
         return _lm_loss(module, batch, key, cfg.loss_chunk, cfg.router_aux_loss)
 
-    return from_nnx(lambda rngs: Transformer(cfg, rngs), loss, name="transformer",
+    return from_nnx(lambda rngs: Transformer(cfg, rngs, attention), loss, name="transformer",
                     eval_loss=lambda module, batch: loss(module, batch, None),
-                    same_module=_module_key(cfg, ATTENTION_BLOCK))
+                    same_module=_module_key(cfg, attention))
 
 
-def _module_key(cfg: TransformerModel, attention_block: int) -> tuple[str, str, int]:
+def _module_key(cfg: TransformerModel, attention: AttentionPath
+                ) -> tuple[str, str, AttentionPath]:
     """What names the ``Transformer`` a config builds, for tracing its shapes once."""
-    return ("transformer", cfg.model_dump_json(), attention_block)
+    return ("transformer", cfg.model_dump_json(), attention)
 
 
 def parameter_count(cfg: TransformerModel) -> int:
@@ -819,11 +831,11 @@ def parameter_count(cfg: TransformerModel) -> int:
             + layers + norm + (0 if cfg.tie_embeddings else table))
 
 
-def bind_transformer(cfg: TransformerModel, attention_block: int = ATTENTION_BLOCK
+def bind_transformer(cfg: TransformerModel, attention: AttentionPath = AttentionPath()
                      ) -> Callable[..., Transformer]:
     """``params -> Transformer`` holding them (for sampling from trained params)."""
-    return bind_params(lambda rngs: Transformer(cfg, rngs, attention_block),
-                       name="transformer", same_module=_module_key(cfg, attention_block))
+    return bind_params(lambda rngs: Transformer(cfg, rngs, attention),
+                       name="transformer", same_module=_module_key(cfg, attention))
 
 
 def merge_adapters(cfg: TransformerModel, params: PyTree) -> tuple[TransformerModel, PyTree]:

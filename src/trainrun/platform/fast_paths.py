@@ -20,6 +20,9 @@ plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
     cpu_score_compile   on CPU, lm-eval's score programs compile at LLVM's optimisation level
                         1, not 2, and attend in blocks of 256 query rows, not 64
                         (``harness.ScorePrograms``)
+    fused_gpu_attention  on an NVIDIA GPU in bfloat16 or float16, causal attention is cuDNN's
+                        fused kernel where XLA:GPU is not deterministic
+                        (``transformer.AttentionPath``)
 
 ``TRAINRUN_FAST_PATHS``: ``all`` (the default), ``none``, or the names to keep on, comma
 separated. Why each pays, and on what: docs/internals.md, "Fast paths".
@@ -47,6 +50,7 @@ class FastPaths:
     cpu_guard_branches: bool = True
     decode_head_layout: bool = True
     cpu_score_compile: bool = True
+    fused_gpu_attention: bool = True
 
     def on(self) -> list[str]:
         """The names of the fast paths that are on."""

@@ -155,7 +155,7 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
     resumes = _resume_step(directory)
     if resumes is not None and resumes >= config.steps:  # finished: nothing to do
         return _finished(run_dir, directory, resumes, config.steps, console, primary)
-    parts = _parts(config, asked.model, batch_size, console)
+    parts = _parts(config, asked.model, batch_size, console, chosen)
     data, batches, records, files, eval_data = _data(config, asked, parts, console)
     evaluator = _evaluator(config, parts, eval_data, chosen.decode_head())
     stream = _metric_stream(config)
@@ -238,7 +238,8 @@ def _finished(run_dir: Path, directory: rundir.RunDirectory, latest: int, steps:
     return RunSummary.from_dict(rundir.read_summary(run_dir))
 
 
-def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Console) -> Parts:
+def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Console,
+           chosen: Strategies) -> Parts:
     """The mesh, the model and its program's shapes, each checked against memory before the
     next is made."""
     if config.checkpoint.keep_best and not config.eval.every:
@@ -247,7 +248,7 @@ def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Con
     mesh = sharding.build_mesh(config.mesh)
     placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
     counted = None if model else config.model
-    built = model or _model(config, mesh)
+    built = model or _model(config, mesh, chosen)
     optimizer = build_optimizer(config.optimizer, config.steps)
     for notice in schedule_notices(config):
         console.message(f"warning: {notice}")
@@ -261,13 +262,13 @@ def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Con
                  state_sharding=state_sharding)
 
 
-def _model(config: RunConfig, mesh: Any) -> Model:
+def _model(config: RunConfig, mesh: Any, chosen: Strategies) -> Model:
     """The config's model; a transformer's memory is checked before it is built."""
     if isinstance(config.model, TransformerModel):
         preflight.check_model_memory(
             config.model, list(mesh.devices.flat), config.precision.params,
             f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
-    return build_model(config.model, config.preference)
+    return build_model(config.model, config.preference, chosen.attention())
 
 
 def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,

@@ -184,47 +184,63 @@ class _RowWriter:
 def _write_pairs(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
                  every: int, limits: tuple[int, int], writer: _RowWriter,
                  ) -> tuple[RecordCounts, PairCounts]:
-    counts, truncated = RecordCounts(vocab=tokenizer.size), PairCounts()
-    pending: dict[str, list[tuple[str, dict[str, Any]]]] = {"train": [], "eval": []}
-    forms: list[PairForm] = []
+    """Every usable record of ``source`` encoded, a chunk at a time, and written; what became
+    of the records, and of their truncation."""
+    chunks = _Chunks(cfg, tokenizer, limits, writer, RecordCounts(vocab=tokenizer.size))
+    for split, where, record in _usable(cfg, source, every, chunks.counts, chunks.forms,
+                                        chunks.refuse_or_skip):
+        chunks.pending[split].append((where, record))
+        if len(chunks.pending[split]) >= CHUNK_RECORDS:
+            chunks.flush(split)
+    for split in chunks.pending:
+        if chunks.pending[split]:
+            chunks.flush(split)
+    return chunks.counts, chunks.truncated
 
-    def refuse_or_skip(where: str, what: str) -> None:
-        if cfg.bad_records == "refuse":
+
+@dataclasses.dataclass
+class _Chunks:
+    """Records waiting to be encoded, per split, and what became of those encoded."""
+
+    cfg: RecordsData
+    tokenizer: model_tokenizer.ModelTokenizer
+    limits: tuple[int, int]  # max_prompt, max_completion
+    writer: _RowWriter
+    counts: RecordCounts
+    truncated: PairCounts = dataclasses.field(default_factory=PairCounts)
+    forms: list[PairForm] = dataclasses.field(default_factory=list)  # the first record's
+    pending: dict[str, list[tuple[str, dict[str, Any]]]] = dataclasses.field(
+        default_factory=lambda: {"train": [], "eval": []})
+
+    def refuse_or_skip(self, where: str, what: str) -> None:
+        if self.cfg.bad_records == "refuse":
             raise DataError(f"record {where}: {what}; fix or remove it, or set "
                             "data.bad_records=skip to leave bad records out (they are counted)")
-        counts.skipped += 1
-        if len(counts.bad) < SHOWN_BAD:
-            counts.bad.append(f"{where}: {what}")
+        self.counts.skipped += 1
+        if len(self.counts.bad) < SHOWN_BAD:
+            self.counts.bad.append(f"{where}: {what}")
 
-    def flush(split: str) -> None:
-        located, pending[split] = pending[split], []
-        encoded = encode_pairs([record for _, record in located], forms[0], tokenizer,
-                               *limits, truncated)
+    def flush(self, split: str) -> None:
+        """The split's pending records encoded; the pairs that fit a row written."""
+        located, self.pending[split] = self.pending[split], []
+        encoded = encode_pairs([record for _, record in located], self.forms[0],
+                               self.tokenizer, *self.limits, self.truncated)
         kept = []
         for (where, _), pair in zip(located, encoded, strict=True):
             if isinstance(pair, str):
-                refuse_or_skip(where, pair)
-            elif pair_length(pair) > writer.row_len:
-                counts.dropped += 1
+                self.refuse_or_skip(where, pair)
+            elif pair_length(pair) > self.writer.row_len:
+                self.counts.dropped += 1
             elif pair.chosen.size == 0 and pair.rejected.size == 0:
-                counts.no_answer += 1
+                self.counts.no_answer += 1
             else:
                 kept.append(pair)
         if split == "eval":
-            counts.held_examples += len(kept)
+            self.counts.held_examples += len(kept)
         else:
-            counts.examples += len(kept)
+            self.counts.examples += len(kept)
         if kept:
-            writer.append(split, kept)
-
-    for split, where, record in _usable(cfg, source, every, counts, forms, refuse_or_skip):
-        pending[split].append((where, record))
-        if len(pending[split]) >= CHUNK_RECORDS:
-            flush(split)
-    for split in pending:
-        if pending[split]:
-            flush(split)
-    return counts, truncated
+            self.writer.append(split, kept)
 
 
 def _usable(cfg: RecordsData, source: Source, every: int, counts: RecordCounts,

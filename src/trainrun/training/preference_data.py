@@ -38,6 +38,7 @@ from trainrun.data.record_rows import Damaged, RecordCounts
 from trainrun.data.record_rows import _locked as locked
 from trainrun.data.record_rows import _mapped as mapped
 from trainrun.errors import WriteFailed
+from trainrun.models.preference_losses import REFERENCE_FREE
 from trainrun.models.preference_transformer import REFERENCE_COLUMN, token_logps
 from trainrun.models.transformer import bind_transformer
 from trainrun.program.precision import Policy
@@ -61,7 +62,7 @@ def needs_reference_column(config: RunConfig) -> bool:
     """Whether the run's batches carry the cached reference column."""
     preference = config.preference
     return (preference is not None and preference.reference == "cached"
-            and preference.loss not in ("simpo", "orpo"))
+            and preference.loss not in REFERENCE_FREE)
 
 
 def preference_data(config: RunConfig, policy: Policy, start: Callable[[], PyTree],

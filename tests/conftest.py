@@ -235,6 +235,10 @@ FAMILY_CONFIGS = {  # (transformers' config class, what sets the family apart)
     "mistral_window": ("MistralConfig", dict(sliding_window=6, head_dim=24)),
     "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=7,
                                          max_window_layers=1)),
+    # caps low enough that the tiny model's logits reach them
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=20,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "olmo2": ("Olmo2Config", dict(rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=2)),
 }
 MOE_CONFIGS = {  # 8 experts, top-2, as the benchmarks' layer
     "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2,

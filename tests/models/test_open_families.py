@@ -2,11 +2,13 @@
 (1 + w norms around each sublayer, scaled embeddings, local layers with their own rotary base
 and a sliding window), Phi-3 (fused q/k/v and gate/up), Llama's bias options, sliding windows
 in Mistral and Qwen2, and the mixtures of experts Mixtral, Qwen3-MoE (with a dense layer) and
-Qwen2-MoE (with its gated shared expert), 8 experts top-2. Each is a random model saved in
-shards by `transformers`, every weight drawn: trainrun's logits are `transformers`' within
-1e-4, its greedy decoding of 200 tokens is `transformers`' `generate` token for token (past the
-128 positions `load` once capped the context at), and what trainrun writes loads in
-`transformers` with trainrun's logits."""
+Qwen2-MoE (with its gated shared expert), 8 experts top-2, Gemma 2 (Gemma's norms and scaled
+embeddings, soft-capped attention and output logits, local layers every other one) and OLMo-2
+(RMSNorm after each sublayer and none before, q/k norms over the whole projections). Each is a
+random model saved in shards by `transformers`, every weight drawn: trainrun's logits are
+`transformers`' within 1e-4, its greedy decoding of 200 tokens is `transformers`' `generate`
+token for token (past the 128 positions `load` once capped the context at), and what trainrun
+writes loads in `transformers` with trainrun's logits."""
 
 from __future__ import annotations
 
@@ -62,7 +64,13 @@ def test_a_family_loads_with_the_logits_transformers_computes(family_dirs, famil
                 "qwen3_moe": dict(experts=8, expert_hidden=32, dense_layers=(1,),
                                   qk_norm=True, router_renormalise=True),
                 "qwen2_moe": dict(experts=8, shared_expert_hidden=48, qkv_bias=True,
-                                  router_renormalise=False)}
+                                  router_renormalise=False),
+                "gemma2": dict(norm_plus_one=True, post_norms=True, embed_scale=True,
+                               mlp="geglu", sliding_window=8, sliding_layers=(0, 2),
+                               query_scale=20 ** -0.5, attention_logit_softcap=2.0,
+                               final_logit_softcap=3.0, qk_norm=False),
+                "olmo2": dict(pre_norms=False, post_norms=True, qk_norm=True,
+                              qk_norm_over="projection", norm_eps=1e-5, mlp="swiglu")}
     for field, value in expected[family].items():
         assert getattr(cfg, field) == value, field
     assert cfg.seq_len == 256  # the model's own context, not a cap
@@ -71,13 +79,37 @@ def test_a_family_loads_with_the_logits_transformers_computes(family_dirs, famil
     np.testing.assert_allclose(model(TOKENS), want, rtol=0, atol=1e-4)
 
 
-def test_each_family_trait_changes_the_logits(family_dirs):
-    """Without the sliding window (or with another window) the logits differ, so the test
-    above would catch a window that is ignored."""
-    model = trainrun.load(family_dirs["mistral_window"])
-    wider = trainrun.LanguageModel(model.config.model_copy(update={"sliding_window": 7}),
-                                   model.params)
-    assert not np.allclose(wider(TOKENS), model(TOKENS), atol=1e-3)
+@pytest.mark.parametrize(("family", "change"), [
+    ("mistral_window", {"sliding_window": 7}),
+    ("gemma2", {"attention_logit_softcap": None}), ("gemma2", {"final_logit_softcap": None})])
+def test_each_family_trait_changes_the_logits(family_dirs, family, change):
+    """Without the sliding window (or with another window), or without a soft-cap, the logits
+    differ, so the test above would catch a trait that is ignored."""
+    model = trainrun.load(family_dirs[family])
+    other = trainrun.LanguageModel(model.config.model_copy(update=change), model.params)
+    assert not np.allclose(other(TOKENS), model(TOKENS), atol=1e-3)
+
+
+def test_gemma2s_training_loss_is_transformers_loss_of_its_capped_logits(family_dirs):
+    """The loss trainrun trains on (its chunked head, the cap inside) is transformers'."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from trainrun.models import build_model
+
+    path = family_dirs["gemma2"]
+    model = trainrun.load(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.from_numpy(np.asarray(TOKENS, np.int64))
+        want = float(reference(ids, labels=ids).loss)
+    cfg = model.config.model_copy(update={"loss_chunk": 32})  # chunks: the custom backward's
+    loss = build_model(cfg).loss(model.params, {"tokens": np.asarray(TOKENS, np.int32)},
+                                 None)[0]
+    assert abs(float(loss) - want) < 1e-5
+    uncapped = build_model(cfg.model_copy(update={"final_logit_softcap": None})).loss(
+        model.params, {"tokens": np.asarray(TOKENS, np.int32)}, None)[0]
+    assert abs(float(uncapped) - want) > 1e-3
 
 
 @pytest.mark.slow
@@ -125,6 +157,19 @@ def test_what_gemma_asks_and_trainrun_does_not_compute_is_refused(tmp_path):
     path = save_tiny_family(tmp_path / "capped", "gemma3_text", final_logit_softcapping=30.0)
     with pytest.raises(WeightsError, match=r"final_logit_softcapping=30\.0") as err:
         model_of(path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_soft_capped_model_is_refused_as_a_family_without_caps(family_dirs):
+    """Soft-caps have no key in a Llama config.json: a capped model exported as llama is
+    refused on one line, not written as another model."""
+    from trainrun.models.huggingface import WeightsError, config_json
+
+    cfg = trainrun.load(family_dirs["llama_biases"]).config
+    capped = cfg.model_copy(update={"final_logit_softcap": 30.0})
+    assert config_json(cfg, "llama")["model_type"] == "llama"
+    with pytest.raises(WeightsError, match=r"final_logit_softcap=30\.0") as err:
+        config_json(capped, "llama")
     assert "\n" not in str(err.value)
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from trainrun.models.families import (
     gemma,
+    gemma2,
     gpt2,
     llama,
     mistral,
     mixtral,
+    olmo2,
     phi3,
     qwen2,
     qwen2_moe,
@@ -20,5 +22,6 @@ from trainrun.models.families import (
 from trainrun.models.families.family import Family
 
 FAMILIES: dict[str, Family] = {module.FAMILY.model_type: module.FAMILY for module in (
-    gpt2, llama, qwen2, mistral, qwen3, gemma, phi3, mixtral, qwen2_moe, qwen3_moe)}
+    gpt2, llama, qwen2, mistral, qwen3, gemma2, gemma, phi3, olmo2, mixtral, qwen2_moe,
+    qwen3_moe)}
 MODEL_TYPES = tuple(FAMILIES)

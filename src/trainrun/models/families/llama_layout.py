@@ -49,16 +49,20 @@ class LlamaLayout:
     """What sets one family of the Llama layout apart (transformers' modeling files).
 
     qkv_bias: biases on q/k/v alone; attention_bias, mlp_bias: whether its config.json may
-    turn those biases on; qk_norm: RMSNorm on queries and keys per head; activation_key and
-    default_activation: the MLP's activation's key and value where absent; norm_plus_one,
-    post_norms, embed_scale: Gemma's 1 + w norms, norms after each sublayer, scaled
-    embeddings; query_scale_key: the key of the attention's scalar (1/sqrt of it scales the
-    queries); rope_per_layer_type: rope_parameters written per layer type (the local layers'
-    base apart); tie_default: tie_word_embeddings where absent; sliding: how a window is said
-    (on every layer from sliding_window alone, or per layer in layer_types); layer_types: the
-    layer types an older config.json implies without the key; global_window: the window
-    written (unused) where every layer is global; refuse: the family's own refusals; fused:
-    one qkv_proj and one gate_up_proj per layer; experts: a mixture's experts."""
+    turn those biases on; qk_norm: RMSNorm on queries and keys, over each head or over the
+    whole projection (qk_norm_over); activation_key and default_activation: the MLP's
+    activation's key and value where absent; norm_plus_one, post_norms, embed_scale: Gemma's
+    1 + w norms, norms after each sublayer, scaled embeddings; pre_norms: norms before each
+    sublayer (OLMo-2 has none); softcaps: whether attention and output logits are
+    soft-capped by attn_logit_softcapping and final_logit_softcapping, and their caps where
+    config.json lacks the keys (Gemma 2: 50 and 30; None: no caps); query_scale_key: the key
+    of the attention's scalar (1/sqrt of it scales the queries); rope_per_layer_type:
+    rope_parameters written per layer type (the local layers' base apart); tie_default:
+    tie_word_embeddings where absent; sliding: how a window is said (on every layer from
+    sliding_window alone, or per layer in layer_types); layer_types: the layer types an older
+    config.json implies without the key; global_window: the window written (unused) where
+    every layer is global; refuse: the family's own refusals; fused: one qkv_proj and one
+    gate_up_proj per layer; experts: a mixture's experts."""
 
     model_type: str
     title: str
@@ -67,10 +71,13 @@ class LlamaLayout:
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_over: Literal["head", "projection"] = "head"
     activation_key: str = "hidden_act"
     default_activation: str = "silu"
     norm_plus_one: bool = False
+    pre_norms: bool = True
     post_norms: bool = False
+    softcaps: tuple[float | None, float | None] | None = None  # (attention, final)
     embed_scale: bool = False
     query_scale_key: str | None = None
     rope_per_layer_type: bool = False
@@ -112,7 +119,9 @@ def fields(hf: dict[str, Any], layout: LlamaLayout) -> Architecture:
             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
             "rope_scaling": "rope_scaling", "tie_embeddings": "tie_word_embeddings",
             "mlp": act_key, "sliding_window": "sliding_window", "sliding_layers": "layer_types",
-            "fused_projections": "model_type"}
+            "fused_projections": "model_type",
+            "attention_logit_softcap": "attn_logit_softcapping",
+            "final_logit_softcap": "final_logit_softcapping"}
     values = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": layers,
               "heads": heads, "kv_heads": kv_heads if kv_heads != heads else None,
               "head_dim": head_dim if head_dim * heads != d else None,
@@ -123,7 +132,9 @@ def fields(hf: dict[str, Any], layout: LlamaLayout) -> Architecture:
               "attention_bias": bool(hf.get("attention_bias", False)),
               "mlp_bias": bool(hf.get("mlp_bias", False)),
               "qk_norm": layout.qk_norm, "norm_plus_one": layout.norm_plus_one,
+              "qk_norm_over": layout.qk_norm_over, "pre_norms": layout.pre_norms,
               "post_norms": layout.post_norms, "embed_scale": layout.embed_scale,
+              **_softcaps(hf, layout),
               "query_scale": (float(hf.get(layout.query_scale_key, head_dim)) ** -0.5
                               if layout.query_scale_key else None),
               "sliding_window": window, "sliding_layers": sliding,
@@ -135,6 +146,18 @@ def fields(hf: dict[str, Any], layout: LlamaLayout) -> Architecture:
         keys.update(layout.experts.keys)
     return Architecture(layout.model_type, values, keys,
                         int(hf.get("max_position_embeddings") or 0))
+
+
+def _softcaps(hf: dict[str, Any], layout: LlamaLayout) -> dict[str, float | None]:
+    """The attention's and the output head's soft-caps: the keys' values, the family's
+    defaults where they are absent (None: none, as a null key says)."""
+    caps = {"attention_logit_softcap": "attn_logit_softcapping",
+            "final_logit_softcap": "final_logit_softcapping"}
+    defaults = layout.softcaps or (None, None)
+    values = [hf.get(key, default) if layout.softcaps else None
+              for key, default in zip(caps.values(), defaults, strict=True)]
+    return {field: None if value is None else float(value)
+            for field, value in zip(caps, values, strict=True)}
 
 
 def sliding_layers(hf: dict[str, Any], layout: LlamaLayout, layers: int
@@ -239,6 +262,9 @@ def config_json(cfg: TransformerModel, source: dict[str, Any] | None,
         out["mlp_bias"] = cfg.mlp_bias
     if layout.query_scale_key:
         out[layout.query_scale_key] = _query_scalar(cfg)
+    if layout.softcaps is not None:
+        out["attn_logit_softcapping"] = cfg.attention_logit_softcap
+        out["final_logit_softcapping"] = cfg.final_logit_softcap
     if layout.rope_per_layer_type:
         local = {"rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}
         out["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
@@ -319,11 +345,14 @@ def tensor_map(cfg: TransformerModel, layout: LlamaLayout) -> dict[str, Source]:
 
 
 def _norm_names(cfg: TransformerModel) -> tuple[tuple[str, str], ...]:
-    """(trainrun's norm, the family's) of one layer."""
+    """(trainrun's norm, the family's) of one layer: the norms before attention and MLP (the
+    second is post_attention_layernorm where there are none after), those after, or both."""
+    post = (("attn_out_norm", "post_attention_layernorm"),
+            ("mlp_out_norm", "post_feedforward_layernorm"))
+    if not cfg.pre_norms:
+        return post if cfg.post_norms else ()
     if cfg.post_norms:
-        return (("ln1", "input_layernorm"), ("ln2", "pre_feedforward_layernorm"),
-                ("attn_out_norm", "post_attention_layernorm"),
-                ("mlp_out_norm", "post_feedforward_layernorm"))
+        return (("ln1", "input_layernorm"), ("ln2", "pre_feedforward_layernorm"), *post)
     return (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))
 
 

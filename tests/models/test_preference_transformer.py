@@ -112,3 +112,22 @@ def test_accumulated_microbatches_give_the_full_batch_gradient() -> None:
     np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  grads_a, grads_b)
+
+
+@pytest.mark.slow
+def test_the_cached_reference_reaches_a_bfloat16_step_unrounded() -> None:
+    """Floating batch leaves are cast to the compute dtype; the reference column is not: a
+    change below bfloat16's resolution still moves the rewards."""
+    model = make_preference_transformer(TINY, PreferenceConfig())
+    params = jax.jit(model.init)(jax.random.key(0))
+    rows = _rows()
+    column = _column(TINY, params, rows)
+    nudged = column.view(np.float32).copy()
+    answer = np.argwhere(rows["answer"] > 0)[0]
+    nudged[tuple(answer)] += 1e-4  # bfloat16 steps by 2**-5 at these values
+    gradients = jax.jit(make_gradient_fn(model, Policy(compute=jnp.bfloat16)))
+    rewards = []
+    for reference in (column, nudged.view(np.int32)):
+        aux = gradients(params, {**rows, REFERENCE_COLUMN: reference}, jax.random.key(1), None)[1]
+        rewards.append(float(aux["rewards/chosen"]) + float(aux["rewards/rejected"]))
+    assert rewards[0] != rewards[1]

@@ -430,6 +430,30 @@ def test_a_run_from_scratch_exports_the_config_json_it_did(lm_run, tmp_path):
     assert json.loads((out.path / "config.json").read_text()) == SCRATCH_CONFIG
 
 
+@pytest.mark.slow
+def test_a_rotary_run_from_scratch_exports_the_context_it_generates_within(tmp_path):
+    """Before, its config.json said max_position_embeddings = the rows' length (24) while
+    ``load(RUN)`` generated within 2048 positions: the export now says what the run reads."""
+    import trainrun
+    from trainrun.checkpointing.run_context import ROPE_CONTEXT
+
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    config = load_config("lm", [
+        "steps=2", "steps_per_call=1", "checkpoint.every=0", "eval.every=0",
+        "optimizer.schedule.warmup=1",
+        "metrics.tensorboard=false", "model.d_model=32", "model.layers=1", "model.heads=2",
+        "model.seq_len=24", "model.norm=rmsnorm", "model.mlp=swiglu", f"data.paths=[{corpus}]",
+        "data.seq_len=24", "data.batch_size=2"])
+    assert config.model.positions != "learned"  # type: ignore[union-attr]
+    run(config, tmp_path / "run", out=io.StringIO())
+    out = export.export_run(tmp_path / "run", tmp_path / "out")
+    written = json.loads((out.path / "config.json").read_text())
+    assert written["max_position_embeddings"] == ROPE_CONTEXT
+    assert (trainrun.load(tmp_path / "run").config.seq_len
+            == trainrun.load(out.path).config.seq_len == ROPE_CONTEXT)
+
+
 SCRATCH_CONFIG = {  # what the export wrote before config.json kept a source's fields
     "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "activation_function": "gelu_new",
     "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2, "n_inner": 128,

@@ -39,6 +39,7 @@ from trainrun import rundir
 from trainrun.checkpointing.checkpoints import checkpoint_dir
 from trainrun.checkpointing.init_from import source_location
 from trainrun.checkpointing.reader import latest_params, saved_config
+from trainrun.checkpointing.run_context import run_model
 from trainrun.config import RunConfig
 from trainrun.errors import UserError, WriteFailed, path_refused
 from trainrun.models import peft
@@ -113,7 +114,8 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
 
     def write(staging: Path) -> tuple[str, ...]:
         """The export's files written into the new folder ``staging``; their names."""
-        model, weights, source_config = cfg, params, hf
+        # the context load(RUN) generates within is the export's max_position_embeddings
+        model, weights, source_config = run_model(config), params, hf
         if model.lora is not None and not merge:
             peft.write_adapter_dir(weights, model, model_type,
                                    str(source.absolute()) if source is not None else None,

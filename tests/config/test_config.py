@@ -153,3 +153,40 @@ def test_preference_settings_that_do_not_fit_are_one_line(overrides, words):
     with pytest.raises(ConfigError) as err:
         load_config(base, overrides)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- reinforcement learning ------------------------------------------------------------------
+
+
+def test_the_rl_section_holds_trls_defaults_and_leaves_other_digests_alone():
+    config = load_config("chat", ["steps_per_call=1", "eval.every=0",
+                                  "rl={rewards: [{name: exact_match}]}"])
+    assert config.rl is not None
+    defaults = config.rl.model_dump()
+    assert defaults == {"group": 8, "prompts": 4, "completion_tokens": 64, "temperature": 1.0,
+                        "top_p": 1.0, "stop_strings": (),
+                        "rewards": ({"name": "exact_match", "weight": 1.0, "args": {}},),
+                        "beta": 0.0, "clip_low": 0.2, "clip_high": 0.2,
+                        "normalisation": "dapo", "updates": 1, "scale_rewards": True}
+    assert "rl" in config.to_dict()
+    chat = load_config("chat")
+    assert chat.rl is None and "rl" not in chat.to_dict()
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["rl.rewards=[]"], "rl.rewards"),
+    (["rl.updates=2"], "set steps_per_call=2"),
+    (["rl.updates=2", "steps_per_call=2", "steps=101"], "steps=101 is not a multiple of "
+     "rl.updates=2"),
+    (["rl.updates=2", "steps_per_call=2", "checkpoint.every=5"], "checkpoint.every=5 is not a "
+     "multiple"),
+    (["data.format=preference", "data.synthetic=last"], "not data.format=preference"),
+    (["model={kind: mlp}"], "rl trains a transformer"),
+    (["rl.stop_strings=['']"], "a stop string is empty"),
+    (["rl.group=1"], "rl.group"),
+    (["eval.every=10"], "set eval.every=0"),
+])
+def test_rl_settings_that_do_not_fit_are_one_line(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        load_config("grpo", overrides)
+    assert words in str(err.value) and "\n" not in str(err.value)

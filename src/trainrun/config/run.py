@@ -36,6 +36,7 @@ from trainrun.config.sections import (
     ProfileConfig,
     RecordsData,
     RegressionData,
+    RLConfig,
     Section,
     SingleProcess,
     StorageConfig,
@@ -88,6 +89,8 @@ class RunConfig(Section):
     # Preference tuning; None for the other runs, and then left out of the dumped config, so
     # their digests stay what they were.
     preference: PreferenceConfig | None = None
+    # Reinforcement learning on prompt records; None for the other runs, left out as above.
+    rl: RLConfig | None = None
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -174,8 +177,9 @@ class RunConfig(Section):
 
     def to_dict(self) -> dict[str, Any]:
         dumped = self.model_dump(mode="json")
-        if dumped.get("preference") is None:
-            dumped.pop("preference", None)
+        for section in ("preference", "rl"):
+            if dumped.get(section) is None:
+                dumped.pop(section, None)
         return dumped
 
     def digest(self) -> str:
@@ -403,6 +407,7 @@ def _check_model_and_data(config: RunConfig) -> None:
                           f"{data.kind} does not have; drop model.task (it follows the data: "
                           f"{TASK_OF_DATA[data.kind]})")
     _check_preference(config)
+    _check_rl(config)
     if config.eval.params == "ema" and config.optimizer.ema is None:
         raise ConfigError("eval.params=ema needs a moving average to evaluate: set "
                           "optimizer.ema (e.g. 0.999)")
@@ -443,6 +448,40 @@ def _check_preference(config: RunConfig) -> None:
         raise ConfigError(f"eval.generate={config.eval.generate} scores generated answers of "
                           "chat or completion records, not preference pairs; set "
                           "eval.generate=0 (evaluation reports reward accuracy and margins)")
+
+
+def _check_rl(config: RunConfig) -> None:
+    """An ``rl`` section trains a transformer on prompt records, one rollout batch per call of
+    ``rl.updates`` steps, so every step a hook stops at starts a rollout batch."""
+    rl = config.rl
+    if rl is None:
+        return
+    data = config.data
+    if not isinstance(data, RecordsData) or data.format == "preference" or data.mix:
+        shown = f"data.kind={data.kind}" if not isinstance(data, RecordsData) else (
+            "data.mix" if data.mix else "data.format=preference")
+        raise ConfigError(f"the rl section draws completions of prompt records, not {shown}; "
+                          "set data.kind=records with data.paths or data.synthetic, or drop the "
+                          "rl section")
+    if config.model.kind != "transformer":
+        raise ConfigError(f"rl trains a transformer, not model.kind={config.model.kind}; set "
+                          "model.kind=transformer")
+    if config.preference is not None:
+        raise ConfigError("a run tunes by preference pairs or by rewards, not both; drop the "
+                          "preference or the rl section")
+    if config.steps_per_call != rl.updates:
+        raise ConfigError(f"steps_per_call={config.steps_per_call}: an rl call draws one rollout "
+                          f"batch and takes rl.updates={rl.updates} steps on it; set "
+                          f"steps_per_call={rl.updates}")
+    every = {"steps": config.steps, "checkpoint.every": config.checkpoint.every,
+             "metrics.every": config.metrics.every}
+    for name, value in every.items():
+        if value % rl.updates:
+            raise ConfigError(f"{name}={value} is not a multiple of rl.updates={rl.updates}: a "
+                              "run stops only between rollout batches; give a multiple")
+    if config.eval.every:
+        raise ConfigError(f"eval.every={config.eval.every}: an rl run's held-out rewards are "
+                          "reported by trainrun eval, not during training; set eval.every=0")
 
 
 # ---- error messages --------------------------------------------------------------------------

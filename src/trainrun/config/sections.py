@@ -553,6 +553,64 @@ class PreferenceConfig(Section):
         return self
 
 
+class RewardSpec(Section):
+    """One reward of an ``rl`` run: ``name`` a built-in (``exact_match``, ``numeric_answer``,
+    ``format_regex``, ``length_penalty``) or ``module:function`` (a ``.py`` file's too), its
+    ``weight`` in the total, and ``args``: a built-in's settings, or keyword arguments bound to
+    each call of a function (``data/rewards.py``)."""
+
+    name: str = Field(min_length=1)
+    weight: float = 1.0
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class RLConfig(Section):
+    """Reinforcement learning with group-relative advantages (GRPO and its variants) on prompt
+    records: each step draws ``group`` completions of ``prompts`` prompts from the current
+    params, scores them with the rewards and takes ``updates`` optimizer steps on them
+    (``models/policy_gradient.py`` has the formulas; defaults are TRL's).
+
+    group: completions per prompt (G).
+    prompts: prompts per rollout batch (the batch holds ``prompts x group`` completions).
+    completion_tokens: the most tokens a completion has.
+    temperature, top_p: sampling (temperature 0: greedy).
+    stop_strings: texts that end a completion (besides the tokenizer's turn end).
+    rewards: the reward functions, their total weighted by each one's ``weight``.
+    beta: the KL term's weight to the reference (the starting params, or the base model under
+        LoRA adapters); 0: no reference is computed.
+    clip_low, clip_high: the ratio's clip range ``[1 - clip_low, 1 + clip_high]``.
+    normalisation: ``grpo``, ``dapo`` or ``dr_grpo``.
+    updates: optimizer steps per rollout batch (mu); the run's steps count each of them.
+    scale_rewards: divide each group's centred rewards by their standard deviation.
+    """
+
+    group: int = Field(default=8, ge=2)
+    prompts: int = Field(default=4, gt=0)
+    completion_tokens: int = Field(default=64, gt=0)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    stop_strings: tuple[str, ...] = ()
+    rewards: tuple[RewardSpec, ...] = Field(min_length=1)
+    beta: float = Field(default=0.0, ge=0)
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    clip_high: float = Field(default=0.2, ge=0)
+    normalisation: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    updates: int = Field(default=1, gt=0)
+    scale_rewards: bool = True
+
+    @pydantic.field_validator("stop_strings", mode="before")
+    @classmethod
+    def _one_stop(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @pydantic.field_validator("stop_strings")
+    @classmethod
+    def _no_empty_stop(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not text for text in value):
+            raise ValueError("a stop string is empty; give each at least one character")
+        return value
+
+
 DataConfig = Annotated[
     Union[RegressionData, DigitsData, TextData, ArrayData, TokenData, RecordsData],  # noqa: UP007
     Field(discriminator="kind")]

@@ -177,3 +177,12 @@ def test_a_model_and_its_decoder_trace_the_module_once(monkeypatch):
                           uncached(params)(jnp.asarray(tokens()))[0])
     bind_transformer(TransformerModel(**TINY, init_std=0.0123458))  # another config: traced anew
     assert len(built) == 4
+    # A longer context of rotary positions is the same module; of learned ones, a larger table.
+    longer = bind_transformer(cfg.model_copy(update={"seq_len": 64}))
+    assert len(built) == 4
+    assert np.array_equal(longer(params)(jnp.asarray(tokens(length=40)))[0],
+                          uncached(params)(jnp.asarray(tokens(length=40)))[0])
+    learned = TransformerModel(**TINY, init_std=0.0123457, positions="learned")
+    bind_transformer(learned)
+    bind_transformer(learned.model_copy(update={"seq_len": 64}))
+    assert len(built) == 6

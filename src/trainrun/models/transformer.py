@@ -784,8 +784,11 @@ def make_transformer(cfg: TransformerModel, attention: AttentionPath = Attention
 
 def _module_key(cfg: TransformerModel, attention: AttentionPath
                 ) -> tuple[str, str, AttentionPath]:
-    """What names the ``Transformer`` a config builds, for tracing its shapes once."""
-    return ("transformer", cfg.model_dump_json(), attention)
+    """What names the ``Transformer`` a config builds, for tracing its shapes once: its
+    config, less the ``seq_len`` of rotary positions, which shapes nothing in the module (a
+    run's model and the longer context it decodes within are one module)."""
+    shaping = cfg if cfg.positions == "learned" else cfg.model_copy(update={"seq_len": 0})
+    return ("transformer", shaping.model_dump_json(), attention)
 
 
 def parameter_count(cfg: TransformerModel) -> int:

@@ -1,8 +1,8 @@
 """The JSON files of Hugging Face directories, typed: the keys of ``config.json`` that trainrun
-reads (every family's, the Llama layout's; a family's own in its module under ``families/``)
-and those of PEFT's ``adapter_config.json``. Each value is checked before it is used; a wrong
-type, a size out of range or a regular expression that does not compile is one line naming the
-file, the key, the value and what the key takes. Keys trainrun does not read pass unchecked
+reads of every family (a family's own keys: its module under ``families/``) and those of
+PEFT's ``adapter_config.json``. Each value is checked before it is used; a wrong type, a size
+out of range or a regular expression that does not compile is one line naming the file, the
+key, the value and what the key takes. Keys trainrun does not read pass unchecked
 (``extra="allow"``), as ``transformers`` keeps them.
 """
 
@@ -63,43 +63,6 @@ class ModelConfig(_JsonFile):
     partial_rotary_factor: Positive | None = Field(default=None, description=POSITIVE)
     rope_parameters: RopeParameters | None = Field(
         default=None, description="an object of rotary settings (rope_type, rope_theta, ...)")
-
-
-class LlamaConfig(ModelConfig):
-    """The keys of a config.json of the families of the Llama layout
-    (``families/llama_layout.py``) that trainrun reads."""
-
-    hidden_size: Count | None = Field(default=None, description=COUNT)
-    num_hidden_layers: Count | None = Field(default=None, description=COUNT)
-    num_attention_heads: Count | None = Field(default=None, description=COUNT)
-    num_key_value_heads: Count | None = Field(default=None, description=COUNT)
-    head_dim: Count | None = Field(default=None, description=COUNT)
-    intermediate_size: Count | None = Field(default=None, description=COUNT)
-    max_position_embeddings: Count | None = Field(default=None, description=COUNT)
-    rms_norm_eps: Positive | None = Field(default=None, description=POSITIVE)
-    rope_theta: Positive | None = Field(default=None, description=POSITIVE)
-    rope_scaling: RopeParameters | None = Field(
-        default=None, description="an object of rotary settings (rope_type, factor, ...)")
-    hidden_act: Text | None = Field(default=None, description="an activation's name")
-    attention_bias: Flag | None = Field(default=None, description=FLAG)
-    mlp_bias: Flag | None = Field(default=None, description=FLAG)
-    sliding_window: Index | None = Field(default=None, description="a whole number from 0")
-    use_sliding_window: Flag | None = Field(default=None, description=FLAG)
-    max_window_layers: Index | None = Field(default=None, description="a whole number from 0")
-    layer_types: list[Text] | None = Field(default=None, description="a list of layer kinds' names")
-    hidden_activation: Text | None = Field(default=None, description="an activation's name")
-    query_pre_attn_scalar: Positive | None = Field(default=None, description=POSITIVE)
-    rope_local_base_freq: Positive | None = Field(default=None, description=POSITIVE)
-    decoder_sparse_step: Count | None = Field(default=None, description=COUNT)
-
-    @pydantic.model_validator(mode="after")
-    def _heads_divide(self) -> LlamaConfig:
-        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
-        if heads is not None and kv_heads is not None and heads % kv_heads:
-            raise ValueError(f"num_attention_heads {heads} is not a multiple of "
-                             f"num_key_value_heads {kv_heads}; each key/value head serves a "
-                             "group of query heads")
-        return self
 
 
 def _compiles(pattern: str, what: str) -> None:

@@ -11,6 +11,9 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal
 
+import pydantic
+from pydantic import Field
+
 from trainrun.config import RopeScaling, TransformerModel
 from trainrun.models.families.experts_layout import ExpertLayout, expert_sources
 from trainrun.models.families.family import (
@@ -24,7 +27,18 @@ from trainrun.models.families.family import (
     checked_fields,
     never,
 )
-from trainrun.models.hf_config import LlamaConfig
+from trainrun.models.hf_config import (
+    COUNT,
+    FLAG,
+    POSITIVE,
+    Count,
+    Flag,
+    Index,
+    ModelConfig,
+    Positive,
+    RopeParameters,
+    Text,
+)
 
 EMBEDDING = "model.embed_tokens.weight"
 ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
@@ -34,6 +48,42 @@ ADAPTER_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_
                    "down": "mlp.down_proj"}
 # Phi-3's fused layers: trainrun's fused adapter -> its module
 FUSED_MODULES = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
+
+
+class LlamaConfig(ModelConfig):
+    """The keys of a config.json of the Llama layout's families that trainrun reads."""
+
+    hidden_size: Count | None = Field(default=None, description=COUNT)
+    num_hidden_layers: Count | None = Field(default=None, description=COUNT)
+    num_attention_heads: Count | None = Field(default=None, description=COUNT)
+    num_key_value_heads: Count | None = Field(default=None, description=COUNT)
+    head_dim: Count | None = Field(default=None, description=COUNT)
+    intermediate_size: Count | None = Field(default=None, description=COUNT)
+    max_position_embeddings: Count | None = Field(default=None, description=COUNT)
+    rms_norm_eps: Positive | None = Field(default=None, description=POSITIVE)
+    rope_theta: Positive | None = Field(default=None, description=POSITIVE)
+    rope_scaling: RopeParameters | None = Field(
+        default=None, description="an object of rotary settings (rope_type, factor, ...)")
+    hidden_act: Text | None = Field(default=None, description="an activation's name")
+    attention_bias: Flag | None = Field(default=None, description=FLAG)
+    mlp_bias: Flag | None = Field(default=None, description=FLAG)
+    sliding_window: Index | None = Field(default=None, description="a whole number from 0")
+    use_sliding_window: Flag | None = Field(default=None, description=FLAG)
+    max_window_layers: Index | None = Field(default=None, description="a whole number from 0")
+    layer_types: list[Text] | None = Field(default=None, description="a list of layer kinds' names")
+    hidden_activation: Text | None = Field(default=None, description="an activation's name")
+    query_pre_attn_scalar: Positive | None = Field(default=None, description=POSITIVE)
+    rope_local_base_freq: Positive | None = Field(default=None, description=POSITIVE)
+    decoder_sparse_step: Count | None = Field(default=None, description=COUNT)
+
+    @pydantic.model_validator(mode="after")
+    def _heads_divide(self) -> LlamaConfig:
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv_heads is not None and heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {kv_heads}; each key/value head serves a "
+                             "group of query heads")
+        return self
 
 
 def _no_layer_types(hf: dict[str, Any], layers: int) -> list[str] | None:

@@ -145,7 +145,6 @@ def test_the_preference_section_holds_trls_defaults_and_leaves_other_digests_alo
      "not data.format=chat"),
     (["preference.loss=hinge", "preference.label_smoothing=0.1"],
      "label_smoothing applies to the sigmoid, robust and simpo losses, not hinge"),
-    (["preference.reference=in_step", "init.from=somewhere"], "use preference.reference=cached"),
     (["data.synthetic=reverse"], "pair data.synthetic=last with data.format=preference"),
 ])
 def test_preference_settings_that_do_not_fit_are_one_line(overrides, words):

@@ -64,18 +64,38 @@ def test_cached_and_in_step_references_give_the_same_loss_and_gradient() -> None
     cached = make_preference_transformer(TINY, PreferenceConfig(beta=0.5))
     in_step = make_preference_transformer(TINY, PreferenceConfig(beta=0.5, reference="in_step"))
     assert cached.init_model_state is None and in_step.init_model_state is not None
-    start = jax.jit(in_step.init_model_state)(jax.random.key(0))
+    start = jax.jit(cached.init)(jax.random.key(0))
     params = _perturbed(start)  # trained away from the start: the reference matters
+    kept = {"params": start, "kept": jnp.ones((), jnp.bool_)}
     rows = _rows()
     batch = {**rows, REFERENCE_COLUMN: _column(TINY, start, rows)}
     loss_a, grads_a = jax.jit(jax.value_and_grad(
         lambda p: cached.loss(p, batch, jax.random.key(1))[0]))(params)
     loss_b, grads_b = jax.jit(jax.value_and_grad(
-        lambda p: in_step.loss(p, rows, jax.random.key(1), start)[0]))(params)
+        lambda p: in_step.loss(p, rows, jax.random.key(1), kept)[0]))(params)
     assert float(loss_a) != pytest.approx(math.log(2.0), abs=1e-3)
     np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  grads_a, grads_b)
+
+
+@pytest.mark.slow
+def test_the_in_step_reference_is_the_params_of_the_first_step_whatever_the_init() -> None:
+    """A run from init.from starts with a model state drawn at random: the params it takes its
+    first step with are the reference, from then on."""
+    model = make_preference_transformer(TINY, PreferenceConfig(reference="in_step"))
+    assert model.init_model_state is not None
+    drawn = jax.jit(model.init_model_state)(jax.random.key(5))
+    loaded = jax.jit(model.init)(jax.random.key(0))  # not what the model state holds
+    rows = _rows()
+    step = jax.jit(model.loss)
+    loss, _, state = step(loaded, rows, jax.random.key(1), drawn)
+    assert abs(float(loss) - math.log(2.0)) < 1e-6 and bool(state["kept"])
+    jax.tree.map(np.testing.assert_array_equal, state["params"], loaded)
+    moved = _perturbed(loaded)
+    loss, aux, after = step(moved, rows, jax.random.key(1), state)
+    jax.tree.map(np.testing.assert_array_equal, after["params"], loaded)
+    assert abs(float(loss) - math.log(2.0)) > 1e-4 and float(aux["rewards/margins"]) != 0.0
 
 
 @pytest.mark.slow
@@ -100,15 +120,16 @@ def test_lora_in_step_reference_is_the_base_with_its_adapters_off() -> None:
 @pytest.mark.slow
 def test_accumulated_microbatches_give_the_full_batch_gradient() -> None:
     model = make_preference_transformer(TINY, PreferenceConfig(reference="in_step"))
-    start = jax.jit(model.init_model_state)(jax.random.key(0))  # type: ignore[arg-type]
+    start = jax.jit(model.init)(jax.random.key(0))
     params = _perturbed(start)
+    kept = {"params": start, "kept": jnp.ones((), jnp.bool_)}
     rows = _rows(count=16, seed=0)
     rows = {name: value[:4] for name, value in rows.items()}
     assert len({int(row.max()) for row in rows["pair_slot"]}) > 1  # pairs per row differ
     whole = jax.jit(make_gradient_fn(model, Policy()))
     split = jax.jit(make_gradient_fn(model, Policy(), accumulate=2))
-    loss_a, _, grads_a, _ = whole(params, rows, jax.random.key(1), None, start)
-    loss_b, _, grads_b, _ = split(params, rows, jax.random.key(1), None, start)
+    loss_a, _, grads_a, _ = whole(params, rows, jax.random.key(1), None, kept)
+    loss_b, _, grads_b, _ = split(params, rows, jax.random.key(1), None, kept)
     np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  grads_a, grads_b)

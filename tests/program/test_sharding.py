@@ -310,4 +310,5 @@ def test_a_preference_runs_reference_params_are_sharded_as_the_params():
                                          optimizer.tx, MeshConfig(fsdp_min_size=0))
     params = jax.tree.map(lambda s: s.spec, shardings.params)
     assert any(spec != P() for spec in jax.tree.leaves(params))
-    assert jax.tree.map(lambda s: s.spec, shardings.model_state) == params
+    assert jax.tree.map(lambda s: s.spec, shardings.model_state["params"]) == params
+    assert shardings.model_state["kept"].spec == P()

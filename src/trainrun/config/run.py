@@ -439,11 +439,6 @@ def _check_preference(config: RunConfig) -> None:
     if data.mix:
         raise ConfigError("data.format=preference reads data.paths or data.synthetic, not "
                           "data.mix; list the files in data.paths")
-    if (config.preference.reference == "in_step" and config.init.from_ is not None
-            and getattr(config.model, "lora", None) is None):
-        raise ConfigError("preference.reference=in_step keeps the starting params of a fresh "
-                          "init, not init.from's; use preference.reference=cached, or train "
-                          "LoRA adapters (model.lora), whose reference is the base model")
     if config.eval.generate:
         raise ConfigError(f"eval.generate={config.eval.generate} scores generated answers of "
                           "chat or completion records, not preference pairs; set "

@@ -12,7 +12,8 @@ sums. The reference's per-token log-probabilities come from
   training from the starting params by ``token_logps`` itself;
 - ``in_step``: a forward pass in the step under ``stop_gradient``: of the same params with the
   LoRA adapters off (``B`` read as zero; no second copy of the weights), or, without LoRA, of
-  the starting params kept in the state as the model state (restored with it).
+  the starting params kept in the state as the model state at the first step (``kept_start``:
+  a fresh init's or init.from's; checkpointed and restored with the state).
 
 Aux ``weight`` is the batch's pairs, so accumulated microbatches give the full batch's mean.
 """
@@ -80,34 +81,50 @@ def make_preference_transformer(cfg: TransformerModel, preference: PreferenceCon
     keeps_start = (spec.needs_reference and preference.reference == "in_step"
                    and cfg.lora is None)
 
-    def reference(params: PyTree, batch: Batch, model_state: PyTree) -> PairLogps | None:
+    def reference(params: PyTree, batch: Batch, start: PyTree) -> PairLogps | None:
         if not spec.needs_reference:
             return None
         if preference.reference == "cached":
             # the column's float32 bits travel as int32, beyond the compute dtype's cast
             column = jax.lax.bitcast_convert_type(batch[REFERENCE_COLUMN], jnp.float32)
             return pair_logps(column[:, 1:], batch)[0]
-        start = (adapters_off(params) if model_state is None else  # the policy's dtype
-                 jax.tree.map(lambda r, p: r.astype(p.dtype), model_state, params))
+        start = (adapters_off(params) if start is None else  # in the policy's dtype
+                 jax.tree.map(lambda r, p: r.astype(p.dtype), start, params))
         logps = token_logps(bind(jax.lax.stop_gradient(start)), batch)
         return pair_logps(jax.lax.stop_gradient(logps), batch)[0]
 
     def evaluate(params: PyTree, batch: Batch, key: jax.Array | None,
-                 model_state: PyTree) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 start: PyTree) -> tuple[jax.Array, dict[str, jax.Array]]:
         policy, present = pair_logps(token_logps(bind(params), batch, key), batch)
-        loss, aux = spec(policy, reference(params, batch, model_state), present)
+        loss, aux = spec(policy, reference(params, batch, start), present)
         return loss, {**aux, "weight": jnp.sum(present, dtype=jnp.float32)}
 
     def loss(params: PyTree, batch: Batch, key: jax.Array,
              model_state: PyTree = None) -> tuple[jax.Array, dict[str, jax.Array], PyTree]:
-        value, aux = evaluate(params, batch, key, model_state)
+        model_state = None if model_state is None else kept_start(model_state, params)
+        value, aux = evaluate(params, batch, key,
+                              None if model_state is None else model_state["params"])
         return value, aux, model_state
 
     def eval_loss(params: PyTree, batch: Batch,
                   model_state: PyTree = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return evaluate(params, batch, None, model_state)
+        start = None if model_state is None else kept_start(model_state, params)["params"]
+        return evaluate(params, batch, None, start)
 
-    return dataclasses.replace(
-        base, loss=loss, eval_loss=eval_loss, name="transformer (preference)",
-        # the starting params, drawn with the same key as the params themselves
-        init_model_state=base.init if keeps_start else None)
+    def init_start(key: jax.Array) -> PyTree:
+        return {"params": base.init(key), "kept": jnp.zeros((), jnp.bool_)}
+
+    return dataclasses.replace(base, loss=loss, eval_loss=eval_loss,
+                               name="transformer (preference)",
+                               init_model_state=init_start if keeps_start else None)
+
+
+def kept_start(model_state: PyTree, params: PyTree) -> PyTree:
+    """The model state of an in-step reference without LoRA, ``{"params": the starting params,
+    "kept": whether they are}``: the params a run takes its first step with (its fresh init,
+    or init.from's) are kept there at that step, and stay."""
+    taken = jax.lax.cond(
+        model_state["kept"], lambda: model_state["params"],
+        lambda: jax.tree.map(lambda p, r: jax.lax.stop_gradient(p).astype(r.dtype), params,
+                             model_state["params"]))
+    return {"params": taken, "kept": jnp.ones((), jnp.bool_)}

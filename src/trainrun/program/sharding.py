@@ -165,8 +165,8 @@ def param_shardings(mesh: Mesh, params: PyTree, logical_axes: PyTree | None,
 def state_shardings(mesh: Mesh, abstract_state: Any, logical_axes: PyTree | None,
                     tx: optax.GradientTransformation, cfg: MeshConfig) -> Any:
     """Shardings for a whole TrainState: params by the rules, optimizer state following them,
-    a moving average and a model state shaped as the params lying as they do; the rest
-    replicated."""
+    a moving average and a model state (or an entry of a dict model state) shaped as the params
+    lying as they do; the rest replicated."""
     params = param_shardings(mesh, abstract_state.params, logical_axes, cfg)
     whole = replicated(mesh)
     # A frozen param's slot in a masked state (optimizer.trainable) is an empty MaskedNode.
@@ -177,9 +177,15 @@ def state_shardings(mesh: Mesh, abstract_state: Any, logical_axes: PyTree | None
     ema = params if abstract_state.ema is not None else None  # the average lies as params do
     placed = jax.tree.map(lambda _: whole, abstract_state).replace(params=params,
                                                                    opt_state=opt_state, ema=ema)
-    if _shaped_like(abstract_state.model_state, abstract_state.params):
-        # a copy of the params (a preference run's reference) is sharded as they are
+    model_state = abstract_state.model_state
+    # a copy of the params (a preference run's reference) is sharded as they are
+    if _shaped_like(model_state, abstract_state.params):
         placed = placed.replace(model_state=params)
+    elif isinstance(model_state, dict):
+        placed = placed.replace(model_state={
+            name: params if _shaped_like(part, abstract_state.params) else placed_part
+            for (name, part), placed_part in zip(model_state.items(),
+                                                 placed.model_state.values(), strict=True)})
     return placed
 
 

@@ -151,10 +151,22 @@ def test_what_gemma_asks_and_trainrun_does_not_compute_is_refused(tmp_path):
     from trainrun.checkpointing.init_from import model_of
     from trainrun.models.huggingface import WeightsError
 
-    path = save_tiny_family(tmp_path / "capped", "gemma3_text", final_logit_softcapping=30.0)
-    with pytest.raises(WeightsError, match=r"final_logit_softcapping=30\.0") as err:
+    path = save_tiny_family(tmp_path / "capped", "gemma3_text", attn_logit_softcapping=2.0)
+    with pytest.raises(WeightsError, match=r"attn_logit_softcapping=2\.0") as err:
         model_of(path)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_gemma3_with_capped_output_logits_loads_with_transformers_logits(tmp_path):
+    path = save_tiny_family(tmp_path / "capped", "gemma3_text", final_logit_softcapping=3.0)
+    model = trainrun.load(path)
+    assert model.config.final_logit_softcap == 3.0
+    np.testing.assert_allclose(model(TOKENS), hf_logits(path, TOKENS), rtol=0, atol=1e-4)
+    hf = json.loads((path / "config.json").read_text())
+    written = write_model_dir(model.params, model.config, tmp_path / "out",
+                              model_type="gemma3_text", source=hf)
+    assert json.loads((written / "config.json").read_text())["final_logit_softcapping"] == 3.0
 
 
 def test_a_soft_capped_model_is_refused_as_a_family_without_caps(family_dirs):

@@ -152,3 +152,30 @@ def test_the_cached_reference_reaches_a_bfloat16_step_unrounded() -> None:
         aux = gradients(params, {**rows, REFERENCE_COLUMN: reference}, jax.random.key(1), None)[1]
         rewards.append(float(aux["rewards/chosen"]) + float(aux["rewards/rejected"]))
     assert rewards[0] != rewards[1]
+
+
+def test_a_model_with_capped_logits_scores_pairs_through_its_cap() -> None:
+    """Gemma 2's soft-capped output head: each token's log-probability is that of the capped
+    logits ``cap * tanh(logits / cap)``."""
+    cfg = TINY.model_copy(update={"final_logit_softcap": 0.01})
+    params = jax.jit(make_preference_transformer(cfg, PreferenceConfig()).init)(
+        jax.random.key(0))
+    rows = _rows()
+
+    def both(params, rows):
+        module = bind_transformer(cfg)(params)
+        tokens, segments = rows["tokens"], rows["segment_ids"].astype(jnp.int32)
+        features, _ = module.features(tokens[:, :-1], None, segments=segments[:, :-1],
+                                      segment_positions=rows["positions"][:, :-1].astype(
+                                          jnp.int32))
+        raw = features @ module.head_table().T
+        return token_logps(module, rows), raw, tokens
+
+    got, raw, tokens = jax.jit(both)(params, rows)
+    logits = 0.01 * np.tanh(np.asarray(raw, np.float64) / 0.01)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, np.asarray(tokens[:, 1:]).reshape(-1, 1).astype(int),
+                                axis=-1).reshape(got.shape)
+    counted = np.asarray(got) != 0
+    assert counted.sum() > 10
+    np.testing.assert_allclose(np.asarray(got)[counted], picked[counted], rtol=0, atol=1e-6)

@@ -203,3 +203,16 @@ def test_rollouts_on_two_devices_are_split_over_the_data_axis_and_the_same():
     assert out["shards"]["completion_lengths"] == [[3], [3]]
     assert out["same_tokens"] and out["same_mask"]
     assert out["logps_gap"] < 1e-5
+
+
+def test_the_logps_of_a_model_with_capped_logits_are_those_of_its_capped_logits(params):
+    """A soft-capped output head (Gemma 2's) gives the rollouts' log-probabilities through its
+    cap, as its forward pass does."""
+    capped = CFG.model_copy(update={"final_logit_softcap": 0.01})
+    text = np.frombuffer(b"import jax", np.uint8).astype(np.int32)
+    got, _ = jax.jit(lambda p, t: rollouts.token_logps(bind_transformer(capped)(p), t,
+                                                       jnp.zeros(1, jnp.int32), 4))(
+        params, text[None])
+    want = forward_logps(capped, params, text, 4)
+    assert not np.allclose(want, forward_logps(CFG, params, text, 4), atol=1e-4)
+    np.testing.assert_allclose(got[0], want, rtol=0, atol=1e-6)

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 
 from trainrun.config import PreferenceConfig, TransformerModel
 from trainrun.models.adapters import Model
-from trainrun.models.losses import tied_head_logits
 from trainrun.models.preference_losses import PairLogps, PreferenceLoss
 from trainrun.models.transformer import Transformer, bind_transformer, make_transformer
 
@@ -45,7 +44,7 @@ def token_logps(module: Transformer, batch: Batch, key: jax.Array | None = None)
     segments = batch["segment_ids"].astype(jnp.int32)
     features, _ = module.features(tokens[:, :-1], key, segments=segments[:, :-1],
                                   segment_positions=batch["positions"][:, :-1].astype(jnp.int32))
-    logits = tied_head_logits(features, module.head_table())
+    logits = module.head_logits(features)
     targets = tokens[:, 1:].reshape(-1).astype(jnp.int32)
     picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     logps = (picked - jax.nn.logsumexp(logits, axis=-1)).reshape(tokens.shape[0], -1)

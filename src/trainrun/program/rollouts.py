@@ -30,7 +30,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainrun.config import BATCH_AXES, TransformerModel
-from trainrun.models.losses import tied_head_logits
 from trainrun.models.policy_gradient import token_entropy
 from trainrun.models.preference_transformer import adapters_off
 from trainrun.models.transformer import Transformer, bind_transformer
@@ -196,7 +195,7 @@ def token_logps(module: Transformer, tokens: jax.Array, start: jax.Array,
     positions = jnp.maximum(slots - start[:, None], 0)
     features, _ = module.features(inputs, None, segments=segments, segment_positions=positions)
     features = features.reshape(rows, length, -1)[:, length - limit:]
-    logits = tied_head_logits(features.reshape(rows * limit, -1), module.head_table())
+    logits = module.head_logits(features.reshape(rows * limit, -1))
     logits = logits.reshape(rows, limit, -1)
     logp = jax.nn.log_softmax(logits, axis=-1)
     taken = tokens[:, -limit:].astype(jnp.int32)[..., None]

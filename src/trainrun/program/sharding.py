@@ -191,7 +191,8 @@ def state_shardings(mesh: Mesh, abstract_state: Any, logical_axes: PyTree | None
 
 def _shaped_like(tree: PyTree, params: PyTree) -> bool:
     """Whether ``tree`` has the params' structure and each leaf their shape."""
-    if tree is None or jax.tree.structure(tree) != jax.tree.structure(params):
+    # jaxlib ships no type for PyTreeDef, so mypy cannot see its comparison
+    if tree is None or jax.tree.structure(tree) != jax.tree.structure(params):  # type: ignore[operator]
         return False
     return all(a.shape == b.shape for a, b in zip(jax.tree.leaves(tree),
                                                   jax.tree.leaves(params), strict=True))

@@ -8,12 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainrun.config import TransformerModel
+from trainrun.config import RLConfig, TransformerModel
 from trainrun.models import build_model
 from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages, token_entropy
 from trainrun.models.reference import plain_logits
-from trainrun.program.grpo import grpo_loss
-from trainrun.program.rollouts import RolloutSettings, draw_rollouts
+from trainrun.program.grpo import as_bits, grpo_loss, grpo_model, host_metric_names
+from trainrun.program.precision import Policy
+from trainrun.program.rollouts import Rollouts, RolloutSettings, draw_rollouts
+from trainrun.program.step import make_gradient_fn
 
 CFG = TransformerModel(d_model=32, layers=1, heads=4, seq_len=32)
 PROMPTS = [np.frombuffer(text, np.uint8) for text in (b"ab", b"import")]
@@ -94,3 +96,48 @@ def test_the_metrics_are_the_rollouts_clip_fraction_kl_entropy_and_length(drawn,
     entropies = np.concatenate([np.asarray(entropy)[mask[row]]
                                 for row, (_, entropy) in enumerate(by_rows)])
     assert float(metrics["entropy"]) == pytest.approx(entropies.mean(), abs=1e-5)
+
+
+def _rollout_batch(rollouts, advantages, old, reference) -> dict[str, np.ndarray]:
+    """A rollout batch's columns as the run hands them to the step."""
+    metrics = np.zeros((rollouts.tokens.shape[0], len(host_metric_names(RL))), np.float32)
+    return {"tokens": np.asarray(rollouts.tokens), "start": np.asarray(rollouts.start),
+            "completion_mask": np.asarray(rollouts.completion_mask),
+            "completion_lengths": np.asarray(rollouts.completion_lengths),
+            "advantages": as_bits(np.asarray(advantages)), "old_logps": as_bits(old),
+            "reference_logps": as_bits(reference), "host_metrics": as_bits(metrics)}
+
+
+RL = RLConfig(group=G, prompts=2, completion_tokens=LIMIT, rewards=({"name": "exact_match"},),
+              beta=0.5, updates=2, normalisation="grpo")
+
+
+def test_the_step_reads_old_and_reference_logps_in_float32_under_bfloat16():
+    """Under a bfloat16 policy the step's loss is ``grpo_loss`` on the bfloat16 params with
+    the float32 old and reference log-probabilities, not their bfloat16 roundings."""
+    params = build_model(CFG).init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    rows, width = len(REWARDS), 4
+    lengths = rng.integers(1, LIMIT + 1, rows).astype(np.int32)
+    mask = np.arange(LIMIT)[None] < lengths[:, None]
+    tokens = np.where(np.concatenate([np.ones((rows, width), bool), mask], axis=1),
+                      rng.integers(1, 200, (rows, width + LIMIT)), 0).astype(np.int32)
+    logps = np.where(mask, rng.uniform(-6, -1, (rows, LIMIT)), 0.0).astype(np.float32)
+    rollouts = Rollouts(jnp.asarray(tokens), jnp.zeros(rows, jnp.int32), jnp.asarray(mask),
+                        jnp.asarray(lengths), jnp.asarray(logps), G)
+    advantages = group_advantages(jnp.asarray(REWARDS), G)
+    mask = np.asarray(rollouts.completion_mask)
+    # off the bfloat16 grid: a cast would move each of them
+    old = np.where(mask, np.asarray(rollouts.old_logps) + 1e-3, 0.0).astype(np.float32)
+    reference = np.where(mask, old - 0.0123, 0.0).astype(np.float32)
+    policy = Policy(compute=jnp.bfloat16)
+    gradients = jax.jit(make_gradient_fn(grpo_model(CFG, RL), policy))
+    step_loss = lambda old_, ref_: gradients(
+        params, _rollout_batch(rollouts, advantages, old_, ref_), jax.random.key(0),
+        policy.initial_loss_scale())[0]
+    expected, _ = jax.jit(grpo_loss(CFG, PolicyGradientLoss("grpo", beta=0.5)))(
+        policy.cast_to_compute(params), rollouts, advantages, jnp.asarray(old),
+        jnp.asarray(reference))
+    rounded = lambda x: x.astype(jnp.bfloat16).astype(np.float32)
+    assert float(step_loss(old, reference)) == pytest.approx(float(expected), abs=1e-6)
+    assert abs(float(step_loss(rounded(old), rounded(reference))) - float(expected)) > 1e-3

@@ -4,24 +4,37 @@ reference log-probabilities of their tokens. The policy's log-probabilities come
 forward pass of the rollouts' text (``rollouts.token_logps``); ``PolicyGradientLoss`` weighs
 them. Its gradient is the update's: what is needed besides the params arrives as arguments, so
 a step built on it stays one jitted call.
+
+``grpo_model`` makes that loss a ``Model`` over a rollout batch's columns,
+so the one training step (``step.py``) runs it with everything it promises: accumulation
+weighted by what the normalisation averages over, precision, sharding, bitwise resume. The
+float32 columns (advantages, the old and the reference log-probabilities, the host's reward
+statistics) travel as their bits in int32, beyond the compute dtype's cast.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from trainrun.config import TransformerModel
+from trainrun.config import RLConfig, TransformerModel
+from trainrun.models.adapters import Model
 from trainrun.models.policy_gradient import PolicyGradientLoss
-from trainrun.models.transformer import bind_transformer
+from trainrun.models.transformer import bind_transformer, make_transformer
 from trainrun.program.rollouts import Rollouts, token_logps
 
 PyTree = Any
 Metrics = dict[str, jax.Array]
 GrpoLoss = Callable[..., tuple[jax.Array, Metrics]]
+Batch = dict[str, jax.Array]
+# A rollout batch's float32 columns, carried as int32 bits (beside tokens, start,
+# completion_mask and completion_lengths).
+FLOAT_COLUMNS = ("advantages", "old_logps", "reference_logps", "host_metrics")
 
 
 def grpo_loss(cfg: TransformerModel, objective: PolicyGradientLoss) -> GrpoLoss:
@@ -55,3 +68,59 @@ def grpo_loss(cfg: TransformerModel, objective: PolicyGradientLoss) -> GrpoLoss:
         return value, metrics
 
     return loss
+
+
+def host_metric_names(rl: RLConfig) -> tuple[str, ...]:
+    """The metrics the host measures of each rollout batch, in its ``host_metrics`` column's
+    order: each reward's mean and standard deviation over the completions
+    (``rewards/<name>/mean``, ``.../std``; ``<name>`` the function's), the weighted total's
+    (``reward``, ``reward_std``), and the generation's and the update's tokens per second."""
+    labels: list[str] = []
+    for spec in rl.rewards:
+        label = spec.name.rpartition(":")[2] or spec.name
+        labels.append(label if label not in labels else f"{label}_{len(labels)}")
+    per_reward = [f"rewards/{label}/{kind}" for label in labels for kind in ("mean", "std")]
+    return (*per_reward, "reward", "reward_std", "generation_tokens_per_s",
+            "update_tokens_per_s")
+
+
+def as_bits(array: np.ndarray) -> np.ndarray:
+    """A float32 host column as the int32 bits a rollout batch carries."""
+    return np.ascontiguousarray(array, np.float32).view(np.int32)
+
+
+def grpo_model(cfg: TransformerModel, rl: RLConfig) -> Model:
+    """The transformer ``cfg`` describes with the GRPO loss over rollout batches (module
+    docstring). Aux ``weight``: the completion tokens (``dapo``) or the completions (``grpo``,
+    ``dr_grpo``), what the loss averages over. With ``rl.beta`` > 0 and no LoRA adapters the
+    model state holds the reference (the starting params, kept frozen)."""
+    objective = PolicyGradientLoss(rl.normalisation, clip_low=rl.clip_low,
+                                   clip_high=rl.clip_high, beta=rl.beta,
+                                   max_completion_tokens=rl.completion_tokens)
+    policy_loss = grpo_loss(cfg, objective)
+    names = host_metric_names(rl)
+    base = make_transformer(cfg)
+
+    def loss(params: PyTree, batch: Batch, key: jax.Array,
+             model_state: PyTree = None) -> tuple[jax.Array, Metrics, PyTree]:
+        floats = {name: jax.lax.bitcast_convert_type(batch[name], jnp.float32)
+                  for name in FLOAT_COLUMNS}
+        rollouts = Rollouts(batch["tokens"], batch["start"], batch["completion_mask"],
+                            batch["completion_lengths"], floats["old_logps"], rl.group)
+        # one update per rollout batch: the ratio is 1 exactly, as TRL takes it
+        old = floats["old_logps"] if rl.updates > 1 else None
+        value, metrics = policy_loss(params, rollouts, floats["advantages"], old,
+                                     floats["reference_logps"] if rl.beta else None)
+        # every row holds the whole batch's host metrics: their mean is that value
+        host = floats["host_metrics"].mean(axis=0)
+        metrics.update({name: host[i] for i, name in enumerate(names)})
+        mask = batch["completion_mask"]
+        weight = (jnp.sum(mask, dtype=jnp.float32) if rl.normalisation == "dapo"
+                  else jnp.asarray(mask.shape[0], jnp.float32))
+        return value, {**metrics, "weight": weight}, model_state
+
+    keeps_start = rl.beta > 0 and cfg.lora is None
+    return dataclasses.replace(
+        base, loss=loss, eval_loss=None, name="transformer (grpo)",
+        # the starting params, drawn with the same key as the params themselves
+        init_model_state=base.init if keeps_start else None)

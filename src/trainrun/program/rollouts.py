@@ -125,13 +125,18 @@ def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
 
 def draw_rollouts(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.ndarray],
                   key: jax.Array, step: int, settings: RolloutSettings,
-                  mesh: Mesh | None = None) -> Rollouts:
+                  mesh: Mesh | None = None, width: int | None = None) -> Rollouts:
     """``settings.group`` completions of each of ``prompts`` (1-D token ids) drawn from
     ``params`` at ``step``, from ``rollout_keys(key, step, ...)``: the completions
     ``decode.generate_batch`` draws from those keys, with the old log-probabilities of their
-    tokens (``completion_logps``). On ``mesh`` the rows are split over its batch axes."""
+    tokens (``completion_logps``). On ``mesh`` the rows are split over its batch axes.
+    width: the prompts' padded width (None: the longest prompt's); a fixed one keeps every
+    batch's shapes, so the programs compile once."""
     contexts = _contexts(cfg, prompts, settings)
-    rows, width = len(contexts), max(c.size for c in contexts)
+    rows, longest = len(contexts), max(c.size for c in contexts)
+    if width is not None and width < longest:
+        raise SampleError(f"a prompt of {longest} tokens is wider than the rollouts' {width}")
+    width = longest if width is None else width
     ids, start = left_padded(contexts, width)
     keys = rollout_keys(key, step, len(prompts), settings.group)
     place = _placer(mesh, rows)

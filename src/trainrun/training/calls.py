@@ -29,11 +29,13 @@ class CallRunner:
     programs: the run's compiled steps; batches, placement: its host batches and where a
     batch goes on the mesh (``stacked``: ``[k, ...]``, calls of K > 1 steps). saving: whether a
     checkpoint is being written; reset_rate: the console's rate restarts at a step (after a
-    compile)."""
+    compile); follow: told the carried state a call starts from before its batches are taken
+    (batches drawn from the current params: a reinforcement-learning run's rollouts)."""
 
     def __init__(self, programs: CompiledSteps, batches: Any, placement: BatchPlacement,
                  timing: Timing, *, stacked: bool, saving: Callable[[], bool],
-                 reset_rate: Callable[[int], None]):
+                 reset_rate: Callable[[int], None],
+                 follow: Callable[[Any], None] | None = None):
         self.programs = programs
         self.batches = batches
         self.placement = placement
@@ -47,13 +49,16 @@ class CallRunner:
         # the batch source's take, looked up once: nothing is resolved per call
         self.take = programs.source.take
         self.stacked = stacked
+        self.follow = follow
 
-    def next_batch(self, k: int) -> Any:
+    def next_batch(self, k: int, carried: Any = None) -> Any:
         """What the call of the next ``k`` steps takes, from the programs' batch source
         (``program/batch_source.py``: the next host batches placed on the mesh, stacked
         ``[k, ...]`` when calls run K > 1, unless another source holds them). Its time is the
-        run's data time."""
+        run's data time. carried: the state the call starts from, for ``follow``."""
         start = time.perf_counter()
+        if self.follow is not None:
+            self.follow(carried)
         self.example = batch = self.take(self.batches, k, self.placement, self.stacked)
         self.watch.add("data", time.perf_counter() - start)
         return batch

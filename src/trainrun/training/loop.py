@@ -110,7 +110,7 @@ def _train(start: Start, hooks: HookRunner, calls: CallRunner) -> Boundary:
             hooks.before_call(step, k)
             pending = []
             for _ in range(hooks.calls_to_boundary(step, k)):
-                batch = calls.next_batch(k)  # the next k steps' batches, on the devices
+                batch = calls.next_batch(k, carried)  # the next k steps' batches, placed
                 carried, call = calls.call(step, k, carried, batch)  # the state donated
                 pending.append(call)  # its metrics, read one call late
                 step += k

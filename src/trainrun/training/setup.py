@@ -45,7 +45,13 @@ from trainrun.checkpointing.resume import (
     provenance_changes,
     schedule_shift,
 )
-from trainrun.config import ConfigError, RunConfig, TransformerModel, schedule_notices
+from trainrun.config import (
+    ConfigError,
+    RecordsData,
+    RunConfig,
+    TransformerModel,
+    schedule_notices,
+)
 from trainrun.data import (
     ArrayBatches,
     batch_iterator,
@@ -55,6 +61,7 @@ from trainrun.data import (
     data_files,
     data_notices,
 )
+from trainrun.data.prompt_records import prompt_records
 from trainrun.data.record_rows import RecordCounts
 from trainrun.fast import strategies
 from trainrun.fast.strategies import Strategies
@@ -64,6 +71,7 @@ from trainrun.platform.process import calls_run_inline, require_backend
 from trainrun.program import sharding
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.decode import HeadLayout
+from trainrun.program.grpo import grpo_model
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import TrainState, abstract_state, init_state
@@ -89,6 +97,7 @@ from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
 from trainrun.training.preference_data import preference_data
 from trainrun.training.profiling import ProfileWindow
+from trainrun.training.rollout_batches import RolloutBatches
 from trainrun.training.run_parts import Parts, Reporting, Start
 from trainrun.training.storage_hook import StorageHook
 from trainrun.training.summary import RunSummary
@@ -150,7 +159,7 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
     wall_start = time.perf_counter()
     run_dir = directory.run_dir
     chosen, primary, prov = _process(config, directory)
-    batch_size = getattr(asked.data, "batch_size", None) or config.data.batch_size
+    batch_size = getattr(asked.data, "batch_size", None) or _batch_size(config)
     console = _console(config, batch_size, asked.out if primary else None)
     resumes = _resume_step(directory)
     if resumes is not None and resumes >= config.steps:  # finished: nothing to do
@@ -184,9 +193,11 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
         config.steps_per_call, config.steps,
         MetricsReader(programs, timing.timer, config.metrics.every), programs.state,
         params_copier(programs))
+    follow = (None if not isinstance(batches, RolloutBatches) else
+              lambda carried: batches.follow(programs.state(carried)))
     calls = CallRunner(programs, batches, parts.placement, timing,
                        stacked=config.steps_per_call > 1, saving=checkpoints.saving,
-                       reset_rate=reporting.output.reset_rate)
+                       reset_rate=reporting.output.reset_rate, follow=follow)
     finish = Finish(config=config, reporting=reporting, timing=timing, log=log, calls=calls,
                     checkpoints=checkpoints, programs=programs, counted=parts.counted,
                     batch_size=batch_size, start_step=start.step, streamed=stream is not None,
@@ -210,6 +221,14 @@ def _process(config: RunConfig, directory: rundir.RunDirectory,
     if primary:
         directory.check()
     return chosen, primary, prov
+
+
+def _batch_size(config: RunConfig) -> int:
+    """Examples per step: a reinforcement-learning run's completions (prompts x group), else
+    the data's batch size."""
+    if config.rl is not None:
+        return config.rl.prompts * config.rl.group
+    return config.data.batch_size
 
 
 def _console(config: RunConfig, batch_size: int, out: TextIO | None) -> Console:
@@ -268,6 +287,8 @@ def _model(config: RunConfig, mesh: Any, chosen: Strategies) -> Model:
         preflight.check_model_memory(
             config.model, list(mesh.devices.flat), config.precision.params,
             f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
+    if config.rl is not None and isinstance(config.model, TransformerModel):
+        return grpo_model(config.model, config.rl)
     return build_model(config.model, config.preference, chosen.attention())
 
 
@@ -288,6 +309,8 @@ def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
         held = None if pairs.eval is None else ("pairs", pairs.eval)
         return (pairs.train, _batches(config, pairs.train, parts), pairs.counts, pairs.files,
                 eval_data if eval_data is not None else held)
+    if data is None and config.rl is not None:
+        return _rollout_data(config, parts, console)
     if data is None:
         rows = parts.placement.rows
         data = build_dataset(config.data, seed=config.seed, process_index=rows[0],
@@ -299,6 +322,21 @@ def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
             preflight.check_vocab(records.vocab, config.model, config.data)
         files = data_files(config.data)
     return data, _batches(config, data, parts), records, files, eval_data
+
+
+def _rollout_data(config: RunConfig, parts: Parts, console: Console,
+                  ) -> tuple[Any, Any, None, dict[str, str], None]:
+    """A reinforcement-learning run's data as ``_data`` gives it: its rollout batches, drawn
+    from the prompt records, and the files they come from."""
+    assert config.rl is not None and isinstance(config.data, RecordsData)
+    if config.init.from_ is not None:
+        init_from.source_kind(init_from.source_location(config.init.from_))
+    found = prompt_records(config.data, config.data.seq_len - config.rl.completion_tokens)
+    if found.skipped:
+        console.message(f"data: {len(found.skipped)} prompt records left out "
+                        f"(data.bad_records=skip), the first: {found.skipped[0]}")
+    batches = RolloutBatches(config, found.train, parts.mesh)
+    return batches, batches, None, found.files, None
 
 
 def _batches(config: RunConfig, data: Any, parts: Parts) -> Any:
@@ -547,9 +585,13 @@ def _fresh_state(config: RunConfig, parts: Parts) -> TrainState:
     """The state a run without a checkpoint starts from: random init, or ``init.from``'s
     source placed where the state goes (loaded, or refused, before anything is written)."""
     if config.init.from_ is not None:
-        return jax.block_until_ready(init_from.initial_state(
-            config, parts.model, parts.optimizer, parts.policy, parts.state_sharding,
-            parts.abstract))
+        state = init_from.initial_state(config, parts.model, parts.optimizer, parts.policy,
+                                        parts.state_sharding, parts.abstract)
+        if config.rl is not None and state.model_state is not None:
+            # an rl run's reference is the params it starts from, init.from's here
+            state = state.replace(model_state=jax.tree.map(  # buffers of its own: donated
+                lambda p, r: jnp.array(p, r.dtype, copy=True), state.params, state.model_state))
+        return jax.block_until_ready(state)
     return jax.block_until_ready(init_state(parts.model, parts.optimizer, config.seed,
                                             parts.policy, parts.state_sharding))
 

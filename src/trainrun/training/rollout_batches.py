@@ -1,0 +1,165 @@
+"""The batches of a reinforcement-learning run (the ``rl`` section): each rollout batch drawn
+from the current params, scored on the host, and handed to the one training step.
+
+At step ``s`` (a multiple of ``rl.updates``) the run's ``rl.prompts`` prompts of rollout batch
+``s // rl.updates`` (in an order shuffled per pass by the run's seed) get ``rl.group``
+completions each, drawn with ``fold_in(state.key, s)`` (``program/rollouts.py``), so a resumed
+run draws the same rollouts. The rewards score them (``data/rewards.py``: a reward that fails
+stops the run in one line), each group's rewards become advantages, and the reference's
+log-probabilities come from the starting params kept in the model state, or from the params
+with the LoRA adapters off. The batch then serves the ``rl.updates`` steps of one call.
+
+The calls hand the state they start from to ``follow`` before taking their batches; the data
+position (``get_state``/``set_state``) is the step, as the checkpoint keeps it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrun.config import RunConfig, TransformerModel
+from trainrun.data import model_tokenizer, rewards
+from trainrun.data.prompt_records import Prompt
+from trainrun.models.policy_gradient import group_advantages
+from trainrun.program.decode import StopStrings
+from trainrun.program.grpo import as_bits
+from trainrun.program.rollouts import (
+    Rollouts,
+    RolloutSettings,
+    draw_rollouts,
+    reference_logps,
+)
+from trainrun.program.state import TrainState
+
+Batch = dict[str, np.ndarray]
+
+
+class RolloutBatches:
+    """The host iterator of a reinforcement-learning run's batches (module docstring)."""
+
+    def __init__(self, config: RunConfig, prompts: Sequence[Prompt],
+                 mesh: jax.sharding.Mesh | None = None):
+        assert config.rl is not None and isinstance(config.model, TransformerModel)
+        self.rl, self.model, self.seed = config.rl, config.model, config.seed
+        self.prompts = list(prompts)
+        self.rewards = [rewards.load(spec.name, spec.args, spec.weight)
+                        for spec in self.rl.rewards]
+        self.tokenizer = model_tokenizer.of_records(config.data)
+        detokenize = self.tokenizer.tokenizer.decode
+        self.stops = (StopStrings(self.rl.stop_strings, detokenize) if self.rl.stop_strings
+                      else None)
+        self.settings = RolloutSettings(
+            group=self.rl.group, tokens=self.rl.completion_tokens,
+            temperature=self.rl.temperature, top_p=self.rl.top_p,
+            stop_ids=self.tokenizer.stop_ids, stop_strings=self.stops,
+            compute=config.precision.compute)
+        self.width = self.model.seq_len - self.rl.completion_tokens
+        self.mesh = mesh
+        self.step = 0
+        self.state: TrainState | None = None
+        self.batch: Batch | None = None
+        self.updated_since: float | None = None  # when the last batch was handed over
+
+    def follow(self, state: TrainState) -> None:
+        """The state the next call starts from: its params draw the rollouts."""
+        self.state = state
+        self.step = int(state.step)
+
+    def __iter__(self) -> RolloutBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        step, self.step = self.step, self.step + 1
+        if self.batch is None or step % self.rl.updates == 0:
+            self.batch = self.draw(step)
+        return self.batch
+
+    def get_state(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+
+    def batch_prompts(self, index: int) -> list[Prompt]:
+        """Rollout batch ``index``'s prompts: the next ``rl.prompts`` of an order shuffled
+        per pass over the prompts by the run's seed."""
+        count, per = len(self.prompts), self.rl.prompts
+        chosen = []
+        for at in range(index * per, (index + 1) * per):
+            order = np.random.default_rng((self.seed, at // count)).permutation(count)
+            chosen.append(self.prompts[int(order[at % count])])
+        return chosen
+
+    def draw(self, step: int) -> Batch:
+        """The rollout batch of ``step``, drawn from the followed state's params."""
+        assert self.state is not None, "follow(state) before the first batch"
+        state = self.state
+        jax.block_until_ready(state.params)  # the last update's end: its time is measured
+        started = time.perf_counter()
+        update_rate = self._update_rate(started)
+        asked = self.batch_prompts(step // self.rl.updates)
+        rollouts = draw_rollouts(self.model, state.params, [p.ids for p in asked], state.key,
+                                 step, self.settings, self.mesh, width=self.width)
+        reference = None
+        if self.rl.beta:
+            start = state.params if state.model_state is None else state.model_state
+            reference = reference_logps(self.model, start, rollouts, self.settings.compute)
+        lengths = np.asarray(rollouts.completion_lengths)
+        values = self._scored(asked, np.asarray(rollouts.completions), lengths)
+        total = rewards.total(self.rewards, values)
+        advantages = np.asarray(group_advantages(jnp.asarray(total), self.rl.group,
+                                                 scale=self.rl.scale_rewards))
+        seconds = max(time.perf_counter() - started, 1e-9)
+        metrics = [x for row in values for x in (row.mean(), row.std())]
+        metrics += [total.mean(), total.std(), lengths.sum() / seconds, update_rate]
+        self.updated_since = time.perf_counter()
+        return self._batch(rollouts, advantages, reference, np.asarray(metrics, np.float32))
+
+    def _update_rate(self, now: float) -> float:
+        """Tokens per second of the updates on the last rollout batch (0 before any)."""
+        if self.updated_since is None or self.batch is None:
+            return 0.0
+        tokens = self.batch["tokens"].size * self.rl.updates
+        return tokens / max(now - self.updated_since, 1e-9)
+
+    def _scored(self, asked: list[Prompt], completions: np.ndarray,
+                lengths: np.ndarray) -> np.ndarray:
+        """``[rewards, rows]``: each reward of each completion (prompt ``i``'s ``group``
+        completions side by side)."""
+        group = self.rl.group
+        ids = [completions[row, :lengths[row]] for row in range(completions.shape[0])]
+        stops = set(self.tokenizer.stop_ids)
+        texts = [self.tokenizer.tokenizer.decode(
+            (row[:-1] if row.size and int(row[-1]) in stops else row).tolist()) for row in ids]
+        if self.stops is not None:
+            texts = [self.stops.cut(text) for text in texts]
+        names = sorted({name for prompt in asked for name in prompt.fields})
+        fields: dict[str, list[Any]] = {
+            name: [p.fields.get(name) for p in asked for _ in range(group)] for name in names}
+        fields["completion_ids"] = [row.tolist() for row in ids]
+        return rewards.score(self.rewards, [p.text for p in asked for _ in range(group)],
+                             texts, fields, [p.where for p in asked for _ in range(group)])
+
+    def _batch(self, rollouts: Rollouts, advantages: np.ndarray,
+               reference: jax.Array | None, metrics: np.ndarray) -> Batch:
+        """The columns the step takes (``grpo.grpo_model``'s)."""
+        rows = advantages.shape[0]
+        old = np.asarray(rollouts.old_logps, np.float32)
+        return {
+            "tokens": np.asarray(rollouts.tokens, np.int32),
+            "start": np.asarray(rollouts.start, np.int32),
+            "completion_mask": np.asarray(rollouts.completion_mask),
+            "completion_lengths": np.asarray(rollouts.completion_lengths, np.int32),
+            "advantages": as_bits(advantages),
+            "old_logps": as_bits(old),
+            "reference_logps": as_bits(np.zeros_like(old) if reference is None
+                                       else np.asarray(reference, np.float32)),
+            "host_metrics": as_bits(np.broadcast_to(metrics, (rows, metrics.size))),
+        }
+

@@ -1,0 +1,99 @@
+"""Reinforcement learning as a run, end to end: each rollout batch scored by the configured
+rewards on the host, their means and spreads, the KL to the reference (the params the run
+starts from), the entropy and the speeds in the metrics; a reward that fails stops the run in
+one line naming it; a killed run resumes bit for bit."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainrun.config import load_config
+from trainrun.data.rewards import RewardError
+from trainrun.data.tasks import task_records
+from trainrun.reporting.sinks.jsonl import read_metrics
+from trainrun.training.loop import run
+
+SMALL = ["steps=2", "metrics.every=1", "checkpoint.every=2", "rl.prompts=2", "rl.group=4",
+         "rl.completion_tokens=8", "model.d_model=32", "model.layers=1",
+         "data.synthetic_examples=64", "metrics.tensorboard=false"]
+
+REWARDS = '''
+import json
+
+
+def letters(prompts, completions, log, answer, completion_ids, **fields):
+    values = [float(sum(c.isalpha() for c in text)) for text in completions]
+    with open(log, "a") as out:
+        out.write(json.dumps({"values": values, "answers": answer, "prompts": prompts,
+                              "lengths": [len(ids) for ids in completion_ids]}) + "\\n")
+    return values
+
+
+def broken(prompts, completions, **fields):
+    raise ValueError("no score today")
+
+
+def short(prompts, completions, **fields):
+    return [0.0] * (len(completions) - 1)
+'''
+
+
+@pytest.fixture
+def reward_file(tmp_path: Path) -> Path:
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def _rewards(*entries: dict[str, object]) -> str:
+    return "rl.rewards=" + json.dumps(list(entries))
+
+
+def test_each_rollout_batch_reports_its_rewards_kl_entropy_and_speeds(
+        tmp_path: Path, reward_file: Path, chat_run) -> None:
+    log = tmp_path / "scored.jsonl"
+    config = load_config("grpo", [*SMALL, "rl.beta=0.1", "optimizer.lr=0.01",
+                                  f"init.from={chat_run[0]}", _rewards(
+        {"name": f"{reward_file}:letters", "weight": 0.5, "args": {"log": str(log)}},
+        {"name": "exact_match"})])
+    run(config, tmp_path / "run", out=io.StringIO())
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    scored = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2] and len(scored) == 2
+    answers = {r["messages"][0]["content"]: r["messages"][1]["content"]
+               for r in task_records("reverse", 64)}
+    for row, batch in zip(rows, scored, strict=True):
+        values = np.asarray(batch["values"], np.float32)
+        assert row["rewards/letters/mean"] == pytest.approx(values.mean(), rel=1e-6)
+        assert row["rewards/letters/std"] == pytest.approx(values.std(), rel=1e-6)
+        assert row["rewards/exact_match/mean"] <= 1.0
+        total = 0.5 * values.mean() + row["rewards/exact_match/mean"]
+        assert row["reward"] == pytest.approx(total, rel=1e-5)
+        # each completion's record fields beside it: its prompt's own answer
+        for prompt, answer in zip(batch["prompts"], batch["answers"], strict=True):
+            asked = prompt.split("user\n")[1].split("<|im_end|>")[0]
+            assert answers[asked] == answer
+        assert row["completion_length"] == pytest.approx(np.mean(batch["lengths"]))
+        assert row["entropy"] > 0 and 0 <= row["clip_ratio/region_mean"] <= 1
+        assert row["generation_tokens_per_s"] > 0
+    # the reference is the params the run started from (init.from's): no divergence at first
+    assert abs(rows[0]["kl"]) < 1e-5 and rows[1]["kl"] > 1e-5
+    assert rows[1]["update_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("name,words", [
+    ("broken", "reward {file}:broken raised ValueError: no score today"),
+    ("short", "reward {file}:short returned 7 values for 8 completions"),
+])
+def test_a_reward_that_fails_stops_the_run_in_one_line_naming_it(
+        tmp_path: Path, reward_file: Path, name: str, words: str) -> None:
+    config = load_config("grpo", [*SMALL, _rewards({"name": f"{reward_file}:{name}"})])
+    with pytest.raises(RewardError) as err:
+        run(config, tmp_path / "run", out=io.StringIO())
+    assert words.format(file=reward_file) in str(err.value)
+    assert "\n" not in str(err.value)

@@ -97,3 +97,23 @@ def test_a_reward_that_fails_stops_the_run_in_one_line_naming_it(
         run(config, tmp_path / "run", out=io.StringIO())
     assert words.format(file=reward_file) in str(err.value)
     assert "\n" not in str(err.value)
+
+
+RESUMED = ["--config", "grpo", "steps=8", "checkpoint.every=4", "rl.prompts=2", "rl.group=4",
+           "rl.completion_tokens=8", "model.d_model=16", "model.layers=1",
+           "data.synthetic_examples=64", "optimizer.lr=0.01", "rl.beta=0.04",
+           'rl.rewards=[{name: format_regex, args: {pattern: "[a-z]"}}]',
+           "metrics.tensorboard=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    ["rl.updates=2", "steps_per_call=2", "metrics.every=2"],  # both kills, two updates a batch
+    ["model.lora={rank: 4, targets: all-linear}", "metrics.every=1",
+     "--kill-in-save", "4"],  # the reference with the adapters off; the harder kill alone
+], ids=["full-two-updates", "lora"])
+def test_a_killed_rl_run_resumes_bitwise(cli, tmp_path: Path, extra: list[str]) -> None:
+    result = cli("verify-resume", "--work-dir", str(tmp_path / "verify"), *RESUMED, *extra,
+                 TRAINRUN_CACHE_DIR=str(tmp_path / "cache"), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PASS" in result.stdout

@@ -32,10 +32,12 @@ from trainrun.models.huggingface import INDEX, write_model_dir
 pytest.importorskip("transformers", reason="the tests' extra holds transformers")
 
 FAMILIES = sorted(FAMILY_CONFIGS)
-# The window and bias variants of Llama, Mistral and Qwen2 adapt the same layers as those
-# families, whose adapters go to PEFT and back in test_peft.py and test_open_models.py.
-LORA_FAMILIES = [f for f in FAMILIES if f not in ("llama_biases", "mistral_window",
-                                                  "qwen2_window")]
+# A LoRA fine-tune end to end for each layout of adapters PEFT names differently: fused
+# projections (phi3), Mixtral's experts, a shared expert (qwen2_moe), and the two families
+# whose soft-caps and norms are newest. The dense Llama layout (llama, mistral, qwen2, qwen3,
+# gemma3_text and their variants) goes to PEFT and back in test_peft.py and
+# test_open_models.py, Qwen3-MoE's experts in test_peft.py.
+LORA_FAMILIES = ["gemma2", "mixtral", "olmo2", "phi3", "qwen2_moe"]
 TOKENS = np.random.default_rng(1).integers(0, 96, (2, 40))
 
 

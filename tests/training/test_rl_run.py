@@ -66,7 +66,7 @@ def test_each_rollout_batch_reports_its_rewards_kl_entropy_and_speeds(
     scored = [json.loads(line) for line in log.read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2] and len(scored) == 2
     answers = {r["messages"][0]["content"]: r["messages"][1]["content"]
-               for r in task_records("reverse", 64)}
+               for r in task_records("letter", 64)}
     for row, batch in zip(rows, scored, strict=True):
         values = np.asarray(batch["values"], np.float32)
         assert row["rewards/letters/mean"] == pytest.approx(values.mean(), rel=1e-6)

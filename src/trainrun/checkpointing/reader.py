@@ -23,7 +23,7 @@ from trainrun.checkpointing.checkpoints import (
     readable,
 )
 from trainrun.checkpointing.integrity import step_record_problem, verify_step
-from trainrun.config import ConfigError, RunConfig, config_from_dict
+from trainrun.config import ConfigError, RunConfig, TransformerModel, config_from_dict
 from trainrun.errors import UserError
 from trainrun.models import Model, build_model
 from trainrun.program.optim import build_optimizer
@@ -58,6 +58,16 @@ def latest_params(run_dir: location.Location, config: RunConfig) -> tuple[int, P
     return step, state.params
 
 
+def _run_model(config: RunConfig) -> Model:
+    """The model a run's config trains: a reinforcement-learning run's keeps its reference in
+    the model state."""
+    if config.rl is not None and isinstance(config.model, TransformerModel):
+        from trainrun.program.grpo import grpo_model
+
+        return grpo_model(config.model, config.rl)
+    return build_model(config.model, config.preference)
+
+
 def latest_state(run_dir: location.Location, config: RunConfig,
                  model: Model | None = None) -> tuple[int, Any]:
     """``(step, TrainState)`` of the run's newest readable checkpoint, on one device. model:
@@ -88,7 +98,7 @@ def latest_state(run_dir: location.Location, config: RunConfig,
             raise RunReadError(f"{directory} holds no committed checkpoint yet; let the run "
                               "reach its first checkpoint (checkpoint.every) and try again")
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = abstract_state(model or build_model(config.model, config.preference),
+        abstract = abstract_state(model or _run_model(config),
                                   build_optimizer(config.optimizer, config.steps), config.seed,
                                   policy_from_config(config.precision))
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),

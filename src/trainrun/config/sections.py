@@ -470,10 +470,10 @@ class RecordsData(DataSection):
         (they are counted and reported).
     too_long: an example longer than ``seq_len + 1`` tokens is ``cut`` to it, ``dropped``, or
         ``split`` over rows as text documents are; counted either way.
-    synthetic: ``reverse`` or ``add``: a synthetic chat task whose answer is a function of the
-        prompt, ``synthetic_examples`` records of it (held out as above); ``last``: a
-        synthetic preference task (``format: preference``): the last letter of a word chosen
-        over another of its letters.
+    synthetic: ``reverse``, ``add`` or ``letter``: a synthetic chat task whose answer is a
+        function of the prompt, ``synthetic_examples`` records of it (held out as above);
+        ``last``: a synthetic preference task (``format: preference``): the last letter of a
+        word chosen over another of its letters.
     """
 
     kind: Literal["records"] = "records"
@@ -489,7 +489,7 @@ class RecordsData(DataSection):
     eval_fraction: float = Field(default=0.01, ge=0, lt=1)
     bad_records: Literal["refuse", "skip"] = "refuse"
     too_long: Literal["cut", "drop", "split"] = "cut"
-    synthetic: Literal["reverse", "add", "last"] | None = None
+    synthetic: Literal["reverse", "add", "last", "letter"] | None = None
     synthetic_examples: int = Field(default=4096, gt=0)
 
     @pydantic.field_validator("paths", "eval_paths", mode="before")
@@ -503,13 +503,13 @@ class RecordsData(DataSection):
                                           ("data.synthetic", self.synthetic)) if value]
         if len(given) != 1:
             raise ValueError("give one of data.paths (record files), data.mix (record files "
-                             "with weights) or data.synthetic (reverse, add, last)"
+                             "with weights) or data.synthetic (reverse, add, letter, last)"
                              + (f"; got {' and '.join(given)}" if given else ""))
         if (self.synthetic == "last") != (self.synthetic is not None
                                            and self.format == "preference"):
             raise ValueError(f"data.synthetic={self.synthetic} does not make data.format="
                              f"{self.format} records; pair data.synthetic=last with "
-                             "data.format=preference, reverse or add with chat")
+                             "data.format=preference, reverse, add or letter with chat")
         return self
 
 

@@ -9,18 +9,21 @@ that turn's content is the record's ``answer`` (unless it has one). Every other 
 to the rewards as it is. Every ``round(1 / eval_fraction)``-th usable record is held out (or
 ``data.eval_paths`` holds them); a record that cannot be used is refused in one line naming
 its file and line, or, with ``data.bad_records=skip``, left out and counted.
+
+``completion_texts`` and ``score_completions`` give the rewards a prompt's completions as a
+run's rollouts and ``trainrun eval`` both score them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from trainrun.config import RecordsData
-from trainrun.data import model_tokenizer
+from trainrun.data import model_tokenizer, rewards
 from trainrun.data.chat import check_messages
 from trainrun.data.errors import DataError
 from trainrun.data.examples import require_template
@@ -138,3 +141,24 @@ def _prompt(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, where: 
         return (f"its prompt is {ids.size} tokens, more than the {longest} that leave room for "
                 "a completion in data.seq_len (raise it, or lower rl.completion_tokens)")
     return Prompt(where, ids, text, fields)
+
+
+def completion_texts(tokenizer: model_tokenizer.ModelTokenizer, ids: Sequence[np.ndarray],
+                     cut: Callable[[str], str] = lambda text: text) -> list[str]:
+    """Each completion's text as the rewards read it: its tokens decoded without a final stop
+    id, then ``cut`` (at a stop string)."""
+    stops = set(tokenizer.stop_ids)
+    return [cut(tokenizer.tokenizer.decode(
+        (row[:-1] if row.size and int(row[-1]) in stops else row).tolist())) for row in ids]
+
+
+def score_completions(found: Sequence[rewards.Reward], asked: Sequence[Prompt],
+                      texts: Sequence[str], ids: Sequence[np.ndarray]) -> np.ndarray:
+    """``[rewards, completions]``: each reward of each completion, ``asked[i]`` the prompt of
+    completion ``i``, with its record's fields (None where another record has a field it
+    lacks) and ``completion_ids``."""
+    names = sorted({name for prompt in asked for name in prompt.fields})
+    fields: dict[str, list[Any]] = {name: [p.fields.get(name) for p in asked] for name in names}
+    fields["completion_ids"] = [row.tolist() for row in ids]
+    return rewards.score(found, [p.text for p in asked], texts, fields,
+                         [p.where for p in asked])

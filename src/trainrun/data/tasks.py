@@ -5,6 +5,7 @@ held-out exact-match check of what a fine-tune learned.
 - ``add``: ``add <a> + <b>`` -> their sum (0 to 99 each).
 - ``last`` (preference pairs): ``last <letters>`` -> its last letter chosen over one of its
   other letters (4 to 7 different lowercase letters).
+- ``letter``: ``last <letters>`` -> its last letter, as chat records (words as ``last``'s).
 
 The records are drawn from a fixed seed, so every run (whatever its own seed) splits the same
 records into the same training and held-out sets.
@@ -45,6 +46,9 @@ def task_records(task: str, count: int) -> list[dict[str, list[dict[str, str]]]]
     rejected assistant turn."""
     if task == "last":
         return _last_letter_pairs(count)
+    if task == "letter":  # the pairs' prompts with their chosen answers
+        return [{"messages": [*pair["prompt"], *pair["chosen"]]}
+                for pair in _last_letter_pairs(count)]
     return [{"messages": [{"role": "user", "content": prompt},
                           {"role": "assistant", "content": task_answer(task, prompt)}]}
             for prompt in task_prompts(task, count)]

@@ -12,7 +12,8 @@ Two measures, on the run's held-out split or on the records of ``--data FILE``:
 Each record's prompt, expected and produced answer go to ``answers.jsonl`` beside the numbers
 (``scores.json``), in ``RUN_DIR/eval/step-N`` unless ``--out`` names a folder. A preference
 run is scored on its held-out pairs instead (``preference_eval.py``): the loss, reward
-accuracy and margins against the reference.
+accuracy and margins against the reference; a reinforcement-learning run on its held-out
+prompts (``rl_eval.py``): its answers' rewards.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
         from trainrun.evaluation.preference_eval import preference_scores
 
         return EvalResult(*preference_scores(config, run, data, ema), answers=[])
+    if config.rl is not None:  # prompts: their answers scored by the run's rewards
+        from trainrun.evaluation.rl_eval import rl_scores
+
+        return EvalResult(*rl_scores(config, run, data, ema, temperature=temperature,
+                                     seed=seed, batch_size=batch_size))
     section = _data_section(config, data)
     say = progress or (lambda line: None)
     # traced once, for the checkpoint and the loss alike

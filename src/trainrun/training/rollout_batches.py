@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ import numpy as np
 
 from trainrun.config import RunConfig, TransformerModel
 from trainrun.data import model_tokenizer, rewards
-from trainrun.data.prompt_records import Prompt
+from trainrun.data.prompt_records import Prompt, completion_texts, score_completions
 from trainrun.models.policy_gradient import group_advantages
 from trainrun.program.decode import StopStrings
 from trainrun.program.grpo import as_bits
@@ -132,19 +131,11 @@ class RolloutBatches:
                 lengths: np.ndarray) -> np.ndarray:
         """``[rewards, rows]``: each reward of each completion (prompt ``i``'s ``group``
         completions side by side)."""
-        group = self.rl.group
         ids = [completions[row, :lengths[row]] for row in range(completions.shape[0])]
-        stops = set(self.tokenizer.stop_ids)
-        texts = [self.tokenizer.tokenizer.decode(
-            (row[:-1] if row.size and int(row[-1]) in stops else row).tolist()) for row in ids]
-        if self.stops is not None:
-            texts = [self.stops.cut(text) for text in texts]
-        names = sorted({name for prompt in asked for name in prompt.fields})
-        fields: dict[str, list[Any]] = {
-            name: [p.fields.get(name) for p in asked for _ in range(group)] for name in names}
-        fields["completion_ids"] = [row.tolist() for row in ids]
-        return rewards.score(self.rewards, [p.text for p in asked for _ in range(group)],
-                             texts, fields, [p.where for p in asked for _ in range(group)])
+        texts = completion_texts(self.tokenizer, ids,
+                                 self.stops.cut if self.stops is not None else lambda t: t)
+        each = [p for p in asked for _ in range(self.rl.group)]
+        return score_completions(self.rewards, each, texts, ids)
 
     def _batch(self, rollouts: Rollouts, advantages: np.ndarray,
                reference: jax.Array | None, metrics: np.ndarray) -> Batch:

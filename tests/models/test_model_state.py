@@ -62,7 +62,7 @@ def test_the_resnet_learns_digits_through_its_running_statistics(tmp_path):
 @pytest.mark.slow
 def test_the_resnet_resumes_bitwise(cli, tmp_path):
     result = cli("verify-resume", "--config", "digits_resnet", "--work-dir",
-                 str(tmp_path / "verify"), *SMALL, "steps=40", "checkpoint.every=10",
-                 "eval.every=20")
+                 str(tmp_path / "verify"), *SMALL, "model.blocks=1", "steps=40",
+                 "checkpoint.every=10", "eval.every=20")
     assert result.returncode == 0 and "PASS" in result.stdout, (result.stdout
                                                                 + result.stderr[-2000:])

@@ -117,3 +117,28 @@ def test_a_killed_rl_run_resumes_bitwise(cli, tmp_path: Path, extra: list[str]) 
                  TRAINRUN_CACHE_DIR=str(tmp_path / "cache"), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PASS" in result.stdout
+
+
+def test_an_rl_run_of_several_processes_is_refused_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainrun.config import ConfigError
+    from trainrun.training import setup
+
+    monkeypatch.setattr(setup, "_rollout_data", _counting_processes(setup._rollout_data, 2))
+    config = load_config("grpo", SMALL)
+    with pytest.raises(ConfigError) as err:
+        run(config, tmp_path / "run", out=io.StringIO())
+    assert "this job has 2 processes; run it as one process" in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def _counting_processes(rollout_data, count: int):
+    """``_rollout_data`` as a job of ``count`` processes sees it."""
+    import jax
+
+    def counted(*args, **kwargs):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(jax, "process_count", lambda: count)
+            return rollout_data(*args, **kwargs)
+
+    return counted

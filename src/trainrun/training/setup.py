@@ -329,6 +329,10 @@ def _rollout_data(config: RunConfig, parts: Parts, console: Console,
     """A reinforcement-learning run's data as ``_data`` gives it: its rollout batches, drawn
     from the prompt records, and the files they come from."""
     assert config.rl is not None and isinstance(config.data, RecordsData)
+    if jax.process_count() > 1:  # the host scores every rollout: one process holds them all
+        raise ConfigError(f"an rl run scores its rollouts on one host, and this job has "
+                          f"{jax.process_count()} processes; run it as one process (its "
+                          "devices all take part)")
     if config.init.from_ is not None:
         init_from.source_kind(init_from.source_location(config.init.from_))
     found = prompt_records(config.data, config.data.seq_len - config.rl.completion_tokens)

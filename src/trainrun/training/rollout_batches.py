@@ -4,7 +4,8 @@ from the current params, scored on the host, and handed to the one training step
 At step ``s`` (a multiple of ``rl.updates``) the run's ``rl.prompts`` prompts of rollout batch
 ``s // rl.updates`` (in an order shuffled per pass by the run's seed) get ``rl.group``
 completions each, drawn with ``fold_in(state.key, s)`` (``program/rollouts.py``), so a resumed
-run draws the same rollouts. The rewards score them (``data/rewards.py``: a reward that fails
+run draws the same rollouts; every batch's prompts are left-padded to the longest prompt's
+width. The rewards score them (``data/rewards.py``: a reward that fails
 stops the run in one line), each group's rewards become advantages, and the reference's
 log-probabilities come from the starting params kept in the model state, or from the params
 with the LoRA adapters off. The batch then serves the ``rl.updates`` steps of one call.
@@ -58,7 +59,8 @@ class RolloutBatches:
             temperature=self.rl.temperature, top_p=self.rl.top_p,
             stop_ids=self.tokenizer.stop_ids, stop_strings=self.stops,
             compute=config.precision.compute)
-        self.width = self.model.seq_len - self.rl.completion_tokens
+        # the longest prompt's width for every batch: one compile, and no wider than needed
+        self.width = max(prompt.ids.size for prompt in self.prompts)
         self.mesh = mesh
         self.step = 0
         self.state: TrainState | None = None

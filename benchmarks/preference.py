@@ -27,8 +27,9 @@ times each.
 ``trl``: the same model (one Hugging Face directory, written by trainrun), the same pairs in
 the same order, 8 a step, AdamW (lr 1e-3, no schedule, no clipping, no weight decay), float32,
 the reference computed once before training by both (TRL's ``precompute_ref_log_probs``):
-trainrun's jitted step on the host's packed rows against ``DPOTrainer.train`` (PyTorch eager,
-its default thread count, sequential order). Tokens a second count each pair's tokens (its
+trainrun's jitted step on the host's packed rows, one step a call, read after the last as the
+loop reads its metrics without waiting between steps, against ``DPOTrainer.train`` (PyTorch
+eager, its default thread count, sequential order). Tokens a second count each pair's tokens (its
 prompt twice and both answers) over steps 2 to the last; the losses of every step are printed
 side by side. Interleaved rounds, each contender from the same start.
 """
@@ -264,13 +265,15 @@ def trainrun_contender(path: Path, data: list[Pair], count: int) -> tuple[list[f
                                                    64).view(np.int32)
     step = jitted_step(model)
     state = state_from_params(loaded.params, build_optimizer(ADAMW, 1000), 0)
-    losses, start = [], 0.0
-    for i, rows in enumerate(batches):
+    state, metrics = step(state, batches[0])
+    losses = [metrics["loss"]]
+    jax.block_until_ready(losses)
+    start = time.perf_counter()
+    for rows in batches[1:]:  # as the loop runs: no wait for the device between steps
         state, metrics = step(state, rows)
-        losses.append(float(metrics["loss"]))  # waits for the step, as TRL's logging does
-        if i == 0:
-            start = time.perf_counter()
-    return losses, time.perf_counter() - start
+        losses.append(metrics["loss"])
+    jax.block_until_ready(losses)
+    return [float(loss) for loss in losses], time.perf_counter() - start
 
 
 def trl_contender(path: Path, data: list[Pair], count: int, out: Path) -> tuple[list[float],

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 from conftest import REPO, cli_env
 
@@ -141,6 +142,33 @@ def test_every_preference_tuning_command_runs_as_written(tmp_path):
         assert scores["scores"][name] == pytest.approx(during[name], rel=1e-5), name
     assert scores["scores"]["rewards/accuracies"] > 0.9
     assert (tmp_path / "dpo-model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_every_reinforcement_learning_command_runs_as_written(tmp_path):
+    """The guide's runs as written: GRPO takes the fine-tuned model's held-out reward from at
+    most 0.3 to at least 0.8."""
+    from trainrun.checkpointing.reader import latest_params
+    from trainrun.config import load_config
+    from trainrun.evaluation.rl_eval import held_out_prompts, reward_scores
+
+    commands = bash_commands("guides/reinforcement-learning.md")
+    assert [c.split()[:2] for c in commands if c.startswith("trainrun ")] == [
+        ["trainrun", "train"], ["trainrun", "train"], ["trainrun", "sample"],
+        ["trainrun", "eval"]], commands
+    out = run_as_written(commands, tmp_path)
+    assert "starting from params of runs/sft (init.from) at step 0" in out
+    config = load_config("grpo", [f"init.from={tmp_path / 'runs/sft'}"])
+    sft = load_config(str(tmp_path / "runs/sft/config.yaml"))
+    _, start = latest_params(tmp_path / "runs/sft", sft)
+    before, _ = reward_scores(config, start, held_out_prompts(config))
+    assert before["reward"] <= 0.3
+    scores = json.loads((tmp_path / "runs/grpo/eval/step-500/scores.json").read_text())
+    assert scores["scores"]["reward"] >= 0.8 and scores["scores"]["answers"] == 64
+    answers = [json.loads(line) for line in
+               (tmp_path / "runs/grpo/eval/step-500/answers.jsonl").open()]
+    assert np.mean([a["reward"] for a in answers]) == pytest.approx(scores["scores"]["reward"])
+    assert re.search(r"eval step 500  rewards/exact_match/mean \S+  reward \S+", out), out
 
 
 def test_api_page_documents_every_public_name():

@@ -112,6 +112,7 @@ RL = RLConfig(group=G, prompts=2, completion_tokens=LIMIT, rewards=({"name": "ex
               beta=0.5, updates=2, normalisation="grpo")
 
 
+@pytest.mark.slow
 def test_the_step_reads_old_and_reference_logps_in_float32_under_bfloat16():
     """Under a bfloat16 policy the step's loss is ``grpo_loss`` on the bfloat16 params with
     the float32 old and reference log-probabilities, not their bfloat16 roundings."""

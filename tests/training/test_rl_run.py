@@ -54,6 +54,7 @@ def _rewards(*entries: dict[str, object]) -> str:
     return "rl.rewards=" + json.dumps(list(entries))
 
 
+@pytest.mark.slow
 def test_each_rollout_batch_reports_its_rewards_kl_entropy_and_speeds(
         tmp_path: Path, reward_file: Path, chat_run) -> None:
     log = tmp_path / "scored.jsonl"

@@ -29,9 +29,9 @@ the same order, 8 a step, AdamW (lr 1e-3, no schedule, no clipping, no weight de
 the reference computed once before training by both (TRL's ``precompute_ref_log_probs``):
 trainrun's jitted step on the host's packed rows, one step a call, read after the last as the
 loop reads its metrics without waiting between steps, against ``DPOTrainer.train`` (PyTorch
-eager, its default thread count, sequential order). Tokens a second count each pair's tokens (its
-prompt twice and both answers) over steps 2 to the last; the losses of every step are printed
-side by side. Interleaved rounds, each contender from the same start.
+eager at its default thread count and at 1 thread, sequential order). Tokens a second count
+each pair's tokens (its prompt twice and both answers) over steps 2 to the last; the losses of
+every step are printed side by side. Interleaved rounds, each contender from the same start.
 """
 
 from __future__ import annotations
@@ -330,27 +330,35 @@ def against_trl(rounds: int, count: int) -> None:
 
     data = pairs(count * PAIRS_PER_STEP, seed=1)
     tokens = sum(pair_length(p) for p in data[PAIRS_PER_STEP:count * PAIRS_PER_STEP])
-    results: dict[str, list[tuple[list[float], float]]] = {"trainrun": [], "TRL": []}
+    threads = torch.get_num_threads()
+    names = {threads: "TRL", 1: "TRL, 1 thread"}
+    results: dict[str, list[tuple[list[float], float]]] = {
+        "trainrun": [], **{name: [] for name in names.values()}}
     with tempfile.TemporaryDirectory() as tmp:
         path = hf_dir(Path(tmp) / "llama")
         for r in range(rounds):
             results["trainrun"].append(trainrun_contender(path, data, count))
-            results["TRL"].append(trl_contender(path, data, count, Path(tmp) / f"trl{r}"))
-    print(f"{machine()}; torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            for count_threads, name in names.items():
+                torch.set_num_threads(count_threads)
+                results[name].append(trl_contender(path, data, count,
+                                                   Path(tmp) / f"trl{r}-{count_threads}"))
+            torch.set_num_threads(threads)
+    print(f"{machine()}; torch {torch.__version__} ({threads} threads by default), "
           f"trl {trl.__version__}; {rounds} interleaved rounds of {count} steps")
     speed = {name: [tokens / s for _, s in runs] for name, runs in results.items()}
-    print("| contender | tokens/s best / median (steps 2-last) | / TRL (median) |"
-          "\n|---|---:|---:|")
+    print("| contender | tokens/s best / median (steps 2-last) | each round | / TRL (median) |"
+          "\n|---|---:|---:|---:|")
     trl_median = statistics.median(speed["TRL"])
     for name, values in speed.items():
-        print(f"| {name} | {max(values):,.0f} / {statistics.median(values):,.0f} | "
+        each = " / ".join(f"{v:,.0f}" for v in values)
+        print(f"| {name} | {max(values):,.0f} / {statistics.median(values):,.0f} | {each} | "
               f"{statistics.median(values) / trl_median:.2f}x |")
     ours, theirs = results["trainrun"][0][0], results["TRL"][0][0]
     print("\n| step | trainrun loss | TRL loss | difference |\n|---:|---:|---:|---:|")
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
         print(f"| {i} | {a:.6f} | {b:.6f} | {a - b:+.1e} |")
-    worst = max(abs(a - b) for run_a, run_b in zip(results["trainrun"], results["TRL"],
-                                                   strict=True)
+    worst = max(abs(a - b) for name in names.values()
+                for run_a, run_b in zip(results["trainrun"], results[name], strict=True)
                 for a, b in zip(run_a[0], run_b[0], strict=True))
     print(f"largest loss difference over every round: {worst:.1e} (target <= 1e-4)")
 

@@ -308,6 +308,18 @@ def hf_greedy_batch(path: Path, prompts: list[np.ndarray], tokens: int) -> list[
     return [row[width:] for row in out.numpy()]
 
 
+def word_level_tokenizer(vocab: int) -> Any:
+    """A word-level tokenizer over ``t0`` ... ``t<vocab - 1>`` (``t2`` the end, ``t0`` the pad):
+    TRL's trainers ask for one, though the batches they are given are token ids already."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers, _ = _hf()
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(vocab)},
+                                                            unk_token="t0"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="t2",
+                                                pad_token="t0", unk_token="t0")
+
+
 def _hf():
     return (pytest.importorskip("transformers", reason="the tests' extra holds transformers"),
             pytest.importorskip("torch"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import save_tiny_causal_lm
+from conftest import save_tiny_causal_lm, word_level_tokenizer
 
 import trainrun
 from trainrun.config import PreferenceConfig
@@ -36,17 +36,6 @@ PAIRS = [Pair(*(np.asarray(ids, np.uint32) for ids in pair)) for pair in (
     ([30], [31, 32, 2], [34, 35, 36, 37, 2]))]
 
 
-def _tokenizer():
-    """A word-level tokenizer over ``t0`` ... ``t95``: DPOTrainer asks for one, though the
-    batch below is token ids already."""
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    core.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="t2",
-                                                pad_token="t0", unk_token="t0")
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The reference (the tiny Llama as saved) and the policy (it, every weight moved)."""
@@ -69,7 +58,7 @@ def _trl_loss_and_grads(models, settings: dict) -> tuple[float, dict[str, np.nda
                          gradient_checkpointing=False, report_to=[], **settings)
     dummy = {"prompt": ["t5"], "chosen": [" t6"], "rejected": [" t7"]}  # the batch is below
     trainer = trl.DPOTrainer(model=policy, ref_model=load(reference_dir, dtype=torch.float32),
-                             args=args, processing_class=_tokenizer(),
+                             args=args, processing_class=word_level_tokenizer(VOCAB),
                              train_dataset=datasets.Dataset.from_dict(dummy))
     batch = trainer.data_collator([{"prompt_ids": p.prompt.tolist(),
                                     "chosen_ids": p.chosen.tolist(),

@@ -42,7 +42,7 @@ def test_loss_equals_trl_formula(normalisation: str, beta: float) -> None:
     ratio = np.exp(LOGPS.astype(np.float64) - OLD)
     clipped = np.clip(ratio, 0.8, 1.28)
     per_token = -np.minimum(ratio * adv[:, None], clipped * adv[:, None])
-    kl = np.exp(REF - LOGPS.astype(np.float64)) - (REF - LOGPS) - 1
+    kl = (np.exp(REF - LOGPS.astype(np.float64)) - (REF - LOGPS) - 1) * ratio
     per_token = per_token + beta * kl
     w = MASK.astype(np.float64)
     want = {"grpo": ((per_token * w).sum(-1) / w.sum(-1)).mean(),

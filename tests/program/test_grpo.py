@@ -141,4 +141,5 @@ def test_the_step_reads_old_and_reference_logps_in_float32_under_bfloat16():
         jnp.asarray(reference))
     rounded = lambda x: x.astype(jnp.bfloat16).astype(np.float32)
     assert float(step_loss(old, reference)) == pytest.approx(float(expected), abs=1e-6)
-    assert abs(float(step_loss(rounded(old), rounded(reference))) - float(expected)) > 1e-3
+    # the roundings move the loss by far more than the 1e-6 the float32 columns agree within
+    assert abs(float(step_loss(rounded(old), rounded(reference))) - float(expected)) > 1e-4

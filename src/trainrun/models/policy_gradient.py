@@ -4,9 +4,11 @@ tokens it generated, in float32. The formulas and defaults are TRL's ``GRPOTrain
 
 - Advantages (``group_advantages``): each prompt's ``G`` rewards less their mean, divided by
   their standard deviation (Bessel-corrected, as ``torch.std``) plus ``eps``.
-- Per token: ``-min(r A, clip(r, 1 - low, 1 + high) A) + beta k3``, with ``r = exp(logp -
+- Per token: ``-min(r A, clip(r, 1 - low, 1 + high) A) + beta r k3``, with ``r = exp(logp -
   old logp)`` the ratio to the params that drew the completions and ``k3 = exp(ref - logp) -
-  (ref - logp) - 1`` the estimator of the KL divergence to the reference.
+  (ref - logp) - 1`` the estimator of the KL divergence to the reference. The KL term is
+  weighed by the ratio (TRL's ``use_bias_correction_kl``, on by default): its gradient is the
+  reverse KL's, unbiased, and differs from ``k3``'s even where ``r`` is 1.
 - Normalisations: ``grpo`` (each completion's mean over its tokens, then the mean over
   completions), ``dapo`` (the sum over every token of the batch divided by their number, which
   may be given for a batch split into microbatches) and ``dr_grpo`` (the sum divided by
@@ -81,7 +83,7 @@ class PolicyGradientLoss:
                 raise ValueError("beta > 0 weighs a KL term to the reference: give its "
                                  "log-probabilities")
             gap = reference_logps.astype(jnp.float32) - logps
-            kl = jnp.exp(gap) - gap - 1.0
+            kl = (jnp.exp(gap) - gap - 1.0) * ratio
             per_token = per_token + self.beta * kl
             metrics["kl"] = jax.lax.stop_gradient((kl * weight).sum() / tokens)
         summed = (per_token * weight).sum(axis=-1)

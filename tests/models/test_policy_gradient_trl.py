@@ -10,7 +10,6 @@ the clip fractions and the KL term TRL logs."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -59,7 +58,6 @@ def model_dir(tmp_path_factory) -> Any:
 def _trainer(model_dir: Any, **settings: Any) -> Any:
     """A ``GRPOTrainer`` on the tiny Llama whose forward pass of the policy gives ``LOGPS`` (as
     a leaf that takes a gradient) and of the reference ``REF``."""
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func's notice
     args = trl.GRPOConfig(
         output_dir=str(model_dir.parent / "trl"), use_cpu=True, bf16=False, report_to=[],
         num_generations=G, per_device_train_batch_size=ROWS, max_completion_length=LIMIT,
@@ -121,6 +119,7 @@ CASES = [  # normalisation, beta, (clip low, clip high), old log-probabilities, 
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:You are using 'rollout_func'")
 @pytest.mark.parametrize(("normalisation", "beta", "clip", "old", "scale"), CASES)
 def test_advantages_loss_and_gradient_are_trls(model_dir, normalisation, beta, clip, old,
                                                scale) -> None:

@@ -163,9 +163,9 @@ def test_eval_builds_the_run_model_once_for_the_checkpoint_and_the_loss(chat_run
     built: list[object] = []
     real = trainrun.models.build_model
 
-    def counted(cfg):
+    def counted(cfg, *args, **kwargs):
         built.append(cfg)
-        return real(cfg)
+        return real(cfg, *args, **kwargs)
 
     monkeypatch.setattr(trainrun.models, "build_model", counted)
     monkeypatch.setattr(reader, "build_model", counted)

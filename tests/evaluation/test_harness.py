@@ -20,6 +20,7 @@ import pytest
 from trainrun import extras
 from trainrun.cli import main
 from trainrun.config import load_config
+from trainrun.models.transformer import AttentionPath
 from trainrun.training.loop import run
 
 TASKS = ("tiny_mc", "tiny_ppl", "tiny_gen")
@@ -318,7 +319,7 @@ def test_requests_packed_in_a_row_score_as_each_alone(layout):
     if layout == "sliding":
         cfg = cfg.model_copy(update={"sliding_window": 5})
     params = build_model(cfg).init(jax.random.key(0))
-    score = _scorer(cfg, "float32", 16)
+    score = _scorer(cfg, "float32", AttentionPath(block=16))
     texts = [np.random.default_rng(n).integers(1, 97, size) for n, size in enumerate((21, 9, 30))]
 
     def row(members):

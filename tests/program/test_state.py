@@ -50,7 +50,8 @@ def test_the_state_shapes_of_a_transformer_trace_its_module_once(monkeypatch):
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(transformer.Transformer, "__init__", counted)
-    config = load_config("chat", SMALL)
+    # a module no other test builds: a process traces each module's shapes once (from_nnx)
+    config = load_config("chat", [*SMALL, "model.init_std=0.0234567"])
     model = build_model(config.model)
     abstract_state(model, build_optimizer(config.optimizer, config.steps), config.seed,
                    policy_from_config(config.precision))

@@ -39,10 +39,10 @@ from trainrun.data.record_rows import (
     Damaged,
     RecordCounts,
     Source,
+    open_kept,
 )
 from trainrun.data.record_rows import _cache_refused as cache_refused
 from trainrun.data.record_rows import _locked as locked
-from trainrun.data.record_rows import _mapped as mapped
 from trainrun.data.text import corpus_files
 from trainrun.errors import WriteFailed
 from trainrun.platform.user_cache import cache_dir
@@ -276,22 +276,7 @@ def _usable(cfg: RecordsData, source: Source, every: int, counts: RecordCounts,
 def _open(folder: Path) -> PairRows | None:
     """The rows in ``folder``, each file checked against its sha256; None when never made;
     ``Damaged`` when they do not read back as written."""
-    if not folder.exists():
-        return None
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        row_len, dtypes, digests = manifest["row_len"], manifest["dtypes"], manifest["sha256"]
-        splits: dict[str, dict[str, np.ndarray] | None] = {}
-        for split, rows in manifest["rows"].items():
-            splits[split] = None if not rows else {
-                name: mapped(folder / f"{split}.{name}.bin", dtypes[name], rows, row_len,
-                             digests[f"{split}.{name}.bin"]) for name in ARRAYS}
-        return PairRows(train=splits["train"], eval=splits["eval"], folder=folder,
-                        counts=RecordCounts(**manifest["counts"]),
-                        truncated=PairCounts(**manifest["truncated"]))
-    except FileNotFoundError as err:
-        raise Damaged(f"{Path(err.filename or '?').name} is missing") from None
-    except OSError as err:
-        raise Damaged(f"{Path(err.filename or '?').name}: {err.strerror or err}") from None
-    except (ValueError, KeyError, TypeError) as err:
-        raise Damaged(f"manifest.json is not as written ({type(err).__name__}: {err})") from None
+    return open_kept(folder, ARRAYS, lambda manifest, splits: PairRows(
+        train=splits["train"], eval=splits["eval"], folder=folder,
+        counts=RecordCounts(**manifest["counts"]),
+        truncated=PairCounts(**manifest["truncated"])))

@@ -48,7 +48,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -513,19 +513,31 @@ def _fit(examples: list[Example], cfg: RecordsData, counts: RecordCounts,
 def _open(folder: Path) -> Rows | None:
     """The rows in ``folder``, each file checked against its sha256; None when there is no
     such folder (never made); ``Damaged`` when it does not read back as written."""
+    return open_kept(folder, ARRAYS, lambda manifest, splits: Rows(
+        train=splits["train"], eval=splits["eval"], counts=RecordCounts(**manifest["counts"])))
+
+
+Splits = dict[str, dict[str, np.ndarray] | None]
+T = TypeVar("T")
+
+
+def open_kept(folder: Path, arrays: Sequence[str],
+              build: Callable[[dict[str, Any], Splits], T]) -> T | None:
+    """``build(manifest, splits)`` of the kept rows in ``folder``: each split's ``arrays``, each
+    file checked against its sha256; None when there is no such folder (never made);
+    ``Damaged`` when it does not read back as written."""
     if not folder.exists():
         return None
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
         row_len, dtypes, digests = manifest["row_len"], manifest["dtypes"], manifest["sha256"]
-        splits: dict[str, dict[str, np.ndarray] | None] = {}
+        splits: Splits = {}
         for split, rows in manifest["rows"].items():
             splits[split] = None if not rows else {
                 name: _mapped(folder / f"{split}.{name}.bin", dtypes[name], rows, row_len,
                               digests[f"{split}.{name}.bin"])
-                for name in ARRAYS}
-        return Rows(train=splits["train"], eval=splits["eval"],
-                    counts=RecordCounts(**manifest["counts"]))
+                for name in arrays}
+        return build(manifest, splits)
     except FileNotFoundError as err:
         raise Damaged(f"{Path(err.filename or '?').name} is missing") from None
     except OSError as err:

@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import re
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -48,6 +46,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from machine_line import machine
 
 from trainrun.config import RunConfig, load_config
 from trainrun.data.prompt_records import Prompt, prompt_records
@@ -67,14 +66,6 @@ SETTINGS = ["model.d_model=128", "model.layers=2", "model.heads=4", "model.kv_he
             "model.mlp_hidden=256", "model.seq_len=96", "data.seq_len=96",
             f"rl.group={GROUP}", f"rl.prompts={PROMPTS}", f"rl.completion_tokens={COMPLETION}",
             f"rl.rewards=[{{name: format_regex, args: {{pattern: '{VOWEL}'}}}}]"]
-
-
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in
-                  subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-                  if line.startswith("Model name")), platform.processor())
-    return (f"{model}, {os.cpu_count()} CPUs, load average "
-            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, jax {jax.__version__}")
 
 
 def grpo_config() -> RunConfig:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from machine_line import machine
 
 from trainrun.config import OptimizerConfig, RunConfig, load_config
 from trainrun.data.pair_rows import pack_pairs, pair_length
@@ -93,14 +93,6 @@ def rows_of(batch: list[Pair]) -> dict[str, np.ndarray]:
     rows, _ = pack_pairs(batch, ROW, bins=PAIRS_PER_STEP)
     assert rows["tokens"].shape[0] == len(batch)  # one pair a row: every batch one shape
     return rows
-
-
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in
-                  subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-                  if line.startswith("Model name")), platform.processor())
-    return (f"{model}, {os.cpu_count()} CPUs, load average "
-            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, jax {jax.__version__}")
 
 
 def dpo_config() -> RunConfig:

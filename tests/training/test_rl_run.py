@@ -100,6 +100,29 @@ def test_a_reward_that_fails_stops_the_run_in_one_line_naming_it(
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("updates", [1, 2])
+def test_old_log_probabilities_are_computed_only_for_a_loss_that_reads_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, updates: int) -> None:
+    from trainrun.program import rollouts
+
+    passes: list[int] = []
+    forward = rollouts.completion_logps
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(rollouts, "completion_logps", counted)
+    config = load_config("grpo", [*SMALL, f"rl.updates={updates}", "steps=4",
+                                  f"steps_per_call={updates}", f"metrics.every={updates}",
+                                  f"checkpoint.every={2 * updates}",
+                                  _rewards({"name": "exact_match"})])
+    run(config, tmp_path / "run", out=io.StringIO())
+    # one update a rollout batch takes the ratio as 1: its forward pass would be waste
+    assert len(passes) == (0 if updates == 1 else 4 // updates)
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]["step"] == 4
+
+
 RESUMED = ["--config", "grpo", "steps=8", "checkpoint.every=4", "rl.prompts=2", "rl.group=4",
            "rl.completion_tokens=8", "model.d_model=16", "model.layers=1",
            "data.synthetic_examples=64", "optimizer.lr=0.01", "rl.beta=0.04",

@@ -125,13 +125,15 @@ def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
 
 def draw_rollouts(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.ndarray],
                   key: jax.Array, step: int, settings: RolloutSettings,
-                  mesh: Mesh | None = None, width: int | None = None) -> Rollouts:
+                  mesh: Mesh | None = None, width: int | None = None,
+                  old_logps: bool = True) -> Rollouts:
     """``settings.group`` completions of each of ``prompts`` (1-D token ids) drawn from
     ``params`` at ``step``, from ``rollout_keys(key, step, ...)``: the completions
     ``decode.generate_batch`` draws from those keys, with the old log-probabilities of their
     tokens (``completion_logps``). On ``mesh`` the rows are split over its batch axes.
     width: the prompts' padded width (None: the longest prompt's); a fixed one keeps every
-    batch's shapes, so the programs compile once."""
+    batch's shapes, so the programs compile once. old_logps: False leaves them 0 and skips
+    their forward pass, for a loss that never reads them (one update a batch: the ratio is 1)."""
     contexts = _contexts(cfg, prompts, settings)
     rows, longest = len(contexts), max(c.size for c in contexts)
     if width is not None and width < longest:
@@ -154,7 +156,8 @@ def draw_rollouts(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.nd
     mask = np.arange(settings.tokens)[None] < counts[:, None]
     tokens = np.concatenate([ids, np.where(mask, drawn, 0)], axis=1)
     tokens, start, mask = place(tokens), place(start), place(mask)
-    old = completion_logps(cfg, params, tokens, start, mask, settings.compute)
+    old = (completion_logps(cfg, params, tokens, start, mask, settings.compute) if old_logps
+           else place(np.zeros(mask.shape, np.float32)))
     return Rollouts(tokens, start, mask, place(counts), old, settings.group)
 
 

@@ -106,7 +106,8 @@ class RolloutBatches:
         update_rate = self._update_rate(started)
         asked = self.batch_prompts(step // self.rl.updates)
         rollouts = draw_rollouts(self.model, state.params, [p.ids for p in asked], state.key,
-                                 step, self.settings, self.mesh, width=self.width)
+                                 step, self.settings, self.mesh, width=self.width,
+                                 old_logps=self.rl.updates > 1)
         reference = None
         if self.rl.beta:
             start = state.params if state.model_state is None else state.model_state

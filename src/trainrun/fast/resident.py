@@ -76,9 +76,6 @@ class ResidentBatches:
                replicated: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
         return replicated  # on the run's one device, as the replicated sharding says
 
-    def metric_probe(self, step: Any, one_step: Any, batch: Any) -> tuple[Any, Any]:
-        return one_step, self.example(1)
-
     def counted(self, programs: dict[int, Any], example: Any) -> tuple[dict[int, Any], Any]:
         # the whole program would count the gather too: the step alone, on a batch's shapes
         return {}, self.example(2)

@@ -33,11 +33,6 @@ class BatchSource(Protocol):
         """How what the calls take is placed on the mesh."""
         ...
 
-    def metric_probe(self, step: Any, one_step: Any, batch: Batch) -> tuple[Any, Batch]:
-        """A step function and its input whose metrics are named as the calls' are: ``step``
-        (the calls' steps) on ``batch`` (what a call takes), or one step on a batch."""
-        ...
-
     def counted(self, programs: dict[int, Any], example: Batch) -> tuple[dict[int, Any], Batch]:
         """The compiled programs whose FLOPs count a step, and a host batch the step takes
         (``flops.flops_per_step``); ``example``: what the last call took."""
@@ -67,9 +62,6 @@ class HostBatches:
     def placed(self, batch_sharding: jax.sharding.NamedSharding,
                replicated: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
         return batch_sharding
-
-    def metric_probe(self, step: Any, one_step: Any, batch: Batch) -> tuple[Any, Batch]:
-        return step, batch
 
     def counted(self, programs: dict[int, Any], example: Batch) -> tuple[dict[int, Any], Batch]:
         return programs, example

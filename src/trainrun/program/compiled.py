@@ -19,7 +19,7 @@ from trainrun.program.optim import Optimizer
 from trainrun.program.precision import Policy
 from trainrun.program.sharding import traced_on
 from trainrun.program.state import TrainState
-from trainrun.program.step import KeepIfNot, keep_if_not, make_multi_step, make_train_step
+from trainrun.program.step import KeepIfNot, keep_if_not, make_train_step
 from trainrun.program.streamed import Emit, streamed
 
 Batch = Any
@@ -61,17 +61,16 @@ class CompiledSteps:
         self.one_step = make_train_step(  # what one step computes (FLOPs per step)
             model, optimizer, accumulate=accumulate, policy=policy, keep=keep)
         single = self.one_step if stream is None else streamed(self.one_step, stream)
-        self.step = make_multi_step(single) if scanned else single  # metrics by name
         self.source = source or HostBatches()
         self.abstract = abstract
         self.carrier = carrier or TrainStateCarrier()
-        body = self.carrier.around(_rows_step(single, scanned, self.source))
+        self.metric_names: list[str] = []  # the packed rows' columns, named as traced
+        body = self.carrier.around(_rows_step(single, scanned, self.source, self.metric_names))
         self.state_sharding = state_sharding
         self.fn = _jit_donated(body, self.carrier.sharding(state_sharding), batch_sharding,
                                self.source)
         self.watch = watch
         self.programs: dict[int, Any] = {}
-        self.metric_names: list[str] = []
 
     def carry(self, state: TrainState) -> Any:
         """``state`` as the calls take it."""
@@ -91,12 +90,9 @@ class CompiledSteps:
     def compile(self, k: int, carried: Any, batch: Batch) -> jax.stages.Compiled:
         """Compile the program for calls of ``k`` steps (before its call is timed); ``carried``
         and ``batch`` may be arrays or their shapes (``jax.ShapeDtypeStruct``)."""
-        if not self.metric_names:
-            state = self.abstract if self.abstract is not None else carried
-            step, example = self.source.metric_probe(self.step, self.one_step, batch)
-            self.metric_names = sorted(jax.eval_shape(step, state, example)[1])
         with self.watch.phase("compile"):
             self.programs[k] = self.fn.lower(carried, batch).compile()
+        assert self.metric_names, "the step's metrics are named when it is traced"
         return self.programs[k]
 
     def flops_per_step(self, example: Batch, counted: Any,
@@ -113,13 +109,15 @@ class CompiledSteps:
         return self.fn(carried, batch)
 
 
-def _rows_step(single: Any, scanned: bool, source: BatchSource) -> Any:
+def _rows_step(single: Any, scanned: bool, source: BatchSource, names: list[str]) -> Any:
     """``(state, what the calls take) -> (state, rows)``: ``single`` once or K times under a
     scan, each step's metrics packed into one row inside the scan's body (one scan output
-    instead of one per metric), on the batches ``source`` gives."""
+    instead of one per metric), on the batches ``source`` gives. ``names`` gets the row's
+    columns in order when the program is traced."""
 
     def one_row(state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
         state, metrics = single(state, batch)
+        names[:] = sorted(metrics)
         return state, pack_metrics(metrics)
 
     return source.rows_program(one_row, scanned)

@@ -14,6 +14,10 @@ and system, the command's process and its children) of each, the warm command's 
 cold one's, and the programs the cold one kept. Each command's output is compared across all
 variants (the losses of ``train``, the answer of ``sample``, the scores of ``eval``): the
 cache must not change a bit.
+
+Every round also times the floor no command goes below, cache or not: a Python process that
+imports JAX and runs one tiny program (its CPU backend started), then exits. The last column
+compares what the commands spend above it.
 """
 
 from __future__ import annotations
@@ -57,12 +61,19 @@ def cpu_seconds() -> float:
 
 def trainrun(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     """``trainrun ARGV`` in a fresh process: its wall time, its CPU time and its stdout."""
+    return timed([str(Path(sys.executable).parent / "trainrun"), *argv], env)
+
+
+FLOOR = "import jax; jax.numpy.zeros(()).block_until_ready()"
+
+
+def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """``command`` in a fresh process: its wall time, its CPU time and its stdout."""
     start, cpu = time.perf_counter(), cpu_seconds()
-    done = subprocess.run([str(Path(sys.executable).parent / "trainrun"), *argv], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
     seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     if done.returncode != 0:
-        sys.exit(f"trainrun {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+        sys.exit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return seconds, cpu, done.stdout
 
 
@@ -98,7 +109,9 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
     wall: dict[tuple[str, str], list[float]] = {(n, v): [] for n in commands for v in variants}
     cpu: dict[tuple[str, str], list[float]] = {(n, v): [] for n in commands for v in variants}
     kept: dict[tuple[str, str], list[int]] = {(n, v): [] for n in commands for v in variants}
+    floor: list[float] = []
     for round_ in range(args.rounds):
+        floor.append(timed([sys.executable, "-c", FLOOR], base)[0])
         for name, command in commands.items():
             results = []
             for variant in variants:
@@ -117,11 +130,14 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
                 kept[name, variant].append(len(list(cache.glob("*-cache"))))
             if any(r != results[0] for r in results):
                 sys.exit(f"{name}: the cache changed the result:\n{results}")
+    least_wall = statistics.median(floor)
     print(f"\n{args.rounds} round(s), chat config at {args.steps} steps; median wall and CPU "
-          "time, the same results in every variant")
+          "time, the same results in every variant; the floor (Python, JAX imported, one tiny "
+          f"program): {least_wall:.2f} s wall")
     print("| command | least compile time kept | wall: off | cold | warm | warm / cold "
-          "| CPU: off | cold | warm | warm / cold | programs kept |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| CPU: off | cold | warm | warm / cold | programs kept | wall above the floor: "
+          "warm / cold |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in commands:
         for least in args.min_compile_s:
             cold, warm = f"cold {least:g}", f"warm {least:g}"
@@ -130,7 +146,8 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
             print(f"| `trainrun {name}` | {least:g} s | {w['off']:.2f} s | {w[cold]:.2f} s | "
                   f"{w[warm]:.2f} s | {w[warm] / w[cold]:.2f}x | {c['off']:.2f} s | "
                   f"{c[cold]:.2f} s | {c[warm]:.2f} s | {c[warm] / c[cold]:.2f}x | "
-                  f"{statistics.median(kept[name, cold]):.0f} |")
+                  f"{statistics.median(kept[name, cold]):.0f} | "
+                  f"{(w[warm] - least_wall) / (w[cold] - least_wall):.2f}x |")
 
 if __name__ == "__main__":
     main()

@@ -16,19 +16,20 @@ a vowel in the completion's text), and takes one update with the ``grpo`` config
 loss (``dapo``, beta 0: no reference).
 
 ``trl``: trainrun's step as the run takes it (``RolloutBatches`` following the state: the
-decoder's rollouts, their old log-probabilities, the rewards and advantages on the host, then
-the jitted step, the state donated) against ``GRPOTrainer.train`` on the same weights (one
-Hugging Face directory, written by trainrun) and the same prompts in the same order, its
-generation by ``transformers``' ``generate`` (PyTorch eager, at its default thread count and at
-1 thread). Time per step over steps 2 to the last; interleaved rounds, each contender from the
-same start.
+decoder's rollouts, the rewards and advantages on the host, then the jitted step, the state
+donated; with one update a rollout batch no old log-probabilities are computed) against
+``GRPOTrainer.train`` on the same weights (one Hugging Face directory, written by trainrun)
+and the same prompts in the same order, its generation by ``transformers``' ``generate``
+(PyTorch eager, at its default thread count and at 1 thread). Time per step over steps 2 to
+the last; interleaved rounds, each contender from the same start.
 
 ``parts``: in one process, interleaved rounds after a warmup call of each: a rollout batch
-(``RolloutBatches.draw``: generation, the old log-probabilities' forward pass, the rewards),
-that forward pass alone (``completion_logps``), the update (the jitted step on that batch,
-10 calls a measurement ending in ``block_until_ready``) and a next-token step over the same
-rows (each prompt and its completion, the completion's tokens the targets). Generation's share
-of the step is the rollout batch less the forward pass, over the rollout batch plus the update.
+(``RolloutBatches.draw``: generation and the rewards), the old log-probabilities' forward pass
+that a run of several updates a batch adds to it (``completion_logps``), the update (the
+jitted step on that batch, 10 calls a measurement ending in ``block_until_ready``) and a
+next-token step over the same rows (each prompt and its completion, the completion's tokens
+the targets). Generation's share of the step is the rollout batch over the rollout batch plus
+the update.
 """
 
 from __future__ import annotations
@@ -232,6 +233,9 @@ def timed_calls(step: Any, state: list[TrainState], batch: Any) -> Callable[[], 
     return measure
 
 
+ROLLOUT = "rollout batch (generation, rewards)"
+
+
 def parts(rounds: int) -> None:
     config = grpo_config()
     params = jax.jit(build_model(config.model).init)(jax.random.key(0))
@@ -255,8 +259,8 @@ def parts(rounds: int) -> None:
         np.asarray(completion_logps(*logps_args))
         return time.perf_counter() - start
 
-    contenders["rollout batch (generation, old log-probs, rewards)"] = draw
-    contenders["old log-probs' forward pass alone"] = old_logps
+    contenders[ROLLOUT] = draw
+    contenders["old log-probs' forward pass (several updates a batch)"] = old_logps
     for name, model, rows in (("GRPO update (dapo)", grpo_model(config.model, config.rl), batch),
                               ("next-token step, same rows and targets",
                                build_model(config.model), sft_rows)):
@@ -273,15 +277,12 @@ def parts(rounds: int) -> None:
     print(f"{machine()}; {rounds} interleaved rounds; {ROWS} completions of {COMPLETION} "
           f"tokens, rows of {batch['tokens'].shape[1]} tokens")
     median = {name: statistics.median(values) for name, values in times.items()}
-    drawn, update = median["rollout batch (generation, old log-probs, rewards)"], median[
-        "GRPO update (dapo)"]
+    drawn, update = median[ROLLOUT], median["GRPO update (dapo)"]
     print("| part | ms best / median | / step (median) |\n|---|---:|---:|")
     for name, values in times.items():
         print(f"| {name} | {min(values) * 1e3:.1f} / {median[name] * 1e3:.1f} | "
               f"{median[name] / (drawn + update):.2f} |")
-    generation = drawn - median["old log-probs' forward pass alone"]
-    print(f"generation's share of the step: {generation / (drawn + update):.2f}; "
-          f"the rollout batch's: {drawn / (drawn + update):.2f}")
+    print(f"the rollout batch's share of the step: {drawn / (drawn + update):.2f}")
     ratio = update / median["next-token step, same rows and targets"]
     print(f"GRPO update / next-token step: {ratio:.2f}x (target <= 1.2x)")
 

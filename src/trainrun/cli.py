@@ -48,7 +48,8 @@ def _verify_resume(args: argparse.Namespace) -> int:
     keep_compiled_programs()
     require_backend()  # the runs' states are compared here: one line if JAX cannot start
     return verify_resume(args.config, args.overrides, kill_at=args.kill_at,
-                         kill_in_save=args.kill_in_save, work_dir=args.work_dir,
+                         kill_in_save=args.kill_in_save,
+                         kill_in_reference=args.kill_in_reference, work_dir=args.work_dir,
                          keep=args.keep)
 
 
@@ -289,7 +290,8 @@ def _add_verify_resume(commands: Commands) -> None:
                     "points and resume it in a new process; compare every step's loss and the "
                     "final state bit for bit. Exit 0 only if all match. Without --kill-at and "
                     "--kill-in-save: one kill after a committed checkpoint and one during an "
-                    "asynchronous save.")
+                    "asynchronous save, and for a preference run with a cached reference one "
+                    "in its reference pass.")
     verify.add_argument("--config", default="mlp", help=CONFIG_HELP)
     verify.add_argument("--kill-at", type=int, action="append", default=[], metavar="STEP",
                         help="kill -9 once the checkpoint at STEP is committed (repeatable)")
@@ -297,6 +299,9 @@ def _add_verify_resume(commands: Commands) -> None:
                         metavar="STEP",
                         help="kill -9 while the asynchronous save of STEP is still being "
                              "written (repeatable)")
+    verify.add_argument("--kill-in-reference", action="store_true",
+                        help="kill -9 in a preference run's reference pass, its column written "
+                             "and not yet committed")
     verify.add_argument("--work-dir", default=None,
                         help="where the runs go (default: a new temporary directory)")
     verify.add_argument("--keep", action="store_true",

@@ -4,14 +4,20 @@
     kill at a checkpoint  train it again; the process SIGKILLs itself once the checkpoint at STEP
                           is committed (or right after the asynchronous save of STEP started,
                           its files still being written); then a new process resumes it
+    kill in the reference a preference run with a cached reference: train it again with a cache
+                          of its own; the process SIGKILLs itself when the reference column is
+                          written but not yet committed by its manifest; then a new process
+                          starts it again on what the kill left
     compare               every step's loss and grad norm from metrics.jsonl (float32 bits), and
                           a sha256 of the final checkpoint's state arrays and data position
 
 The kill is a real ``kill -9`` (no handler runs, no file is closed), sent by the process to
 itself so that the kill point is exact: the runs are ``trainrun train`` with one callback more,
-``KillAt``, which hears of each save (``Callback.on_checkpoint``). Kill points are checkpoint
-steps, so the runs save by steps only (``checkpoint.every_seconds=0``); a config that saves by
-time only is checked with a checkpoint at half its steps. Which step a run resumed from is read
+``KillAt``, which hears of each save (``Callback.on_checkpoint``); for the kill in the
+reference pass, the write of the reference's manifest is replaced by the kill. Kill points
+are checkpoint steps (and that one), so the runs save by steps only
+(``checkpoint.every_seconds=0``); a config that saves by time only is checked with a
+checkpoint at half its steps. Which step a run resumed from is read
 from its ``summary.json`` (``start_step``). Exit 0 only if everything matches.
 """
 
@@ -37,11 +43,14 @@ from trainrun.checkpointing.checkpoints import TMP_MARK
 from trainrun.checkpointing.integrity import MANIFEST
 from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
 from trainrun.errors import UserError
+from trainrun.models.preference_losses import REFERENCE_FREE
+from trainrun.models.preference_transformer import REFERENCE_COLUMN
 from trainrun.rundir import CHECKPOINTS, METRICS, committed_steps, read_summary
 from trainrun.storage import location, remote
 from trainrun.training.callbacks import Boundary, Callback
 
 COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)
+REFERENCE = "reference"  # the kill in a preference run's reference pass
 
 
 @dataclasses.dataclass
@@ -60,19 +69,21 @@ class Chain:
 
 
 def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
-                  kill_in_save: list[int], work_dir: str | None = None, keep: bool = False,
+                  kill_in_save: list[int], kill_in_reference: bool = False,
+                  work_dir: str | None = None, keep: bool = False,
                   jobs: int | None = None, out: TextIO | None = None) -> int:
     shown: TextIO = sys.stdout if out is None else out  # the stdout of now, not of the import
     config = _config_to_check(config_name, overrides)
-    kills = _kill_points(config, kill_at, kill_in_save)
+    kills = _kill_points(config, kill_at, kill_in_save, kill_in_reference)
     base, local = _work_dirs(work_dir)
     config_path = local / "config.yaml"
     config_path.write_text(dump_yaml(config))
 
     chains = [Chain("uninterrupted", base / "uninterrupted")]
     for step, when in kills:
-        what = (f"kill -9 after checkpoint {step} committed" if when == "committed"
-                else f"kill -9 during async save of {step}")
+        what = {"committed": f"kill -9 after checkpoint {step} committed",
+                "in-save": f"kill -9 during async save of {step}",
+                REFERENCE: "kill -9 in the reference pass"}[when]
         chains.append(Chain(what, base / f"kill-{when}-{step}", kill=f"{step}:{when}"))
     ckpt = config.checkpoint
     shown.write(f"verify-resume: {config.name}, {config.steps} steps, checkpoint every "
@@ -138,10 +149,18 @@ def _work_dirs(work_dir: str | None) -> tuple[location.Location, Path]:
     return local, local
 
 
-def _kill_points(config: RunConfig, kill_at: list[int],
-                 kill_in_save: list[int]) -> list[tuple[int, str]]:
+def _kill_points(config: RunConfig, kill_at: list[int], kill_in_save: list[int],
+                 kill_in_reference: bool = False) -> list[tuple[int, str]]:
+    cached = _caches_reference(config)
+    if kill_in_reference and not cached:
+        raise ConfigError("--kill-in-reference needs a preference run whose loss has a "
+                          "reference kept before training (preference.reference=cached)")
+    reference = [(0, REFERENCE)] if kill_in_reference or (
+        cached and not kill_at and not kill_in_save) else []
     every = config.checkpoint.every
     saves = list(range(every, config.steps, every)) if every else []
+    if kill_in_reference and not kill_at and not kill_in_save:
+        return reference
     if not kill_at and not kill_in_save:
         if not saves:
             raise ConfigError(f"no checkpoint before the end to kill at: set checkpoint.every "
@@ -156,27 +175,41 @@ def _kill_points(config: RunConfig, kill_at: list[int],
     if kill_in_save and not config.checkpoint.async_:
         raise ConfigError("--kill-in-save needs checkpoint.async=true (a synchronous save is "
                           "committed before the run goes on)")
-    return [(s, "committed") for s in kill_at] + [(s, "in-save") for s in kill_in_save]
+    return ([(s, "committed") for s in kill_at] + [(s, "in-save") for s in kill_in_save]
+            + reference)
 
 
-def _train(config_path: Path, run_dir: Path, log: Path,
-           kill: str | None = None) -> subprocess.CompletedProcess:
+def _caches_reference(config: RunConfig) -> bool:
+    """Whether the run computes its reference column before training and keeps it."""
+    preference = config.preference
+    return (preference is not None and preference.reference == "cached"
+            and preference.loss not in REFERENCE_FREE)
+
+
+def _train(config_path: Path, run_dir: Path, log: Path, kill: str | None = None,
+           cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = None if cache is None else {**os.environ, "TRAINRUN_CACHE_DIR": str(cache)}
     with log.open("a") as f:
         return subprocess.run(
             [sys.executable, "-m", "trainrun.verify_resume", str(config_path), str(run_dir),
-             *([kill] if kill else [])], stdout=f, stderr=subprocess.STDOUT, check=False)
+             *([kill] if kill else [])], stdout=f, stderr=subprocess.STDOUT, check=False,
+            env=env)
 
 
 def _run_chain(chain: Chain, config_path: Path, logs: Path) -> None:
     log = logs / f"{chain.run_dir.name}.log"
+    # A kill in the reference pass needs a pass to kill: a cache no other chain fills first.
+    cache = logs / f"{chain.run_dir.name}.cache" if chain.kill and chain.kill.endswith(
+        REFERENCE) else None
     if chain.kill:
-        killed = _train(config_path, chain.run_dir, log, kill=chain.kill)
+        killed = _train(config_path, chain.run_dir, log, kill=chain.kill, cache=cache)
         if killed.returncode != -9:
             chain.problems.append(f"the run was to be killed at {chain.kill} but exited with "
                                   f"{killed.returncode}{_why(log)} (log {log})")
             return
-        chain.kill_note = _after_kill(chain, chain.kill)
-    done = _train(config_path, chain.run_dir, log)
+        chain.kill_note = (_after_reference_kill(chain, cache) if cache is not None
+                           else _after_kill(chain, chain.kill))
+    done = _train(config_path, chain.run_dir, log, cache=cache)
     if done.returncode != 0:
         chain.problems.append(f"exit code {done.returncode}{_why(log)}; log {log}")
         return
@@ -226,6 +259,19 @@ def _after_kill(chain: Chain, kill: str) -> str:
                               "nothing was in flight")
         return "not in flight"
     return "in flight (partial dir left)" if partial else "in flight"
+
+
+def _after_reference_kill(chain: Chain, cache: Path) -> str:
+    """What a kill in the reference pass left: a column written and no manifest committing it."""
+    columns = list(cache.glob(f"**/reference/*/train.{REFERENCE_COLUMN}.bin"))
+    if not columns:
+        chain.problems.append("the kill in the reference pass left no column written")
+        return "no column"
+    if any((column.parent / "train.manifest.json").exists() for column in columns):
+        chain.problems.append("the reference column was committed when the kill landed; "
+                              "nothing was in flight")
+        return "committed"
+    return "in flight (column written, not committed)"
 
 
 def _final_step(chain: Chain) -> int:
@@ -328,6 +374,17 @@ def _table(chains: list[Chain], steps: int, out: TextIO) -> None:
                   + "\n")
 
 
+def kill_before_reference_manifest() -> None:
+    """Fault injection: SIGKILL this process when its reference column is written and its
+    manifest, which commits it, is about to be."""
+    from trainrun.training import preference_data
+
+    def killed(*_: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    preference_data.write_manifest = killed  # type: ignore[assignment]
+
+
 class KillAt(Callback):
     """Fault injection: SIGKILL this process at the checkpoint of ``step``, once it is
     committed (``when`` "committed") or right after its asynchronous save started, its files
@@ -355,7 +412,10 @@ def train_for_check(config_path: str, run_dir: str, kill: str | None = None) -> 
     callbacks = []
     if kill:
         step, _, when = kill.partition(":")
-        callbacks.append(KillAt(int(step), when))
+        if when == REFERENCE:
+            kill_before_reference_manifest()
+        else:
+            callbacks.append(KillAt(int(step), when))
     try:
         with session(config.distributed):
             run(config, run_dir, callbacks=callbacks)

@@ -65,7 +65,7 @@ SHORT = ["--config", "dpo", "steps=12", "steps_per_call=2", "checkpoint.every=4"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [
-    [],  # both kills: after a committed checkpoint, and during a save
+    [],  # every kill: after a committed checkpoint, during a save, in the reference pass
     ["model.lora={rank: 4, targets: all-linear}", "preference.reference=in_step",
      "--kill-in-save", "8"],  # the harder kill alone
 ], ids=["full-cached", "lora-in-step"])
@@ -74,3 +74,22 @@ def test_a_killed_dpo_run_resumes_bitwise(cli, tmp_path: Path, extra: list[str])
                  TRAINRUN_CACHE_DIR=str(tmp_path / "cache"), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PASS" in result.stdout
+    # the reference column written and not committed when the kill landed, then made anew
+    in_reference = [line for line in result.stdout.splitlines()
+                    if line.startswith("kill -9 in the reference pass")]
+    assert len(in_reference) == (0 if extra else 1)
+    assert all("in flight (column written, not committed)" in line for line in in_reference)
+
+
+@pytest.mark.parametrize("extra", [["--config", "lm"],
+                                   ["--config", "dpo", "preference.reference=in_step"],
+                                   ["--config", "dpo", "preference.loss=simpo"]])
+def test_a_kill_in_the_reference_pass_of_a_run_without_one_is_refused(cli, tmp_path: Path,
+                                                                       extra: list[str]) -> None:
+    result = cli("verify-resume", "--work-dir", str(tmp_path / "verify"), "--kill-in-reference",
+                 *extra, TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --kill-in-reference needs a preference run whose loss has a reference kept "
+        "before training (preference.reference=cached)"]
+    assert not (tmp_path / "verify").exists() or not any((tmp_path / "verify").iterdir())

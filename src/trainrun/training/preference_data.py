@@ -183,9 +183,13 @@ def _write(folder: Path, split: str, values: np.ndarray) -> None:
     staged = file.with_name(f".{file.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     staged.write_bytes(data)
     os.replace(staged, file)
+    write_manifest(folder, split, {"rows": values.shape[0], "row_len": values.shape[1],
+                                   "sha256": hashlib.sha256(data).hexdigest()})
+
+
+def write_manifest(folder: Path, split: str, manifest: dict[str, Any]) -> None:
+    """The split's manifest, whose presence commits its column (written whole, then renamed)."""
     manifest_file = folder / f"{split}.manifest.json"
-    manifest = {"rows": values.shape[0], "row_len": values.shape[1],
-                "sha256": hashlib.sha256(data).hexdigest()}
     staged = manifest_file.with_name(f".{manifest_file.name}.{uuid.uuid4().hex[:8]}")
     staged.write_text(json.dumps(manifest))
     os.replace(staged, manifest_file)

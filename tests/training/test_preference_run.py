@@ -93,3 +93,33 @@ def test_a_kill_in_the_reference_pass_of_a_run_without_one_is_refused(cli, tmp_p
         "error: --kill-in-reference needs a preference run whose loss has a reference kept "
         "before training (preference.reference=cached)"]
     assert not (tmp_path / "verify").exists() or not any((tmp_path / "verify").iterdir())
+
+
+class _PastTheStateCheck(Exception):
+    pass
+
+
+@pytest.mark.parametrize("reference", ["in_step", "cached"])
+def test_the_memory_check_counts_a_reference_the_state_keeps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: str) -> None:
+    from trainrun.errors import UserError
+    from trainrun.training import preflight, setup
+
+    def past(*_: object, **__: object) -> None:
+        raise _PastTheStateCheck
+
+    # 8.5 MiB of params, 17 MiB of Adam's moments: 30 MiB holds them, not a third copy
+    monkeypatch.setattr(preflight, "_host", lambda: (30 * 2**20, " (test)", ""))
+    monkeypatch.setattr(preflight, "check_model_memory", lambda *a, **k: None)
+    monkeypatch.setattr(setup, "_data", past)
+    config = load_config("dpo", ["steps=2", "model.d_model=256", "metrics.tensorboard=false",
+                                 f"preference.reference={reference}"])
+    if reference == "cached":  # the column is data: the state holds no reference
+        with pytest.raises(_PastTheStateCheck):
+            run(config, tmp_path / "run", out=io.StringIO())
+        return
+    with pytest.raises(UserError) as refused:
+        run(config, tmp_path / "run", out=io.StringIO())
+    assert "the train state needs 34.1 MiB of host memory (params 8.5 MiB, optimizer state " \
+           "17.0 MiB, the reference's params 8.5 MiB in all) and 30.0 MiB is free" in str(
+               refused.value)

@@ -8,6 +8,7 @@ the run directory exists. Tracing the model's loss on the shapes of the first ba
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -64,19 +65,28 @@ def check_vocab(vocab: int, model: Any, data: Any) -> None:
                         "(or train from the tokenizer's model with init.from)")
 
 
-def check_state_memory(abstract_state: Any, shardings: Any) -> None:
+def check_state_memory(abstract_state: Any, shardings: Any,
+                       model_state: str = "model state") -> None:
     """Refuse, on one line and before anything is allocated, a train state (params, optimizer
-    state, moving average) that does not fit the memory its devices have free: on CPU the host
-    memory every local device shares, on an accelerator each device's own."""
-    leaves = jax.tree.leaves(abstract_state)
+    state, the model's state, moving average) that does not fit the memory its devices have
+    free: on CPU the host memory every local device shares, on an accelerator each device's
+    own. ``model_state``: what the state's ``model_state`` holds, as the refusal names it (a
+    frozen reference's params, running statistics)."""
     placements = jax.tree.leaves(shardings)
     per_device: dict[Any, int] = {}
-    total = 0
-    for leaf, sharding in zip(leaves, placements, strict=True):
-        nbytes = _bytes(sharding.shard_shape(leaf.shape), leaf.dtype)
-        for device in sharding.addressable_devices:
-            per_device[device] = per_device.get(device, 0) + nbytes
-        total += _bytes(leaf.shape, leaf.dtype)
+    parts: dict[str, int] = {}
+    at = 0
+    for field in dataclasses.fields(abstract_state):
+        for leaf in jax.tree.leaves(getattr(abstract_state, field.name)):
+            sharding = placements[at]
+            at += 1
+            nbytes = _bytes(sharding.shard_shape(leaf.shape), leaf.dtype)
+            for device in sharding.addressable_devices:
+                per_device[device] = per_device.get(device, 0) + nbytes
+            part = STATE_PARTS.get(field.name, "the rest")
+            part = model_state if part == "model state" else part
+            parts[part] = parts.get(part, 0) + _bytes(leaf.shape, leaf.dtype)
+    assert at == len(placements), "one placement per leaf of the state"
     if not per_device:
         return
     device = max(per_device, key=lambda d: per_device[d])
@@ -86,11 +96,17 @@ def check_state_memory(abstract_state: Any, shardings: Any) -> None:
         need, where, free, bound, fix = (per_device[device], str(device),
                                          device_memory_available(device), "", "")
     if free is not None and need > free:
-        raise UserError(f"the train state needs {_size(need)} of {where} ({_size(total)} of "
-                        f"params and optimizer state in all) and {_size(free)} is free{bound}: "
-                        "shrink the model, shard it over more devices (mesh.fsdp), or drop "
-                        "optimizer state (optimizer.name=sgd, optimizer.trainable, "
-                        f"model.lora){fix}")
+        held = ", ".join(f"{name} {_size(nbytes)}" for name, nbytes in parts.items()
+                         if nbytes >= 2**20 and name != "the rest")
+        raise UserError(f"the train state needs {_size(need)} of {where} ({held} in all) and "
+                        f"{_size(free)} is free{bound}: shrink the model, shard it over more "
+                        "devices (mesh.fsdp), or drop optimizer state (optimizer.name=sgd, "
+                        f"optimizer.trainable, model.lora){fix}")
+
+
+# what the refusal calls each field of the state that can be large
+STATE_PARTS = {"params": "params", "opt_state": "optimizer state", "model_state": "model state",
+               "ema": "moving average"}
 
 
 def check_model_memory(cfg: TransformerModel, devices: list[Any], dtype: str,

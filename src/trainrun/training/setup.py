@@ -275,7 +275,10 @@ def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Con
     abstract = abstract_state(built, optimizer, config.seed, policy)
     state_sharding = sharding.state_shardings(mesh, abstract, built.logical_axes, optimizer.tx,
                                               config.mesh)
-    preflight.check_state_memory(abstract, state_sharding)  # before data or state is made
+    # a preference or RL run's model state is the frozen reference it keeps (none with LoRA)
+    tuned = config.preference is not None or config.rl is not None
+    preflight.check_state_memory(abstract, state_sharding,  # before data or state is made
+                                 "the reference's params" if tuned else "model state")
     return Parts(mesh=mesh, placement=placement, model=built, counted=counted,
                  optimizer=optimizer, policy=policy, abstract=abstract,
                  state_sharding=state_sharding)

@@ -424,8 +424,9 @@ def _add_eval(commands: Commands) -> None:
     evaluate.add_argument("--data", metavar="RECORDS",
                           help="JSONL or Parquet records (a file, folder or pattern) to score "
                                "instead of the run's held-out split")
-    evaluate.add_argument("--tokens", type=int, default=64,
-                          help="tokens an answer may take, at most (default 64)")
+    evaluate.add_argument("--tokens", type=int, default=None,
+                          help="tokens an answer may take, at most (default 64; an RL run's "
+                               "rl.completion_tokens)")
     evaluate.add_argument("--temperature", type=float, default=0.0,
                           help="0 = greedy (the default); above 0, sample with --seed")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling randomness (default 0)")

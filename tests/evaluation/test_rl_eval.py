@@ -47,3 +47,30 @@ def test_a_files_prompts_are_all_asked_and_none_held_out_is_one_line(tmp_path: P
     with pytest.raises(PromptsError) as err:
         held_out_prompts(load_config("grpo", [*SMALL, "data.eval_fraction=0"]))
     assert "give --data FILE" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_eval_of_an_rl_run_answers_as_many_prompts_and_tokens_as_asked(tmp_path: Path) -> None:
+    import io
+
+    from trainrun.cli import main
+    from trainrun.training.loop import run
+
+    config = load_config("grpo", [*SMALL, "steps=1", "rl.prompts=2", "rl.group=2",
+                                  "metrics.tensorboard=false"])
+    run(config, tmp_path / "run", out=io.StringIO())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "a"}) + "\n"
+                               for i in range(3)))
+
+    def answers(*flags: str) -> list[dict]:
+        out = tmp_path / f"out{len(flags)}"
+        assert main(["eval", str(tmp_path / "run"), "--data", str(prompts), "--out", str(out),
+                     "--temperature", "1", *flags]) == 0
+        return [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+
+    # the run's own limit (rl.completion_tokens, 4 byte tokens: at most a character each)
+    # unless --tokens says less
+    every = answers()
+    assert len(every) == 3 and 2 < max(len(a["produced"]) for a in every) <= 4
+    limited = answers("--tokens", "2", "--limit", "1")
+    assert len(limited) == 1 and len(limited[0]["produced"]) <= 2

@@ -52,19 +52,23 @@ class EvalResult:
     answers: list[dict[str, Any]]
 
 
-def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 64,
+ANSWER_TOKENS = 64  # the most tokens a chat answer takes, unless told
+
+
+def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int | None = None,
                  temperature: float = 0.0, seed: int = 0, ema: bool = False,
                  batch_size: int = 16, limit: int = 0,
                  progress: Progress | None = None) -> EvalResult:
     """The scores of the run's newest checkpoint on its held-out split, or on the records of
     ``data`` (a JSONL or Parquet file, or a folder or pattern of them). ``tokens``: the most
-    tokens an answer may take; ``limit``: answers generated (0: one for every question)."""
+    tokens an answer may take (None: 64, or an RL run's ``rl.completion_tokens``); ``limit``:
+    answers generated (0: one for every question or prompt)."""
     from trainrun.checkpointing.reader import latest_state
     from trainrun.evaluation.sample import language_run, require_settings
     from trainrun.fast import strategies
     from trainrun.models import build_model
 
-    require_settings(tokens, temperature, seed)
+    require_settings(ANSWER_TOKENS if tokens is None else tokens, temperature, seed)
     if batch_size < 1 or limit < 0:
         raise EvalError(f"--batch-size {batch_size} --limit {limit}: give a batch size of at "
                         "least 1 and a limit of 0 (every answer) or more")
@@ -77,7 +81,9 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int = 
         from trainrun.evaluation.rl_eval import rl_scores
 
         return EvalResult(*rl_scores(config, run, data, ema, temperature=temperature,
-                                     seed=seed, batch_size=batch_size))
+                                     seed=seed, batch_size=batch_size, tokens=tokens,
+                                     limit=limit))
+    tokens = ANSWER_TOKENS if tokens is None else tokens
     section = _data_section(config, data)
     say = progress or (lambda line: None)
     # traced once, for the checkpoint and the loss alike

@@ -1,9 +1,9 @@
 """``trainrun eval`` of a reinforcement-learning run: an answer to each of its held-out prompts
-(or the prompts of ``--data FILE``), generated as its rollouts are (at most
-``rl.completion_tokens`` tokens, ended by the turn's end or a stop string; greedy unless a
-temperature is given), scored by the run's rewards: ``reward`` (the weighted total's mean),
-``reward_std`` and each reward's mean (``rewards/<name>/mean``). Each answer, its prompt and
-its rewards go to ``answers.jsonl``."""
+(or the prompts of ``--data FILE``; the first ``--limit`` of them when given), generated as its
+rollouts are (at most ``rl.completion_tokens`` tokens unless ``--tokens`` says, ended by the
+turn's end or a stop string; greedy unless a temperature is given), scored by the run's
+rewards: ``reward`` (the weighted total's mean), ``reward_std`` and each reward's mean
+(``rewards/<name>/mean``). Each answer, its prompt and its rewards go to ``answers.jsonl``."""
 
 from __future__ import annotations
 
@@ -38,15 +38,17 @@ def held_out_prompts(config: RunConfig, data: str | None = None) -> list[Prompt]
 
 def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
                   temperature: float = 0.0, seed: int = 0, batch_size: int = 16,
+                  tokens: int | None = None,
                   ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The scores of ``params``' answers to ``asked`` (module docstring) and each answer's
-    record."""
+    record; ``tokens``: the most an answer takes (None: ``rl.completion_tokens``)."""
     rl, model = config.rl, config.model
     assert rl is not None and isinstance(model, TransformerModel)
+    tokens = rl.completion_tokens if tokens is None else tokens
     tokenizer = model_tokenizer.of_records(config.data)
     stops = (StopStrings(rl.stop_strings, tokenizer.tokenizer.decode) if rl.stop_strings
              else None)
-    ids = generate_batch(model, params, [p.ids for p in asked], rl.completion_tokens,
+    ids = generate_batch(model, params, [p.ids for p in asked], tokens,
                          temperature=temperature, seed=seed, compute=config.precision.compute,
                          stop_ids=tokenizer.stop_ids, batch_size=batch_size,
                          top_p=rl.top_p if temperature else 1.0, stop_strings=stops)
@@ -67,15 +69,17 @@ def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
 
 
 def rl_scores(config: RunConfig, run: Any, data: str | None, ema: bool, *,
-              temperature: float, seed: int, batch_size: int,
-              ) -> tuple[int, dict[str, float], list[dict[str, Any]]]:
-    """The step of the run's newest checkpoint, its scores and its answers."""
+              temperature: float, seed: int, batch_size: int, tokens: int | None = None,
+              limit: int = 0) -> tuple[int, dict[str, float], list[dict[str, Any]]]:
+    """The step of the run's newest checkpoint, its scores and its answers (to the first
+    ``limit`` prompts; 0: every one)."""
     from trainrun.checkpointing.reader import latest_state
 
     asked = held_out_prompts(config, data)
+    asked = asked[:limit] if limit else asked
     step, state = latest_state(run, config)
     params = state.ema if ema else state.params
     scores, answers = reward_scores(config, params, asked, temperature=temperature, seed=seed,
-                                    batch_size=batch_size)
+                                    batch_size=batch_size, tokens=tokens)
     return step, scores, answers
 

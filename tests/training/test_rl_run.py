@@ -123,6 +123,44 @@ def test_old_log_probabilities_are_computed_only_for_a_loss_that_reads_them(
     assert read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]["step"] == 4
 
 
+def test_an_rl_run_evaluates_its_held_out_prompts_and_trains_as_without(
+        tmp_path: Path) -> None:
+    from trainrun.checkpointing.reader import latest_params
+    from trainrun.data.prompt_records import prompt_records
+    from trainrun.evaluation.rl_eval import reward_scores
+
+    common = [*SMALL, "steps=4", "rl.completion_tokens=4", _rewards({"name": "exact_match"},
+              {"name": "format_regex", "args": {"pattern": "[a-m]"}})]
+    evaluated = load_config("grpo", [*common, "eval.every=2"])
+    run(evaluated, tmp_path / "eval", out=io.StringIO())
+    run(load_config("grpo", common), tmp_path / "plain", out=io.StringIO())
+    rows = read_metrics(tmp_path / "eval" / "metrics.jsonl", split="eval")
+    assert [row["step"] for row in rows] == [2, 4]
+    # the last evaluation is trainrun eval's scores of the last params
+    held_out = prompt_records(evaluated.data, evaluated.data.seq_len - 4).eval
+    step, params = latest_params(tmp_path / "eval", evaluated)
+    scores, _ = reward_scores(evaluated, params, held_out)
+    assert step == 4
+    assert {name: rows[-1][name] for name in scores} == pytest.approx(scores, rel=1e-6)
+    assert rows[-1]["answers"] == len(held_out) == 2
+    # evaluating reads the params only: the training steps are the same bits
+    losses = [[row["loss"] for row in read_metrics(tmp_path / name / "metrics.jsonl")]
+              for name in ("eval", "plain")]
+    assert losses[0] == losses[1]
+
+
+def test_an_rl_run_told_to_evaluate_with_no_prompt_held_out_is_one_line(
+        tmp_path: Path) -> None:
+    from trainrun.config import ConfigError
+
+    config = load_config("grpo", [*SMALL, "eval.every=2", "data.eval_fraction=0",
+                                  _rewards({"name": "exact_match"})])
+    with pytest.raises(ConfigError) as err:
+        run(config, tmp_path / "run", out=io.StringIO())
+    assert "eval.every is set but the prompt records hold none out" in str(err.value)
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+
+
 RESUMED = ["--config", "grpo", "steps=8", "checkpoint.every=4", "rl.prompts=2", "rl.group=4",
            "rl.completion_tokens=8", "model.d_model=16", "model.layers=1",
            "data.synthetic_examples=64", "optimizer.lr=0.01", "rl.beta=0.04",

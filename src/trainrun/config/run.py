@@ -469,14 +469,11 @@ def _check_rl(config: RunConfig) -> None:
                           f"batch and takes rl.updates={rl.updates} steps on it; set "
                           f"steps_per_call={rl.updates}")
     every = {"steps": config.steps, "checkpoint.every": config.checkpoint.every,
-             "metrics.every": config.metrics.every}
+             "metrics.every": config.metrics.every, "eval.every": config.eval.every}
     for name, value in every.items():
         if value % rl.updates:
             raise ConfigError(f"{name}={value} is not a multiple of rl.updates={rl.updates}: a "
                               "run stops only between rollout batches; give a multiple")
-    if config.eval.every:
-        raise ConfigError(f"eval.every={config.eval.every}: an rl run's held-out rewards are "
-                          "reported by trainrun eval, not during training; set eval.every=0")
 
 
 # ---- error messages --------------------------------------------------------------------------

@@ -27,7 +27,24 @@ from trainrun.training.metric_log import OrderedOutput
 Batch = Any
 
 
-class Evaluator:
+class EvalSchedule:
+    """When a run evaluates: every ``every`` steps and at its last step. Calling it evaluates
+    params (and the model state) into named metrics."""
+
+    every: int
+
+    def due(self, step: int, total: int) -> bool:
+        return step % self.every == 0 or step == total
+
+    def steps_to_next(self, done: int, total: int) -> int:
+        """Steps from ``done`` to the next evaluated step: a call ends there."""
+        return min(self.every - done % self.every, total - done)
+
+    def __call__(self, params: Any, model_state: Any = None) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class Evaluator(EvalSchedule):
     """every: steps between evaluations (the last step is always evaluated).
     dataset: the held-out split, batch ``i`` at index ``i`` (this process's rows of it).
     max_batches: batches per evaluation (0: the whole split).
@@ -55,13 +72,6 @@ class Evaluator:
         self.fn = jax.jit(step if shardings is None else traced_on(shardings[1].mesh, step),
                           **placed)
 
-    def due(self, step: int, total: int) -> bool:
-        return step % self.every == 0 or step == total
-
-    def steps_to_next(self, done: int, total: int) -> int:
-        """Steps from ``done`` to the next evaluated step: a call ends there."""
-        return min(self.every - done % self.every, total - done)
-
     def __call__(self, params: Any, model_state: Any = None) -> dict[str, float]:
         """Each metric's mean over the eval batches, weighted by what each batch's mean is
         over (examples, valid tokens, or the metric's own ``weight/<name>``), so it is the mean
@@ -80,6 +90,19 @@ class Evaluator:
         return metrics if self.answers is None else {**metrics, **self.answers(params)}
 
 
+class PromptEvaluator(EvalSchedule):
+    """A reinforcement-learning run's evaluation: ``score`` (params -> metrics) answers its
+    held-out prompts as ``trainrun eval`` does (greedily, scored by the run's rewards). It reads
+    the params only and draws from no key of the run's."""
+
+    def __init__(self, every: int, score: Callable[[Any], dict[str, float]]):
+        self.every = every
+        self.score = score
+
+    def __call__(self, params: Any, model_state: Any = None) -> dict[str, float]:
+        return self.score(params)
+
+
 def eval_line(step: int, total: int, metrics: dict[str, float]) -> str:
     """The console line of one evaluation, e.g. ``eval step 500/500  loss 0.0912  accuracy
     0.9833``."""
@@ -93,7 +116,7 @@ class EvalHook(Hook):
     the params evaluated are those of that step); writes the results and puts them on the
     boundary for the hooks after it (callbacks, ``checkpoint.keep_best``)."""
 
-    def __init__(self, evaluator: Evaluator, output: OrderedOutput, watch: Stopwatch,
+    def __init__(self, evaluator: EvalSchedule, output: OrderedOutput, watch: Stopwatch,
                  total: int, params: str = "live"):
         self.evaluator = evaluator
         self.output = output

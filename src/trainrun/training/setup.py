@@ -61,7 +61,7 @@ from trainrun.data import (
     data_files,
     data_notices,
 )
-from trainrun.data.prompt_records import prompt_records
+from trainrun.data.prompt_records import Prompt, prompt_records
 from trainrun.data.record_rows import RecordCounts
 from trainrun.fast import strategies
 from trainrun.fast.strategies import Strategies
@@ -88,7 +88,7 @@ from trainrun.training.answers import answer_scorer
 from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.calls import CallRunner
 from trainrun.training.checkpoint_hook import CheckpointHook
-from trainrun.training.evaluation import EvalHook, Evaluator
+from trainrun.training.evaluation import EvalHook, EvalSchedule, Evaluator, PromptEvaluator
 from trainrun.training.finish import Finish
 from trainrun.training.hooks import Hook, HookRunner
 from trainrun.training.metric_log import MetricLog, OrderedOutput
@@ -328,9 +328,9 @@ def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
 
 
 def _rollout_data(config: RunConfig, parts: Parts, console: Console,
-                  ) -> tuple[Any, Any, None, dict[str, str], None]:
+                  ) -> tuple[Any, Any, None, dict[str, str], tuple[str, list[Prompt]]]:
     """A reinforcement-learning run's data as ``_data`` gives it: its rollout batches, drawn
-    from the prompt records, and the files they come from."""
+    from the prompt records, the files they come from, and its held-out prompts."""
     assert config.rl is not None and isinstance(config.data, RecordsData)
     if jax.process_count() > 1:  # the host scores every rollout: one process holds them all
         raise ConfigError(f"an rl run scores its rollouts on one host, and this job has "
@@ -343,7 +343,7 @@ def _rollout_data(config: RunConfig, parts: Parts, console: Console,
         console.message(f"data: {len(found.skipped)} prompt records left out "
                         f"(data.bad_records=skip), the first: {found.skipped[0]}")
     batches = RolloutBatches(config, found.train, parts.mesh)
-    return batches, batches, None, found.files, None
+    return batches, batches, None, found.files, ("prompts", found.eval)
 
 
 def _batches(config: RunConfig, data: Any, parts: Parts) -> Any:
@@ -465,7 +465,7 @@ def metric_log(output: RunOutput, timing: Timing, batch_size: int, streamed: boo
 
 
 def build_hooks(config: RunConfig, reporting: Reporting, log: MetricLog, watch: Stopwatch,
-                checkpoints: Checkpoints, *, batches: Any, evaluator: Evaluator | None,
+                checkpoints: Checkpoints, *, batches: Any, evaluator: EvalSchedule | None,
                 mirror: RunMirror | None, start_nonfinite: int, preemption: Preemption,
                 callbacks: list[Callback], clock: Clock) -> list[Hook]:
     """The run's hooks, in the order they act at every boundary (``hooks.py``): the metric log
@@ -524,13 +524,16 @@ def _checkpoint_hooks(config: RunConfig, checkpoints: Checkpoints, log: MetricLo
 
 
 def _evaluator(config: RunConfig, parts: Parts,
-               eval_data: grain.MapDataset | tuple[str, dict[str, Any]] | None,
-               head: HeadLayout) -> Evaluator | None:
+               eval_data: grain.MapDataset | tuple[str, Any] | None,
+               head: HeadLayout) -> EvalSchedule | None:
     """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
     the held-out split (``("pairs", rows)``: a preference run's held-out pair rows), placed on
-    the mesh as training batches are."""
+    the mesh as training batches are; a reinforcement-learning run's (``("prompts", held
+    out)``) answers its held-out prompts and scores them by its rewards."""
     if not config.eval.every:
         return None
+    if isinstance(eval_data, tuple) and eval_data[0] == "prompts":
+        return _prompt_evaluator(config, eval_data[1])
     size = config.eval.batch_size or config.data.batch_size
     placement = sharding.batch_placement(parts.mesh, size, stacked=False)
     if isinstance(eval_data, tuple):
@@ -549,6 +552,18 @@ def _evaluator(config: RunConfig, parts: Parts,
     return Evaluator(parts.model, eval_data, config.eval.every, max_batches=config.eval.batches,
                      policy=parts.policy, put=placement.put, shardings=shardings,
                      answers=answer_scorer(config, head) if config.eval.generate else None)
+
+
+def _prompt_evaluator(config: RunConfig, prompts: list[Prompt]) -> PromptEvaluator:
+    """An RL run's evaluation of its held-out prompts, as ``trainrun eval`` scores them."""
+    from trainrun.evaluation.rl_eval import reward_scores
+
+    if not prompts:
+        raise ConfigError("eval.every is set but the prompt records hold none out; give "
+                          "data.eval_paths or a data.eval_fraction that leaves one out, or set "
+                          "eval.every=0")
+    return PromptEvaluator(config.eval.every,
+                           lambda params: reward_scores(config, params, prompts)[0])
 
 
 def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any, parts: Parts,

@@ -87,3 +87,32 @@ def test_kept_rows_are_read_back_and_a_flipped_byte_makes_them_anew(tmp_path: Pa
     assert remade.notice is not None
     assert "train.tokens.bin does not match its sha256" in remade.notice
     assert kept.read_bytes() == written  # made anew, as first written
+
+
+def test_pairs_under_other_field_names_are_read_as_data_fields_names_them(
+        tmp_path: Path) -> None:
+    plain = _pairs_file(tmp_path / "plain.jsonl", [_good(i) for i in range(4)])
+    renamed = _pairs_file(tmp_path / "renamed.jsonl", [
+        json.dumps({"question": f"q{i} ", "response_j": "yes", "response_k": "no",
+                    "chosen": "not the answer"}) for i in range(4)])
+    fields = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
+    want = preference_rows(_section(plain), 512, 0)[0].train
+    got = preference_rows(_section(renamed, fields=fields), 512, 0)[0].train
+    assert want is not None and got is not None
+    for name in want:
+        assert np.array_equal(want[name], got[name]), name
+    # the same file under the default names is not a pair: named by the record's own names
+    with pytest.raises(DataError) as err:
+        preference_rows(_section(renamed), 512, 0)
+    assert "has no 'chosen' and 'rejected' fields" in str(err.value)
+    broken = _pairs_file(tmp_path / "broken.jsonl", [
+        json.dumps({"question": "q", "response_j": 3, "response_k": "no"})])
+    with pytest.raises(DataError) as err:
+        preference_rows(_section(broken, fields=fields), 512, 0)
+    assert "field 'response_j' is a number, not a string" in str(err.value)
+    # swapping the answers' names is another cache entry: the answers swap
+    swapped = preference_rows(_section(renamed, fields={**fields, "chosen": "response_k",
+                                                        "rejected": "response_j"}), 512, 0)[0]
+    assert swapped.train is not None
+    assert bytes(swapped.train["tokens"][swapped.train["answer"] == CHOSEN][:2]
+                 .astype(np.uint8)) == b"no"

@@ -440,12 +440,15 @@ class TokenData(DataSection):
 
 
 class RecordFields(Section):
-    """The names of the record fields each format reads."""
+    """The names of the record fields each format reads (``prompt`` also a preference pair's
+    and a reinforcement-learning prompt's; ``chosen`` and ``rejected`` a pair's answers)."""
 
     text: str = "text"
     prompt: str = "prompt"
     completion: str = "completion"
     messages: str = "messages"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
 
 
 class RecordsData(DataSection):

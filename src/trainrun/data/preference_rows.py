@@ -94,7 +94,8 @@ def kept_pair_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, 
     settings = {"format": CACHE_FORMAT, "kind": "preference", "source": source.key(),
                 "every": every, "tokenizer": tokenizer.fingerprint(), "seq_len": cfg.seq_len,
                 "max_prompt": max_prompt, "max_completion": max_completion,
-                "bad_records": cfg.bad_records, "examples": cfg.synthetic_examples}
+                "bad_records": cfg.bad_records, "examples": cfg.synthetic_examples,
+                "fields": [cfg.fields.prompt, cfg.fields.chosen, cfg.fields.rejected]}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     root = cache_dir() / "records"
     refused: OSError | None = None
@@ -254,16 +255,20 @@ def _usable(cfg: RecordsData, source: Source, every: int, counts: RecordCounts,
         if isinstance(record, str):
             refuse_or_skip(where, record)
             continue
+        named = {cfg.fields.prompt: "prompt", cfg.fields.chosen: "chosen",
+                 cfg.fields.rejected: "rejected"}
+        fields = [cfg.fields.chosen, cfg.fields.rejected]
+        record = _renamed(record, named)
         form = detect_form(record)
         if form is None:
-            refuse_or_skip(where, f"has no 'chosen' and 'rejected' fields (its fields: "
-                                  f"{', '.join(sorted(record)) or 'none'})")
+            refuse_or_skip(where, f"has no {fields[0]!r} and {fields[1]!r} fields (its "
+                                  f"fields: {', '.join(sorted(record)) or 'none'})")
             continue
         forms[:] = forms or [form]
         what = (pair_problem(record, form) if form == forms[0] else
                 f"a {form} pair where the records before it are {forms[0]} pairs")
         if what is not None:
-            refuse_or_skip(where, what)
+            refuse_or_skip(where, _as_named(what, named))
             continue
         split = "eval" if every == -1 or (every and usable % every == every - 1) else "train"
         usable += 1
@@ -271,6 +276,23 @@ def _usable(cfg: RecordsData, source: Source, every: int, counts: RecordCounts,
             counts.records -= 1
             counts.held_records += 1
         yield split, where, record
+
+
+def _renamed(record: dict[str, Any], named: dict[str, str]) -> dict[str, Any]:
+    """``record`` with the fields ``data.fields`` names for a pair under the names a pair's
+    parts go by (``prompt``, ``chosen``, ``rejected``); as it is under the default names."""
+    if all(given == part for given, part in named.items()):
+        return record
+    kept = {name: value for name, value in record.items()
+            if name not in named and name not in named.values()}
+    return {**kept, **{part: record[given] for given, part in named.items() if given in record}}
+
+
+def _as_named(what: str, named: dict[str, str]) -> str:
+    """A problem found in a renamed record, naming its fields as the record does."""
+    for given, part in named.items():
+        what = what.replace(f"'{part}'", f"'{given}'")
+    return what
 
 
 def _open(folder: Path) -> PairRows | None:

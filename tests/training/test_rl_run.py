@@ -181,26 +181,32 @@ def test_a_killed_rl_run_resumes_bitwise(cli, tmp_path: Path, extra: list[str]) 
     assert "PASS" in result.stdout
 
 
-def test_an_rl_run_of_several_processes_is_refused_before_anything_is_written(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainrun.config import ConfigError
-    from trainrun.training import setup
+@pytest.mark.slow
+def test_two_processes_draw_score_and_train_as_one_process(tmp_path: Path,
+                                                           reward_file: Path) -> None:
+    from conftest import run_cli
 
-    monkeypatch.setattr(setup, "_rollout_data", _counting_processes(setup._rollout_data, 2))
-    config = load_config("grpo", SMALL)
-    with pytest.raises(ConfigError) as err:
-        run(config, tmp_path / "run", out=io.StringIO())
-    assert "this job has 2 processes; run it as one process" in str(err.value)
-    assert not (tmp_path / "run").exists()
+    logs = {name: tmp_path / f"{name}.jsonl" for name in ("one", "two")}
 
+    def settings(name: str) -> list[str]:
+        return ["--config", "grpo", *SMALL, "steps=3", "checkpoint.every=3", "rl.beta=0.04",
+                "optimizer.lr=0.01", _rewards({"name": f"{reward_file}:letters",
+                                               "args": {"log": str(logs[name])}})]
 
-def _counting_processes(rollout_data, count: int):
-    """``_rollout_data`` as a job of ``count`` processes sees it."""
-    import jax
-
-    def counted(*args, **kwargs):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(jax, "process_count", lambda: count)
-            return rollout_data(*args, **kwargs)
-
-    return counted
+    single = run_cli("train", *settings("one"), "--run-dir", str(tmp_path / "one"), devices=4)
+    assert single.returncode == 0, single.stderr[-3000:]
+    launched = run_cli("launch", "-n", "2", "--devices-per-process", "2", "--", "train",
+                       *settings("two"), "--run-dir", str(tmp_path / "two"), timeout=600)
+    assert launched.returncode == 0, launched.stdout[-3000:]
+    rows = {name: read_metrics(tmp_path / name / "metrics.jsonl") for name in logs}
+    assert [r["step"] for r in rows["two"]] == [1, 2, 3]
+    # the same rollouts and rewards; gloo sums the gradients in another order: not bitwise
+    for one, two in zip(rows["one"], rows["two"], strict=True):
+        assert two["reward"] == one["reward"]
+        assert two["completion_length"] == one["completion_length"]
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    # each process scored its own rows, once: half a batch per call, every row in all
+    scored = [json.loads(line) for line in logs["two"].read_text().splitlines()]
+    assert len(scored) == 6 and all(len(batch["values"]) == 4 for batch in scored)
+    assert sorted(v for b in scored for v in b["values"]) == sorted(
+        v for line in logs["one"].read_text().splitlines() for v in json.loads(line)["values"])

@@ -43,6 +43,7 @@ from trainrun.program.decode import (
     stop_array,
 )
 from trainrun.program.precision import DTYPES, cast_floats
+from trainrun.program.sharding import on_host
 
 PyTree = Any
 
@@ -142,16 +143,22 @@ def draw_rollouts(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.nd
         raise SampleError(f"a prompt of {longest} tokens is wider than the rollouts' {width}")
     width = longest if width is None else width
     ids, start = left_padded(contexts, width)
-    keys = rollout_keys(key, step, len(prompts), settings.group)
+    # the key as this host holds it (a run's key spans its processes): the keys made here
+    impl = jax.random.key_impl(key)
+    keys = rollout_keys(jax.random.wrap_key_data(jnp.asarray(on_host(jax.random.key_data(key))),
+                                                 impl=impl),
+                        step, len(prompts), settings.group)
     place = _placer(mesh, rows)
+    placed_keys = jax.random.wrap_key_data(place(np.asarray(jax.random.key_data(keys))),
+                                           impl=impl)
     # Frozen sections hash at run time; pyright reads frozen only from class keywords.
     program = decoder(cfg, rows, width, settings.tokens, settings.compute,  # pyright: ignore[reportArgumentType]
                       bool(np.any(start)), head_as_trained, settings.temperature > 0,
                       nucleus=settings.top_p < 1, own_keys=True)
     top_p = (np.float32(settings.top_p),) if settings.top_p < 1 else ()
     drawn, counts = program(params, place(ids), place(start), np.float32(settings.temperature),
-                            place(keys), stop_array(settings.stop_ids), *top_p)
-    drawn, counts = np.asarray(drawn), np.asarray(counts)
+                            placed_keys, stop_array(settings.stop_ids), *top_p)
+    drawn, counts = on_host(drawn), on_host(counts)
     if settings.stop_strings is not None:
         counts = np.asarray([settings.stop_strings.tokens_kept(drawn[row, :counts[row]])
                              for row in range(rows)], np.int32)
@@ -181,11 +188,14 @@ def _contexts(cfg: TransformerModel, prompts: Sequence[np.ndarray],
 
 
 def _placer(mesh: Mesh | None, rows: int) -> Any:
-    """``array -> array`` on the devices: split over ``mesh``'s batch axes, or as it is."""
+    """``array -> array`` on the devices: split over ``mesh``'s batch axes (each process puts
+    the rows its devices hold of the whole host array, the same in every process), or as it
+    is."""
     if mesh is None:
         return lambda array: array
     sharding = rows_sharding(mesh, rows)
-    return lambda array: jax.device_put(array, sharding)
+    return lambda array: jax.make_array_from_callback(array.shape, sharding,
+                                                      lambda index: array[index])
 
 
 # ---- log-probabilities of completions --------------------------------------------------------

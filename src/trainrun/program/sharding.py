@@ -234,6 +234,30 @@ class BatchPlacement:
         return jax.tree.map(global_array, batch)
 
 
+def on_host(array: jax.Array | np.ndarray) -> np.ndarray:
+    """The whole of ``array`` on this host: as it is where this process holds all of it (one
+    process, or a replicated array), else gathered from every process (each holds its rows)."""
+    if isinstance(array, np.ndarray) or array.is_fully_addressable or array.is_fully_replicated:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def every_process_rows(local: np.ndarray, rows: tuple[int, int]) -> np.ndarray:
+    """``local`` (this process's ``rows``, ``(index, count)``, of a batch along the last axis)
+    joined with every other process's into the whole batch, in row order; processes that hold
+    the same rows (a ``tensor`` axis across hosts) give them once."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    gathered = np.asarray(multihost_utils.process_allgather(local))  # [processes, ...]
+    indices = np.asarray(multihost_utils.process_allgather(np.int32(rows[0])))
+    first = [int(np.flatnonzero(indices == index)[0]) for index in range(rows[1])]
+    return np.concatenate([gathered[process] for process in first], axis=-1)
+
+
 def batch_placement(mesh: Mesh, global_size: int, stacked: bool) -> BatchPlacement:
     split = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
     if global_size % split:

@@ -12,6 +12,11 @@ with the LoRA adapters off. The batch then serves the ``rl.updates`` steps of on
 
 The calls hand the state they start from to ``follow`` before taking their batches; the data
 position (``get_state``/``set_state``) is the step, as the checkpoint keeps it.
+
+In a run of several processes every process draws the same rollouts (the same prompts, keys
+and params, the rows split over the mesh), scores the completions of the rows its devices
+hold, and gathers every process's scores, so that each computes the advantages of every group;
+its batches are its own rows.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from trainrun.program.rollouts import (
     draw_rollouts,
     reference_logps,
 )
+from trainrun.program.sharding import every_process_rows, on_host
 from trainrun.program.state import TrainState
 
 Batch = dict[str, np.ndarray]
@@ -44,7 +50,7 @@ class RolloutBatches:
     """The host iterator of a reinforcement-learning run's batches (module docstring)."""
 
     def __init__(self, config: RunConfig, prompts: Sequence[Prompt],
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, rows: tuple[int, int] = (0, 1)):
         assert config.rl is not None and isinstance(config.model, TransformerModel)
         self.rl, self.model, self.seed = config.rl, config.model, config.seed
         self.prompts = list(prompts)
@@ -62,6 +68,7 @@ class RolloutBatches:
         # the longest prompt's width for every batch: one compile, and no wider than needed
         self.width = max(prompt.ids.size for prompt in self.prompts)
         self.mesh = mesh
+        self.rows = rows  # (index, count): this process's rows of each batch, as it feeds them
         self.step = 0
         self.state: TrainState | None = None
         self.batch: Batch | None = None
@@ -112,8 +119,8 @@ class RolloutBatches:
         if self.rl.beta:
             start = state.params if state.model_state is None else state.model_state
             reference = reference_logps(self.model, start, rollouts, self.settings.compute)
-        lengths = np.asarray(rollouts.completion_lengths)
-        values = self._scored(asked, np.asarray(rollouts.completions), lengths)
+        lengths = on_host(rollouts.completion_lengths)
+        values = self._scored(asked, on_host(rollouts.completions), lengths)
         total = rewards.total(self.rewards, values)
         advantages = np.asarray(group_advantages(jnp.asarray(total), self.rl.group,
                                                  scale=self.rl.scale_rewards))
@@ -130,30 +137,38 @@ class RolloutBatches:
         tokens = self.batch["tokens"].size * self.rl.updates
         return tokens / max(now - self.updated_since, 1e-9)
 
+    def _mine(self, total: int) -> slice:
+        """This process's rows of a batch of ``total``."""
+        index, count = self.rows
+        return slice(index * total // count, (index + 1) * total // count)
+
     def _scored(self, asked: list[Prompt], completions: np.ndarray,
                 lengths: np.ndarray) -> np.ndarray:
         """``[rewards, rows]``: each reward of each completion (prompt ``i``'s ``group``
-        completions side by side)."""
-        ids = [completions[row, :lengths[row]] for row in range(completions.shape[0])]
+        completions side by side), this process's rows scored here, the others' gathered."""
+        mine = range(completions.shape[0])[self._mine(completions.shape[0])]
+        ids = [completions[row, :lengths[row]] for row in mine]
         texts = completion_texts(self.tokenizer, ids,
                                  self.stops.cut if self.stops is not None else lambda t: t)
-        each = [p for p in asked for _ in range(self.rl.group)]
-        return score_completions(self.rewards, each, texts, ids)
+        each = [asked[row // self.rl.group] for row in mine]
+        return every_process_rows(score_completions(self.rewards, each, texts, ids), self.rows)
 
     def _batch(self, rollouts: Rollouts, advantages: np.ndarray,
                reference: jax.Array | None, metrics: np.ndarray) -> Batch:
-        """The columns the step takes (``grpo.grpo_model``'s)."""
+        """The columns the step takes (``grpo.grpo_model``'s), this process's rows of them."""
         rows = advantages.shape[0]
-        old = np.asarray(rollouts.old_logps, np.float32)
-        return {
-            "tokens": np.asarray(rollouts.tokens, np.int32),
-            "start": np.asarray(rollouts.start, np.int32),
-            "completion_mask": np.asarray(rollouts.completion_mask),
-            "completion_lengths": np.asarray(rollouts.completion_lengths, np.int32),
+        old = on_host(rollouts.old_logps).astype(np.float32)
+        columns = {
+            "tokens": on_host(rollouts.tokens).astype(np.int32),
+            "start": on_host(rollouts.start).astype(np.int32),
+            "completion_mask": on_host(rollouts.completion_mask),
+            "completion_lengths": on_host(rollouts.completion_lengths).astype(np.int32),
             "advantages": as_bits(advantages),
             "old_logps": as_bits(old),
             "reference_logps": as_bits(np.zeros_like(old) if reference is None
-                                       else np.asarray(reference, np.float32)),
+                                       else on_host(reference).astype(np.float32)),
             "host_metrics": as_bits(np.broadcast_to(metrics, (rows, metrics.size))),
         }
+        mine = self._mine(rows)
+        return {name: np.ascontiguousarray(column[mine]) for name, column in columns.items()}
 

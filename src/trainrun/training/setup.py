@@ -332,17 +332,13 @@ def _rollout_data(config: RunConfig, parts: Parts, console: Console,
     """A reinforcement-learning run's data as ``_data`` gives it: its rollout batches, drawn
     from the prompt records, the files they come from, and its held-out prompts."""
     assert config.rl is not None and isinstance(config.data, RecordsData)
-    if jax.process_count() > 1:  # the host scores every rollout: one process holds them all
-        raise ConfigError(f"an rl run scores its rollouts on one host, and this job has "
-                          f"{jax.process_count()} processes; run it as one process (its "
-                          "devices all take part)")
     if config.init.from_ is not None:
         init_from.source_kind(init_from.source_location(config.init.from_))
     found = prompt_records(config.data, config.data.seq_len - config.rl.completion_tokens)
     if found.skipped:
         console.message(f"data: {len(found.skipped)} prompt records left out "
                         f"(data.bad_records=skip), the first: {found.skipped[0]}")
-    batches = RolloutBatches(config, found.train, parts.mesh)
+    batches = RolloutBatches(config, found.train, parts.mesh, parts.placement.rows)
     return batches, batches, None, found.files, ("prompts", found.eval)
 
 

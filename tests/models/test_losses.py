@@ -92,3 +92,50 @@ def test_the_transformer_loss_chunks_by_its_config_and_keeps_its_value():
     assert abs(float(loss) - float(chunked_loss)) < 1e-5
     for got, ref in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * float(jnp.max(jnp.abs(ref))))
+
+
+@pytest.mark.parametrize("chunk", [0, 7, 50])  # one, padded, whole
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_chunked_token_logps_and_their_gradients_equal_the_plain_form(chunk, softcap):
+    from trainrun.models.losses import head_token_logps, softcapped
+
+    features, table, targets = inputs(seed=1)
+    targets = targets.at[3].set(-1)  # a token left out: 0, and no gradient
+    weights = jnp.asarray(np.random.default_rng(2).standard_normal(TOKENS), jnp.float32)
+
+    def plain_logps(f, t):
+        logits = softcapped((f @ t.T).astype(jnp.float32), softcap)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        picked = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        return jnp.where(targets >= 0, picked, 0.0), entropy
+
+    def weighted(fn):
+        return jax.jit(jax.value_and_grad(lambda f, t: jnp.sum(weights * fn(f, t)[0]),
+                                          argnums=(0, 1)))
+
+    got_logps, got_entropy = head_token_logps(features, table, targets, chunk, softcap)
+    want_logps, want_entropy = plain_logps(features, table)
+    np.testing.assert_allclose(got_logps, want_logps, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got_entropy, want_entropy, rtol=0, atol=1e-5)
+    assert float(got_logps[3]) == 0.0 and float(jnp.min(want_logps)) < -3
+    value, grads = weighted(lambda f, t: head_token_logps(f, t, targets, chunk, softcap))(
+        features, table)
+    want, want_grads = weighted(plain_logps)(features, table)
+    assert abs(float(value) - float(want)) < 1e-4
+    for got, ref in zip(grads, want_grads, strict=True):
+        scale = float(jnp.max(jnp.abs(ref)))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * scale)
+
+
+def test_the_token_logps_of_the_whole_batch_never_exist_in_a_chunked_pass():
+    from trainrun.models.losses import head_token_logps
+
+    features, table, targets = inputs(jnp.bfloat16)
+
+    def grads(chunk):
+        return jax.grad(lambda f, t: jnp.sum(head_token_logps(f, t, targets, chunk)[0]),
+                        argnums=(0, 1))
+
+    assert largest_float32(grads(0), features, table) == TOKENS * VOCAB  # the control
+    assert largest_float32(grads(10), features, table) == max(10 * VOCAB, VOCAB * D)

@@ -179,3 +179,37 @@ def test_a_model_with_capped_logits_scores_pairs_through_its_cap() -> None:
     counted = np.asarray(got) != 0
     assert counted.sum() > 10
     np.testing.assert_allclose(np.asarray(got)[counted], picked[counted], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("reference", ["cached", "in_step"])
+def test_the_rows_logits_are_held_a_chunk_at_a_time_with_the_same_loss(reference: str) -> None:
+    from trainrun.program.precision import equations
+
+    rows = _rows()
+    # a vocabulary whose logits outweigh every other value of the step
+    whole_cfg = TINY.model_copy(update={"loss_chunk": 0, "vocab": 1024})
+    chunked_cfg = whole_cfg.model_copy(update={"loss_chunk": 16})  # 2 x 48 tokens: 6 chunks
+    settings = PreferenceConfig(reference=reference)  # type: ignore[arg-type]
+    params = jax.jit(make_preference_transformer(whole_cfg, settings).init)(jax.random.key(0))
+    batch = {**rows, REFERENCE_COLUMN: _column(whole_cfg, params, rows)}
+    policy = _perturbed(params)
+
+    # in the step: the reference is the params the model state keeps
+    start = None if reference == "cached" else {"params": params,
+                                                "kept": jnp.ones((), jnp.bool_)}
+
+    def grads_of(cfg):
+        model = make_preference_transformer(cfg, settings)
+        return lambda p: jax.grad(lambda q: model.loss(q, batch, None, start)[0])(p), model
+
+    largest = {}
+    for name, cfg in (("whole", whole_cfg), ("chunked", chunked_cfg)):
+        grads, _ = grads_of(cfg)
+        largest[name] = max(int(np.prod(v.aval.shape)) for e in equations(grads, policy)
+                            for v in e.outvars if getattr(v.aval, "dtype", None) == jnp.float32)
+    tokens = rows["tokens"].shape[0] * (rows["tokens"].shape[1] - 1)
+    assert largest["whole"] >= tokens * 1024  # the control: every token's logits at once
+    assert largest["chunked"] < tokens * 1024
+    losses = [float(jax.jit(grads_of(cfg)[1].loss)(policy, batch, None, start)[0])
+              for cfg in (whole_cfg, chunked_cfg)]
+    assert abs(losses[0] - losses[1]) < 1e-6 and abs(losses[0] - math.log(2.0)) > 1e-3

@@ -143,3 +143,23 @@ def test_the_step_reads_old_and_reference_logps_in_float32_under_bfloat16():
     assert float(step_loss(old, reference)) == pytest.approx(float(expected), abs=1e-6)
     # the roundings move the loss by far more than the 1e-6 the float32 columns agree within
     assert abs(float(step_loss(rounded(old), rounded(reference))) - float(expected)) > 1e-4
+
+
+def test_the_update_holds_the_completions_logits_a_chunk_at_a_time(drawn):
+    from trainrun.program.precision import equations
+
+    params, rollouts = drawn
+    advantages = jnp.asarray(group_advantages(jnp.asarray(REWARDS), G))
+    objective = PolicyGradientLoss("dapo")
+    tokens = rollouts.tokens.shape[0] * LIMIT  # the completions' positions
+
+    def largest(chunk: int) -> tuple[int, float]:
+        loss = grpo_loss(CFG.model_copy(update={"loss_chunk": chunk}), objective)
+        grads = jax.grad(lambda p: loss(p, rollouts, advantages)[0])
+        big = max(int(np.prod(v.aval.shape)) for e in equations(grads, params)
+                  for v in e.outvars if getattr(v.aval, "dtype", None) == jnp.float32)
+        return big, float(jax.jit(lambda p: loss(p, rollouts, advantages)[0])(params))
+
+    (whole, value), (chunked, chunked_value) = largest(0), largest(5)
+    assert whole >= tokens * CFG.vocab > chunked  # the control holds every completion's logits
+    assert abs(value - chunked_value) < 1e-6

@@ -81,6 +81,94 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
                   "weight": counted}
 
 
+def head_token_logps(features: jax.Array, table: jax.Array, targets: jax.Array,
+                     chunk: int = 0, softcap: float | None = None,
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Each token's ``log p(target)`` under the output head ``logits = features @ table.T``
+    (soft-capped by ``softcap``), and the entropy of its distribution, each ``[tokens]``
+    float32, without ever holding the ``[tokens, vocab]`` logits of more than ``chunk``
+    tokens (0: all at once), as ``next_token_from_features`` computes the loss. A target of -1
+    gives 0. The entropy is a measurement: no gradient flows through it. The backward pass of
+    the log-probabilities recomputes each chunk's logits when there is more than one."""
+    tokens = features.shape[0]
+    chunk = tokens if chunk <= 0 else min(chunk, tokens)
+    count = -(-tokens // chunk)
+    # custom_vjp's unannotated __new__ (JAX) loses the wrapped function's return type.
+    logps, entropy = _head_token_logps(  # pyright: ignore[reportGeneralTypeIssues]
+        features, table, targets.astype(jnp.int32), chunk, count, softcap)
+    return logps, jax.lax.stop_gradient(entropy)
+
+
+def _chunk_logps(features: jax.Array, table: jax.Array, targets: jax.Array,
+                 softcap: float | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One chunk's log-probabilities, entropies, log-sum-exps and logits."""
+    lse, loss, _, logits = _chunk_forward(features, table, targets, softcap)
+    entropy = lse - jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1)
+    return -loss, entropy, lse, logits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _head_token_logps(features, table, targets, chunk, count, softcap=None):
+    return _head_token_logps_fwd(features, table, targets, chunk, count, softcap)[0]
+
+
+def _head_token_logps_fwd(features, table, targets, chunk, count, softcap=None):
+    if count == 1:  # one chunk: keep its logits for the backward pass, as autodiff would
+        logps, entropy, lse, logits = _chunk_logps(features, table, targets, softcap)
+        return (logps, entropy), (features, table, targets, lse, logits)
+
+    def body(_, part):
+        logps, entropy, lse, _ = _chunk_logps(part[0], table, part[1], softcap)
+        return None, (logps, entropy, lse)
+
+    _, (logps, entropy, lse) = jax.lax.scan(body, None, (
+        _chunks(features, chunk, count), _chunks(targets, chunk, count, fill=-1)))
+    tokens = features.shape[0]
+    return ((logps.reshape(-1)[:tokens], entropy.reshape(-1)[:tokens]),
+            (features, table, targets, lse, None))
+
+
+def _head_token_logps_bwd(chunk, count, softcap, residuals, cotangents):
+    # d log p(target) / d logits = onehot - probs: the cross-entropy's gradient, negated
+    features, table, targets, lse, logits = residuals
+    scale = -cotangents[0].astype(jnp.float32)  # the entropy's is dropped (a measurement)
+    if count == 1:
+        d_features, d_table = _head_grads(features, table, targets, lse, logits,
+                                          scale[:, None], softcap)
+        return d_features, d_table.astype(table.dtype), None
+    scales = _chunks(scale, chunk, count)
+
+    def body(total, part):
+        part_features, part_targets, part_lse, part_scale = part
+        part_logits = softcapped(tied_head_logits(part_features, table), softcap)
+        d_features, d_table = _head_grads(part_features, table, part_targets, part_lse,
+                                          part_logits, part_scale[:, None], softcap)
+        return total + d_table, d_features
+
+    d_table, d_features = jax.lax.scan(
+        body, jnp.zeros(table.shape, jnp.float32),
+        (_chunks(features, chunk, count), _chunks(targets, chunk, count, fill=-1), lse, scales))
+    d_features = d_features.reshape(-1, features.shape[-1])[:features.shape[0]]
+    return d_features, d_table.astype(table.dtype), None
+
+
+def _head_grads(features, table, targets, lse, logits, scale, softcap):
+    """The gradients of one chunk's features (in their dtype) and of the head's table
+    (float32), from its logits' gradient ``(probs - onehot) * scale`` (through the cap where
+    there is one)."""
+    dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+    d_logits = _chunk_logits_grad(logits, lse, targets, scale)
+    if softcap is not None:  # through the cap: d tanh(u) = 1 - tanh(u)^2
+        d_logits = d_logits * (1.0 - jnp.square(logits / jnp.float32(softcap)))
+    d_logits = d_logits.astype(features.dtype)
+    d_features = dot(d_logits, table, (((1,), (0,)), ((), ())))
+    d_table = dot(d_logits, features, (((0,), (0,)), ((), ())))
+    return d_features.astype(features.dtype), d_table
+
+
+_head_token_logps.defvjp(_head_token_logps_fwd, _head_token_logps_bwd)
+
+
 def tied_head_logits(features: jax.Array, embedding: jax.Array) -> jax.Array:
     """``features @ embedding.T`` with float32 accumulation and output: a tied output head's
     logits (operands in the compute dtype)."""

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from trainrun.config import PreferenceConfig, TransformerModel
 from trainrun.models.adapters import Model
+from trainrun.models.losses import head_token_logps
 from trainrun.models.preference_losses import PairLogps, PreferenceLoss
 from trainrun.models.transformer import Transformer, bind_transformer, make_transformer
 
@@ -36,20 +37,20 @@ Batch = dict[str, jax.Array]
 REFERENCE_COLUMN = "reference_logps"
 
 
-def token_logps(module: Transformer, batch: Batch, key: jax.Array | None = None) -> jax.Array:
+def token_logps(module: Transformer, batch: Batch, key: jax.Array | None = None,
+                chunk: int = 0) -> jax.Array:
     """``[rows, row_len - 1]``: log p(token ``t + 1`` | the tokens of its sequence up to ``t``)
     of the pair rows in ``batch``, float32 (0 where the next token starts another sequence
-    or is padding)."""
+    or is padding); the head's logits ``chunk`` tokens at a time (``model.loss_chunk``)."""
     tokens = batch["tokens"]
     segments = batch["segment_ids"].astype(jnp.int32)
     features, _ = module.features(tokens[:, :-1], key, segments=segments[:, :-1],
                                   segment_positions=batch["positions"][:, :-1].astype(jnp.int32))
-    logits = module.head_logits(features)
-    targets = tokens[:, 1:].reshape(-1).astype(jnp.int32)
-    picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-    logps = (picked - jax.nn.logsumexp(logits, axis=-1)).reshape(tokens.shape[0], -1)
     same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
-    return jnp.where(same, logps, 0.0)
+    targets = jnp.where(same, tokens[:, 1:].astype(jnp.int32), -1)  # -1: not a target
+    logps, _ = head_token_logps(features, module.head_table(), targets.reshape(-1), chunk,
+                                module.final_softcap)
+    return logps.reshape(tokens.shape[0], -1)
 
 
 def pair_logps(logps: jax.Array, batch: Batch) -> tuple[PairLogps, jax.Array]:
@@ -89,12 +90,13 @@ def make_preference_transformer(cfg: TransformerModel, preference: PreferenceCon
             return pair_logps(column[:, 1:], batch)[0]
         start = (adapters_off(params) if start is None else  # in the policy's dtype
                  jax.tree.map(lambda r, p: r.astype(p.dtype), start, params))
-        logps = token_logps(bind(jax.lax.stop_gradient(start)), batch)
+        logps = token_logps(bind(jax.lax.stop_gradient(start)), batch, chunk=cfg.loss_chunk)
         return pair_logps(jax.lax.stop_gradient(logps), batch)[0]
 
     def evaluate(params: PyTree, batch: Batch, key: jax.Array | None,
                  start: PyTree) -> tuple[jax.Array, dict[str, jax.Array]]:
-        policy, present = pair_logps(token_logps(bind(params), batch, key), batch)
+        policy, present = pair_logps(token_logps(bind(params), batch, key, cfg.loss_chunk),
+                                     batch)
         loss, aux = spec(policy, reference(params, batch, start), present)
         return loss, {**aux, "weight": jnp.sum(present, dtype=jnp.float32)}
 

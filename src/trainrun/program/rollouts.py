@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainrun.config import BATCH_AXES, TransformerModel
-from trainrun.models.policy_gradient import token_entropy
+from trainrun.models.losses import head_token_logps
 from trainrun.models.preference_transformer import adapters_off
 from trainrun.models.transformer import Transformer, bind_transformer
 from trainrun.program.decode import (
@@ -202,12 +202,13 @@ def _placer(mesh: Mesh | None, rows: int) -> Any:
 
 
 def token_logps(module: Transformer, tokens: jax.Array, start: jax.Array,
-                limit: int) -> tuple[jax.Array, jax.Array]:
+                limit: int, chunk: int = 0) -> tuple[jax.Array, jax.Array]:
     """The log-probability of each of the last ``limit`` tokens of each row of ``tokens``
     ``[rows, width + limit]`` (left-padded from ``start``) given the tokens before it, and the
-    entropy of the distribution it was drawn from: each ``[rows, limit]`` float32. One forward
-    pass of the whole text; the padding is a document of its own, which nothing attends across
-    (``Transformer.features``' segments), and each row's positions count from its start."""
+    entropy of the distribution it was drawn from (a measurement: no gradient): each ``[rows,
+    limit]`` float32. One forward pass of the whole text; the padding is a document of its own,
+    which nothing attends across (``Transformer.features``' segments), and each row's positions
+    count from its start. The head's logits ``chunk`` tokens at a time (``model.loss_chunk``)."""
     inputs = tokens[:, :-1].astype(jnp.int32)
     rows, length = inputs.shape
     slots = jnp.arange(length)[None]
@@ -215,11 +216,10 @@ def token_logps(module: Transformer, tokens: jax.Array, start: jax.Array,
     positions = jnp.maximum(slots - start[:, None], 0)
     features, _ = module.features(inputs, None, segments=segments, segment_positions=positions)
     features = features.reshape(rows, length, -1)[:, length - limit:]
-    logits = module.head_logits(features.reshape(rows * limit, -1))
-    logits = logits.reshape(rows, limit, -1)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    taken = tokens[:, -limit:].astype(jnp.int32)[..., None]
-    return jnp.take_along_axis(logp, taken, axis=-1)[..., 0], token_entropy(logits)
+    taken = tokens[:, -limit:].astype(jnp.int32).reshape(-1)
+    logps, entropy = head_token_logps(features.reshape(rows * limit, -1), module.head_table(),
+                                      taken, chunk, module.final_softcap)
+    return logps.reshape(rows, limit), entropy.reshape(rows, limit)
 
 
 @functools.lru_cache(maxsize=8)
@@ -230,7 +230,7 @@ def _logps_program(cfg: TransformerModel, compute: str) -> Any:
     def logps(params: PyTree, tokens: jax.Array, start: jax.Array,
               mask: jax.Array) -> jax.Array:
         found, _ = token_logps(module_of(cast_floats(params, dtype)), tokens, start,
-                               mask.shape[1])
+                               mask.shape[1], cfg.loss_chunk)
         return jnp.where(mask, found, 0.0)
 
     return jax.jit(logps)

@@ -159,7 +159,8 @@ def compute_reference(config: RunConfig, policy: Policy, params: PyTree,
 
     @jax.jit
     def scored(params: PyTree, batch: dict[str, jax.Array]) -> jax.Array:
-        logps = token_logps(bind(policy.cast_to_compute(params)), batch)
+        logps = token_logps(bind(policy.cast_to_compute(params)), batch,
+                            chunk=config.model.loss_chunk)  # type: ignore[union-attr]
         return jnp.pad(logps, ((0, 0), (1, 0)))
 
     names = ("tokens", "segment_ids", "positions")

@@ -123,3 +123,27 @@ def test_the_memory_check_counts_a_reference_the_state_keeps(
     assert "the train state needs 34.1 MiB of host memory (params 8.5 MiB, optimizer state " \
            "17.0 MiB, the reference's params 8.5 MiB in all) and 30.0 MiB is free" in str(
                refused.value)
+
+
+@pytest.mark.slow
+def test_two_processes_compute_the_reference_and_train_as_one_process(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    settings = [*SHORT, "steps=4", "checkpoint.every=4", "steps_per_call=1", "metrics.every=1"]
+    cache = {"TRAINRUN_CACHE_DIR": str(tmp_path / "cache")}
+    single = run_cli("train", *settings, "--run-dir", str(tmp_path / "one"), devices=4,
+                     **cache)
+    assert single.returncode == 0, single.stderr[-3000:]
+    # a cache of their own: the two processes compute the column, as on two hosts
+    launched = run_cli("launch", "-n", "2", "--devices-per-process", "2", "--", "train",
+                       *settings, "--run-dir", str(tmp_path / "two"), timeout=600,
+                       TRAINRUN_CACHE_DIR=str(tmp_path / "cache-two"))
+    assert launched.returncode == 0, launched.stdout[-3000:]
+    rows = {name: read_metrics(tmp_path / name / "metrics.jsonl") for name in ("one", "two")}
+    assert [r["step"] for r in rows["two"]] == [1, 2, 3, 4]
+    # the first step's loss is ln 2 in both: the column is the starting model's
+    for one, two in zip(rows["one"], rows["two"], strict=True):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert two["rewards/accuracies"] == one["rewards/accuracies"]
+    columns = sorted((tmp_path / "cache-two").glob("**/reference/*/train.reference_logps.bin"))
+    assert len(columns) == 1

@@ -552,7 +552,7 @@ def _evaluator(config: RunConfig, parts: Parts,
 
 def _prompt_evaluator(config: RunConfig, prompts: list[Prompt]) -> PromptEvaluator:
     """An RL run's evaluation of its held-out prompts, as ``trainrun eval`` scores them."""
-    from trainrun.evaluation.rl_eval import reward_scores
+    from trainrun.training.held_out_rewards import reward_scores
 
     if not prompts:
         raise ConfigError("eval.every is set but the prompt records hold none out; give "

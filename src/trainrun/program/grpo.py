@@ -74,7 +74,8 @@ def host_metric_names(rl: RLConfig) -> tuple[str, ...]:
     """The metrics the host measures of each rollout batch, in its ``host_metrics`` column's
     order: each reward's mean and standard deviation over the completions
     (``rewards/<name>/mean``, ``.../std``; ``<name>`` the function's), the weighted total's
-    (``reward``, ``reward_std``), and the generation's and the update's tokens per second."""
+    (``reward``, ``reward_std``), and the generation's tokens per second and the update's
+    (those of the rollout batch before: measured as the next is drawn; 0 on the first)."""
     labels: list[str] = []
     for spec in rl.rewards:
         label = spec.name.rpartition(":")[2] or spec.name

@@ -250,14 +250,14 @@ def _usable(cfg: RecordsData, source: Source, every: int, counts: RecordCounts,
     """``(split, where, record)`` for each usable record, in order; the first one's form is
     every record's (``forms[0]``), a record of another form is a bad one."""
     usable = 0
+    named = {cfg.fields.prompt: "prompt", cfg.fields.chosen: "chosen",
+             cfg.fields.rejected: "rejected"}
+    fields = [cfg.fields.chosen, cfg.fields.rejected]
     for where, record in source.records(cfg):
         counts.records += 1
         if isinstance(record, str):
             refuse_or_skip(where, record)
             continue
-        named = {cfg.fields.prompt: "prompt", cfg.fields.chosen: "chosen",
-                 cfg.fields.rejected: "rejected"}
-        fields = [cfg.fields.chosen, cfg.fields.rejected]
         record = _renamed(record, named)
         form = detect_form(record)
         if form is None:

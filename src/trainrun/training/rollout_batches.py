@@ -134,7 +134,8 @@ class RolloutBatches:
         """Tokens per second of the updates on the last rollout batch (0 before any)."""
         if self.updated_since is None or self.batch is None:
             return 0.0
-        tokens = self.batch["tokens"].size * self.rl.updates
+        # the batch holds this process's rows: the updates took every process's
+        tokens = self.batch["tokens"].size * self.rows[1] * self.rl.updates
         return tokens / max(now - self.updated_since, 1e-9)
 
     def _mine(self, total: int) -> slice:

@@ -5,6 +5,7 @@ and a killed DPO run (full fine-tune and LoRA) resumes bit for bit."""
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import jax
@@ -79,6 +80,18 @@ def test_a_killed_dpo_run_resumes_bitwise(cli, tmp_path: Path, extra: list[str])
                     if line.startswith("kill -9 in the reference pass")]
     assert len(in_reference) == (0 if extra else 1)
     assert all("in flight (column written, not committed)" in line for line in in_reference)
+
+
+@pytest.mark.slow
+def test_a_killed_dpo_run_on_object_storage_resumes_bitwise(cli, tmp_path: Path,
+                                                           object_store_servers) -> None:
+    bucket = object_store_servers["s3"].new_bucket()
+    result = cli("verify-resume", "--work-dir", f"{bucket}/verify", *SHORT,
+                 "--kill-in-save", "8", TRAINRUN_CACHE_DIR=str(tmp_path / "cache"),
+                 cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "kill -9 during async save of 8" in result.stdout and "PASS" in result.stdout
+    assert not any(name.endswith(":") for name in os.listdir(tmp_path))  # no local "s3:"
 
 
 @pytest.mark.parametrize("extra", [["--config", "lm"],

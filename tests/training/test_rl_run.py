@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,18 @@ def test_a_killed_rl_run_resumes_bitwise(cli, tmp_path: Path, extra: list[str]) 
                  TRAINRUN_CACHE_DIR=str(tmp_path / "cache"), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PASS" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_rl_run_on_object_storage_resumes_bitwise(cli, tmp_path: Path,
+                                                          object_store_servers) -> None:
+    bucket = object_store_servers["gs"].new_bucket()
+    result = cli("verify-resume", "--work-dir", f"{bucket}/verify", *RESUMED, "metrics.every=1",
+                 "--kill-in-save", "4", TRAINRUN_CACHE_DIR=str(tmp_path / "cache"),
+                 cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "kill -9 during async save of 4" in result.stdout and "PASS" in result.stdout
+    assert not any(name.endswith(":") for name in os.listdir(tmp_path))  # no local "gs:"
 
 
 @pytest.mark.slow

@@ -132,24 +132,33 @@ def _head_token_logps_bwd(chunk, count, softcap, residuals, cotangents):
     # d log p(target) / d logits = onehot - probs: the cross-entropy's gradient, negated
     features, table, targets, lse, logits = residuals
     scale = -cotangents[0].astype(jnp.float32)  # the entropy's is dropped (a measurement)
+    return (*_head_backward(features, table, targets, lse, logits, scale, chunk, count,
+                            softcap), None)
+
+
+def _head_backward(features, table, targets, lse, logits, scale, chunk, count, softcap):
+    """The gradients of a head's features and table from its logits' gradient ``(probs -
+    onehot) * scale``: ``scale`` a scalar, or ``[tokens]`` each token's own. ``logits``: the
+    one chunk's, kept by the forward pass; None: each of the ``count`` chunks' recomputed."""
+    per_token = scale.ndim == 1
     if count == 1:
         d_features, d_table = _head_grads(features, table, targets, lse, logits,
-                                          scale[:, None], softcap)
-        return d_features, d_table.astype(table.dtype), None
-    scales = _chunks(scale, chunk, count)
+                                          scale[:, None] if per_token else scale, softcap)
+        return d_features, d_table.astype(table.dtype)
+    parts = (_chunks(features, chunk, count), _chunks(targets, chunk, count, fill=-1), lse)
 
     def body(total, part):
-        part_features, part_targets, part_lse, part_scale = part
+        part_features, part_targets, part_lse = part[:3]
         part_logits = softcapped(tied_head_logits(part_features, table), softcap)
         d_features, d_table = _head_grads(part_features, table, part_targets, part_lse,
-                                          part_logits, part_scale[:, None], softcap)
+                                          part_logits, part[3] if per_token else scale, softcap)
         return total + d_table, d_features
 
     d_table, d_features = jax.lax.scan(
         body, jnp.zeros(table.shape, jnp.float32),
-        (_chunks(features, chunk, count), _chunks(targets, chunk, count, fill=-1), lse, scales))
+        (*parts, _chunks(scale, chunk, count)[..., None]) if per_token else parts)
     d_features = d_features.reshape(-1, features.shape[-1])[:features.shape[0]]
-    return d_features, d_table.astype(table.dtype), None
+    return d_features, d_table.astype(table.dtype)
 
 
 def _head_grads(features, table, targets, lse, logits, scale, softcap):
@@ -239,31 +248,8 @@ def _head_cross_entropy_fwd(features, embedding, targets, chunk, count, softcap=
 def _head_cross_entropy_bwd(chunk, count, softcap, residuals, cotangents):
     features, embedding, targets, lse, logits = residuals
     scale = cotangents[0].astype(jnp.float32)  # the hit count has no gradient
-    dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
-
-    def grads(part_features, part_targets, part_lse, part_logits):
-        d_logits = _chunk_logits_grad(part_logits, part_lse, part_targets, scale)
-        if softcap is not None:  # through the cap: d tanh(u) = 1 - tanh(u)^2
-            d_logits = d_logits * (1.0 - jnp.square(part_logits / jnp.float32(softcap)))
-        d_logits = d_logits.astype(features.dtype)
-        d_features = dot(d_logits, embedding, (((1,), (0,)), ((), ())))
-        d_embedding = dot(d_logits, part_features, (((0,), (0,)), ((), ())))
-        return d_features.astype(features.dtype), d_embedding
-
-    if count == 1:
-        d_features, d_embedding = grads(features, targets, lse, logits)
-    else:
-        def body(total, part):
-            part_features, part_targets, part_lse = part
-            part_logits = softcapped(tied_head_logits(part_features, embedding), softcap)
-            d_features, d_embedding = grads(part_features, part_targets, part_lse, part_logits)
-            return total + d_embedding, d_features
-
-        d_embedding, d_features = jax.lax.scan(
-            body, jnp.zeros(embedding.shape, jnp.float32),
-            (_chunks(features, chunk, count), _chunks(targets, chunk, count, fill=-1), lse))
-        d_features = d_features.reshape(-1, features.shape[-1])[:features.shape[0]]
-    return d_features, d_embedding.astype(embedding.dtype), None
+    return (*_head_backward(features, embedding, targets, lse, logits, scale, chunk, count,
+                            softcap), None)
 
 
 _head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)

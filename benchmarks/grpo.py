@@ -48,6 +48,7 @@ from typing import Any
 import jax
 import numpy as np
 from machine_line import machine
+from trl_rounds import interleaved
 
 from trainrun.config import RunConfig, load_config
 from trainrun.data.prompt_records import Prompt, prompt_records
@@ -181,18 +182,11 @@ def against_trl(rounds: int, count: int) -> None:
     asked = [prompt for index in range(count) for prompt in order.batch_prompts(index)]
     step = jitted_step(config, grpo_model(config.model, config.rl))
     trainrun_contender(config, params, pool, 2, step)  # warmup: compile
-    threads = torch.get_num_threads()
-    names = {threads: "TRL", 1: "TRL, 1 thread"}
-    seconds: dict[str, list[float]] = {"trainrun": [], **{name: [] for name in names.values()}}
     with tempfile.TemporaryDirectory() as tmp:
         path = hf_dir(config, params, Path(tmp) / "llama")
-        for r in range(rounds):
-            seconds["trainrun"].append(trainrun_contender(config, params, pool, count, step))
-            for count_threads, name in names.items():
-                torch.set_num_threads(count_threads)
-                seconds[name].append(trl_contender(path, asked, count,
-                                                   Path(tmp) / f"trl{r}-{count_threads}"))
-            torch.set_num_threads(threads)
+        seconds, threads = interleaved(
+            rounds, lambda: trainrun_contender(config, params, pool, count, step),
+            lambda out: trl_contender(path, asked, count, out), Path(tmp))
     print(f"{machine()}; torch {torch.__version__} ({threads} threads by default), "
           f"trl {trl.__version__}; {rounds} interleaved rounds of {count} steps; "
           f"{ROWS} completions of {COMPLETION} tokens a step")

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from machine_line import machine
+from trl_rounds import interleaved
 
 from trainrun.config import OptimizerConfig, RunConfig, load_config
 from trainrun.data.pair_rows import pack_pairs, pair_length
@@ -322,19 +323,11 @@ def against_trl(rounds: int, count: int) -> None:
 
     data = pairs(count * PAIRS_PER_STEP, seed=1)
     tokens = sum(pair_length(p) for p in data[PAIRS_PER_STEP:count * PAIRS_PER_STEP])
-    threads = torch.get_num_threads()
-    names = {threads: "TRL", 1: "TRL, 1 thread"}
-    results: dict[str, list[tuple[list[float], float]]] = {
-        "trainrun": [], **{name: [] for name in names.values()}}
     with tempfile.TemporaryDirectory() as tmp:
         path = hf_dir(Path(tmp) / "llama")
-        for r in range(rounds):
-            results["trainrun"].append(trainrun_contender(path, data, count))
-            for count_threads, name in names.items():
-                torch.set_num_threads(count_threads)
-                results[name].append(trl_contender(path, data, count,
-                                                   Path(tmp) / f"trl{r}-{count_threads}"))
-            torch.set_num_threads(threads)
+        results, threads = interleaved(rounds, lambda: trainrun_contender(path, data, count),
+                                       lambda out: trl_contender(path, data, count, out),
+                                       Path(tmp))
     print(f"{machine()}; torch {torch.__version__} ({threads} threads by default), "
           f"trl {trl.__version__}; {rounds} interleaved rounds of {count} steps")
     speed = {name: [tokens / s for _, s in runs] for name, runs in results.items()}
@@ -349,7 +342,7 @@ def against_trl(rounds: int, count: int) -> None:
     print("\n| step | trainrun loss | TRL loss | difference |\n|---:|---:|---:|---:|")
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
         print(f"| {i} | {a:.6f} | {b:.6f} | {a - b:+.1e} |")
-    worst = max(abs(a - b) for name in names.values()
+    worst = max(abs(a - b) for name in results if name != "trainrun"
                 for run_a, run_b in zip(results["trainrun"], results[name], strict=True)
                 for a, b in zip(run_a[0], run_b[0], strict=True))
     print(f"largest loss difference over every round: {worst:.1e} (target <= 1e-4)")

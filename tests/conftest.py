@@ -135,6 +135,20 @@ def cli():
     return run_cli
 
 
+def counted_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[tuple]:
+    """``owner.name`` replaced for the test by itself with each call's arguments recorded in the
+    list returned."""
+    real = getattr(owner, name)
+    calls: list[tuple] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recorded)
+    return calls
+
+
 def losses(run_dir: Path) -> np.ndarray:
     """A run's training losses in step order, as the float32 values it computed."""
     return np.array([r["loss"] for r in read_metrics(run_dir / rundir.METRICS)], np.float32)

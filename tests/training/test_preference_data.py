@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import counted_calls
 
 from trainrun.config import load_config
 from trainrun.models import build_model
@@ -32,14 +33,8 @@ def test_the_reference_is_computed_once_kept_and_a_damaged_file_computed_anew(
     config = load_config("dpo", SMALL)
     model = build_model(config.model, config.preference)
     params = jax.jit(model.init)(jax.random.key(0))
-    computed: list[int] = []
     compute = module.compute_reference
-
-    def counted(*args, **kwargs):
-        computed.append(1)
-        return compute(*args, **kwargs)
-
-    monkeypatch.setattr(module, "compute_reference", counted)
+    computed = counted_calls(monkeypatch, module, "compute_reference")
     first = preference_data(config, Policy(), lambda: params, (0, 1))
     assert len(computed) == 2  # the training rows and the held-out rows
     train = first.train.arrays

@@ -104,16 +104,11 @@ def test_a_reward_that_fails_stops_the_run_in_one_line_naming_it(
 @pytest.mark.parametrize("updates", [1, 2])
 def test_old_log_probabilities_are_computed_only_for_a_loss_that_reads_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, updates: int) -> None:
+    from conftest import counted_calls
+
     from trainrun.program import rollouts
 
-    passes: list[int] = []
-    forward = rollouts.completion_logps
-
-    def counted(*args, **kwargs):
-        passes.append(1)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(rollouts, "completion_logps", counted)
+    passes = counted_calls(monkeypatch, rollouts, "completion_logps")
     config = load_config("grpo", [*SMALL, f"rl.updates={updates}", "steps=4",
                                   f"steps_per_call={updates}", f"metrics.every={updates}",
                                   f"checkpoint.every={2 * updates}",

@@ -18,6 +18,7 @@ import grain
 import numpy as np
 
 from trainrun.data.errors import DataError
+from trainrun.data.pipeline import process_rows
 
 Arrays = Mapping[str, np.ndarray]
 
@@ -79,8 +80,7 @@ class MixtureBatches(grain.MapDataset):
         # Not self.shuffle / self.seed: those would hide Grain's MapDataset methods.
         self.shuffled = shuffle
         self.shuffle_seed = seed
-        local = batch_size // process_count
-        self.rows = slice(process_index * local, (process_index + 1) * local)
+        self.rows = process_rows(batch_size, process_index, process_count)
 
     def __len__(self) -> int:
         return 2**40  # unbounded for any real run; each source repeats by itself

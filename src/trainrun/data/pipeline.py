@@ -25,6 +25,13 @@ from trainrun.data.errors import DataError
 Batch = dict[str, np.ndarray]
 
 
+def process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+    """The rows of a global batch of ``batch_size`` that process ``process_index`` of
+    ``process_count`` holds (a multiple of the count: each holds as many)."""
+    local = batch_size // process_count
+    return slice(process_index * local, (process_index + 1) * local)
+
+
 class ArrayBatches(grain.MapDataset[Batch]):
     """Global batch ``i`` (this process's rows of it) over arrays of equal length.
 
@@ -61,8 +68,7 @@ class ArrayBatches(grain.MapDataset[Batch]):
         self.shuffled = shuffle
         self.shuffle_seed = seed
         self.batches_per_epoch = self.num_examples // batch_size
-        local = batch_size // process_count
-        self.rows = slice(process_index * local, (process_index + 1) * local)
+        self.rows = process_rows(batch_size, process_index, process_count)
 
     def __len__(self) -> int:
         return self.batches_per_epoch * 2**40  # unbounded for any real run; epochs repeat

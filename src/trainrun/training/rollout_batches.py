@@ -30,6 +30,7 @@ import numpy as np
 
 from trainrun.config import RunConfig, TransformerModel
 from trainrun.data import model_tokenizer, rewards
+from trainrun.data.pipeline import process_rows
 from trainrun.data.prompt_records import Prompt, completion_texts, score_completions
 from trainrun.models.policy_gradient import group_advantages
 from trainrun.program.decode import StopStrings
@@ -140,8 +141,7 @@ class RolloutBatches:
 
     def _mine(self, total: int) -> slice:
         """This process's rows of a batch of ``total``."""
-        index, count = self.rows
-        return slice(index * total // count, (index + 1) * total // count)
+        return process_rows(total, *self.rows)
 
     def _scored(self, asked: list[Prompt], completions: np.ndarray,
                 lengths: np.ndarray) -> np.ndarray:

@@ -43,10 +43,10 @@ from trainrun.checkpointing.checkpoints import TMP_MARK
 from trainrun.checkpointing.integrity import MANIFEST
 from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
 from trainrun.errors import UserError
-from trainrun.models.preference_losses import REFERENCE_FREE
 from trainrun.models.preference_transformer import REFERENCE_COLUMN
 from trainrun.rundir import CHECKPOINTS, METRICS, committed_steps, read_summary
 from trainrun.storage import location, remote
+from trainrun.training import preference_data
 from trainrun.training.callbacks import Boundary, Callback
 
 COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)
@@ -151,7 +151,7 @@ def _work_dirs(work_dir: str | None) -> tuple[location.Location, Path]:
 
 def _kill_points(config: RunConfig, kill_at: list[int], kill_in_save: list[int],
                  kill_in_reference: bool = False) -> list[tuple[int, str]]:
-    cached = _caches_reference(config)
+    cached = preference_data.needs_reference_column(config)
     if kill_in_reference and not cached:
         raise ConfigError("--kill-in-reference needs a preference run whose loss has a "
                           "reference kept before training (preference.reference=cached)")
@@ -177,13 +177,6 @@ def _kill_points(config: RunConfig, kill_at: list[int], kill_in_save: list[int],
                           "committed before the run goes on)")
     return ([(s, "committed") for s in kill_at] + [(s, "in-save") for s in kill_in_save]
             + reference)
-
-
-def _caches_reference(config: RunConfig) -> bool:
-    """Whether the run computes its reference column before training and keeps it."""
-    preference = config.preference
-    return (preference is not None and preference.reference == "cached"
-            and preference.loss not in REFERENCE_FREE)
 
 
 def _train(config_path: Path, run_dir: Path, log: Path, kill: str | None = None,
@@ -377,7 +370,6 @@ def _table(chains: list[Chain], steps: int, out: TextIO) -> None:
 def kill_before_reference_manifest() -> None:
     """Fault injection: SIGKILL this process when its reference column is written and its
     manifest, which commits it, is about to be."""
-    from trainrun.training import preference_data
 
     def killed(*_: object) -> None:
         os.kill(os.getpid(), signal.SIGKILL)

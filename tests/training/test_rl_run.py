@@ -145,6 +145,20 @@ def test_an_rl_run_evaluates_its_held_out_prompts_and_trains_as_without(
     assert losses[0] == losses[1]
 
 
+def test_a_reward_file_runs_once_for_the_rollouts_and_once_for_all_evaluations(
+        tmp_path: Path) -> None:
+    loads = tmp_path / "loads.txt"
+    reward = tmp_path / "loaded.py"
+    reward.write_text(f"open({str(loads)!r}, 'a').write('loaded\\n')\n\n\n"
+                      "def any_text(prompts, completions, **fields):\n"
+                      "    return [1.0 for _ in completions]\n")
+    config = load_config("grpo", [*SMALL, "steps=3", "eval.every=1",
+                                  _rewards({"name": f"{reward}:any_text"})])
+    run(config, tmp_path / "run", out=io.StringIO())
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl", split="eval")) == 3
+    assert loads.read_text().splitlines() == ["loaded", "loaded"]  # not once an evaluation
+
+
 def test_an_rl_run_told_to_evaluate_with_no_prompt_held_out_is_one_line(
         tmp_path: Path) -> None:
     from trainrun.config import ConfigError

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from trainrun.config import RewardSpec
 from trainrun.data.errors import DataError
 
 RewardFn = Callable[..., Sequence[float]]
@@ -76,6 +77,11 @@ def load(name: str, args: Mapping[str, Any] | None = None, weight: float = 1.0) 
         return found(prompts, completions, **fields, **settings)
 
     return Reward(name, bound, weight)
+
+
+def load_each(specs: Sequence[RewardSpec]) -> list[Reward]:
+    """The rewards an ``rl.rewards`` list names, each as ``load`` finds it."""
+    return [load(spec.name, spec.args, spec.weight) for spec in specs]
 
 
 def score(rewards: Sequence[Reward], prompts: Sequence[str], completions: Sequence[str],

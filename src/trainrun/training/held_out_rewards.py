@@ -6,6 +6,7 @@ mean, ``reward_std``, each reward's mean (``rewards/<name>/mean``) and the answe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from trainrun.config import RunConfig, TransformerModel
@@ -19,10 +20,11 @@ PyTree = Any
 
 def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
                   temperature: float = 0.0, seed: int = 0, batch_size: int = 16,
-                  tokens: int | None = None,
+                  tokens: int | None = None, loaded: Sequence[rewards.Reward] | None = None,
                   ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The scores of ``params``' answers to ``asked`` (module docstring) and each answer's
-    record; ``tokens``: the most an answer takes (None: ``rl.completion_tokens``)."""
+    record; ``tokens``: the most an answer takes (None: ``rl.completion_tokens``); ``loaded``:
+    the run's rewards as loaded before (None: loaded here)."""
     rl, model = config.rl, config.model
     assert rl is not None and isinstance(model, TransformerModel)
     tokens = rl.completion_tokens if tokens is None else tokens
@@ -34,7 +36,7 @@ def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
                          stop_ids=tokenizer.stop_ids, batch_size=batch_size,
                          top_p=rl.top_p if temperature else 1.0, stop_strings=stops)
     texts = completion_texts(tokenizer, ids, stops.cut if stops is not None else lambda t: t)
-    found = [rewards.load(spec.name, spec.args, spec.weight) for spec in rl.rewards]
+    found = list(loaded) if loaded is not None else rewards.load_each(rl.rewards)
     values = score_completions(found, asked, texts, ids)
     total = rewards.total(found, values)
     names = host_metric_names(rl)

@@ -55,8 +55,7 @@ class RolloutBatches:
         assert config.rl is not None and isinstance(config.model, TransformerModel)
         self.rl, self.model, self.seed = config.rl, config.model, config.seed
         self.prompts = list(prompts)
-        self.rewards = [rewards.load(spec.name, spec.args, spec.weight)
-                        for spec in self.rl.rewards]
+        self.rewards = rewards.load_each(self.rl.rewards)
         self.tokenizer = model_tokenizer.of_records(config.data)
         detokenize = self.tokenizer.tokenizer.decode
         self.stops = (StopStrings(self.rl.stop_strings, detokenize) if self.rl.stop_strings

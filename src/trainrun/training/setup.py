@@ -60,6 +60,7 @@ from trainrun.data import (
     data_counts,
     data_files,
     data_notices,
+    rewards,
 )
 from trainrun.data.prompt_records import Prompt, prompt_records
 from trainrun.data.record_rows import RecordCounts
@@ -558,8 +559,10 @@ def _prompt_evaluator(config: RunConfig, prompts: list[Prompt]) -> PromptEvaluat
         raise ConfigError("eval.every is set but the prompt records hold none out; give "
                           "data.eval_paths or a data.eval_fraction that leaves one out, or set "
                           "eval.every=0")
-    return PromptEvaluator(config.eval.every,
-                           lambda params: reward_scores(config, params, prompts)[0])
+    assert config.rl is not None
+    loaded = rewards.load_each(config.rl.rewards)  # once: a reward file runs when loaded
+    return PromptEvaluator(config.eval.every, lambda params: reward_scores(
+        config, params, prompts, loaded=loaded)[0])
 
 
 def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any, parts: Parts,

@@ -73,8 +73,9 @@ def check_state_memory(abstract_state: Any, shardings: Any,
     own. ``model_state``: what the state's ``model_state`` holds, as the refusal names it (a
     frozen reference's params, running statistics)."""
     placements = jax.tree.leaves(shardings)
+    named = {**STATE_PARTS, "model_state": model_state}
     per_device: dict[Any, int] = {}
-    parts: dict[str, int] = {}
+    parts: dict[str, int] = {}  # each large part's bytes in all, by what the refusal calls it
     at = 0
     for field in dataclasses.fields(abstract_state):
         for leaf in jax.tree.leaves(getattr(abstract_state, field.name)):
@@ -83,9 +84,9 @@ def check_state_memory(abstract_state: Any, shardings: Any,
             nbytes = _bytes(sharding.shard_shape(leaf.shape), leaf.dtype)
             for device in sharding.addressable_devices:
                 per_device[device] = per_device.get(device, 0) + nbytes
-            part = STATE_PARTS.get(field.name, "the rest")
-            part = model_state if part == "model state" else part
-            parts[part] = parts.get(part, 0) + _bytes(leaf.shape, leaf.dtype)
+            if field.name in named:
+                part = named[field.name]
+                parts[part] = parts.get(part, 0) + _bytes(leaf.shape, leaf.dtype)
     assert at == len(placements), "one placement per leaf of the state"
     if not per_device:
         return
@@ -97,7 +98,7 @@ def check_state_memory(abstract_state: Any, shardings: Any,
                                          device_memory_available(device), "", "")
     if free is not None and need > free:
         held = ", ".join(f"{name} {_size(nbytes)}" for name, nbytes in parts.items()
-                         if nbytes >= 2**20 and name != "the rest")
+                         if nbytes >= 2**20)
         raise UserError(f"the train state needs {_size(need)} of {where} ({held} in all) and "
                         f"{_size(free)} is free{bound}: shrink the model, shard it over more "
                         "devices (mesh.fsdp), or drop optimizer state (optimizer.name=sgd, "
@@ -105,8 +106,7 @@ def check_state_memory(abstract_state: Any, shardings: Any,
 
 
 # what the refusal calls each field of the state that can be large
-STATE_PARTS = {"params": "params", "opt_state": "optimizer state", "model_state": "model state",
-               "ema": "moving average"}
+STATE_PARTS = {"params": "params", "opt_state": "optimizer state", "ema": "moving average"}
 
 
 def check_model_memory(cfg: TransformerModel, devices: list[Any], dtype: str,

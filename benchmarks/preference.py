@@ -8,7 +8,8 @@ SFT's, and trainrun against TRL's ``DPOTrainer``.
 The model everywhere is a random tiny Llama (vocabulary 512, 2 layers x 128, 4 query heads
 sharing 2 key/value heads, SwiGLU 256, RMSNorm, rotary positions, an untied head), float32;
 a batch is 8 pairs of random token ids (prompts of 25-40 tokens, each answer 16-40 ending in
-the end token), one pair a row of 161 tokens, as ``data/pair_rows.py`` packs them.
+the end token), one pair a row of 121 tokens (the longest pair: its prompt once, both answers
+and the prompt's last token again), as ``data/pair_rows.py`` lays a pair out.
 
 ``steps``: the jitted training step (``program/step.py``, the state donated, 10 calls a
 measurement ending in ``block_until_ready``) of the DPO loss with the cached reference column
@@ -30,7 +31,8 @@ the reference computed once before training by both (TRL's ``precompute_ref_log_
 trainrun's jitted step on the host's packed rows, one step a call, read after the last as the
 loop reads its metrics without waiting between steps, against ``DPOTrainer.train`` (PyTorch
 eager at its default thread count and at 1 thread, sequential order). Tokens a second count
-each pair's tokens (its prompt twice and both answers) over steps 2 to the last; the losses of
+each pair's two sequences (its prompt twice and both answers, as TRL computes them) over steps
+2 to the last, for both contenders; the losses of
 every step are printed side by side. Interleaved rounds, each contender from the same start.
 """
 
@@ -56,11 +58,12 @@ from machine_line import machine
 from trl_rounds import interleaved
 
 from trainrun.config import OptimizerConfig, RunConfig, load_config
-from trainrun.data.pair_rows import pack_pairs, pair_length
+from trainrun.data.pair_rows import pack_pairs
 from trainrun.data.preference_pairs import Pair
 from trainrun.models import build_model
 from trainrun.models.preference_transformer import (
     REFERENCE_COLUMN,
+    ROW_ARRAYS,
     make_preference_transformer,
     token_logps,
 )
@@ -72,15 +75,15 @@ from trainrun.program.state import state_from_params
 from trainrun.program.step import make_train_step
 from trainrun.training.preference_data import compute_reference
 
-VOCAB, EOS, PAIRS_PER_STEP, ROW = 512, 2, 8, 161
+VOCAB, EOS, PAIRS_PER_STEP, ROW = 512, 2, 8, 121
 MODEL = ["model.vocab=512", "model.d_model=128", "model.layers=2", "model.heads=4",
-         "model.kv_heads=2", "model.mlp_hidden=256", "model.seq_len=160", "data.seq_len=160",
+         "model.kv_heads=2", "model.mlp_hidden=256", "model.seq_len=160", "data.seq_len=120",
          "model.dropout=0.0"]
 ADAMW = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.0, clip_norm=None)
 
 
 def pairs(count: int, seed: int = 0) -> list[Pair]:
-    """Random pairs of token ids: one fills a row of ``ROW`` tokens alone (no two fit)."""
+    """Random pairs of token ids, each fitting a row of ``ROW`` tokens."""
     rng = np.random.default_rng(seed)
 
     def answer() -> np.ndarray:
@@ -91,9 +94,9 @@ def pairs(count: int, seed: int = 0) -> list[Pair]:
 
 
 def rows_of(batch: list[Pair]) -> dict[str, np.ndarray]:
-    rows, _ = pack_pairs(batch, ROW, bins=PAIRS_PER_STEP)
-    assert rows["tokens"].shape[0] == len(batch)  # one pair a row: every batch one shape
-    return rows
+    """One pair a row, so every batch has one shape."""
+    rows = [pack_pairs([pair], ROW, bins=1)[0] for pair in batch]
+    return {name: np.concatenate([row[name] for row in rows]) for name in rows[0]}
 
 
 def dpo_config() -> RunConfig:
@@ -140,8 +143,7 @@ def steps(rounds: int) -> None:
     reference_rows = {k: np.tile(v, (8, 1)) for k, v in rows.items()}  # 64 rows: one pass
     bind = bind_transformer(config.model)
     scored = jax.jit(lambda p, b: jnp.pad(token_logps(bind(p), b), ((0, 0), (1, 0))))
-    names = ("tokens", "segment_ids", "positions")
-    one_pass = jax.device_put({name: reference_rows[name] for name in names})
+    one_pass = jax.device_put({name: reference_rows[name] for name in ROW_ARRAYS})
     np.asarray(scored(params, one_pass))  # warmup: compile
 
     def reference() -> float:  # compute_reference's pass, as it runs after its first
@@ -322,7 +324,8 @@ def against_trl(rounds: int, count: int) -> None:
     import trl
 
     data = pairs(count * PAIRS_PER_STEP, seed=1)
-    tokens = sum(pair_length(p) for p in data[PAIRS_PER_STEP:count * PAIRS_PER_STEP])
+    tokens = sum(2 * p.prompt.size + p.chosen.size + p.rejected.size
+                 for p in data[PAIRS_PER_STEP:count * PAIRS_PER_STEP])
     with tempfile.TemporaryDirectory() as tmp:
         path = hf_dir(Path(tmp) / "llama")
         results, threads = interleaved(rounds, lambda: trainrun_contender(path, data, count),

@@ -64,7 +64,7 @@ def test_a_bad_record_is_one_line_naming_file_and_line_or_skipped_and_counted(
 
 def test_pairs_too_long_are_dropped_and_truncation_is_counted(tmp_path: Path) -> None:
     source = _pairs_file(tmp_path / "pairs.jsonl", [
-        _good(0), json.dumps({"prompt": "p" * 40, "chosen": "c", "rejected": "r"})])
+        _good(0), json.dumps({"prompt": "p" * 70, "chosen": "c", "rejected": "r"})])
     train, _, _ = preference_rows(_section(source), 512, 0)
     assert (train.counts.examples, train.counts.dropped) == (1, 1)
     train, _, _ = preference_rows(_section(source), 20, 2)

@@ -126,10 +126,10 @@ def test_a_reference_loss_without_reference_is_refused() -> None:
 @pytest.mark.slow  # a transformer compiled twice
 def test_packed_pairs_score_as_each_pair_alone() -> None:
     from trainrun.config import TransformerModel
-    from trainrun.data.pair_rows import pack_pairs
+    from trainrun.data.pair_rows import pack_pairs, pair_length
     from trainrun.data.preference_pairs import Pair
     from trainrun.models import build_model
-    from trainrun.models.transformer import bind_transformer
+    from trainrun.models.transformer import SharedPrefixes, bind_transformer
 
     cfg = TransformerModel(d_model=32, layers=2, heads=2, seq_len=63, vocab=50)
     module = bind_transformer(cfg)(build_model(cfg).init(jax.random.key(0)))
@@ -144,15 +144,18 @@ def test_packed_pairs_score_as_each_pair_alone() -> None:
     assert slots > 1 and len(rows["tokens"]) < len(pairs)  # short pairs share rows
 
     @jax.jit
-    def target_logps(tokens: jax.Array, segments: jax.Array | None,
+    def target_logps(tokens: jax.Array, segments: SharedPrefixes | None,
                      positions: jax.Array | None) -> jax.Array:
         features, _ = module.features(tokens[:, :-1], segments=segments,
                                       segment_positions=positions)
         logits = (features @ module.head_table().T).reshape(*tokens[:, :-1].shape, -1)
         return jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
 
+    # each pair's prompt once, each answer's branch seeing it (data/pair_rows.py)
+    assert all(rows["tokens"].shape[1] >= pair_length(p) for p in pairs)
     target = target_logps(jnp.asarray(rows["tokens"]),
-                          jnp.asarray(rows["segment_ids"][:, :-1]),
+                          SharedPrefixes(*(jnp.asarray(rows[name][:, :-1])
+                                           for name in ("pair_slot", "branch"))),
                           jnp.asarray(rows["positions"][:, :-1]))
     packed, present = PairLogps.of_rows(target, *(jnp.asarray(rows[name]) for name in
                                                    ("segment_ids", "pair_slot", "answer")), slots)

@@ -528,8 +528,9 @@ class PreferenceConfig(Section):
     nll_weight: weight of the chosen answers' next-token loss added to the loss (TRL's
         ``rpo_alpha``, ``cpo_alpha``).
     max_prompt, max_completion: the most tokens kept of a prompt (its end) and of each
-        completion (its start); 0: no limit. A pair is the prompt twice and both completions
-        in one row of ``data.seq_len + 1`` tokens: a longer one is dropped and counted.
+        completion (its start); 0: no limit. A pair is its prompt once, both completions and
+        the prompt's last token again, in one row of ``data.seq_len + 1`` tokens: a longer one
+        is dropped and counted.
     reference: where the reference model's log-probabilities come from: ``cached`` (computed
         once before training from the starting params, kept on disk beside the rows and read
         as a batch column) or ``in_step`` (computed in each step: the starting params kept in

@@ -1,16 +1,26 @@
-"""Preference pairs packed into rows: a pair's chosen and rejected sequence (each its prompt,
-then its completion) always side by side in one row, so they are in the same batch, and
-several short pairs in a row where they fit.
+"""Preference pairs packed into rows: a pair's prompt once, then its chosen and its rejected
+sequence side by side after it, so they are in the same batch and the prompt is computed once,
+and several short pairs in a row where they fit.
+
+A pair's tokens in a row: the prompt but its last token (the shared prefix), then the last
+prompt token and the chosen completion (the chosen branch), then the last prompt token again and
+the rejected completion (the rejected branch). Each branch attends to the prefix and to itself
+(``models.transformer.SharedPrefixes``), so it computes what the prompt and its completion
+alone compute, the last prompt token predicting the completion's first token. A pair takes
+``prompt + chosen + rejected + 1`` tokens, against ``2 * prompt + chosen + rejected`` for the
+two sequences apart.
 
 A row is ``row_len`` tokens with, beside them:
 
-- ``segment_ids``: 1, 2, ... per sequence in the row (0: padding); attention stays inside one.
-- ``positions``: each sequence's own, from 0.
+- ``segment_ids``: each sequence's id, ``2 * slot - 1`` (chosen) and ``2 * slot`` (rejected),
+  on its branch; the shared prefix has the chosen one's (0: padding).
+- ``positions``: each token's position in its sequence, from 0.
 - ``pair_slot``: which of the row's pairs a token belongs to, from 1 (0: padding).
+- ``branch``: 0 on the shared prefix, ``CHOSEN`` or ``REJECTED`` on each branch.
 - ``answer``: ``CHOSEN`` or ``REJECTED`` on the completion's tokens, 0 on the prompt's.
 
 The targets a pair's log-probability sums are the completion's tokens, each predicted from the
-token before it in the same sequence (``program``'s ``pair_logps``).
+token before it in the same sequence (``models.preference_transformer.token_logps``).
 """
 
 from __future__ import annotations
@@ -23,12 +33,14 @@ from trainrun.data.documents import first_fit
 from trainrun.data.preference_pairs import Pair
 
 CHOSEN, REJECTED = 1, 2
-ARRAYS = ("tokens", "segment_ids", "positions", "pair_slot", "answer")
+ARRAYS = ("tokens", "segment_ids", "positions", "pair_slot", "branch", "answer")
+LAYOUT = "shared-prompt-1"  # in the rows' cache key: rows of another layout are made anew
 
 
 def pair_length(pair: Pair) -> int:
-    """The tokens a pair takes in a row: its prompt twice and both completions."""
-    return 2 * pair.prompt.size + pair.chosen.size + pair.rejected.size
+    """The tokens a pair takes in a row: its prompt, both completions, and the prompt's last
+    token again (module docstring)."""
+    return pair.prompt.size + pair.chosen.size + pair.rejected.size + min(pair.prompt.size, 1)
 
 
 def pack_pairs(pairs: Sequence[Pair], row_len: int, bins: int,
@@ -45,14 +57,28 @@ def pack_pairs(pairs: Sequence[Pair], row_len: int, bins: int,
     for row, members in enumerate(rows):
         at = 0
         for slot, index in enumerate(members, 1):
-            pair = pairs[index]
-            for side, answer in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
-                end = at + pair.prompt.size + answer.size
-                span = slice(at, end)
-                arrays["tokens"][row, span] = np.concatenate([pair.prompt, answer])
-                arrays["segment_ids"][row, span] = 2 * slot - 2 + side
-                arrays["positions"][row, span] = np.arange(end - at)
-                arrays["pair_slot"][row, span] = slot
-                arrays["answer"][row, at + pair.prompt.size:end] = side
-                at = end
+            at = _place(arrays, row, at, slot, pairs[index])
     return arrays, most
+
+
+def _place(arrays: dict[str, np.ndarray], row: int, at: int, slot: int, pair: Pair) -> int:
+    """Write ``pair`` into ``row`` of ``arrays`` from column ``at`` as slot ``slot``; returns
+    the column after it."""
+    shared, last = pair.prompt[:-1], pair.prompt[-1:]
+    end = at + shared.size
+    arrays["tokens"][row, at:end] = shared
+    arrays["segment_ids"][row, at:end] = 2 * slot - 1
+    arrays["positions"][row, at:end] = np.arange(shared.size)
+    arrays["pair_slot"][row, at:end] = slot
+    at = end
+    for side, answer in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
+        end = at + last.size + answer.size
+        span = slice(at, end)
+        arrays["tokens"][row, span] = np.concatenate([last, answer])
+        arrays["segment_ids"][row, span] = 2 * slot - 2 + side
+        arrays["positions"][row, span] = shared.size + np.arange(end - at)
+        arrays["pair_slot"][row, span] = slot
+        arrays["branch"][row, span] = side
+        arrays["answer"][row, at + last.size:end] = side
+        at = end
+    return at

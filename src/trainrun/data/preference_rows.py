@@ -30,7 +30,7 @@ from trainrun.config import RecordsData
 from trainrun.data import model_tokenizer
 from trainrun.data.documents import row_index_dtype
 from trainrun.data.errors import DataError
-from trainrun.data.pair_rows import ARRAYS, pack_pairs, pair_length
+from trainrun.data.pair_rows import ARRAYS, LAYOUT, pack_pairs, pair_length
 from trainrun.data.preference_pairs import Pair, PairCounts, PairForm, detect_form, encode_pairs
 from trainrun.data.preference_pairs import problem as pair_problem
 from trainrun.data.record_rows import (
@@ -91,7 +91,8 @@ def kept_pair_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, 
                    every: int, max_prompt: int, max_completion: int) -> PairRows:
     """A source's pair rows from the cache, made first when missing or damaged. every: hold
     out each ``every``-th usable record (0: none; -1: all of them)."""
-    settings = {"format": CACHE_FORMAT, "kind": "preference", "source": source.key(),
+    settings = {"format": CACHE_FORMAT, "kind": "preference", "layout": LAYOUT,
+                "source": source.key(),
                 "every": every, "tokenizer": tokenizer.fingerprint(), "seq_len": cfg.seq_len,
                 "max_prompt": max_prompt, "max_completion": max_completion,
                 "bad_records": cfg.bad_records, "examples": cfg.synthetic_examples,
@@ -137,7 +138,8 @@ def _kept_or_built(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, 
 def _dtypes(vocab: int, row_len: int) -> dict[str, str]:
     index = np.dtype(row_index_dtype(row_len)).name
     return {"tokens": "uint16" if vocab <= 2**16 else "uint32", "segment_ids": index,
-            "positions": index, "pair_slot": index, "answer": "uint8"}
+            "positions": index, "pair_slot": index, "branch": "uint8",
+            "answer": "uint8"}
 
 
 def _build(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,

@@ -30,21 +30,30 @@ from trainrun.config import PreferenceConfig, TransformerModel
 from trainrun.models.adapters import Model
 from trainrun.models.losses import head_token_logps
 from trainrun.models.preference_losses import PairLogps, PreferenceLoss
-from trainrun.models.transformer import Transformer, bind_transformer, make_transformer
+from trainrun.models.transformer import (
+    SharedPrefixes,
+    Transformer,
+    bind_transformer,
+    make_transformer,
+)
 
 PyTree = Any
 Batch = dict[str, jax.Array]
 REFERENCE_COLUMN = "reference_logps"
+ROW_ARRAYS = ("tokens", "segment_ids", "positions", "pair_slot", "branch")  # token_logps reads
 
 
 def token_logps(module: Transformer, batch: Batch, key: jax.Array | None = None,
                 chunk: int = 0) -> jax.Array:
     """``[rows, row_len - 1]``: log p(token ``t + 1`` | the tokens of its sequence up to ``t``)
-    of the pair rows in ``batch``, float32 (0 where the next token starts another sequence
+    of the pair rows in ``batch`` (``ROW_ARRAYS``; each branch sees its pair's shared prefix),
+    float32 (0 where the next token starts another sequence
     or is padding); the head's logits ``chunk`` tokens at a time (``model.loss_chunk``)."""
     tokens = batch["tokens"]
     segments = batch["segment_ids"].astype(jnp.int32)
-    features, _ = module.features(tokens[:, :-1], key, segments=segments[:, :-1],
+    prefixes = SharedPrefixes(*(batch[name][:, :-1].astype(jnp.int32)
+                                for name in ("pair_slot", "branch")))
+    features, _ = module.features(tokens[:, :-1], key, segments=prefixes,
                                   segment_positions=batch["positions"][:, :-1].astype(jnp.int32))
     same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
     targets = jnp.where(same, tokens[:, 1:].astype(jnp.int32), -1)  # -1: not a target

@@ -41,6 +41,31 @@ from trainrun.models.matmul import float32_dot
 PyTree = Any
 
 
+class SharedPrefixes(NamedTuple):
+    """Packed rows whose sequences may share a prefix (a preference pair's chosen and
+    rejected answer after one prompt), ``[batch, seq]`` each: ``group``, the id of the
+    sequences sharing a prefix (0: padding), and ``branch``, 0 on the group's shared prefix
+    and ``b > 0`` on the tokens of its sequence ``b``. A token attends to the earlier tokens of
+    its group that are the prefix's or its own sequence's."""
+
+    group: jax.Array
+    branch: jax.Array
+
+
+Segments = jax.Array | SharedPrefixes  # documents' ids, or groups sharing a prefix
+
+
+def same_segment(segments: Segments, rows: slice, keys: slice) -> jax.Array:
+    """``[batch, rows, keys]``: whether each query row may see each key by its segment (the
+    causal mask aside): the same document, or a shared prefix's or its own sequence's token."""
+    if isinstance(segments, SharedPrefixes):
+        group, branch = segments
+        mine, theirs = branch[:, rows, None], branch[:, None, keys]
+        return ((group[:, rows, None] == group[:, None, keys])
+                & ((theirs == 0) | (theirs == mine)))
+    return segments[:, rows, None] == segments[:, None, keys]
+
+
 class KV(NamedTuple):
     """One layer's key/value cache: ``[batch, max_len, kv_heads, head_dim]`` each."""
 
@@ -131,7 +156,7 @@ PLAIN_ATTENTION = AttentionPath()
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     segments: jax.Array | None = None, *, scale: float | None = None,
+                     segments: Segments | None = None, *, scale: float | None = None,
                      window: int | None = None, softcap: float | None = None,
                      path: AttentionPath = AttentionPath()) -> jax.Array:
     """Causal self-attention of ``[batch, seq, heads, head_dim]`` queries, keys and values: the
@@ -140,7 +165,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
     segments: ``[batch, seq]`` ids of the documents packed in each row: a token then attends
     only to earlier tokens of its own segment, on every path below (padding, segment 0, attends
-    to padding). None: the plain causal program.
+    to padding); or ``SharedPrefixes``, sequences sharing a prefix. None: the plain causal
+    program.
     scale: of the logits (None: ``1 / sqrt(head_dim)``). window: a token attends to the last
     ``window`` positions, its own included (a sliding window; None: to every earlier one).
     softcap: the scaled logits become ``softcap * tanh(logits / softcap)`` before the mask
@@ -157,8 +183,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     backend = jax.default_backend()
     local = None if window is None else (window - 1, 0)  # positions before and after a query
     if backend != "cpu" and softcap is None:
+        every = slice(None)
         same = (None if segments is None else
-                segments[:, None, :, None] == segments[:, None, None, :])  # [batch, 1, q, k]
+                same_segment(segments, every, every)[:, None])  # [batch, 1, q, k]
         if path.fused_gpu and backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
             # cuDNN takes the segment mask as JAX passes it any mask: an additive bias [batch,
             # 1, seq, seq] beside its own causal mask. (Its packed layout of segment offsets is
@@ -187,8 +214,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         if window is not None:
             visible = visible & (keys > rows - window)
         if segments is not None:  # [batch, 1, block rows, keys]
-            visible = visible & (segments[:, lo:hi, None]
-                                 == segments[:, None, first:hi])[:, None]
+            visible = visible & same_segment(segments, slice(lo, hi), slice(first, hi))[:, None]
         probs = jax.nn.softmax(jnp.where(visible, logits, masked), axis=-1)
         blocks.append(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype),
                                  v[:, :, first:hi]))
@@ -359,7 +385,7 @@ class Attention(nnx.Module):
         self.o_lora = _adapter("o", inner, d, ("heads", "embed"), cfg)
 
     def __call__(self, x: jax.Array, rope: Rope | None, cache: KV | None = None,
-                 pos: jax.Array | int = 0, segments: jax.Array | None = None,
+                 pos: jax.Array | int = 0, segments: Segments | None = None,
                  start: jax.Array | None = None) -> tuple[jax.Array, KV | None]:
         """x: ``[batch, chunk, d_model]`` at cache slots ``pos ..``. Without a cache the chunk
         attends to itself causally (training; within each of ``segments`` when given); with
@@ -463,7 +489,7 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, rope: Rope | None, key: jax.Array | None,
                  cache: KV | None = None, pos: jax.Array | int = 0,
-                 segments: jax.Array | None = None, start: jax.Array | None = None,
+                 segments: Segments | None = None, start: jax.Array | None = None,
                  ) -> tuple[jax.Array, KV | None, RouterStats | None]:
         """The layer's output, its updated cache, and its router's statistics (a mixture of
         experts; else None)."""
@@ -582,7 +608,7 @@ class Transformer(nnx.Module):
 
     def features(self, tokens: jax.Array, key: jax.Array | None = None,
                  cache: list[KV] | None = None, pos: jax.Array | int = 0,
-                 segments: jax.Array | None = None,
+                 segments: Segments | None = None,
                  segment_positions: jax.Array | None = None,
                  router: list[RouterStats] | None = None,
                  start: jax.Array | None = None,
@@ -591,7 +617,9 @@ class Transformer(nnx.Module):
         output head multiplies by its table (``head_table``).
 
         segments, segment_positions: ``[batch, chunk]`` for rows of packed documents: each
-        token's document (attention stays inside it) and its position there (``< chunk``).
+        token's document (attention stays inside it) and its position there (``< chunk``);
+        or for rows of sequences sharing prefixes, ``SharedPrefixes`` and each token's position
+        in its sequence.
         router: a list the summed router statistics of the expert layers are appended to.
         start: with a cache, each row's first slot (``[batch]``): its positions count from
         there, and the slots before it are not attended to (a batch of prompts, left-padded)."""
@@ -650,7 +678,7 @@ class Transformer(nnx.Module):
         return Rope.at(pos + jnp.arange(chunk), rotary_frequencies(*rotary))
 
     def _blocks(self, x: jax.Array, ropes: list[Rope | None], key: jax.Array | None,
-                segments: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
+                segments: Segments | None = None) -> tuple[jax.Array, RouterStats | None]:
         """The layers in training and eval: unrolled, or one block under ``lax.scan`` over the
         layers' params stacked on the fly; each optionally rematerialized. The params keep one
         entry per layer either way, so checkpoints do not depend on these settings. Layer
@@ -672,7 +700,7 @@ class Transformer(nnx.Module):
         return self._scanned(x, split, ropes[0], key, segments)
 
     def _scanned(self, x: jax.Array, split: list[tuple[nnx.GraphDef, nnx.State]],
-                 rope: Rope | None, key: jax.Array | None, segments: jax.Array | None
+                 rope: Rope | None, key: jax.Array | None, segments: Segments | None
                  ) -> tuple[jax.Array, RouterStats | None]:
         """The layers (``split``: each one's graph and params) as one block under ``lax.scan``
         over their params stacked here; ``rope``: every layer's (under scan every layer is
@@ -686,7 +714,8 @@ class Transformer(nnx.Module):
                    RouterStats(*(jnp.sum(t, axis=0) for t in per_layer)))
 
     def _layer(self, graphdef: nnx.GraphDef, rope: Rope | None, key: jax.Array | None,
-               segments: jax.Array | None) -> Callable[..., tuple[jax.Array, RouterStats | None]]:
+               segments: Segments | None
+               ) -> Callable[..., tuple[jax.Array, RouterStats | None]]:
         """A layer as a function of its params, ``x`` and its index (``uint32``, from 1: its
         dropout key is ``fold_in(key, index)``), rematerialized as ``remat`` says."""
         def block(state: nnx.State, x: jax.Array, index: jax.Array

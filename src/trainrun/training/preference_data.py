@@ -39,7 +39,7 @@ from trainrun.data.record_rows import _locked as locked
 from trainrun.data.record_rows import _mapped as mapped
 from trainrun.errors import WriteFailed
 from trainrun.models.preference_losses import REFERENCE_FREE
-from trainrun.models.preference_transformer import REFERENCE_COLUMN, token_logps
+from trainrun.models.preference_transformer import REFERENCE_COLUMN, ROW_ARRAYS, token_logps
 from trainrun.models.transformer import bind_transformer
 from trainrun.program.precision import Policy
 
@@ -163,11 +163,10 @@ def compute_reference(config: RunConfig, policy: Policy, params: PyTree,
                             chunk=config.model.loss_chunk)  # type: ignore[union-attr]
         return jnp.pad(logps, ((0, 0), (1, 0)))
 
-    names = ("tokens", "segment_ids", "positions")
     total = arrays["tokens"].shape[0]
     out = np.zeros(arrays["tokens"].shape, np.float32)
     for start in range(0, total, batch_size):
-        batch = {name: np.asarray(arrays[name][start:start + batch_size]) for name in names}
+        batch = {name: np.asarray(arrays[name][start:start + batch_size]) for name in ROW_ARRAYS}
         short = batch_size - batch["tokens"].shape[0]
         if short:  # the one compiled shape: empty rows (segment 0) score nothing
             batch = {name: np.pad(value, ((0, short), (0, 0))) for name, value in batch.items()}

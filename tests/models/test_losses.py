@@ -139,3 +139,13 @@ def test_the_token_logps_of_the_whole_batch_never_exist_in_a_chunked_pass():
 
     assert largest_float32(grads(0), features, table) == TOKENS * VOCAB  # the control
     assert largest_float32(grads(10), features, table) == max(10 * VOCAB, VOCAB * D)
+
+
+def test_first_max_index_is_argmax_with_ties_infinities_and_nans() -> None:
+    from trainrun.models.losses import first_max_index
+
+    rows = np.array([[1.0, 3.0, 3.0, 2.0], [-np.inf] * 4, [0.0, np.nan, 5.0, np.nan],
+                     [np.inf, 1.0, np.inf, 0.0], [2.0, 2.0, 2.0, 2.0]], np.float32)
+    drawn = np.asarray(jax.random.normal(jax.random.key(0), (64, 300)))
+    for x in (rows, drawn, drawn.round(1)):
+        np.testing.assert_array_equal(first_max_index(jnp.asarray(x)), np.argmax(x, -1))

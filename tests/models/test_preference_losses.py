@@ -124,14 +124,16 @@ def test_a_reference_loss_without_reference_is_refused() -> None:
 
 
 @pytest.mark.slow  # a transformer compiled twice
-def test_packed_pairs_score_as_each_pair_alone() -> None:
+@pytest.mark.parametrize("window", [None, 4])  # 4: within a pair, fewer than its tokens
+def test_packed_pairs_score_as_each_pair_alone(window: int | None) -> None:
     from trainrun.config import TransformerModel
     from trainrun.data.pair_rows import pack_pairs, pair_length
     from trainrun.data.preference_pairs import Pair
     from trainrun.models import build_model
     from trainrun.models.transformer import SharedPrefixes, bind_transformer
 
-    cfg = TransformerModel(d_model=32, layers=2, heads=2, seq_len=63, vocab=50)
+    cfg = TransformerModel(d_model=32, layers=2, heads=2, seq_len=63, vocab=50,
+                           sliding_window=window)
     module = bind_transformer(cfg)(build_model(cfg).init(jax.random.key(0)))
     draw = np.random.default_rng(0)
 
@@ -155,7 +157,7 @@ def test_packed_pairs_score_as_each_pair_alone() -> None:
     assert all(rows["tokens"].shape[1] >= pair_length(p) for p in pairs)
     target = target_logps(jnp.asarray(rows["tokens"]),
                           SharedPrefixes(*(jnp.asarray(rows[name][:, :-1])
-                                           for name in ("pair_slot", "branch"))),
+                                           for name in ("pair_slot", "branch", "positions"))),
                           jnp.asarray(rows["positions"][:, :-1]))
     packed, present = PairLogps.of_rows(target, *(jnp.asarray(rows[name]) for name in
                                                    ("segment_ids", "pair_slot", "answer")), slots)

@@ -165,7 +165,8 @@ def test_a_model_with_capped_logits_scores_pairs_through_its_cap() -> None:
     def both(params, rows):
         module = bind_transformer(cfg)(params)
         tokens = rows["tokens"]
-        prefixes = SharedPrefixes(rows["pair_slot"][:, :-1], rows["branch"][:, :-1])
+        prefixes = SharedPrefixes(rows["pair_slot"][:, :-1], rows["branch"][:, :-1],
+                                  rows["positions"][:, :-1])
         features, _ = module.features(tokens[:, :-1], None, segments=prefixes,
                                       segment_positions=rows["positions"][:, :-1].astype(
                                           jnp.int32))
@@ -216,26 +217,32 @@ def test_the_rows_logits_are_held_a_chunk_at_a_time_with_the_same_loss(reference
     assert abs(losses[0] - losses[1]) < 1e-6 and abs(losses[0] - math.log(2.0)) > 1e-3
 
 
+@pytest.mark.parametrize("window", [None, 2, 3])
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])  # gpu: the XLA form with its mask
-def test_each_branch_attends_to_the_shared_prefix_and_itself_alone(backend, monkeypatch) -> None:
-    """A pair's rejected branch computes what its prompt and answer alone compute, and nothing
-    reaches it from the chosen branch beside it."""
+def test_each_branch_attends_to_the_shared_prefix_and_itself_alone(backend, window,
+                                                                   monkeypatch) -> None:
+    """A pair's rejected branch computes what its prompt and answer alone compute, within a
+    sliding window of positions too, and nothing reaches it from the chosen branch beside it."""
     from trainrun.models import transformer
 
     monkeypatch.setattr(transformer.jax, "default_backend", lambda: backend)
     q, k, v = (jax.random.normal(jax.random.key(i), (1, 9, 2, 8)) for i in range(3))
     # prefix (3 tokens), chosen branch (3), rejected branch (2), padding (1)
     prefixes = SharedPrefixes(jnp.array([[1, 1, 1, 1, 1, 1, 1, 1, 0]]),
-                              jnp.array([[0, 0, 0, 1, 1, 1, 2, 2, 0]]))
-    # rotary positions aside, a branch's tokens follow the prefix's: the same keys alone
-    rejected = transformer.causal_attention(q, k, v, prefixes)[0, 6:8]
-    alone = [0, 1, 2, 6, 7]
-    plain = transformer.causal_attention(q[:, alone], k[:, alone], v[:, alone])[0, 3:5]
+                              jnp.array([[0, 0, 0, 1, 1, 1, 2, 2, 0]]),
+                              jnp.array([[0, 1, 2, 3, 4, 5, 3, 4, 0]]))
+
+    def attention(q, k, v, segments=None):
+        return transformer.causal_attention(q, k, v, segments, window=window)
+
+    rejected = attention(q, k, v, prefixes)[0, 6:8]
+    alone = [0, 1, 2, 6, 7]  # the prompt and the rejected answer: slots and positions agree
+    plain = attention(q[:, alone], k[:, alone], v[:, alone])[0, 3:5]
     np.testing.assert_allclose(rejected, plain, rtol=1e-5, atol=1e-6)
 
-    def out_of_rejected(k, v):
-        return transformer.causal_attention(q, k, v, prefixes)[0, 6:8].sum()
-
-    dk, dv = jax.grad(out_of_rejected, argnums=(0, 1))(k, v)
+    dk, dv = jax.grad(lambda k, v: attention(q, k, v, prefixes)[0, 6:8].sum(),
+                      argnums=(0, 1))(k, v)
     assert not np.asarray(dk[0, 3:6]).any() and not np.asarray(dv[0, 3:6]).any()
-    assert np.asarray(dv[0, :3]).all() and np.asarray(dv[0, 6:8]).all()
+    seen = 3 if window is None else window - 1  # prefix tokens the last one sees
+    assert np.asarray(dv[0, 3 - seen:3]).all() and np.asarray(dv[0, 6:8]).all()
+    assert not np.asarray(dv[0, :3 - seen]).any()

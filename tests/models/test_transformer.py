@@ -160,19 +160,23 @@ def test_attention_logits_are_soft_capped_before_the_mask_on_every_path(backend,
 
 
 def test_cached_attention_soft_caps_with_grouped_heads():
-    """Decoding's attention to a key/value cache: a chunk of 5 queries at slots 20.. of 30."""
+    """Decoding's attention to a key/value cache: a chunk of 5 queries at slots 20.. of 30,
+    with and without soft-capping, equal to ``dot_product_attention``'s without."""
     from trainrun.models.transformer import cached_attention
 
     q, _, _ = qkv(1, seq=5)
     _, k, v = qkv(2, seq=30)
     rows, keys = 20 + np.arange(5)[:, None], np.arange(30)[None, :]
     visible = (keys <= rows)[None]
-    got = cached_attention(q, k, v, visible, scale=0.4, softcap=2.0)
+    cached_k, cached_v = (t.transpose(0, 2, 1, 3) for t in (k, v))  # the cache is head-major
+    got = cached_attention(q, cached_k, cached_v, visible, scale=0.4, softcap=2.0)
     want = reference_attention(q, k, v, scale=0.4, cap=2.0, start=20)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
-    plain = cached_attention(q, k, v, visible, scale=0.4)  # dot_product_attention's
+    plain = cached_attention(q, cached_k, cached_v, visible, scale=0.4)
     np.testing.assert_allclose(plain, reference_attention(q, k, v, scale=0.4, start=20),
                                rtol=0, atol=2e-5)
+    dot_product = jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], scale=0.4)
+    np.testing.assert_allclose(plain, dot_product, rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("chunk", [0, 7])

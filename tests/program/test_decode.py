@@ -108,3 +108,14 @@ def test_the_stop_string_that_ends_first_stops_and_multi_character_tokens_are_ke
     assert stops.cut("efg") == "efg"
     with pytest.raises(SampleError, match="empty"):
         StopStrings(("",), str)
+
+
+def test_a_sampled_token_is_jax_random_categoricals_draw() -> None:
+    from trainrun.program.decode import categorical
+
+    logits = jax.random.normal(jax.random.key(1), (16, 264)) * 3
+    keys = jax.random.split(jax.random.key(2), 200)
+    ours = jax.jit(jax.vmap(categorical, (0, None)))(keys, logits)
+    theirs = jax.jit(jax.vmap(jax.random.categorical, (0, None)))(keys, logits)
+    np.testing.assert_array_equal(ours, theirs)
+    assert len(np.unique(np.asarray(ours))) > 100  # draws, not one token

@@ -60,6 +60,7 @@ from trainrun.errors import UserError
 from trainrun.evaluation.language_model import LanguageModel, load
 from trainrun.evaluation.text_tokens import TextTokenizer, load_tokenizer
 from trainrun.fast import strategies
+from trainrun.models.losses import first_max_index
 from trainrun.models.transformer import PLAIN_ATTENTION, AttentionPath, bind_transformer
 from trainrun.program.precision import DTYPES, cast_floats
 
@@ -481,7 +482,7 @@ def _scorer(cfg: TransformerModel, compute: str, attention: AttentionPath = PLAI
         flat = targets.reshape(-1)
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), flat[:, None],
                                      axis=-1)[:, 0]
-        return picked.reshape(tokens.shape), (jnp.argmax(logits, -1) == flat).reshape(
+        return picked.reshape(tokens.shape), (first_max_index(logits) == flat).reshape(
             tokens.shape)
 
     return jax.jit(score)

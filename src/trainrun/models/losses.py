@@ -12,6 +12,15 @@ import optax
 LN2 = math.log(2.0)
 
 
+def first_max_index(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` (the first greatest value's index, or the first NaN's) as
+    int32, from two plain reductions: XLA:CPU runs argmax's one reduction of value and index
+    pairs several times slower (BENCHMARKS.md, "Reinforcement learning (GRPO)")."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where((x == top) | jnp.isnan(x), index, x.shape[-1]), axis=-1)
+
+
 def mean_squared_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean((predictions.astype(jnp.float32) - targets) ** 2)
 
@@ -21,7 +30,7 @@ def classification(logits: jax.Array,
     """Mean cross-entropy over every position of ``labels`` and the accuracy of the argmax."""
     logits = logits.astype(jnp.float32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == labels)
+    accuracy = jnp.mean(first_max_index(logits) == labels)
     return loss, {"accuracy": accuracy}
 
 
@@ -211,7 +220,7 @@ def _chunk_forward(features: jax.Array, embedding: jax.Array, targets: jax.Array
     valid = targets >= 0
     picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
     loss = jnp.where(valid, lse - picked, 0.0)
-    hit = jnp.where(valid, jnp.argmax(logits, axis=-1) == targets, False)
+    hit = jnp.where(valid, first_max_index(logits) == targets, False)
     return lse, loss, hit, logits
 
 

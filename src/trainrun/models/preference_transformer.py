@@ -52,9 +52,9 @@ def token_logps(module: Transformer, batch: Batch, key: jax.Array | None = None,
     tokens = batch["tokens"]
     segments = batch["segment_ids"].astype(jnp.int32)
     prefixes = SharedPrefixes(*(batch[name][:, :-1].astype(jnp.int32)
-                                for name in ("pair_slot", "branch")))
+                                for name in ("pair_slot", "branch", "positions")))
     features, _ = module.features(tokens[:, :-1], key, segments=prefixes,
-                                  segment_positions=batch["positions"][:, :-1].astype(jnp.int32))
+                                  segment_positions=prefixes.position)
     same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
     targets = jnp.where(same, tokens[:, 1:].astype(jnp.int32), -1)  # -1: not a target
     logps, _ = head_token_logps(features, module.head_table(), targets.reshape(-1), chunk,

@@ -44,30 +44,38 @@ PyTree = Any
 class SharedPrefixes(NamedTuple):
     """Packed rows whose sequences may share a prefix (a preference pair's chosen and
     rejected answer after one prompt), ``[batch, seq]`` each: ``group``, the id of the
-    sequences sharing a prefix (0: padding), and ``branch``, 0 on the group's shared prefix
-    and ``b > 0`` on the tokens of its sequence ``b``. A token attends to the earlier tokens of
-    its group that are the prefix's or its own sequence's."""
+    sequences sharing a prefix (0: padding); ``branch``, 0 on the group's shared prefix and
+    ``b > 0`` on the tokens of its sequence ``b``; ``position``, each token's position in its
+    sequence. A token attends to the earlier tokens of its group that are the prefix's or its
+    own sequence's, and a sliding window counts positions, not slots: a later sequence's
+    tokens lie further from the prefix in the row than in their sequence."""
 
     group: jax.Array
     branch: jax.Array
+    position: jax.Array
 
 
 Segments = jax.Array | SharedPrefixes  # documents' ids, or groups sharing a prefix
 
 
-def same_segment(segments: Segments, rows: slice, keys: slice) -> jax.Array:
+def same_segment(segments: Segments, rows: slice, keys: slice,
+                 window: int | None = None) -> jax.Array:
     """``[batch, rows, keys]``: whether each query row may see each key by its segment (the
-    causal mask aside): the same document, or a shared prefix's or its own sequence's token."""
+    causal mask aside): the same document, or a shared prefix's or its own sequence's token,
+    within ``window`` positions of it where given."""
     if isinstance(segments, SharedPrefixes):
-        group, branch = segments
+        group, branch, position = segments
         mine, theirs = branch[:, rows, None], branch[:, None, keys]
-        return ((group[:, rows, None] == group[:, None, keys])
+        same = ((group[:, rows, None] == group[:, None, keys])
                 & ((theirs == 0) | (theirs == mine)))
+        if window is not None:
+            same = same & (position[:, rows, None] - position[:, None, keys] < window)
+        return same
     return segments[:, rows, None] == segments[:, None, keys]
 
 
 class KV(NamedTuple):
-    """One layer's key/value cache: ``[batch, max_len, kv_heads, head_dim]`` each."""
+    """One layer's key/value cache: ``[batch, kv_heads, max_len, head_dim]`` each."""
 
     k: jax.Array
     v: jax.Array
@@ -181,11 +189,14 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     form.
     """
     backend = jax.default_backend()
-    local = None if window is None else (window - 1, 0)  # positions before and after a query
+    # the window of rows of shared prefixes is in their positions (SharedPrefixes), not slots
+    by_position = window if isinstance(segments, SharedPrefixes) else None
+    by_slot = None if by_position else window
+    local = None if by_slot is None else (by_slot - 1, 0)  # slots before and after a query
     if backend != "cpu" and softcap is None:
         every = slice(None)
         same = (None if segments is None else
-                same_segment(segments, every, every)[:, None])  # [batch, 1, q, k]
+                same_segment(segments, every, every, by_position)[:, None])  # [batch, 1, q, k]
         if path.fused_gpu and backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
             # cuDNN takes the segment mask as JAX passes it any mask: an additive bias [batch,
             # 1, seq, seq] beside its own causal mask. (Its packed layout of segment offsets is
@@ -205,16 +216,17 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     blocks = []
     for lo in range(0, seq, path.block):
         hi = min(lo + path.block, seq)
-        first = 0 if window is None else max(0, lo - window + 1)  # keys any row here sees
+        first = 0 if by_slot is None else max(0, lo - by_slot + 1)  # keys any row here sees
         logits = float32_dot(q[:, :, lo:hi], k[:, :, first:hi],
                              (((3,), (3,)), ((0, 1), (0, 1)))) * jnp.float32(scale)
         logits = softcapped(logits, softcap)
         keys, rows = jnp.arange(first, hi)[None, :], jnp.arange(lo, hi)[:, None]
         visible = keys <= rows
-        if window is not None:
-            visible = visible & (keys > rows - window)
+        if by_slot is not None:
+            visible = visible & (keys > rows - by_slot)
         if segments is not None:  # [batch, 1, block rows, keys]
-            visible = visible & same_segment(segments, slice(lo, hi), slice(first, hi))[:, None]
+            visible = visible & same_segment(segments, slice(lo, hi), slice(first, hi),
+                                             by_position)[:, None]
         probs = jax.nn.softmax(jnp.where(visible, logits, masked), axis=-1)
         blocks.append(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype),
                                  v[:, :, first:hi]))
@@ -223,25 +235,31 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
                      scale: float | None = None, softcap: float | None = None) -> jax.Array:
-    """Attention of ``[batch, chunk, heads, head_dim]`` queries to a cache's ``[batch, slots,
-    kv_heads, head_dim]`` keys and values, each query to the slots ``visible`` (``[batch or 1,
-    chunk, slots]``) marks; grouped-query attention as ``dot_product_attention`` takes it
-    (query head ``h`` reads key/value head ``h // (heads // kv_heads)``). With ``softcap`` the
-    scaled logits are soft-capped (``softcapped``), which ``dot_product_attention`` does not
-    compute: its XLA form's maths are then written out here."""
-    if softcap is None:
-        return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], scale=scale)
+    """Attention of ``[batch, chunk, heads, head_dim]`` queries to a cache's ``[batch,
+    kv_heads, slots, head_dim]`` keys and values, each query to the slots ``visible``
+    (``[batch or 1, chunk, slots]``) marks; grouped-query attention as
+    ``dot_product_attention`` takes it (query head ``h`` reads key/value head ``h // (heads //
+    kv_heads)``), and its maths (scaled logits in float32, masked, softmax, weighted values);
+    with ``softcap`` the scaled logits are soft-capped first (``softcapped``).
+
+    The cache is head-major so that both products are batched over (batch, key/value head)
+    with no copy of the cache into another layout at each decoded token."""
     batch, chunk, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    grouped = q.reshape(batch, chunk, kv_heads, heads // kv_heads, head_dim)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped, k,
-                        preferred_element_type=jnp.float32) * jnp.float32(scale)
+    # [batch, kv_heads, group * chunk, head_dim]: a key/value head's queries side by side
+    grouped = (q.reshape(batch, chunk, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+               .reshape(batch, kv_heads, group * chunk, head_dim))
+    logits = jax.lax.dot_general(grouped, k, (((3,), (3,)), ((0, 1), (0, 1))),
+                                 preferred_element_type=jnp.float32) * jnp.float32(scale)
+    logits = softcapped(logits, softcap).reshape(batch, kv_heads, group, chunk, -1)
     masked = jnp.asarray(-0.7 * float(jnp.finfo(jnp.float32).max), jnp.float32)
-    probs = jax.nn.softmax(jnp.where(visible[:, None, None], softcapped(logits, softcap),
-                                     masked), axis=-1)
-    y = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
-    return y.reshape(batch, chunk, heads, head_dim)
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], logits, masked), axis=-1)
+    y = jax.lax.dot_general(probs.astype(v.dtype).reshape(batch, kv_heads, group * chunk, -1), v,
+                            (((3,), (2,)), ((0, 1), (0, 1))))
+    return (y.reshape(batch, kv_heads, group, chunk, head_dim).transpose(0, 3, 1, 2, 4)
+            .reshape(batch, chunk, heads, head_dim))
 
 
 def _linear(d_in: int, d_out: int, axes: tuple[str, str], std: float, rngs: nnx.Rngs,
@@ -414,9 +432,10 @@ class Attention(nnx.Module):
             y = causal_attention(q, k, v, segments, scale=self.scale, window=self.window,
                                  softcap=self.softcap, path=self.path)
         else:
-            cache = KV(jax.lax.dynamic_update_slice(cache.k, k, (0, pos, 0, 0)),
-                       jax.lax.dynamic_update_slice(cache.v, v, (0, pos, 0, 0)))
-            keys, rows = jnp.arange(cache.k.shape[1])[None, :], pos + jnp.arange(c)[:, None]
+            cache = KV(*(jax.lax.dynamic_update_slice(kept, new.transpose(0, 2, 1, 3),
+                                                      (0, 0, pos, 0))
+                         for kept, new in ((cache.k, k), (cache.v, v))))
+            keys, rows = jnp.arange(cache.k.shape[2])[None, :], pos + jnp.arange(c)[:, None]
             visible = (keys <= rows)[None]
             if self.window is not None:
                 visible = visible & (keys > rows - self.window)
@@ -734,7 +753,7 @@ class Transformer(nnx.Module):
                               prevent_cse=not self.scan_layers)
 
     def empty_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> list[KV]:
-        shape = (batch, max_len, self.kv_heads, self.head_dim)
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
         return [KV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(self.layers)]
 
 

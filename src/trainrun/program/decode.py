@@ -31,6 +31,7 @@ import numpy as np
 
 from trainrun.config import TransformerModel
 from trainrun.errors import LineWarning, UserError
+from trainrun.models.losses import first_max_index
 from trainrun.models.transformer import Transformer, bind_transformer
 from trainrun.program.precision import DTYPES, cast_floats
 
@@ -284,6 +285,12 @@ def _drawn_from(key: jax.Array, index: int, temperature: float) -> jax.Array:
 SEED_MAX = 2**32 - 1  # jax.random.key's range without wrapping, as the config's seed
 
 
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """``jax.random.categorical(key, logits)``'s draw, the same bits (the greatest of the logits
+    plus Gumbel noise), with its argmax as ``first_max_index``."""
+    return first_max_index(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
+
+
 def require_settings(tokens: int, temperature: float, seed: int, top_p: float = 1.0) -> None:
     """Decoding settings refused in one line, before a checkpoint is read."""
     if tokens < 1:
@@ -337,13 +344,13 @@ def decoder(cfg: TransformerModel, rows: int, width: int, tokens: int,
     def pick(logits: jax.Array, key: jax.Array, temperature: jax.Array,
              top_p: jax.Array | float) -> jax.Array:
         if not sampled:  # greedy draws no noise: no random bits, nor their compile
-            return jnp.argmax(logits, -1).astype(jnp.int32)
+            return first_max_index(logits)
         scaled = logits / jnp.maximum(temperature, 1e-6)
         if nucleus:
             scaled = nucleus_logits(scaled, top_p)
         if own_keys:
-            return jax.vmap(jax.random.categorical)(key, scaled).astype(jnp.int32)
-        return jax.random.categorical(key, scaled).astype(jnp.int32)
+            return jax.vmap(categorical)(key, scaled)
+        return categorical(key, scaled)
 
     def token_key(key: jax.Array, i: jax.Array) -> jax.Array:
         return (jax.vmap(jax.random.fold_in, (0, None))(key, i) if own_keys else

@@ -216,3 +216,23 @@ def test_the_logps_of_a_model_with_capped_logits_are_those_of_its_capped_logits(
     want = forward_logps(capped, params, text, 4)
     assert not np.allclose(want, forward_logps(CFG, params, text, 4), atol=1e-4)
     np.testing.assert_allclose(got[0], want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])  # 5: fewer positions than a prompt and answer
+def test_a_prompts_completions_share_a_row_and_score_as_each_alone(params, window):
+    """token_logps puts a prompt's completions in one row of the forward pass (the prompt once)
+    where that costs less, with the log-probabilities and entropies of each row alone."""
+    cfg = CFG.model_copy(update={"sliding_window": window})
+    module = bind_transformer(cfg)(params)
+    drawn = draw_rollouts(cfg, params, PROMPTS, KEY, STEP, RolloutSettings(G, LIMIT))
+    rows, width = drawn.tokens.shape[0], drawn.tokens.shape[1] - LIMIT
+    assert rollouts.completions_per_row(module, rows, G, width, LIMIT) == G
+    shared = jax.jit(rollouts.token_logps, static_argnums=(3, 4, 5))
+    apart = shared(module, drawn.tokens, drawn.start, LIMIT, 0, 1)
+    together = shared(module, drawn.tokens, drawn.start, LIMIT, 0, G)
+    for one, other in zip(apart, together, strict=True):
+        np.testing.assert_allclose(other, one, rtol=0, atol=1e-5)
+    for row in range(rows):  # and those of the text alone, no padding
+        text = np.asarray(drawn.tokens[row, int(drawn.start[row]):])
+        np.testing.assert_allclose(together[0][row], forward_logps(cfg, params, text, LIMIT),
+                                   atol=1e-5)

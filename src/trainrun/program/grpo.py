@@ -57,7 +57,7 @@ def grpo_loss(cfg: TransformerModel, objective: PolicyGradientLoss) -> GrpoLoss:
              old_logps: jax.Array | None = None, reference_logps: jax.Array | None = None,
              tokens_in_batch: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
         logps, entropy = token_logps(module_of(params), rollouts.tokens, rollouts.start,
-                                     rollouts.limit, cfg.loss_chunk)
+                                     rollouts.limit, cfg.loss_chunk, rollouts.group)
         mask = rollouts.completion_mask
         value, metrics = objective(logps, advantages, mask, old_logps, reference_logps,
                                    tokens_in_batch)

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from trainrun.config import BATCH_AXES, TransformerModel
 from trainrun.models.losses import head_token_logps
 from trainrun.models.preference_transformer import adapters_off
-from trainrun.models.transformer import Transformer, bind_transformer
+from trainrun.models.transformer import SharedPrefixes, Transformer, bind_transformer
 from trainrun.program.decode import (
     SampleError,
     StopStrings,
@@ -165,7 +165,8 @@ def draw_rollouts(cfg: TransformerModel, params: PyTree, prompts: Sequence[np.nd
     mask = np.arange(settings.tokens)[None] < counts[:, None]
     tokens = np.concatenate([ids, np.where(mask, drawn, 0)], axis=1)
     tokens, start, mask = place(tokens), place(start), place(mask)
-    old = (completion_logps(cfg, params, tokens, start, mask, settings.compute) if old_logps
+    old = (completion_logps(cfg, params, tokens, start, mask, settings.compute,
+                            settings.group) if old_logps
            else place(np.zeros(mask.shape, np.float32)))
     return Rollouts(tokens, start, mask, place(counts), old, settings.group)
 
@@ -202,46 +203,94 @@ def _placer(mesh: Mesh | None, rows: int) -> Any:
 
 
 def token_logps(module: Transformer, tokens: jax.Array, start: jax.Array,
-                limit: int, chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+                limit: int, chunk: int = 0, group: int = 1) -> tuple[jax.Array, jax.Array]:
     """The log-probability of each of the last ``limit`` tokens of each row of ``tokens``
     ``[rows, width + limit]`` (left-padded from ``start``) given the tokens before it, and the
     entropy of the distribution it was drawn from (a measurement: no gradient): each ``[rows,
     limit]`` float32. One forward pass of the whole text; the padding is a document of its own,
-    which nothing attends across (``Transformer.features``' segments), and each row's positions
-    count from its start. The head's logits ``chunk`` tokens at a time (``model.loss_chunk``)."""
+    which nothing attends across, and each row's positions count from its start. The head's
+    logits ``chunk`` tokens at a time (``model.loss_chunk``).
+
+    group: how many consecutive rows hold one prompt's completions (the same prompt, the same
+    start). Where it pays (``completions_per_row``), several of them go in one row of the
+    forward pass: the prompt but its last token once, then each completion after that token,
+    each attending to the prompt and to itself alone (``SharedPrefixes``), so the prompt is
+    computed once for them, not once per completion."""
     inputs = tokens[:, :-1].astype(jnp.int32)
     rows, length = inputs.shape
-    slots = jnp.arange(length)[None]
-    segments = (slots >= start[:, None]).astype(jnp.int32)
-    positions = jnp.maximum(slots - start[:, None], 0)
-    features, _ = module.features(inputs, None, segments=segments, segment_positions=positions)
-    features = features.reshape(rows, length, -1)[:, length - limit:]
+    width = length + 1 - limit  # the prompts' padded width
+    per_row = completions_per_row(module, rows, group, width, limit)
+    packed = rows // per_row
+    lead = width - 1  # the prompt but its last slot: shared by a row's completions
+    prefix_slots = jnp.arange(lead)[None]
+    first = start[::per_row, None]  # [packed, 1]: a row's completions share their start
+    tail = per_row * limit  # each completion: the prompt's last token, then its inputs
+    inputs = jnp.concatenate([inputs[::per_row, :lead], inputs[:, lead:].reshape(packed, tail)],
+                             axis=1)
+    segments = SharedPrefixes(
+        group=jnp.concatenate([(prefix_slots >= first).astype(jnp.int32),
+                               jnp.ones((packed, tail), jnp.int32)], axis=1),
+        branch=jnp.broadcast_to(jnp.concatenate([
+            jnp.zeros(lead, jnp.int32), jnp.repeat(jnp.arange(1, per_row + 1), limit)]),
+            inputs.shape),
+        position=jnp.concatenate([jnp.maximum(prefix_slots - first, 0),
+                                  lead - first + jnp.tile(jnp.arange(limit), per_row)[None]],
+                                 axis=1))
+    features, _ = module.features(inputs, None, segments=segments,
+                                  segment_positions=segments.position)
+    features = features.reshape(packed, lead + tail, -1)[:, lead:].reshape(rows * limit, -1)
     taken = tokens[:, -limit:].astype(jnp.int32).reshape(-1)
-    logps, entropy = head_token_logps(features.reshape(rows * limit, -1), module.head_table(),
-                                      taken, chunk, module.final_softcap)
+    logps, entropy = head_token_logps(features, module.head_table(), taken, chunk,
+                                      module.final_softcap)
     return logps.reshape(rows, limit), entropy.reshape(rows, limit)
 
 
+# A masked logit's mask, softmax and their gradients, in multiply-adds' time: elementwise work
+# runs far below a matmul's rate (BENCHMARKS.md, "Reinforcement learning (GRPO)").
+LOGIT_COST = 150
+
+
+def completions_per_row(module: Transformer, rows: int, group: int, width: int,
+                        limit: int) -> int:
+    """How many of a prompt's completions ``token_logps`` puts in one row: the divisor of
+    ``group`` and ``rows`` that costs the least, counting each token's multiply-adds through
+    the layers and the head, and its attention to the keys before it (half a row on average;
+    each key a product with the query and the value, and a masked logit), for which a row of
+    more completions pays with longer rows."""
+    vocab, d_model = module.head_table().shape
+    layers, heads = module.layers, module.blocks["0"].attn.heads
+    per_token = 12 * d_model * d_model * layers + vocab * d_model  # projections, MLP, head
+    per_key = layers * (2 * d_model + LOGIT_COST * heads)
+
+    def cost(per_row: int) -> float:
+        length = width - 1 + per_row * limit
+        return rows / per_row * length * (per_token + per_key * length / 2)
+
+    return min((n for n in range(1, group + 1) if group % n == 0 and rows % n == 0), key=cost)
+
+
 @functools.lru_cache(maxsize=8)
-def _logps_program(cfg: TransformerModel, compute: str) -> Any:
+def _logps_program(cfg: TransformerModel, compute: str, group: int) -> Any:
     """The jitted ``(params, tokens, start, mask) -> logps`` of ``completion_logps``."""
     module_of, dtype = bind_transformer(cfg), DTYPES[compute]
 
     def logps(params: PyTree, tokens: jax.Array, start: jax.Array,
               mask: jax.Array) -> jax.Array:
         found, _ = token_logps(module_of(cast_floats(params, dtype)), tokens, start,
-                               mask.shape[1], cfg.loss_chunk)
+                               mask.shape[1], cfg.loss_chunk, group)
         return jnp.where(mask, found, 0.0)
 
     return jax.jit(logps)
 
 
 def completion_logps(cfg: TransformerModel, params: PyTree, tokens: jax.Array,
-                     start: jax.Array, mask: jax.Array, compute: str = "float32") -> jax.Array:
+                     start: jax.Array, mask: jax.Array, compute: str = "float32",
+                     group: int = 1) -> jax.Array:
     """``[rows, limit]`` float32: the log-probability of each completion token (``mask``
-    ``[rows, limit]``; 0 outside it) under ``params`` in ``compute`` (``token_logps``)."""
+    ``[rows, limit]``; 0 outside it) under ``params`` in ``compute`` (``token_logps``; rows in
+    groups of ``group`` per prompt)."""
     # Frozen sections hash at run time; pyright reads frozen only from class keywords.
-    return _logps_program(cfg, compute)(params, tokens, start, mask)  # pyright: ignore[reportArgumentType]
+    return _logps_program(cfg, compute, group)(params, tokens, start, mask)  # pyright: ignore[reportArgumentType]
 
 
 def reference_logps(cfg: TransformerModel, params: PyTree, rollouts: Rollouts,
@@ -252,4 +301,4 @@ def reference_logps(cfg: TransformerModel, params: PyTree, rollouts: Rollouts,
     function); 0 outside the completion mask."""
     reference = params if cfg.lora is None else adapters_off(params)
     return completion_logps(cfg, reference, rollouts.tokens, rollouts.start,
-                            rollouts.completion_mask, compute)
+                            rollouts.completion_mask, compute, rollouts.group)

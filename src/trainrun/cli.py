@@ -49,7 +49,8 @@ def _verify_resume(args: argparse.Namespace) -> int:
     require_backend()  # the runs' states are compared here: one line if JAX cannot start
     return verify_resume(args.config, args.overrides, kill_at=args.kill_at,
                          kill_in_save=args.kill_in_save,
-                         kill_in_reference=args.kill_in_reference, work_dir=args.work_dir,
+                         kill_in_reference=args.kill_in_reference,
+                         kill_in_generation=args.kill_in_generation, work_dir=args.work_dir,
                          keep=args.keep)
 
 
@@ -302,6 +303,10 @@ def _add_verify_resume(commands: Commands) -> None:
     verify.add_argument("--kill-in-reference", action="store_true",
                         help="kill -9 in a preference run's reference pass, its column written "
                              "and not yet committed")
+    verify.add_argument("--kill-in-generation", type=int, action="append", default=[],
+                        metavar="STEP",
+                        help="kill -9 in a reinforcement-learning run while its decoder draws "
+                             "the rollouts after the checkpoint at STEP (repeatable)")
     verify.add_argument("--work-dir", default=None,
                         help="where the runs go (default: a new temporary directory)")
     verify.add_argument("--keep", action="store_true",

@@ -8,13 +8,17 @@
                           of its own; the process SIGKILLs itself when the reference column is
                           written but not yet committed by its manifest; then a new process
                           starts it again on what the kill left
+    kill in generation    a reinforcement-learning run: train it again; once the checkpoint at
+                          STEP is committed, the process SIGKILLs itself while its decoder
+                          draws the next rollouts; then a new process resumes it from STEP
     compare               every step's loss and grad norm from metrics.jsonl (float32 bits), and
                           a sha256 of the final checkpoint's state arrays and data position
 
 The kill is a real ``kill -9`` (no handler runs, no file is closed), sent by the process to
 itself so that the kill point is exact: the runs are ``trainrun train`` with one callback more,
 ``KillAt``, which hears of each save (``Callback.on_checkpoint``); for the kill in the
-reference pass, the write of the reference's manifest is replaced by the kill. Kill points
+reference pass, the write of the reference's manifest is replaced by the kill, and in
+generation a thread sends the kill as the decoder's program is called. Kill points
 are checkpoint steps (and that one), so the runs save by steps only
 (``checkpoint.every_seconds=0``); a config that saves by time only is checked with a
 checkpoint at half its steps. Which step a run resumed from is read
@@ -32,6 +36,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TextIO
@@ -51,6 +57,7 @@ from trainrun.training.callbacks import Boundary, Callback
 
 COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)
 REFERENCE = "reference"  # the kill in a preference run's reference pass
+GENERATION = "generation"  # the kill while an RL run's decoder draws rollouts
 
 
 @dataclasses.dataclass
@@ -70,11 +77,13 @@ class Chain:
 
 def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
                   kill_in_save: list[int], kill_in_reference: bool = False,
+                  kill_in_generation: list[int] | None = None,
                   work_dir: str | None = None, keep: bool = False,
                   jobs: int | None = None, out: TextIO | None = None) -> int:
     shown: TextIO = sys.stdout if out is None else out  # the stdout of now, not of the import
     config = _config_to_check(config_name, overrides)
-    kills = _kill_points(config, kill_at, kill_in_save, kill_in_reference)
+    kills = _kill_points(config, kill_at, kill_in_save, kill_in_reference,
+                         kill_in_generation or [])
     base, local = _work_dirs(work_dir)
     config_path = local / "config.yaml"
     config_path.write_text(dump_yaml(config))
@@ -83,7 +92,8 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
     for step, when in kills:
         what = {"committed": f"kill -9 after checkpoint {step} committed",
                 "in-save": f"kill -9 during async save of {step}",
-                REFERENCE: "kill -9 in the reference pass"}[when]
+                REFERENCE: "kill -9 in the reference pass",
+                GENERATION: f"kill -9 in generation after checkpoint {step}"}[when]
         chains.append(Chain(what, base / f"kill-{when}-{step}", kill=f"{step}:{when}"))
     ckpt = config.checkpoint
     shown.write(f"verify-resume: {config.name}, {config.steps} steps, checkpoint every "
@@ -150,24 +160,30 @@ def _work_dirs(work_dir: str | None) -> tuple[location.Location, Path]:
 
 
 def _kill_points(config: RunConfig, kill_at: list[int], kill_in_save: list[int],
-                 kill_in_reference: bool = False) -> list[tuple[int, str]]:
+                 kill_in_reference: bool = False,
+                 kill_in_generation: list[int] | None = None) -> list[tuple[int, str]]:
+    """The chains' kills, ``(step, when)``: those asked for, or without any, one after the first
+    checkpoint, one during the save of the second, and for the runs that have one, one in the
+    reference pass and one in generation after the first checkpoint."""
+    generation = list(kill_in_generation or [])
     cached = preference_data.needs_reference_column(config)
     if kill_in_reference and not cached:
         raise ConfigError("--kill-in-reference needs a preference run whose loss has a "
                           "reference kept before training (preference.reference=cached)")
-    reference = [(0, REFERENCE)] if kill_in_reference or (
-        cached and not kill_at and not kill_in_save) else []
+    if generation and config.rl is None:
+        raise ConfigError("--kill-in-generation needs a reinforcement-learning run (an rl "
+                          "section): no other run generates while it trains")
     every = config.checkpoint.every
     saves = list(range(every, config.steps, every)) if every else []
-    if kill_in_reference and not kill_at and not kill_in_save:
-        return reference
-    if not kill_at and not kill_in_save:
+    if not (kill_at or kill_in_save or generation or kill_in_reference):
         if not saves:
             raise ConfigError(f"no checkpoint before the end to kill at: set checkpoint.every "
                               f"below steps ({config.steps})")
         kill_at = saves[:1]
         kill_in_save = (saves[1:2] or saves[:1]) if config.checkpoint.async_ else []
-    for step in [*kill_at, *kill_in_save]:
+        generation = saves[:1] if config.rl is not None else []
+        kill_in_reference = cached
+    for step in [*kill_at, *kill_in_save, *generation]:
         if step not in saves:
             raise ConfigError(f"step {step} is not a checkpoint before the end (checkpoint."
                               f"every={every}, steps={config.steps}); kill at one of "
@@ -176,7 +192,8 @@ def _kill_points(config: RunConfig, kill_at: list[int], kill_in_save: list[int],
         raise ConfigError("--kill-in-save needs checkpoint.async=true (a synchronous save is "
                           "committed before the run goes on)")
     return ([(s, "committed") for s in kill_at] + [(s, "in-save") for s in kill_in_save]
-            + reference)
+            + [(s, GENERATION) for s in generation]
+            + ([(0, REFERENCE)] if kill_in_reference else []))
 
 
 def _train(config_path: Path, run_dir: Path, log: Path, kill: str | None = None,
@@ -235,6 +252,8 @@ def _why(log: Path) -> str:
 def _after_kill(chain: Chain, kill: str) -> str:
     """What the kill left behind: for a kill during a save, whether it really was in flight."""
     step, when = kill.split(":")
+    if when == GENERATION:
+        return _after_generation_kill(chain, int(step))
     ckpt_dir = chain.run_dir / CHECKPOINTS
     names = location.list_names(ckpt_dir)
     if location.is_remote(ckpt_dir):  # committed by its commit file; a step without is partial
@@ -252,6 +271,17 @@ def _after_kill(chain: Chain, kill: str) -> str:
                               "nothing was in flight")
         return "not in flight"
     return "in flight (partial dir left)" if partial else "in flight"
+
+
+def _after_generation_kill(chain: Chain, step: int) -> str:
+    """What a kill in generation left: the checkpoint at ``step`` committed, none after it."""
+    committed = committed_steps(chain.run_dir / CHECKPOINTS)
+    if step not in committed:
+        chain.problems.append(f"checkpoint {step} was not committed when generation was killed")
+    if any(later > step for later in committed):
+        chain.problems.append(f"a checkpoint after {step} was committed before the kill in "
+                              "generation")
+    return "in flight (decoder running)"
 
 
 def _after_reference_kill(chain: Chain, cache: Path) -> str:
@@ -377,6 +407,41 @@ def kill_before_reference_manifest() -> None:
     preference_data.write_manifest = killed  # type: ignore[assignment]
 
 
+class KillInGeneration(Callback):
+    """Fault injection: once the checkpoint of ``step`` is committed, SIGKILL this process as
+    the decoder's program that draws the next rollouts is called (a thread sends the kill, so
+    it lands while the program runs, or at its call)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_checkpoint(self, boundary: Boundary) -> None:
+        if boundary.step != self.step:
+            return
+        boundary.wait_for_checkpoint()
+        from trainrun.program import rollouts
+
+        made = rollouts.decoder
+
+        def killing(*args: object, **kwargs: object) -> Callable[..., object]:
+            program = made(*args, **kwargs)
+
+            def run(*operands: object) -> object:
+                called = threading.Event()
+
+                def kill() -> None:
+                    called.wait()
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+                threading.Thread(target=kill, daemon=True).start()
+                called.set()
+                return program(*operands)
+
+            return run
+
+        rollouts.decoder = killing  # type: ignore[assignment]
+
+
 class KillAt(Callback):
     """Fault injection: SIGKILL this process at the checkpoint of ``step``, once it is
     committed (``when`` "committed") or right after its asynchronous save started, its files
@@ -401,11 +466,13 @@ def train_for_check(config_path: str, run_dir: str, kill: str | None = None) -> 
 
     configure_process()
     config = load_config(config_path, [])
-    callbacks = []
+    callbacks: list[Callback] = []
     if kill:
         step, _, when = kill.partition(":")
         if when == REFERENCE:
             kill_before_reference_manifest()
+        elif when == GENERATION:
+            callbacks.append(KillInGeneration(int(step)))
         else:
             callbacks.append(KillAt(int(step), when))
     try:

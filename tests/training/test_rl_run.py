@@ -189,6 +189,24 @@ def test_a_killed_rl_run_resumes_bitwise(cli, tmp_path: Path, extra: list[str]) 
                  TRAINRUN_CACHE_DIR=str(tmp_path / "cache"), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PASS" in result.stdout
+    if "--kill-in-save" not in extra:  # the default chains: a kill in generation among them
+        row = next(line for line in result.stdout.splitlines()
+                   if line.startswith("kill -9 in generation after checkpoint 4"))
+        # killed with its decoder running, resumed from 4: all 8 steps and the state equal
+        assert row.split()[7:] == ["in", "flight", "(decoder", "running)", "4", "8", "none",
+                                   "equal"], row
+
+
+@pytest.mark.parametrize("config", ["lm", "dpo"])
+def test_a_kill_in_generation_of_a_run_that_does_not_generate_is_refused(
+        cli, tmp_path: Path, config: str) -> None:
+    result = cli("verify-resume", "--work-dir", str(tmp_path / "verify"), "--config", config,
+                 "--kill-in-generation", "4", TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --kill-in-generation needs a reinforcement-learning run (an rl section): no "
+        "other run generates while it trains"]
+    assert not (tmp_path / "verify").exists() or not any((tmp_path / "verify").iterdir())
 
 
 @pytest.mark.slow

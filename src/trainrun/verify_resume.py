@@ -427,14 +427,8 @@ class KillInGeneration(Callback):
             program = made(*args, **kwargs)
 
             def run(*operands: object) -> object:
-                called = threading.Event()
-
-                def kill() -> None:
-                    called.wait()
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-                threading.Thread(target=kill, daemon=True).start()
-                called.set()
+                threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGKILL),
+                                 daemon=True).start()
                 return program(*operands)
 
             return run

@@ -47,8 +47,8 @@ def token_logps(module: Transformer, batch: Batch, key: jax.Array | None = None,
                 chunk: int = 0) -> jax.Array:
     """``[rows, row_len - 1]``: log p(token ``t + 1`` | the tokens of its sequence up to ``t``)
     of the pair rows in ``batch`` (``ROW_ARRAYS``; each branch sees its pair's shared prefix),
-    float32 (0 where the next token starts another sequence
-    or is padding); the head's logits ``chunk`` tokens at a time (``model.loss_chunk``)."""
+    float32 (0 where the next token starts another sequence or is padding); the head's logits
+    ``chunk`` tokens at a time (``model.loss_chunk``)."""
     tokens = batch["tokens"]
     segments = batch["segment_ids"].astype(jnp.int32)
     prefixes = SharedPrefixes(*(batch[name][:, :-1].astype(jnp.int32)

@@ -64,6 +64,15 @@ XLA_CACHE = _suite_compilation_cache()
 trainrun.configure_process()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a test marked slow first, each file's tests together (its module fixtures
+    made once) and in their order: the workers then end the session on files of short tests,
+    not one of them on a minute-long test while the other has none left."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if XLA_CACHE is not None:
         shutil.rmtree(XLA_CACHE, ignore_errors=True)

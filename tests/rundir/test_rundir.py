@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli_env, save_tiny_gpt2
+from conftest import FAULT_STACKS, cli_env, save_tiny_gpt2
 
 from trainrun import rundir
 from trainrun.cli import main as cli_main
@@ -53,9 +53,9 @@ def steps_of(run_dir: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run_dir / rundir.METRICS)]
 
 
-def start(*args: str, stderr_to: Path) -> subprocess.Popen:
+def start(*args: str, stderr_to: Path, **env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "trainrun", *args], stdout=subprocess.PIPE,
-                            stderr=stderr_to.open("w"), text=True, env=cli_env())
+                            stderr=stderr_to.open("w"), text=True, env=cli_env(**env))
 
 
 def wait_for_line(stream, text: str) -> None:
@@ -197,7 +197,7 @@ def test_a_second_train_on_a_running_directory_exits_2_at_once(tmp_path):
     run_dir = tmp_path / "run"
     first = start("train", "--run-dir", str(run_dir), "steps=10000000", "metrics.every=100",
                   "checkpoint.every=0", "metrics.tensorboard=false",
-                  stderr_to=tmp_path / "first.txt")
+                  stderr_to=tmp_path / "first.txt", **FAULT_STACKS)
     try:
         wait_for_line(first.stdout, "step   ")
         began = time.monotonic()

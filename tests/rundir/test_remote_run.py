@@ -94,10 +94,13 @@ def test_a_run_in_a_bucket_resumes_on_another_machine_bit_for_bit(bucket, workdi
     assert rundir.read_status(root)["step"] == 6
 
 
+@pytest.mark.parametrize("instances_dropped", [False, True], ids=["", "instances-dropped"])
 def test_a_changed_byte_in_a_bucket_step_moves_it_aside_and_resumes_from_the_one_before(
-        bucket, workdir, tmp_path, monkeypatch):
+        bucket, workdir, tmp_path, monkeypatch, instances_dropped):
     url = f"{bucket}/runs/flipped"
     train(url, 4, tmp_path / "m", monkeypatch)
+    if instances_dropped:  # as another library in the process may: Orbax's client is kept
+        type(remote.filesystem(url)).clear_instance_cache()
     step4 = location.location(url) / rundir.CHECKPOINTS / "4"
     name = max((n for n in location.list_tree(step4 / "state") if "/d/" in f"/{n}"),
                key=lambda n: location.list_tree(step4 / "state")[n])

@@ -549,8 +549,12 @@ def delete_tree(path: Any) -> None:
 def forget_listings(path: Any) -> None:
     """Drop the listings every client of ``path``'s store keeps in this process (fsspec caches
     them per filesystem object; Orbax reaches the store through ``epath``'s own): a folder
-    removed here is not found again in an old listing."""
-    for client in list(type(filesystem(path))._cache.values()):
+    removed here is not found again in an old listing. ``epath`` keeps its client for good,
+    also when fsspec's own cache of clients was emptied (``clear_instance_cache``): Orbax would
+    then see a removed step still there and skip saving it again."""
+    from etils.epath import backend
+
+    for client in [*type(filesystem(path))._cache.values(), backend.fsspec_backend.fs(path)]:
         client.invalidate_cache()
 
 

@@ -82,8 +82,7 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
                   jobs: int | None = None, out: TextIO | None = None) -> int:
     shown: TextIO = sys.stdout if out is None else out  # the stdout of now, not of the import
     config = _config_to_check(config_name, overrides)
-    kills = _kill_points(config, kill_at, kill_in_save, kill_in_reference,
-                         kill_in_generation or [])
+    kills = _kill_points(config, kill_at, kill_in_save, kill_in_reference, kill_in_generation)
     base, local = _work_dirs(work_dir)
     config_path = local / "config.yaml"
     config_path.write_text(dump_yaml(config))

@@ -258,7 +258,8 @@ def test_second_ctrl_c_marks_the_run_failed(tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "stderr.txt"
     proc = start("train", "--run-dir", str(run_dir), "steps=10000000", "metrics.every=100",
-                 "checkpoint.every=0", "metrics.tensorboard=false", stderr_to=log)
+                 "checkpoint.every=0", "metrics.tensorboard=false", stderr_to=log,
+                 **FAULT_STACKS)
     wait_for_line(proc.stdout, "step   ")
     proc.send_signal(signal.SIGINT)
     deadline = time.monotonic() + 60
@@ -266,7 +267,7 @@ def test_second_ctrl_c_marks_the_run_failed(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
-    assert proc.returncode == ABORT_EXIT_CODE
+    assert proc.returncode == ABORT_EXIT_CODE, log.read_text()[-8000:]
     status = json.loads((run_dir / rundir.STATUS).read_text())
     assert status["status"] == "failed" and status["reason"] == "aborted by a second interrupt"
 

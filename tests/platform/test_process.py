@@ -359,8 +359,11 @@ def test_a_second_train_reads_every_program_back_and_computes_the_same_bits(tmp_
 
     def train(name: str, cache: Path) -> set[str]:
         done = run_cli("train", "--run-dir", str(tmp_path / name), "steps=6", "steps_per_call=3",
-                       JAX_COMPILATION_CACHE_DIR="", TRAINRUN_COMPILATION_CACHE=str(cache))
+                       JAX_COMPILATION_CACHE_DIR="", TRAINRUN_COMPILATION_CACHE=str(cache),
+                       JAX_LOG_COMPILES="1")
         assert done.returncode == 0, done.stderr[-2000:]
+        # The FLOPs of one step: the step traced alone on a first run, read back on a second.
+        traced[name] = "Finished tracing train_step for jit" in done.stderr
         warned = [line for line in done.stderr.splitlines() if "compiled programs" in line]
         assert warned == ([] if cache == folder else [
             f"warning: compiled programs are not kept: cannot write {cache} (not a directory); "
@@ -368,10 +371,15 @@ def test_a_second_train_reads_every_program_back_and_computes_the_same_bits(tmp_
             "it to 0"])
         return {p.name for p in folder.glob("*-cache")} if folder.exists() else set()
 
+    traced: dict[str, bool] = {}
     first = train("first", folder)
     assert first  # the programs were kept
     assert train("second", folder) == first  # every program read back: none compiled anew
     assert train("without", blocked / "compiled") == first
+    assert traced == {"first": True, "second": False, "without": True}
+    counts = {name: json.loads((tmp_path / name / "summary.json").read_text())["flops_per_step"]
+              for name in traced}
+    assert counts["first"] > 0 and counts["second"] == counts["first"] == counts["without"]
     assert blocked.read_text() == "mine\n"
     assert np.array_equal(losses(tmp_path / "first").view(np.uint32),
                           losses(tmp_path / "second").view(np.uint32))

@@ -318,6 +318,12 @@ class _Kept:
 _kept: _Kept | None = None  # what this process's first keep_compiled_programs made
 
 
+def kept_programs_folder() -> Path | None:
+    """The folder this process keeps its compiled programs in (``keep_compiled_programs``), or
+    None where it keeps none."""
+    return _kept.folder if _kept is not None else None
+
+
 def _keep(folder: Path | None) -> Path | None:
     if folder is not None:
         ours = [folder]

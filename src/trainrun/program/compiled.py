@@ -71,6 +71,7 @@ class CompiledSteps:
                                self.source)
         self.watch = watch
         self.programs: dict[int, Any] = {}
+        self.texts: dict[int, bytes] = {}  # each program's StableHLO (``flops.program_text``)
 
     def carry(self, state: TrainState) -> Any:
         """``state`` as the calls take it."""
@@ -91,7 +92,9 @@ class CompiledSteps:
         """Compile the program for calls of ``k`` steps (before its call is timed); ``carried``
         and ``batch`` may be arrays or their shapes (``jax.ShapeDtypeStruct``)."""
         with self.watch.phase("compile"):
-            self.programs[k] = self.fn.lower(carried, batch).compile()
+            lowered = self.fn.lower(carried, batch)
+            self.texts[k] = flops.program_text(lowered)
+            self.programs[k] = lowered.compile()
         assert self.metric_names, "the step's metrics are named when it is traced"
         return self.programs[k]
 
@@ -100,8 +103,10 @@ class CompiledSteps:
         """FLOPs of one step and their source (``flops.flops_per_step``); ``example``: a batch the
         calls took; the batch source may count the step alone (``BatchSource.counted``)."""
         compiled, batch = self.source.counted(self.programs, example)
+        # Every program holds the step: together they name it for the count kept between runs.
+        texts = [self.texts[k] for k in sorted(self.texts)]
         return flops.flops_per_step(compiled, self.one_step, self.abstract, batch, counted,
-                                    batch_size)
+                                    batch_size, texts)
 
     def __call__(self, k: int, carried: Any, batch: Batch) -> tuple[Any, jax.Array]:
         if k not in self.programs:

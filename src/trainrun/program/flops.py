@@ -5,13 +5,15 @@ against the hardware's peak."""
 
 from __future__ import annotations
 
+import io
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from trainrun.config import CNNModel, MLPModel, ModelConfig, NNXMLPModel, TransformerModel
+from trainrun.platform import kept_figures
 
 XLA = "xla_cost_analysis"  # flops_source of a count from XLA
 
@@ -47,14 +49,24 @@ def program_flops(compiled: Any) -> float | None:
     return flops * devices
 
 
+def program_text(lowered: Any) -> bytes:
+    """A lowered program's StableHLO as bytes (MLIR bytecode): what a figure derived from it is
+    kept under (``kept_figures``)."""
+    out = io.BytesIO()
+    lowered.compiler_ir("stablehlo").operation.write_bytecode(out)
+    return out.getvalue()
+
+
 def step_flops(programs: dict[int, Any], one_step: Callable[..., Any], state: Any,
-               batch: Any) -> float | None:
+               batch: Any, texts: Sequence[bytes] = ()) -> float | None:
     """FLOPs of one training step of a run, by XLA's cost analysis.
 
     programs: the run's compiled calls by steps per call. The one-step program's count is used
         when there is one; otherwise ``one_step`` is lowered on the shapes of ``state`` and one
         step's slice of the stacked ``batch`` (unpartitioned: the count is already global), as
-        a K-step scan's count holds its body once.
+        a K-step scan's count holds its body once. texts: the compiled calls' programs
+        (``program_text``), which hold the step: with them, the count is kept for a later
+        process running the same programs, and read back instead of tracing the step again.
     """
     if 1 in programs:
         return program_flops(programs[1])
@@ -62,19 +74,30 @@ def step_flops(programs: dict[int, Any], one_step: Callable[..., Any], state: An
     def shapes(tree: Any, drop: int) -> Any:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[drop:], x.dtype), tree)
 
-    return xla_flops(jax.jit(one_step).lower(shapes(state, 0), shapes(batch, 1)))
+    key = None
+    if texts:
+        leaves = [(x.shape, str(x.dtype)) for x in jax.tree.leaves((state, batch))]
+        key = kept_figures.figure_key("step-flops", *texts, repr(leaves))
+        kept = kept_figures.recall(key)
+        if kept is not None:
+            return kept[0]
+    flops = xla_flops(jax.jit(one_step).lower(shapes(state, 0), shapes(batch, 1)))
+    if key is not None:
+        kept_figures.keep(key, flops)
+    return flops
 
 
 def flops_per_step(programs: dict[int, Any], one_step: Callable[..., Any], state: Any,
-                   batch: Any, model: ModelConfig | None,
-                   examples: int) -> tuple[float | None, str | None]:
+                   batch: Any, model: ModelConfig | None, examples: int,
+                   texts: Sequence[bytes] = ()) -> tuple[float | None, str | None]:
     """FLOPs of one training step and where the figure comes from: XLA's cost analysis where it
     gives a count (``XLA``), else the model's analytic count (``analytic_flops``).
 
     model: the config section the run built its model from; None for a model passed in, which
         has no analytic count. examples: sequences or examples per step (the global batch).
+        texts: as ``step_flops`` takes them.
     """
-    flops = step_flops(programs, one_step, state, batch)
+    flops = step_flops(programs, one_step, state, batch, texts)
     if flops is not None:
         return flops, XLA
     tokens = batch.get("tokens") if isinstance(batch, dict) else None

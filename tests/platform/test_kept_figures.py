@@ -94,3 +94,16 @@ def test_the_key_holds_the_program_and_the_jax_version(monkeypatch):
     assert key == kept_figures.figure_key("step-flops", b"a program")
     monkeypatch.setattr(jax, "__version__", jax.__version__ + ".other")
     assert key != kept_figures.figure_key("step-flops", b"a program")
+
+
+def test_a_programs_text_leaves_out_where_it_was_traced_from():
+    """The same program traced from other lines (another entry point: a script, a notebook, a
+    profiler) is kept under the same key."""
+    made: list[object] = []
+    for blank_lines in (0, 5):
+        scope: dict[str, object] = {"jnp": jnp}
+        exec("\n" * blank_lines + "def f(x):\n    return jnp.sin(x) * 2\n", scope)
+        made.append(jax.jit(scope["f"]).lower(STATE))
+    first, second = made
+    assert first.as_text(debug_info=True) != second.as_text(debug_info=True)
+    assert flops.program_text(first) == flops.program_text(second)

@@ -5,7 +5,6 @@ against the hardware's peak."""
 
 from __future__ import annotations
 
-import io
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,11 +49,10 @@ def program_flops(compiled: Any) -> float | None:
 
 
 def program_text(lowered: Any) -> bytes:
-    """A lowered program's StableHLO as bytes (MLIR bytecode): what a figure derived from it is
-    kept under (``kept_figures``)."""
-    out = io.BytesIO()
-    lowered.compiler_ir("stablehlo").operation.write_bytecode(out)
-    return out.getvalue()
+    """A lowered program's StableHLO text without its source locations (which name the frames
+    that traced it, down to how the process started): what a figure derived from it is kept
+    under (``kept_figures``)."""
+    return lowered.as_text(debug_info=False).encode()
 
 
 def step_flops(programs: dict[int, Any], one_step: Callable[..., Any], state: Any,

@@ -213,7 +213,9 @@ def test_a_second_train_on_a_running_directory_exits_2_at_once(tmp_path):
     finally:
         first.send_signal(signal.SIGTERM)
         out, _ = first.communicate(timeout=120)
-    assert first.returncode == 0, (tmp_path / "first.txt").read_text()[-3000:]
+    # where a crash happened: its stacks (stderr), and how far the run had got (stdout's end)
+    assert first.returncode == 0, ((tmp_path / "first.txt").read_text()[-3000:]
+                                   + "\n--- stdout's end:\n" + out[-1500:])
     stopped = int(out.split("after step ")[1].split(":")[0])
     assert steps_of(run_dir) == list(range(1, stopped + 1))  # each step once
     assert rundir.read_status(run_dir)["status"] == "preempted"
@@ -266,8 +268,9 @@ def test_second_ctrl_c_marks_the_run_failed(tmp_path):
     while "SIGINT received" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
-    assert proc.returncode == ABORT_EXIT_CODE, log.read_text()[-8000:]
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == ABORT_EXIT_CODE, (log.read_text()[-8000:]
+                                                + "\n--- stdout's end:\n" + out[-1500:])
     status = json.loads((run_dir / rundir.STATUS).read_text())
     assert status["status"] == "failed" and status["reason"] == "aborted by a second interrupt"
 

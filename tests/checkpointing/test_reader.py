@@ -1,18 +1,55 @@
-"""Reading a run's newest checkpoint (``sample``, ``export``, ``trainrun.load``) where Orbax's
-record of a step is damaged: random bytes are passed over, a record Orbax cannot take is one
-line naming it."""
+"""Reading a run's newest checkpoint (``sample``, ``export``, ``trainrun.load``): the params
+alone leave the optimizer's state unread; where Orbax's record of a step is damaged, random
+bytes are passed over, a record Orbax cannot take is one line naming it."""
 
 from __future__ import annotations
 
 import io
 import json
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from trainrun.checkpointing import integrity
-from trainrun.checkpointing.reader import RunReadError, latest_params, saved_config
+from trainrun.checkpointing.reader import (
+    RunReadError,
+    latest_params,
+    latest_state,
+    saved_config,
+)
 from trainrun.config import load_config
 from trainrun.training.loop import run
+
+
+def test_the_params_alone_are_read_without_the_optimizers_state(tmp_path):
+    """What samples, scores or exports a run reads its params, not the Adam moments beside
+    them (twice the params' size): those leaves come back unread, the rest as a full read
+    gives them, bit for bit."""
+    run_dir = tmp_path / "run"
+    run(load_config("mlp", ["steps=3", "checkpoint.every=3", "metrics.tensorboard=false",
+                            "optimizer.name=adamw", "optimizer.ema=0.9"]),
+        run_dir, out=io.StringIO())
+    config = saved_config(run_dir)
+    step, full = latest_state(run_dir, config)
+    step_alone, alone = latest_state(run_dir, config, optimizer_state=False)
+    assert step == step_alone == 3
+    moments = jax.tree.leaves(full.opt_state)
+    assert sum(x.size for x in moments) >= 2 * sum(x.size for x in jax.tree.leaves(full.params))
+    unread = jax.tree.leaves(alone.opt_state, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+    assert len(unread) == len(moments) and all(x is ocp.PLACEHOLDER for x in unread)
+
+    def same(a, b):
+        leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+        return len(leaves_a) == len(leaves_b) > 0 and all(
+            np.asarray(x).tobytes() == np.asarray(y).tobytes()
+            for x, y in zip(leaves_a, leaves_b, strict=True))
+
+    assert same(alone.params, full.params) and same(alone.ema, full.ema)
+    assert same(alone.step, full.step) and same(alone.key_data, full.key_data)
+    step_params, params = latest_params(run_dir, config)
+    assert step_params == 3 and same(params, full.params)
 
 
 def test_a_step_record_orbax_cannot_take_is_one_line_naming_it(tmp_path):

@@ -54,7 +54,7 @@ def saved_config(run_dir: location.Location) -> RunConfig:
 
 def latest_params(run_dir: location.Location, config: RunConfig) -> tuple[int, PyTree]:
     """``(step, params)`` of the run's newest readable checkpoint (see ``latest_state``)."""
-    step, state = latest_state(run_dir, config)
+    step, state = latest_state(run_dir, config, optimizer_state=False)
     return step, state.params
 
 
@@ -69,10 +69,13 @@ def _run_model(config: RunConfig) -> Model:
 
 
 def latest_state(run_dir: location.Location, config: RunConfig,
-                 model: Model | None = None) -> tuple[int, Any]:
+                 model: Model | None = None, *,
+                 optimizer_state: bool = True) -> tuple[int, Any]:
     """``(step, TrainState)`` of the run's newest readable checkpoint, on one device. model:
     the run's model (``build_model(config.model)``) where the caller built it already; built
-    here otherwise.
+    here otherwise. optimizer_state: False leaves the optimizer's state unread (its leaves are
+    ``ocp.PLACEHOLDER``): for what scores, samples or exports the params, to which an Adam
+    state adds twice their size in reading and memory.
 
     Read-only: the checkpoint directory is opened without creating, cleaning or deleting
     anything, so sampling is safe while the run is still training and saving. A newest step
@@ -103,13 +106,17 @@ def latest_state(run_dir: location.Location, config: RunConfig,
                                   policy_from_config(config.precision))
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                               abstract)
+        if not optimizer_state:
+            target = target.replace(opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER,
+                                                           target.opt_state))
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
 
         def read(step: int) -> Any:  # a step whose files changed or fail: the one before
             changed = verify_step(directory / str(step), read=False).problems  # its checksums
             if changed:
                 raise Unreadable(changed[0])
             return readable(lambda: ckpt.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target))))["state"]
+                state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))))["state"]
 
         step, state, problems = newest_readable(steps, read)
         if step is not None and state is not None:  # state: a step was read
@@ -124,10 +131,12 @@ def _opened(directory: location.Location, options: ocp.CheckpointManagerOptions
             ) -> Iterator[ocp.CheckpointManager]:
     """Orbax's manager of the checkpoints in ``directory``. Orbax reads every step's record as
     it opens them, and stops on one it cannot take: that is one line naming each such record
-    (a resume rewrites them: ``checkpoints.repair_step_metadata``)."""
+    (a resume rewrites them: ``checkpoints.repair_step_metadata``). The state is read with the
+    PyTree handler, the one under the standard handler that saved it, which can leave parts of
+    the tree unread (``ocp.PLACEHOLDER``)."""
     try:
         manager = ocp.CheckpointManager(directory, options=options,
-                                        item_handlers={"state": ocp.StandardCheckpointHandler()})
+                                        item_handlers={"state": ocp.PyTreeCheckpointHandler()})
     except ValueError:
         steps = sorted(int(name) for name in location.list_names(directory) if name.isdigit())
         found = [f"{directory / str(step)}: {why}" for step in steps

@@ -88,7 +88,7 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int | 
     say = progress or (lambda line: None)
     # traced once, for the checkpoint and the loss alike
     built = build_model(config.model, attention=strategies.chosen().attention())
-    step, state = latest_state(run, config, built)
+    step, state = latest_state(run, config, built, optimizer_state=False)
     params = state.ema if ema else state.params
     scores = held_out_loss(config, section, params, built)
     say(f"loss {scores['loss']:.4g} over the held-out tokens")

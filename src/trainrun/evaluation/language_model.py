@@ -172,6 +172,6 @@ def _load_run(path: location.Location, ema: bool, context: int | None) -> Langua
         raise LoadError(f"{path} keeps no moving average (optimizer.ema is not set); "
                         "load it without ema")
     model = run_model(config, context, named=str(path))
-    step, state = latest_state(path, config)
+    step, state = latest_state(path, config, optimizer_state=False)
     params = within(model, state.ema if ema else state.params)
     return LanguageModel(model, params, config.precision.compute, step)

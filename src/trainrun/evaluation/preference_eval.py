@@ -34,7 +34,7 @@ def preference_scores(config: RunConfig, run: location.Location, data: str | Non
     """The step of the run's newest checkpoint and its scores on the held-out pairs, or on the
     pairs of ``data`` (a JSONL or Parquet file, or a folder or pattern of them)."""
     model = build_model(config.model, config.preference)
-    step, state = latest_state(run, config, model)
+    step, state = latest_state(run, config, model, optimizer_state=False)
     params = state.ema if ema else state.params
     assert isinstance(config.data, RecordsData)  # a preference run's
     if data is not None:

@@ -43,7 +43,7 @@ def rl_scores(config: RunConfig, run: Any, data: str | None, ema: bool, *,
 
     asked = held_out_prompts(config, data)
     asked = asked[:limit] if limit else asked
-    step, state = latest_state(run, config)
+    step, state = latest_state(run, config, optimizer_state=False)
     params = state.ema if ema else state.params
     scores, answers = reward_scores(config, params, asked, temperature=temperature, seed=seed,
                                     batch_size=batch_size, tokens=tokens)

@@ -185,7 +185,7 @@ def _trained(run_dir: Path | str, ema: bool, chat: bool = False, context: int | 
 
     run, config = language_run(run_dir, ema, chat=chat)
     model = run_model(config, context, named=str(run))
-    _, state = latest_state(run, config)
+    _, state = latest_state(run, config, optimizer_state=False)
     return config, model, within(model, state.ema if ema else state.params)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from trainrun.config import CNNModel, MLPModel, ModelConfig, NNXMLPModel, TransformerModel
-from trainrun.platform import kept_figures
+from trainrun.storage import kept_figures
 
 XLA = "xla_cost_analysis"  # flops_source of a count from XLA
 

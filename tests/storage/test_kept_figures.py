@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from trainrun.platform import kept_figures, process
+from trainrun.platform import process
 from trainrun.program import flops
+from trainrun.storage import kept_figures
 
 
 @pytest.fixture

@@ -10,13 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import jax
 
 from trainrun.platform.process import kept_programs_folder
+from trainrun.storage.atomic import replace_file
 
 FIGURES = "figures"  # the subfolder of the compiled-programs folder; JAX's eviction skips it
 
@@ -73,11 +72,6 @@ def keep(key: str, figure: float | None) -> None:
         return
     try:
         folder.mkdir(exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as out:
-            json.dump({"figure": figure}, out)
+        replace_file(folder / f"{key}.json", json.dumps({"figure": figure}))
     except OSError:
         return
-    try:
-        os.replace(out.name, folder / f"{key}.json")  # replaces a link itself, never its target
-    except OSError:
-        Path(out.name).unlink(missing_ok=True)

@@ -100,6 +100,27 @@ def test_a_store_that_stops_answering_is_retried_then_one_line(object_store_serv
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_deadline_shorter_than_a_request_timeout_is_kept(object_store_servers, scheme,
+                                                           deadlines):
+    server = object_store_servers[scheme]
+    path = location.location(f"{server.new_bucket()}/x")
+    location.write_text(path, "before")
+    deadlines.enter_context(remote.deadline(3))
+    server.pause()
+    start = time.monotonic()
+    try:
+        with pytest.raises(remote.StorageUnavailable, match=r"did not answer reading .* "
+                           r"\(storage\.deadline_s=3\)"):
+            location.read_text(path)
+    finally:
+        server.resume()
+    # the deadline and the least wait for an answer, not a whole request timeout (20 s)
+    assert time.monotonic() - start < 3 + remote.LEAST_ATTEMPT_S + 2
+    assert location.read_text(path) == "before"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
 def test_every_request_to_a_store_that_stopped_answering_ends_at_the_deadline(
         object_store_servers, scheme, monkeypatch, tmp_path, deadlines):
     server = object_store_servers[scheme]

@@ -976,7 +976,7 @@ class StorageConfig(Section):
         lease; a job whose process died leaves it to expire, and another may then take it.
     deadline_s: how long requests may keep failing for reasons that may pass (the store not
         answering, errors 5xx) before the run stops in one line, status ``failed``, at its last
-        committed checkpoint.
+        committed checkpoint. A request's wait for an answer ends by then (2 s at least).
     sync_every_s: the most seconds between uploads of the appended files (``metrics.jsonl``,
         ``timing.jsonl``, TensorBoard events), which also go up at each checkpoint and at the end.
     """

@@ -54,6 +54,7 @@ from trainrun.errors import UserError, WriteFailed
 
 SCHEMES = ("gs", "s3")
 REQUEST_TIMEOUT_S = 20.0  # a request not answered by then is abandoned and tried again
+LEAST_ATTEMPT_S = 2.0  # the shortest wait for an answer, also when the deadline is nearer
 SLOWEST_BYTES_PER_S = 2**20  # a transfer slower than this is taken for a store not answering
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0
 READ_BLOCK = 4 * 2**20  # bytes per ranged request of a streamed read
@@ -190,7 +191,7 @@ def filesystem(path: Any) -> Any:
             key = os.environ.get(GCS_KEY_VARIABLE)
             if token is None and key:
                 _require_gcs_key(key)
-            return GCSFileSystem(requests_timeout=REQUEST_TIMEOUT_S, token=token)
+            return GCSFileSystem(requests_timeout=_timeout(), token=token)
         import fsspec
 
         fs = fsspec.filesystem("s3", config_kwargs={
@@ -227,11 +228,19 @@ def _require_gcs_key(key: str) -> None:
             "account") from None
 
 
-def _timeout(nbytes: int) -> float:
+_attempt = threading.local()  # .left: the seconds the deadline leaves this thread's request
+
+
+def _timeout(nbytes: int = 0) -> float:
     """The most seconds one request moving ``nbytes`` may take: every call is given one, since
     a client's own socket timeouts do not cover every wait (s3fs's upload to a store that
-    stopped answering waited without end)."""
-    return REQUEST_TIMEOUT_S + nbytes / SLOWEST_BYTES_PER_S
+    stopped answering waited without end). Its wait for an answer is cut to what the deadline
+    leaves (``LEAST_ATTEMPT_S`` at least), so a store that stopped answering is given up at
+    ``storage.deadline_s``, not a whole request timeout past it; the time the bytes need is
+    not cut."""
+    answer = min(REQUEST_TIMEOUT_S, max(getattr(_attempt, "left", REQUEST_TIMEOUT_S),
+                                        LEAST_ATTEMPT_S))
+    return answer + nbytes / SLOWEST_BYTES_PER_S
 
 
 def _key(path: Any) -> str:
@@ -343,7 +352,8 @@ def with_retries(path: Any, doing: str, request: Callable[[], T]) -> T:
     backoff, said = FIRST_BACKOFF_S, False
     while True:
         try:
-            return request()
+            with _left_to_attempt(deadline_s() - (time.monotonic() - start)):
+                return request()
         except (FileNotFoundError, FileExistsError):
             raise
         except Exception as err:
@@ -365,12 +375,27 @@ def with_retries(path: Any, doing: str, request: Callable[[], T]) -> T:
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
 
+@contextlib.contextmanager
+def _left_to_attempt(seconds: float) -> Iterator[None]:
+    """This thread's requests within the block take at most ``seconds`` to be answered
+    (``_timeout``), as before after it."""
+    outer = getattr(_attempt, "left", None)
+    _attempt.left = seconds
+    try:
+        yield
+    finally:
+        if outer is None:
+            del _attempt.left
+        else:
+            _attempt.left = outer
+
+
 # ---- whole objects ---------------------------------------------------------------------------
 
 
 def read_bytes(path: Any) -> bytes:
     fs = filesystem(path)
-    return with_retries(path, "reading", lambda: fs.cat_file(_key(path), timeout=REQUEST_TIMEOUT_S))
+    return with_retries(path, "reading", lambda: fs.cat_file(_key(path), timeout=_timeout()))
 
 
 def read_range(path: Any, start: int, end: int) -> bytes:
@@ -418,7 +443,7 @@ def stat(path: Any) -> ObjectInfo | None:
     fs = filesystem(path)
     try:
         info = with_retries(path, "reading", lambda: fs.info(
-            _key(path), refresh=True, timeout=REQUEST_TIMEOUT_S))
+            _key(path), refresh=True, timeout=_timeout()))
     except FileNotFoundError:
         return None
     if info.get("type") == "directory":
@@ -437,7 +462,7 @@ def list_names(path: Any) -> list[str]:
     try:
         entries = with_retries(path, "listing",
                                lambda: fs.ls(
-            _key(path), detail=False, refresh=True, timeout=REQUEST_TIMEOUT_S))
+            _key(path), detail=False, refresh=True, timeout=_timeout()))
     except FileNotFoundError:
         return []
     prefix = _key(path).rstrip("/") + "/"
@@ -452,7 +477,7 @@ def list_tree(path: Any) -> dict[str, int]:
     prefix = _key(path).rstrip("/") + "/"
     try:
         found = with_retries(path, "listing", lambda: fs.find(
-            _key(path), detail=True, refresh=True, timeout=REQUEST_TIMEOUT_S))
+            _key(path), detail=True, refresh=True, timeout=_timeout()))
     except FileNotFoundError:
         raise StorageRefused(_no_bucket(path, "reading")) from None
     return {name[len(prefix):]: int(info.get("size") or 0) for name, info in found.items()
@@ -466,7 +491,7 @@ def content_checksums(path: Any) -> dict[str, str]:
     fs = filesystem(path)
     prefix = _key(path).rstrip("/") + "/"
     found = with_retries(path, "listing", lambda: fs.find(
-        _key(path), detail=True, refresh=True, timeout=REQUEST_TIMEOUT_S))
+        _key(path), detail=True, refresh=True, timeout=_timeout()))
     sums = {}
     for name, info in found.items():
         value = info.get("md5Hash") or info.get("crc32c") or info.get("ETag")
@@ -481,7 +506,7 @@ def bucket_exists(path: Any) -> bool:
     fs = filesystem(path)
     try:
         with_retries(path, "listing", lambda: fs.ls(
-            bucket_of(path), detail=False, refresh=True, timeout=REQUEST_TIMEOUT_S))
+            bucket_of(path), detail=False, refresh=True, timeout=_timeout()))
     except FileNotFoundError:
         return False
     return True
@@ -523,7 +548,7 @@ def copy_tree(path: Any, target: Any) -> None:
 def exists(path: Any) -> bool:
     fs = filesystem(path)
     return bool(with_retries(path, "reading", lambda: fs.exists(
-        _key(path), timeout=REQUEST_TIMEOUT_S)))
+        _key(path), timeout=_timeout())))
 
 
 def is_dir(path: Any) -> bool:
@@ -534,7 +559,7 @@ def is_dir(path: Any) -> bool:
 def delete(path: Any) -> None:
     fs = filesystem(path)
     with contextlib.suppress(FileNotFoundError):
-        with_retries(path, "deleting", lambda: fs.rm_file(_key(path), timeout=REQUEST_TIMEOUT_S))
+        with_retries(path, "deleting", lambda: fs.rm_file(_key(path), timeout=_timeout()))
 
 
 def delete_tree(path: Any) -> None:
@@ -542,7 +567,7 @@ def delete_tree(path: Any) -> None:
     fs = filesystem(path)
     with contextlib.suppress(FileNotFoundError):
         with_retries(path, "deleting", lambda: fs.rm(
-            _key(path), recursive=True, timeout=REQUEST_TIMEOUT_S))
+            _key(path), recursive=True, timeout=_timeout()))
     forget_listings(path)
 
 
@@ -611,7 +636,7 @@ def glob(pattern: str) -> list[str]:
     fs.invalidate_cache()  # listings fsspec kept from earlier calls may predate new objects
     try:
         found = with_retries(pattern, "listing", lambda: fs.glob(
-            _key(pattern), detail=True, timeout=REQUEST_TIMEOUT_S))
+            _key(pattern), detail=True, timeout=_timeout()))
     except FileNotFoundError:  # gcsfs, for a bucket that is not there
         found = {}
     return sorted(f"{scheme}://{name}" for name, info in found.items()

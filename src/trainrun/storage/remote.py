@@ -191,7 +191,7 @@ def filesystem(path: Any) -> Any:
             key = os.environ.get(GCS_KEY_VARIABLE)
             if token is None and key:
                 _require_gcs_key(key)
-            return GCSFileSystem(requests_timeout=_timeout(), token=token)
+            return GCSFileSystem(requests_timeout=REQUEST_TIMEOUT_S, token=token)
         import fsspec
 
         fs = fsspec.filesystem("s3", config_kwargs={

@@ -228,19 +228,12 @@ def _require_gcs_key(key: str) -> None:
             "account") from None
 
 
-_attempt = threading.local()  # .left: the seconds the deadline leaves this thread's request
-
-
-def _timeout(nbytes: int = 0) -> float:
-    """The most seconds one request moving ``nbytes`` may take: every call is given one, since
-    a client's own socket timeouts do not cover every wait (s3fs's upload to a store that
-    stopped answering waited without end). Its wait for an answer is cut to what the deadline
-    leaves (``LEAST_ATTEMPT_S`` at least), so a store that stopped answering is given up at
-    ``storage.deadline_s``, not a whole request timeout past it; the time the bytes need is
-    not cut."""
-    answer = min(REQUEST_TIMEOUT_S, max(getattr(_attempt, "left", REQUEST_TIMEOUT_S),
-                                        LEAST_ATTEMPT_S))
-    return answer + nbytes / SLOWEST_BYTES_PER_S
+def _timeout(wait: float, nbytes: int = 0) -> float:
+    """The most seconds one request moving ``nbytes`` may take, ``wait`` (``with_retries``'s
+    wait for an answer) and the time the bytes need: every call is given one, since a
+    client's own socket timeouts do not cover every wait (s3fs's upload to a store that
+    stopped answering waited without end)."""
+    return wait + nbytes / SLOWEST_BYTES_PER_S
 
 
 def _key(path: Any) -> str:
@@ -345,15 +338,18 @@ def refused_line(path: Any, err: BaseException, doing: str) -> str:
     return f"{doing} {path} failed: {text}"
 
 
-def with_retries(path: Any, doing: str, request: Callable[[], T]) -> T:
-    """``request()``, tried again with backoff while it fails for reasons that may pass, until
-    the deadline; a lasting refusal is ``StorageRefused`` at once."""
+def with_retries(path: Any, doing: str, request: Callable[[float], T]) -> T:
+    """``request(wait)``, tried again with backoff while it fails for reasons that may pass,
+    until the deadline; a lasting refusal is ``StorageRefused`` at once. ``wait``: the seconds
+    an attempt waits for an answer, ``REQUEST_TIMEOUT_S`` or what the deadline leaves
+    (``LEAST_ATTEMPT_S`` at least), so a store that stopped answering is given up at
+    ``storage.deadline_s``, not a whole request timeout past it."""
     start = time.monotonic()
     backoff, said = FIRST_BACKOFF_S, False
     while True:
+        left = deadline_s() - (time.monotonic() - start)
         try:
-            with _left_to_attempt(deadline_s() - (time.monotonic() - start)):
-                return request()
+            return request(min(REQUEST_TIMEOUT_S, max(left, LEAST_ATTEMPT_S)))
         except (FileNotFoundError, FileExistsError):
             raise
         except Exception as err:
@@ -375,42 +371,27 @@ def with_retries(path: Any, doing: str, request: Callable[[], T]) -> T:
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
 
-@contextlib.contextmanager
-def _left_to_attempt(seconds: float) -> Iterator[None]:
-    """This thread's requests within the block take at most ``seconds`` to be answered
-    (``_timeout``), as before after it."""
-    outer = getattr(_attempt, "left", None)
-    _attempt.left = seconds
-    try:
-        yield
-    finally:
-        if outer is None:
-            del _attempt.left
-        else:
-            _attempt.left = outer
-
-
 # ---- whole objects ---------------------------------------------------------------------------
 
 
 def read_bytes(path: Any) -> bytes:
     fs = filesystem(path)
-    return with_retries(path, "reading", lambda: fs.cat_file(_key(path), timeout=_timeout()))
+    return with_retries(path, "reading", lambda wait: fs.cat_file(_key(path), timeout=wait))
 
 
 def read_range(path: Any, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of an object."""
     fs = filesystem(path)
-    return with_retries(path, "reading", lambda: fs.cat_file(
-        _key(path), start=start, end=end, timeout=_timeout(end - start)))
+    return with_retries(path, "reading", lambda wait: fs.cat_file(
+        _key(path), start=start, end=end, timeout=_timeout(wait, end - start)))
 
 
 def write_bytes(path: Any, data: bytes) -> None:
     """The object holds ``data``: one request, all or nothing."""
     fs = filesystem(path)
     try:
-        with_retries(path, "writing", lambda: fs.pipe_file(_key(path), data,
-                                                           timeout=_timeout(len(data))))
+        with_retries(path, "writing", lambda wait: fs.pipe_file(_key(path), data,
+                                                                timeout=_timeout(wait, len(data))))
     except FileNotFoundError:  # a write finds no object missing, only the bucket
         raise StorageRefused(_no_bucket(path, "writing")) from None
 
@@ -425,8 +406,8 @@ def create(path: Any, data: bytes) -> bool:
     """Write ``data`` only if no object has that name; returns whether this call made it."""
     fs = filesystem(path)
     try:
-        with_retries(path, "creating", lambda: fs.pipe_file(
-            _key(path), data, mode="create", timeout=_timeout(len(data))))
+        with_retries(path, "creating", lambda wait: fs.pipe_file(
+            _key(path), data, mode="create", timeout=_timeout(wait, len(data))))
     except FileExistsError:
         return False
     except FileNotFoundError:
@@ -442,8 +423,8 @@ def stat(path: Any) -> ObjectInfo | None:
     """The object's size, version and time, or None when there is none."""
     fs = filesystem(path)
     try:
-        info = with_retries(path, "reading", lambda: fs.info(
-            _key(path), refresh=True, timeout=_timeout()))
+        info = with_retries(path, "reading", lambda wait: fs.info(
+            _key(path), refresh=True, timeout=wait))
     except FileNotFoundError:
         return None
     if info.get("type") == "directory":
@@ -461,8 +442,8 @@ def list_names(path: Any) -> list[str]:
     fs = filesystem(path)
     try:
         entries = with_retries(path, "listing",
-                               lambda: fs.ls(
-            _key(path), detail=False, refresh=True, timeout=_timeout()))
+                               lambda wait: fs.ls(
+            _key(path), detail=False, refresh=True, timeout=wait))
     except FileNotFoundError:
         return []
     prefix = _key(path).rstrip("/") + "/"
@@ -476,8 +457,8 @@ def list_tree(path: Any) -> dict[str, int]:
     fs = filesystem(path)
     prefix = _key(path).rstrip("/") + "/"
     try:
-        found = with_retries(path, "listing", lambda: fs.find(
-            _key(path), detail=True, refresh=True, timeout=_timeout()))
+        found = with_retries(path, "listing", lambda wait: fs.find(
+            _key(path), detail=True, refresh=True, timeout=wait))
     except FileNotFoundError:
         raise StorageRefused(_no_bucket(path, "reading")) from None
     return {name[len(prefix):]: int(info.get("size") or 0) for name, info in found.items()
@@ -490,8 +471,8 @@ def content_checksums(path: Any) -> dict[str, str]:
     parts), one listing, no byte read: an object written again with other bytes has another."""
     fs = filesystem(path)
     prefix = _key(path).rstrip("/") + "/"
-    found = with_retries(path, "listing", lambda: fs.find(
-        _key(path), detail=True, refresh=True, timeout=_timeout()))
+    found = with_retries(path, "listing", lambda wait: fs.find(
+        _key(path), detail=True, refresh=True, timeout=wait))
     sums = {}
     for name, info in found.items():
         value = info.get("md5Hash") or info.get("crc32c") or info.get("ETag")
@@ -505,8 +486,8 @@ def bucket_exists(path: Any) -> bool:
     objects has, where asking for the bucket itself needs one more)."""
     fs = filesystem(path)
     try:
-        with_retries(path, "listing", lambda: fs.ls(
-            bucket_of(path), detail=False, refresh=True, timeout=_timeout()))
+        with_retries(path, "listing", lambda wait: fs.ls(
+            bucket_of(path), detail=False, refresh=True, timeout=wait))
     except FileNotFoundError:
         return False
     return True
@@ -525,8 +506,8 @@ def upload(local: Path, path: Any) -> None:
     fs = filesystem(path)
     try:
         size = Path(local).stat().st_size
-        with_retries(path, "writing", lambda: fs.put_file(str(local), _key(path),
-                                                          timeout=_timeout(size)))
+        with_retries(path, "writing", lambda wait: fs.put_file(str(local), _key(path),
+                                                               timeout=_timeout(wait, size)))
     except FileNotFoundError:
         if not Path(local).is_file():
             raise
@@ -537,8 +518,8 @@ def copy_tree(path: Any, target: Any) -> None:
     """Every object below ``path`` copied below ``target`` (server-side copies)."""
     fs = filesystem(path)
 
-    def copy(source: str, dest: str, size: int) -> Callable[[], Any]:
-        return lambda: fs.copy(source, dest, timeout=_timeout(size))
+    def copy(source: str, dest: str, size: int) -> Callable[[float], Any]:
+        return lambda wait: fs.copy(source, dest, timeout=_timeout(wait, size))
 
     for name, size in list_tree(path).items():
         with_retries(path, "copying", copy(f"{_key(path)}/{name}", f"{_key(target)}/{name}",
@@ -547,8 +528,8 @@ def copy_tree(path: Any, target: Any) -> None:
 
 def exists(path: Any) -> bool:
     fs = filesystem(path)
-    return bool(with_retries(path, "reading", lambda: fs.exists(
-        _key(path), timeout=_timeout())))
+    return bool(with_retries(path, "reading", lambda wait: fs.exists(
+        _key(path), timeout=wait)))
 
 
 def is_dir(path: Any) -> bool:
@@ -559,15 +540,15 @@ def is_dir(path: Any) -> bool:
 def delete(path: Any) -> None:
     fs = filesystem(path)
     with contextlib.suppress(FileNotFoundError):
-        with_retries(path, "deleting", lambda: fs.rm_file(_key(path), timeout=_timeout()))
+        with_retries(path, "deleting", lambda wait: fs.rm_file(_key(path), timeout=wait))
 
 
 def delete_tree(path: Any) -> None:
     """Every object whose key lies below ``path``."""
     fs = filesystem(path)
     with contextlib.suppress(FileNotFoundError):
-        with_retries(path, "deleting", lambda: fs.rm(
-            _key(path), recursive=True, timeout=_timeout()))
+        with_retries(path, "deleting", lambda wait: fs.rm(
+            _key(path), recursive=True, timeout=wait))
     forget_listings(path)
 
 
@@ -635,8 +616,8 @@ def glob(pattern: str) -> list[str]:
     scheme = scheme_of(pattern)
     fs.invalidate_cache()  # listings fsspec kept from earlier calls may predate new objects
     try:
-        found = with_retries(pattern, "listing", lambda: fs.glob(
-            _key(pattern), detail=True, timeout=_timeout()))
+        found = with_retries(pattern, "listing", lambda wait: fs.glob(
+            _key(pattern), detail=True, timeout=wait))
     except FileNotFoundError:  # gcsfs, for a bucket that is not there
         found = {}
     return sorted(f"{scheme}://{name}" for name, info in found.items()

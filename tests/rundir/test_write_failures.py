@@ -176,6 +176,49 @@ def test_a_path_in_an_errors_text_is_taken_from_one_line():
     assert write_failures.refused_write(ValueError(stray))[1] == "/mnt/run/f"
 
 
+# In a process of its own: what it silences lasts until the process ends.
+_AFTER_CLOSE = """
+import asyncio, errno, logging, sys
+from pathlib import Path
+from trainrun import rundir
+from trainrun.rundir import write_failures
+
+logging.basicConfig()  # as absl's handler would print them
+orbax, loop = logging.getLogger("absl"), logging.getLogger("asyncio")
+refused = ValueError('Error writing local file "/r/ckpt/300.orbax-checkpoint-tmp/_sharding": '
+                     'No space left on device')
+echo = RuntimeError("cannot schedule new futures after shutdown")
+
+def report(tag):
+    orbax.error("%s: thread raised", tag, exc_info=refused)
+    loop.error("%s: Task exception was never retrieved", tag, exc_info=echo)
+    loop.error("%s: another error", tag, exc_info=KeyError("kept"))
+    sys.stderr.flush()
+
+write_failures.quiet_orbax_errors()()  # a checkpoint directory opened, then closed
+report("before")
+run = Path(sys.argv[1])
+directory = rundir.RunDirectory(run, run / "checkpoints")
+print(write_failures.on_failure(OSError(errno.ENOSPC, "No space left on device", str(run)),
+                                directory), file=sys.stderr)
+report("after")
+"""
+
+
+def test_a_refused_saves_reports_after_its_directory_closed_are_dropped(tmp_path):
+    """Orbax's threads, and asyncio's tasks that find their executor shut down, report a
+    refused save after the checkpoint directory is closed and after the run's one line (seen
+    at exit): once that line is written, those reports are dropped; other errors are not."""
+    done = subprocess.run([sys.executable, "-c", _AFTER_CLOSE, str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, env=cli_env())
+    assert done.returncode == 0, done.stderr
+    before, line, after = done.stderr.partition("no space left on device writing ")
+    assert line, done.stderr
+    assert "before: thread raised" in before and "before: Task exception" in before
+    assert "after: another error" in after and "KeyError: 'kept'" in after
+    assert "after: thread raised" not in after and "after: Task exception" not in after
+
+
 def test_a_write_failed_outside_the_run_keeps_its_own_line(tmp_path):
     """A WriteFailed already names its place (the data cache, say): the run's report does not
     trade it for the OSError behind it, which names no file and so read "in RUN_DIR"."""

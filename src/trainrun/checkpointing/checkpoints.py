@@ -515,6 +515,9 @@ class Checkpoints:
         return self
 
     def __exit__(self, kind: object, err: object, tb: object) -> None:
+        if isinstance(err, BaseException) and (isinstance(err, WriteFailed)
+                                               or write_failures.refused_write(err)):
+            write_failures.quiet_after_refused_write()  # its save's threads report on
         if (self.remote and isinstance(err, WriteFailed) and not self._closed
                 and self.manager.is_saving_in_progress()):
             _ABANDONED.set()  # the store is lost: closing would wait for it without end

@@ -93,16 +93,60 @@ def failure_line(what: str, file: str | None, run_dir: Path, ckpt_dir: Path) -> 
     return f"{what} writing {file}; {last}"
 
 
+# What an abandoned save's tasks raise once the loop or the executor they ran on is gone.
+_ECHOES = ("cannot schedule new futures after shutdown", "Event loop is closed")
+
+
 class QuietRefusedWrites(logging.Filter):
     """Drops the records Orbax's background threads log, with a traceback each, for a write
-    the file system refused: the run reports that itself, on one line."""
+    the file system refused: the run reports that itself, on one line. With ``echoes``, also
+    the errors of that save's other tasks, which find its loop or executor shut down."""
+
+    def __init__(self, echoes: bool = False) -> None:
+        super().__init__()
+        self.echoes = echoes
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return error is None or refused_write(error) is None
+        if error is None:
+            return True
+        if refused_write(error) is not None:
+            return False
+        return not (self.echoes and isinstance(error, RuntimeError) and str(error) in _ECHOES)
 
 
 _ASYNCIO_QUIET = QuietRefusedWrites()
+_AFTER_REFUSED = QuietRefusedWrites(echoes=True)
+_after_refused_hook: Callable[[Any], None] | None = None
+
+
+def _drop_closed_loop_reports(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An unraisable hook that drops asyncio's "Event loop is closed" and hands on the rest."""
+
+    def hook(unraisable: Any) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    return hook
+
+
+def quiet_after_refused_write() -> None:
+    """From the moment a refused write is reported until the process ends: Orbax's threads
+    and asyncio's collected tasks go on reporting the abandoned save, and its echoes, after
+    the checkpoint directory is closed (seen at exit, after the one line). The line says it."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if _AFTER_REFUSED not in logger.filters:
+            logger.addFilter(_AFTER_REFUSED)
+    global _after_refused_hook
+    if sys.unraisablehook is not _after_refused_hook:
+        _after_refused_hook = _drop_closed_loop_reports(sys.unraisablehook)
+        sys.unraisablehook = _after_refused_hook
+    # The coroutines of the write TensorStore abandoned are never awaited; Python warns of
+    # each when it is collected.
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited",
+                            category=RuntimeWarning)
 
 
 def quiet_orbax_errors() -> Callable[[], None]:
@@ -116,12 +160,7 @@ def quiet_orbax_errors() -> Callable[[], None]:
     # be after the directory is closed (at exit): that filter stays.
     logging.getLogger("asyncio").addFilter(_ASYNCIO_QUIET)
     previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        if not (isinstance(unraisable.exc_value, RuntimeError)
-                and str(unraisable.exc_value) == "Event loop is closed"):
-            previous(unraisable)
-
+    hook = _drop_closed_loop_reports(previous)
     sys.unraisablehook = hook
 
     def undo() -> None:
@@ -163,11 +202,7 @@ def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
                         " ".join(f"{type(err).__name__}: {err}".split())[:300], directory.ckpt_dir)
             return None
         line = failure_line(*refused, directory.run_dir, directory.ckpt_dir)  # before removal
-    # The write TensorStore abandoned leaves Orbax's serialisation coroutines unawaited; Python
-    # warns of each when it is collected, often at exit, after the one line (seen with the disk
-    # all but full). Those were the failed write itself, which the line already reports.
-    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited",
-                            category=RuntimeWarning)
+    quiet_after_refused_write()
     if directory.locks:  # this process holds the folders: what is half written is its own
         remove_partial(directory.run_dir, directory.ckpt_dir)
     step = getattr(err, "step", None)  # known to a run that lost its store: not asked of it

@@ -178,7 +178,7 @@ def test_a_path_in_an_errors_text_is_taken_from_one_line():
 
 # In a process of its own: what it silences lasts until the process ends.
 _AFTER_CLOSE = """
-import asyncio, errno, logging, sys
+import errno, logging, sys
 from pathlib import Path
 from trainrun import rundir
 from trainrun.rundir import write_failures

@@ -1,5 +1,3 @@
-import sys
+from trainrun.cli import command
 
-from trainrun.cli import main
-
-sys.exit(main())
+command()

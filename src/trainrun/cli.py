@@ -9,7 +9,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 from trainrun.errors import (
     LineWarning,
@@ -555,5 +555,16 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
+def command(argv: list[str] | None = None) -> NoReturn:
+    """The ``trainrun`` program, in a process of its own (the console script, ``python -m
+    trainrun``): ``main`` with the process's collector set for a command; the process exits with
+    the command's code."""
+    from trainrun.platform.process import collector_for_a_command
+
+    with collector_for_a_command():
+        code = main(argv)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -478,4 +478,8 @@ def train_for_check(config_path: str, run_dir: str, kill: str | None = None) -> 
 
 
 if __name__ == "__main__":
-    sys.exit(train_for_check(*sys.argv[1:]))
+    from trainrun.platform.process import collector_for_a_command
+
+    with collector_for_a_command():  # each check's run is a command of its own
+        exit_code = train_for_check(*sys.argv[1:])
+    sys.exit(exit_code)

@@ -155,6 +155,36 @@ def test_import_loads_the_public_names_when_first_used():
                                    "trainrun.evaluation.language_model", "True", "True"]
 
 
+COLLECTOR_AT_EXIT = """
+    import gc, json, sys
+    from trainrun import cli
+    try:
+        code = getattr(cli, sys.argv[1])(["config", "show", "--config", "chat"])
+    except SystemExit as ended:
+        code = ended.code
+    print(json.dumps({"code": code, "frozen": gc.get_freeze_count(),
+                      "walked": len(gc.get_objects())}))
+"""
+
+
+@pytest.mark.parametrize("entry", ["command", "main"])
+def test_a_commands_exit_leaves_its_objects_out_of_the_collectors_walk(entry):
+    """The ``trainrun`` program (``cli.command``, its console script and ``python -m
+    trainrun``) ends with every object alive left out of Python's collector (``gc.freeze``),
+    so the exit's collections do not walk the million objects JAX and trainrun made;
+    ``cli.main`` in a library user's process leaves the collector as it was."""
+    done = python(COLLECTOR_AT_EXIT, entry)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = json.loads(done.stdout.splitlines()[-1])
+    assert after["code"] in (0, None)
+    if entry == "command":
+        assert after["frozen"] > 100_000  # JAX, Flax and trainrun's objects
+        assert after["walked"] < after["frozen"] / 100  # what the print made, and little else
+    else:
+        assert after["frozen"] == 0
+        assert after["walked"] > 100_000
+
+
 LOAD_AND_SCORE = """
     import sys
     import trainrun

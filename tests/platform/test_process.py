@@ -171,7 +171,7 @@ COLLECTOR_AT_EXIT = """
 def test_a_commands_exit_leaves_its_objects_out_of_the_collectors_walk(entry):
     """The ``trainrun`` program (``cli.command``, its console script and ``python -m
     trainrun``) ends with every object alive left out of Python's collector (``gc.freeze``),
-    so the exit's collections do not walk the million objects JAX and trainrun made;
+    so the exit's collections do not walk the objects JAX and trainrun made;
     ``cli.main`` in a library user's process leaves the collector as it was."""
     done = python(COLLECTOR_AT_EXIT, entry)
     assert done.returncode == 0, done.stderr[-2000:]

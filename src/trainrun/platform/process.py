@@ -142,10 +142,10 @@ def _accelerator_plugin() -> bool:
 def collector_for_a_command() -> Iterator[None]:
     """Python's cyclic garbage collector in a ``trainrun`` command's own process (the console
     script and ``python -m trainrun``; a library user's process keeps Python's collector as it
-    is): the objects alive when the command starts (JAX and trainrun, imported) and when it ends
-    are left out of the collector's walks (``gc.freeze``). They live as long as the process, and
-    Python walks them again at every full collection and at exit, a fifth of a short command's
-    time (docs/internals.md, "Python's collector in a command")."""
+    is): the objects alive when the command starts (JAX's, imported with trainrun's package) and
+    when it ends are left out of the collector's walks (``gc.freeze``). They live as long as the
+    process, and Python walked them again at every full collection and at exit: a quarter of a
+    short command's time (docs/internals.md, "Python's collector in a command")."""
     gc.freeze()
     try:
         yield

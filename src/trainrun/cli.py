@@ -559,9 +559,9 @@ def command(argv: list[str] | None = None) -> NoReturn:
     """The ``trainrun`` program, in a process of its own (the console script, ``python -m
     trainrun``): ``main`` with the process's collector set for a command; the process exits with
     the command's code."""
-    from trainrun.platform.process import collector_for_a_command
+    from trainrun.platform.process import command_process
 
-    with collector_for_a_command():
+    with command_process():
         code = main(argv)
     sys.exit(code)
 

@@ -478,8 +478,8 @@ def train_for_check(config_path: str, run_dir: str, kill: str | None = None) -> 
 
 
 if __name__ == "__main__":
-    from trainrun.platform.process import collector_for_a_command
+    from trainrun.platform.process import command_process
 
-    with collector_for_a_command():  # each check's run is a command of its own
+    with command_process():  # each check's run is a command of its own
         exit_code = train_for_check(*sys.argv[1:])
     sys.exit(exit_code)

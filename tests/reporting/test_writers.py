@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import json
 import struct
+import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -252,6 +254,53 @@ def test_a_table_reads_back_from_tensorboard_as_float32(tmp_path):
         scalars = events.Scalars(f"train/{name}")
         assert [s.step for s in scalars] == list(range(11, 311))
         assert np.float32([s.value for s in scalars]).tobytes() == values[:, column].tobytes()
+
+
+TENSORBOARDX_IN_A_PROCESS = """
+    import contextlib, json, sys
+    from pathlib import Path
+    import numpy as np
+    from trainrun.platform.process import command_process
+    from trainrun.reporting.sinks.tensorboard import TensorBoardWriter
+    from trainrun.reporting.table import Table
+    with command_process() if sys.argv[1] == "program" else contextlib.nullcontext():
+        writer = TensorBoardWriter(Path(sys.argv[2]))
+        writer.write_table(Table(1, ["loss"], np.float32([[2.5], [1.25]])))
+        writer.close()
+        from tensorboardX import record_writer
+        print(json.dumps({"loaded": sorted(m for m in ("boto3", "google.cloud.storage")
+                                           if m in sys.modules),
+                          "writers": [record_writer.S3_ENABLED, record_writer.GCS_ENABLED]}))
+"""
+
+
+@pytest.mark.parametrize("process", ["program", "library"])
+def test_tensorboardx_bucket_clients_are_left_unloaded_in_the_programs_process_alone(
+        process, tmp_path):
+    """The ``trainrun`` program's process imports tensorboardX without the S3 and GCS clients
+    its bucket writers need (trainrun writes its events itself); in a library user's process
+    tensorboardX keeps those writers, as its import makes them."""
+    from importlib.util import find_spec
+
+    pytest.importorskip("tensorboard")
+    installed = sorted(m for m in ("boto3", "google.cloud.storage")
+                       if find_spec(m.split(".")[0]) and find_spec(m))
+    if not installed:
+        pytest.skip("neither boto3 nor google-cloud-storage is installed")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(TENSORBOARDX_IN_A_PROCESS),
+                           process, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = json.loads(done.stdout)
+    if process == "program":
+        assert after == {"loaded": [], "writers": [False, False]}
+    else:
+        assert after["loaded"] == installed
+        assert after["writers"] == [m in installed for m in ("boto3", "google.cloud.storage")]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [(1, 2.5), (2, 1.25)]
 
 
 def test_a_resumed_run_replaces_the_tensorboard_steps_it_redoes(tmp_path):

@@ -10,8 +10,10 @@ JAX's compiled-program cache), here and nowhere else, and when each is made:
     eval, sample, lm-eval,   ``keep_compiled_programs`` only: the compiled-program cache.
     export, verify-resume
     a library user           ``trainrun.configure_process()`` before the first computation.
-    the ``trainrun`` program ``collector_for_a_command`` around the command: Python's cyclic
-                             collector leaves the objects alive at its start and at its end.
+    the ``trainrun`` program ``command_process`` around the command: Python's cyclic
+                             collector leaves the objects alive at its start and at its end,
+                             and optional parts of libraries only a user's code would use are
+                             not loaded (``command_owns_process``).
 
 What each setting does and why: docs/internals.md, "Process settings in detail".
 """
@@ -139,18 +141,35 @@ def _accelerator_plugin() -> bool:
 
 
 @contextlib.contextmanager
-def collector_for_a_command() -> Iterator[None]:
-    """Python's cyclic garbage collector in a ``trainrun`` command's own process (the console
-    script and ``python -m trainrun``; a library user's process keeps Python's collector as it
-    is): the objects alive when the command starts (JAX's, imported with trainrun's package) and
-    when it ends are left out of the collector's walks (``gc.freeze``). They live as long as the
-    process, and Python walked them again at every full collection and at exit: a quarter of a
-    short command's time (docs/internals.md, "Python's collector in a command")."""
+def command_process() -> Iterator[None]:
+    """The ``trainrun`` program's own process around its one command (the console script and
+    ``python -m trainrun``; never a library user's process, where ``cli.main`` and
+    ``import trainrun`` change neither of these):
+
+    - Python's cyclic garbage collector leaves the objects alive when the command starts
+      (JAX's, imported with trainrun's package) and when it ends out of its walks
+      (``gc.freeze``). They live as long as the process, and Python walked them again at every
+      full collection and at exit: a quarter of a short command's time.
+    - ``command_owns_process()`` is true: no code but trainrun's runs here, so the optional parts
+      of a library that only a user's code would reach are left unloaded.
+
+    docs/internals.md, "The trainrun program's own process"."""
+    global _command_owns_process
     gc.freeze()
+    _command_owns_process = True
     try:
         yield
     finally:
         gc.freeze()  # the process ends next: its exit's collections skip what is alive now
+
+
+_command_owns_process = False
+
+
+def command_owns_process() -> bool:
+    """Whether this is the ``trainrun`` program's process, running its command
+    (``command_process``), rather than a library user's."""
+    return _command_owns_process
 
 
 def backend_started() -> bool:

@@ -17,6 +17,8 @@ from trainrun import extras
 from trainrun.reporting.table import Table
 
 TENSORBOARD_DIR = "tensorboard"
+# What tensorboardX's writers to s3:// and gs:// import, if installed, when it is imported.
+TENSORBOARDX_BUCKET_CLIENTS = ("boto3", "google.cloud.storage")
 
 
 class TensorBoardWriter:
@@ -236,11 +238,16 @@ def _varint_runs(first: int, stop: int) -> list[tuple[int, int, int]]:
 def _tensorboardx() -> tuple[Callable[[Any], int], Any, Any]:
     """tensorboardX's CRC-32C (native with the crc32c package) and event protos. Importing
     tensorboardX imports torch when it is installed (seconds, for support trainrun never
-    uses), so torch is hidden for that."""
+    uses), so torch is hidden for that; in the ``trainrun`` program's own process, so are the
+    clients of its S3 and GCS writers (half a second of a warm ``trainrun train`` where they are
+    installed, BENCHMARKS.md), which only a user's code in the process could want."""
+    from trainrun.platform.process import command_owns_process
+
     extras.require("tensorboard", "metrics.tensorboard=true")
-    hide = "torch" not in sys.modules
-    if hide:
-        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
+    hidden = ["torch", *(TENSORBOARDX_BUCKET_CLIENTS if command_owns_process() else ())]
+    hidden = [name for name in hidden if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # `import name` -> ImportError
     try:
         from tensorboardX.crc32c import crc32c
 
@@ -250,6 +257,6 @@ def _tensorboardx() -> tuple[Callable[[Any], int], Any, Any]:
             SessionLog,  # pyright: ignore[reportAttributeAccessIssue]
         )
     finally:
-        if hide:
-            del sys.modules["torch"]
+        for name in hidden:
+            del sys.modules[name]
     return crc32c, Event, SessionLog

@@ -1,8 +1,9 @@
-"""Whole commands with Python's cyclic collector as the ``trainrun`` program sets it
-(``cli.command``: the objects alive at the command's start and end left out of the collector's
-walks) against the same commands through ``cli.main`` with Python's collector as it is.
+"""Whole commands in the ``trainrun`` program's own process (``cli.command``, which makes
+``command_process``'s settings: the objects alive at the command's start and end left out of
+Python's collector, tensorboardX's bucket clients left unloaded) against the same commands
+through ``cli.main`` in a process as Python makes it.
 
-    python benchmarks/command_collector.py [--rounds 8] [--steps 4]
+    python benchmarks/command_process.py [--rounds 8] [--steps 4]
 
 A chat run is trained once (compiled-program cache off) for ``sample`` and ``eval`` to read,
 and every command runs once first to fill a compiled-program cache, so each timed command is a
@@ -10,7 +11,7 @@ warm one (what a second identical command costs); ``train`` makes a new run dire
 ``config show`` starts no JAX backend. In every round each command runs once per contender, the
 contenders alternating which goes first. The table gives the median wall and CPU time (user and
 system of the command's process) and the ratio; each command's output is compared across the
-contenders (losses, answer, scores, the shown config): the collector must not change a bit.
+contenders (losses, answer, scores, the shown config): the settings must not change a bit.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from compile_cache import chat, losses, timed
 from machine_line import machine
 
-# Each contender's process: the console script, or main() in Python's own collector settings.
+# Each contender's process: the console script, or main() in a process as Python makes it.
 CONTENDERS = {
     "program": [str(Path(sys.executable).parent / "trainrun")],
     "main()": [sys.executable, "-c", "import sys; from trainrun.cli import main; "
@@ -46,7 +47,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    folder = Path(tempfile.mkdtemp(prefix="command-collector-"))
+    folder = Path(tempfile.mkdtemp(prefix="command-process-"))
     try:
         measure(args, folder)
     finally:

@@ -375,24 +375,29 @@ def test_a_request_list_compiles_one_program_and_scores_as_each_request_alone(ti
 @pytest.mark.slow
 def test_the_command_freezes_the_heap_lm_eval_built_and_the_class_alone_does_not(
         tiny, monkeypatch):
-    """``trainrun lm-eval`` freezes what is alive when lm-eval builds the model (its task
-    index) for the garbage collector; the class built from Python leaves the process's
-    collector alone."""
+    """``trainrun lm-eval``, in the program's own process, freezes what is alive when lm-eval
+    builds the model (its task index) for the garbage collector; the class built from Python,
+    and lm-eval's command line run in a library user's process, leave the process's collector
+    alone."""
     import gc
 
     import lm_eval.__main__
 
     from trainrun.evaluation import harness
+    from trainrun.platform.process import command_owns_process, command_process
 
     frozen: list[bool] = []
     monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
     harness.TrainrunLM(path=str(tiny / "export"))
-    assert frozen == []
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate",
                         lambda: harness.TrainrunLM(path=str(tiny / "export")))
     assert harness.main(["--model", "trainrun"]) == 0
-    assert frozen == [True]
-    assert not harness.TrainrunLM.freeze_heap  # only while the command runs
+    assert frozen == []
+    with command_process():
+        frozen.clear()  # the program's own freeze as the command starts
+        assert harness.main(["--model", "trainrun"]) == 0
+        assert frozen == [True]
+    assert not command_owns_process()  # only while the command runs
 
 
 @pytest.mark.slow

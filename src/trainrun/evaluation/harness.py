@@ -47,7 +47,7 @@ import gc
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,7 @@ from trainrun.evaluation.text_tokens import TextTokenizer, load_tokenizer
 from trainrun.fast import strategies
 from trainrun.models.losses import first_max_index
 from trainrun.models.transformer import PLAIN_ATTENTION, AttentionPath, bind_transformer
+from trainrun.platform.process import command_owns_process
 from trainrun.program.precision import DTYPES, cast_floats
 
 NAME = "trainrun"  # the name lm-eval's --model takes
@@ -96,17 +97,13 @@ class TrainrunLM(_Base):
     """lm-eval's model ``trainrun``: a model ``trainrun.load`` reads, scored and decoded with
     JAX. Built by lm-eval from ``--model_args`` (see the module's docstring)."""
 
-    # Set by ``main`` for its own command: the objects alive when the model is built are
-    # frozen (``gc.freeze``).
-    freeze_heap: ClassVar[bool] = False
-
     def __init__(self, path: str | None = None, ema: bool = False, max_length: int | None = None,
                  max_gen_toks: int = 256, chat_template: str | None = None, seed: int = 0,
                  batch_size: int | str | None = None, max_batch_size: int | None = None,
                  device: str | None = None, trust_remote_code: bool | None = None,
                  **unknown: Any) -> None:
         extras.require("eval", FEATURE)
-        if self.freeze_heap:
+        if command_owns_process():
             # lm-eval's task index, built before the model and alive to the end, is hundreds
             # of thousands of objects that every full collection, and the interpreter's exit,
             # would walk again (BENCHMARKS.md, "lm-evaluation-harness").
@@ -491,15 +488,15 @@ def _scorer(cfg: TransformerModel, compute: str, attention: AttentionPath = PLAI
 def main(argv: Sequence[str]) -> int:
     """lm-eval's own command line with ``argv`` (``trainrun lm-eval ARGS``), the ``trainrun``
     model registered; 0 when it returns (its errors are its own, but for a ``--tasks`` name
-    it does not know: ``HarnessError`` naming them and how to list tasks). The objects alive when
-    lm-eval builds the model stay frozen for the garbage collector (``gc.freeze``) after it
-    returns: the command's process ends there, and its last collections skip them too."""
+    it does not know: ``HarnessError`` naming them and how to list tasks). In the ``trainrun``
+    program's own process (``command_owns_process``) the objects alive when lm-eval builds the
+    model are frozen for the garbage collector (``gc.freeze``): they live to the process's end,
+    and its collections, the last ones at exit included, skip them."""
     extras.require("eval", "trainrun lm-eval")
     from lm_eval.__main__ import cli_evaluate
 
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]  # lm-eval's parser reads sys.argv itself
-    TrainrunLM.freeze_heap = True
     try:
         cli_evaluate()
     except ValueError as err:
@@ -511,7 +508,6 @@ def main(argv: Sequence[str]) -> int:
                            "your own as well)") from None
     finally:
         sys.argv = saved
-        TrainrunLM.freeze_heap = False
     return 0
 
 

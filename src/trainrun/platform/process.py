@@ -161,6 +161,7 @@ def command_process() -> Iterator[None]:
         yield
     finally:
         gc.freeze()  # the process ends next: its exit's collections skip what is alive now
+        _command_owns_process = False
 
 
 _command_owns_process = False

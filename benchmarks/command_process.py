@@ -17,14 +17,12 @@ contenders (losses, answer, scores, the shown config): the settings must not cha
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from compile_cache import chat, losses, timed
+from compile_cache import Command, chat_commands, timed, trainrun
 from machine_line import machine
 
 # Each contender's process: the console script, or main() in a process as Python makes it.
@@ -47,31 +45,20 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    folder = Path(tempfile.mkdtemp(prefix="command-process-"))
-    try:
-        measure(args, folder)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="command-process-",
+                                     ignore_cleanup_errors=True) as folder:
+        measure(args, Path(folder))
 
 
 def measure(args: argparse.Namespace, folder: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")
-           and k != "JAX_COMPILATION_CACHE_DIR"}
-    env["TRAINRUN_CACHE_DIR"] = str(folder / "user-cache")
-    program = CONTENDERS["program"]
-    timed([*program, *chat(folder / "chat", args.steps)],
-          {**env, "TRAINRUN_COMPILATION_CACHE": "0"})
+    env, chat_run = chat_commands(folder, args.steps)
     env["TRAINRUN_COMPILATION_CACHE"] = str(folder / "programs")
-    commands = {
+    commands: dict[str, Command] = {
         "config show": lambda out: (["config", "show", "--config", "chat"], lambda s: s),
-        "train": lambda out: (chat(out, args.steps), lambda s: losses(out)),
-        "sample": lambda out: (["sample", str(folder / "chat"), "--chat", "reverse hello",
-                                "--tokens", "16"], lambda s: s),
-        "eval": lambda out: (["eval", str(folder / "chat"), "--tokens", "16", "--limit", "32",
-                              "--out", str(out)], lambda s: (out / "scores.json").read_text()),
+        **chat_run,
     }
     for name, command in commands.items():  # fill the compiled-program cache
-        timed([*program, *command(folder / f"fill-{name.replace(' ', '-')}")[0]], env)
+        trainrun(command(folder / f"fill-{name.replace(' ', '-')}")[0], env)
     wall = {(n, c): [] for n in commands for c in CONTENDERS}
     cpu = {(n, c): [] for n in commands for c in CONTENDERS}
     for round_ in range(args.rounds):

@@ -26,12 +26,12 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -84,26 +84,37 @@ def losses(run_dir: Path) -> list[float]:
 
 def main() -> None:
     args = parse()
-    folder = Path(tempfile.mkdtemp(prefix="compile-cache-"))
-    try:
-        measure(args, folder)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="compile-cache-", ignore_cleanup_errors=True) as folder:
+        measure(args, Path(folder))
 
 
-def measure(args: argparse.Namespace, folder: Path) -> None:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")
-            and k != "JAX_COMPILATION_CACHE_DIR"}
-    base["TRAINRUN_CACHE_DIR"] = str(folder / "user-cache")  # the chat records, made once
-    trainrun(chat(folder / "chat", args.steps), {**base, "TRAINRUN_COMPILATION_CACHE": "0"})
-    commands = {
-        "train": lambda out: (chat(out, args.steps), lambda stdout: losses(out)),
+# A command, given the folder for its output: its arguments, and how to read its result from
+# its stdout.
+Command = Callable[[Path], tuple[list[str], Callable[[str], object]]]
+
+
+def chat_commands(folder: Path, steps: int) -> tuple[dict[str, str], dict[str, Command]]:
+    """A chat run trained in ``folder / "chat"`` (compiled-program cache off), and the
+    environment and commands that measure: ``train`` into a new run directory, ``sample`` and
+    ``eval`` on that run. The environment is this process's without JAX's cache settings, with
+    a user cache of its own in ``folder`` (the chat records, made once)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")
+           and k != "JAX_COMPILATION_CACHE_DIR"}
+    env["TRAINRUN_CACHE_DIR"] = str(folder / "user-cache")
+    trainrun(chat(folder / "chat", steps), {**env, "TRAINRUN_COMPILATION_CACHE": "0"})
+    commands: dict[str, Command] = {
+        "train": lambda out: (chat(out, steps), lambda stdout: losses(out)),
         "sample": lambda out: (["sample", str(folder / "chat"), "--chat", "reverse hello",
                                 "--tokens", "16"], lambda stdout: stdout),
         "eval": lambda out: (["eval", str(folder / "chat"), "--tokens", "16", "--limit", "32",
                               "--out", str(out)],
                              lambda stdout: (out / "scores.json").read_text()),
     }
+    return env, commands
+
+
+def measure(args: argparse.Namespace, folder: Path) -> None:
+    base, commands = chat_commands(folder, args.steps)
     variants = ["off"] + [f"{kind} {least:g}" for least in args.min_compile_s
                           for kind in ("cold", "warm")]
     wall: dict[tuple[str, str], list[float]] = {(n, v): [] for n in commands for v in variants}

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +97,13 @@ def run_cli(*args: str, devices: int | None = None, timeout: float = 300,
     """``trainrun ARGS`` in a fresh Python process; returns the completed process (text)."""
     return subprocess.run([sys.executable, "-m", "trainrun", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd, env=cli_env(devices, **env))
+
+
+def run_python(program: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``program`` (indented as a test writes it) in a fresh Python process with ``args``;
+    returns the completed process (text)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(program), *args],
+                          capture_output=True, text=True, timeout=120, env=cli_env(**env))
 
 
 # A child that crashes or hangs says where: every thread's Python stack on SIGABRT or SIGSEGV

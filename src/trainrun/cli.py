@@ -557,8 +557,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def command(argv: list[str] | None = None) -> NoReturn:
     """The ``trainrun`` program, in a process of its own (the console script, ``python -m
-    trainrun``): ``main`` with the process's collector set for a command; the process exits with
-    the command's code."""
+    trainrun``): ``main`` inside ``command_process``'s settings; the process exits with the
+    command's code."""
     from trainrun.platform.process import command_process
 
     with command_process():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli_env, losses, run_cli, save_tiny_gpt2
+from conftest import cli_env, losses, run_cli, run_python, save_tiny_gpt2
 
 from trainrun.platform import process
 from trainrun.platform.process import (
@@ -104,11 +104,6 @@ def test_this_jaxlibs_xla_knows_every_gpu_flag():
     assert done.stdout.strip() == "3.0"
 
 
-def python(program: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(program), *args],
-                          capture_output=True, text=True, timeout=120, env=cli_env(**env))
-
-
 IMPORT_CHANGES = """
     import json, os
     import jax
@@ -128,7 +123,7 @@ IMPORT_CHANGES = """
 
 @pytest.mark.slow
 def test_import_changes_only_the_documented_xla_flag():
-    done = python(IMPORT_CHANGES)
+    done = run_python(IMPORT_CHANGES)
     assert done.returncode == 0, done.stderr[-2000:]
     changes = json.loads(done.stdout)
     assert changes["config"] == {}  # no jax.config value changed (async dispatch included)
@@ -149,7 +144,7 @@ LAZY_NAMES = """
 def test_import_loads_the_public_names_when_first_used():
     """``import trainrun`` (as every command does first) leaves the data pipeline, optimizer,
     checkpointer and modules unimported until a public name that needs them is used."""
-    done = python(LAZY_NAMES)
+    done = run_python(LAZY_NAMES)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["[]", "trainrun.training.loop",
                                    "trainrun.evaluation.language_model", "True", "True"]
@@ -173,7 +168,7 @@ def test_a_commands_exit_leaves_its_objects_out_of_the_collectors_walk(entry):
     trainrun``) ends with every object alive left out of Python's collector (``gc.freeze``),
     so the exit's collections do not walk the objects JAX and trainrun made;
     ``cli.main`` in a library user's process leaves the collector as it was."""
-    done = python(COLLECTOR_AT_EXIT, entry)
+    done = run_python(COLLECTOR_AT_EXIT, entry)
     assert done.returncode == 0, done.stderr[-2000:]
     after = json.loads(done.stdout.splitlines()[-1])
     assert after["code"] in (0, None)
@@ -200,7 +195,7 @@ def test_a_model_directory_is_loaded_scored_and_decoded_without_the_data_pipelin
     ``lm-eval`` do first) imports neither Grain nor Orbax: about a second of every such
     command's start on a small machine."""
     save_tiny_gpt2(tmp_path / "model", vocab=50)
-    done = python(LOAD_AND_SCORE, str(tmp_path / "model"))
+    done = run_python(LOAD_AND_SCORE, str(tmp_path / "model"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["(1, 3, 50) (5,) 2", "[]"]
 
@@ -240,7 +235,7 @@ def test_configure_process_makes_glibc_keep_large_blocks_on_its_heap(configure):
 
 
 def test_configure_process_after_the_backend_started_changes_nothing_and_says_so():
-    done = python("""
+    done = run_python("""
         import jax, jax.numpy as jnp
         import trainrun
         jnp.ones(2).block_until_ready()
@@ -257,7 +252,7 @@ def test_configure_process_after_the_backend_started_changes_nothing_and_says_so
 def test_settings_made_before_the_backend_started_are_reported_as_made_after_it():
     """trainrun train makes them, joins jax.distributed (the backend starts), then run() asks
     again: every launched process 0 printed 'process settings not applied'."""
-    done = python("""
+    done = run_python("""
         import jax, jax.numpy as jnp
         import trainrun
         first = trainrun.configure_process()
@@ -294,7 +289,7 @@ def test_a_second_command_reads_the_programs_the_first_compiled(tmp_path):
     named through JAX's own variable is left to JAX."""
     folder = tmp_path / "compiled"
     # The suite's own cache (conftest.py) is named through the variable: unset here.
-    runs = [python(COMPILE_TWICE, str(folder), JAX_COMPILATION_CACHE_DIR="") for _ in range(2)]
+    runs = [run_python(COMPILE_TWICE, str(folder), JAX_COMPILATION_CACHE_DIR="") for _ in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
     first, second = (r.stdout.split() for r in runs)
     assert first[0] == second[0] == str(folder) and first[1] == second[1]
@@ -302,7 +297,7 @@ def test_a_second_command_reads_the_programs_the_first_compiled(tmp_path):
     assert any(folder.iterdir())
 
     theirs = tmp_path / "theirs"
-    named = python(COMPILE_TWICE, "-", JAX_COMPILATION_CACHE_DIR=str(theirs))
+    named = run_python(COMPILE_TWICE, "-", JAX_COMPILATION_CACHE_DIR=str(theirs))
     assert named.returncode == 0, named.stderr[-2000:]
     assert named.stdout.split()[0] == "None" and any(theirs.iterdir())
 
@@ -315,11 +310,11 @@ def test_a_compiled_programs_folder_that_is_a_symlink_is_not_followed(tmp_path):
     (users / "notes-cache").write_text("mine")
     link = tmp_path / "compiled"
     link.symlink_to(users, target_is_directory=True)
-    done = python(COMPILE_TWICE, str(link), JAX_COMPILATION_CACHE_DIR="")
+    done = run_python(COMPILE_TWICE, str(link), JAX_COMPILATION_CACHE_DIR="")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[0] == "None"
     # The default folder, compiled/<host CPU> under the user cache, with compiled a symlink.
-    default = python(COMPILE_TWICE, "-", JAX_COMPILATION_CACHE_DIR="",
+    default = run_python(COMPILE_TWICE, "-", JAX_COMPILATION_CACHE_DIR="",
                      TRAINRUN_COMPILATION_CACHE="", TRAINRUN_CACHE_DIR=str(tmp_path))
     assert default.returncode == 0, default.stderr[-2000:]
     assert default.stdout.split()[0] == "None"
@@ -351,7 +346,7 @@ def test_the_compiled_program_folder_is_the_users_choice(tmp_path):
     """trainrun's user cache by default, split by the host's CPU (a home shared with other CPUs
     never runs their machine code); TRAINRUN_COMPILATION_CACHE turns it off or names the
     folder; a cache the user set up or turned off through JAX is left to JAX."""
-    done = python(FOLDER_CHOICES, JAX_COMPILATION_CACHE_DIR="", TRAINRUN_COMPILATION_CACHE="0",
+    done = run_python(FOLDER_CHOICES, JAX_COMPILATION_CACHE_DIR="", TRAINRUN_COMPILATION_CACHE="0",
                   TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import io
 import json
 import struct
-import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
+from conftest import run_python
 
 from trainrun import rundir
 from trainrun.cli import main
@@ -287,8 +286,7 @@ def test_tensorboardx_bucket_clients_are_left_unloaded_in_the_programs_process_a
                        if find_spec(m.split(".")[0]) and find_spec(m))
     if not installed:
         pytest.skip("neither boto3 nor google-cloud-storage is installed")
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(TENSORBOARDX_IN_A_PROCESS),
-                           process, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    done = run_python(TENSORBOARDX_IN_A_PROCESS, process, str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     after = json.loads(done.stdout)
     if process == "program":

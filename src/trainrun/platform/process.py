@@ -140,6 +140,9 @@ def _accelerator_plugin() -> bool:
     return any(pkgutil.iter_modules(jax_plugins.__path__))
 
 
+_command_owns_process = False  # set by command_process while the command runs
+
+
 @contextlib.contextmanager
 def command_process() -> Iterator[None]:
     """The ``trainrun`` program's own process around its one command (the console script and
@@ -149,7 +152,7 @@ def command_process() -> Iterator[None]:
     - Python's cyclic garbage collector leaves the objects alive when the command starts
       (JAX's, imported with trainrun's package) and when it ends out of its walks
       (``gc.freeze``). They live as long as the process, and Python walked them again at every
-      full collection and at exit: a quarter of a short command's time.
+      full collection and at exit (what that cost a short command: BENCHMARKS.md).
     - ``command_owns_process()`` is true: no code but trainrun's runs here, so the optional parts
       of a library that only a user's code would reach are left unloaded.
 
@@ -162,9 +165,6 @@ def command_process() -> Iterator[None]:
     finally:
         gc.freeze()  # the process ends next: its exit's collections skip what is alive now
         _command_owns_process = False
-
-
-_command_owns_process = False
 
 
 def command_owns_process() -> bool:

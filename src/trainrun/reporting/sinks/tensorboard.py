@@ -239,8 +239,8 @@ def _tensorboardx() -> tuple[Callable[[Any], int], Any, Any]:
     """tensorboardX's CRC-32C (native with the crc32c package) and event protos. Importing
     tensorboardX imports torch when it is installed (seconds, for support trainrun never
     uses), so torch is hidden for that; in the ``trainrun`` program's own process, so are the
-    clients of its S3 and GCS writers (half a second of a warm ``trainrun train`` where they are
-    installed, BENCHMARKS.md), which only a user's code in the process could want."""
+    clients of its S3 and GCS writers (a share of every ``trainrun train`` where they are
+    installed: BENCHMARKS.md), which only a user's code in the process could want."""
     from trainrun.platform.process import command_owns_process
 
     extras.require("tensorboard", "metrics.tensorboard=true")

@@ -281,9 +281,14 @@ def test_tensorboardx_bucket_clients_are_left_unloaded_in_the_programs_process_a
     tensorboardX keeps those writers, as its import makes them."""
     from importlib.util import find_spec
 
+    def found(module: str) -> bool:
+        try:
+            return find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent missing: `google` without `google.cloud`
+            return False
+
     pytest.importorskip("tensorboard")
-    installed = sorted(m for m in ("boto3", "google.cloud.storage")
-                       if find_spec(m.split(".")[0]) and find_spec(m))
+    installed = sorted(m for m in ("boto3", "google.cloud.storage") if found(m))
     if not installed:
         pytest.skip("neither boto3 nor google-cloud-storage is installed")
     done = run_python(TENSORBOARDX_IN_A_PROCESS, process, str(tmp_path))

@@ -17,7 +17,10 @@ cache must not change a bit.
 
 Every round also times the floor no command goes below, cache or not: a Python process that
 imports JAX and runs one tiny program (its CPU backend started), then exits. The last column
-compares what the commands spend above it.
+compares what the commands spend above it. And for each command, the floor of its own imports:
+a process that imports every module the command had imported by its end (recorded from one
+warm run of it), then runs the same tiny program. A warm command cannot take less than that,
+so its time against the cold command's is the least warm / cold a cache could give.
 """
 
 from __future__ import annotations
@@ -65,6 +68,37 @@ def trainrun(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
 
 
 FLOOR = "import jax; jax.numpy.zeros(()).block_until_ready()"
+
+# ``trainrun ARGV`` run to its end, then the names of the modules it imported, in their order.
+RECORD_IMPORTS = """
+import json, sys
+from trainrun.cli import main
+try:
+    main(json.loads(sys.argv[1]))
+finally:
+    with open(sys.argv[2], "w") as f:
+        json.dump(list(sys.modules), f)
+"""
+
+# Those modules imported again as the command's program would (the modules it left out of
+# tensorboardX's import left out here too), then the floor's tiny program.
+IMPORTS_FLOOR = """
+import gc, importlib, json, sys
+gc.freeze()
+names = json.load(open(sys.argv[1]))
+for left_out in ("torch", "boto3", "google.cloud.storage"):
+    if left_out not in names:
+        sys.modules[left_out] = None
+for name in names:
+    if name not in sys.modules and not name.endswith("__main__"):
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+import jax
+jax.numpy.zeros(()).block_until_ready()
+gc.freeze()
+"""
 
 
 def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
@@ -121,8 +155,13 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
     cpu: dict[tuple[str, str], list[float]] = {(n, v): [] for n in commands for v in variants}
     kept: dict[tuple[str, str], list[int]] = {(n, v): [] for n in commands for v in variants}
     floor: list[float] = []
+    imported = record_imports(folder, base, commands)
+    imports: dict[str, list[float]] = {name: [] for name in commands}
     for round_ in range(args.rounds):
         floor.append(timed([sys.executable, "-c", FLOOR], base)[0])
+        for name in commands:
+            imports[name].append(timed([sys.executable, "-c", IMPORTS_FLOOR,
+                                        str(imported[name])], base)[0])
         for name, command in commands.items():
             results = []
             for variant in variants:
@@ -159,6 +198,32 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
                   f"{c[cold]:.2f} s | {c[warm]:.2f} s | {c[warm] / c[cold]:.2f}x | "
                   f"{statistics.median(kept[name, cold]):.0f} | "
                   f"{(w[warm] - least_wall) / (w[cold] - least_wall):.2f}x |")
+    print("\nEach command's imports alone (median wall), against the cold command: the least "
+          "warm / cold any cache could give")
+    print("| command | imports alone | cold | warm | imports / cold | warm / cold |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in commands:
+        least = f"{args.min_compile_s[0]:g}"
+        alone = statistics.median(imports[name])
+        cold = statistics.median(wall[name, f"cold {least}"])
+        warm = statistics.median(wall[name, f"warm {least}"])
+        print(f"| `trainrun {name}` | {alone:.2f} s | {cold:.2f} s | {warm:.2f} s | "
+              f"{alone / cold:.2f}x | {warm / cold:.2f}x |")
+
+
+def record_imports(folder: Path, env: dict[str, str],
+                   commands: dict[str, Command]) -> dict[str, Path]:
+    """Each command run once with a cache of its own filled (so the record is a warm run's),
+    and the file of the modules it imported."""
+    files = {}
+    for name, command in commands.items():
+        env = {**env, "TRAINRUN_COMPILATION_CACHE": str(folder / f"programs-{name}-imports")}
+        files[name] = folder / f"imports-{name}.json"
+        for run in ("fill", "record"):
+            argv, _ = command(folder / f"out-{name}-imports-{run}")
+            timed([sys.executable, "-c", RECORD_IMPORTS, json.dumps(argv), str(files[name])],
+                  env)
+    return files
 
 if __name__ == "__main__":
     main()

@@ -69,24 +69,26 @@ def trainrun(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
 
 FLOOR = "import jax; jax.numpy.zeros(()).block_until_ready()"
 
-# ``trainrun ARGV`` run to its end, then the names of the modules it imported, in their order.
+# ``trainrun ARGV`` run to its end as the program runs it, then the names of the modules it
+# imported, in their order.
 RECORD_IMPORTS = """
 import json, sys
-from trainrun.cli import main
+from trainrun.cli import command
 try:
-    main(json.loads(sys.argv[1]))
+    command(json.loads(sys.argv[1]))
 finally:
     with open(sys.argv[2], "w") as f:
         json.dump(list(sys.modules), f)
 """
 
-# Those modules imported again as the command's program would (the modules it left out of
-# tensorboardX's import left out here too), then the floor's tiny program.
+# Those modules imported again as the program would (what it left out of tensorboardX's import
+# left out here too), then the floor's tiny program.
 IMPORTS_FLOOR = """
 import gc, importlib, json, sys
+from trainrun.reporting.sinks.tensorboard import TENSORBOARDX_BUCKET_CLIENTS
 gc.freeze()
 names = json.load(open(sys.argv[1]))
-for left_out in ("torch", "boto3", "google.cloud.storage"):
+for left_out in ("torch", *TENSORBOARDX_BUCKET_CLIENTS):
     if left_out not in names:
         sys.modules[left_out] = None
 for name in names:
@@ -202,8 +204,8 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
           "warm / cold any cache could give")
     print("| command | imports alone | cold | warm | imports / cold | warm / cold |")
     print("|---|---:|---:|---:|---:|---:|")
+    least = f"{args.min_compile_s[0]:g}"
     for name in commands:
-        least = f"{args.min_compile_s[0]:g}"
         alone = statistics.median(imports[name])
         cold = statistics.median(wall[name, f"cold {least}"])
         warm = statistics.median(wall[name, f"warm {least}"])
@@ -217,12 +219,12 @@ def record_imports(folder: Path, env: dict[str, str],
     and the file of the modules it imported."""
     files = {}
     for name, command in commands.items():
-        env = {**env, "TRAINRUN_COMPILATION_CACHE": str(folder / f"programs-{name}-imports")}
+        cached = {**env, "TRAINRUN_COMPILATION_CACHE": str(folder / f"programs-{name}-imports")}
         files[name] = folder / f"imports-{name}.json"
         for run in ("fill", "record"):
             argv, _ = command(folder / f"out-{name}-imports-{run}")
             timed([sys.executable, "-c", RECORD_IMPORTS, json.dumps(argv), str(files[name])],
-                  env)
+                  cached)
     return files
 
 if __name__ == "__main__":

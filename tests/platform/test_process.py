@@ -289,7 +289,8 @@ def test_a_second_command_reads_the_programs_the_first_compiled(tmp_path):
     named through JAX's own variable is left to JAX."""
     folder = tmp_path / "compiled"
     # The suite's own cache (conftest.py) is named through the variable: unset here.
-    runs = [run_python(COMPILE_TWICE, str(folder), JAX_COMPILATION_CACHE_DIR="") for _ in range(2)]
+    runs = [run_python(COMPILE_TWICE, str(folder), JAX_COMPILATION_CACHE_DIR="")
+            for _ in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
     first, second = (r.stdout.split() for r in runs)
     assert first[0] == second[0] == str(folder) and first[1] == second[1]
@@ -315,7 +316,7 @@ def test_a_compiled_programs_folder_that_is_a_symlink_is_not_followed(tmp_path):
     assert done.stdout.split()[0] == "None"
     # The default folder, compiled/<host CPU> under the user cache, with compiled a symlink.
     default = run_python(COMPILE_TWICE, "-", JAX_COMPILATION_CACHE_DIR="",
-                     TRAINRUN_COMPILATION_CACHE="", TRAINRUN_CACHE_DIR=str(tmp_path))
+                         TRAINRUN_COMPILATION_CACHE="", TRAINRUN_CACHE_DIR=str(tmp_path))
     assert default.returncode == 0, default.stderr[-2000:]
     assert default.stdout.split()[0] == "None"
     assert sorted(p.name for p in users.iterdir()) == ["notes-cache"]
@@ -346,8 +347,8 @@ def test_the_compiled_program_folder_is_the_users_choice(tmp_path):
     """trainrun's user cache by default, split by the host's CPU (a home shared with other CPUs
     never runs their machine code); TRAINRUN_COMPILATION_CACHE turns it off or names the
     folder; a cache the user set up or turned off through JAX is left to JAX."""
-    done = run_python(FOLDER_CHOICES, JAX_COMPILATION_CACHE_DIR="", TRAINRUN_COMPILATION_CACHE="0",
-                  TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))
+    done = run_python(FOLDER_CHOICES, JAX_COMPILATION_CACHE_DIR="",
+                      TRAINRUN_COMPILATION_CACHE="0", TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     default = tmp_path / "cache" / "compiled" / process.host_cpu()

@@ -18,7 +18,11 @@ from trainrun.config import load_config
 from trainrun.reporting.console import ConsoleLog
 from trainrun.reporting.run_output import build_output
 from trainrun.reporting.sinks.jsonl import JsonlWriter, read_metrics
-from trainrun.reporting.sinks.tensorboard import TENSORBOARD_DIR, TensorBoardWriter
+from trainrun.reporting.sinks.tensorboard import (
+    TENSORBOARD_DIR,
+    TENSORBOARDX_BUCKET_CLIENTS,
+    TensorBoardWriter,
+)
 from trainrun.reporting.table import Table
 from trainrun.training.loop import run
 
@@ -260,14 +264,15 @@ TENSORBOARDX_IN_A_PROCESS = """
     from pathlib import Path
     import numpy as np
     from trainrun.platform.process import command_process
-    from trainrun.reporting.sinks.tensorboard import TensorBoardWriter
+    from trainrun.reporting.sinks.tensorboard import (TENSORBOARDX_BUCKET_CLIENTS,
+                                                       TensorBoardWriter)
     from trainrun.reporting.table import Table
     with command_process() if sys.argv[1] == "program" else contextlib.nullcontext():
         writer = TensorBoardWriter(Path(sys.argv[2]))
         writer.write_table(Table(1, ["loss"], np.float32([[2.5], [1.25]])))
         writer.close()
         from tensorboardX import record_writer
-        print(json.dumps({"loaded": sorted(m for m in ("boto3", "google.cloud.storage")
+        print(json.dumps({"loaded": sorted(m for m in TENSORBOARDX_BUCKET_CLIENTS
                                            if m in sys.modules),
                           "writers": [record_writer.S3_ENABLED, record_writer.GCS_ENABLED]}))
 """
@@ -288,7 +293,7 @@ def test_tensorboardx_bucket_clients_are_left_unloaded_in_the_programs_process_a
             return False
 
     pytest.importorskip("tensorboard")
-    installed = sorted(m for m in ("boto3", "google.cloud.storage") if found(m))
+    installed = sorted(m for m in TENSORBOARDX_BUCKET_CLIENTS if found(m))
     if not installed:
         pytest.skip("neither boto3 nor google-cloud-storage is installed")
     done = run_python(TENSORBOARDX_IN_A_PROCESS, process, str(tmp_path))

@@ -19,7 +19,7 @@ from trainrun.platform.process import apply_default_flags
 if TYPE_CHECKING:
     from trainrun.config import ConfigError, RunConfig, load_config
     from trainrun.data import ArrayBatches, DataError
-    from trainrun.errors import UserError
+    from trainrun.errors import UserCodeFailed, UserError
     from trainrun.evaluation.language_model import LanguageModel, load
     from trainrun.evaluation.text_tokens import TextTokenizer, load_tokenizer
     from trainrun.models import Model, from_functions, from_nnx
@@ -47,6 +47,7 @@ _HOME = {
     "RunSummary": "trainrun.training.summary",
     "TextTokenizer": "trainrun.evaluation.text_tokens",
     "TrainState": "trainrun.program.state",
+    "UserCodeFailed": "trainrun.errors",
     "UserError": "trainrun.errors",
     "configure_process": "trainrun.platform.process",
     "from_functions": "trainrun.models",
@@ -74,6 +75,7 @@ __all__ = [
     "RunSummary",
     "TextTokenizer",
     "TrainState",
+    "UserCodeFailed",
     "UserError",
     "configure_process",
     "from_functions",

@@ -15,6 +15,7 @@ from trainrun.errors import (
     LineWarning,
     OutOfMemory,
     ReadFailed,
+    UserCodeFailed,
     UserError,
     WriteFailed,
     path_refused,
@@ -541,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {printable(str(err))}", file=sys.stderr)
         return 2
-    except (WriteFailed, ReadFailed, OutOfMemory) as err:  # the system, not the input: exit 1
+    # the system, or the user's code in a run (a reward, a callback), not the input: exit 1
+    except (WriteFailed, ReadFailed, OutOfMemory, UserCodeFailed) as err:
         print(f"error: {printable(str(err))}", file=sys.stderr)
         checkpoints = sys.modules.get("trainrun.checkpointing.checkpoints")
         if checkpoints is not None and checkpoints.abandoned():

@@ -1,7 +1,7 @@
-"""Errors the CLI reports on one line: bad input the user fixes (exit 2), and a write or a read
-the file system refused (exit 1); ``path_refused``, the line for a path the system would not
-take, and ``read_refused``, the error for a file it would not read; and ``printable``, which
-keeps a name in such a line from driving the terminal."""
+"""Errors the CLI reports on one line: bad input the user fixes (exit 2), a write or a read the
+file system refused, and the user's own code failing in a run (exit 1); ``path_refused``, the
+line for a path the system would not take, and ``read_refused``, the error for a file it would
+not read; and ``printable``, which keeps a name in such a line from driving the terminal."""
 
 import errno
 
@@ -22,6 +22,13 @@ class WriteFailed(Exception):
 class ReadFailed(Exception):
     """Not bad input: the system refused to read a file the input names (no permission, an I/O
     error). One line naming the file and the cause; exit 1."""
+
+
+class UserCodeFailed(Exception):
+    """Not trainrun's failure: code of the user's that a run calls (a reward, a callback, a
+    model's functions, a data iterator) raised, ``SystemExit`` and ``KeyboardInterrupt``
+    included. The run is recorded as failed, its last committed checkpoint kept, and stops with
+    one line naming the function; exit 1. The exception raised is the ``__cause__``."""
 
 
 class OutOfMemory(Exception):

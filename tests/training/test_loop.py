@@ -14,7 +14,7 @@ import yaml
 
 from trainrun import rundir
 from trainrun.config import load_config
-from trainrun.errors import WriteFailed
+from trainrun.errors import UserCodeFailed, WriteFailed
 from trainrun.models import build_model
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.optim import build_optimizer
@@ -212,7 +212,7 @@ def test_a_failed_run_records_the_step_of_its_last_committed_checkpoint(tmp_path
 
     config = load_config("mlp", ["steps=40", "steps_per_call=2", "checkpoint.every=4",
                                  "checkpoint.async=false", "metrics.tensorboard=false"])
-    with pytest.raises(RuntimeError, match="a bug in a callback"):
+    with pytest.raises(UserCodeFailed, match="a bug in a callback"):
         run(config, tmp_path, out=io.StringIO(), callbacks=[Crash()])
     status = rundir.read_status(tmp_path)
     assert status["status"] == "failed" and "a bug in a callback" in status["reason"]

@@ -1,5 +1,6 @@
 """Preemption: SIGTERM/SIGINT end a run after the current call with a checkpoint and exit 0; a
-second SIGINT aborts at once; several processes save the same step."""
+second signal of either kind aborts at once (130 for SIGINT, 143 for SIGTERM); several
+processes save the same step."""
 
 from __future__ import annotations
 
@@ -75,22 +76,30 @@ def test_signal_requests_a_stop_and_handlers_are_restored():
 
 
 @pytest.mark.slow
-def test_second_sigint_aborts_at_once(tmp_path):
-    script = textwrap.dedent("""
-        import os, signal, time
+@pytest.mark.parametrize("first,second", [("SIGINT", "SIGINT"), ("SIGTERM", "SIGTERM"),
+                                          ("SIGINT", "SIGTERM"), ("SIGTERM", "SIGINT")])
+def test_a_second_signal_aborts_at_once_with_its_exit_code(tmp_path, first, second):
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
         from trainrun.training.preemption import Preemption
         with Preemption() as preemption:
-            os.kill(os.getpid(), signal.SIGINT)
+            preemption.on_abort = lambda name: print("recorded", name, flush=True)
+            os.kill(os.getpid(), signal.{first})
             time.sleep(0.2)
             assert preemption.requested(1)
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.{second})
             time.sleep(30)
             print("still running")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, env=cli_env())
-    assert done.returncode == ABORT_EXIT_CODE
-    assert "aborted: second interrupt" in done.stderr and "still running" not in done.stdout
+    again = "interrupt again" if first == "SIGINT" else "send SIGTERM again"
+    assert f"{first} received: finishing the current call, then saving a checkpoint ({again} " \
+           "to abort at once)" in done.stderr
+    assert done.returncode == 128 + getattr(signal, second), done.stderr[-3000:]
+    assert done.returncode == (ABORT_EXIT_CODE if second == "SIGINT" else 143)
+    assert f"aborted by a second {second}: exiting at once" in done.stderr
+    assert done.stdout == f"recorded {second}\n"  # the run's status is told, then the exit
 
 
 HOST = """\

@@ -115,7 +115,7 @@ class _PastTheStateCheck(Exception):
 @pytest.mark.parametrize("reference", ["in_step", "cached"])
 def test_the_memory_check_counts_a_reference_the_state_keeps(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: str) -> None:
-    from trainrun.errors import UserError
+    from trainrun.errors import UserCodeFailed, UserError
     from trainrun.training import preflight, setup
 
     def past(*_: object, **__: object) -> None:
@@ -128,8 +128,9 @@ def test_the_memory_check_counts_a_reference_the_state_keeps(
     config = load_config("dpo", ["steps=2", "model.d_model=256", "metrics.tensorboard=false",
                                  f"preference.reference={reference}"])
     if reference == "cached":  # the column is data: the state holds no reference
-        with pytest.raises(_PastTheStateCheck):
+        with pytest.raises(UserCodeFailed) as past:  # raised by the test's function
             run(config, tmp_path / "run", out=io.StringIO())
+        assert isinstance(past.value.__cause__, _PastTheStateCheck)
         return
     with pytest.raises(UserError) as refused:
         run(config, tmp_path / "run", out=io.StringIO())

@@ -250,3 +250,89 @@ def test_two_processes_draw_score_and_train_as_one_process(tmp_path: Path,
     assert len(scored) == 6 and all(len(batch["values"]) == 4 for batch in scored)
     assert sorted(v for b in scored for v in b["values"]) == sorted(
         v for line in logs["one"].read_text().splitlines() for v in json.loads(line)["values"])
+
+
+ENDING = '''
+import sys
+import time
+
+calls = 0
+
+
+def quits(prompts, completions, **fields):
+    global calls
+    calls += 1
+    if calls == 2:
+        sys.exit(0)
+    return [0.0] * len(completions)
+
+
+def hangs(prompts, completions, started, **fields):
+    global calls
+    calls += 1
+    if calls == 2:
+        open(started, "w").close()
+        time.sleep(1000)
+    return [0.0] * len(completions)
+'''
+# Three steps, each step's rollouts scored by one call of the reward, a checkpoint after each.
+ENDED = [*SMALL, "steps=3", "checkpoint.every=1", "checkpoint.async=false"]
+
+
+@pytest.mark.slow
+def test_a_reward_that_calls_sys_exit_fails_the_run_in_one_line_keeping_its_checkpoint(
+        cli, tmp_path: Path) -> None:
+    rewards = tmp_path / "ending.py"
+    rewards.write_text(ENDING)
+    run_dir = tmp_path / "run"
+    done = cli("train", "--config", "grpo", "--run-dir", str(run_dir), *ENDED,
+               _rewards({"name": f"{rewards}:quits"}))
+    assert done.returncode != 0, done.stdout[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "quits" in lines[0] and "SystemExit" in lines[0], lines
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and status["step"] == 1
+    assert "quits" in status["reason"] and "SystemExit" in status["reason"]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1"]  # the step before, kept
+
+
+@pytest.mark.slow
+def test_a_hanging_reward_is_aborted_by_a_second_sigterm(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import FAULT_STACKS, cli_env, finish
+
+    rewards, started = tmp_path / "ending.py", tmp_path / "started"
+    rewards.write_text(ENDING)
+    run_dir, log = tmp_path / "run", tmp_path / "stderr.txt"
+    train = subprocess.Popen(
+        [sys.executable, "-m", "trainrun", "train", "--config", "grpo", "--run-dir",
+         str(run_dir), *ENDED, _rewards({"name": f"{rewards}:hangs",
+                                         "args": {"started": str(started)}})],
+        stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True, env=cli_env(**FAULT_STACKS))
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and train.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists(), log.read_text()[-3000:]  # it sleeps in step 2's rollouts
+        train.send_signal(signal.SIGTERM)
+        while "SIGTERM received" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "(send SIGTERM again to abort at once)" in log.read_text()
+        train.send_signal(signal.SIGTERM)
+        finish(train, 60)
+    finally:
+        if train.poll() is None:  # a failed check: the reward would sleep on
+            train.kill()
+            train.wait()
+    assert train.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert "aborted by a second SIGTERM" in log.read_text()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and status["step"] == 1
+    assert status["reason"] == ("aborted by a second SIGTERM; the last committed checkpoint is "
+                                "step 1 (the same command resumes from it)")
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1"]

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import jax
 
 from trainrun.config import AutoDistributed, ExplicitDistributed, SingleProcess
-from trainrun.errors import UserError
+from trainrun.errors import UserCodeFailed, UserError
 from trainrun.platform import coordinator
 from trainrun.platform.process import with_device_count
 
@@ -251,15 +251,15 @@ def session(cfg: DistributedConfig,
         if watch is None:
             raise
         code = 2 if isinstance(err, UserError) else 130 if isinstance(err, KeyboardInterrupt) else 1
-        message = (str(err) if isinstance(err, UserError)
-                   else f"{type(err).__name__}: {_first_line(err)}")
-        if code == 1:  # a runtime error may be the echo of another process's death
+        one_line = isinstance(err, UserError | UserCodeFailed)  # a line that says it all
+        message = str(err) if one_line else f"{type(err).__name__}: {_first_line(err)}"
+        if code == 1 and not one_line:  # it may be the echo of another process's death
             sys.stderr.write(f"this process failed ({_first_line(err)}); checking for a lost "
                              f"process before reporting it ({watch.timeout_s:g} s at most)\n")
             sys.stderr.flush()
             watch.settle()
         watch.fail(message, code)
-        if not isinstance(err, UserError):
+        if not one_line:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.write(f"error: {message}\n")

@@ -75,12 +75,19 @@ def mark_failed(run_dir: Path, reason: str, ckpt_dir: Path | None = None,
                 f.truncate()
 
 
-def record_stopped(run_dir: Path, ckpt_dir: Path, reason: str, pid: int) -> str:
-    """A run whose processes were stopped from outside (``trainrun launch`` saw it): marked
-    ``failed`` with ``reason`` and where a resume starts, which the returned line says too."""
+def resume_point(ckpt_dir: Path, until: str = "") -> str:
+    """Where a resume of a failed run starts, as its one line says it: the last committed
+    checkpoint (``until``: what the same command waits for, e.g. " once the store answers")."""
     steps = committed_steps(ckpt_dir)
-    line = reason + (f"; the last committed checkpoint is step {steps[-1]} (the same command "
-                     "resumes from it)" if steps else "; no checkpoint was committed")
+    return (f"the last committed checkpoint is step {steps[-1]} (the same command resumes from "
+            f"it{until})" if steps else "no checkpoint was committed")
+
+
+def record_stopped(run_dir: Path, ckpt_dir: Path, reason: str, pid: int | None = None) -> str:
+    """A run whose processes were stopped from outside (``trainrun launch`` saw it, or a second
+    signal aborted it): marked ``failed`` with ``reason`` and where a resume starts, which the
+    returned line says too. pid: the process that ran it (default this one)."""
+    line = f"{reason}; {resume_point(ckpt_dir)}"
     mark_failed(run_dir, line, ckpt_dir, pid=pid)
     return line
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainrun.errors import OutOfMemory, ReadFailed, WriteFailed
+from trainrun.errors import OutOfMemory, ReadFailed, UserCodeFailed, WriteFailed
 from trainrun.rundir.checkpoint_steps import committed_steps, uncommitted_steps
 from trainrun.rundir.layout import ORBAX_TMP
 from trainrun.rundir.run_directory import RunDirectory
-from trainrun.rundir.status import mark_failed
+from trainrun.rundir.status import mark_failed, resume_point
 from trainrun.storage.atomic import TMP_SUFFIX
 from trainrun.storage.location import is_remote
 
@@ -179,11 +179,13 @@ def out_of_memory(err: BaseException) -> bool:
         and "RESOURCE_EXHAUSTED" in str(err))
 
 
-def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
+def on_failure(err: BaseException, directory: RunDirectory,
+               raised_by_user: str | None = None) -> Exception | None:
     """Record a run that raised as ``failed`` with the reason. A refused write becomes the
     one-line ``WriteFailed`` (returned), after what it left half written is removed (one
     raised as ``WriteFailed`` keeps its own line); an allocation that failed, the one-line
-    ``OutOfMemory``."""
+    ``OutOfMemory``; an error of the user's code (``raised_by_user``: the line's start, naming
+    the function), the one-line ``UserCodeFailed``."""
     if out_of_memory(err):
         steps = committed_steps(directory.ckpt_dir)
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
@@ -198,9 +200,7 @@ def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
     else:
         refused = refused_write(err)
         if refused is None:
-            mark_failed(directory.run_dir,
-                        " ".join(f"{type(err).__name__}: {err}".split())[:300], directory.ckpt_dir)
-            return None
+            return _failed(err, directory, raised_by_user)
         line = failure_line(*refused, directory.run_dir, directory.ckpt_dir)  # before removal
     quiet_after_refused_write()
     if directory.locks:  # this process holds the folders: what is half written is its own
@@ -209,3 +209,17 @@ def on_failure(err: BaseException, directory: RunDirectory) -> Exception | None:
     mark_failed(directory.run_dir, line, None if step is not None else directory.ckpt_dir,
                 step=step)
     return err if isinstance(err, WriteFailed) else WriteFailed(line)
+
+
+def _failed(err: BaseException, directory: RunDirectory,
+            raised_by_user: str | None) -> Exception | None:
+    """Any other failure: the user's code's as ``UserCodeFailed`` (returned), ending with
+    where a resume starts; trainrun's own recorded as its type and text (None: raised as
+    it is)."""
+    if raised_by_user is None:
+        mark_failed(directory.run_dir,
+                    " ".join(f"{type(err).__name__}: {err}".split())[:300], directory.ckpt_dir)
+        return None
+    line = f"{raised_by_user}; {resume_point(directory.ckpt_dir, ' once the code is fixed')}"
+    mark_failed(directory.run_dir, line, directory.ckpt_dir)
+    return UserCodeFailed(line)

@@ -23,6 +23,7 @@ from trainrun.checkpointing import init_from
 from trainrun.errors import UserError
 from trainrun.platform.process import configure_process
 from trainrun.rundir import write_failures
+from trainrun.training import user_code
 from trainrun.training.calls import CallRunner
 from trainrun.training.hooks import Boundary, HookRunner
 from trainrun.training.preemption import Preemption
@@ -48,7 +49,12 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
 
     A run directory with a committed checkpoint resumes from its newest readable one; a run
     whose last checkpoint is at ``steps`` is finished: nothing runs, its summary is returned.
-    SIGTERM or SIGINT ends the run after the current call with a checkpoint.
+    SIGTERM or SIGINT ends the run after the current call with a checkpoint; a second one
+    ends the process at once (``preemption.py``). Anything the user's code raises in the run
+    (a callback, a reward, the model's functions, ``data``), ``SystemExit`` and
+    ``KeyboardInterrupt`` included, is raised as ``trainrun.UserCodeFailed`` naming the
+    function (the error raised its ``__cause__``), the run recorded as failed and its last
+    committed checkpoint kept.
 
     model: a ``trainrun.Model``; defaults to the one ``config.model`` names.
     data: a Grain ``MapDataset`` of batches (checkpointable position) or any iterator of host
@@ -76,8 +82,8 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
                   callbacks=list(callbacks), clock=clock,
                   process_notice=None if settings.applied() else settings.notice)
     with directory.requests(), Preemption() as preemption:  # a bucket's deadline, say
-        preemption.on_abort = lambda: rundir.mark_failed(
-            directory.run_dir, "aborted by a second interrupt", directory.ckpt_dir)
+        preemption.on_abort = lambda signal_name: rundir.record_stopped(
+            directory.run_dir, directory.ckpt_dir, f"aborted by a second {signal_name}")
         started = False
         try:
             # `cleanup` closes what setup opened (the checkpoint manager, letting a save in
@@ -93,7 +99,9 @@ def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = No
         except BaseException as err:
             if isinstance(err, UserError) and not started:  # refused: leave the disk as found
                 directory.withdraw()
-            failure = write_failures.on_failure(err, directory)  # status "failed", and why
+            # status "failed", and why; the user's code's failure named, SystemExit included
+            failure = write_failures.on_failure(err, directory, user_code.raised_by_user(
+                err, preemption.handles_interrupts()))
             if failure is None:
                 raise
             raise failure from err

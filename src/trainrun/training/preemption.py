@@ -7,7 +7,12 @@ its own handler; Python's is not put over it), the coordination service picks a 
 has passed yet, and each host sees ``True`` at exactly that step. A SIGINT on one host is handed
 to that mechanism as a SIGTERM to itself.
 
-A second SIGINT aborts at once, without a checkpoint (the last committed one stays intact).
+A second signal, SIGINT or SIGTERM, aborts at once, without a checkpoint (the last committed
+one stays intact; the run's status says which signal ended it), with the shell's code for a
+process that signal ended: 130 for SIGINT, 143 for SIGTERM. This is what stops a run whose
+current call never ends (a reward that hangs). With several processes SIGTERM stays JAX's,
+whose handler only notes the first: there a second SIGTERM changes nothing (a scheduler's
+SIGKILL after its grace period ends the process) and a second SIGINT aborts.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import jax
 from jax.experimental import multihost_utils
@@ -27,6 +32,8 @@ from jax.experimental import multihost_utils
 from trainrun.training.hooks import Hook
 
 ABORT_EXIT_CODE = 130  # what a shell reports for a process ended by SIGINT
+# The first signal's message: what sends the second
+AGAIN = {signal.SIGINT: "interrupt again", signal.SIGTERM: "send SIGTERM again"}
 # What signal.signal takes and returns: a handler, SIG_DFL or SIG_IGN, or None (not set from Python)
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -41,8 +48,9 @@ class Preemption(Hook):
         # check, after jax.distributed has started (asking JAX earlier would start it alone).
         self.shared: bool | None = None
         self._previous: dict[int, _Handler] = {}
-        # Called before a second interrupt ends the process (the run records it as failed).
-        self.on_abort: Callable[[], None] | None = None
+        # Called with the second signal's name before it ends the process (the run records
+        # it as failed).
+        self.on_abort: Callable[[str], object] | None = None
         self.asked: tuple[int, bool] = (-1, False)  # the last step asked about, the answer
 
     def __enter__(self) -> Preemption:
@@ -64,20 +72,35 @@ class Preemption(Hook):
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signal_name is not None:
-            if signum == signal.SIGINT:
-                os.write(self.err.fileno() if _has_fd(self.err) else 2,
-                         b"aborted: second interrupt, exiting without a checkpoint\n")
-                if self.on_abort is not None:
-                    with contextlib.suppress(Exception):
-                        self.on_abort()
-                os._exit(ABORT_EXIT_CODE)
-            return
+            self._abort(name, signum)
         self.signal_name = name
-        self.err.write(f"{name} received: finishing the current call, then saving a "
-                       "checkpoint (interrupt again to abort at once)\n")
-        self.err.flush()
+        self._say(f"{name} received: finishing the current call, then saving a checkpoint "
+                  f"({AGAIN[signal.Signals(signum)]} to abort at once)")
         if self.shared:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def _abort(self, name: str, signum: int) -> NoReturn:
+        """A second signal: the process ends now, with the code of a process that signal ended;
+        the status says so."""
+        self._say(f"aborted by a second {name}: exiting at once, without a checkpoint of the "
+                  "current step (the last committed one stays)")
+        if self.on_abort is not None:
+            with contextlib.suppress(Exception):
+                self.on_abort(name)
+        os._exit(128 + signum)
+
+    def _say(self, line: str) -> None:
+        """A line on ``err``, straight to its file descriptor where it has one: a handler may
+        run in the middle of the program's own write to the stream."""
+        if _has_fd(self.err):
+            os.write(self.err.fileno(), f"{line}\n".encode())
+        else:
+            self.err.write(f"{line}\n")
+
+    def handles_interrupts(self) -> bool:
+        """Whether SIGINT comes to this handler now: then no ``KeyboardInterrupt`` comes from
+        Ctrl-C, and one that reaches the run was raised by code."""
+        return signal.getsignal(signal.SIGINT) == self._on_signal
 
     def requested(self, step: int) -> bool:
         """Whether the run must stop after ``step`` (the same answer on every host; with

@@ -1,5 +1,6 @@
-"""Preference records as packed pair rows kept on disk: bad records refused or counted, pairs
-too long for a row dropped and counted, rows kept and read back, a damaged file made anew."""
+"""Preference records as packed pair rows kept on disk: bad records (two answers of the same
+tokens among them) refused or counted, pairs too long for a row dropped and counted, rows kept
+and read back, a damaged file made anew."""
 
 from __future__ import annotations
 

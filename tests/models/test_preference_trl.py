@@ -2,7 +2,8 @@
 ``transformers``: the same pairs (token ids), the policy moved away from the frozen reference
 it started as, and the loss and every parameter's gradient that ``DPOTrainer.compute_loss``
 gives are trainrun's (cached reference column, packed pair rows): the loss within 1e-5, each
-gradient within 1e-4 and within 1e-4 of its parameter's largest entry."""
+gradient within 1e-4 and within 1e-4 of its parameter's largest entry. Pairs with no preference
+add no win, as TRL's ties do not."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Preference tuning as a run, end to end: the built-in ``dpo`` config learns its held-out
 pairs (reward accuracy, greedy answers) from a first step where policy and reference agree,
-and a killed DPO run (full fine-tune and LoRA) resumes bit for bit."""
+a killed DPO run (full fine-tune and LoRA) resumes bit for bit, pairs with no preference are
+bad records, and a batch counts rows while the run says how many pairs each step trains."""
 
 from __future__ import annotations
 

@@ -62,6 +62,7 @@ class PreferenceData:
     counts: RecordCounts
     files: dict[str, str]  # each file read, by its content fingerprint
     notices: list[str]
+    batch_holds: str = ""  # what a training batch holds (``batch_line``), for the console
 
 
 def needs_reference_column(config: RunConfig) -> bool:
@@ -101,9 +102,9 @@ def preference_data(config: RunConfig, policy: Policy, start: Callable[[], PyTre
             eval_rows = _with_column(config, policy, params, source, "eval", eval_rows, notices)
     batches = pair_batches(train_rows, data.batch_size, shuffle=data.shuffle, seed=config.seed,
                            process_index=rows[0], process_count=rows[1])
-    notices.append(batch_line(data.batch_size, train.counts.examples, batches.num_examples))
+    holds = batch_line(data.batch_size, train.counts.examples, batches.num_examples)
     return PreferenceData(train=batches, eval=eval_rows, counts=counts, files=files,
-                          notices=notices)
+                          notices=notices, batch_holds=holds)
 
 
 def pair_batches(rows: dict[str, np.ndarray], batch_size: int, split: str = "train",

@@ -306,7 +306,7 @@ def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
     if data is None and config.preference is not None:
         pairs = preference_data(config, parts.policy, lambda: _fresh_state(config, parts).params,
                                 parts.placement.rows)
-        for notice in pairs.notices:
+        for notice in [*pairs.notices, pairs.batch_holds]:
             console.message(notice)
         preflight.check_vocab(pairs.counts.vocab, config.model, config.data)
         held = None if pairs.eval is None else ("pairs", pairs.eval)

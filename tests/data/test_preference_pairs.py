@@ -104,3 +104,29 @@ def test_bad_records_are_described(record: dict[str, Any], words: str | None) ->
     assert form is not None
     found = problem(record, form)
     assert found is not None and words in found
+
+
+def test_answers_that_are_the_same_tokens_are_described_not_encoded(
+        chatml: model_tokenizer.ModelTokenizer) -> None:
+    question = [{"role": "user", "content": "q"}]
+    same = "'chosen' and 'rejected' are the same tokens"
+    cases = [  # (record, max_completion, what it encodes to)
+        ({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, 0, None),
+        ({"prompt": "2+2=", "chosen": "4", "rejected": "4"}, 0, same + ": "),
+        ({"prompt": "2+2=", "chosen": "", "rejected": ""}, 0, same + ": "),  # <eos> alone
+        ({"prompt": "2+2=", "chosen": "four", "rejected": "fouR"}, 3,
+         same + " once cut to preference.max_completion=3: "),
+        ({"prompt": question, "chosen": [{"role": "assistant", "content": "a"}],
+          "rejected": [{"role": "assistant", "content": "a"}]}, 0, same + ": "),
+    ]
+    for record, max_completion, want in cases:
+        form = detect_form(record)
+        assert form is not None and problem(record, form) is None
+        counts = PairCounts()
+        (got,) = encode_pairs([record], form, chatml, 0, max_completion, counts)
+        if want is None:
+            assert isinstance(got, Pair) and counts.pairs == 1
+        else:
+            assert isinstance(got, str) and got.startswith(want), got
+            assert "prefers neither" in got
+            assert (counts.records, counts.pairs, counts.completions_cut) == (1, 0, 0)

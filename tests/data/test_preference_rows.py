@@ -1,5 +1,6 @@
-"""Preference records as packed pair rows kept on disk: bad records refused or counted, pairs
-too long for a row dropped and counted, rows kept and read back, a damaged file made anew."""
+"""Preference records as packed pair rows kept on disk: bad records (two answers of the same
+tokens among them) refused or counted, pairs too long for a row dropped and counted, rows kept
+and read back, a damaged file made anew."""
 
 from __future__ import annotations
 
@@ -116,3 +117,50 @@ def test_pairs_under_other_field_names_are_read_as_data_fields_names_them(
     assert swapped.train is not None
     assert bytes(swapped.train["tokens"][swapped.train["answer"] == CHOSEN][:2]
                  .astype(np.uint8)) == b"no"
+
+
+def _same(i: int) -> str:
+    return json.dumps({"prompt": f"q{i} ", "chosen": "same", "rejected": "same"})
+
+
+def test_a_pair_whose_answers_are_the_same_tokens_is_a_bad_record(tmp_path: Path) -> None:
+    source = _pairs_file(tmp_path / "pairs.jsonl", [
+        _good(0), _same(1), _good(2), _same(3), _good(4),
+        json.dumps({"prompt": "q5 ", "chosen": "yes!", "rejected": "yes?"})])
+    with pytest.raises(DataError) as err:
+        preference_rows(_section(source), 512, 0)
+    message = str(err.value)
+    assert message.startswith(f"record {source}:2: 'chosen' and 'rejected' are the same tokens")
+    assert "data.bad_records=skip" in message and "\n" not in message
+    # skipped and counted as any bad record; the pair whose answers differ past the cut too
+    train, _, _ = preference_rows(_section(source, bad_records="skip"), 512, 3)
+    counts = train.counts
+    assert (counts.records, counts.skipped, counts.examples) == (6, 3, 3)
+    assert counts.bad[0].startswith(f"{source}:2: ") and "same tokens" in counts.bad[0]
+    assert "once cut to preference.max_completion=3" in counts.bad[2]
+    assert "3 bad records skipped" in counts.summary()
+    rows = train.train
+    assert rows is not None
+    for row, slot in zip(*np.nonzero(rows["pair_slot"]), strict=True):  # each pair's answers
+        mine = rows["pair_slot"][row] == rows["pair_slot"][row, slot]
+        chosen = rows["tokens"][row][mine & (rows["answer"][row] == CHOSEN)]
+        rejected = rows["tokens"][row][mine & (rows["answer"][row] == REJECTED)]
+        assert not np.array_equal(chosen, rejected)
+    # named by the record's own field names
+    renamed = _pairs_file(tmp_path / "renamed.jsonl", [
+        json.dumps({"prompt": "q", "good": "a", "bad": "a"})])
+    with pytest.raises(DataError) as err:
+        preference_rows(_section(renamed, fields={"chosen": "good", "rejected": "bad"}), 512, 0)
+    assert "'good' and 'bad' are the same tokens" in str(err.value)
+
+
+def test_a_file_with_no_usable_pair_left_is_one_line_naming_it(tmp_path: Path) -> None:
+    source = _pairs_file(tmp_path / "pairs.jsonl", [_same(i) for i in range(4)])
+    with pytest.raises(DataError) as err:
+        preference_rows(_section(source, bad_records="skip"), 512, 0)
+    message = str(err.value)
+    assert message.startswith(f"no preference pairs to train on in {source} (")
+    assert "4 bad records skipped" in message and "same tokens" in message
+    assert message.endswith("fix or replace the bad records (data.bad_records=skip left them "
+                            "out)")
+    assert "\n" not in message

@@ -2,9 +2,12 @@
 ``transformers``: the same pairs (token ids), the policy moved away from the frozen reference
 it started as, and the loss and every parameter's gradient that ``DPOTrainer.compute_loss``
 gives are trainrun's (cached reference column, packed pair rows): the loss within 1e-5, each
-gradient within 1e-4 and within 1e-4 of its parameter's largest entry."""
+gradient within 1e-4 and within 1e-4 of its parameter's largest entry. Pairs with no preference
+add no win, as TRL's ties do not."""
 
 from __future__ import annotations
+
+import json
 
 import jax
 import numpy as np
@@ -19,6 +22,7 @@ from trainrun.models.huggingface import dotted, hf_tensors
 from trainrun.models.preference_transformer import (
     REFERENCE_COLUMN,
     make_preference_transformer,
+    pair_logps,
     token_logps,
 )
 from trainrun.models.transformer import bind_transformer
@@ -50,35 +54,49 @@ def models(tmp_path_factory):
     return reference, root / "policy"
 
 
-def _trl_loss_and_grads(models, settings: dict) -> tuple[float, dict[str, np.ndarray]]:
+def _trl_trainer(models, settings: dict) -> trl.DPOTrainer:
     reference_dir, policy_dir = models
     load = transformers.AutoModelForCausalLM.from_pretrained
     policy = load(policy_dir, dtype=torch.float32)
     args = trl.DPOConfig(output_dir=str(policy_dir.parent / "trl"), use_cpu=True, bf16=False,
                          gradient_checkpointing=False, report_to=[], **settings)
     dummy = {"prompt": ["t5"], "chosen": [" t6"], "rejected": [" t7"]}  # the batch is below
-    trainer = trl.DPOTrainer(model=policy, ref_model=load(reference_dir, dtype=torch.float32),
-                             args=args, processing_class=word_level_tokenizer(VOCAB),
-                             train_dataset=datasets.Dataset.from_dict(dummy))
+    return trl.DPOTrainer(model=policy, ref_model=load(reference_dir, dtype=torch.float32),
+                          args=args, processing_class=word_level_tokenizer(VOCAB),
+                          train_dataset=datasets.Dataset.from_dict(dummy))
+
+
+def _trl_loss(trainer: trl.DPOTrainer, pairs: list[Pair]) -> torch.Tensor:
     batch = trainer.data_collator([{"prompt_ids": p.prompt.tolist(),
                                     "chosen_ids": p.chosen.tolist(),
-                                    "rejected_ids": p.rejected.tolist()} for p in PAIRS])
+                                    "rejected_ids": p.rejected.tolist()} for p in pairs])
     trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, batch)
+    return trainer.compute_loss(trainer.model, batch)
+
+
+def _trl_loss_and_grads(models, settings: dict) -> tuple[float, dict[str, np.ndarray]]:
+    trainer = _trl_trainer(models, settings)
+    loss = _trl_loss(trainer, PAIRS)
     loss.backward()
     grads = {name: param.grad.numpy() for name, param in trainer.model.named_parameters()}
     return float(loss.detach()), grads
 
 
-def _trainrun_loss_and_grads(models, preference: PreferenceConfig,
-                             ) -> tuple[float, dict[str, np.ndarray]]:
-    reference_dir, policy_dir = models
-    start, policy = trainrun.load(reference_dir), trainrun.load(policy_dir)
-    cfg = policy.config
-    rows, _ = pack_pairs(PAIRS, 32, bins=4)
+def _with_reference(models, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The rows with the reference model's column, as a run caches it."""
+    start = trainrun.load(models[0])
+    cfg = start.config
     logps = jax.jit(lambda p, b: token_logps(bind_transformer(cfg)(p), b))(start.params, rows)
     column = np.pad(np.asarray(logps), ((0, 0), (1, 0))).astype(np.float32).view(np.int32)
-    batch = {**rows, REFERENCE_COLUMN: column}
+    return {**rows, REFERENCE_COLUMN: column}
+
+
+def _trainrun_loss_and_grads(models, preference: PreferenceConfig,
+                             ) -> tuple[float, dict[str, np.ndarray]]:
+    policy = trainrun.load(models[1])
+    cfg = policy.config
+    rows, _ = pack_pairs(PAIRS, 32, bins=4)
+    batch = _with_reference(models, rows)
     model = make_preference_transformer(cfg, preference)
     loss, grads = jax.jit(jax.value_and_grad(
         lambda p: model.loss(p, batch, jax.random.key(0))[0]))(policy.params)
@@ -100,3 +118,65 @@ def test_the_loss_and_gradients_are_trls(models, kind, beta, smoothing):
         # within 1e-4, and within 1e-4 of the parameter's largest gradient where that is small
         limit = 1e-4 * min(1.0, float(np.abs(want).max()))
         assert float(np.abs(grad - want).max()) <= limit, name
+
+
+def _ids(ids: np.ndarray) -> str:
+    """Token ids as the word-level tokenizer's text."""
+    return " ".join(f"t{i}" for i in ids.tolist())
+
+
+@pytest.mark.slow
+def test_pairs_with_no_preference_add_no_win_as_in_trl(models, tmp_path) -> None:
+    """Pairs whose answers are the same tokens are exact ties in TRL (their two sequences
+    compute the same: loss ln 2, no win); trainrun leaves them out of its rows (counted), so
+    its loss and wins over the pairs it keeps are TRL's over the same records, ties apart."""
+    from trainrun.config import RecordsData
+    from trainrun.data.preference_rows import preference_rows
+
+    # PAIRS with no id the tokenizer's special t2 and t0 begin (matched inside a word)
+    pairs = [*PAIRS[:2], Pair(*(np.asarray(ids, np.uint32) for ids in (
+        [11, 12, 13, 14], [70, 2], [71, 72, 73, 2]))), PAIRS[3]]
+    tied = [Pair(p.prompt, p.chosen, p.chosen) for p in pairs] + [
+        Pair(p.prompt, p.rejected, p.rejected) for p in pairs]
+    records = [*pairs, *tied]
+    trainer = _trl_trainer(models, dict(loss_type=["sigmoid"], beta=0.1))
+    with torch.no_grad():
+        trl_loss = float(_trl_loss(trainer, records))
+    trl_accuracy = trainer._metrics["train"]["rewards/accuracies"][-1]
+
+    word_level_tokenizer(VOCAB).save_pretrained(tmp_path / "tokenizer")
+    source = tmp_path / "pairs.jsonl"  # the same pairs as records; the tokenizer ends each
+    source.write_text("".join(json.dumps({  # answer with t2, its end
+        "prompt": _ids(p.prompt), "chosen": " " + _ids(p.chosen[:-1]),
+        "rejected": " " + _ids(p.rejected[:-1])}) + "\n" for p in records))
+    data = RecordsData(paths=(str(source),), format="preference", seq_len=31,
+                       tokenizer=str(tmp_path / "tokenizer"), eval_fraction=0.0,
+                       bad_records="skip")
+    kept, _, _ = preference_rows(data, 512, 0)
+    assert kept.train is not None
+    assert (kept.counts.examples, kept.counts.skipped) == (len(pairs), len(tied))
+    policy = trainrun.load(models[1])
+    model = make_preference_transformer(policy.config, PreferenceConfig(beta=0.1))
+    batch = _with_reference(models, kept.train)
+    loss, aux, _ = jax.jit(lambda p: model.loss(p, batch, jax.random.key(0)))(policy.params)
+    assert float(aux["weight"]) == len(pairs)
+    # TRL's mean over all the records: each tie's loss is ln 2 and adds no win
+    assert (float(loss) * len(pairs) + len(tied) * np.log(2.0)) / len(records) == \
+        pytest.approx(trl_loss, abs=1e-5)
+    assert float(aux["rewards/accuracies"]) * len(pairs) == \
+        pytest.approx(trl_accuracy * len(records))
+    # the wins counted are no float noise: every kept pair's margin is far from a tie's
+    margins = _margins(policy, batch)
+    assert margins.size == len(pairs) and float(np.min(np.abs(margins))) > 1e-3
+
+
+def _margins(policy, batch: dict[str, np.ndarray]) -> np.ndarray:
+    """Each pair's ``(policy - reference)`` log-probability margin of chosen over rejected."""
+    import jax.numpy as jnp
+
+    scored = jax.jit(lambda p: token_logps(bind_transformer(policy.config)(p), batch))
+    mine, present = pair_logps(scored(policy.params), batch)
+    column = jax.lax.bitcast_convert_type(jnp.asarray(batch[REFERENCE_COLUMN]), jnp.float32)
+    reference, _ = pair_logps(column[:, 1:], batch)
+    margins = (mine.chosen - reference.chosen) - (mine.rejected - reference.rejected)
+    return np.asarray(margins)[np.asarray(present)]

@@ -1,6 +1,7 @@
 """Preference tuning as a run, end to end: the built-in ``dpo`` config learns its held-out
 pairs (reward accuracy, greedy answers) from a first step where policy and reference agree,
-and a killed DPO run (full fine-tune and LoRA) resumes bit for bit."""
+a killed DPO run (full fine-tune and LoRA) resumes bit for bit, pairs with no preference are
+bad records, and a batch counts rows while the run says how many pairs each step trains."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import REPO
 
 from trainrun.checkpointing.reader import latest_params
 from trainrun.config import load_config
@@ -48,7 +50,12 @@ def _greedy_chosen(config, params) -> float:
 @pytest.mark.slow
 def test_the_builtin_dpo_run_learns_its_held_out_preferences(tmp_path: Path) -> None:
     config = load_config("dpo", ["checkpoint.every=300", "metrics.tensorboard=false"])
-    run(config, tmp_path / "run", out=io.StringIO())
+    out = io.StringIO()
+    run(config, tmp_path / "run", out=out)
+    # what the guide shows the run print of its batches
+    guide = (REPO / "docs" / "guides" / "preference-tuning.md").read_text()
+    (said,) = [line for line in guide.splitlines() if line.startswith("data: a batch is")]
+    assert said in out.getvalue().splitlines()
     first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     assert first["step"] == 1 and abs(first["rewards/margins"]) < 1e-6
     evals = read_metrics(tmp_path / "run" / "metrics.jsonl", "eval")
@@ -161,3 +168,70 @@ def test_two_processes_compute_the_reference_and_train_as_one_process(tmp_path: 
         assert two["rewards/accuracies"] == one["rewards/accuracies"]
     columns = sorted((tmp_path / "cache-two").glob("**/reference/*/train.reference_logps.bin"))
     assert len(columns) == 1
+
+
+def _pairs(path: Path, count: int, same: bool = False) -> Path:
+    """``count`` short pairs in TRL's standard form; ``same``: both answers the same text."""
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": f"word {i}: ", "chosen": "yes",
+                                        "rejected": "yes" if same else "no"}) + "\n"
+                            for i in range(count)))
+    return path
+
+
+TINY = ["--config", "dpo", "data.synthetic=null", "model.d_model=16", "model.layers=1",
+        "eval.every=0", "metrics.tensorboard=false"]
+
+
+@pytest.mark.slow
+def test_pairs_with_no_preference_are_refused_and_a_file_of_them_alone_is_one_line(
+        cli, tmp_path: Path) -> None:
+    pairs = _pairs(tmp_path / "same.jsonl", 64, same=True)
+    run_dir = tmp_path / "run"
+    for policy, want in (
+            ("refuse", f"error: record {pairs}:1: 'chosen' and 'rejected' are the same tokens: "
+                       "the pair prefers neither; fix or remove it, or set data.bad_records=skip"),
+            ("skip", f"error: no preference pairs to train on in {pairs} (62 records -> 0 "
+                     "examples (2 held out -> 0 examples); 64 bad records skipped; first bad: "
+                     f"{pairs}:1: 'chosen' and 'rejected' are the same tokens: the pair prefers "
+                     "neither); fix or replace the bad records (data.bad_records=skip left "
+                     "them out)")):
+        result = cli("train", *TINY, f"data.paths={pairs}", f"data.bad_records={policy}",
+                     "--run-dir", str(run_dir), TRAINRUN_CACHE_DIR=str(tmp_path / "cache"))
+        assert result.returncode == 2, result.stderr[-2000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(want), lines
+        assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_batch_counts_rows_and_the_run_says_how_many_pairs_each_step_trains(
+        cli, tmp_path: Path) -> None:
+    from trainrun.data.pipeline import ArrayBatches
+    from trainrun.data.preference_rows import preference_rows
+
+    pairs = _pairs(tmp_path / "pairs.jsonl", 64)
+    cache = {"TRAINRUN_CACHE_DIR": str(tmp_path / "cache")}  # the one this process uses
+    refused = cli("train", *TINY, f"data.paths={pairs}", "--run-dir", str(tmp_path / "no"),
+                  **cache)
+    assert refused.returncode == 2
+    (line,) = refused.stderr.strip().splitlines()
+    config = load_config("dpo", [*TINY[2:], f"data.paths={pairs}", "data.batch_size=4",
+                                 "accumulate=2", "steps=6", "steps_per_call=2",
+                                 "metrics.every=1", "checkpoint.every=6"])
+    rows = preference_rows(config.data, 512, 0)[0].train
+    assert rows is not None
+    filled = len(rows["tokens"])
+    assert line == (f"error: data.batch_size=16 counts rows of packed pairs, and the 62 training "
+                    f"pairs fill {filled} rows of data.seq_len + 1 tokens ({62 / filled:.1f} "
+                    f"pairs a row); set data.batch_size to {filled} or less, or add pairs")
+    out = io.StringIO()
+    run(config, tmp_path / "run", out=out)
+    assert (f"data: a batch is 4 rows (data.batch_size counts rows), each holding as many pairs "
+            f"as fit: 62 pairs fill {filled} rows, {62 / filled:.1f} a row, so a step trains "
+            f"about {4 * 62 / filled:,.0f} pairs") in out.getvalue()
+    # each step's count is that of the pairs in the rows it drew
+    batches = ArrayBatches(rows, 4, shuffle=True, seed=config.seed)
+    trained = [row["pairs"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert trained == [float(batches[i]["pair_slot"].max(axis=1).sum()) for i in range(6)]

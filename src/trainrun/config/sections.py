@@ -456,6 +456,9 @@ class RecordsData(DataSection):
     made on the spot, tokenized and packed into rows of ``seq_len + 1`` with ``segment_ids``,
     ``positions`` and ``loss_mask``: the targets the loss counts.
 
+    batch_size: rows per step, over all processes; a row is packed with as many records as fit
+        (with ``format: preference``, as many pairs: a step trains more pairs than rows; the
+        run says how many as it starts, and logs each step's count as ``pairs``).
     format: ``text`` (a ``text`` field; every token counts), ``completion`` (``prompt`` and
         ``completion``; the completion counts), ``chat`` (``messages``, rendered with the chat
         template; the assistant turns count), ``preference`` (``prompt``, ``chosen`` and

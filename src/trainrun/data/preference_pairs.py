@@ -12,7 +12,9 @@ completion's, in the three forms TRL's users hold them.
   space before the two part, as TRL's ``extract_prompt`` splits them).
 
 Truncation is explicit: a prompt longer than ``max_prompt`` keeps its end (what the answer
-follows), a completion longer than ``max_completion`` its start; both are counted.
+follows), a completion longer than ``max_completion`` its start; both are counted. A record whose
+two answers are the same tokens (once cut) is not a pair: it prefers neither, so it is a bad
+record, described in the pair's place.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ def encode_pairs(records: Sequence[Mapping[str, Any]], form: PairForm,
                  tokenizer: ModelTokenizer, max_prompt: int, max_completion: int,
                  counts: PairCounts) -> list[Pair | str]:
     """Records ``problem`` passed as pairs, in order; one whose conversation the chat template
-    cannot split into prompt and completion gives what is wrong with it in its place.
+    cannot split into prompt and completion, or whose answers are the same tokens, gives what
+    is wrong with it in its place.
     ``max_prompt``, ``max_completion``: the most tokens kept of each (0: no limit)."""
     pieces = [split(record, form) for record in records]
     texts: list[tuple[str, str, str] | str] = []
@@ -143,19 +146,32 @@ def encode_pairs(records: Sequence[Mapping[str, Any]], form: PairForm,
         if isinstance(item, str):
             out.append(item)
             continue
-        prompt = np.asarray(prompts[done].ids, np.uint32)
-        chosen = np.asarray([*answers[2 * done].ids, *end], np.uint32)
-        rejected = np.asarray([*answers[2 * done + 1].ids, *end], np.uint32)
+        out.append(_cut(Pair(np.asarray(prompts[done].ids, np.uint32),
+                             np.asarray([*answers[2 * done].ids, *end], np.uint32),
+                             np.asarray([*answers[2 * done + 1].ids, *end], np.uint32)),
+                        max_prompt, max_completion, counts))
         done += 1
-        if max_prompt and prompt.size > max_prompt:
-            prompt = prompt[prompt.size - max_prompt:]
-            counts.prompts_cut += 1
-        if max_completion and max(chosen.size, rejected.size) > max_completion:
-            chosen, rejected = chosen[:max_completion], rejected[:max_completion]
-            counts.completions_cut += 1
-        counts.pairs += 1
-        out.append(Pair(prompt, chosen, rejected))
     return out
+
+
+def _cut(pair: Pair, max_prompt: int, max_completion: int, counts: PairCounts) -> Pair | str:
+    """``pair`` cut to the limits and counted; what is wrong with it where its two answers are
+    the same tokens (its preference term is a constant: nothing to learn, only float noise in
+    the rewards' comparison)."""
+    prompt, chosen, rejected = pair.prompt, pair.chosen, pair.rejected
+    prompt_cut = bool(max_prompt) and prompt.size > max_prompt
+    if prompt_cut:
+        prompt = prompt[prompt.size - max_prompt:]
+    answers_cut = bool(max_completion) and max(chosen.size, rejected.size) > max_completion
+    if answers_cut:
+        chosen, rejected = chosen[:max_completion], rejected[:max_completion]
+    if np.array_equal(chosen, rejected):
+        cut = f" once cut to preference.max_completion={max_completion}" if answers_cut else ""
+        return f"'chosen' and 'rejected' are the same tokens{cut}: the pair prefers neither"
+    counts.prompts_cut += prompt_cut
+    counts.completions_cut += answers_cut
+    counts.pairs += 1
+    return Pair(prompt, chosen, rejected)
 
 
 def _rendered(tokenizer: ModelTokenizer, prompt: list[dict], chosen: list[dict],

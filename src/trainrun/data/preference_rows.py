@@ -6,9 +6,10 @@ run opens them: rows found damaged are made anew, with a notice.
 
 The key names everything that decides the rows: the files' content (path and sha256, or an
 object's version), the tokenizer and template, the row length, the truncation lengths, the bad
-records' policy. A bad record (not JSON, no ``chosen``/``rejected``, messages out of order) is
-one line naming its file and line (``data.bad_records=refuse``), or skipped and counted.
-A pair longer than a row is dropped and counted.
+records' policy. A bad record (not JSON, no ``chosen``/``rejected``, messages out of order, two
+answers that are the same tokens) is one line naming its file and line
+(``data.bad_records=refuse``), or skipped and counted. A pair longer than a row is dropped and
+counted.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from trainrun.data.text import corpus_files
 from trainrun.errors import WriteFailed
 from trainrun.platform.user_cache import cache_dir
 
-CACHE_FORMAT = 1  # raised when the files' layout or counts change, so old rows are not read
+CACHE_FORMAT = 2  # raised when the files' layout or counts change, so old rows are not read
 OPEN_ROWS = 16  # rows open at a time while packing (first fit)
 
 
@@ -81,9 +82,11 @@ def preference_rows(cfg: RecordsData, max_prompt: int, max_completion: int,
         held = kept_pair_rows(cfg, tokenizer, held_source, -1, max_prompt, max_completion)
         files.update(held_source.fingerprints())
     if train.train is None:
+        fix = ("fix or replace the bad records (data.bad_records=skip left them out)"
+               if train.counts.skipped else
+               "check data.format and the records' prompt, chosen and rejected fields")
         raise DataError(f"no preference pairs to train on in {source.describe()} "
-                        f"({train.counts.summary()}); check data.format and the records' "
-                        "prompt, chosen and rejected fields")
+                        f"({train.counts.summary()}); {fix}")
     return train, held, files
 
 
@@ -231,11 +234,9 @@ class _Chunks:
         kept = []
         for (where, _), pair in zip(located, encoded, strict=True):
             if isinstance(pair, str):
-                self.refuse_or_skip(where, pair)
+                self.refuse_or_skip(where, _as_named(pair, _field_names(self.cfg)))
             elif pair_length(pair) > self.writer.row_len:
                 self.counts.dropped += 1
-            elif pair.chosen.size == 0 and pair.rejected.size == 0:
-                self.counts.no_answer += 1
             else:
                 kept.append(pair)
         if split == "eval":
@@ -252,8 +253,7 @@ def _usable(cfg: RecordsData, source: Source, every: int, counts: RecordCounts,
     """``(split, where, record)`` for each usable record, in order; the first one's form is
     every record's (``forms[0]``), a record of another form is a bad one."""
     usable = 0
-    named = {cfg.fields.prompt: "prompt", cfg.fields.chosen: "chosen",
-             cfg.fields.rejected: "rejected"}
+    named = _field_names(cfg)
     fields = [cfg.fields.chosen, cfg.fields.rejected]
     for where, record in source.records(cfg):
         counts.records += 1
@@ -278,6 +278,12 @@ def _usable(cfg: RecordsData, source: Source, every: int, counts: RecordCounts,
             counts.records -= 1
             counts.held_records += 1
         yield split, where, record
+
+
+def _field_names(cfg: RecordsData) -> dict[str, str]:
+    """The record fields ``data.fields`` names for a pair's parts, each with its part's name."""
+    return {cfg.fields.prompt: "prompt", cfg.fields.chosen: "chosen",
+            cfg.fields.rejected: "rejected"}
 
 
 def _renamed(record: dict[str, Any], named: dict[str, str]) -> dict[str, Any]:

@@ -35,9 +35,9 @@ class Model:
         ``sum(mask * token_loss) / max(sum(mask), 1)``); then aux ``"weight"`` is that count
         (``sum(mask)``). Gradient accumulation weighs each microbatch by its ``weight`` (the
         number of examples when absent), so the accumulated gradient is the full batch's. The
-        step takes ``weight`` out of aux; it is not logged as a metric. An aux metric over
-        something else (bits per byte: over bytes) may give its own ``weight/<name>``; eval
-        combines batches of that metric by it, training leaves it out.
+        step takes ``weight`` out of aux; it is logged only under ``weight_name``. An aux
+        metric over something else (bits per byte: over bytes) may give its own
+        ``weight/<name>``; eval combines batches of that metric by it, training leaves it out.
     name: shown in logs and checkpoint metadata.
     logical_axes: optional pytree shaped like params whose leaves are tuples naming each
         dimension of that param (e.g. ``("embed", "mlp")``, ``None`` for an unnamed dim);
@@ -49,6 +49,9 @@ class Model:
         trains but no optimizer touches (BatchNorm's running statistics). The state keeps it
         beside the params (``TrainState.model_state``): checkpointed, restored, kept as it was
         by a skipped step.
+    weight_name: optional name under which each training step logs its whole batch's
+        ``weight`` (summed over microbatches), where that count says what a step trained
+        (``pairs``: a preference batch's rows hold as many pairs as fit).
     """
 
     init: Callable[[jax.Array], PyTree]
@@ -57,6 +60,7 @@ class Model:
     logical_axes: PyTree | None = None
     eval_loss: EvalLossFn | None = None
     init_model_state: Callable[[jax.Array], PyTree] | None = None
+    weight_name: str | None = None
 
 
 def from_functions(init: Callable[[jax.Array], PyTree], loss: Callable[..., Any],

@@ -15,7 +15,8 @@ sums. The reference's per-token log-probabilities come from
   the starting params kept in the state as the model state at the first step (``kept_start``:
   a fresh init's or init.from's; checkpointed and restored with the state).
 
-Aux ``weight`` is the batch's pairs, so accumulated microbatches give the full batch's mean.
+Aux ``weight`` is the batch's pairs, so accumulated microbatches give the full batch's mean; the
+step logs it as ``pairs``, the pairs it trained (a batch's rows hold as many as fit).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def make_preference_transformer(cfg: TransformerModel, preference: PreferenceCon
 
     return dataclasses.replace(base, loss=loss, eval_loss=eval_loss,
                                name="transformer (preference)",
-                               init_model_state=init_start if keeps_start else None)
+                               init_model_state=init_start if keeps_start else None,
+                               weight_name="pairs")
 
 
 def kept_start(model_state: PyTree, params: PyTree) -> PyTree:

@@ -52,7 +52,8 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
     Metrics: ``loss`` (of the params before the update), ``grad_norm`` (before clipping; of the
     trainable params with ``optimizer.trainable``, frozen ones getting no gradient),
     ``update_norm``, ``param_norm`` (after the step), ``lr`` (the value the optimizer used),
-    ``nonfinite_steps`` (so far), ``loss_scale`` (float16 only) and the model's aux metrics.
+    ``nonfinite_steps`` (so far), ``loss_scale`` (float16 only) and the model's aux metrics
+    (with the batch's summed ``weight`` under ``Model.weight_name`` where the model names it).
     """
     policy = policy or Policy()
     gradients = make_gradient_fn(model, policy, accumulate, optimizer.trainable)
@@ -140,9 +141,9 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1,
     grad = jax.value_and_grad(objective, has_aux=True)
 
     def whole(params, batch, key, loss_scale, model_state=None):
-        (_, (loss, aux, _, model_state)), grads = grad(params, batch, key, loss_scale,
-                                                       model_state)
-        return loss, aux, grads, model_state
+        (_, (loss, aux, weight, model_state)), grads = grad(params, batch, key, loss_scale,
+                                                            model_state)
+        return loss, _counted(model, aux, weight), grads, model_state
 
     if accumulate == 1:
         return whole
@@ -179,9 +180,16 @@ def make_gradient_fn(model: Model, policy: Policy, accumulate: int = 1,
         ((total, sums), model_state), _ = jax.lax.scan(
             body, ((jnp.zeros((), jnp.float32), zeros), model_state), jnp.arange(accumulate))
         loss, aux, grads = jax.tree.map(lambda t, s: (t / total).astype(s.dtype), sums, shapes)
-        return loss, aux, grads, model_state
+        return loss, _counted(model, aux, total), grads, model_state
 
     return accumulated
+
+
+def _counted(model: Model, aux: Metrics, weight: Any) -> Metrics:
+    """``aux`` with the batch's weight under ``model.weight_name`` (where it has one)."""
+    if model.weight_name is None or weight is None:
+        return aux
+    return {**aux, model.weight_name: jnp.asarray(weight, jnp.float32)}
 
 
 Out = TypeVar("Out")

@@ -12,6 +12,11 @@ on the same data and start read it; a damaged file is computed anew, with a noti
 
 The column travels as the float32 values' bits in ``int32``: the step casts floating batch
 leaves to the compute dtype, which would round the reference to bfloat16.
+
+A batch is ``data.batch_size`` rows (``eval.batch_size`` held-out rows), each holding as many
+whole pairs as fit: the rows keep their packing, so every batch has one shape and a step trains
+the pairs of its rows. The run says how many pairs that is on average as it starts, and logs each
+step's count (metric ``pairs``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun.config import RunConfig
+from trainrun.data.errors import DataError
 from trainrun.data.pipeline import ArrayBatches
 from trainrun.data.preference_rows import PairRows, preference_rows
 from trainrun.data.record_rows import Damaged, RecordCounts
@@ -56,6 +62,7 @@ class PreferenceData:
     counts: RecordCounts
     files: dict[str, str]  # each file read, by its content fingerprint
     notices: list[str]
+    batch_holds: str = ""  # what a training batch holds (``batch_line``), for the console
 
 
 def needs_reference_column(config: RunConfig) -> bool:
@@ -93,10 +100,35 @@ def preference_data(config: RunConfig, policy: Policy, start: Callable[[], PyTre
         if eval_rows is not None:
             source = held if held is not None else train
             eval_rows = _with_column(config, policy, params, source, "eval", eval_rows, notices)
-    batches = ArrayBatches(train_rows, data.batch_size, shuffle=data.shuffle, seed=config.seed,
+    batches = pair_batches(train_rows, data.batch_size, shuffle=data.shuffle, seed=config.seed,
                            process_index=rows[0], process_count=rows[1])
+    holds = batch_line(data.batch_size, train.counts.examples, batches.num_examples)
     return PreferenceData(train=batches, eval=eval_rows, counts=counts, files=files,
-                          notices=notices)
+                          notices=notices, batch_holds=holds)
+
+
+def pair_batches(rows: dict[str, np.ndarray], batch_size: int, split: str = "train",
+                 **settings: Any) -> ArrayBatches:
+    """``ArrayBatches`` of ``batch_size`` pair rows (``settings``: its own); a batch larger
+    than the rows there are is refused in words that say a batch counts rows, not pairs."""
+    have = len(rows["tokens"])
+    if batch_size > have:
+        key = "eval.batch_size" if split == "eval" else "data.batch_size"
+        pairs = int(np.asarray(rows["pair_slot"]).max(axis=1).sum())  # a row's slots run 1..n
+        raise DataError(f"{key}={batch_size} counts rows of packed pairs, and the {pairs} "
+                        f"{'held-out' if split == 'eval' else 'training'} pairs fill {have} "
+                        f"row{'s' if have != 1 else ''} of data.seq_len + 1 tokens "
+                        f"({pairs / have:.1f} pairs a row); set {key} to {have} or less, or "
+                        "add pairs")
+    return ArrayBatches(rows, batch_size, split=split, **settings)
+
+
+def batch_line(batch_size: int, pairs: int, rows: int) -> str:
+    """What a training batch holds, for the console: rows, and the pairs they hold on average."""
+    per_row = pairs / rows
+    return (f"data: a batch is {batch_size} rows (data.batch_size counts rows), each holding as "
+            f"many pairs as fit: {pairs} pairs fill {rows} rows, {per_row:.1f} a row, so a step "
+            f"trains about {batch_size * per_row:,.0f} pairs (metric pairs: each step's count)")
 
 
 def _with_column(config: RunConfig, policy: Policy, params: PyTree, rows: PairRows, split: str,

@@ -53,7 +53,6 @@ from trainrun.config import (
     schedule_notices,
 )
 from trainrun.data import (
-    ArrayBatches,
     batch_iterator,
     build_dataset,
     build_eval_dataset,
@@ -96,7 +95,7 @@ from trainrun.training.metric_log import MetricLog, OrderedOutput
 from trainrun.training.metrics_reader import MetricsReader
 from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
-from trainrun.training.preference_data import preference_data
+from trainrun.training.preference_data import pair_batches, preference_data
 from trainrun.training.profiling import ProfileWindow
 from trainrun.training.rollout_batches import RolloutBatches
 from trainrun.training.run_parts import Parts, Reporting, Start
@@ -307,7 +306,7 @@ def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
     if data is None and config.preference is not None:
         pairs = preference_data(config, parts.policy, lambda: _fresh_state(config, parts).params,
                                 parts.placement.rows)
-        for notice in pairs.notices:
+        for notice in [*pairs.notices, pairs.batch_holds]:
             console.message(notice)
         preflight.check_vocab(pairs.counts.vocab, config.model, config.data)
         held = None if pairs.eval is None else ("pairs", pairs.eval)
@@ -534,9 +533,9 @@ def _evaluator(config: RunConfig, parts: Parts,
     size = config.eval.batch_size or config.data.batch_size
     placement = sharding.batch_placement(parts.mesh, size, stacked=False)
     if isinstance(eval_data, tuple):
-        eval_data = ArrayBatches(eval_data[1], size, shuffle=False, seed=0,
+        eval_data = pair_batches(eval_data[1], size, "eval", shuffle=False, seed=0,
                                  process_index=placement.rows[0],
-                                 process_count=placement.rows[1], split="eval")
+                                 process_count=placement.rows[1])
     elif config.preference is not None and eval_data is None:
         raise ConfigError("eval.every is set but the preference records hold no held-out pair; "
                           "give data.eval_paths or a data.eval_fraction that leaves one out, or "

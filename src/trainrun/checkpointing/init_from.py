@@ -249,7 +249,8 @@ ARCHITECTURE = ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "
                 "post_norms", "embed_scale", "query_scale", "attention_logit_softcap",
                 "final_logit_softcap", "sliding_window", "sliding_layers", "local_rope_theta",
                 "experts", "experts_per_token", "expert_hidden", "shared_expert_hidden",
-                "router_renormalise", "router_aux_loss", "dense_layers", "fused_projections")
+                "router_renormalise", "router_aux_loss", "dense_layers", "fused_projections",
+                "pad_id")
 
 
 def _run_architecture(source: TransformerModel) -> Architecture:

@@ -153,6 +153,9 @@ class TransformerModel(Section):
     pre_norms: bool = True  # a norm on each sublayer's input (false with post_norms: OLMo-2)
     post_norms: bool = False  # a norm on each sublayer's output before the residual (Gemma)
     embed_scale: bool = False  # the embedding rows times sqrt(d_model) (Gemma)
+    # The pad token's id: its embedding row takes no gradient from its lookups, as
+    # transformers' padding_idx (a tied head's gradient still reaches it). None: every row.
+    pad_id: int | None = Field(default=None, ge=0)
     # attention logits' scale; 1/sqrt(head_dim)
     query_scale: float | None = Field(default=None, gt=0)
     # Soft-capping to cap * tanh(logits / cap) (None: none), of the attention logits before
@@ -191,6 +194,10 @@ class TransformerModel(Section):
     def _shapes_fit(self) -> TransformerModel:
         self._check_heads()
         self._check_layers()
+        if self.pad_id is not None and self.pad_id >= self.vocab:
+            raise ValueError(f"model.pad_id={self.pad_id} is not a token of the vocabulary "
+                             f"(model.vocab={self.vocab}); give an id below {self.vocab}, or "
+                             "null for none")
         self._check_experts()
         if self.lora is not None:
             self._check_lora_targets(self.lora)

@@ -22,6 +22,7 @@ INT64_MAX = 2**63 - 1  # the largest dimension an array can have
 # Strict: "64" or 64.0 for a size, or 1 for a flag, is a damaged file, not a value to convert.
 Count = Annotated[int, Strict(), Field(gt=0, le=INT64_MAX)]
 Index = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Strict(), Field(ge=-INT64_MAX, le=INT64_MAX)]
 Positive = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Flag = Annotated[bool, Strict()]

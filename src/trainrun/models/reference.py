@@ -59,6 +59,8 @@ def plain_logits(cfg: TransformerModel, params: Params, tokens: jax.Array) -> ja
     heads, kv_heads, head_dim = cfg.heads, cfg.kv_key_heads, cfg.attention_head_dim
     embedding = params["embed"]["embedding"]
     x = embedding[tokens]
+    if cfg.pad_id is not None:  # the pad token's row takes no gradient from its lookups
+        x = jnp.where((tokens == cfg.pad_id)[..., None], jax.lax.stop_gradient(x), x)
     if cfg.positions == "learned":
         x = x + params["positions"][:seq][None]
     for i in range(cfg.layers):

@@ -563,6 +563,7 @@ class Transformer(nnx.Module):
         self.own_rotary = tuple(self.local_rotary is not None and cfg.local_layer(i)
                                 for i in range(cfg.layers))
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
+        self.pad_id = cfg.pad_id
         self.final_softcap = cfg.final_logit_softcap
         self.scan_layers, self.remat = cfg.scan_layers, cfg.remat
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs,
@@ -649,7 +650,10 @@ class Transformer(nnx.Module):
         # The table's own dtype: nnx.Embed would promote a bfloat16 table's rows to the float32
         # it was created in, and the whole residual stream with them.
         table = self.embed.embedding[...]
-        x = jnp.take(table, tokens.astype(jnp.int32), axis=0)
+        ids = tokens.astype(jnp.int32)
+        x = jnp.take(table, ids, axis=0)
+        if self.pad_id is not None:  # transformers' padding_idx: the values read, no gradient
+            x = jnp.where((ids == self.pad_id)[..., None], jax.lax.stop_gradient(x), x)
         if self.embed_scale is not None:  # in the table's dtype, as Gemma scales it
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         if self.positions is not None:
@@ -880,6 +884,16 @@ def parameter_count(cfg: TransformerModel) -> int:
     table = cfg.vocab * d
     return (table + (cfg.seq_len * d if cfg.positions == "learned" else 0)
             + layers + norm + (0 if cfg.tie_embeddings else table))
+
+
+def embedding_rows(cfg: TransformerModel) -> str:
+    """What the embedding's rows learn from their lookups, in a line a run says as it starts."""
+    if cfg.pad_id is None:
+        return ("embedding: every row learns from its lookups (no pad token's row is held out; "
+                "model.pad_id names one, as transformers' padding_idx)")
+    tied = "; the tied head's gradient still reaches it" if cfg.tie_embeddings else ""
+    return (f"embedding: row {cfg.pad_id}, the pad token's (model.pad_id), learns nothing from "
+            f"its lookups, as with transformers' padding_idx{tied}")
 
 
 def bind_transformer(cfg: TransformerModel, attention: AttentionPath = AttentionPath()

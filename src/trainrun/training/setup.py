@@ -66,6 +66,7 @@ from trainrun.data.record_rows import RecordCounts
 from trainrun.fast import strategies
 from trainrun.fast.strategies import Strategies
 from trainrun.models import Model, build_model
+from trainrun.models.transformer import embedding_rows
 from trainrun.platform import distributed
 from trainrun.platform.process import calls_run_inline, require_backend
 from trainrun.program import sharding
@@ -667,12 +668,20 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, 
         rundir.start(resuming.run_dir, config, resuming.provenance, step, resuming.data_files)
     _say_cleanups(checkpoints, resuming.console)
     if restored is None:
-        if config.init.from_ is not None:
-            resuming.console.message(f"starting from {config.init.load} of {config.init.from_} "
-                                     f"(init.from) at step {step}")
+        _say_fresh_start(config, resuming.console, step)
         return state
     _say_restored(restored, config, checkpoints, changes, data_changes, resuming)
     return state
+
+
+def _say_fresh_start(config: RunConfig, console: Console, step: int) -> None:
+    """What a run that starts afresh starts from, and what a transformer's embedding rows
+    learn from their lookups."""
+    if config.init.from_ is not None:
+        console.message(f"starting from {config.init.load} of {config.init.from_} "
+                        f"(init.from) at step {step}")
+    if isinstance(config.model, TransformerModel):
+        console.message(embedding_rows(config.model))
 
 
 def _say_cleanups(checkpoints: Checkpoints, console: Console) -> None:

@@ -65,6 +65,23 @@ class AdapterLayout:
     experts: bool = False
 
 
+def padding_row(hf: dict[str, Any], default: int | None) -> int | None:
+    """The embedding row transformers builds its family's ``nn.Embedding`` with as
+    ``padding_idx`` (no gradient from its lookups): ``pad_token_id``, or the family's
+    ``default`` where config.json lacks the key, a negative id counting from the end as torch
+    takes it. A default outside the vocabulary (config.json names none) holds no row out; a
+    ``pad_token_id`` outside it is refused, as torch refuses it."""
+    vocab = int(hf["vocab_size"])
+    pad = hf.get("pad_token_id", default)
+    if pad is None or ("pad_token_id" not in hf and not 0 <= pad < vocab):
+        return None
+    if not -vocab <= pad < vocab:
+        raise WeightsError(f"pad_token_id {pad} is not a token of the vocabulary (vocab_size "
+                           f"{vocab}), and transformers cannot build its embedding; set it to "
+                           "the pad token's id, or null")
+    return pad % vocab
+
+
 def never(_: Any) -> bool:
     """A predicate that holds for nothing: a family no fresh model or bare file is of."""
     return False

@@ -39,4 +39,4 @@ FAMILY = family(LlamaLayout(
     softcaps=(None, None), embed_scale=True, query_scale_key="query_pre_attn_scalar",
     rope_per_layer_type=True,
     tie_default=True, sliding="layer_types", layer_types=pattern_layer_types,
-    global_window=4096, refuse=refuse))
+    global_window=4096, refuse=refuse, pad_default=0))

@@ -43,4 +43,4 @@ FAMILY = dataclasses.replace(family(LlamaLayout(
     default_activation="gelu_pytorch_tanh", norm_plus_one=True, post_norms=True,
     softcaps=(50.0, 30.0), embed_scale=True, query_scale_key="query_pre_attn_scalar",
     tie_default=True, sliding="layer_types", layer_types=alternate_layer_types,
-    global_window=4096, refuse=refuse)), schema=Gemma2Config)
+    global_window=4096, refuse=refuse, pad_default=0)), schema=Gemma2Config)

@@ -79,7 +79,7 @@ def fields(hf: dict[str, Any]) -> Architecture:
               "norm": "layernorm", "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
               "seq_len": int(hf["n_positions"]), "positions": "learned", "bias": True,
               "qkv_bias": False, "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
-              "rope_scaling": None}
+              "rope_scaling": None, "pad_id": None}  # GPT-2's embedding has no padding_idx
     return Architecture("gpt2", values, keys, int(hf["n_positions"]))
 
 

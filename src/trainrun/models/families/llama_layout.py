@@ -26,6 +26,7 @@ from trainrun.models.families.family import (
     WeightsError,
     checked_fields,
     never,
+    padding_row,
 )
 from trainrun.models.hf_config import (
     COUNT,
@@ -38,6 +39,7 @@ from trainrun.models.hf_config import (
     Positive,
     RopeParameters,
     Text,
+    TokenId,
 )
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -75,6 +77,8 @@ class LlamaConfig(ModelConfig):
     query_pre_attn_scalar: Positive | None = Field(default=None, description=POSITIVE)
     rope_local_base_freq: Positive | None = Field(default=None, description=POSITIVE)
     decoder_sparse_step: Count | None = Field(default=None, description=COUNT)
+    pad_token_id: TokenId | None = Field(
+        default=None, description="a token's id (negative: from the end), or null")
 
     @pydantic.model_validator(mode="after")
     def _heads_divide(self) -> LlamaConfig:
@@ -112,7 +116,8 @@ class LlamaLayout:
     sliding_window alone, or per layer in layer_types); layer_types: the layer types an older
     config.json implies without the key; global_window: the window written (unused) where
     every layer is global; refuse: the family's own refusals; fused: one qkv_proj and one
-    gate_up_proj per layer; experts: a mixture's experts."""
+    gate_up_proj per layer; experts: a mixture's experts; pad_default: ``pad_token_id`` where
+    config.json lacks it (transformers' config class's default)."""
 
     model_type: str
     title: str
@@ -138,6 +143,7 @@ class LlamaLayout:
     refuse: Callable[[dict[str, Any]], None] = _refuses_nothing
     fused: bool = False
     experts: ExpertLayout | None = None
+    pad_default: int | None = None
 
 
 # ---- config.json -> the transformer ------------------------------------------------------------
@@ -171,7 +177,7 @@ def fields(hf: dict[str, Any], layout: LlamaLayout) -> Architecture:
             "mlp": act_key, "sliding_window": "sliding_window", "sliding_layers": "layer_types",
             "fused_projections": "model_type",
             "attention_logit_softcap": "attn_logit_softcapping",
-            "final_logit_softcap": "final_logit_softcapping"}
+            "final_logit_softcap": "final_logit_softcapping", "pad_id": "pad_token_id"}
     values = {"vocab": int(hf["vocab_size"]), "d_model": d, "layers": layers,
               "heads": heads, "kv_heads": kv_heads if kv_heads != heads else None,
               "head_dim": head_dim if head_dim * heads != d else None,
@@ -190,7 +196,8 @@ def fields(hf: dict[str, Any], layout: LlamaLayout) -> Architecture:
               "sliding_window": window, "sliding_layers": sliding,
               "fused_projections": layout.fused,
               "local_rope_theta": local_theta if window is not None else None,
-              "tie_embeddings": bool(hf.get("tie_word_embeddings", layout.tie_default))}
+              "tie_embeddings": bool(hf.get("tie_word_embeddings", layout.tie_default)),
+              "pad_id": padding_row(hf, layout.pad_default)}
     if layout.experts is not None:
         values.update(layout.experts.fields(hf, layers))
         keys.update(layout.experts.keys)
@@ -303,7 +310,8 @@ def config_json(cfg: TransformerModel, source: dict[str, Any] | None,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_key_heads,
         "head_dim": cfg.attention_head_dim, "intermediate_size": cfg.hidden,
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std})
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+        "pad_token_id": cfg.pad_id})
     out[layout.activation_key] = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}.get(cfg.mlp,
                                                                                         cfg.mlp)
     if layout.attention_bias:

@@ -10,4 +10,4 @@ from trainrun.models.families.llama_layout import LlamaLayout, family
 
 FAMILY = family(LlamaLayout(
     model_type="olmo2", title="OLMo 2", architecture="Olmo2ForCausalLM", attention_bias=True,
-    qk_norm=True, qk_norm_over="projection", pre_norms=False, post_norms=True))
+    qk_norm=True, qk_norm_over="projection", pre_norms=False, post_norms=True, pad_default=1))

@@ -18,5 +18,5 @@ def _writes_fresh(cfg: TransformerModel) -> bool:
 
 
 FAMILY = family(LlamaLayout(model_type="phi3", title="Phi-3", architecture="Phi3ForCausalLM",
-                            sliding="every_layer", fused=True),
+                            sliding="every_layer", fused=True, pad_default=32000),
                 writes_fresh=_writes_fresh, reads_bare=has_fused_names)

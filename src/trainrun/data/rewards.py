@@ -161,9 +161,9 @@ def _called(reward: Reward, arguments: dict[str, Any], where: Sequence[str]) -> 
         if isinstance(error, KeyboardInterrupt) and (
                 signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             raise
-        raise RewardError(f"reward {reward.name} raised {type(error).__name__}: {error} "
-                          f"(on the completions of {where[0]} and after); fix the "
-                          "function") from None
+        said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        raise RewardError(f"reward {reward.name} raised {said} (on the completions of "
+                          f"{where[0]} and after); fix the function") from None
 
 
 def total(rewards: Sequence[Reward], values: np.ndarray) -> np.ndarray:

@@ -183,7 +183,7 @@ def test_the_rl_section_holds_trls_defaults_and_leaves_other_digests_alone():
     (["model={kind: mlp}"], "rl trains a transformer"),
     (["rl.stop_strings=['']"], "a stop string is empty"),
     (["rl.group=1"], "rl.group"),
-    (["rl.reward_timeout=0"], "rl.reward_timeout"),
+    (["rl.reward_timeout=0"], "should be greater than 0"),
     (["rl.updates=2", "steps_per_call=2", "metrics.every=2", "eval.every=5"],
      "eval.every=5 is not a multiple"),
 ])

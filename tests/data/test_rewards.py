@@ -169,6 +169,18 @@ def test_a_function_written_for_trl_is_called_as_trl_calls_it(tmp_path: Path) ->
     np.testing.assert_array_equal(found[1], as_trl)
 
 
+def test_an_async_reward_function_is_awaited(tmp_path: Path) -> None:
+    """TRL takes ``async def`` reward functions (a judge behind a network call) too."""
+    file = tmp_path / "judged.py"
+    file.write_text("import asyncio\n\n\nasync def judged(completions, **kwargs):\n"
+                    "    await asyncio.sleep(0)\n"
+                    "    return [float(len(c[0]['content'])) for c in completions]\n")
+    completions = [[{"role": "assistant", "content": text}] for text in ("ab", "abc")]
+    found = rewards.score([rewards.load(f"{file}:judged", timeout=60.0)], ["q", "q"],
+                          completions, {}, WHERE[:2])
+    assert found.tolist() == [[2.0, 3.0]]
+
+
 def test_none_is_left_out_of_the_total_and_a_completion_none_scores_has_none(
         tmp_path: Path) -> None:
     file = tmp_path / "partial.py"

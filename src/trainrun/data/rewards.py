@@ -1,7 +1,8 @@
 """Rewards a program can check: Python callables, one reward per completion, named by a
 built-in's name or ``module:function`` (an installed module, or a ``.py`` file:
 ``rewards/math.py:correct``; the file's folder is on the import path while it loads, so it can
-import a module beside it). A reward function written for TRL's ``GRPOTrainer`` runs unchanged.
+import a module beside it). A reward function written for TRL's ``GRPOTrainer`` runs unchanged
+(an ``async`` one too).
 
 Each call is TRL's: by keyword, ``prompts`` and ``completions`` (texts; for conversational
 records, each prompt its list of messages and each completion a list of one assistant message,
@@ -27,9 +28,11 @@ Built-ins (their settings are keyword arguments in the config's ``args``):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 import signal
@@ -149,15 +152,18 @@ def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequen
 
 def _called(reward: Reward, arguments: dict[str, Any], where: Sequence[str]) -> Any:
     """The reward's values, called by keyword as TRL calls it, within its time limit."""
+    def values() -> Any:
+        found = reward.function(**arguments)
+        return asyncio.run(found) if inspect.iscoroutine(found) else found  # TRL's async too
+
     try:
-        return call_within(reward.timeout, lambda: reward.function(**arguments))
+        return call_within(reward.timeout, values)
     except TimedOut:
         raise RewardError(f"reward {reward.name} did not return within {reward.timeout:g} s "
                           f"(rl.reward_timeout) on the completions of {where[0]} and after; "
                           "make it return sooner, or raise rl.reward_timeout") from None
     except BaseException as error:  # a user's function: any failure stops the run in one line
-        # with SIGINT's default handler in place this may be a Ctrl-C; under a run's own
-        # handler (preemption) no signal raises it, so the function's code did
+        # a run's own SIGINT handler raises nothing: only under Python's may this be a Ctrl-C
         if isinstance(error, KeyboardInterrupt) and (
                 signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             raise

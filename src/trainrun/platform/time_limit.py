@@ -14,8 +14,9 @@ same. It never touches the process's interval timer, which the code called may s
 Code that never returns to the interpreter (a C extension that holds it: a runaway regular
 expression) cannot be interrupted from Python. ``faulthandler`` ends such a process: as long
 again after the limit (at most ``BACKSTOP`` seconds more) it writes each thread's stack to
-stderr and exits 1. Off the main thread (a run started from another thread) Python delivers no
-signal to the call, and that is the only stop.
+stderr and exits 1 (faulthandler keeps one such timer a process: one set before the call is
+cancelled). Off the main thread (a run started from another thread) Python delivers no signal
+to the call, and that is the only stop.
 """
 
 from __future__ import annotations

@@ -5,18 +5,20 @@ At step ``s`` (a multiple of ``rl.updates``) the run's ``rl.prompts`` prompts of
 ``s // rl.updates`` (in an order shuffled per pass by the run's seed) get ``rl.group``
 completions each, drawn with ``fold_in(state.key, s)`` (``program/rollouts.py``), so a resumed
 run draws the same rollouts; every batch's prompts are left-padded to the longest prompt's
-width. The rewards score them (``data/rewards.py``: a reward that fails
-stops the run in one line), each group's rewards become advantages, and the reference's
-log-probabilities come from the starting params kept in the model state, or from the params
-with the LoRA adapters off. The batch then serves the ``rl.updates`` steps of one call.
+width. The rewards score them (``data/rewards.py``: called as TRL calls them, with the step as
+``trainer_state``; a reward that fails or runs past ``rl.reward_timeout`` stops the run in one
+line), each group's rewards become advantages (a completion no reward applies to gets 0),
+and the reference's log-probabilities come from the starting params kept in the model state,
+or from the params with the LoRA adapters off. The batch then serves the ``rl.updates`` steps
+of one call.
 
 The calls hand the state they start from to ``follow`` before taking their batches; the data
 position (``get_state``/``set_state``) is the step, as the checkpoint keeps it.
 
 In a run of several processes every process draws the same rollouts (the same prompts, keys
 and params, the rows split over the mesh), scores the completions of the rows its devices
-hold, and gathers every process's scores, so that each computes the advantages of every group;
-its batches are its own rows.
+hold (each call within its own time limit), and gathers every process's scores, so that each
+computes the advantages of every group; its batches are its own rows.
 """
 
 from __future__ import annotations

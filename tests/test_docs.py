@@ -171,6 +171,34 @@ def test_every_reinforcement_learning_command_runs_as_written(tmp_path):
     assert re.search(r"eval step 500  rewards/exact_match/mean \S+  reward \S+", out), out
 
 
+def test_the_reinforcement_learning_guides_trl_reward_runs_as_in_trl(tmp_path):
+    """The guide's reward function, written for TRL, loaded from a file as the guide names it:
+    on conversational completions and the run's progress it gives what TRL's call of it gives
+    with TRL's own ``TrainerState``."""
+    transformers = pytest.importorskip("transformers")
+    from trainrun.data import rewards
+
+    text = (REPO / "docs" / "guides" / "reinforcement-learning.md").read_text()
+    source = next(block for block in re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+                  if "trainer_state" in block)
+    named = re.search(r"\{name: rewards\.py:(\w+),", text)
+    assert named is not None
+    (tmp_path / "rewards.py").write_text(source)
+    reward = rewards.load(f"{tmp_path / 'rewards.py'}:{named[1]}")
+    contents = ["q", "Q", "qu", "y"]
+    completions = [[{"role": "assistant", "content": c}] for c in contents]
+    prompts = [[{"role": "user", "content": "last qwerty"}]] * len(contents)
+    ids = [[1]] * len(contents)
+    for step in (10, 250):  # before half the run, and after
+        found = rewards.score([reward], prompts, completions, {"completion_ids": ids},
+                              ["p.jsonl:1"] * len(contents), rewards.RunProgress(step, 500))
+        as_trl = reward.function(prompts=prompts, completions=completions, completion_ids=ids,
+                                 trainer_state=transformers.TrainerState(global_step=step,
+                                                                         max_steps=500))
+        assert [None if np.isnan(v) else v for v in found[0]] == as_trl
+    assert found[0].tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
 def test_api_page_documents_every_public_name():
     page = hooks().api_reference()
     documented = re.findall(r"^::: trainrun\.(\w+)$", page, flags=re.M)

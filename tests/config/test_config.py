@@ -165,7 +165,7 @@ def test_the_rl_section_holds_trls_defaults_and_leaves_other_digests_alone():
     assert defaults == {"group": 8, "prompts": 4, "completion_tokens": 64, "temperature": 1.0,
                         "top_p": 1.0, "stop_strings": (),
                         "rewards": ({"name": "exact_match", "weight": 1.0, "args": {}},),
-                        "beta": 0.0, "clip_low": 0.2, "clip_high": 0.2,
+                        "reward_timeout": 3600.0, "beta": 0.0, "clip_low": 0.2, "clip_high": 0.2,
                         "normalisation": "dapo", "updates": 1, "scale_rewards": True}
     assert "rl" in config.to_dict()
     chat = load_config("chat")
@@ -183,6 +183,7 @@ def test_the_rl_section_holds_trls_defaults_and_leaves_other_digests_alone():
     (["model={kind: mlp}"], "rl trains a transformer"),
     (["rl.stop_strings=['']"], "a stop string is empty"),
     (["rl.group=1"], "rl.group"),
+    (["rl.reward_timeout=0"], "should be greater than 0"),
     (["rl.updates=2", "steps_per_call=2", "metrics.every=2", "eval.every=5"],
      "eval.every=5 is not a multiple"),
 ])

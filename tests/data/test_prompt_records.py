@@ -1,20 +1,23 @@
 """Prompt records for reinforcement learning: text and message prompts encoded as the model
 reads them, the other fields kept for the rewards, a chat record's last answer as its
-``answer``, every n-th record held out, bad records refused in one line or counted."""
+``answer``, every n-th record held out, bad records refused in one line or counted; the rewards
+get a conversation's prompt as its messages and each completion as a message, as TRL hands
+them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from trainrun.config import RecordsData
-from trainrun.data import model_tokenizer
+from trainrun.data import model_tokenizer, rewards
 from trainrun.data.errors import DataError
-from trainrun.data.prompt_records import prompt_records
+from trainrun.data.prompt_records import prompt_records, score_completions
 
 
 def _section(*paths: Path, **changes: object) -> RecordsData:
@@ -77,3 +80,39 @@ def test_a_bad_record_is_refused_in_one_line_or_counted(tmp_path: Path, record: 
     assert "\n" not in str(err.value)
     found = prompt_records(_section(source, bad_records="skip"), 32)
     assert len(found.train) == 1 and len(found.skipped) == 1
+
+
+def test_the_rewards_get_a_conversation_as_messages_and_a_text_as_text(tmp_path: Path) -> None:
+    """TRL's shapes: a conversational prompt is its messages (a chat record's without its
+    answer) and its completion ``[{"role": "assistant", "content": text}]``; a text prompt and
+    its completion are texts. Each completion gets its own prompt's shape."""
+    pytest.importorskip("trl")
+    from trl.data_utils import is_conversational
+
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    source = _jsonl(tmp_path / "p.jsonl", [
+        {"prompt": chat, "answer": "hello"},
+        {"messages": [{"role": "user", "content": "reverse ab"},
+                      {"role": "assistant", "content": "ba"}]},
+        {"prompt": "2+2=", "answer": "4"}])
+    asked = prompt_records(_section(source), 48).train
+    seen: dict[str, list[object]] = {}
+
+    def recorded(prompts: list[object], completions: list[object], **fields: object,
+                 ) -> list[float]:
+        seen.update(prompts=prompts, completions=completions)
+        return [1.0] * len(completions)
+
+    values = score_completions([rewards.Reward("recorded", recorded)], asked,
+                               ["hello", "ba", "4"], [np.array([5, 6]), np.array([7]),
+                                                      np.array([8])])
+    assert values.tolist() == [[1.0, 1.0, 1.0]]
+    assert seen["prompts"] == [chat, [{"role": "user", "content": "reverse ab"}], "2+2="]
+    assert seen["completions"] == [[{"role": "assistant", "content": "hello"}],
+                                   [{"role": "assistant", "content": "ba"}], "4"]
+    assert [is_conversational({"prompt": p, "completion": c})
+            for p, c in zip(seen["prompts"], seen["completions"], strict=True)] == [
+        True, True, False]
+    # the built-ins read a message's content as they read a text
+    assert score_completions([rewards.load("exact_match")], asked, ["hello", "b", "4"],
+                             [np.array([1])] * 3).tolist() == [[1.0, 0.0, 1.0]]

@@ -6,7 +6,8 @@ forward pass. ``_generate_and_score_completions`` gives TRL's advantages (and, w
 0, its reference log-probabilities) and ``_compute_loss`` its loss; the gradient of that loss
 with respect to the policy's log-probabilities comes from ``backward``. trainrun's
 ``group_advantages`` and ``PolicyGradientLoss`` on the same arrays equal them within 1e-6, with
-the clip fractions and the KL term TRL logs."""
+the clip fractions and the KL term TRL logs. Rewards that return None where they do not apply
+combine into the same advantages and reward means as TRL's."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from conftest import save_tiny_causal_lm, word_level_tokenizer
 
+from trainrun.data import rewards
 from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages
 
 torch = pytest.importorskip("torch")
@@ -55,7 +57,7 @@ def model_dir(tmp_path_factory) -> Any:
     return save_tiny_causal_lm(tmp_path_factory.mktemp("grpo-trl") / "llama", "llama")
 
 
-def _trainer(model_dir: Any, **settings: Any) -> Any:
+def _trainer(model_dir: Any, reward_funcs: Any = _reward, **settings: Any) -> Any:
     """A ``GRPOTrainer`` on the tiny Llama whose forward pass of the policy gives ``LOGPS`` (as
     a leaf that takes a gradient) and of the reference ``REF``."""
     args = trl.GRPOConfig(
@@ -65,7 +67,7 @@ def _trainer(model_dir: Any, **settings: Any) -> Any:
     dummy = datasets.Dataset.from_dict({"prompt": ["t5"] * G, "reward": [0.0] * G})
     trainer = trl.GRPOTrainer(
         model=transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        reward_funcs=_reward, args=args, train_dataset=dummy,
+        reward_funcs=reward_funcs, args=args, train_dataset=dummy,
         processing_class=word_level_tokenizer(96), rollout_func=_rollouts)
     trainer.policy_logps = torch.tensor(LOGPS, requires_grad=True)
 
@@ -137,3 +139,43 @@ def test_advantages_loss_and_gradient_are_trls(model_dir, normalisation, beta, c
         assert abs(metrics[name] - want_metrics[name]) <= 1e-6, name
     if old is not None:  # the batch exercises both clips, so a wrong one would show
         assert want_metrics["clip_ratio/low_mean"] > 0 and want_metrics["clip_ratio/high_mean"] > 0
+
+
+# None where a reward does not apply: a completion neither applies to in the first and the third
+# group, and in the second only one of the four has a reward (no spread: advantages 0)
+FIRST = [1.0, None, 0.5, None, None, None, None, None, -1.0, 0.25, None, 1.0]
+SECOND = [None, 0.0, 2.0, None, None, None, 3.0, None, 0.5, None, None, 2.0]
+WEIGHTS = (1.0, 0.5)
+
+
+def first(completions: list[Any], first: list[float | None], **_: Any) -> list[float | None]:
+    return first
+
+
+def second(completions: list[Any], second: list[float | None], **_: Any) -> list[float | None]:
+    return second
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:You are using 'rollout_func'")
+def test_rewards_that_return_none_combine_as_trls(model_dir) -> None:
+    trainer = _trainer(model_dir, [first, second], reward_weights=list(WEIGHTS))
+    records = [{"prompt": " ".join(f"t{i}" for i in PROMPTS[row // G]), "first": FIRST[row],
+                "second": SECOND[row]} for row in range(ROWS)]
+    want = trainer._generate_and_score_completions(records)["advantages"].numpy()
+    logged = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    found = [rewards.Reward("first", first, WEIGHTS[0]),
+             rewards.Reward("second", second, WEIGHTS[1])]
+    values = rewards.score(found, [r["prompt"] for r in records], ["c"] * ROWS,
+                           {"first": FIRST, "second": SECOND,
+                            "completion_ids": COMPLETIONS}, [f"r:{row}" for row in range(ROWS)])
+    with pytest.warns(rewards.UnscoredWarning):
+        total = rewards.total(found, values)
+    advantages = np.asarray(group_advantages(jnp.asarray(total), G))
+    np.testing.assert_allclose(advantages, want, rtol=0, atol=1e-6)
+    assert np.count_nonzero(want) == 6  # the unscored and the lone one's are 0
+    assert rewards.mean_and_std(total)[0] == pytest.approx(logged["reward"], abs=1e-6)
+    for name, row in zip(("first", "second"), values, strict=True):
+        mean = rewards.mean_and_std(row)[0]
+        assert mean == pytest.approx(logged[f"rewards/{name}/mean"], abs=1e-6), name

@@ -1,18 +1,21 @@
 """Reinforcement learning as a run, end to end: each rollout batch scored by the configured
-rewards on the host, their means and spreads, the KL to the reference (the params the run
-starts from), the entropy and the speeds in the metrics; a reward that fails stops the run in
-one line naming it; a killed run resumes bit for bit."""
+rewards on the host (called as TRL calls them, with the run's step as ``trainer_state``), their
+means and spreads, the KL to the reference (the params the run starts from), the entropy and the
+speeds in the metrics; a reward that fails or does not return in time stops the run in one line
+naming it; a killed run resumes bit for bit."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from trainrun import rundir
 from trainrun.config import load_config
 from trainrun.data.rewards import RewardError
 from trainrun.data.tasks import task_records
@@ -28,7 +31,8 @@ import json
 
 
 def letters(prompts, completions, log, answer, completion_ids, **fields):
-    values = [float(sum(c.isalpha() for c in text)) for text in completions]
+    texts = [completion[0]["content"] for completion in completions]  # chat records: messages
+    values = [float(sum(c.isalpha() for c in text)) for text in texts]
     with open(log, "a") as out:
         out.write(json.dumps({"values": values, "answers": answer, "prompts": prompts,
                               "lengths": [len(ids) for ids in completion_ids]}) + "\\n")
@@ -41,6 +45,23 @@ def broken(prompts, completions, **fields):
 
 def short(prompts, completions, **fields):
     return [0.0] * (len(completions) - 1)
+
+
+def exits(prompts, completions, **fields):
+    import sys
+    sys.exit(0)
+
+
+def progress(completions, trainer_state, **kwargs):
+    """Written for TRL: the share of the run done, as TRL's trainer_state tells it."""
+    return [trainer_state.global_step / trainer_state.max_steps for _ in completions]
+
+
+def hangs_from_step_2(completions, trainer_state, **kwargs):
+    import time
+    if trainer_state.global_step >= 2:
+        time.sleep(1000)
+    return [1.0 for _ in completions]
 '''
 
 
@@ -78,8 +99,7 @@ def test_each_rollout_batch_reports_its_rewards_kl_entropy_and_speeds(
         assert row["reward"] == pytest.approx(total, rel=1e-5)
         # each completion's record fields beside it: its prompt's own answer
         for prompt, answer in zip(batch["prompts"], batch["answers"], strict=True):
-            asked = prompt.split("user\n")[1].split("<|im_end|>")[0]
-            assert answers[asked] == answer
+            assert answers[prompt[-1]["content"]] == answer
         assert row["completion_length"] == pytest.approx(np.mean(batch["lengths"]))
         assert row["entropy"] > 0 and 0 <= row["clip_ratio/region_mean"] <= 1
         assert row["generation_tokens_per_s"] > 0
@@ -91,6 +111,7 @@ def test_each_rollout_batch_reports_its_rewards_kl_entropy_and_speeds(
 @pytest.mark.parametrize("name,words", [
     ("broken", "reward {file}:broken raised ValueError: no score today"),
     ("short", "reward {file}:short returned 7 values for 8 completions"),
+    ("exits", "reward {file}:exits raised SystemExit: 0"),
 ])
 def test_a_reward_that_fails_stops_the_run_in_one_line_naming_it(
         tmp_path: Path, reward_file: Path, name: str, words: str) -> None:
@@ -99,6 +120,40 @@ def test_a_reward_that_fails_stops_the_run_in_one_line_naming_it(
         run(config, tmp_path / "run", out=io.StringIO())
     assert words.format(file=reward_file) in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_reward_written_for_trl_reads_the_runs_step_in_training_and_evaluation(
+        tmp_path: Path, reward_file: Path) -> None:
+    config = load_config("grpo", [*SMALL, "steps=3", "checkpoint.every=3", "eval.every=2",
+                                  _rewards({"name": f"{reward_file}:progress"})])
+    run(config, tmp_path / "run", out=io.StringIO())
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    # the rollouts of step s are drawn after s steps; an evaluation at s reads step s's params
+    assert [(row["step"], row["rewards/progress/mean"]) for row in rows] == [
+        (1, 0.0), (2, pytest.approx(1 / 3)), (3, pytest.approx(2 / 3))]
+    evaluated = read_metrics(tmp_path / "run" / "metrics.jsonl", split="eval")
+    assert [(row["step"], row["rewards/progress/mean"]) for row in evaluated] == [
+        (2, pytest.approx(2 / 3)), (3, 1.0)]
+
+
+@pytest.mark.slow
+def test_a_reward_that_does_not_return_in_time_fails_the_run_in_one_line(
+        cli, tmp_path: Path, reward_file: Path) -> None:
+    """The reward hangs from step 2's rollouts on: the run stops in one line naming it, exit
+    code 2, its status says so, and the checkpoint of step 2 is kept."""
+    result = cli("train", "--config", "grpo", "--run-dir", str(tmp_path / "run"), *SMALL,
+                 "steps=4", "rl.reward_timeout=2",
+                 _rewards({"name": f"{reward_file}:hangs_from_step_2"}), timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = re.escape(f"error: reward {reward_file}:hangs_from_step_2 did not return within 2 s "
+                     "(rl.reward_timeout) on the completions of data.synthetic=letter record ")
+    assert re.fullmatch(line + r"\d+ and after; make it return sooner, or raise "
+                        r"rl\.reward_timeout", result.stderr.strip().splitlines()[-1]), (
+        result.stderr[-3000:])
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and "did not return within 2 s" in status["reason"]
+    assert rundir.committed_steps(tmp_path / "run" / "checkpoints") == [2]
 
 
 @pytest.mark.parametrize("updates", [1, 2])

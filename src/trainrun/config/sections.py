@@ -590,6 +590,9 @@ class RLConfig(Section):
     temperature, top_p: sampling (temperature 0: greedy).
     stop_strings: texts that end a completion (besides the tokenizer's turn end).
     rewards: the reward functions, their total weighted by each one's ``weight``.
+    reward_timeout: the seconds a reward's call (on one batch's completions) may take before
+        the run fails in one line naming it; None: no limit. The default is far beyond any
+        reward that returns (``platform/time_limit.py`` says how a call is stopped).
     beta: the KL term's weight to the reference (the starting params, or the base model under
         LoRA adapters); 0: no reference is computed.
     clip_low, clip_high: the ratio's clip range ``[1 - clip_low, 1 + clip_high]``.
@@ -605,6 +608,7 @@ class RLConfig(Section):
     top_p: float = Field(default=1.0, gt=0, le=1)
     stop_strings: tuple[str, ...] = ()
     rewards: tuple[RewardSpec, ...] = Field(min_length=1)
+    reward_timeout: float | None = Field(default=3600.0, gt=0)
     beta: float = Field(default=0.0, ge=0)
     clip_low: float = Field(default=0.2, ge=0, lt=1)
     clip_high: float = Field(default=0.2, ge=0)

@@ -11,7 +11,9 @@ to the rewards as it is. Every ``round(1 / eval_fraction)``-th usable record is 
 its file and line, or, with ``data.bad_records=skip``, left out and counted.
 
 ``completion_texts`` and ``score_completions`` give the rewards a prompt's completions as a
-run's rollouts and ``trainrun eval`` both score them.
+run's rollouts and ``trainrun eval`` both score them: as TRL hands them, a text prompt and its
+completions as texts, a prompt of messages as its messages and each completion as a list of one
+assistant message.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ ANSWER = "answer"
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     """One prompt: where its record is, its token ids (int32), its text as the model reads it
-    (a conversation rendered by the template) and the record's other fields."""
+    (a conversation rendered by the template), the record's other fields, and its messages
+    (None for a text prompt): the rewards get them, and each completion as a message."""
 
     where: str
     ids: np.ndarray
     text: str
     fields: dict[str, Any]
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +126,7 @@ def _prompt(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, where: 
             asked = asked[:-1]
     else:
         return f"has neither a {names.prompt!r} nor a {names.messages!r} field (set data.fields)"
+    messages = None
     if isinstance(asked, str):
         text, special = asked, True
     else:
@@ -133,14 +138,14 @@ def _prompt(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, where: 
         turns = [{"role": t["role"], "content": t["content"]} for t in asked]
         text = require_template(tokenizer).render(turns, add_generation_prompt=True,
                                                   special=tokenizer.special)
-        special = False
+        special, messages = False, list(asked)
     ids = np.asarray(tokenizer.tokenizer.encode(text, add_special_tokens=special).ids, np.int32)
     if ids.size == 0:
         return "its prompt is empty"
     if ids.size > longest:
         return (f"its prompt is {ids.size} tokens, more than the {longest} that leave room for "
                 "a completion in data.seq_len (raise it, or lower rl.completion_tokens)")
-    return Prompt(where, ids, text, fields)
+    return Prompt(where, ids, text, fields, messages)
 
 
 def completion_texts(tokenizer: model_tokenizer.ModelTokenizer, ids: Sequence[np.ndarray],
@@ -153,12 +158,18 @@ def completion_texts(tokenizer: model_tokenizer.ModelTokenizer, ids: Sequence[np
 
 
 def score_completions(found: Sequence[rewards.Reward], asked: Sequence[Prompt],
-                      texts: Sequence[str], ids: Sequence[np.ndarray]) -> np.ndarray:
-    """``[rewards, completions]``: each reward of each completion, ``asked[i]`` the prompt of
-    completion ``i``, with its record's fields (None where another record has a field it
-    lacks) and ``completion_ids``."""
+                      texts: Sequence[str], ids: Sequence[np.ndarray],
+                      progress: rewards.RunProgress | None = None) -> np.ndarray:
+    """``[rewards, completions]``: each reward of each completion (NaN where it returned None),
+    ``asked[i]`` the prompt of completion ``i``, with its record's fields (None where another
+    record has a field it lacks), ``completion_ids`` and ``progress`` as ``trainer_state``.
+    The rewards get a prompt with messages and its completion as TRL hands them: the messages,
+    and ``[{"role": "assistant", "content": text}]``."""
     names = sorted({name for prompt in asked for name in prompt.fields})
     fields: dict[str, list[Any]] = {name: [p.fields.get(name) for p in asked] for name in names}
     fields["completion_ids"] = [row.tolist() for row in ids]
-    return rewards.score(found, [p.text for p in asked], texts, fields,
-                         [p.where for p in asked])
+    prompts = [p.text if p.messages is None else p.messages for p in asked]
+    completions = [text if p.messages is None else [{"role": "assistant", "content": text}]
+                   for p, text in zip(asked, texts, strict=True)]
+    return rewards.score(found, prompts, completions, fields, [p.where for p in asked],
+                         progress)

@@ -46,6 +46,6 @@ def rl_scores(config: RunConfig, run: Any, data: str | None, ema: bool, *,
     step, state = latest_state(run, config, optimizer_state=False)
     params = state.ema if ema else state.params
     scores, answers = reward_scores(config, params, asked, temperature=temperature, seed=seed,
-                                    batch_size=batch_size, tokens=tokens)
+                                    batch_size=batch_size, tokens=tokens, step=step)
     return step, scores, answers
 

@@ -3,7 +3,9 @@ log-probabilities ``[completions, tokens]``, each completion's advantage and the
 tokens it generated, in float32. The formulas and defaults are TRL's ``GRPOTrainer``'s.
 
 - Advantages (``group_advantages``): each prompt's ``G`` rewards less their mean, divided by
-  their standard deviation (Bessel-corrected, as ``torch.std``) plus ``eps``.
+  their standard deviation (Bessel-corrected, as ``torch.std``) plus ``eps``. A NaN reward (a
+  completion no reward applies to) is left out of its group's mean and deviation and gets
+  advantage 0, as TRL's ``nanmean``, ``nanstd`` and ``nan_to_num`` have it.
 - Per token: ``-min(r A, clip(r, 1 - low, 1 + high) A) + beta r k3``, with ``r = exp(logp -
   old logp)`` the ratio to the params that drew the completions and ``k3 = exp(ref - logp) -
   (ref - logp) - 1`` the estimator of the KL divergence to the reference. The KL term is
@@ -30,13 +32,14 @@ def group_advantages(rewards: jax.Array, group: int, eps: float = 1e-4,
                      scale: bool = True) -> jax.Array:
     """``[prompts * group]`` rewards (each prompt's ``group`` completions side by side) as
     advantages: less their group's mean and, with ``scale``, divided by its standard deviation
-    plus ``eps``."""
+    plus ``eps``; a NaN reward is left out of its group's and its advantage is 0."""
     grouped = jnp.asarray(rewards, jnp.float32).reshape(-1, group)
-    centred = grouped - grouped.mean(axis=1, keepdims=True)
+    centred = grouped - jnp.nanmean(grouped, axis=1, keepdims=True)
     if scale:
-        spread = jnp.std(grouped, axis=1, ddof=1 if group > 1 else 0, keepdims=True)
+        # NaN where fewer than two rewards of a group are numbers, as TRL's nanstd
+        spread = jnp.nanstd(grouped, axis=1, ddof=1 if group > 1 else 0, keepdims=True)
         centred = centred / (spread + eps)
-    return centred.reshape(-1)
+    return jnp.nan_to_num(centred.reshape(-1), nan=0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ Batch = Any
 
 class EvalSchedule:
     """When a run evaluates: every ``every`` steps and at its last step. Calling it evaluates
-    params (and the model state) into named metrics."""
+    params (and the model state) of a step into named metrics."""
 
     every: int
 
@@ -40,7 +40,8 @@ class EvalSchedule:
         """Steps from ``done`` to the next evaluated step: a call ends there."""
         return min(self.every - done % self.every, total - done)
 
-    def __call__(self, params: Any, model_state: Any = None) -> dict[str, float]:
+    def __call__(self, params: Any, model_state: Any = None, step: int = 0,
+                 ) -> dict[str, float]:
         raise NotImplementedError
 
 
@@ -72,7 +73,8 @@ class Evaluator(EvalSchedule):
         self.fn = jax.jit(step if shardings is None else traced_on(shardings[1].mesh, step),
                           **placed)
 
-    def __call__(self, params: Any, model_state: Any = None) -> dict[str, float]:
+    def __call__(self, params: Any, model_state: Any = None, step: int = 0,
+                 ) -> dict[str, float]:
         """Each metric's mean over the eval batches, weighted by what each batch's mean is
         over (examples, valid tokens, or the metric's own ``weight/<name>``), so it is the mean
         over the whole evaluated split.
@@ -91,16 +93,18 @@ class Evaluator(EvalSchedule):
 
 
 class PromptEvaluator(EvalSchedule):
-    """A reinforcement-learning run's evaluation: ``score`` (params -> metrics) answers its
-    held-out prompts as ``trainrun eval`` does (greedily, scored by the run's rewards). It reads
-    the params only and draws from no key of the run's."""
+    """A reinforcement-learning run's evaluation: ``score`` (params, step -> metrics) answers
+    its held-out prompts as ``trainrun eval`` does (greedily, scored by the run's rewards, which
+    get the step as ``trainer_state.global_step``). It reads the params only and draws from no
+    key of the run's."""
 
-    def __init__(self, every: int, score: Callable[[Any], dict[str, float]]):
+    def __init__(self, every: int, score: Callable[[Any, int], dict[str, float]]):
         self.every = every
         self.score = score
 
-    def __call__(self, params: Any, model_state: Any = None) -> dict[str, float]:
-        return self.score(params)
+    def __call__(self, params: Any, model_state: Any = None, step: int = 0,
+                 ) -> dict[str, float]:
+        return self.score(params, step)
 
 
 def eval_line(step: int, total: int, metrics: dict[str, float]) -> str:
@@ -136,7 +140,7 @@ class EvalHook(Hook):
         with self.watch.phase("eval"):
             state = boundary.state()
             results = self.evaluator(state.ema if self.params == "ema" else state.params,
-                                     state.model_state)
+                                     state.model_state, boundary.step)
         self.output.write(boundary.step, results, "eval")
         self.output.message(eval_line(boundary.step, self.total, results))
         boundary.eval = results

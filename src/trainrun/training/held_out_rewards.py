@@ -2,10 +2,12 @@
 and the run's own evaluations (``eval.every``) report them: each prompt answered as the
 rollouts are drawn (at most ``rl.completion_tokens`` tokens unless told, ended by the turn's
 end or a stop string; greedy unless a temperature is given), ``reward`` the weighted total's
-mean, ``reward_std``, each reward's mean (``rewards/<name>/mean``) and the answers counted."""
+mean, ``reward_std``, each reward's mean (``rewards/<name>/mean``) and the answers counted; a
+reward's None (it does not apply) is left out of the means and shows as null in an answer."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,10 +23,11 @@ PyTree = Any
 def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
                   temperature: float = 0.0, seed: int = 0, batch_size: int = 16,
                   tokens: int | None = None, loaded: Sequence[rewards.Reward] | None = None,
-                  ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                  step: int = 0) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The scores of ``params``' answers to ``asked`` (module docstring) and each answer's
     record; ``tokens``: the most an answer takes (None: ``rl.completion_tokens``); ``loaded``:
-    the run's rewards as loaded before (None: loaded here)."""
+    the run's rewards as loaded before (None: loaded here); ``step``: the step of the params,
+    the rewards' ``trainer_state.global_step``."""
     rl, model = config.rl, config.model
     assert rl is not None and isinstance(model, TransformerModel)
     tokens = rl.completion_tokens if tokens is None else tokens
@@ -36,16 +39,24 @@ def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
                          stop_ids=tokenizer.stop_ids, batch_size=batch_size,
                          top_p=rl.top_p if temperature else 1.0, stop_strings=stops)
     texts = completion_texts(tokenizer, ids, stops.cut if stops is not None else lambda t: t)
-    found = list(loaded) if loaded is not None else rewards.load_each(rl.rewards)
-    values = score_completions(found, asked, texts, ids)
+    found = (list(loaded) if loaded is not None
+             else rewards.load_each(rl.rewards, rl.reward_timeout))
+    values = score_completions(found, asked, texts, ids,
+                               rewards.RunProgress(step, config.steps))
     total = rewards.total(found, values)
     names = host_metric_names(rl)
-    scores = {name: float(row.mean()) for name, row in
+    # over the answers a reward applies to (it returned no None), as the rollouts' metrics
+    scores = {name: rewards.mean_and_std(row)[0] for name, row in
               zip(names[0:2 * len(found):2], values, strict=True)}
-    scores.update({"reward": float(total.mean()), "reward_std": float(total.std()),
-                   "answers": float(len(asked))})
-    answers = [{"where": p.where, "prompt": p.text, "produced": text, "reward": float(t),
-                "rewards": {spec.name: float(v) for spec, v in zip(rl.rewards, column,
-                                                                   strict=True)}}
+    mean, std = rewards.mean_and_std(total)
+    scores.update({"reward": mean, "reward_std": std, "answers": float(len(asked))})
+    answers = [{"where": p.where, "prompt": p.text, "produced": text, "reward": _number(t),
+                "rewards": {spec.name: _number(v) for spec, v in zip(rl.rewards, column,
+                                                                    strict=True)}}
                for p, text, t, column in zip(asked, texts, total, values.T, strict=True)]
     return scores, answers
+
+
+def _number(value: float) -> float | None:
+    """A reward as an answer's record holds it: None where none applied (NaN)."""
+    return None if math.isnan(value) else float(value)

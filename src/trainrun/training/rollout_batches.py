@@ -5,18 +5,20 @@ At step ``s`` (a multiple of ``rl.updates``) the run's ``rl.prompts`` prompts of
 ``s // rl.updates`` (in an order shuffled per pass by the run's seed) get ``rl.group``
 completions each, drawn with ``fold_in(state.key, s)`` (``program/rollouts.py``), so a resumed
 run draws the same rollouts; every batch's prompts are left-padded to the longest prompt's
-width. The rewards score them (``data/rewards.py``: a reward that fails
-stops the run in one line), each group's rewards become advantages, and the reference's
-log-probabilities come from the starting params kept in the model state, or from the params
-with the LoRA adapters off. The batch then serves the ``rl.updates`` steps of one call.
+width. The rewards score them (``data/rewards.py``: called as TRL calls them, with the step as
+``trainer_state``; a reward that fails or runs past ``rl.reward_timeout`` stops the run in one
+line), each group's rewards become advantages (a completion no reward applies to gets 0),
+and the reference's log-probabilities come from the starting params kept in the model state,
+or from the params with the LoRA adapters off. The batch then serves the ``rl.updates`` steps
+of one call.
 
 The calls hand the state they start from to ``follow`` before taking their batches; the data
 position (``get_state``/``set_state``) is the step, as the checkpoint keeps it.
 
 In a run of several processes every process draws the same rollouts (the same prompts, keys
 and params, the rows split over the mesh), scores the completions of the rows its devices
-hold, and gathers every process's scores, so that each computes the advantages of every group;
-its batches are its own rows.
+hold (each call within its own time limit), and gathers every process's scores, so that each
+computes the advantages of every group; its batches are its own rows.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ class RolloutBatches:
                  mesh: jax.sharding.Mesh | None = None, rows: tuple[int, int] = (0, 1)):
         assert config.rl is not None and isinstance(config.model, TransformerModel)
         self.rl, self.model, self.seed = config.rl, config.model, config.seed
+        self.steps = config.steps
         self.prompts = list(prompts)
-        self.rewards = rewards.load_each(self.rl.rewards)
+        self.rewards = rewards.load_each(self.rl.rewards, self.rl.reward_timeout)
         self.tokenizer = model_tokenizer.of_records(config.data)
         detokenize = self.tokenizer.tokenizer.decode
         self.stops = (StopStrings(self.rl.stop_strings, detokenize) if self.rl.stop_strings
@@ -120,13 +123,15 @@ class RolloutBatches:
             start = state.params if state.model_state is None else state.model_state
             reference = reference_logps(self.model, start, rollouts, self.settings.compute)
         lengths = on_host(rollouts.completion_lengths)
-        values = self._scored(asked, on_host(rollouts.completions), lengths)
+        values = self._scored(asked, on_host(rollouts.completions), lengths, step)
         total = rewards.total(self.rewards, values)
         advantages = np.asarray(group_advantages(jnp.asarray(total), self.rl.group,
                                                  scale=self.rl.scale_rewards))
         seconds = max(time.perf_counter() - started, 1e-9)
-        metrics = [x for row in values for x in (row.mean(), row.std())]
-        metrics += [total.mean(), total.std(), lengths.sum() / seconds, update_rate]
+        # each reward's over the completions it applies to (not None), the total's over those
+        # any applies to: TRL's nanmean
+        metrics = [x for row in values for x in rewards.mean_and_std(row)]
+        metrics += [*rewards.mean_and_std(total), lengths.sum() / seconds, update_rate]
         self.updated_since = time.perf_counter()
         return self._batch(rollouts, advantages, reference, np.asarray(metrics, np.float32))
 
@@ -142,8 +147,8 @@ class RolloutBatches:
         """This process's rows of a batch of ``total``."""
         return process_rows(total, *self.rows)
 
-    def _scored(self, asked: list[Prompt], completions: np.ndarray,
-                lengths: np.ndarray) -> np.ndarray:
+    def _scored(self, asked: list[Prompt], completions: np.ndarray, lengths: np.ndarray,
+                step: int) -> np.ndarray:
         """``[rewards, rows]``: each reward of each completion (prompt ``i``'s ``group``
         completions side by side), this process's rows scored here, the others' gathered."""
         mine = range(completions.shape[0])[self._mine(completions.shape[0])]
@@ -151,7 +156,9 @@ class RolloutBatches:
         texts = completion_texts(self.tokenizer, ids,
                                  self.stops.cut if self.stops is not None else lambda t: t)
         each = [asked[row // self.rl.group] for row in mine]
-        return every_process_rows(score_completions(self.rewards, each, texts, ids), self.rows)
+        progress = rewards.RunProgress(step, self.steps)
+        return every_process_rows(score_completions(self.rewards, each, texts, ids, progress),
+                                  self.rows)
 
     def _batch(self, rollouts: Rollouts, advantages: np.ndarray,
                reference: jax.Array | None, metrics: np.ndarray) -> Batch:

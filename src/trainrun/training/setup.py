@@ -560,9 +560,10 @@ def _prompt_evaluator(config: RunConfig, prompts: list[Prompt]) -> PromptEvaluat
                           "data.eval_paths or a data.eval_fraction that leaves one out, or set "
                           "eval.every=0")
     assert config.rl is not None
-    loaded = rewards.load_each(config.rl.rewards)  # once: a reward file runs when loaded
-    return PromptEvaluator(config.eval.every, lambda params: reward_scores(
-        config, params, prompts, loaded=loaded)[0])
+    # once: a reward file runs when loaded
+    loaded = rewards.load_each(config.rl.rewards, config.rl.reward_timeout)
+    return PromptEvaluator(config.eval.every, lambda params, step: reward_scores(
+        config, params, prompts, loaded=loaded, step=step)[0])
 
 
 def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any, parts: Parts,

@@ -41,7 +41,8 @@ count; a Pallas kernel's FLOPs are not in it); compile seconds (cold: no compila
 compiles run on a pool of host threads, ``--compile-threads``, so each figure is a compile
 beside up to that many others); compiled memory. ``--profile``: one call of the plain step,
 trainrun as it was and trainrun tuned under ``jax.profiler``, the device's ops summed per step.
-A markdown report on stdout and in OUT/tpu_step.md; every figure in OUT/tpu_step.json.
+A markdown report on stdout and in OUT/tpu_step.md; every figure in OUT/tpu_step.json (both
+written again as each part ends, so a run stopped early keeps what it measured).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -92,7 +94,11 @@ MiB, GiB = 2**20, 2**30
 MEMORY_MARGIN = 0.03  # of the device's memory, left free when a batch is said to fit
 
 
+SAID: list[str] = []  # every line printed, for OUT/tpu_step.md
+
+
 def say(text: str = "") -> None:
+    SAID.append(text)
     print(text, flush=True)
 
 
@@ -290,25 +296,15 @@ class Shared:
             raise RuntimeError("the plain AdamW state is not laid out as trainrun's")
         self.state: Any = None
         self.initial: Any = None
-        self.making: concurrent.futures.Future[Any] | None = None
-
-    def prepare(self) -> None:
-        """Make the state at step 0 in a thread of its own, into host memory."""
-        def make() -> Any:
-            state = init_state(self.model, self.optimizer, seed=0, policy=self.policy)
-            kept = jax.device_get(state)
-            for leaf in jax.tree.leaves(state):
-                leaf.delete()
-            return kept
-
-        self.making = concurrent.futures.ThreadPoolExecutor(1).submit(make)
 
     def ready(self) -> None:
+        """The state at step 0 made once (here: every trace stays in the main thread), kept in
+        host memory."""
         if self.initial is None:
-            if self.making is None:
-                self.prepare()
-            assert self.making is not None
-            self.initial = self.making.result()
+            state = init_state(self.model, self.optimizer, seed=0, policy=self.policy)
+            self.initial = jax.device_get(state)
+            for leaf in jax.tree.leaves(state):
+                leaf.delete()
 
     def fresh(self) -> None:
         self.drop()
@@ -588,6 +584,7 @@ class Micro:
     choice: Any = None  # the HeadPath or AttentionPath it stands for
     compiled: Any = None
     compile_s: float = math.nan
+    done_at: float = math.nan  # time.monotonic() when its compile ended
 
 
 def head_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro]:
@@ -598,10 +595,10 @@ def head_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro]:
     targets = jnp.asarray(draw.integers(0, s.vocab, tokens), jnp.int32)
 
     def ours(chunk: int, path: HeadPath) -> Callable[..., Any]:
-        return jax.jit(jax.value_and_grad(lambda f, t: next_token_from_features(
+        return jax.jit(jax.value_and_grad(lambda f, t, targets: next_token_from_features(
             f, t, targets, chunk, path=path)[0], argnums=(0, 1)))
 
-    def plain(f: jax.Array, t: jax.Array) -> jax.Array:
+    def plain(f: jax.Array, t: jax.Array, targets: jax.Array) -> jax.Array:
         logits = (f @ t.T).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
@@ -633,7 +630,7 @@ def head_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro]:
         path = HeadPath(unrolled=True, forward=kernel)
         cases.append((f"fused fwd {kernel.block_tokens}x{kernel.block_vocab}, unrolled bwd "
                       f"chunk {chunk}", ours(chunk, path), True, (chunk, path)))
-    return [Micro(name, "head", key, fn, (features, table), library, choice)
+    return [Micro(name, "head", key, fn, (features, table, targets), library, choice)
             for name, fn, library, choice in cases]
 
 
@@ -646,11 +643,11 @@ def attention_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro
     scale = 1.0 / math.sqrt(s.head_dim)
 
     def ours(path: AttentionPath) -> Callable[..., Any]:
-        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(
+        return jax.jit(jax.value_and_grad(lambda q, k, v, cotangent: jnp.sum(
             causal_attention(q, k, v, scale=scale, path=path).astype(jnp.float32)
             * cotangent), argnums=(0, 1, 2)))
 
-    def grouped(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def grouped(q: jax.Array, k: jax.Array, v: jax.Array, cotangent: jax.Array) -> jax.Array:
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return jnp.sum(out.astype(jnp.float32) * cotangent)
 
@@ -670,13 +667,12 @@ def attention_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro
         cases.append((_attention_name(path), ours(path), True, path))
     if not interpret_only_one:
         cases.append(("Pallas TPU flash_attention, blocks 512 (k/v repeated)",
-                      flash_tpu(q.shape, k.shape[2], scale, cotangent), False, None))
-    return [Micro(name, "attention", key, fn, (q, k, v), library, choice)
+                      flash_tpu(q.shape, k.shape[2], scale), False, None))
+    return [Micro(name, "attention", key, fn, (q, k, v, cotangent), library, choice)
             for name, fn, library, choice in cases]
 
 
-def flash_tpu(shape: tuple[int, ...], kv_heads: int, scale: float, cotangent: jax.Array
-              ) -> Callable[..., Any]:
+def flash_tpu(shape: tuple[int, ...], kv_heads: int, scale: float) -> Callable[..., Any]:
     from jax.experimental.pallas.ops.tpu import flash_attention as flash
 
     block = min(512, shape[1])
@@ -686,7 +682,7 @@ def flash_tpu(shape: tuple[int, ...], kv_heads: int, scale: float, cotangent: ja
                              block_k_dq=block, block_q_dq=block)
     group = shape[2] // kv_heads
 
-    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array, cotangent: jax.Array) -> jax.Array:
         k, v = (jnp.repeat(t, group, axis=2) for t in (k, v))
         out = flash.flash_attention(*(t.transpose(0, 2, 1, 3) for t in (q, k, v)), causal=True,
                                     sm_scale=scale, block_sizes=sizes)
@@ -702,6 +698,7 @@ def queue_micros(micros: list[Micro], budget: Budget) -> list[concurrent.futures
         start = time.perf_counter()
         m.compiled = lowered.compile()
         m.compile_s = time.perf_counter() - start
+        m.done_at = time.monotonic()
         return m
 
     futures = []
@@ -754,6 +751,16 @@ def run_micros(micros: list[Micro], futures: list[concurrent.futures.Future[Any]
         row["ok"] = bool(row["value_diff"] < 2e-2 * max(1.0, abs(ref[0]))
                          and row["grad_rel_diff"] < 5e-2)
     return rows
+
+
+def compile_overlap(micros: list[Micro], queued: float) -> float:
+    """Seconds of compiling over the seconds from queueing to the last compile's end: how
+    many compiles ran at once on average."""
+    ended = [m.done_at for m in micros if math.isfinite(m.done_at)]
+    if not ended:
+        return math.nan
+    return sum(m.compile_s for m in micros if math.isfinite(m.done_at)) / max(
+        max(ended) - queued, 1e-9)
 
 
 def micro_table(rows: list[dict[str, Any]], layers: dict[str, int]) -> None:
@@ -824,6 +831,8 @@ def profile(timed: list[Timed], shared: Shared, budget: Budget) -> dict[str, Any
         except Exception as err:  # the trace is a report, not a requirement
             budget.note(f"profile of {t.side.name}: none ({type(err).__name__}: "
                         f"{str(err)[:200]})")
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
     for name, ops in found.items():
         say(f"\n#### Device ops per step: {name}\n")
         if not ops:
@@ -935,6 +944,7 @@ class Report:
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "tpu_step.json").write_text(json.dumps(self.data, indent=1, default=str))
+        (self.out / "tpu_step.md").write_text("\n".join(SAID) + "\n")
 
 
 def timed_table(key: str, title: str, contenders: list[list[Side]], shared: Shared,
@@ -994,8 +1004,6 @@ def run_parts(args: argparse.Namespace, parts: set[str], budget: Budget, report:
         say("Not a TPU: the Pallas kernels run in their interpreter, fewer configurations; "
             "the figures check the code, they measure nothing.")
     shared = {key: Shared(s) for key, s in found.items()}
-    for key in found:  # each state made once, meanwhile, and kept on the host
-        shared[key].prepare()
     peak = matmul_peak(args.tiny)
     say(f"bf16 matmul measured here: {peak / 1e12:.3g} TFLOP/s (datasheet "
         f"{PEAK_BF16 / 1e12:.0f})")
@@ -1007,15 +1015,23 @@ def run_parts(args: argparse.Namespace, parts: set[str], budget: Budget, report:
     if "micro" in parts:  # queued first: small programs, and they choose the tuned paths
         for key, s in found.items():
             micros += head_micros(s, key, interpret) + attention_micros(s, key, interpret)
+        queued = time.monotonic()
         micro_futures = queue_micros(micros, budget)
     if parts & {"gpt2", "attribution", "extra"}:
         for variant in (PLAIN, TODAY):
             budget.add(variant, gpt2, gpt2.batch, shared["gpt2"])
+    for key in found:  # while the pool compiles
+        shared[key].ready()
     tuned = {key: (s.loss_chunk, LIBRARY_HEAD, LIBRARY_ATTENTION) for key, s in found.items()}
     if micros:
-        for key in found:
-            shared[key].ready()  # no state being made while the cases run
         rows = run_micros(micros, micro_futures, budget, reps=3 if args.tiny else 10)
+        overlap = compile_overlap(micros, queued)
+        report.data["compile_overlap"] = overlap
+        say(f"\ncompile pool: {overlap:.1f} compiles at once on average over the micro part's "
+            f"{len(micros)} programs ({args.compile_threads} threads)")
+        if overlap < 1.5 and args.compile_threads > 1:  # one at a time: keep what matters
+            parts -= {"attribution", "extra"}
+            budget.note("compiles did not overlap: the attribution and extra parts are dropped")
         micros.clear()
         micro_table(rows, {key: s.layers for key, s in found.items()})
         report.data["micro"] = rows

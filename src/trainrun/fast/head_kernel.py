@@ -88,7 +88,8 @@ def _kernel(x_ref, w_ref, target_ref, lse_ref, picked_ref, first_ref, sum_ref, *
             vocab: int, block_vocab: int, softcap: float | None) -> None:
     """One block of logits folded into the running maximum (``lse_ref`` until the last block),
     sum of exponentials (``sum_ref``), target logit and first index of the maximum (as a
-    float: exact below 2**24)."""
+    float: exact below 2**24). Per-token values are ``[block_tokens, LANES]``, every lane the
+    same, and are tiled across a block's columns (splash attention's layout)."""
     from jax.experimental import pallas as pl
 
     j = pl.program_id(1)
@@ -105,18 +106,24 @@ def _kernel(x_ref, w_ref, target_ref, lse_ref, picked_ref, first_ref, sum_ref, *
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
     repeats = block_vocab // LANES
-    column = (jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) + j * block_vocab)
+    column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) + j * block_vocab
     logits = jnp.where(column < vocab, logits, -jnp.inf)
-    index = column.astype(jnp.float32)
-    block_max = jnp.max(logits, axis=1, keepdims=True)  # [bt, 1]
-    block_first = jnp.min(jnp.where(logits == block_max, index, jnp.inf), axis=1,
-                          keepdims=True)
-    target = jnp.tile(target_ref[...], (1, repeats))
-    block_picked = jnp.sum(jnp.where(column == target, logits, 0.0), axis=1, keepdims=True)
-    running = lse_ref[...]  # [bt, LANES], each lane the same
+    lanes = lse_ref.shape
+
+    def per_token(row_values: jax.Array) -> jax.Array:  # [bt] -> [bt, LANES]
+        return jax.lax.broadcast_in_dim(row_values, lanes, (0,))
+
+    def across(values: jax.Array) -> jax.Array:  # [bt, LANES] -> [bt, bv]
+        return jnp.tile(values, (1, repeats))
+
+    block_max = per_token(logits.max(axis=-1))
+    block_first = per_token(jnp.where(logits == across(block_max),
+                                      column.astype(jnp.float32), jnp.inf).min(axis=-1))
+    block_picked = per_token(jnp.where(column == across(target_ref[...]), logits,
+                                       0.0).sum(axis=-1))
+    running = lse_ref[...]
     new_max = jnp.maximum(running, block_max)
-    block_sum = jnp.sum(jnp.exp(logits - jnp.tile(new_max, (1, repeats))), axis=1,
-                        keepdims=True)
+    block_sum = per_token(jnp.exp(logits - across(new_max)).sum(axis=-1))
     sum_ref[...] = sum_ref[...] * jnp.exp(running - new_max) + block_sum
     first_ref[...] = jnp.where(block_max > running, block_first, first_ref[...])
     picked_ref[...] = picked_ref[...] + block_picked

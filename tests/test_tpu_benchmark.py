@@ -26,7 +26,8 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
          "2", "--budget-s", "3000"], capture_output=True, text=True, env=env, timeout=3000)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "tpu_step.json").read_text())
-    assert report["notes"] == [], report["notes"]
+    # nothing failed or was skipped (a busy machine may only say its compiles did not overlap)
+    assert not [n for n in report["notes"] if "did not overlap" not in n], report["notes"]
     assert "| plain: plain JAX" in done.stdout and "### The head's loss" in done.stdout
 
     micro = report["micro"]

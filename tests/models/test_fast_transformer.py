@@ -191,3 +191,33 @@ def test_single_device_cpu_calls_run_inline_after_configure_process():
     assert jax.config.read("jax_cpu_enable_async_dispatch") is False
     jnp.ones(2).block_until_ready()
     assert run_cpu_calls_inline() is False  # the backend has started: too late to change
+
+
+@pytest.mark.slow  # the kernels run in Pallas' interpreter
+def test_the_transformer_on_the_tpu_kernels_has_the_plain_loss_and_gradients():
+    """Splash attention and the fused head (interpreted here), the head's chunks unrolled: the
+    same loss and gradients as the plain paths, grouped key/value heads and packed rows in."""
+    from trainrun.fast.head_kernel import FusedHeadForward
+    from trainrun.fast.tpu_attention import SplashAttention
+    from trainrun.models.losses import HeadPath
+    from trainrun.models.transformer import AttentionPath, make_transformer
+
+    cfg = llama_shaped(TransformerModel(d_model=128, layers=2, heads=4, seq_len=128,
+                                        vocab=300, init_std=0.1, loss_chunk=96), kv_heads=2)
+    plain = make_transformer(cfg)
+    fast = make_transformer(cfg, AttentionPath(kernel=SplashAttention(128, 128)),
+                            HeadPath(unrolled=True, forward=FusedHeadForward(128, 256)))
+    params = plain.init(jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, 300, (2, 129)).astype(np.int32)
+    segments = np.ones((2, 129), np.int32)
+    segments[0, 70:] = 2
+    positions = np.concatenate([np.arange(70), np.arange(59)])[None].repeat(2, 0)
+    packed = {"tokens": tokens, "segment_ids": segments, "positions": positions.astype(np.int32)}
+    for batch in ({"tokens": tokens}, packed):
+        def value(model, batch=batch):
+            return jax.jit(jax.value_and_grad(lambda p: model.loss(p, batch, None)[0]))(params)
+
+        (loss, grads), (want, want_grads) = value(fast), value(plain)
+        assert float(want) > 1.0 and abs(float(loss) - float(want)) < 1e-5
+        for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * float(jnp.max(jnp.abs(ref))))

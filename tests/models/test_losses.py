@@ -149,3 +149,51 @@ def test_first_max_index_is_argmax_with_ties_infinities_and_nans() -> None:
     drawn = np.asarray(jax.random.normal(jax.random.key(0), (64, 300)))
     for x in (rows, drawn, drawn.round(1)):
         np.testing.assert_array_equal(first_max_index(jnp.asarray(x)), np.argmax(x, -1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [0, 7])  # one, and a shorter last chunk
+@pytest.mark.parametrize("table_grad_once", [False, True])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_the_head_loss_on_its_unrolled_path_equals_the_scanned_one(chunk, table_grad_once,
+                                                                   softcap):
+    """The same loss, accuracy and gradients (weights, soft-cap and a skipped target too)
+    with the chunks as static slices, the table's gradient from one matmul or by chunks."""
+    from trainrun.models.losses import HeadPath
+
+    features, embedding, targets = inputs(seed=4)
+    targets = targets.at[:6].set(jnp.argmax(features[:6] @ embedding.T, -1))  # some hits
+    weights = jnp.arange(TOKENS) % 5 != 3
+    path = HeadPath(unrolled=True, table_grad_once=table_grad_once)
+
+    def loss_of(p):
+        return jax.jit(jax.value_and_grad(lambda f, e: next_token_from_features(
+            f, e, targets, chunk, weights=weights, softcap=softcap, path=p), argnums=(0, 1),
+            has_aux=True))
+
+    (loss, aux), grads = loss_of(path)(features, embedding)
+    (want, want_aux), want_grads = loss_of(HeadPath())(features, embedding)
+    assert path != HeadPath() and not path.plain()
+    assert float(want_aux["accuracy"]) > 0.05 and float(want) > 1.0
+    assert abs(float(loss) - float(want)) < 1e-5
+    assert float(aux["accuracy"]) == float(want_aux["accuracy"])
+    assert float(aux["weight"]) == float(want_aux["weight"])
+    for got, ref in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_the_unrolled_head_holds_no_scan_and_no_more_logits_than_a_chunk():
+    from trainrun.models.losses import HeadPath
+
+    features, embedding, targets = inputs(jnp.bfloat16)
+
+    def grads(path):
+        return jax.grad(lambda f, e: next_token_from_features(f, e, targets, 10, path=path)[0],
+                        argnums=(0, 1))
+
+    unrolled = HeadPath(unrolled=True)
+    primitives = {eqn.primitive.name for eqn in equations(grads(unrolled), features, embedding)}
+    assert "scan" in {eqn.primitive.name for eqn in equations(grads(HeadPath()), features,
+                                                              embedding)}
+    assert "scan" not in primitives and "while" not in primitives
+    assert largest_float32(grads(unrolled), features, embedding) == max(10 * VOCAB, VOCAB * D)

@@ -88,3 +88,28 @@ def test_with_every_fast_path_off_a_killed_run_resumes_bitwise(cli, tmp_path):
                  "checkpoint.every=20", "metrics.tensorboard=false", TRAINRUN_FAST_PATHS="none")
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert "PASS" in result.stdout
+
+
+def test_on_a_tpu_the_kernels_and_the_unrolled_head_are_chosen_each_by_its_switch(monkeypatch):
+    import dataclasses
+
+    import jax
+
+    from trainrun.fast.head_kernel import FusedHeadForward
+    from trainrun.fast.tpu_attention import SplashAttention
+    from trainrun.models.losses import PLAIN_HEAD, HeadPath
+
+    on, off = Strategies(FastPaths()), Strategies(FastPaths.none())
+    # elsewhere (this CPU) the plain paths, every switch on or not
+    for chosen in (on, off):
+        assert chosen.attention().kernel is None and chosen.head_loss() == PLAIN_HEAD
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert isinstance(on.attention().kernel, SplashAttention)
+    head = on.head_loss()
+    assert head.unrolled and isinstance(head.forward, FusedHeadForward)
+    assert off.attention().kernel is None and off.head_loss() == PLAIN_HEAD
+    unrolled = Strategies(dataclasses.replace(FastPaths.none(), tpu_unrolled_head=True))
+    assert unrolled.head_loss() == HeadPath(unrolled=True) and unrolled.attention().kernel is None
+    splash = Strategies(dataclasses.replace(FastPaths.none(), tpu_splash_attention=True))
+    assert isinstance(splash.attention().kernel, SplashAttention)
+    assert splash.head_loss() == PLAIN_HEAD

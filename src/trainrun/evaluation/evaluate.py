@@ -87,7 +87,8 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int | 
     section = _data_section(config, data)
     say = progress or (lambda line: None)
     # traced once, for the checkpoint and the loss alike
-    built = build_model(config.model, attention=strategies.chosen().attention())
+    chosen = strategies.chosen()
+    built = build_model(config.model, attention=chosen.attention(), head=chosen.head_loss())
     step, state = latest_state(run, config, built, optimizer_state=False)
     params = state.ema if ema else state.params
     scores = held_out_loss(config, section, params, built)

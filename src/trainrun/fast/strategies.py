@@ -9,7 +9,11 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
     how score programs compile  at LLVM's level 1 on CPU, attending in blocks of
                                 ``SCORE_ATTENTION_BLOCK`` rows; else as every program
     how attention is computed  cuDNN's fused attention on an NVIDIA GPU where XLA:GPU is not
-                               deterministic; else ``AttentionPath()``, XLA's form
+                               deterministic; ``tpu_attention.SplashAttention`` on a TPU;
+                               else ``AttentionPath()``, XLA's form
+    how the head's loss runs   on a TPU, its chunks unrolled and its forward pass
+                               ``head_kernel.FusedHeadForward``; else ``losses.PLAIN_HEAD``,
+                               a ``lax.scan`` over the chunks
 
 A fast path that is off, or that does not fit the run, leaves the plain path's default.
 """
@@ -24,9 +28,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from trainrun.fast.guard import keep_if_not_branched
+from trainrun.fast.head_kernel import FusedHeadForward
 from trainrun.fast.head_layout import head_transposed
 from trainrun.fast.packing import PackedState, packing_for
+from trainrun.fast.tpu_attention import SplashAttention
 from trainrun.fast.writer_thread import WriterThread
+from trainrun.models.losses import PLAIN_HEAD, HeadPath
 from trainrun.models.transformer import ATTENTION_BLOCK, AttentionPath
 from trainrun.platform import fast_paths
 from trainrun.platform.fast_paths import FastPaths
@@ -109,7 +116,17 @@ class Strategies:
         then fails when run (BENCHMARKS.md, "GPU: bfloat16 training with cuDNN attention")."""
         fused = (self.switch.fused_gpu_attention and jax.default_backend() == "gpu"
                  and not gpu_deterministic(environ.get("XLA_FLAGS", "")))
-        return AttentionPath(fused_gpu=fused)
+        splash = self.switch.tpu_splash_attention and jax.default_backend() == "tpu"
+        return AttentionPath(fused_gpu=fused, kernel=SplashAttention() if splash else None)
+
+    def head_loss(self) -> HeadPath:
+        """On a TPU, the head's loss in unrolled chunks with a fused forward kernel: XLA's
+        passes over each chunk's float32 logits cost there as much as the head's matmul
+        (docs/internals.md, "Fast paths")."""
+        if jax.default_backend() != "tpu":
+            return PLAIN_HEAD
+        return HeadPath(unrolled=self.switch.tpu_unrolled_head,
+                        forward=FusedHeadForward() if self.switch.tpu_fused_head else None)
 
     def _cpu_score(self) -> bool:
         return self.switch.cpu_score_compile and jax.default_backend() == "cpu"

@@ -8,10 +8,11 @@ from trainrun.models.adapters import Model, bind_params, from_functions, from_nn
 __all__ = ["Model", "bind_params", "build_model", "from_functions", "from_nnx"]
 
 
-def build_model(cfg, preference=None, attention=None) -> Model:
+def build_model(cfg, preference=None, attention=None, head=None) -> Model:
     """The model a config's ``model`` section names; with a ``preference`` section, the
     transformer trained on preference pairs (``preference_transformer.py``). ``attention``: a
-    transformer's ``AttentionPath`` (None: the plain path)."""
+    transformer's ``AttentionPath``, ``head``: its language-model loss's ``HeadPath`` (None:
+    the plain paths)."""
     if preference is not None:
         from trainrun.models.preference_transformer import make_preference_transformer
 
@@ -25,6 +26,9 @@ def build_model(cfg, preference=None, attention=None) -> Model:
     builders: dict[str, Callable[[Any], Model]] = {
         "mlp": make_mlp, "nnx_mlp": make_nnx_mlp, "cnn": make_cnn, "resnet": make_resnet,
         "transformer": make_transformer}
-    if cfg.kind == "transformer" and attention is not None:
-        return make_transformer(cfg, attention)
+    if cfg.kind == "transformer" and (attention is not None or head is not None):
+        from trainrun.models.losses import PLAIN_HEAD
+        from trainrun.models.transformer import AttentionPath
+
+        return make_transformer(cfg, attention or AttentionPath(), head or PLAIN_HEAD)
     return builders[cfg.kind](cfg)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +49,44 @@ def next_token(logits: jax.Array,
 # ---- the output head and its loss, in chunks of tokens ----------------------------------------
 
 
+class HeadForward(Protocol):
+    """A fused forward pass of the head's cross-entropy (``fast/head_kernel.py``): per token
+    the log-sum-exp of its logits, its loss and whether its first greatest logit is its
+    target (a target of -1: loss 0 and no hit), without the ``[tokens, vocab]`` logits in
+    memory. Hashable: it is part of a compiled program's static description."""
+
+    def supports(self, tokens: int, vocab: int, d_model: int) -> bool: ...
+
+    def __call__(self, features: jax.Array, table: jax.Array, targets: jax.Array,
+                 softcap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPath:
+    """How the head's loss over chunks is computed (never what). ``unrolled``: the chunks as
+    static slices one after another instead of a ``lax.scan`` (every other choice here
+    implies it); ``table_grad_once``: the backward pass keeps each chunk's logits' gradient
+    (in the compute dtype) and multiplies them all by the features in one matmul for the
+    table's gradient, instead of adding a float32 ``[vocab, d_model]`` product per chunk;
+    ``forward``: a fused kernel for the forward pass, which then holds no chunk's logits (the
+    backward pass recomputes them by chunks). The plain path is the default;
+    ``fast/strategies.py`` chooses another once per run (docs/internals.md, "Fast paths")."""
+
+    unrolled: bool = False
+    table_grad_once: bool = False
+    forward: HeadForward | None = None
+
+    def plain(self) -> bool:
+        return self == PLAIN_HEAD
+
+
+PLAIN_HEAD = HeadPath()
+
+
 def next_token_from_features(features: jax.Array, embedding: jax.Array, targets: jax.Array,
                              chunk: int = 0, unit: str = "bits_per_token",
                              weights: jax.Array | None = None, softcap: float | None = None,
+                             path: HeadPath = PLAIN_HEAD,
                              ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The language-model loss of a tied output head: ``logits = features @ embedding.T``, then
     mean cross-entropy against ``targets``, without ever holding the ``[tokens, vocab]`` logits
@@ -71,6 +108,8 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
     the gradient is cast to the compute dtype before its two matmuls (as autodiff of a cast
     would). With more than one chunk the backward pass recomputes each chunk's logits instead
     of storing them. Same value and gradients as ``next_token`` on the full logits (tested).
+    path: how the chunks are computed (``HeadPath``); the same loss and gradients on every
+    path, to float rounding.
     """
     tokens = features.shape[0]
     chunk = tokens if chunk <= 0 else min(chunk, tokens)
@@ -79,8 +118,12 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
     if weights is not None:
         targets = jnp.where(weights, targets, -1)  # -1: a row the head's loss skips
     # custom_vjp's unannotated __new__ (JAX) loses the wrapped function's return type.
-    loss_sum, hits = _head_cross_entropy(  # pyright: ignore[reportGeneralTypeIssues]
-        features, embedding, targets, chunk, count, softcap)
+    if path.plain():
+        loss_sum, hits = _head_cross_entropy(  # pyright: ignore[reportGeneralTypeIssues]
+            features, embedding, targets, chunk, count, softcap)
+    else:
+        loss_sum, hits = _head_cross_entropy_by_path(  # pyright: ignore[reportGeneralTypeIssues]
+            features, embedding, targets, chunk, softcap, path)
     if weights is None:
         loss = loss_sum / tokens
         return loss, {"accuracy": hits / tokens, unit: loss / LN2}
@@ -262,3 +305,68 @@ def _head_cross_entropy_bwd(chunk, count, softcap, residuals, cotangents):
 
 
 _head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)
+
+
+# ---- the same loss on another path (HeadPath): chunks unrolled, a fused forward pass ---------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _head_cross_entropy_by_path(features, embedding, targets, chunk, softcap, path):
+    return _by_path_fwd(features, embedding, targets, chunk, softcap, path)[0]
+
+
+def _by_path_fwd(features, embedding, targets, chunk, softcap, path):
+    tokens, vocab = features.shape[0], embedding.shape[0]
+    if path.forward is not None and path.forward.supports(tokens, vocab, features.shape[1]):
+        lse, loss, hit = path.forward(features, embedding, targets, softcap)
+    else:
+        parts = [_chunk_forward(features[lo:hi], embedding, targets[lo:hi], softcap)[:3]
+                 for lo, hi in _spans(tokens, chunk)]
+        lse, loss, hit = (jnp.concatenate(column) for column in zip(*parts, strict=True))
+    out = (jnp.sum(loss), jnp.sum(hit.astype(jnp.float32)))
+    return out, (features, embedding, targets, lse)
+
+
+def _by_path_bwd(chunk, softcap, path, residuals, cotangents):
+    features, embedding, targets, lse = residuals
+    scale = cotangents[0].astype(jnp.float32)  # the hit count has no gradient
+    d_features, d_table_parts, d_logits = [], [], []
+    for lo, hi in _spans(features.shape[0], chunk):
+        logits = softcapped(tied_head_logits(features[lo:hi], embedding), softcap)
+        if path.table_grad_once:
+            d_part = _capped_logits_grad(logits, lse[lo:hi], targets[lo:hi], scale, softcap
+                                         ).astype(features.dtype)
+            d_logits.append(d_part)
+            d_features.append(jax.lax.dot_general(
+                d_part, embedding, (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32).astype(features.dtype))
+            continue
+        d_part_features, d_part_table = _head_grads(features[lo:hi], embedding, targets[lo:hi],
+                                                    lse[lo:hi], logits, scale, softcap)
+        d_features.append(d_part_features)
+        d_table_parts.append(d_part_table)
+    if path.table_grad_once:  # one matmul over every chunk's gradient
+        d_table = jax.lax.dot_general(jnp.concatenate(d_logits), features,
+                                      (((0,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+    else:
+        d_table = functools.reduce(jnp.add, d_table_parts)
+    return jnp.concatenate(d_features), d_table.astype(embedding.dtype), None
+
+
+_head_cross_entropy_by_path.defvjp(_by_path_fwd, _by_path_bwd)
+
+
+def _spans(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` token ranges of the chunks (0: one); the last may be shorter."""
+    chunk = tokens if chunk <= 0 else min(chunk, tokens)
+    return [(lo, min(lo + chunk, tokens)) for lo in range(0, tokens, chunk)]
+
+
+def _capped_logits_grad(logits: jax.Array, lse: jax.Array, targets: jax.Array,
+                        scale: jax.Array, softcap: float | None) -> jax.Array:
+    """A chunk's logits' gradient, through the soft-cap where there is one (float32)."""
+    d_logits = _chunk_logits_grad(logits, lse, targets, scale)
+    if softcap is not None:  # d tanh(u) = 1 - tanh(u)^2
+        d_logits = d_logits * (1.0 - jnp.square(logits / jnp.float32(softcap)))
+    return d_logits

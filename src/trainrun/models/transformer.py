@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,8 @@ from trainrun.models.experts import Experts, RouterStats, load_balancing_loss
 from trainrun.models.lora import LoRA
 from trainrun.models.losses import (
     LN2,
+    PLAIN_HEAD,
+    HeadPath,
     next_token_from_features,
     softcapped,
     tied_head_logits,
@@ -149,15 +151,30 @@ def rotary_frequencies(head_dim: int, theta: float = 10_000.0,
 ATTENTION_BLOCK = 64  # query rows per block of causal attention on CPU (docs/internals.md)
 
 
+class AttentionKernel(Protocol):
+    """A kernel computing ``causal_attention`` (``fast/tpu_attention.py``) for the inputs it
+    ``supports``: ``[batch, seq, heads, head_dim]`` queries, ``[batch, seq, kv_heads,
+    head_dim]`` keys and values (grouped-query heads as they are), documents' ids or None.
+    Hashable: it is part of a compiled program's static description."""
+
+    def supports(self, q: jax.Array, k: jax.Array, segments: Segments | None,
+                 window: int | None, softcap: float | None) -> bool: ...
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
+                 scale: float) -> jax.Array: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionPath:
     """How ``causal_attention`` computes (never what): ``block``, query rows per block on CPU
     and with a soft-cap; ``fused_gpu``, cuDNN's fused (flash) attention on an NVIDIA GPU in
-    bfloat16 or float16. The plain path is the default; ``fast/strategies.py`` chooses another
+    bfloat16 or float16; ``kernel``, a kernel of its own for the inputs it supports (a TPU's
+    splash attention). The plain path is the default; ``fast/strategies.py`` chooses another
     once per run or command."""
 
     block: int = ATTENTION_BLOCK
     fused_gpu: bool = False
+    kernel: AttentionKernel | None = None
 
 
 PLAIN_ATTENTION = AttentionPath()
@@ -186,8 +203,17 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     (3/8 of the attention work at seq 256) and its batched matmuls need no transposes. On an
     NVIDIA GPU in bfloat16 or float16 with ``path.fused_gpu`` it is cuDNN's fused (flash)
     attention, which JAX does not pick by itself; elsewhere ``dot_product_attention``'s XLA
-    form.
+    form. With ``path.kernel``, that kernel where it supports the inputs. Keys and values may
+    have fewer heads than the queries (grouped-query attention): each serves
+    ``heads // kv_heads`` query heads in a row.
     """
+    if path.kernel is not None and path.kernel.supports(q, k, segments, window, softcap):
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        assert not isinstance(segments, SharedPrefixes)  # the kernel said it supports them
+        return path.kernel(q, k, v, segments, scale)
+    group = q.shape[2] // k.shape[2]  # query heads sharing a key/value head
+    if group > 1:
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     backend = jax.default_backend()
     # the window of rows of shared prefixes is in their positions (SharedPrefixes), not slots
     by_position = window if isinstance(segments, SharedPrefixes) else None
@@ -426,9 +452,6 @@ class Attention(nnx.Module):
         if rope is not None:
             q, k = rope.apply(q), rope.apply(k)
         if cache is None:
-            group = self.heads // self.kv_heads  # query heads sharing a key/value head
-            if group > 1:
-                k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
             y = causal_attention(q, k, v, segments, scale=self.scale, window=self.window,
                                  softcap=self.softcap, path=self.path)
         else:
@@ -769,9 +792,9 @@ def _summed(total: RouterStats | None, stats: RouterStats | None) -> RouterStats
 
 
 def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None,
-             chunk: int = 0, router_aux: float = 0.0):
+             chunk: int = 0, router_aux: float = 0.0, head: HeadPath = PLAIN_HEAD):
     """``batch["tokens"]``: ``[batch, seq_len + 1]``; predict each next token. The head and loss
-    run in chunks of ``chunk`` tokens (``losses.next_token_from_features``).
+    run in chunks of ``chunk`` tokens (``losses.next_token_from_features``), as ``head`` says.
 
     Rows of packed documents also hold ``segment_ids`` and ``positions`` (``[batch, seq_len +
     1]``, ``data/documents.py``): attention stays in each document, and the loss is the mean
@@ -788,7 +811,7 @@ def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | 
         unit = "bits_per_byte" if tokens.dtype == jnp.uint8 else "bits_per_token"
         return _with_router(next_token_from_features(
             features, module.head_table(), tokens[:, 1:].reshape(-1), chunk, unit,
-            softcap=module.final_softcap), router, router_aux)
+            softcap=module.final_softcap, path=head), router, router_aux)
     segments = batch["segment_ids"].astype(jnp.int32)
     inputs = segments[:, :-1]
     features, _ = module.features(tokens[:, :-1], key, segments=inputs,
@@ -800,7 +823,7 @@ def _lm_loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | 
     loss, aux = next_token_from_features(features, module.head_table(),
                                          tokens[:, 1:].reshape(-1), chunk, "bits_per_token",
                                          weights=counted.reshape(-1),
-                                         softcap=module.final_softcap)
+                                         softcap=module.final_softcap, path=head)
     if "token_bytes" in batch:
         covered = jnp.sum(jnp.where(counted, batch["token_bytes"][:, 1:], 0), dtype=jnp.float32)
         aux["bits_per_byte"] = loss * aux["weight"] / LN2 / jnp.maximum(covered, 1.0)
@@ -824,10 +847,13 @@ def _with_router(result: tuple[jax.Array, dict[str, jax.Array]], router: list[Ro
     return loss + jnp.float32(coefficient) * balance, aux
 
 
-def make_transformer(cfg: TransformerModel, attention: AttentionPath = AttentionPath()
-                     ) -> Model:
+def make_transformer(cfg: TransformerModel, attention: AttentionPath = AttentionPath(),
+                     head: HeadPath = PLAIN_HEAD) -> Model:
+    """The language model ``cfg`` describes; ``attention`` and ``head``: how its attention and
+    its head's loss are computed (the plain paths by default)."""
+
     def loss(module: Transformer, batch: dict[str, jax.Array], key: jax.Array | None):
-        return _lm_loss(module, batch, key, cfg.loss_chunk, cfg.router_aux_loss)
+        return _lm_loss(module, batch, key, cfg.loss_chunk, cfg.router_aux_loss, head)
 
     return from_nnx(lambda rngs: Transformer(cfg, rngs, attention), loss, name="transformer",
                     eval_loss=lambda module, batch: loss(module, batch, None),

@@ -23,6 +23,12 @@ plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
     fused_gpu_attention  on an NVIDIA GPU in bfloat16 or float16, causal attention is cuDNN's
                         fused kernel where XLA:GPU is not deterministic
                         (``transformer.AttentionPath``)
+    tpu_splash_attention  on a TPU, causal attention is Pallas' splash attention, blocks of
+                        512 and a fused backward pass (``fast/tpu_attention.py``)
+    tpu_unrolled_head   on a TPU, the chunks of the head's loss are static slices one after
+                        another, not a ``lax.scan`` (``losses.HeadPath``)
+    tpu_fused_head      on a TPU, the head's loss's forward pass is one Pallas kernel that
+                        never writes a chunk's logits to memory (``fast/head_kernel.py``)
 
 ``TRAINRUN_FAST_PATHS``: ``all`` (the default), ``none``, or the names to keep on, comma
 separated. Why each pays, and on what: docs/internals.md, "Fast paths".
@@ -51,6 +57,9 @@ class FastPaths:
     decode_head_layout: bool = True
     cpu_score_compile: bool = True
     fused_gpu_attention: bool = True
+    tpu_splash_attention: bool = True
+    tpu_unrolled_head: bool = True
+    tpu_fused_head: bool = True
 
     def on(self) -> list[str]:
         """The names of the fast paths that are on."""

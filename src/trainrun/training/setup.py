@@ -293,7 +293,7 @@ def _model(config: RunConfig, mesh: Any, chosen: Strategies) -> Model:
             f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
     if config.rl is not None and isinstance(config.model, TransformerModel):
         return grpo_model(config.model, config.rl)
-    return build_model(config.model, config.preference, chosen.attention())
+    return build_model(config.model, config.preference, chosen.attention(), chosen.head_loss())
 
 
 def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,

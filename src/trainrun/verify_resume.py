@@ -23,6 +23,10 @@ are checkpoint steps (and that one), so the runs save by steps only
 (``checkpoint.every_seconds=0``); a config that saves by time only is checked with a
 checkpoint at half its steps. Which step a run resumed from is read
 from its ``summary.json`` (``start_step``). Exit 0 only if everything matches.
+
+The chains run at once, each in processes of its own; where one process at a time holds the
+device (a TPU chip), one after another, and this process reads their checkpoints on the CPU
+(``platform/accelerator.py``).
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ another and never holds the device itself, launch refuses in one line, a backend
 for a device another process holds is one line naming that process, and a run's summary names
 the backend's start apart from "other".
 
-The CLI runs here on a CPU made to behave as a TPU host (``ONE_PROCESS_CPU``, imported by
-Python at its start in each process the test starts): JAX's import is told it found TPU chips,
-and its backend, unless the process asks for the CPU alone, takes an exclusive lock at start,
-held until the process exits, and refuses with libtpu's own words when another process holds
-it."""
+The CLI runs here on a CPU made to behave as a TPU host (``one_process_cpu/sitecustomize.py``,
+imported by Python at its start in each process the test starts): JAX's import is told it found
+TPU chips, and its backend, unless the process asks for the CPU alone, takes an exclusive lock
+at start, held until the process exits, and refuses with libtpu's own words when another
+process holds it."""
 
 from __future__ import annotations
 
@@ -24,40 +24,13 @@ from trainrun.cli import main
 from trainrun.platform import accelerator, distributed
 from trainrun.platform.accelerator import held_device_line, one_process_device
 
-ONE_PROCESS_CPU = '''
-import fcntl, os, time
-import jax
-from jax._src import cloud_tpu_init, xla_bridge
-
-cloud_tpu_init.running_in_cloud_tpu_vm = True  # as JAX's import finds libtpu and chips
-cpu = xla_bridge._backend_factories["cpu"]
-
-def held_cpu():
-    if jax.config.jax_platforms == "cpu":  # the host's CPU, as JAX_PLATFORMS=cpu on a TPU host
-        return cpu.factory()
-    fd = os.open(os.environ["DEVICE_LOCK"], os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 32, 0).decode().strip()
-        raise RuntimeError(f"ABORTED: The TPU is already in use by process with pid {holder}. "
-                           "Not attempting to load libtpu.so in this process.") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    time.sleep(float(os.environ.get("DEVICE_START_S", "0")))  # the runtime's own start
-    return cpu.factory()  # fd stays open: the lock is held until the process exits
-
-xla_bridge.register_backend_factory("cpu", held_cpu, priority=0, fail_quietly=False)
-'''
+ONE_PROCESS_CPU = Path(__file__).resolve().parent / "one_process_cpu"
 
 
 @pytest.fixture
 def one_process_cpu(tmp_path: Path) -> dict[str, str]:
     """The environment of a process whose CPU behaves as a TPU host's chip."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(ONE_PROCESS_CPU)
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (str(ONE_PROCESS_CPU), os.environ.get("PYTHONPATH")) if p)
     return {"PYTHONPATH": path, "DEVICE_LOCK": str(tmp_path / "device.lock")}
 
 

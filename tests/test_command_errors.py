@@ -198,6 +198,37 @@ def test_a_step_program_that_cannot_fit_is_refused_before_anything(tmp_path, mon
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_refusal_names_a_batch_size_that_then_trains(tmp_path, monkeypatch, capsys):
+    """A step whose activations grow with the batch: the refusal names the largest batch size
+    whose program fits by XLA's count, found by one more compile at another size, and a run at
+    that size passes the same check and trains. Before, the line said only to lower
+    data.batch_size."""
+    from trainrun.training import preflight
+
+    def train(batch: int, free: int) -> int:
+        monkeypatch.setattr(preflight, "host_memory_free",
+                            lambda: HostMemory(free, "(MemAvailable)", False))
+        return main(["train", "--config", "mlp", "--run-dir", str(tmp_path / f"run-{batch}"),
+                     "model.hidden=[512]", f"data.examples={batch}", f"data.batch_size={batch}",
+                     "data.shuffle=true", "steps=2", "steps_per_call=1", "checkpoint.every=0",
+                     "metrics.tensorboard=false"])  # shuffled: batches from the host
+
+    batch = 16384
+    assert train(batch, free=2**20) == 2  # what the step needs, from the line
+    needed = float(one_line(capsys).split("needs ")[1].split(" MiB")[0]) * 2**20
+    free = int(needed * 0.6)
+    assert train(batch, free) == 2
+    err = one_line(capsys)
+    found = re.search(r"data\.batch_size=(\d+) fits by XLA's count \(it is 16384\); or lower "
+                      r"steps_per_call", err)
+    assert found is not None, err
+    fits = int(found.group(1))
+    assert batch // 4 < fits < batch
+    assert not (tmp_path / f"run-{batch}").exists()
+    assert train(fits, free) == 0, capsys.readouterr().err
+    assert (tmp_path / f"run-{fits}" / "summary.json").is_file()
+
+
 @pytest.mark.slow
 def test_a_step_program_over_the_address_space_limit_is_refused_before_anything(tmp_path):
     """``ulimit -v`` bounds what a process can map, whatever MemAvailable says; JAX and XLA map

@@ -199,6 +199,20 @@ def test_the_reinforcement_learning_guides_trl_reward_runs_as_in_trl(tmp_path):
     assert found[0].tolist() == [1.0, 0.0, 0.0, 1.0]
 
 
+@pytest.mark.slow
+def test_every_tpu_command_runs_as_written(tmp_path):
+    """The TPU guide's commands, here on the CPU: the device check, a run whose summary names
+    the backend's start, and verify-resume passing."""
+    commands = bash_commands("guides/tpu.md")
+    assert [c.split()[:2] for c in commands] == [
+        ["python", "-c"], ["trainrun", "train"], ["trainrun", "verify-resume"]], commands
+    out = run_as_written(commands, tmp_path)
+    assert re.search(r"^(cpu|tpu) \d+$", out, flags=re.M), out[:500]
+    summary = json.loads((tmp_path / "runs/lm-tpu/summary.json").read_text())
+    assert "backend_start" in summary["wall_time_split_s"]
+    assert "PASS: every step's loss and grad_norm" in out, out[-2000:]
+
+
 def test_api_page_documents_every_public_name():
     page = hooks().api_reference()
     documented = re.findall(r"^::: trainrun\.(\w+)$", page, flags=re.M)

@@ -43,16 +43,18 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _verify_resume(args: argparse.Namespace) -> int:
+    from trainrun.platform.accelerator import start_here_on_cpu
     from trainrun.platform.process import keep_compiled_programs, require_backend
     from trainrun.verify_resume import verify_resume
 
+    held = start_here_on_cpu()  # a TPU is left to the runs, one after another
     keep_compiled_programs()
     require_backend()  # the runs' states are compared here: one line if JAX cannot start
     return verify_resume(args.config, args.overrides, kill_at=args.kill_at,
                          kill_in_save=args.kill_in_save,
                          kill_in_reference=args.kill_in_reference,
                          kill_in_generation=args.kill_in_generation, work_dir=args.work_dir,
-                         keep=args.keep)
+                         keep=args.keep, one_process_device=held)
 
 
 def _config_show(args: argparse.Namespace) -> int:

@@ -23,6 +23,10 @@ are checkpoint steps (and that one), so the runs save by steps only
 (``checkpoint.every_seconds=0``); a config that saves by time only is checked with a
 checkpoint at half its steps. Which step a run resumed from is read
 from its ``summary.json`` (``start_step``). Exit 0 only if everything matches.
+
+The chains run at once, each in processes of its own; where one process at a time holds the
+device (a TPU chip), one after another, and this process reads their checkpoints on the CPU
+(``platform/accelerator.py``).
 """
 
 from __future__ import annotations
@@ -79,7 +83,12 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
                   kill_in_save: list[int], kill_in_reference: bool = False,
                   kill_in_generation: list[int] | None = None,
                   work_dir: str | None = None, keep: bool = False,
-                  jobs: int | None = None, out: TextIO | None = None) -> int:
+                  jobs: int | None = None, out: TextIO | None = None,
+                  one_process_device: str | None = None) -> int:
+    """Run the chains (at most ``jobs`` at once; by default all), compare them, print the
+    table; 0 if every chain equals the uninterrupted run. one_process_device: the device the
+    runs train on where one process at a time holds it (a TPU: ``accelerator.py``), which
+    this process must not hold itself: the runs then go one after another."""
     shown: TextIO = sys.stdout if out is None else out  # the stdout of now, not of the import
     config = _config_to_check(config_name, overrides)
     kills = _kill_points(config, kill_at, kill_in_save, kill_in_reference, kill_in_generation)
@@ -97,8 +106,12 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
     ckpt = config.checkpoint
     shown.write(f"verify-resume: {config.name}, {config.steps} steps, checkpoint every "
               f"{ckpt.every} ({'async' if ckpt.async_ else 'sync'}), runs in {base}\n")
-    shown.flush()
     jobs = jobs or min(len(chains), os.cpu_count() or 1)
+    if one_process_device is not None and len(chains) > 1:
+        jobs = 1
+        shown.write(f"verify-resume: one process at a time can hold the {one_process_device}: "
+                    f"the {len(chains)} runs go one after another\n")
+    shown.flush()
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(lambda c: _run_chain(c, config_path, local), chains))
 

@@ -28,6 +28,7 @@ import jax
 from trainrun.config import AutoDistributed, ExplicitDistributed, SingleProcess
 from trainrun.errors import UserCodeFailed, UserError
 from trainrun.platform import coordinator
+from trainrun.platform.accelerator import one_process_device
 from trainrun.platform.process import with_device_count
 
 DistributedConfig = SingleProcess | AutoDistributed | ExplicitDistributed
@@ -328,6 +329,12 @@ def launch(n: int, train_args: list[str], devices_per_process: int | None = None
                                "trainrun launch -n N [--devices-per-process D] -- train [args]")
     if n < 1 or (devices_per_process is not None and devices_per_process < 1):
         raise DistributedError("launch needs -n >= 1 and --devices-per-process >= 1")
+    held = one_process_device()
+    if held is not None:  # its processes run on the CPU, which no one here asked for
+        raise DistributedError(
+            f"trainrun launch runs {n} processes of one run on the CPU, and this machine's "
+            f"{held} is held by one process at a time: train on the {held} with one process "
+            "(trainrun train ...), or set JAX_PLATFORMS=cpu to launch on the CPU")
     port = free_port()
     env = process_env(devices_per_process, port)
     return _Job(n, train_args, port, sys.stdout if out is None else out,

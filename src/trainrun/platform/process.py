@@ -42,6 +42,7 @@ import jax
 
 from trainrun.errors import UserError
 from trainrun.platform import fast_paths
+from trainrun.platform.accelerator import held_device_line
 from trainrun.platform.user_cache import CompilationCacheWarning, cache_dir
 
 # flag -> value. Only for jaxlib releases whose XLA knows the flag: XLA aborts the process at
@@ -184,13 +185,17 @@ def backend_started() -> bool:
 def require_backend() -> None:
     """JAX's devices, or one line saying why there are none: an ``XLA_FLAGS`` word that is no
     XLA flag (XLA would abort the process as its backend starts), a ``JAX_PLATFORMS`` that
-    names a platform this machine lacks (JAX raises, then asserts on every later call), or a
-    plugin that fails to start."""
+    names a platform this machine lacks (JAX raises, then asserts on every later call), a TPU
+    another process holds (``accelerator.held_device_line``), or a plugin that fails to
+    start."""
     if not backend_started():
         check_xla_flags()
     try:
         jax.devices()
     except (RuntimeError, AssertionError) as err:
+        held = held_device_line(str(err))
+        if held is not None:
+            raise UserError(held) from None
         asked = os.environ.get("JAX_PLATFORMS")
         lines = str(err).strip().splitlines()
         why = f" ({lines[0]})" if lines else ""

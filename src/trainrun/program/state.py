@@ -142,11 +142,26 @@ def abstract_state(model: Model, optimizer: Optimizer, seed: int,
 
 
 def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None = None,
-               shardings: TrainState | None = None) -> TrainState:
+               shardings: TrainState | None = None,
+               compiled: jax.stages.Compiled | None = None) -> TrainState:
     """A fresh state, created where ``shardings`` puts it: each device computes only its own
-    shards, so a model never has to fit whole on one device."""
+    shards, so a model never has to fit whole on one device. compiled: ``init_program``'s
+    program for these arguments, compiled already (``compile_init``)."""
+    if compiled is None:
+        compiled = compile_init(init_program(model, optimizer, seed, policy, shardings))
+    return compiled()
+
+
+def init_program(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None = None,
+                 shardings: TrainState | None = None) -> jax.stages.Lowered:
+    """The program ``init_state`` runs, traced and lowered, not yet compiled."""
     build = jax.jit(_state_builder(model, optimizer, seed, policy), out_shardings=shardings)
-    return build.lower().compile(compiler_options=INIT_COMPILER_OPTIONS)()
+    return build.lower()
+
+
+def compile_init(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """``init_program``'s program compiled as init is (``INIT_COMPILER_OPTIONS``)."""
+    return lowered.compile(compiler_options=INIT_COMPILER_OPTIONS)
 
 
 def state_from_params(params: PyTree, optimizer: Optimizer, seed: int,

@@ -9,6 +9,8 @@ the run directory exists. Tracing the model's loss on the shapes of the first ba
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -138,36 +140,126 @@ def check_model_memory(cfg: TransformerModel, devices: list[Any], dtype: str,
                         f"(is its config.json damaged?) or give a smaller model{fix}")
 
 
-def check_program_memory(compiled: jax.stages.Compiled, devices: list[Any], steps: int) -> None:
-    """Refuse, on one line, a compiled step program whose buffers do not fit the memory its
-    devices have free, before the state exists: XLA's buffer assignment for the call of
-    ``steps`` steps (its arguments, outputs less the donated state they reuse, temporaries,
-    code) per device, summed over the host's devices on CPU, which share its memory."""
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """What one call of a compiled step program needs of its devices' memory, where it fits
+    worst (on CPU: the host's, which its devices share), against what is free there."""
+
+    need: int  # bytes the call allocates, less its arguments already placed
+    intermediates: int  # of which XLA's temporaries
+    free: int
+    where: str  # "host memory", or the device
+    bound: str = ""  # what bounds free host memory (after a space)
+    fix: str = ""  # "; or raise that limit" where raising it is the fix
+
+    def fits(self) -> bool:
+        return self.need <= self.free
+
+
+@dataclasses.dataclass(frozen=True)
+class Resize:
+    """The run's batch size and how to compile its step program at another: what a refusal
+    needs to name the largest batch that fits. multiple: a batch size must be a multiple of it
+    (the mesh's batch shards, the microbatches of ``accumulate``)."""
+
+    size: int
+    multiple: int
+    compile_at: Callable[[int], jax.stages.Compiled]
+
+
+def program_memory(compiled: jax.stages.Compiled, devices: list[Any],
+                   placed: Mapping[Any, int] | None = None) -> ProgramMemory | None:
+    """XLA's buffer assignment for one call of ``compiled`` (its arguments, outputs less the
+    donated state they reuse, temporaries, code) on each of ``devices``, summed over the host's
+    devices on CPU, against the memory free there; None where the backend does not say.
+    placed: bytes of the call's arguments already on each device (the state, once made),
+    which the memory in use counts already."""
     stats = compiled.memory_analysis()
     if stats is None or not devices:  # a backend that does not say
-        return
+        return None
     temp = int(stats.temp_size_in_bytes)
     per_device = (int(stats.argument_size_in_bytes) + int(stats.output_size_in_bytes)
                   - int(stats.alias_size_in_bytes) + temp
                   + int(stats.generated_code_size_in_bytes))
+    placed = placed or {}
     if devices[0].platform == "cpu":
+        free, bound, fix = _host()
+        if free is None:
+            return None
         count = len(devices)
-        need, where, (free, bound, fix) = per_device * count, "host memory", _host()
-        temp *= count
-    else:
-        available = {d: device_memory_available(d) for d in devices}
-        known = [d for d in devices if available[d] is not None]
-        if not known:
-            return
-        device = min(known, key=lambda d: available[d] or 0)
-        need, free, where, bound, fix = per_device, available[device], str(device), "", ""
-    if free is not None and need > free:
-        raise UserError(f"the compiled training step needs {_size(need)} of {where} (state and "
-                        f"batches of a {steps}-step call, with {_size(temp)} of intermediates) "
-                        f"and {_size(free)} is free{bound}: lower data.batch_size or "
-                        "steps_per_call, split batches (accumulate), recompute activations "
-                        "(model.remat), compute in bfloat16 (precision.compute), or shrink the "
-                        f"model{fix}")
+        return ProgramMemory(per_device * count - sum(placed.get(d, 0) for d in devices),
+                             temp * count, free, "host memory", bound, fix)
+    available = {d: device_memory_available(d) for d in devices}
+    known = [d for d in devices if available[d] is not None]
+    if not known:
+        return None
+    device = min(known, key=lambda d: (available[d] or 0) + placed.get(d, 0))
+    return ProgramMemory(per_device - placed.get(device, 0), temp, available[device] or 0,
+                         str(device))
+
+
+def check_program_memory(compiled: jax.stages.Compiled, devices: list[Any], steps: int, *,
+                         placed: Mapping[Any, int] | None = None,
+                         resize: Resize | None = None) -> None:
+    """Refuse, on one line, a compiled step program whose call does not fit the memory its
+    devices have free (``program_memory``): before the state exists, and on an accelerator
+    once more with the state placed (``placed``), where anything else that holds memory then
+    counts too. With ``resize``, the line names the largest batch size that fits
+    (``batch_that_fits``)."""
+    memory = program_memory(compiled, devices, placed)
+    if memory is None or memory.fits():
+        return
+    what = (f"beyond the state placed there (batches of a {steps}-step call, with "
+            if placed else f"(state and batches of a {steps}-step call, with ")
+    lower = "lower data.batch_size or steps_per_call"
+    if resize is not None:
+        fits = batch_that_fits(memory, resize, devices, placed)
+        if fits:
+            lower = (f"data.batch_size={fits} fits by XLA's count (it is {resize.size}); or "
+                     "lower steps_per_call")
+        elif fits == 0:
+            lower = f"not even data.batch_size={resize.multiple} fits; lower steps_per_call"
+    raise UserError(f"the compiled training step needs {_size(memory.need)} of {memory.where} "
+                    f"{what}{_size(memory.intermediates)} of intermediates) and "
+                    f"{_size(memory.free)} is free{memory.bound}: {lower}, split batches "
+                    "(accumulate), recompute activations (model.remat), compute in bfloat16 "
+                    f"(precision.compute), or shrink the model{memory.fix}")
+
+
+def batch_that_fits(memory: ProgramMemory, resize: Resize, devices: list[Any],
+                    placed: Mapping[Any, int] | None = None) -> int | None:
+    """The largest batch size (a multiple of ``resize.multiple``) whose program fits, where
+    ``memory`` is the run's at ``resize.size``; 0 if none does; None if it cannot be told.
+
+    XLA's need grows with the batch by a step per row (the activations) over a part that does
+    not (the state, its gradients, the optimizer's temporaries). One more compile, at the size
+    a need proportional to the batch would fit (never smaller than the answer), gives the
+    second point of that line; the size it reaches is rounded down to the multiple."""
+    size, multiple = resize.size, resize.multiple
+    guess = min(size * memory.free // max(memory.need, 1), size - multiple)
+    guess -= guess % multiple
+    if guess < multiple:
+        guess = multiple
+    if guess >= size:
+        return 0  # the smallest batch size is the run's own
+    other = program_memory(resize.compile_at(guess), devices, placed)
+    if other is None:
+        return None
+    per_row = (memory.need - other.need) / (size - guess)
+    if per_row <= 0:  # the batch does not move the need: no batch size fits
+        return 0
+    fits = guess + math.floor((other.free - other.need) / per_row)
+    fits = min(fits, size - multiple)
+    return max(fits - fits % multiple, 0)
+
+
+def placed_bytes(tree: Any) -> dict[Any, int]:
+    """Bytes the arrays of ``tree`` hold on each of this process's devices."""
+    held: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            held[shard.device] = held.get(shard.device, 0) + _bytes(shard.data.shape, leaf.dtype)
+    return held
 
 
 def _host() -> tuple[int | None, str, str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from trainrun.checkpointing.resume import (
     schedule_shift,
 )
 from trainrun.config import (
+    BATCH_AXES,
     ConfigError,
     RecordsData,
     RunConfig,
@@ -75,7 +77,13 @@ from trainrun.program.decode import HeadLayout
 from trainrun.program.grpo import grpo_model
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
-from trainrun.program.state import TrainState, abstract_state, init_state
+from trainrun.program.state import (
+    TrainState,
+    abstract_state,
+    compile_init,
+    init_program,
+    init_state,
+)
 from trainrun.reporting.console import Console, make_console
 from trainrun.reporting.provenance import provenance
 from trainrun.reporting.run_output import RunOutput, build_output
@@ -86,6 +94,7 @@ from trainrun.rundir.remote_run import RemoteRunDirectory, RunMirror
 from trainrun.storage import location, remote
 from trainrun.training import preflight
 from trainrun.training.answers import answer_scorer
+from trainrun.training.background_compile import BackgroundCompile
 from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.calls import CallRunner
 from trainrun.training.checkpoint_hook import CheckpointHook
@@ -158,8 +167,9 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
           preemption: Preemption, cleanup: contextlib.ExitStack) -> Runners | RunSummary:
     """A run ready for its first call; a finished run's summary when there is nothing to do."""
     wall_start = time.perf_counter()
+    watch = Stopwatch()
     run_dir = directory.run_dir
-    chosen, primary, prov = _process(config, directory)
+    chosen, primary, prov = _process(config, directory, watch)
     batch_size = getattr(asked.data, "batch_size", None) or _batch_size(config)
     console = _console(config, batch_size, asked.out if primary else None)
     resumes = _resume_step(directory)
@@ -169,16 +179,18 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
     data, batches, records, files, eval_data = _data(config, asked, parts, console)
     evaluator = _evaluator(config, parts, eval_data, chosen.decode_head())
     stream = _metric_stream(config)
-    timing = Timing(watch=Stopwatch(), timer=StepTimer(inline=chosen.switch.inline_cpu_calls))
+    timing = Timing(watch=watch, timer=StepTimer(inline=chosen.switch.inline_cpu_calls))
     compiled_steps = _compiled_steps(config, parts, timing.watch, stream, chosen)
+    init_compiling = _init_compiling(config, parts, resumes, timing.watch, cleanup)
     programs = _checked_programs(compiled_steps, chosen, config, data, batches, parts, resumes)
     loaded = _init_from_state(config, parts, resumes, timing.watch)
     checkpoints, mirror = _claim(config, directory, prov, primary, console, cleanup)
     with timing.watch.phase("init"):
-        state = _restore_or_init(checkpoints, config, parts, batches, loaded,
+        state = _restore_or_init(checkpoints, config, parts, batches, loaded, init_compiling,
                                  _Resuming(run_dir, directory.display, prov, console, primary,
                                            files, asked.allow_config_change,
                                            asked.allow_data_change))
+    _check_call_memory(programs, state, config, data, parts, int(state.step))
     reporting = _reporting(config, run_dir, console, primary, prov, int(state.step))
     _report_start(config, reporting, records, stream, int(state.step), parts.model.name,
                   directory.display)
@@ -206,15 +218,17 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
     return Runners(start=start, hooks=hooks, calls=calls, finish=finish)
 
 
-def _process(config: RunConfig, directory: rundir.RunDirectory,
+def _process(config: RunConfig, directory: rundir.RunDirectory, watch: Stopwatch,
              ) -> tuple[Strategies, bool, dict[str, Any]]:
     """This process in the job: the fast paths' strategies, whether it is process 0, and the
     run's provenance; process 0 checks the run's folder (a folder that is not trainrun's, or
-    is in use, is refused; nothing written)."""
+    is in use, is refused; nothing written). JAX's backend starts here (a TPU runtime's start
+    takes seconds): timed as the phase ``backend``, the job's joining included."""
     chosen = strategies.chosen()  # an unknown name in the switch is refused before anything
-    # before anything asks JAX for devices; not into a job that runs in this directory already
-    distributed.initialize(config.distributed, lambda: refuse_joining(directory.run_dir))
-    require_backend()  # a platform this machine lacks is one line, not JAX's traceback
+    with watch.phase("backend"):
+        # before anything asks JAX for devices; not into a job that runs in this directory
+        distributed.initialize(config.distributed, lambda: refuse_joining(directory.run_dir))
+        require_backend()  # a platform this machine lacks is one line, not JAX's traceback
     # Inline CPU calls are the process's setting (configure_process): record what is in effect.
     chosen = chosen.with_inline_calls(calls_run_inline())
     primary = jax.process_index() == 0
@@ -383,6 +397,21 @@ def _checked_programs(compiled_steps: Callable[..., CompiledSteps], chosen: Stra
     programs = compiled_steps(source=chosen.batch_source(batches, parts.mesh.size == 1))
     _check_program_memory(programs, config, data, parts, start=resumes or 0)
     return programs
+
+
+def _init_compiling(config: RunConfig, parts: Parts, resumes: int | None, watch: Stopwatch,
+                    cleanup: contextlib.ExitStack) -> BackgroundCompile | None:
+    """A fresh run's init program, traced here and compiled in a thread while set-up compiles
+    the step program (``background_compile.py``); None for a run that resumes or starts from
+    init.from's source."""
+    if resumes is not None or config.init.from_ is not None:
+        return None
+    with watch.phase("init"):
+        lowered = init_program(parts.model, parts.optimizer, config.seed, parts.policy,
+                               parts.state_sharding)
+    compiling = BackgroundCompile(lowered, compile_init)
+    cleanup.callback(compiling.wait)
+    return compiling
 
 
 def _init_from_state(config: RunConfig, parts: Parts, resumes: int | None,
@@ -570,20 +599,63 @@ def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,
                           start: int) -> None:
     """Compile the program of the run's usual call (K steps, or what is left from ``start``) on
     the shapes of the state and of the data's first batch, and refuse it if its buffers do not
-    fit (``preflight.check_program_memory``): the step is compiled on shapes alone, before any
-    state exists, and the first call runs that executable. Data that is a plain iterator cannot
-    be looked at: its program is compiled at the first call, unchecked."""
+    fit (``preflight.check_program_memory``, naming the batch size that fits): the step is
+    compiled on shapes alone, before any state exists, and the first call runs that
+    executable. Data that is a plain iterator cannot be looked at: its program is compiled at
+    the first call, unchecked."""
     k = min(config.steps_per_call, config.steps - start)
     batch = programs.source.held(k)  # None: host batches, shaped as the data's first
     if batch is None:
         if not isinstance(data, grain.MapDataset):
             return
-        stacked = config.steps_per_call > 1
-        batch = jax.tree.map(
-            lambda leaf: _global_shape(np.asarray(leaf), parts.placement, k, stacked), data[0])
+        batch = _batch_shapes(data, parts.placement, k, config.steps_per_call > 1)
     compiled = programs.compile(k, programs.carried_shapes(), batch)
-    local = [d for d in parts.mesh.devices.flat if d.process_index == jax.process_index()]
-    preflight.check_program_memory(compiled, local, k)
+    preflight.check_program_memory(compiled, _local_devices(parts), k,
+                                   resize=_resize(programs, config, data, parts, k))
+
+
+def _check_call_memory(programs: CompiledSteps, state: TrainState, config: RunConfig,
+                       data: Any, parts: Parts, start: int) -> None:
+    """On an accelerator, once the state is placed: the program checked before it existed,
+    checked again against the memory free now, which counts whatever else holds device memory
+    (``preflight.check_program_memory`` with ``placed``). Host memory counts the blocks the
+    allocator keeps for reuse as taken: no second look on CPU."""
+    local = _local_devices(parts)
+    k = min(config.steps_per_call, config.steps - start)
+    compiled = programs.programs.get(k)
+    if compiled is None or not local or local[0].platform == "cpu":
+        return
+    preflight.check_program_memory(compiled, local, k, placed=preflight.placed_bytes(state),
+                                   resize=_resize(programs, config, data, parts, k))
+
+
+def _resize(programs: CompiledSteps, config: RunConfig, data: Any, parts: Parts,
+            k: int) -> preflight.Resize | None:
+    """How to compile the run's call at another batch size, on host batches shaped as the
+    data's first (None for batches a source holds on the device, or a plain iterator)."""
+    if programs.source.held(k) is not None or not isinstance(data, grain.MapDataset):
+        return None
+    stacked = config.steps_per_call > 1
+
+    def compile_at(size: int) -> jax.stages.Compiled:
+        placement = sharding.batch_placement(parts.mesh, size, stacked)
+        shapes = _batch_shapes(data, placement, k, stacked)
+        return programs.fn.lower(programs.carried_shapes(), shapes).compile()
+
+    split = math.prod(parts.mesh.shape[axis] for axis in BATCH_AXES)
+    return preflight.Resize(parts.placement.global_size, math.lcm(split, config.accumulate),
+                            compile_at)
+
+
+def _local_devices(parts: Parts) -> list[Any]:
+    return [d for d in parts.mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def _batch_shapes(data: grain.MapDataset, placement: sharding.BatchPlacement, k: int,
+                  stacked: bool) -> Any:
+    """The global batches of a call of ``k`` steps, shaped as the data's first batch."""
+    return jax.tree.map(lambda leaf: _global_shape(np.asarray(leaf), placement, k, stacked),
+                        data[0])
 
 
 def _global_shape(leaf: np.ndarray, placement: sharding.BatchPlacement, k: int,
@@ -603,9 +675,11 @@ def _require_writers(config: RunConfig) -> None:
         extras.require("wandb", f"metrics.wandb={config.metrics.wandb}")
 
 
-def _fresh_state(config: RunConfig, parts: Parts) -> TrainState:
-    """The state a run without a checkpoint starts from: random init, or ``init.from``'s
-    source placed where the state goes (loaded, or refused, before anything is written)."""
+def _fresh_state(config: RunConfig, parts: Parts,
+                 compiling: BackgroundCompile | None = None) -> TrainState:
+    """The state a run without a checkpoint starts from: random init (``compiling``: its
+    program, compiling already), or ``init.from``'s source placed where the state goes
+    (loaded, or refused, before anything is written)."""
     if config.init.from_ is not None:
         state = init_from.initial_state(config, parts.model, parts.optimizer, parts.policy,
                                         parts.state_sharding, parts.abstract)
@@ -614,8 +688,9 @@ def _fresh_state(config: RunConfig, parts: Parts) -> TrainState:
             state = state.replace(model_state=jax.tree.map(  # buffers of its own: donated
                 lambda p, r: jnp.array(p, r.dtype, copy=True), state.params, state.model_state))
         return jax.block_until_ready(state)
-    return jax.block_until_ready(init_state(parts.model, parts.optimizer, config.seed,
-                                            parts.policy, parts.state_sharding))
+    return jax.block_until_ready(init_state(
+        parts.model, parts.optimizer, config.seed, parts.policy, parts.state_sharding,
+        compiled=None if compiling is None else compiling.result()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -644,10 +719,12 @@ class _Resuming:
 
 
 def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, batches: Any,
-                     loaded: TrainState | None, resuming: _Resuming) -> TrainState:
+                     loaded: TrainState | None, init_compiling: BackgroundCompile | None,
+                     resuming: _Resuming) -> TrainState:
     """The newest readable checkpoint's state, placed by the state's shardings (any mesh), with
     the data iterator set to its position, once its config and the data files are checked
-    against the run's; else a fresh state (``loaded``: init.from's, made already). Then the
+    against the run's; else a fresh state (``loaded``: init.from's, made already;
+    ``init_compiling``: the init program, compiling since before the claim). Then the
     run's files are written for the step it starts at, the data files' fingerprints among
     them (nothing is written before a refusal)."""
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -660,7 +737,7 @@ def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, 
 
     restored = checkpoints.restore(target, batches, check)
     if restored is None:
-        state = loaded if loaded is not None else _fresh_state(config, parts)
+        state = loaded if loaded is not None else _fresh_state(config, parts, init_compiling)
         step = int(state.step)
     else:
         state, step = restored.state, restored.step

@@ -3,10 +3,11 @@
 Step time is step compute only (``timing.StepTimer``). Where the rest of the wall time went is
 the split, whose parts add up to the wall time:
 
-    init, compile, first_calls (each program's first run, inline), data_wait, checkpoint
-    (blocking), checkpoint_background (the steps' own slowdown while a save was written,
-    measured), eval, logging, profiling, callbacks, step_compute, other (set-up, the loop's own
-    bookkeeping, the summary)
+    backend_start (JAX's runtime starting: a TPU's takes seconds; with several processes,
+    their joining too), init, compile, first_calls (each program's first run, inline),
+    data_wait, checkpoint (blocking), checkpoint_background (the steps' own slowdown while a
+    save was written, measured), eval, logging, profiling, callbacks, step_compute, other
+    (set-up, the loop's own bookkeeping, the summary)
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
     from trainrun.training.hooks import Boundary
 
 # Stopwatch phase -> split name.
-PHASES = {"init": "init", "compile": "compile", "data": "data_wait", "checkpoint": "checkpoint",
-          "eval": "eval", "log": "logging", "profile": "profiling", "callbacks": "callbacks"}
+PHASES = {"backend": "backend_start", "init": "init", "compile": "compile", "data": "data_wait",
+          "checkpoint": "checkpoint", "eval": "eval", "log": "logging", "profile": "profiling",
+          "callbacks": "callbacks"}
 
 
 def wall_split(watch: Stopwatch, timer: StepTimer, wall_s: float) -> dict[str, float]:

@@ -1,0 +1,99 @@
+"""The memory preflight on an accelerator (a chip whose allocator reports its limit and what is in
+use, as a TPU's does): a step program that does not fit is refused in one line naming the
+largest batch size that does, by XLA's own count; and, once the state is placed, memory that
+something else holds counts while the state itself is not counted twice."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from trainrun.errors import UserError
+from trainrun.training import preflight
+
+WIDTH = 256
+MULTIPLE = 8
+
+
+class Chip:
+    """An accelerator as the preflight sees one: its allocator's limit and bytes in use."""
+
+    platform = "tpu"
+
+    def __init__(self, limit: int, in_use: int = 0):
+        self.limit, self.in_use = limit, in_use
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"bytes_limit": self.limit, "bytes_in_use": self.in_use}
+
+    def __str__(self) -> str:
+        return "TPU_0(process=0,(0,0,0,0))"
+
+
+def program(batch: int) -> jax.stages.Compiled:
+    """A gradient whose intermediates grow with the batch, compiled (on the CPU) for ``batch``
+    rows: a step program's shape in small."""
+
+    def loss(w: jax.Array, x: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    return jax.jit(jax.grad(loss)).lower(
+        jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32),
+        jax.ShapeDtypeStruct((batch, WIDTH), jnp.float32)).compile()
+
+
+def need(batch: int) -> int:
+    memory = preflight.program_memory(program(batch), [Chip(2**40)])
+    assert memory is not None
+    return memory.need
+
+
+def test_a_program_over_the_chips_memory_names_the_largest_batch_that_fits():
+    """Before, the line said to lower data.batch_size, without saying to what."""
+    size = 4096
+    chip = Chip(limit=need(size) // 2 + 2**20, in_use=2**20)
+    resize = preflight.Resize(size, MULTIPLE, program)
+    with pytest.raises(UserError) as refused:
+        preflight.check_program_memory(program(size), [chip], 1, resize=resize)
+    line = str(refused.value)
+    assert "\n" not in line and "of TPU_0(process=0,(0,0,0,0)) (state and batches" in line
+    found = re.search(r"data\.batch_size=(\d+) fits by XLA's count \(it is 4096\)", line)
+    assert found is not None, line
+    fits = int(found.group(1))
+    assert fits % MULTIPLE == 0 and 0 < fits < size
+    free = chip.limit - chip.in_use
+    assert need(fits) <= free < need(fits + MULTIPLE)  # the largest, by XLA's count
+
+
+def test_no_batch_fits_is_said_so():
+    chip = Chip(limit=need(MULTIPLE) // 2)  # not even the smallest batch size
+    with pytest.raises(UserError, match=rf"not even data\.batch_size={MULTIPLE} fits; lower "
+                                        "steps_per_call"):
+        preflight.check_program_memory(program(1024), [chip], 1,
+                                       resize=preflight.Resize(1024, MULTIPLE, program))
+
+
+def test_once_the_state_is_placed_other_holders_count_and_the_state_once():
+    """With the state (here the weights, the program's first argument) on the chip, the check
+    counts what else is in use: a program that fitted before anything existed is refused when
+    another buffer of that size is alive, and not refused for the state's own bytes."""
+    size = 1024
+    compiled = program(size)
+    state = WIDTH * WIDTH * 4
+    chip = Chip(limit=need(size) + 2**20)
+    preflight.check_program_memory(compiled, [chip], 1)  # fits, nothing placed
+    chip.in_use = state  # the state placed: counted once
+    preflight.check_program_memory(compiled, [chip], 1, placed={chip: state})
+    chip.in_use = state + 2 * 2**20  # and something else holding 2 MiB
+    with pytest.raises(UserError, match=r"needs [\d.]+ MiB of TPU_0\S* beyond the state placed "
+                                        r"there \(batches of a 1-step call"):
+        preflight.check_program_memory(compiled, [chip], 1, placed={chip: state},
+                                       resize=preflight.Resize(size, MULTIPLE, program))
+
+
+def test_placed_bytes_are_each_devices_shards():
+    tree = {"w": jnp.ones((WIDTH, WIDTH), jnp.float32), "b": jnp.ones((3,), jnp.bfloat16)}
+    assert preflight.placed_bytes(tree) == {jax.devices()[0]: WIDTH * WIDTH * 4 + 3 * 2}

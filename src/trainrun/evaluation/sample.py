@@ -193,7 +193,7 @@ def _trained(run_dir: Path | str, ema: bool, chat: bool = False, context: int | 
     template."""
     from trainrun.checkpointing.run_context import run_model, within
 
-    if model_directory(run_dir):
+    if _model_directory(run_dir):
         return _exported(Path(run_dir).expanduser(), ema, context)
     run, config = language_run(run_dir, ema, chat=chat)
     model = run_model(config, context, named=str(run))
@@ -207,7 +207,7 @@ def _trained(run_dir: Path | str, ema: bool, chat: bool = False, context: int | 
                    config.precision.compute, tokenizer, config.data)
 
 
-def model_directory(path: Path | str) -> bool:
+def _model_directory(path: Path | str) -> bool:
     """Whether ``path`` is a local Hugging Face model or PEFT adapter directory (an export)
     rather than a run directory."""
     from trainrun import rundir

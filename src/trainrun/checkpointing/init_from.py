@@ -277,11 +277,6 @@ def _agreed(model: TransformerModel, arch: Architecture, described_by: Path,
                                f"max_position_embeddings {arch.max_positions} in "
                                f"{described_by}; give {given}={arch.max_positions} or less")
         fields["seq_len"] = wanted
-    elif data_seq_len and "seq_len" in fields and data_seq_len > fields["seq_len"]:
-        key = arch.keys.get("seq_len", "model.seq_len")  # learned positions: the table's size
-        raise WeightsError(f"{seq_len_key}={data_seq_len} is longer than the model's context: "
-                           f"{key} {fields['seq_len']} in {described_by}; give "
-                           f"{seq_len_key}={fields['seq_len']} or less")
     try:
         candidate = TransformerModel.model_validate({**model.model_dump(), **{
             k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in fields.items()}})
@@ -307,6 +302,10 @@ def _agreed(model: TransformerModel, arch: Architecture, described_by: Path,
             raise WeightsError(f"model.{field} gives {attr}={_show(mine)} in the config, but "
                                f"{described_by} has {key} {_show(theirs)}; drop model.{field} "
                                "(the source gives it) or make it agree")
+    if data_seq_len and data_seq_len > candidate.seq_len:  # learned positions: a table's size
+        key, size = arch.keys.get("seq_len", "model.seq_len"), candidate.seq_len
+        raise WeightsError(f"{seq_len_key}={data_seq_len} is longer than the model's context: "
+                           f"{key} {size} in {described_by}; give {seq_len_key}={size} or less")
     return candidate
 
 

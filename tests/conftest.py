@@ -4,6 +4,7 @@ the CLI in a subprocess (``run_cli``); the rest run in-process on the one CPU de
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -250,6 +251,22 @@ def save_tiny_causal_lm(path: Path, family: str, *, max_shard_size: str | None =
     model = model.to(getattr(torch, dtype))
     extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **extra)
+    return path
+
+
+def save_tiny_chat_model(path: Path, family: str = "qwen2", **changes) -> Path:
+    """``save_tiny_causal_lm`` of 272 tokens, 48 wide (another size than the built-in
+    configs' toy models), with its tokenizer saved beside it as ``save_pretrained`` would:
+    one token per byte and ChatML's turn markers (the ``bytes`` tokenizer), the ChatML template
+    and its end of turn in ``tokenizer_config.json``. A model directory that ``init.from``
+    reads whole, made here."""
+    from trainrun.data.chat import CHATML
+    from trainrun.data.model_tokenizer import byte_tokenizer
+
+    save_tiny_causal_lm(path, family, **{**dict(vocab_size=272, hidden_size=48), **changes})
+    (path / "tokenizer.json").write_text(byte_tokenizer().tokenizer.to_str())
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "chat_template": CHATML}))
     return path
 
 

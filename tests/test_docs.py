@@ -148,6 +148,7 @@ def test_every_preference_tuning_command_runs_as_written(tmp_path):
 def test_every_reinforcement_learning_command_runs_as_written(tmp_path):
     """The guide's runs as written: GRPO takes the fine-tuned model's held-out reward from at
     most 0.3 to at least 0.8."""
+    from trainrun.checkpointing.init_from import resolved
     from trainrun.checkpointing.reader import latest_params
     from trainrun.config import load_config
     from trainrun.evaluation.rl_eval import held_out_prompts, reward_scores
@@ -158,7 +159,7 @@ def test_every_reinforcement_learning_command_runs_as_written(tmp_path):
         ["trainrun", "eval"]], commands
     out = run_as_written(commands, tmp_path)
     assert "starting from params of runs/sft (init.from) at step 0" in out
-    config = load_config("grpo", [f"init.from={tmp_path / 'runs/sft'}"])
+    config = resolved(load_config("grpo", [f"init.from={tmp_path / 'runs/sft'}"]))
     sft = load_config(str(tmp_path / "runs/sft/config.yaml"))
     _, start = latest_params(tmp_path / "runs/sft", sft)
     before, _ = reward_scores(config, start, held_out_prompts(config))

@@ -501,3 +501,37 @@ def test_an_old_export_a_kill_left_aside_is_put_back(tmp_path, capfd):
     assert code == 2 and f"--to {target} is not empty" in err, err
     assert listing(target) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+# ---- --step ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_step_exports_that_checkpoint_and_a_step_there_is_not_is_one_line(tmp_path, capfd):
+    import jax
+    import numpy as np
+
+    import trainrun
+    from trainrun.checkpointing.reader import latest_params
+
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"def add(a, b):\n    return a + b\n\n" * 40)
+    config = load_config("lm", [
+        "steps=2", "steps_per_call=1", "checkpoint.every=1", "eval.every=0",
+        "optimizer.schedule.warmup=1", "metrics.tensorboard=false", "model.d_model=32",
+        "model.layers=1", "model.heads=2", "model.seq_len=24", "model.norm=rmsnorm",
+        "model.mlp=swiglu", f"data.paths=[{corpus}]", "data.seq_len=24", "data.batch_size=2"])
+    run(config, tmp_path / "run", out=io.StringIO())
+    code, err = export_cli(capfd, str(tmp_path / "run"), "--to", str(tmp_path / "none"),
+                           "--step", "5")
+    assert (code, err) == (2, f"error: {tmp_path / 'run'} has no checkpoint of step 5; its "
+                              "steps: 1, 2\n")
+    assert not (tmp_path / "none").exists()
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "one"),
+                 "--step", "1"]) == 0
+    assert capfd.readouterr().out.startswith(f"step 1 of {tmp_path / 'run'} written to ")
+    exported = trainrun.load(tmp_path / "one").params
+    for step, same in ((1, True), (2, False)):
+        _, params = latest_params(tmp_path / "run", config, step)
+        agree = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), exported, params)
+        assert all(jax.tree.leaves(agree)) is same, step

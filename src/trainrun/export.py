@@ -1,6 +1,7 @@
-"""``trainrun export``: a run's newest readable checkpoint written as a Hugging Face model
-directory (the family its ``init.from`` source was, else the one its layout is), or, for a run
-with LoRA adapters and no ``--merge``, as a PEFT adapter directory for its base model.
+"""``trainrun export``: a run's newest readable checkpoint (or ``--step N``'s) written as a
+Hugging Face model directory (the family its ``init.from`` source was, else the one its layout
+is), or, for a run with LoRA adapters and no ``--merge``, as a PEFT adapter directory for its
+base model.
 
 Beside the weights go the source directory's tokenizer files and generation config, or the
 run's own ``data.tokenizer``; ``bos_token_id`` and ``eos_token_id`` come from them. A file of
@@ -74,9 +75,10 @@ class Export:
 
 def export_run(run_dir: location.Location | str, to: location.Location | str, *,
                merge: bool = False, replace: bool = False, dtype: str = "float32",
-               shard_size: str = "5GB") -> Export:
-    """A run's newest readable checkpoint as a model directory (``merge``: adapters folded
-    into the weights) or, with LoRA adapters and no ``merge``, an adapter directory.
+               shard_size: str = "5GB", step: int | None = None) -> Export:
+    """A run's newest readable checkpoint (or that of ``step``) as a model directory
+    (``merge``: adapters folded into the weights) or, with LoRA adapters and no ``merge``, an
+    adapter directory.
     ``to`` must be new or empty, or, with ``replace``, a model directory, which then holds the
     new export only (``rundir.export_dir`` says which folders are refused). ``dtype``: the
     weights' dtype in the files; ``shard_size``: the most bytes per file. Either path may be
@@ -109,7 +111,7 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
         _source_files(source, (CONFIG,))  # its fields go into the export: a link is checked
         hf = read_config(source)
     model_type = str(hf["model_type"]) if hf is not None else model_type_of(cfg)
-    step, params = latest_params(run, config)
+    step, params = latest_params(run, config, step)
     params = jax.tree.map(np.asarray, params)
 
     def write(staging: Path) -> tuple[str, ...]:

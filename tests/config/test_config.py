@@ -42,6 +42,32 @@ def test_wrong_type_names_field_expected_type_and_value():
     assert "'steps'" in message and "int" in message and "'many'" in message
 
 
+@pytest.mark.parametrize(("override", "says"), [
+    ("preference=abc", "config key 'preference' expects a mapping of keys or null, got 'abc' "
+                       "(str)"),
+    ("model=3", "config key 'model' expects a mapping of keys with kind: mlp, nnx_mlp, cnn, "
+                "resnet or transformer, got 3 (int)"),
+    ("model.lora=3", "config key 'model.lora' expects a mapping of keys or null, got 3 (int)"),
+    ("model.kv_heads=abc", "config key 'model.kv_heads' expects int or null, got 'abc' (str): "
+                           "Input should be a valid integer"),
+    ("data.synthetic=foo", "config key 'data.synthetic' expects one of 'reverse', 'add', "
+                           "'last', 'letter' or null, got 'foo' (str)"),
+    ("preference.beta=abc", "config key 'preference.beta' expects float, got 'abc' (str)"),
+    ("data.mix=3", "config key 'data.mix' expects a list of mappings of keys, got 3 (int)"),
+    ("data.paths={a: 1}", "config key 'data.paths' expects list[str], got {'a': 1} (a "
+                          "mapping)"),
+    ("data.mix=[{weight: 1}]", "config key 'data.mix.0.source' is required"),
+    ("model.tie_embeddings=maybe", "expects bool (true or false), got 'maybe' (str)"),
+])
+def test_type_errors_name_the_type_as_a_config_is_written(override, says):
+    """Before: "expects trainrun.config.sections.PreferenceConfig | None", "Union[...]", and
+    preference.beta named its section's type."""
+    with pytest.raises(ConfigError) as err:
+        load_config("dpo", [override])
+    assert says in str(err.value)
+    assert "trainrun." not in str(err.value) and "Config" not in str(err.value)
+
+
 def test_unknown_kind_lists_the_known_kinds():
     with pytest.raises(ConfigError, match=r"model\.kind: unknown kind 'mlpp'"):
         load_config("mlp", ["model.kind=mlpp"])

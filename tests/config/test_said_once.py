@@ -160,7 +160,7 @@ def test_the_records_synthetic_task_is_data_synthetic_and_old_names_warn():
     assert check_config(saved, config, allow=False, where=Path("runs/chat")) == []
     with pytest.raises(ConfigError, match=r"give one of data\.paths .* or data\.synthetic "
                        r"\(reverse, add, letter, last\); got data\.paths and data\.synthetic"):
-        load_config("chat", ["data.paths=a.jsonl"])
+        load_config("chat", ["data.paths=a.jsonl", "data.synthetic=add"])  # one layer: both
 
 
 @pytest.mark.parametrize(("data", "task"), [("regression", "regression"),

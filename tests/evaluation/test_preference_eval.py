@@ -4,10 +4,12 @@ the reference, the numbers evaluation during training gives for the same params.
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pytest
 
+from trainrun.cli import main
 from trainrun.config import load_config
 from trainrun.evaluation.evaluate import evaluate_run
 from trainrun.reporting.sinks.jsonl import read_metrics
@@ -25,8 +27,30 @@ def test_eval_scores_a_preference_run_as_its_training_evaluation_did(
     run(config, tmp_path / "run", out=io.StringIO())
     (during,) = read_metrics(tmp_path / "run" / "metrics.jsonl", "eval")
     result = evaluate_run(tmp_path / "run")
-    assert result.step == 4 and result.answers == []
+    assert result.step == 4 and result.answers is None  # it generates none
     for name in ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen",
                  "logps/chosen", "logps/rejected"):
         assert result.scores[name] == pytest.approx(during[name], rel=1e-5, abs=1e-6), name
     assert result.scores["rewards/margins"] != 0.0  # trained away from the reference
+
+
+@pytest.mark.slow
+def test_eval_of_a_preference_run_writes_its_scores_and_no_empty_answers_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        ) -> None:
+    """Before, ``trainrun eval`` wrote an empty answers.jsonl beside the scores."""
+    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+    config = load_config("dpo", [
+        "steps=2", "steps_per_call=2", "model.d_model=16", "model.layers=1",
+        "data.synthetic_examples=128", "data.batch_size=4", "eval.every=0",
+        "eval.batch_size=2", "checkpoint.every=2", "metrics.tensorboard=false"])
+    run(config, tmp_path / "run", out=io.StringIO())
+    out = tmp_path / "run" / "eval" / "step-2"
+    out.mkdir(parents=True)  # an earlier eval of this step, from when it wrote answers
+    (out / "scores.json").write_text(json.dumps({"written_by": "trainrun eval"}))
+    (out / "answers.jsonl").write_text("")
+    assert main(["eval", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out / 'scores.json'}"
+    assert sorted(p.name for p in out.iterdir()) == ["scores.json"]
+    scores = json.loads((out / "scores.json").read_text())
+    assert scores["step"] == 2 and "rewards/accuracies" in scores["scores"]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import own_loop_answer, traced
+from conftest import own_loop_answer, save_tiny_chat_model, traced
 
 import trainrun
 from trainrun import rundir
@@ -147,6 +147,30 @@ def test_sample_command_prints_text_from_the_latest_checkpoint(tmp_path, capsys)
     assert len(err) == 1 and "--chat needs a run on chat records" in err[0]
     assert main(["sample", str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
+def test_sample_reads_an_export_as_the_run_it_came_from(tmp_path, capsys, lora):
+    """Before: "<export> is not a run directory (no config.yaml)"."""
+    source = save_tiny_chat_model(tmp_path / "model")
+    adapters = ["model.lora={targets: all-linear}"] if lora else []
+    assert main(["train", "--config", "finetune", "--run-dir", str(tmp_path / "run"),
+                 f"init.from={source}", "data.kind=records", "data.synthetic=reverse",
+                 "data.format=chat", "data.synthetic_examples=256", "steps=2",
+                 "steps_per_call=1", "eval.every=0", "checkpoint.every=2", *adapters]) == 0
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "export")]) == 0
+    capsys.readouterr()
+    asked = [("--chat", "reverse abc"), ("--prompt", "ab")]
+    for option, text in asked:
+        said = []
+        for path in (tmp_path / "run", tmp_path / "export"):
+            assert main(["sample", str(path), option, text, "--tokens", "12",
+                         "--temperature", "1", "--seed", "3"]) == 0
+            said.append(capsys.readouterr().out)
+        assert said[0] == said[1] and said[0] not in ("\n", text + "\n"), (option, said)
+    assert main(["sample", str(tmp_path / "export"), "--ema"]) == 2
+    assert "only a run keeps a moving average" in capsys.readouterr().err
 
 
 @pytest.mark.slow

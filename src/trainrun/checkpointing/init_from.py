@@ -38,6 +38,7 @@ from pydantic import BaseModel
 
 from trainrun import extras, rundir
 from trainrun.config import (
+    ARCHITECTURE,
     ConfigError,
     RecordsData,
     RunConfig,
@@ -163,34 +164,39 @@ def resolved(config: RunConfig) -> RunConfig:
     raw = config.to_dict()
     raw["model"] = model.model_dump(mode="json")
     if isinstance(config.data, RecordsData) and config.data.tokenizer is None:
-        raw["data"]["tokenizer"] = _tokenizer_of(path, kind)
+        raw["data"]["tokenizer"], template = records_tokenizer(path, kind)
+        if config.data.chat_template is None:
+            raw["data"]["chat_template"] = template
     try:
         return config_from_dict(raw)
     except ConfigError as err:
         raise ConfigError(f"with the model of {path}: {err}") from None
 
 
-def _tokenizer_of(path: Location, kind: str) -> str:
-    """The tokenizer records are encoded with when a run names none: the model directory's (an
-    adapter directory's own, else its base model's), or the source run's."""
+def records_tokenizer(path: Location, kind: str) -> tuple[str, str | None]:
+    """The tokenizer records are encoded with when a run names none, and the chat template in
+    place of its own (None: its own): the model directory's (an adapter directory's own, else
+    its base model's), or the source run's."""
     if kind == "run":
         from trainrun.checkpointing.reader import saved_config
 
         data = saved_config(path).data
-        return (data.tokenizer if isinstance(data, RecordsData) and data.tokenizer
-                else model_tokenizer.BYTES)
+        if not isinstance(data, RecordsData):
+            return model_tokenizer.BYTES, None
+        return data.tokenizer or model_tokenizer.BYTES, data.chat_template
     if kind == "adapter" and not location.is_file(path / "tokenizer.json"):
-        return str(_adapter_base(path))
-    return str(path)
+        return str(_adapter_base(path)), None
+    return str(path), None
 
 
 def model_of(path: Location, model: TransformerModel | None = None,
-             seq_len: int | None = None, *, full_context: bool = False) -> TransformerModel:
+             seq_len: int | None = None, *, full_context: bool = False,
+             seq_len_key: str = "data.seq_len") -> TransformerModel:
     """The transformer a Hugging Face or adapter directory holds. ``model``: the run's model
     section, whose other fields (dropout, remat, ...) are kept and whose repeated fields must
-    agree; ``seq_len``: the run's sequence length, the context of a rotary model;
-    ``full_context``: without ``seq_len``, the context config.json gives
-    (``max_position_embeddings``)."""
+    agree; ``seq_len``: the run's sequence length (``seq_len_key`` names it in a refusal), the
+    context of a rotary model; ``full_context``: without ``seq_len``, the context config.json
+    gives (``max_position_embeddings``)."""
     model = model or TransformerModel()
     adapter = location.is_file(path / peft.ADAPTER_CONFIG)
     base = _adapter_base(path) if adapter else path
@@ -206,7 +212,7 @@ def model_of(path: Location, model: TransformerModel | None = None,
         arch = dataclasses.replace(arch, fields={**arch.fields, "tie_embeddings": False})
     if seq_len is None and full_context and arch.max_positions:
         seq_len = arch.max_positions
-    agreed = _agreed(model, arch, base / CONFIG, seq_len)
+    agreed = _agreed(model, arch, base / CONFIG, seq_len, seq_len_key)
     refuse_unsupported(hf, agreed.seq_len, str(base / CONFIG))
     if not adapter:
         return agreed
@@ -241,16 +247,6 @@ def _adapter_base(path: Location) -> Location:
     return base
 
 
-# What a run's model gives a run started from it: the maths and the params' shapes.
-ARCHITECTURE = ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "mlp", "mlp_ratio",
-                "mlp_hidden", "norm", "norm_eps", "seq_len", "positions", "rope_theta",
-                "rope_scaling", "tie_embeddings", "bias", "qkv_bias", "attention_bias",
-                "mlp_bias", "qk_norm", "qk_norm_over", "norm_plus_one", "pre_norms",
-                "post_norms", "embed_scale", "query_scale", "attention_logit_softcap",
-                "final_logit_softcap", "sliding_window", "sliding_layers", "local_rope_theta",
-                "experts", "experts_per_token", "expert_hidden", "shared_expert_hidden",
-                "router_renormalise", "router_aux_loss", "dense_layers", "fused_projections",
-                "pad_id")
 
 
 def _run_architecture(source: TransformerModel) -> Architecture:
@@ -266,16 +262,20 @@ _EFFECTIVE = {"kv_heads": "kv_key_heads", "head_dim": "attention_head_dim",
 
 
 def _agreed(model: TransformerModel, arch: Architecture, described_by: Path,
-            data_seq_len: int | None) -> TransformerModel:
+            data_seq_len: int | None, seq_len_key: str = "data.seq_len") -> TransformerModel:
     """``model`` with ``arch``'s fields (the file ``described_by`` gives them); a field the
-    model sets to another value is refused, naming both."""
+    model sets to another value is refused, naming both. ``data_seq_len``: the length the run
+    reads (``seq_len_key`` names it), refused past the context the source gives."""
     fields = dict(arch.fields)
     if fields.get("positions") == "rope":  # the context is the run's choice, up to the model's
-        wanted = model.seq_len if "seq_len" in model.model_fields_set else (
+        own = "seq_len" in model.model_fields_set
+        wanted = model.seq_len if own else (
             data_seq_len or min(arch.max_positions or model.seq_len, model.seq_len))
         if arch.max_positions and wanted > arch.max_positions:
-            raise WeightsError(f"model.seq_len={wanted} is longer than {described_by}'s "
-                               f"max_position_embeddings {arch.max_positions}; shorten it")
+            given = "model.seq_len" if own else seq_len_key
+            raise WeightsError(f"{given}={wanted} is longer than the model's context: "
+                               f"max_position_embeddings {arch.max_positions} in "
+                               f"{described_by}; give {given}={arch.max_positions} or less")
         fields["seq_len"] = wanted
     try:
         candidate = TransformerModel.model_validate({**model.model_dump(), **{
@@ -302,6 +302,10 @@ def _agreed(model: TransformerModel, arch: Architecture, described_by: Path,
             raise WeightsError(f"model.{field} gives {attr}={_show(mine)} in the config, but "
                                f"{described_by} has {key} {_show(theirs)}; drop model.{field} "
                                "(the source gives it) or make it agree")
+    if data_seq_len and data_seq_len > candidate.seq_len:  # learned positions: a table's size
+        key, size = arch.keys.get("seq_len", "model.seq_len"), candidate.seq_len
+        raise WeightsError(f"{seq_len_key}={data_seq_len} is longer than the model's context: "
+                           f"{key} {size} in {described_by}; give {seq_len_key}={size} or less")
     return candidate
 
 

@@ -52,10 +52,12 @@ def saved_config(run_dir: location.Location) -> RunConfig:
         raise RunReadError(f"the config saved in {path} no longer loads: {err}") from None
 
 
-def latest_params(run_dir: location.Location, config: RunConfig) -> tuple[int, PyTree]:
-    """``(step, params)`` of the run's newest readable checkpoint (see ``latest_state``)."""
-    step, state = latest_state(run_dir, config, optimizer_state=False)
-    return step, state.params
+def latest_params(run_dir: location.Location, config: RunConfig,
+                  step: int | None = None) -> tuple[int, PyTree]:
+    """``(step, params)`` of the run's newest readable checkpoint, or of ``step`` (see
+    ``latest_state``)."""
+    found, state = latest_state(run_dir, config, optimizer_state=False, step=step)
+    return found, state.params
 
 
 def _run_model(config: RunConfig) -> Model:
@@ -70,12 +72,13 @@ def _run_model(config: RunConfig) -> Model:
 
 def latest_state(run_dir: location.Location, config: RunConfig,
                  model: Model | None = None, *,
-                 optimizer_state: bool = True) -> tuple[int, Any]:
+                 optimizer_state: bool = True, step: int | None = None) -> tuple[int, Any]:
     """``(step, TrainState)`` of the run's newest readable checkpoint, on one device. model:
     the run's model (``build_model(config.model)``) where the caller built it already; built
     here otherwise. optimizer_state: False leaves the optimizer's state unread (its leaves are
     ``ocp.PLACEHOLDER``): for what scores, samples or exports the params, to which an Adam
-    state adds twice their size in reading and memory.
+    state adds twice their size in reading and memory. step: that committed step's state
+    instead (refused in one line naming the steps there are; read as it is or not at all).
 
     Read-only: the checkpoint directory is opened without creating, cleaning or deleting
     anything, so sampling is safe while the run is still training and saving. A newest step
@@ -100,6 +103,9 @@ def latest_state(run_dir: location.Location, config: RunConfig,
         if not steps:
             raise RunReadError(f"{directory} holds no committed checkpoint yet; let the run "
                               "reach its first checkpoint (checkpoint.every) and try again")
+        if step is not None and step not in steps:
+            raise RunReadError(f"{run_dir} has no checkpoint of step {step}; its steps: "
+                              f"{', '.join(map(str, sorted(steps)))}")
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         abstract = abstract_state(model or _run_model(config),
                                   build_optimizer(config.optimizer, config.steps), config.seed,
@@ -118,9 +124,9 @@ def latest_state(run_dir: location.Location, config: RunConfig,
             return readable(lambda: ckpt.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))))["state"]
 
-        step, state, problems = newest_readable(steps, read)
-        if step is not None and state is not None:  # state: a step was read
-            return step, state
+        found, state, problems = newest_readable([step] if step is not None else steps, read)
+        if found is not None and state is not None:  # state: a step was read
+            return found, state
     raise RunReadError(f"no checkpoint in {directory} can be read ("
                       + "; ".join(f"step {s}: {why}" for s, why in problems)
                       + "): restore its files from a copy, or train the run again")

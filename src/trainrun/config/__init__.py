@@ -26,6 +26,7 @@ from trainrun.config.run import (
     schedule_notices,
 )
 from trainrun.config.sections import (
+    ARCHITECTURE,
     BATCH_AXES,
     MESH_AXES,
     ArrayData,
@@ -75,8 +76,8 @@ from trainrun.config.sections import (
 )
 
 __all__ = [
-    "BATCH_AXES", "CONFIG_PACKAGE", "MESH_AXES", "ArrayData", "AutoDistributed", "CNNModel",
-    "CheckpointConfig",
+    "ARCHITECTURE", "BATCH_AXES", "CONFIG_PACKAGE", "MESH_AXES", "ArrayData", "AutoDistributed",
+    "CNNModel", "CheckpointConfig",
     "ConfigError", "ConstantSchedule", "CosineSchedule", "DataConfig", "DataSection",
     "DigitsData", "DistributedConfig", "EvalConfig", "ExplicitDistributed", "ExponentialSchedule",
     "InitConfig", "Layer", "LoraConfig", "MLPModel", "MeshConfig", "MetricsConfig",

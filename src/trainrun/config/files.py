@@ -17,7 +17,14 @@ from typing import Any
 import yaml
 
 from trainrun.config import renamed
-from trainrun.config.run import ConfigError, RunConfig, config_from_dict, followed_keys
+from trainrun.config.run import (
+    ConfigError,
+    RunConfig,
+    config_from_dict,
+    followed_keys,
+    model_source,
+    source_keys,
+)
 from trainrun.errors import path_refused
 
 CONFIG_PACKAGE = "trainrun.configs"
@@ -166,10 +173,57 @@ def _merges(old: Any, new: Any) -> bool:
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     """``update`` over ``base``: mappings merge key by key, except a section whose ``kind``
-    changes, which is replaced; anything else (lists too) replaces."""
+    changes, which is replaced; anything else (lists too) replaces; ``null`` unsets a key (it
+    takes its default, or follows the key it follows). Keys of ``base`` that ``update``
+    displaces (``displaced``) are dropped first."""
+    out = dict(base)
+    for path in displaced(base, update):
+        out = _without(out, path)
+    return _merged(out, update)
+
+
+def _merged(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in update.items():
-        out[key] = merge(out[key], value) if _merges(out.get(key), value) else value
+        if value is None:
+            out.pop(key, None)
+        elif _merges(out.get(key), value):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = _merged({}, value) if isinstance(value, dict) else value
+    return out
+
+
+def _without(tree: dict[str, Any], path: KeyPath) -> dict[str, Any]:
+    """``tree`` less the key at ``path`` (copied where it changes)."""
+    head, *rest = path
+    if head not in tree:
+        return tree
+    if not rest:
+        return {key: value for key, value in tree.items() if key != head}
+    inner = tree[head]
+    return {**tree, head: _without(inner, tuple(rest))} if isinstance(inner, dict) else tree
+
+
+KeyPath = tuple[str, ...]
+DATA_SOURCES = ("paths", "mix", "synthetic")  # records' sources: one is given
+
+
+def displaced(base: dict[str, Any], update: dict[str, Any]) -> list[KeyPath]:
+    """The keys of ``base`` that ``update`` (a later layer) gives another way, so that the
+    later layer's choice stands where both would otherwise be refused together: a record
+    source (``data.paths``, ``data.mix``, ``data.synthetic``) displaces the other two, and a
+    model to start from (``init.from``: a run, a Hugging Face or adapter directory, not a
+    bare ``.safetensors`` file, which names no architecture) displaces the transformer's
+    architecture, tokenizer and chat template, which it gives."""
+    out: list[KeyPath] = []
+    data, new_data = base.get("data"), update.get("data")
+    if isinstance(new_data, dict) and _merges(data, new_data):
+        given = [key for key in DATA_SOURCES if new_data.get(key) is not None]
+        out += [("data", key) for key in DATA_SOURCES if given and key not in given]
+    new_model = update.get("model")
+    if model_source(update) and (new_model is None or _merges(base.get("model"), new_model)):
+        out += source_keys({**base, "init": update["init"]})
     return out
 
 
@@ -229,14 +283,12 @@ def load_config(name_or_path: str = "mlp", overrides: list[str] | None = None) -
 # ---- config show -----------------------------------------------------------------------------
 
 
-KeyPath = tuple[str, ...]
-
-
 def _leaves(tree: dict[str, Any], path: KeyPath = ()) -> list[KeyPath]:
     out: list[KeyPath] = []
     for key, value in tree.items():
         here = (*path, key)
-        out += _leaves(value, here) if isinstance(value, dict) and value else [here]
+        if value is not None:  # null unsets
+            out += _leaves(value, here) if isinstance(value, dict) and value else [here]
     return out
 
 
@@ -247,10 +299,16 @@ def _track(old: Any, new: Any, path: KeyPath, origin: str, origins: dict[KeyPath
         for key, value in new.items():
             _track(old.get(key), value, (*path, key), origin, origins)
         return
-    for stale in [p for p in origins if p[:len(path)] == path]:
-        del origins[stale]
+    _forget(origins, path)
+    if new is None:  # unset: the default's, or the followed key's
+        return
     for leaf in _leaves(new) if isinstance(new, dict) and new else [()]:
         origins[(*path, *leaf)] = origin
+
+
+def _forget(origins: dict[KeyPath, str], path: KeyPath) -> None:
+    for stale in [p for p in origins if p[:len(path)] == path]:
+        del origins[stale]
 
 
 def _origin(origins: dict[KeyPath, str], path: KeyPath) -> str:
@@ -280,6 +338,8 @@ def show_layers(layers: list[Layer]) -> str:
     merged: dict[str, Any] = {}
     origins: dict[KeyPath, str] = {}
     for layer in layers:
+        for path in displaced(merged, layer.tree):
+            _forget(origins, path)
         _track(merged, layer.tree, (), layer.origin, origins)
         merged = merge(merged, layer.tree)
     resolved = config_from_dict(merged).to_dict()

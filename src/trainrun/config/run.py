@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from trainrun.config import renamed
 from trainrun.config.sections import (
+    ARCHITECTURE,
     SEED_MAX,
     CheckpointConfig,
     DataConfig,
@@ -43,6 +44,7 @@ from trainrun.config.sections import (
     TextData,
     TokenData,
     data_seed,
+    names_a_model,
     schedule_steps,
     warmup_steps,
 )
@@ -243,7 +245,41 @@ def followed_keys(raw: dict[str, Any]) -> dict[tuple[str, ...], str]:
     for key, (data_key, _) in sized_by_data(raw).items():
         follows[("model", key)] = ("data: byte-level text" if data_key == "tokenizer"
                                    and byte_text else f"data.{data_key}")
+    for path in given_by_source(raw):
+        follows[path] = "init.from"
     return follows
+
+
+def model_source(raw: dict[str, Any]) -> str | None:
+    """The ``init.from`` of a raw config where it names a model to start from (a run, a
+    Hugging Face or adapter directory), not a bare ``.safetensors`` file, which names no
+    architecture."""
+    init = raw.get("init")
+    source = init.get("from", init.get("from_")) if isinstance(init, dict) else None
+    return source if isinstance(source, str) and names_a_model(source) else None
+
+
+# What a model to start from gives a transformer run: its architecture (the context stays the
+# run's choice, up to the model's) and, for records, their tokenizer and chat template.
+SOURCE_KEYS = (*(("model", key) for key in ARCHITECTURE if key != "seq_len"),
+               ("data", "tokenizer"), ("data", "chat_template"))
+
+
+def source_keys(raw: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The keys of ``SOURCE_KEYS`` that the model a raw config starts from gives it (none
+    without one): the model's of a transformer, the data's of records."""
+    model, data = raw.get("model"), raw.get("data")
+    if not (model_source(raw) and isinstance(model, dict) and model.get("kind") == "transformer"):
+        return []
+    records = isinstance(data, dict) and data.get("kind") == "records"
+    return [path for path in SOURCE_KEYS if path[0] == "model" or records]
+
+
+def given_by_source(raw: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The keys a raw config leaves to the model it starts from (``init.from``, a run or a
+    model directory: ``checkpointing/init_from.py`` reads them there): ``source_keys`` that
+    the config does not set."""
+    return [(section, key) for section, key in source_keys(raw) if key not in raw[section]]
 
 
 # ---- what the data gives the model -----------------------------------------------------------
@@ -388,7 +424,10 @@ def _check_model_and_data(config: RunConfig) -> None:
         if data.kind in ("regression", "digits"):
             raise ConfigError(f"model.kind=transformer needs token data, not data.kind="
                               f"{data.kind}; use data.kind=text, tokens or records")
-        if (isinstance(data, (TextData, TokenData, RecordsData))
+        # the context of a model to start from is its own: init_from.py checks it there
+        sourced = config.init.model_source is not None and "seq_len" not in (
+            model.model_fields_set)
+        if (isinstance(data, (TextData, TokenData, RecordsData)) and not sourced
                 and data.seq_len > model.seq_len):
             raise ConfigError(f"data.seq_len={data.seq_len} is longer than the model's context "
                               f"model.seq_len={model.seq_len}; drop model.seq_len (it follows "
@@ -494,6 +533,19 @@ def _union_members(annotation: Any) -> dict[str, type[BaseModel]] | None:
     return tagged or None
 
 
+def _section_of(annotation: Any) -> type[BaseModel] | None:
+    """The section an annotation holds alone (``X``, ``X | None``, a sequence of ``X``)."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    members = [a for a in typing.get_args(annotation) if a is not type(None) and a is not ...]
+    if len(members) == 1 and typing.get_origin(annotation) in (Union, types.UnionType, tuple,
+                                                               list):
+        return _section_of(members[0])
+    return None
+
+
 def _walk(loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]:
     """Follow an error location through the config classes.
 
@@ -518,25 +570,53 @@ def _walk(loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]
         members = _union_members(annotation)
         if members is not None and items and items[0] in members:
             cls = members[items.pop(0)]
-        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            cls = annotation
-        else:
-            cls = None
+            continue
+        sequence = typing.get_origin(annotation) in (tuple, list)
+        if sequence and items and isinstance(items[0], int):  # an item of a list of sections
+            path.append(str(items.pop(0)))
+        cls = _section_of(annotation) if (items or not sequence) else None
+        if cls is not None and items:
+            annotation = cls
     return path, cls, annotation
+
+
+# What a config key's type is called in a message: the YAML a user writes, not Python's names.
+PLAIN = {int: "int", float: "float", bool: "bool (true or false)", str: "str",
+         type(None): "null"}
 
 
 def _type_name(annotation: Any) -> str:
     if annotation is None:
         return "a value"
-    if isinstance(annotation, type):
-        return annotation.__name__
-    if typing.get_origin(annotation) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
-    if typing.get_origin(annotation) is Annotated:  # bounds are said by pydantic's message
-        return _type_name(typing.get_args(annotation)[0])
-    if typing.get_origin(annotation) is list:
-        return f"list[{_type_name(typing.get_args(annotation)[0])}]"
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation in PLAIN:
+        return PLAIN[annotation]
+    if origin is Annotated:  # bounds are said by pydantic's message
+        return _type_name(args[0])
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (list, tuple):
+        return "a list of mappings of keys" if _section_of(args[0]) else (
+            f"list[{_type_name(args[0])}]")
+    if origin is dict:
+        return "a mapping"
+    if origin in (Union, types.UnionType):
+        members = _union_members(annotation)
+        if members is not None and len(members) > 1:  # a section chosen by its kind
+            return f"a mapping of keys with kind: {_or(list(members))}"
+        return _or([_type_name(a) for a in args])
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "a mapping of keys"
     return str(annotation).replace("typing.", "")
+
+
+def _or(names: list[str]) -> str:
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
+# pydantic's errors that say only what the key's type already says ("a valid dictionary or
+# instance of PreferenceConfig"): left out of the message
+TYPE_ONLY = {"model_type", "model_attributes_type", "dict_type", "tuple_type", "list_type"}
 
 
 def describe_validation_error(err: pydantic.ValidationError, raw: dict[str, Any]) -> str:
@@ -561,10 +641,21 @@ def describe_validation_error(err: pydantic.ValidationError, raw: dict[str, Any]
                 f"expected one of {', '.join(members)}")
     if kind == "value_error":  # a section's own check; its message names the fix
         return f"config key {dotted!r}: {first['msg'].removeprefix('Value error, ')}"
+    if kind == "missing":
+        return f"config key {dotted!r} is required; give it a value ({_type_name(annotation)})"
     given = first.get("input")
     expected = _type_name(annotation)
-    return (f"config key {dotted!r} expects {expected}, got {given!r} "
-            f"({type(given).__name__}): {first['msg']}")
+    said = "" if kind in TYPE_ONLY else f": {first['msg']}"
+    return f"config key {dotted!r} expects {expected}, got {given!r} ({_given(given)}){said}"
+
+
+def _given(value: Any) -> str:
+    """What a value read from YAML is, in YAML's words."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return PLAIN.get(type(value), type(value).__name__).split(" ")[0]
 
 
 def dump_yaml(config: RunConfig) -> str:

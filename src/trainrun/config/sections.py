@@ -318,6 +318,19 @@ class TransformerModel(Section):
         return self.mlp_hidden or self.mlp_ratio * self.d_model
 
 
+# What a transformer started from a model (``init.from``: a run, a Hugging Face or adapter
+# directory) takes from it: the maths and the params' shapes.
+ARCHITECTURE = ("vocab", "d_model", "layers", "heads", "kv_heads", "head_dim", "mlp", "mlp_ratio",
+                "mlp_hidden", "norm", "norm_eps", "seq_len", "positions", "rope_theta",
+                "rope_scaling", "tie_embeddings", "bias", "qkv_bias", "attention_bias",
+                "mlp_bias", "qk_norm", "qk_norm_over", "norm_plus_one", "pre_norms",
+                "post_norms", "embed_scale", "query_scale", "attention_logit_softcap",
+                "final_logit_softcap", "sliding_window", "sliding_layers", "local_rope_theta",
+                "experts", "experts_per_token", "expert_hidden", "shared_expert_hidden",
+                "router_renormalise", "router_aux_loss", "dense_layers", "fused_projections",
+                "pad_id")
+
+
 ModelConfig = Annotated[
     Union[MLPModel, NNXMLPModel, CNNModel, ResNetModel, TransformerModel],  # noqa: UP007
     Field(discriminator="kind")]
@@ -822,6 +835,18 @@ class InitConfig(Section):
 
     from_: str | None = Field(default=None, alias="from")
     load: Literal["params", "state"] = "params"
+
+    @property
+    def model_source(self) -> str | None:
+        """``from`` where it names a model, which gives the run its architecture (and records
+        their tokenizer): a run, a Hugging Face or adapter directory; None for none, or a bare
+        ``.safetensors`` file."""
+        return self.from_ if self.from_ is not None and names_a_model(self.from_) else None
+
+
+def names_a_model(source: str) -> bool:
+    """Whether an ``init.from`` names a model (a directory) rather than a bare weights file."""
+    return not source.endswith(".safetensors")
 
 
 # ---- precision -------------------------------------------------------------------------------

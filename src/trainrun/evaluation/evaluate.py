@@ -12,8 +12,9 @@ Two measures, on the run's held-out split or on the records of ``--data FILE``:
 Each record's prompt, expected and produced answer go to ``answers.jsonl`` beside the numbers
 (``scores.json``), in ``RUN_DIR/eval/step-N`` unless ``--out`` names a folder. A preference
 run is scored on its held-out pairs instead (``preference_eval.py``): the loss, reward
-accuracy and margins against the reference; a reinforcement-learning run on its held-out
-prompts (``rl_eval.py``): its answers' rewards.
+accuracy and margins against the reference, in ``scores.json`` alone (it generates no
+answers); a reinforcement-learning run on its held-out prompts (``rl_eval.py``): its answers'
+rewards.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ class EvalError(UserError):
 @dataclasses.dataclass
 class EvalResult:
     """What ``evaluate_run`` found: the scores (``loss``, ``accuracy``, ``exact_match``,
-    ``normalised_match``, ``answers``: how many were generated) and each answer's record."""
+    ``normalised_match``, ``answers``: how many were generated) and each answer's record;
+    None where the run's evaluation generates no answers (a preference run's)."""
 
     step: int
     scores: dict[str, float]
-    answers: list[dict[str, Any]]
+    answers: list[dict[str, Any]] | None
 
 
 ANSWER_TOKENS = 64  # the most tokens a chat answer takes, unless told
@@ -76,7 +78,7 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int | 
     if config.preference is not None:  # pairs: their loss and reward metrics, no answers
         from trainrun.evaluation.preference_eval import preference_scores
 
-        return EvalResult(*preference_scores(config, run, data, ema), answers=[])
+        return EvalResult(*preference_scores(config, run, data, ema), answers=None)
     if config.rl is not None:  # prompts: their answers scored by the run's rewards
         from trainrun.evaluation.rl_eval import rl_scores
 
@@ -161,16 +163,23 @@ def _file_rows(section: RecordsData) -> dict[str, Any]:
     return rows
 
 
-def write_result(result: EvalResult, out: location.Location) -> None:
-    """``scores.json`` and ``answers.jsonl`` in ``out``: a new or empty folder, or one an
-    earlier ``trainrun eval`` wrote (then its two files are replaced)."""
+def write_result(result: EvalResult, out: location.Location) -> list[location.Location]:
+    """``scores.json`` and, where the result has answers, ``answers.jsonl`` in ``out``: a new
+    or empty folder, or one an earlier ``trainrun eval`` wrote (then its files are replaced,
+    and an ``answers.jsonl`` of its own that this result has none for is removed). Returns
+    the files written."""
     require_writable(out)
     location.make_dirs(out)
-    location.write_text(location.join(out, "answers.jsonl"), "".join(
-        json.dumps(answer, ensure_ascii=False) + "\n" for answer in result.answers))
-    location.write_text(location.join(out, "scores.json"), json.dumps(
+    answers, scores = location.join(out, "answers.jsonl"), location.join(out, "scores.json")
+    if result.answers is not None:
+        location.write_text(answers, "".join(
+            json.dumps(answer, ensure_ascii=False) + "\n" for answer in result.answers))
+    elif location.exists(answers):  # an earlier eval's, of other answers: not this step's
+        location.delete(answers)
+    location.write_text(scores, json.dumps(
         {"written_by": WRITTEN_BY, "step": result.step, "scores": result.scores}, indent=2)
         + "\n")
+    return [scores] if result.answers is None else [scores, answers]
 
 
 def require_writable(out: location.Location) -> None:

@@ -148,7 +148,7 @@ def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> 
     if kind not in ("huggingface", "adapter"):
         raise LoadError(f"{path} is a lone weights file: load its model directory (with "
                         "config.json), a run directory or an adapter directory")
-    cfg = model_of(path, seq_len=context, full_context=True)
+    cfg = model_of(path, seq_len=context, full_context=True, seq_len_key="context")
     from trainrun.training.preflight import check_model_memory
 
     # the params go whole onto the first device: refused there before a layer is built

@@ -5,6 +5,7 @@ of a file (``--file``). The decoding itself is ``program/decode.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,18 +52,16 @@ def sample_run(run_dir: Path | str, prompt: str, tokens: int, *, temperature: fl
     if system is not None:
         raise SampleError("a system prompt (--system) goes with a chat turn: give --chat TEXT "
                           "or --file conversations.jsonl")
-    config, model, params = _trained(run_dir, ema, context=context)
-    compute, head = config.precision.compute, strategies.chosen().decode_head()
-    if isinstance(config.data, RecordsData):
-        from trainrun.data import model_tokenizer
-
-        return _sample_records(model, params, model_tokenizer.of_records(config.data),
-                               prompt, tokens, temperature=temperature, seed=seed,
-                               compute=compute, head=head)
-    if config.data.tokenizer is not None:  # a tokenized run: text in and out through its own
+    trained = _trained(run_dir, ema, context=context)
+    model, params, data = trained.model, trained.params, trained.data
+    compute, head = trained.compute, strategies.chosen().decode_head()
+    if trained.tokenizer is not None:
+        return _sample_records(model, params, trained.tokenizer, prompt, tokens,
+                               temperature=temperature, seed=seed, compute=compute, head=head)
+    if data.tokenizer is not None:  # a tokenized run: text in and out through its own
         from trainrun.data.tokenizer import DOCUMENT_TOKEN, load
 
-        tokenizer = load(config.data.tokenizer, config.data.vocab_size)
+        tokenizer = load(data.tokenizer, data.vocab_size)
         # As in training, a document starts with the document token: the prompt opens one.
         ids = [tokenizer.token_to_id(DOCUMENT_TOKEN), *tokenizer.encode(prompt).ids]
         out = generate(model, params, np.array(ids, np.int32), tokens,
@@ -85,14 +84,11 @@ def chat_answers(run_dir: Path | str, questions: Sequence[str | Conversation], t
     require_settings(tokens, temperature, seed)
     require_text("--system", system)
     conversations = [conversation(q, system) for q in questions]
-    config, model, params = _trained(run_dir, ema, chat=True, context=context)
-    assert isinstance(config.data, RecordsData)
-    from trainrun.data import model_tokenizer
-
-    return chat_replies(model, params, model_tokenizer.of_records(config.data),
-                        conversations, tokens, temperature=temperature, seed=seed,
-                        compute=config.precision.compute, batch_size=batch_size,
-                        head=strategies.chosen().decode_head())
+    trained = _trained(run_dir, ema, chat=True, context=context)
+    assert trained.tokenizer is not None
+    return chat_replies(trained.model, trained.params, trained.tokenizer, conversations,
+                        tokens, temperature=temperature, seed=seed, compute=trained.compute,
+                        batch_size=batch_size, head=strategies.chosen().decode_head())
 
 
 # The most of a conversations file read: a larger one, or one that never ends, is refused.
@@ -176,17 +172,68 @@ def conversation(question: str | Conversation, system: str | None = None) -> lis
     return turns
 
 
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """What sampling reads: the model within its context and its params, the dtype it runs
+    in, and how text becomes tokens: ``tokenizer`` (a run on records, or a model directory's
+    own), else the run's text ``data`` section (its ``tokenizer.json``, or bytes)."""
+
+    model: TransformerModel
+    params: PyTree
+    compute: str
+    tokenizer: ModelTokenizer | None
+    data: Any = None
+
+
 def _trained(run_dir: Path | str, ema: bool, chat: bool = False, context: int | None = None,
-             ) -> tuple[Any, TransformerModel, PyTree]:
-    """A language-model run's config, its model within ``context`` (``run_model``) and its
-    latest params (or their moving average) as that model holds them. chat: the run must be
-    one on records, which have a chat template."""
+             ) -> Trained:
+    """A language-model run's model within ``context`` (``run_model``) and its latest params
+    (or their moving average) as that model holds them, or those of a model directory (what
+    ``trainrun export`` writes). chat: the run must be one on records, which have a chat
+    template."""
     from trainrun.checkpointing.run_context import run_model, within
 
+    if _model_directory(run_dir):
+        return _exported(Path(run_dir).expanduser(), ema, context)
     run, config = language_run(run_dir, ema, chat=chat)
     model = run_model(config, context, named=str(run))
     _, state = latest_state(run, config, optimizer_state=False)
-    return config, model, within(model, state.ema if ema else state.params)
+    tokenizer = None
+    if isinstance(config.data, RecordsData):
+        from trainrun.data import model_tokenizer
+
+        tokenizer = model_tokenizer.of_records(config.data)
+    return Trained(model, within(model, state.ema if ema else state.params),
+                   config.precision.compute, tokenizer, config.data)
+
+
+def _model_directory(path: Path | str) -> bool:
+    """Whether ``path`` is a local Hugging Face model or PEFT adapter directory (an export)
+    rather than a run directory."""
+    from trainrun import rundir
+    from trainrun.models.huggingface import CONFIG
+    from trainrun.models.peft import ADAPTER_CONFIG
+
+    if location.is_remote(path):
+        return False
+    folder = Path(path).expanduser()
+    return not (folder / rundir.CONFIG).is_file() and any(
+        (folder / name).is_file() for name in (CONFIG, ADAPTER_CONFIG))
+
+
+def _exported(path: Path, ema: bool, context: int | None) -> Trained:
+    """A model directory's model (``trainrun.load``'s) and its own tokenizer (an adapter
+    directory's, else its base model's), which sampling reads text through."""
+    from trainrun.checkpointing.init_from import records_tokenizer, source_kind
+    from trainrun.data import model_tokenizer
+    from trainrun.evaluation.language_model import load
+
+    loaded = load(path, ema=ema, context=context)
+    tokenizer, _ = records_tokenizer(path, source_kind(path))
+    if not (Path(tokenizer) / "tokenizer.json").is_file():
+        raise SampleError(f"{tokenizer} holds no tokenizer.json, which sampling reads text "
+                          "through; copy the tokenizer files of the model it came from there")
+    return Trained(loaded.config, loaded.params, loaded.compute, model_tokenizer.load(tokenizer))
 
 
 def language_run(run_dir: Path | str, ema: bool, *, chat: bool = False,

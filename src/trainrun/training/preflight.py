@@ -58,13 +58,18 @@ def check_batch(model: Model, data: Any, params: Any, from_config: bool) -> None
                         "data") from None
 
 
-def check_vocab(vocab: int, model: Any, data: Any) -> None:
+def check_vocab(vocab: int, model: Any, data: Any, source: str | None = None) -> None:
     """Refuse token ids a transformer's embedding has no row for (JAX would clip them to the
-    last row without a word)."""
-    if isinstance(model, TransformerModel) and vocab > model.vocab:
-        raise DataError(f"data.tokenizer {data.tokenizer or 'bytes'!r} has {vocab} tokens, more "
-                        f"than model.vocab={model.vocab}; set model.vocab to at least {vocab} "
-                        "(or train from the tokenizer's model with init.from)")
+    last row without a word). source: the run's ``init.from``, which gave the model."""
+    if not (isinstance(model, TransformerModel) and vocab > model.vocab):
+        return
+    named = f"data.tokenizer {data.tokenizer or 'bytes'!r} has {vocab} tokens"
+    if source is not None:
+        raise DataError(f"{named}, more than the {model.vocab} of the model of init.from "
+                        f"{source}; drop data.tokenizer (the records are then read with the "
+                        f"model's own) or give one of at most {model.vocab} tokens")
+    raise DataError(f"{named}, more than model.vocab={model.vocab}; set model.vocab to at "
+                    f"least {vocab} (or train from the tokenizer's model with init.from)")
 
 
 def check_state_memory(abstract_state: Any, shardings: Any,

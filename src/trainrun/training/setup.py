@@ -323,7 +323,8 @@ def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
                                 parts.placement.rows)
         for notice in [*pairs.notices, pairs.batch_holds]:
             console.message(notice)
-        preflight.check_vocab(pairs.counts.vocab, config.model, config.data)
+        preflight.check_vocab(pairs.counts.vocab, config.model, config.data,
+                              config.init.model_source)
         held = None if pairs.eval is None else ("pairs", pairs.eval)
         return (pairs.train, _batches(config, pairs.train, parts), pairs.counts, pairs.files,
                 eval_data if eval_data is not None else held)
@@ -337,7 +338,8 @@ def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
             console.message(notice)
         records = data_counts(config.data)
         if records is not None:
-            preflight.check_vocab(records.vocab, config.model, config.data)
+            preflight.check_vocab(records.vocab, config.model, config.data,
+                                  config.init.model_source)
         files = data_files(config.data)
     return data, _batches(config, data, parts), records, files, eval_data
 

@@ -130,7 +130,8 @@ class RolloutBatches:
                 reference_logps(self.model, start, rollouts, self.settings.compute))
             clock.mark("reference")
         lengths = on_host(rollouts.completion_lengths)
-        values = self._scored(asked, on_host(rollouts.completions), lengths)
+        completions = on_host(rollouts.completions)  # gathered once: every process gathers
+        values = self._scored(asked, completions, lengths)
         total = rewards.total(self.rewards, values)
         advantages = np.asarray(group_advantages(jnp.asarray(total), self.rl.group,
                                                  scale=self.rl.scale_rewards))
@@ -142,8 +143,8 @@ class RolloutBatches:
         batch = self._batch(rollouts, advantages, reference, np.asarray(metrics, np.float32))
         clock.mark("scoring")
         if self.completion_log is not None and self.completion_log.due(step):
-            self.completion_log.keep(step, asked, on_host(rollouts.completions), lengths, values,
-                                     total, advantages)
+            self.completion_log.keep(step, asked, completions, lengths, values, total,
+                                     advantages)
         self.parts.add(step, clock)
         return batch
 

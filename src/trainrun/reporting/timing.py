@@ -71,6 +71,7 @@ class HostParts:
                                        dict(clock.seconds)))
 
     def steady(self) -> list[TimedBatch]:
+        """The batches after the warm-up one (all of them if there is no other)."""
         return self.batches[1:] or self.batches
 
     def median_per_step(self) -> dict[str, float]:

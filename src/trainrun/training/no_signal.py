@@ -1,7 +1,8 @@
 """A reinforcement-learning run that learns nothing, said once. When every group's rewards are
 equal (``frac_reward_zero_std`` 1: every completion of each prompt scored the same), every
 advantage is 0 and the update changes nothing; a model that never earns the reward (one that
-does not answer in the form the rewards check) does that for ever, at a loss of 0. After
+does not answer in the form the rewards check) does that for ever, at a loss of 0, and so does
+one that always earns all of it. After
 ``NO_SIGNAL_BATCHES`` rollout batches in a row of it (or, in a shorter run, all of them) the
 console says so, with what to do."""
 
@@ -13,7 +14,7 @@ from trainrun.reporting.table import Table
 from trainrun.training.hooks import Hook
 
 # Rollout batches in a row with no group that tells its completions apart before the run says
-# so: 4% of the grpo config's run, long past a stretch of bad luck on a model that learns.
+# so: a tenth of the grpo config's run, long past a stretch of bad luck on a model that learns.
 NO_SIGNAL_BATCHES = 20
 GUIDE = "docs/guides/reinforcement-learning.md"
 
@@ -49,7 +50,8 @@ def message(batches: int, reward: float) -> str:
     """What happened and what to do."""
     return (f"no learning signal: in each of the last {batches} rollout batches every "
             f"prompt's completions scored the same (mean reward {reward:.4g}), so every "
-            "advantage is 0 and the updates change nothing. Start from a model that already "
-            "answers in the form the rewards check, right some of the time (init.from a short "
-            f"fine-tune on demonstrations, as {GUIDE} shows), or give rewards that tell "
-            "completions apart, a larger rl.group or a higher rl.temperature")
+            "advantage is 0 and the updates change nothing. If that is the most the rewards "
+            "give, the policy has learnt what they teach; if not, start from a model that "
+            "already answers in the form the rewards check, right some of the time (init.from "
+            f"a short fine-tune on demonstrations, as {GUIDE} shows), or give rewards that "
+            "tell completions apart, a larger rl.group or a higher rl.temperature")

@@ -101,7 +101,7 @@ class RunSummary:
         p, split = self.provenance, self.wall_time_split_s
         step_s = self.step_time_median_s or 0.0
         parts = "  ".join(f"{name} {duration(s)}" for name, s in split.items() if s >= 0.005)
-        per = "update" if self.step_parts_s else "step"  # host parts do no FLOPs counted
+        per = "update" if self.step_parts_s else "step"  # the FLOPs counted: the update's
         flops = (f"{self.flops_per_step:,.0f} FLOPs/{per} ({self.flops_source})"
                  if self.flops_per_step else "")
         if self.mfu is not None and self.peak and self.flops_per_s:

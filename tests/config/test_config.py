@@ -192,7 +192,8 @@ def test_the_rl_section_holds_trls_defaults_and_leaves_other_digests_alone():
                         "top_p": 1.0, "stop_strings": (),
                         "rewards": ({"name": "exact_match", "weight": 1.0, "args": {}},),
                         "reward_timeout": 3600.0, "beta": 0.0, "clip_low": 0.2, "clip_high": 0.2,
-                        "normalisation": "dapo", "updates": 1, "scale_rewards": True}
+                        "normalisation": "dapo", "updates": 1, "scale_rewards": True,
+                        "log_completions": {"every": 0, "count": 4}}
     assert "rl" in config.to_dict()
     chat = load_config("chat")
     assert chat.rl is None and "rl" not in chat.to_dict()

@@ -285,7 +285,8 @@ def test_two_processes_draw_score_and_train_as_one_process(tmp_path: Path,
 
     def settings(name: str) -> list[str]:
         return ["--config", "grpo", *SMALL, "steps=3", "checkpoint.every=3", "rl.beta=0.04",
-                "optimizer.lr=0.01", _rewards({"name": f"{reward_file}:letters",
+                "optimizer.lr=0.01", "rl.log_completions.every=1",
+                _rewards({"name": f"{reward_file}:letters",
                                                "args": {"log": str(logs[name])}})]
 
     single = run_cli("train", *settings("one"), "--run-dir", str(tmp_path / "one"), devices=4)
@@ -305,6 +306,9 @@ def test_two_processes_draw_score_and_train_as_one_process(tmp_path: Path,
     assert len(scored) == 6 and all(len(batch["values"]) == 4 for batch in scored)
     assert sorted(v for b in scored for v in b["values"]) == sorted(
         v for line in logs["one"].read_text().splitlines() for v in json.loads(line)["values"])
+    # the sampled completions are written once, by process 0, as by the one process
+    sampled = {name: (tmp_path / name / "completions.jsonl").read_text() for name in logs}
+    assert len(sampled["one"].splitlines()) == 3 * 4 and sampled["two"] == sampled["one"]
 
 
 ENDING = '''

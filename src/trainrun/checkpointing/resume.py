@@ -40,9 +40,11 @@ from trainrun.program.optim import build_schedule
 
 # Config keys that do not alter a run's trajectory: ``steps`` extends it, K steps per call does
 # not change a bit (tests/training/test_parity.py), eval reads the params without changing them,
-# the rest are bookkeeping. Any other change is refused unless the user asks for it.
+# the rest are bookkeeping (rl.log_completions: what is written of the rollouts). Any other
+# change is refused unless the user asks for it.
 RESUMABLE_KEYS = ("name", "steps", "steps_per_call", "checkpoint", "eval",
-                  "data.prefetch_threads", "distributed", "metrics", "profile", "storage")
+                  "data.prefetch_threads", "distributed", "metrics", "profile", "storage",
+                  "rl.log_completions")
 # Provenance fields that, when they differ, void the promise of bitwise equality ("lock": the
 # digest of requirements.lock, the whole tested set of packages).
 NUMERIC_PROVENANCE = ("trainrun", "jax", "jaxlib", "lock", "backend", "device_kind",

@@ -591,6 +591,16 @@ class RewardSpec(Section):
     args: dict[str, Any] = Field(default_factory=dict)
 
 
+class CompletionLog(Section):
+    """Sampled completions of a reinforcement-learning run, as TRL's ``log_completions``:
+    ``count`` completions of the rollout batch of every ``every``-th step (0: none), spread
+    over its prompts, each with its prompt, its rewards and its advantage, written to the run
+    directory's ``completions.jsonl``."""
+
+    every: int = Field(default=0, ge=0)
+    count: int = Field(default=4, gt=0)
+
+
 class RLConfig(Section):
     """Reinforcement learning with group-relative advantages (GRPO and its variants) on prompt
     records: each step draws ``group`` completions of ``prompts`` prompts from the current
@@ -612,6 +622,7 @@ class RLConfig(Section):
     normalisation: ``grpo``, ``dapo`` or ``dr_grpo``.
     updates: optimizer steps per rollout batch (mu); the run's steps count each of them.
     scale_rewards: divide each group's centred rewards by their standard deviation.
+    log_completions: sampled completions written to ``completions.jsonl`` (``CompletionLog``).
     """
 
     group: int = Field(default=8, ge=2)
@@ -628,6 +639,7 @@ class RLConfig(Section):
     normalisation: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     updates: int = Field(default=1, gt=0)
     scale_rewards: bool = True
+    log_completions: CompletionLog = Field(default_factory=CompletionLog)
 
     @pydantic.field_validator("stop_strings", mode="before")
     @classmethod

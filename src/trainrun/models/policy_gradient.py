@@ -5,7 +5,9 @@ tokens it generated, in float32. The formulas and defaults are TRL's ``GRPOTrain
 - Advantages (``group_advantages``): each prompt's ``G`` rewards less their mean, divided by
   their standard deviation (Bessel-corrected, as ``torch.std``) plus ``eps``. A NaN reward (a
   completion no reward applies to) is left out of its group's mean and deviation and gets
-  advantage 0, as TRL's ``nanmean``, ``nanstd`` and ``nan_to_num`` have it.
+  advantage 0, as TRL's ``nanmean``, ``nanstd`` and ``nan_to_num`` have it. A group whose
+  rewards are all equal has none to learn from (``zero_spread_fraction``: TRL's
+  ``frac_reward_zero_std``).
 - Per token: ``-min(r A, clip(r, 1 - low, 1 + high) A) + beta r k3``, with ``r = exp(logp -
   old logp)`` the ratio to the params that drew the completions and ``k3 = exp(ref - logp) -
   (ref - logp) - 1`` the estimator of the KL divergence to the reference. The KL term is
@@ -20,10 +22,12 @@ tokens it generated, in float32. The formulas and defaults are TRL's ``GRPOTrain
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Normalisation = Literal["grpo", "dapo", "dr_grpo"]
 
@@ -40,6 +44,16 @@ def group_advantages(rewards: jax.Array, group: int, eps: float = 1e-4,
         spread = jnp.nanstd(grouped, axis=1, ddof=1 if group > 1 else 0, keepdims=True)
         centred = centred / (spread + eps)
     return jnp.nan_to_num(centred.reshape(-1), nan=0.0)
+
+
+def zero_spread_fraction(rewards: np.ndarray, group: int) -> float:
+    """The fraction of ``[prompts * group]`` host rewards' groups whose standard deviation is
+    zero (``isclose`` to it, as TRL's ``frac_reward_zero_std``): their advantages are all 0."""
+    grouped = np.asarray(rewards, np.float32).reshape(-1, group)
+    with warnings.catch_warnings():  # a group with fewer than two numbers: NaN, not zero
+        warnings.simplefilter("ignore", RuntimeWarning)
+        spread = np.nanstd(grouped, axis=1, ddof=1 if group > 1 else 0)
+    return float(np.isclose(spread, 0.0).mean())
 
 
 @dataclasses.dataclass(frozen=True)

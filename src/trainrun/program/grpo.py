@@ -74,15 +74,17 @@ def host_metric_names(rl: RLConfig) -> tuple[str, ...]:
     """The metrics the host measures of each rollout batch, in its ``host_metrics`` column's
     order: each reward's mean and standard deviation over the completions
     (``rewards/<name>/mean``, ``.../std``; ``<name>`` the function's), the weighted total's
-    (``reward``, ``reward_std``), and the generation's tokens per second and the update's
-    (those of the rollout batch before: measured as the next is drawn; 0 on the first)."""
+    (``reward``, ``reward_std``), the fraction of groups whose totals are all equal
+    (``frac_reward_zero_std``, TRL's: no advantage to learn from), and the generation's tokens
+    per second and the update's (those of the rollout batch before: measured as the next is
+    drawn; 0 on the first)."""
     labels: list[str] = []
     for spec in rl.rewards:
         label = spec.name.rpartition(":")[2] or spec.name
         labels.append(label if label not in labels else f"{label}_{len(labels)}")
     per_reward = [f"rewards/{label}/{kind}" for label in labels for kind in ("mean", "std")]
-    return (*per_reward, "reward", "reward_std", "generation_tokens_per_s",
-            "update_tokens_per_s")
+    return (*per_reward, "reward", "reward_std", "frac_reward_zero_std",
+            "generation_tokens_per_s", "update_tokens_per_s")
 
 
 def as_bits(array: np.ndarray) -> np.ndarray:

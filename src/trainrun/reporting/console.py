@@ -1,7 +1,9 @@
 """What a run prints while it trains: a rich progress bar on a terminal (step/total, loss, lr,
-examples or tokens per second, ETA), plain log lines anywhere else (CI, a file), never a redraw
-there. Both take the loop's log points and messages through the same methods. The steps/s
-shown is the step compute of the window a line closes (``timing.StepTimer``)."""
+a reinforcement-learning run's mean reward, examples or tokens per second, ETA), plain log lines
+anywhere else (CI, a file), never a redraw there. Both take the loop's log points and messages
+through the same methods. The steps/s shown is the step compute of the window a line closes
+(``timing.StepTimer``), with the parts of its steps made on the host (a reinforcement-learning
+run's rollouts)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from trainrun.errors import printable
 
 
 class ConsoleLog:
-    """Plain log lines every ``metrics.every`` steps: step, loss, lr, steps/s, examples/s. Used when
-    the output is not a terminal (CI, a file): one line per log point, never a redraw."""
+    """Plain log lines every ``metrics.every`` steps: step, loss, lr, the mean reward where there
+    is one, steps/s, examples/s. Used when the output is not a terminal (CI, a file): one line
+    per log point, never a redraw."""
 
     def __init__(self, total_steps: int, examples_per_step: int, out: TextIO | None = None,
                  unit: str = "examples"):
@@ -32,7 +35,7 @@ class ConsoleLog:
         width = len(str(self.total))
         self.out.write(
             f"step {step:>{width}}/{self.total}  loss {metrics['loss']:.6g}  "
-            f"lr {metrics['lr']:.3g}  {steps_per_s:,.1f} steps/s  "
+            f"lr {metrics['lr']:.3g}  {_reward(metrics)}{steps_per_s:,.1f} steps/s  "
             f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s{note}\n")
         self.out.flush()
 
@@ -69,7 +72,8 @@ class ConsoleProgress:
 
     def line(self, step: int, metrics: Mapping[str, float], steps_per_s: float,
              note: str = "") -> None:
-        rate = f"{steps_per_s * self.examples_per_step:,.0f} {self.unit}/s{note}"
+        rate = (f"{_reward(metrics)}{steps_per_s * self.examples_per_step:,.0f} "
+                f"{self.unit}/s{note}")
         self.progress.update(self.task, completed=step, loss=f"{metrics['loss']:.5g}",
                              lr=f"{metrics['lr']:.3g}", rate=rate)
         self.progress.refresh()
@@ -95,6 +99,11 @@ def make_console(total_steps: int, examples_per_step: int, out: TextIO,
     if RichConsole(file=out).is_terminal:
         return ConsoleProgress(total_steps, examples_per_step, out, unit)
     return ConsoleLog(total_steps, examples_per_step, out, unit)
+
+
+def _reward(metrics: Mapping[str, float]) -> str:
+    """A reinforcement-learning run's mean reward, as the line shows it ("" where none)."""
+    return f"reward {metrics['reward']:.4g}  " if "reward" in metrics else ""
 
 
 def _lines(text: str) -> str:

@@ -1,5 +1,6 @@
 """The fan-out: a run's metric rows to every sink, its log steps to the console, its timing
-windows to ``timing.jsonl``."""
+windows to ``timing.jsonl``, a reinforcement-learning run's sampled completions to
+``completions.jsonl``."""
 
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ class RunOutput:
 
     def __init__(self, writers: list[Writer], console: Console,
                  log_every: int, total_steps: int, timing: JsonlWriter | None = None,
-                 start_step: int = 0):
+                 start_step: int = 0, completions: JsonlWriter | None = None):
         self.writers = writers
         self.console = console
         self.log_every = log_every
         self.total = total_steps
         self.timing = timing
+        self.completions = completions
         self.lock = threading.Lock()
         self.last_log = (start_step, time.perf_counter())
 
@@ -86,6 +88,14 @@ class RunOutput:
                 if not isinstance(writer, JsonlWriter):
                     writer.write(step, perf, "perf")
 
+    def write_completions(self, records: list[dict[str, Any]]) -> None:
+        """Sampled completions to ``completions.jsonl`` (none where it is not written: a
+        process other than 0, or a run that logs none)."""
+        with self.lock:
+            if self.completions is not None:
+                for record in records:
+                    self.completions.write_record(record)
+
     def message(self, text: str) -> None:
         with self.lock:
             self.console.message(text)
@@ -93,7 +103,7 @@ class RunOutput:
     def flush(self) -> None:
         """Rows written so far reach the files (before a checkpoint: they survive a kill)."""
         with self.lock:
-            for writer in [*self.writers, self.timing]:
+            for writer in [*self.writers, self.timing, self.completions]:
                 if writer is not None:
                     writer.flush()
 
@@ -101,9 +111,10 @@ class RunOutput:
         with self.lock:
             for writer in self.writers:
                 writer.close()
-            if self.timing is not None:
-                self.timing.close()
-            self.writers, self.timing = [], None
+            for jsonl in (self.timing, self.completions):
+                if jsonl is not None:
+                    jsonl.close()
+            self.writers, self.timing, self.completions = [], None, None
             self.console.close()
 
 
@@ -111,10 +122,11 @@ def build_output(run_dir: Path, console: Console, *, log_every: int,
                  total_steps: int, primary: bool, start_step: int = 0, tensorboard: bool = True,
                  wandb: Literal["off", "offline", "online"] = "off",
                  wandb_project: str = "trainrun",
-                 config: dict[str, Any] | None = None, name: str = "run") -> RunOutput:
+                 config: dict[str, Any] | None = None, name: str = "run",
+                 completions: bool = False) -> RunOutput:
     """A run's ``RunOutput`` around its ``console`` (made earlier, for start-up messages).
     ``primary`` is process 0: the others write no files and print no lines (they would repeat
-    process 0's)."""
+    process 0's). completions: the run writes ``completions.jsonl``."""
     if not primary:
         silent = ConsoleLog(total_steps, 1, open(os.devnull, "w"))  # noqa: SIM115
         return RunOutput([], silent, log_every, total_steps, start_step=start_step)
@@ -126,4 +138,5 @@ def build_output(run_dir: Path, console: Console, *, log_every: int,
         writers.append(WandbWriter(run_dir, config or {}, name, wandb, wandb_project,
                                    log_every, total_steps))
     return RunOutput(writers, console, log_every, total_steps,
-                     JsonlWriter(run_dir / rundir.TIMING), start_step)
+                     JsonlWriter(run_dir / rundir.TIMING), start_step,
+                     JsonlWriter(run_dir / rundir.COMPLETIONS) if completions else None)

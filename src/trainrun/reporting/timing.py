@@ -1,5 +1,7 @@
 """How trainrun measures: compile apart from steps, steady state after warmup, step compute seen
-through blocking reads, the wall time by phase. ``training/summary.py`` puts them together."""
+through blocking reads, the parts of a step made on the host before its update (a
+reinforcement-learning run's rollouts), the wall time by phase. ``training/summary.py`` puts
+them together."""
 
 from __future__ import annotations
 
@@ -28,6 +30,79 @@ class Window:
         return self.compute_s / self.steps if self.steps else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class TimedBatch:
+    """One batch made on the host: drawn after ``step`` steps, from ``started`` to ``ended``
+    (``time.perf_counter``), ``seconds`` in each of its parts."""
+
+    step: int
+    started: float
+    ended: float
+    seconds: dict[str, float]
+
+
+class PartClock:
+    """The parts of one batch as it is made: ``mark(part)`` ends the part begun at the last
+    mark (or at the start); a part marked twice adds up."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
+        self.last = now
+
+
+@dataclasses.dataclass
+class HostParts:
+    """The parts of a step made on the host before its update, a batch at a time: a
+    reinforcement-learning run's generation, reference pass and scoring. A batch serves
+    ``steps_per_batch`` steps. The first batch is warm-up (its programs compile as it is
+    drawn): the per-step figures leave it out when there are others."""
+
+    steps_per_batch: int = 1
+    batches: list[TimedBatch] = dataclasses.field(default_factory=list)
+
+    def add(self, step: int, clock: PartClock) -> None:
+        """The batch drawn after ``step`` steps, timed by ``clock``, done now."""
+        self.batches.append(TimedBatch(step, clock.started, time.perf_counter(),
+                                       dict(clock.seconds)))
+
+    def steady(self) -> list[TimedBatch]:
+        """The batches after the warm-up one (all of them if there is no other)."""
+        return self.batches[1:] or self.batches
+
+    def median_per_step(self) -> dict[str, float]:
+        """Each part's median seconds per step (``{}``: no batch was drawn)."""
+        steady = self.steady()
+        names = dict.fromkeys(name for batch in steady for name in batch.seconds)
+        return {name: statistics.median(b.seconds.get(name, 0.0) for b in steady)
+                / self.steps_per_batch for name in names}
+
+    def totals(self) -> dict[str, float]:
+        """Each part's seconds over every batch (warm-up included): wall time."""
+        totals: dict[str, float] = {}
+        for batch in self.batches:
+            for name, seconds in batch.seconds.items():
+                totals[name] = totals.get(name, 0.0) + seconds
+        return totals
+
+    def per_step_s(self, first: int, last: int) -> float:
+        """Seconds per step of the batches that serve steps ``first..last`` (warm-up left
+        out where another is there); 0 when none."""
+        served = [b for b in self.steady() if first - self.steps_per_batch <= b.step < last]
+        if not served:
+            return 0.0
+        return (sum(sum(b.seconds.values()) for b in served)
+                / (len(served) * self.steps_per_batch))
+
+    def within(self, start: float, end: float) -> float:
+        """The batches' seconds between ``start`` and ``end`` (``time.perf_counter``)."""
+        return sum(max(min(b.ended, end) - max(b.started, start), 0.0) for b in self.batches)
+
+
 @dataclasses.dataclass
 class StepTimer:
     """Step compute time, a window of calls at a time (each window ended by a blocking read).
@@ -48,6 +123,10 @@ class StepTimer:
     too (``first_calls_s``): it takes far longer than the next (the runtime's first execution
     of a new program), which alone put the first log line's steps/s far below the others'
     (BENCHMARKS.md, "The default checkpoint policy on the default MLP").
+
+    host: the parts of each step made on the host before its update (``HostParts``); with
+    asynchronous calls the batches drawn inside a window are taken out of its compute, which
+    is then the updates' alone, as inline.
     """
 
     inline: bool = False
@@ -55,6 +134,7 @@ class StepTimer:
     windows: list[Window] = dataclasses.field(default_factory=list)
     first_calls_s: float = 0.0
     first_calls: list[Window] = dataclasses.field(default_factory=list)  # a run of one call
+    host: HostParts | None = None
     _last_done: float | None = None
 
     def record(self, last_step: int, calls: list[Any], during_save: bool = False) -> Window:
@@ -77,7 +157,10 @@ class StepTimer:
             steps -= first_steps
         else:
             first = calls[0].dispatched_at
-            compute = done - (first if self._last_done is None else max(first, self._last_done))
+            start = first if self._last_done is None else max(first, self._last_done)
+            compute = done - start
+            if self.host is not None:  # the host drew batches for the later calls meanwhile
+                compute = max(compute - self.host.within(start, done), 0.0)
         self._last_done = done
         window = Window(last_step, steps, compute, during_save, first_steps, first_s)
         self.windows.append(window)
@@ -173,7 +256,9 @@ class _Phase:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Timing:
-    """A run's wall-time split (``watch``) and its step windows (``timer``)."""
+    """A run's wall-time split (``watch``), its step windows (``timer``) and the parts of its
+    steps made on the host (``parts``: None where batches are only read)."""
 
     watch: Stopwatch
     timer: StepTimer
+    parts: HostParts | None = None

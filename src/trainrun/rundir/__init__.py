@@ -18,6 +18,7 @@ from trainrun.rundir.checkpoint_steps import committed_steps, uncommitted_steps
 from trainrun.rundir.layout import (
     CHECKPOINTS,
     COMMIT_FILE,
+    COMPLETIONS,
     CONFIG,
     DATA_FILES,
     FORMAT,
@@ -48,6 +49,7 @@ from trainrun.rundir.status import (
 __all__ = [
     "CHECKPOINTS",
     "COMMIT_FILE",
+    "COMPLETIONS",
     "CONFIG",
     "DATA_FILES",
     "FORMAT",

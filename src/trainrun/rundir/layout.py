@@ -8,6 +8,7 @@
               metrics.jsonl     one line per training step (and per eval)
               summary.json      written at the end: final loss, timing, throughput
               timing.jsonl      one line per timing window: device time per step
+              completions.jsonl sampled completions of an rl run (rl.log_completions)
               status.json       running | finished | preempted | failed, and by which process
               tensorboard/      TensorBoard event files
               checkpoints/      Orbax step directories (see checkpoint.py)
@@ -28,13 +29,15 @@ DATA_FILES = "data_files.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 TIMING = "timing.jsonl"
+COMPLETIONS = "completions.jsonl"
 STATUS = "status.json"
 CHECKPOINTS = "checkpoints"  # the checkpoint folder in a run directory, unless checkpoint.dir
 ORBAX_TMP = ".orbax-checkpoint-tmp"  # Orbax's suffix for a step still being written
 COMMIT_FILE = "commit_success.txt"  # Orbax's mark of a committed step on object storage
 
 # The files a run writes at its top: none may be a link, which a write would follow out of it.
-RUN_FILES = (MARKER, LOCK, CONFIG, PROVENANCE, DATA_FILES, METRICS, SUMMARY, TIMING, STATUS)
+RUN_FILES = (MARKER, LOCK, CONFIG, PROVENANCE, DATA_FILES, METRICS, SUMMARY, TIMING, STATUS,
+             COMPLETIONS)
 
 
 def default_run_dir(config: RunConfig) -> Path:

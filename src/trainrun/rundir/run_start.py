@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.config import RunConfig, dump_yaml
-from trainrun.rundir.layout import CONFIG, DATA_FILES, METRICS, PROVENANCE, TIMING
+from trainrun.rundir.layout import COMPLETIONS, CONFIG, DATA_FILES, METRICS, PROVENANCE, TIMING
 from trainrun.rundir.run_files import DamagedFile, read_json, write_json, write_text
 from trainrun.storage import location
 
@@ -18,8 +18,8 @@ def start(run_dir: Path, config: RunConfig, provenance: dict[str, Any], step: in
           data_files: dict[str, str] | None = None) -> None:
     """Write the run's files for a run (re)starting at ``step``: the config (``steps`` may have
     grown), this process's provenance, the fingerprint of each data file it reads (None: data
-    given as a dataset, nothing recorded), and ``metrics.jsonl`` cut back to ``step`` so that
-    each step is in it once."""
+    given as a dataset, nothing recorded), and ``metrics.jsonl`` (``timing.jsonl``,
+    ``completions.jsonl``) cut back to ``step`` so that each step is in it once."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / CONFIG, dump_yaml(config))
     write_json(run_dir / PROVENANCE, provenance)
@@ -27,6 +27,7 @@ def start(run_dir: Path, config: RunConfig, provenance: dict[str, Any], step: in
         write_json(run_dir / DATA_FILES, {"files": data_files})
     truncate_metrics(run_dir / METRICS, step)
     truncate_metrics(run_dir / TIMING, step)
+    truncate_metrics(run_dir / COMPLETIONS, step)
 
 
 def read_data_files(run_dir: Path) -> dict[str, str] | None:

@@ -58,7 +58,7 @@ class Finish:
         summary = summarize(self.config, boundary, time.perf_counter() - self.wall_start,
                             flops=flops, timer=self.timing.timer, watch=self.timing.watch,
                             batch_size=self.batch_size, start_step=self.start_step,
-                            final_metrics=self.log.last,
+                            final_metrics=self.log.last, parts=self.timing.parts,
                             best_checkpoint=self.checkpoints.best(),
                             provenance=reporting.provenance)
         self.checkpoints.close()

@@ -1,7 +1,8 @@
 """The metrics hook: every table of training metrics the run reads goes to the writers
 (``metrics.jsonl``, TensorBoard, W&B) and its log steps to the console; every timing window to
 ``timing.jsonl``. The console's steps/s at a log line is the step compute of the window that
-line closes (``timing.StepTimer``).
+line closes (``timing.StepTimer``), with the parts of those steps made on the host (a
+reinforcement-learning run's rollouts: ``timing.HostParts``).
 
 Every write goes through the log's ``Writes``: ``InlineWrites`` writes in the loop's thread;
 another may write elsewhere, in order (``fast/writer_thread.py``), so the loop waits for it
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from trainrun.reporting.run_output import RunOutput
 from trainrun.reporting.table import Table
-from trainrun.reporting.timing import StepTimer, Stopwatch, Window
+from trainrun.reporting.timing import HostParts, StepTimer, Stopwatch, Window
 from trainrun.training.hooks import Hook
 
 
@@ -54,10 +55,13 @@ class MetricLog(Hook):
 
     streamed: rows already went out from inside the calls (``metrics.stream``); only the
     timing windows are written here.
-    writes: where the writes run (``InlineWrites`` when None)."""
+    writes: where the writes run (``InlineWrites`` when None).
+    parts: the parts of each step made on the host (a reinforcement-learning run's rollouts):
+    the console's steps/s counts them beside the update."""
 
     def __init__(self, output: RunOutput, timer: StepTimer, watch: Stopwatch, batch_size: int,
-                 streamed: bool = False, writes: Writes | None = None):
+                 streamed: bool = False, writes: Writes | None = None,
+                 parts: HostParts | None = None):
         self.output = output
         self.timer = timer
         self.watch = watch
@@ -66,6 +70,7 @@ class MetricLog(Hook):
         self.last: dict[str, float] = {}  # the newest row read (the run's final metrics)
         self.ordered = OrderedOutput(self)  # eval rows and messages, timed as logging
         self.writes = writes or InlineWrites()
+        self.parts = parts
 
     def on_table(self, table: Table) -> None:
         self.last = table.row(len(table.values) - 1)
@@ -75,7 +80,7 @@ class MetricLog(Hook):
     def _write(self, table: Table, window: Window) -> None:
         rate, note = None, " (a checkpoint was being written)" if window.during_save else ""
         if window.per_step_s > 0:
-            rate = 1.0 / window.per_step_s
+            rate = 1.0 / (window.per_step_s + self._host_per_step_s(window))
         elif window.first_run_s > 0:  # only first runs read: their rate, said to be that
             rate = window.first_run_steps / window.first_run_s
             note += " (first run of its program: one-time set-up included)"
@@ -84,6 +89,13 @@ class MetricLog(Hook):
         if window.steps:  # timing.jsonl holds timed windows only
             self.output.write_window(table.last, window.steps, window.per_step_s,
                                      self.batch_size)
+
+    def _host_per_step_s(self, window: Window) -> float:
+        """Seconds per step made on the host before the updates of ``window``'s steps."""
+        if self.parts is None:
+            return 0.0
+        first = window.last_step - window.steps - window.first_run_steps + 1
+        return self.parts.per_step_s(first, window.last_step)
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` (a write) after every job handed before it (``Writes.submit``). The
@@ -136,3 +148,7 @@ class OrderedOutput:
 
     def message(self, text: str) -> None:
         self.log.submit(lambda: self.log.output.message(text))
+
+    def completions(self, records: list[dict[str, Any]]) -> None:
+        """Sampled completions to ``completions.jsonl``."""
+        self.log.submit(lambda: self.log.output.write_completions(records))

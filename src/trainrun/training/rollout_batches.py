@@ -13,7 +13,10 @@ or from the params with the LoRA adapters off. The batch then serves the ``rl.up
 of one call.
 
 The calls hand the state they start from to ``follow`` before taking their batches; the data
-position (``get_state``/``set_state``) is the step, as the checkpoint keeps it.
+position (``get_state``/``set_state``) is the step, as the checkpoint keeps it. Each batch's
+parts are timed (``parts``: generation, the reference pass, scoring), so a step's time counts
+them beside the update; every ``rl.log_completions.every`` steps a few of the batch's
+completions are kept for ``completions.jsonl`` (``completion_log``).
 
 In a run of several processes every process draws the same rollouts (the same prompts, keys
 and params, the rows split over the mesh), scores the completions of the rows its devices
@@ -34,7 +37,7 @@ from trainrun.config import RunConfig, TransformerModel
 from trainrun.data import model_tokenizer, rewards
 from trainrun.data.pipeline import process_rows
 from trainrun.data.prompt_records import Prompt, completion_texts, score_completions
-from trainrun.models.policy_gradient import group_advantages
+from trainrun.models.policy_gradient import group_advantages, zero_spread_fraction
 from trainrun.program.decode import StopStrings
 from trainrun.program.grpo import as_bits
 from trainrun.program.rollouts import (
@@ -45,6 +48,8 @@ from trainrun.program.rollouts import (
 )
 from trainrun.program.sharding import every_process_rows, on_host
 from trainrun.program.state import TrainState
+from trainrun.reporting.timing import HostParts, PartClock
+from trainrun.training.completion_log import CompletionLog
 
 Batch = dict[str, np.ndarray]
 
@@ -76,6 +81,8 @@ class RolloutBatches:
         self.state: TrainState | None = None
         self.batch: Batch | None = None
         self.updated_since: float | None = None  # when the last batch was handed over
+        self.parts = HostParts(self.rl.updates)
+        self.completion_log: CompletionLog | None = None  # set where completions are written
 
     def follow(self, state: TrainState) -> None:
         """The state the next call starts from: its params draw the rollouts."""
@@ -112,28 +119,44 @@ class RolloutBatches:
         assert self.state is not None, "follow(state) before the first batch"
         state = self.state
         jax.block_until_ready(state.params)  # the last update's end: its time is measured
-        started = time.perf_counter()
-        update_rate = self._update_rate(started)
+        clock = PartClock()
+        update_rate = self._update_rate(clock.started)
         asked = self.batch_prompts(step // self.rl.updates)
-        rollouts = draw_rollouts(self.model, state.params, [p.ids for p in asked], state.key,
-                                 step, self.settings, self.mesh, width=self.width,
-                                 old_logps=self.rl.updates > 1)
+        rollouts = jax.block_until_ready(draw_rollouts(
+            self.model, state.params, [p.ids for p in asked], state.key, step, self.settings,
+            self.mesh, width=self.width, old_logps=self.rl.updates > 1))
+        clock.mark("generation")
         reference = None
         if self.rl.beta:
             start = state.params if state.model_state is None else state.model_state
-            reference = reference_logps(self.model, start, rollouts, self.settings.compute)
+            reference = jax.block_until_ready(
+                reference_logps(self.model, start, rollouts, self.settings.compute))
+            clock.mark("reference")
         lengths = on_host(rollouts.completion_lengths)
-        values = self._scored(asked, on_host(rollouts.completions), lengths, step)
+        completions = on_host(rollouts.completions)  # gathered once: every process gathers
+        values = self._scored(asked, completions, lengths, step)
         total = rewards.total(self.rewards, values)
         advantages = np.asarray(group_advantages(jnp.asarray(total), self.rl.group,
                                                  scale=self.rl.scale_rewards))
-        seconds = max(time.perf_counter() - started, 1e-9)
+        seconds = max(time.perf_counter() - clock.started, 1e-9)
         # each reward's over the completions it applies to (not None), the total's over those
         # any applies to: TRL's nanmean
         metrics = [x for row in values for x in rewards.mean_and_std(row)]
-        metrics += [*rewards.mean_and_std(total), lengths.sum() / seconds, update_rate]
+        metrics += [*rewards.mean_and_std(total), zero_spread_fraction(total, self.rl.group),
+                    lengths.sum() / seconds, update_rate]
         self.updated_since = time.perf_counter()
-        return self._batch(rollouts, advantages, reference, np.asarray(metrics, np.float32))
+        batch = self._batch(rollouts, advantages, reference, np.asarray(metrics, np.float32))
+        clock.mark("scoring")
+        if self.completion_log is not None and self.completion_log.due(step):
+            self.completion_log.keep(step, asked, completions, lengths, values, total,
+                                     advantages)
+        self.parts.add(step, clock)
+        return batch
+
+    def texts(self, ids: list[np.ndarray]) -> list[str]:
+        """Completions' texts as the rewards read them (``completion_texts``)."""
+        return completion_texts(self.tokenizer, ids,
+                                self.stops.cut if self.stops is not None else lambda t: t)
 
     def _update_rate(self, now: float) -> float:
         """Tokens per second of the updates on the last rollout batch (0 before any)."""

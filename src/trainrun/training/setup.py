@@ -98,11 +98,13 @@ from trainrun.training.background_compile import BackgroundCompile
 from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.calls import CallRunner
 from trainrun.training.checkpoint_hook import CheckpointHook
+from trainrun.training.completion_log import CompletionLog
 from trainrun.training.evaluation import EvalHook, EvalSchedule, Evaluator, PromptEvaluator
 from trainrun.training.finish import Finish
 from trainrun.training.hooks import Hook, HookRunner
 from trainrun.training.metric_log import MetricLog, OrderedOutput
 from trainrun.training.metrics_reader import MetricsReader
+from trainrun.training.no_signal import NoSignalNotice
 from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
 from trainrun.training.preference_data import pair_batches, preference_data
@@ -179,7 +181,7 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
     data, batches, records, files, eval_data = _data(config, asked, parts, console)
     evaluator = _evaluator(config, parts, eval_data, chosen.decode_head())
     stream = _metric_stream(config)
-    timing = Timing(watch=watch, timer=StepTimer(inline=chosen.switch.inline_cpu_calls))
+    timing = _timing(chosen, batches, watch)
     compiled_steps = _compiled_steps(config, parts, timing.watch, stream, chosen)
     init_compiling = _init_compiling(config, parts, resumes, timing.watch, cleanup)
     programs = _checked_programs(compiled_steps, chosen, config, data, batches, parts, resumes)
@@ -202,7 +204,8 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
     hooks = HookRunner(
         build_hooks(config, reporting, log, timing.watch, checkpoints, batches=batches,
                     evaluator=evaluator, mirror=mirror, start_nonfinite=start.nonfinite,
-                    preemption=preemption, callbacks=asked.callbacks, clock=asked.clock),
+                    preemption=preemption, callbacks=asked.callbacks, clock=asked.clock,
+                    start_step=start.step),
         config.steps_per_call, config.steps,
         MetricsReader(programs, timing.timer, config.metrics.every), programs.state,
         params_copier(programs))
@@ -236,6 +239,14 @@ def _process(config: RunConfig, directory: rundir.RunDirectory, watch: Stopwatch
     if primary:
         directory.check()
     return chosen, primary, prov
+
+
+def _timing(chosen: Strategies, batches: Any, watch: Stopwatch) -> Timing:
+    """The run's clocks; a reinforcement-learning run's rollout batches time the parts of each
+    step drawn on the host (``timing.HostParts``)."""
+    parts = batches.parts if isinstance(batches, RolloutBatches) else None
+    return Timing(watch=watch,
+                  timer=StepTimer(inline=chosen.switch.inline_cpu_calls, host=parts), parts=parts)
 
 
 def _batch_size(config: RunConfig) -> int:
@@ -450,7 +461,8 @@ def _reporting(config: RunConfig, run_dir: Path, console: Console, primary: bool
         run_dir, console, log_every=config.metrics.every, total_steps=config.steps,
         primary=primary, start_step=start, tensorboard=config.metrics.tensorboard,
         wandb=config.metrics.wandb, wandb_project=config.metrics.wandb_project,
-        config=config.to_dict(), name=config.name)
+        config=config.to_dict(), name=config.name,
+        completions=config.rl is not None and config.rl.log_completions.every > 0)
     if primary:
         rundir.write_status(run_dir, "running", start)
     return Reporting(run_dir=run_dir, primary=primary, provenance=prov, console=console,
@@ -489,15 +501,16 @@ def metric_log(output: RunOutput, timing: Timing, batch_size: int, streamed: boo
                chosen: Strategies) -> MetricLog:
     """The run's metric log: rows read from the calls, written to ``output``."""
     return MetricLog(output, timing.timer, timing.watch, batch_size, streamed=streamed,
-                     writes=chosen.metric_writes())
+                     writes=chosen.metric_writes(), parts=timing.parts)
 
 
 def build_hooks(config: RunConfig, reporting: Reporting, log: MetricLog, watch: Stopwatch,
                 checkpoints: Checkpoints, *, batches: Any, evaluator: EvalSchedule | None,
                 mirror: RunMirror | None, start_nonfinite: int, preemption: Preemption,
-                callbacks: list[Callback], clock: Clock) -> list[Hook]:
+                callbacks: list[Callback], clock: Clock, start_step: int = 0) -> list[Hook]:
     """The run's hooks, in the order they act at every boundary (``hooks.py``): the metric log
-    first (the loop finishes it last), the checkpoint's last."""
+    first (the loop finishes it last), a reinforcement-learning run's rollout reports, the
+    checkpoint's last."""
 
     def before_halt() -> None:  # the last good checkpoint commits; the files are closed
         log.finish()
@@ -507,6 +520,8 @@ def build_hooks(config: RunConfig, reporting: Reporting, log: MetricLog, watch: 
     output = log.ordered  # every later write is timed as logging
     hooks: list[Hook] = [
         log, NonFinitePolicy(config.nonfinite, output, start_nonfinite, before_halt)]
+    if isinstance(batches, RolloutBatches):
+        hooks += _rollout_hooks(config, batches, output, reporting.primary, start_step)
     if config.profile.steps and reporting.primary:
         hooks.append(ProfileWindow(config.profile.steps, reporting.run_dir,
                                    say=output.message, watch=watch))
@@ -516,6 +531,19 @@ def build_hooks(config: RunConfig, reporting: Reporting, log: MetricLog, watch: 
     hooks += _callback_hooks(config.steps_per_call, callbacks, output, watch)
     return hooks + _checkpoint_hooks(config, checkpoints, log, watch, batches=batches,
                                      mirror=mirror, clock=clock, callbacks=callbacks)
+
+
+def _rollout_hooks(config: RunConfig, batches: RolloutBatches, output: OrderedOutput,
+                   primary: bool, start_step: int) -> list[Hook]:
+    """A reinforcement-learning run's reports on its rollouts: the notice of a run with no
+    learning signal, and on process 0 the sampled completions (``rl.log_completions``)."""
+    assert config.rl is not None
+    hooks: list[Hook] = [NoSignalNotice(config.rl.updates, config.steps - start_step,
+                                        output.message)]
+    if primary and config.rl.log_completions.every:
+        batches.completion_log = CompletionLog(config.rl, batches.texts, output.completions)
+        hooks.append(batches.completion_log)
+    return hooks
 
 
 def _callback_hooks(steps_per_call: int, callbacks: list[Callback], output: OrderedOutput,

@@ -1,4 +1,5 @@
-"""``metrics.jsonl``: the metrics file every run writes, and its reader."""
+"""``metrics.jsonl``: the metrics file every run writes, and its reader. The same writer
+appends the records of a run's other JSONL files (``completions.jsonl``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +72,10 @@ class JsonlWriter:
 
     def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
         self._add(self._line(step, metrics, split))
+
+    def write_record(self, record: Mapping[str, Any]) -> None:
+        """Any JSON object as one line (a sampled completion: texts beside numbers)."""
+        self._add(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n")
 
     def write_table(self, table: Table, split: str = "train") -> None:
         """The table's rows (float32 values, ``%.9g``), each through a ``%`` template made once

@@ -18,6 +18,7 @@ from PIL import Image
 from trainrun import rundir
 from trainrun.cli import main
 from trainrun.config import config_from_dict, load_config
+from trainrun.errors import UserCodeFailed
 from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 
@@ -42,9 +43,10 @@ def runs_root(tmp_path_factory):
     preempted = run(load_config("mlp", ["steps=1000000", "optimizer.lr=0.003", *QUICK]),
                     root / "preempted", out=io.StringIO())
     watcher.join()
-    with pytest.raises(OSError, match="data disk"):
+    with pytest.raises(UserCodeFailed, match="data disk") as failed:
         run(load_config("mlp", ["steps=50", *QUICK]), root / "failed",
             data=_failing_batches(20), out=io.StringIO())
+    assert isinstance(failed.value.__cause__, OSError)
     return root, preempted
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 LANES = 128  # per-token values are kept broadcast over the chip's 128 lanes
-VMEM_LIMIT = 64 * 2**20  # bytes of vector memory the kernel may use (v5e has 128 MiB)
+VMEM_LIMIT = 64 * 2**20  # bytes of vector memory the kernel may use: half of what a v5e has
 
 
 @dataclasses.dataclass(frozen=True)

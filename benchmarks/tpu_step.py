@@ -2,11 +2,12 @@
 ``--tiny``, on any backend at toy sizes: a check of the code, not a measurement).
 
     python benchmarks/tpu_step.py --out DIR [--tiny] [--parts gpt2,qwen,micro] [--profile]
-        [--budget-s 420] [--rounds 5] [--compile-threads 6]
+        [--budget-s 370] [--rounds 5] [--compile-threads 7]
         [--gpt2-rows 8,16] [--gpt2-extra select,none,plain-paths]
         [--gpt2-attention A] [--gpt2-head H] [--gpt2-chunk N]
-        [--qwen-rows 8,4] [--qwen-plain 1x4,1x1] [--qwen-attention A] [--qwen-head H]
-        [--qwen-chunk N] [--qwen-layers scan|unrolled] [--qwen-remat full|none|...]
+        [--qwen-rows 8,4,2,1] [--qwen-target 4] [--qwen-extra none,select]
+        [--qwen-plain 1x4,1x1] [--qwen-attention A] [--qwen-head H] [--qwen-chunk N]
+        [--qwen-layers scan|unrolled] [--qwen-remat full|none|...]
 
 Both sides train the same model from the same params on the same random tokens: trainrun's
 ``make_train_step`` with its transformer and AdamW, and a plain step written below (optax
@@ -32,21 +33,26 @@ Parts:
   qwen   a Qwen2.5-0.5B shape (vocabulary 151936, 24 layers, d_model 896, 14 query and 2
          key/value heads, SwiGLU 4864, RMSNorm, q/k/v biases, tied head), 2048 tokens a row,
          K=4: trainrun (layers under scan, rematerialized, as ``--qwen-layers``/``--qwen-remat``
-         say) at each of ``--qwen-rows`` that fits, the plain step at the first of
-         ``--qwen-plain`` (ROWSxK) that fits. Its state and each side's temporaries fill most of
-         the chip, so the contenders run one after another, not interleaved: each from its own
-         fresh state (the same init bits), everything of the one before freed first.
+         say) at each of ``--qwen-rows`` that fits, down to the first that fits at or below
+         ``--qwen-target`` rows; trainrun without its guard (``--qwen-extra none``) or with
+         it as a select at the target; the plain step at the first of ``--qwen-plain``
+         (ROWSxK) that fits. Sizes above the target are compiled with every other program,
+         the smaller ones only where the larger did not fit (no timing runs meanwhile). Its
+         state and each side's temporaries fill most of the chip, so the contenders run one
+         after another, not interleaved: each from its own fresh state (the same init bits),
+         everything of the one before freed first.
   micro  the head's loss (chunks scanned or unrolled, chunk sizes) and causal attention (XLA's,
          Pallas splash attention at several blocks, Pallas flash attention) alone, forward and
          backward, at both shapes: time, compiled memory, values and gradients against the
          plain path's. Its fastest choices (a chunk only where its float32 logits stay within
          ``CHUNK_LOGITS_BUDGET``) replace the defaults not given on the command line.
 
-Every program of a run is compiled before any is timed (compiles run on a pool of host threads,
-``--compile-threads``; each such figure is a compile beside others), so no timing runs beside a
-compile. Whether a side fits is the chip's own verdict: the compile (XLA refuses a program whose
-temporaries exceed the chip) and the first call (the runtime refuses what it cannot allocate);
-XLA's memory analysis (temp + argument + output - alias + generated code) is reported beside it.
+Every program of a run (the 0.5B shape's fallbacks aside, compiled between timings) is compiled
+before any is timed, on a pool of host threads (``--compile-threads``; each such figure is a
+compile beside others), so no timing runs beside a compile. Whether a side fits is the chip's
+own verdict: the compile (XLA refuses a program whose temporaries exceed the chip) and the
+first call (the runtime refuses what it cannot allocate); XLA's memory analysis (temp +
+argument + output - alias + generated code) is reported beside it.
 
 Reported: ms/step, tokens/s, MFU against 197 TFLOP/s (v5e's datasheet) and against a bfloat16
 8192^3 matmul measured in this process, by one analytic FLOP count for both sides (6 x params x
@@ -943,13 +949,21 @@ class Plan:
 
     gpt2: dict[int, list[Side]] = dataclasses.field(default_factory=dict)
     qwen_trainrun: list[Side] = dataclasses.field(default_factory=list)
+    qwen_extra: list[Side] = dataclasses.field(default_factory=list)
     qwen_plain: list[Side] = dataclasses.field(default_factory=list)
+    qwen_target: int = 0
 
-    def all(self) -> Iterator[Side]:
+    def qwen(self) -> list[Side]:
+        return self.qwen_trainrun + self.qwen_extra + self.qwen_plain
+
+    def eager(self) -> Iterator[Side]:
+        """The sides compiled before any timing: every one but the 0.5B shape's fallbacks
+        (trainrun below its target rows, the plain step's sizes after its first)."""
         for sides in self.gpt2.values():
             yield from sides
-        yield from self.qwen_trainrun
-        yield from self.qwen_plain
+        yield from (x for x in self.qwen_trainrun if x.rows >= self.qwen_target)
+        yield from self.qwen_extra
+        yield from self.qwen_plain[:1]
 
 
 def parse_sizes(text: str, k: int) -> list[tuple[int, int]]:
@@ -996,9 +1010,15 @@ def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
                                           if i == 0 else [])
             p.gpt2[rows] = [x for x in (budget.lower(v, m, rows, k) for v in wanted) if x]
     if "qwen" in parts:
-        s, m = found["qwen"], models["qwen"]
-        p.qwen_trainrun = [x for x in (budget.lower(tuned["qwen"], m, rows, k)
+        s, m, trainrun = found["qwen"], models["qwen"], tuned["qwen"]
+        p.qwen_target = args.qwen_target
+        p.qwen_trainrun = [x for x in (budget.lower(trainrun, m, rows, k)
                                        for rows, k in parse_sizes(args.qwen_rows, s.k)) if x]
+        extras = {"none": dataclasses.replace(trainrun, name="trainrun, no guard", guard="none"),
+                  "select": dataclasses.replace(trainrun, name="trainrun, guard a select",
+                                                guard="select")}
+        p.qwen_extra = [x for x in (budget.lower(extras[e], m, args.qwen_target, s.k)
+                                    for e in args.qwen_extra.split(",") if e) if x]
         p.qwen_plain = [x for x in (budget.lower(PLAIN, m, rows, k)
                                     for rows, k in parse_sizes(args.qwen_plain, s.k)) if x]
     return p
@@ -1019,7 +1039,7 @@ def compile_everything(p: Plan, budget: Budget, report: Report, reserve: float,
         say("\ncompiled alone, cold: " + "; ".join(
             f"{side.variant.name} {side.compile_s:.1f} s" for side in first))
         report.data["compile_alone_s"] = {side.variant.name: side.compile_s for side in first}
-    rest = [side for side in p.all() if side not in first]
+    rest = [side for side in p.eager() if side not in first]
     start = time.monotonic()
     budget.compile_all(rest, reserve, meanwhile)
     if rest:
@@ -1035,7 +1055,7 @@ def gpt2_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,
     for i, (rows, sides) in enumerate(p.gpt2.items()):
         sides = [side for side in sides if side.compiled is not None]
         timed = [t for t in (first_call(side, m, budget) for side in sides) if t]
-        reserve = 40.0 * (len(p.gpt2) - i - 1) + (90.0 if p.qwen_trainrun else 0.0)
+        reserve = 40.0 * (len(p.gpt2) - i - 1) + (100.0 if p.qwen() else 0.0)
         rounds(timed, m, budget, args.rounds, reserve)
         got = results(timed, m, peak)
         checks = loss_checks(got, 0.05)
@@ -1058,31 +1078,44 @@ def qwen_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,
     say("Each contender from its own fresh state (the same init bits), one after another, not "
         "interleaved: the state and one side's temporaries fill most of the chip, everything "
         "of the one before is freed first.")
-    gc.collect()
-    jax.clear_caches()
     got: list[dict[str, Any]] = []
-    for contender, sides, all_fitting in (("trainrun", p.qwen_trainrun, True),
-                                          (PLAIN.name, p.qwen_plain, False)):
-        ran = 0
-        for side in sides:
-            if side.compiled is None or (ran and not all_fitting):
-                continue
-            if ran and budget.left() < 45:
-                budget.note(f"{side.name}: not timed (time budget)")
-                continue
-            t = first_call(side, m, budget)
-            if t is not None:
-                rounds([t], m, budget, max(2, args.rounds // 2), 30.0)
-                got += results([t], m, peak)
-                ran += 1
-            m.drop()
-            side.free()
-            gc.collect()
-            jax.clear_caches()
-        if not ran:
-            budget.note(f"{s.name}: {contender} ran at none of the sizes tried")
+
+    def attempt(side: Side) -> bool:
+        """Compiled (here, if it was not: no timing runs meanwhile), run, timed, freed."""
+        gc.collect()
+        jax.clear_caches()
+        if math.isnan(side.compile_s):
+            if budget.left() < 60:
+                budget.note(f"{side.name}: not compiled (time budget)")
+                return False
+            side.compile()
+            if side.compile_error:
+                budget.note(f"{side.name}: compile failed ({side.compile_error})")
+        if side.compiled is None:
+            return False
+        if budget.left() < 20:
+            budget.note(f"{side.name}: not run (time budget)")
+            return False
+        t = first_call(side, m, budget)
+        if t is not None:
+            rounds([t], m, budget, max(2, args.rounds // 2), 20.0)
+            got.extend(results([t], m, peak))
+        m.drop()
+        side.free()
+        return t is not None
+
+    for side in p.qwen_trainrun:  # down to the first that fits at or below the target
+        if attempt(side) and side.rows <= p.qwen_target:
+            break
+    for side in p.qwen_extra:
+        attempt(side)
+    for side in p.qwen_plain:  # the first that fits
+        if attempt(side):
+            break
+    for name in {side.variant.name for side in p.qwen()} - {r["name"] for r in got}:
+        budget.note(f"{s.name}: {name} ran at none of the sizes tried")
     table(f"{s.name}, each contender alone", got, {}, peak)
-    fits = fit_table(s.name, p.qwen_trainrun + p.qwen_plain, device_limit())
+    fits = fit_table(s.name, p.qwen(), device_limit())
     report.data["qwen"] = {"rows": got, "fit": fits}
     report.save()
 
@@ -1159,10 +1192,10 @@ def run_parts(args: argparse.Namespace, parts: set[str], budget: Budget, report:
     compile_everything(p, budget, report, 150.0 if "qwen" in parts else 60.0, states)
     if p.gpt2:
         gpt2_part(p, models["gpt2"], budget, report, peak, args)
-    for side in p.all():  # GPT-2's programs off the chip before the 0.5B shape
-        if side.s is found["gpt2"]:
+    for sides in p.gpt2.values():  # GPT-2's programs off the chip before the 0.5B shape
+        for side in sides:
             side.free()
-    if p.qwen_trainrun or p.qwen_plain:
+    if p.qwen():
         qwen_part(p, models["qwen"], budget, report, peak, args)
     verdicts(report)
 
@@ -1171,14 +1204,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="tpu-step-"))
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--budget-s", type=float, default=370.0)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--compile-threads", type=int, default=6)
+    parser.add_argument("--compile-threads", type=int, default=7)
     parser.add_argument("--parts", default="gpt2,qwen")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--gpt2-rows", default="8,16")
     parser.add_argument("--gpt2-extra", default="select")
-    parser.add_argument("--qwen-rows", default="8,4")
+    parser.add_argument("--qwen-rows", default="8,4,2,1")
+    parser.add_argument("--qwen-target", type=int, default=4)
+    parser.add_argument("--qwen-extra", default="none")
     parser.add_argument("--qwen-plain", default="1x4,1x1")
     parser.add_argument("--qwen-layers", choices=("scan", "unrolled"), default="scan")
     parser.add_argument("--qwen-remat", default="full")
@@ -1189,7 +1224,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.tiny:  # toy sizes: rows and K the tiny shapes can take
         args.gpt2_rows = "2,3" if args.gpt2_rows == "8,16" else args.gpt2_rows
-        args.qwen_rows = "4,2" if args.qwen_rows == "8,4" else args.qwen_rows
+        args.qwen_rows = "4,2,1" if args.qwen_rows == "8,4,2,1" else args.qwen_rows
+        args.qwen_target = 2 if args.qwen_target == 4 else args.qwen_target
         args.qwen_plain = "1x2,1x1" if args.qwen_plain == "1x4,1x1" else args.qwen_plain
     jax.config.update("jax_enable_compilation_cache", False)  # compile seconds: cold
     budget = Budget(args.budget_s, args.compile_threads)

@@ -156,7 +156,7 @@ class CallClock:
         return statistics.median(spans[1:])  # the first window after compile: warmup
 
 
-PLAIN = ("state_packing", "resident_batches", "writer_thread", "cpu_guard_branches")
+PLAIN = ("state_packing", "resident_batches", "writer_thread", "guard_branches")
 
 
 def trainrun_step_s(steps: int, window: int, k: int, without: tuple[str, ...] = ()) -> float:

@@ -1,48 +1,67 @@
 """trainrun's training step against a plain-JAX step written here, on one TPU chip (or, with
 ``--tiny``, on any backend at toy sizes: a check of the code, not a measurement).
 
-    python benchmarks/tpu_step.py --out DIR [--tiny] [--budget-s 470] [--profile]
-                                  [--parts micro,gpt2,attribution,qwen,search,extra]
+    python benchmarks/tpu_step.py --out DIR [--tiny] [--parts gpt2,qwen,micro] [--profile]
+        [--budget-s 370] [--rounds 5] [--compile-threads 7]
+        [--gpt2-rows 8,16] [--gpt2-extra select,none,plain-paths]
+        [--gpt2-attention A] [--gpt2-head H] [--gpt2-chunk N]
+        [--qwen-rows 8,4,2,1] [--qwen-target 4] [--qwen-extra none,select]
+        [--qwen-plain 1x4,1x1] [--qwen-attention A] [--qwen-head H] [--qwen-chunk N]
+        [--qwen-layers scan|unrolled] [--qwen-remat full|none|...]
 
 Both sides train the same model from the same params on the same random tokens: trainrun's
 ``make_train_step`` with its transformer and AdamW, and a plain step written below (optax
 AdamW, ``jax.nn.dot_product_attention``, full logits and optax's cross-entropy); bfloat16
 compute on float32 masters, K steps per jitted call under ``lax.scan``, the state donated.
-Every contender of a shape shares one state on the device (the plain step takes trainrun's
-params and AdamW state, whose layout it shares), so the chip holds one state whatever the
-number of contenders; each contender's first call starts from the same fresh state, and their
-losses are compared (the plain side's against trainrun's: the same maths).
+"trainrun" is the step as a user gets it on a TPU: the attention and head paths trainrun's
+strategies choose there (``fast/strategies.py``, ``TRAINRUN_FAST_PATHS`` honoured), its
+non-finite guard, the config's default ``loss_chunk``; ``--gpt2-attention`` and the like
+change one choice (A: ``library``, ``xla``, ``splash``, ``splash:BQxBKV``, ``splash:BQxBKV:
+unfused``; H: ``library``, ``unrolled``, ``scan``).
 
-Parts, most important first, each compiled only while the time budget allows:
+Parts:
 
-  micro   the head's loss (fused forward kernel, chunks unrolled or scanned, chunk sizes) and
-          causal attention (XLA's, Pallas splash attention at several blocks, Pallas flash
-          attention) alone, forward and backward, at both shapes: time, compiled memory, and
-          their values and gradients against the plain path's
-  gpt2    GPT-2 small (vocabulary 50304, 12 x 768, 12 heads, rope, tied head), 8 x 1024 tokens,
-          K=10: the plain step, trainrun as it was, trainrun tuned (the fastest head and
-          attention of ``micro``), interleaved rounds (one call of each, a blocking read,
-          medians)
-  attribution  in the same rounds, trainrun with the tuned head alone and the tuned
-          attention alone
-  qwen    a Qwen2.5-0.5B shape (vocabulary 151936, 24 layers, d_model 896, 14 query and 2
-          key/value heads, SwiGLU 4864, RMSNorm, q/k/v biases, tied head), 2048 tokens a row:
-          the plain step and trainrun tuned (layers under scan, rematerialized), each at the
-          largest batch of rows it fits
-  search  the largest batch each side fits at GPT-2 small, found by compiling only (XLA's
-          memory analysis against the chip's ``bytes_limit``), then timed there
-  extra   trainrun tuned without the non-finite guard, and with its layers under scan, at
-          GPT-2 small; at the 0.5B shape, trainrun tuned without remat
+  gpt2   GPT-2 small (vocabulary 50304, 12 x 768, 12 heads, rope, tied head), 1024 tokens a
+         row, K=10, at each of ``--gpt2-rows``: the plain step and trainrun, and at the first
+         rows trainrun with its guard as a select of every leaf (``select``), without a guard
+         (``none``) or on its plain paths (``plain-paths``: XLA's attention, the head's chunks
+         scanned, the select). One state on the device, handed from call to call; each
+         contender's first call starts from the same fresh state (their losses compared), then
+         interleaved rounds (one call of each, a blocking read; medians). The plain step's and
+         trainrun's programs at the first rows are compiled first, one at a time, cold (no
+         compilation cache): their compile seconds compare alone.
+  qwen   a Qwen2.5-0.5B shape (vocabulary 151936, 24 layers, d_model 896, 14 query and 2
+         key/value heads, SwiGLU 4864, RMSNorm, q/k/v biases, tied head), 2048 tokens a row,
+         K=4: trainrun (layers under scan, rematerialized, as ``--qwen-layers``/``--qwen-remat``
+         say) at each of ``--qwen-rows`` that fits, down to the first that fits at or below
+         ``--qwen-target`` rows; trainrun without its guard (``--qwen-extra none``) or with
+         it as a select at the target; the plain step at the first of ``--qwen-plain``
+         (ROWSxK) that fits. Sizes above the target are compiled with every other program,
+         the smaller ones only where the larger did not fit (no timing runs meanwhile). Its
+         state and each side's temporaries fill most of the chip, so the contenders run one
+         after another, not interleaved: each from its own fresh state (the same init bits),
+         everything of the one before freed first.
+  micro  the head's loss (chunks scanned or unrolled, chunk sizes) and causal attention (XLA's,
+         Pallas splash attention at several blocks, Pallas flash attention) alone, forward and
+         backward, at both shapes: time, compiled memory, values and gradients against the
+         plain path's. Its fastest choices (a chunk only where its float32 logits stay within
+         ``CHUNK_LOGITS_BUDGET``) replace the defaults not given on the command line.
+
+Every program of a run (the 0.5B shape's fallbacks aside, compiled between timings) is compiled
+before any is timed, on a pool of host threads (``--compile-threads``; each such figure is a
+compile beside others), so no timing runs beside a compile. Whether a side fits is the chip's
+own verdict: the compile (XLA refuses a program whose temporaries exceed the chip) and the
+first call (the runtime refuses what it cannot allocate); XLA's memory analysis (temp +
+argument + output - alias + generated code) is reported beside it.
 
 Reported: ms/step, tokens/s, MFU against 197 TFLOP/s (v5e's datasheet) and against a bfloat16
 8192^3 matmul measured in this process, by one analytic FLOP count for both sides (6 x params x
 tokens + 12 x layers x seq x width x tokens) and by XLA's count of each program (trainrun's own
-count; a Pallas kernel's FLOPs are not in it); compile seconds (cold: no compilation cache;
-compiles run on a pool of host threads, ``--compile-threads``, so each figure is a compile
-beside up to that many others); compiled memory. ``--profile``: one call of the plain step,
-trainrun as it was and trainrun tuned under ``jax.profiler``, the device's ops summed per step.
-A markdown report on stdout and in OUT/tpu_step.md; every figure in OUT/tpu_step.json (both
-written again as each part ends, so a run stopped early keeps what it measured).
+count; a Pallas kernel's FLOPs are not in it); compile seconds; compiled memory. ``--profile``:
+one call of the plain step and of trainrun at GPT-2's first rows under ``jax.profiler``, the
+device's ops summed per step. A markdown report on stdout and in OUT/tpu_step.md; every figure
+in OUT/tpu_step.json (both written again as each part ends, so a run stopped early keeps what
+it measured).
 """
 
 from __future__ import annotations
@@ -50,6 +69,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import gc
 import glob
 import gzip
 import json
@@ -63,7 +83,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +93,7 @@ import numpy as np
 import optax
 
 from trainrun.config import OptimizerConfig, TransformerModel
-from trainrun.fast.head_kernel import FusedHeadForward
+from trainrun.fast.strategies import chosen
 from trainrun.fast.tpu_attention import SplashAttention
 from trainrun.models.losses import PLAIN_HEAD, HeadPath, next_token_from_features
 from trainrun.models.transformer import (
@@ -85,14 +105,15 @@ from trainrun.models.transformer import (
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import Policy
 from trainrun.program.state import abstract_state, init_state
-from trainrun.program.step import make_multi_step, make_train_step
+from trainrun.program.step import KeepIfNot, keep_if_not, make_multi_step, make_train_step
 
 PEAK_BF16 = 197e12  # TPU v5e datasheet, dense bfloat16
 OPTIM = OptimizerConfig(name="adamw", lr=6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
 COMPUTE = jnp.bfloat16
 MiB, GiB = 2**20, 2**30
-MEMORY_MARGIN = 0.03  # of the device's memory, left free when a batch is said to fit
-
+# a chunk's float32 logits at most this: its backward pass holds about three times as much
+CHUNK_LOGITS_BUDGET = 1.25 * GiB
+DEFAULT_CHUNK = TransformerModel.model_fields["loss_chunk"].default
 
 SAID: list[str] = []  # every line printed, for OUT/tpu_step.md
 
@@ -115,15 +136,14 @@ class Shape:
     kv_heads: int
     hidden: int
     seq: int
-    batch: int  # rows of the main comparison
+    batch: int  # rows of the micro part
     k: int  # steps per call
-    batches: tuple[int, ...]  # rows the largest-batch search may pick from
     mlp: str = "gelu"
     norm: str = "layernorm"
     eps: float = 1e-5
     rope_theta: float = 10_000.0
     qkv_bias: bool = False
-    loss_chunk: int = 4096
+    loss_chunk: int = DEFAULT_CHUNK
 
     @property
     def head_dim(self) -> int:
@@ -146,18 +166,15 @@ class Shape:
 def shapes(tiny: bool) -> dict[str, Shape]:
     if tiny:
         return {
-            "gpt2": Shape("gpt2-tiny", 512, 128, 2, 2, 2, 512, 128, 2, 2, (2, 3, 4, 6),
+            "gpt2": Shape("gpt2-tiny", 512, 128, 2, 2, 2, 512, 128, 2, 2, loss_chunk=128),
+            "qwen": Shape("qwen-tiny", 1000, 128, 2, 4, 2, 256, 128, 2, 2, mlp="swiglu",
+                          norm="rmsnorm", eps=1e-6, rope_theta=1e6, qkv_bias=True,
                           loss_chunk=128),
-            "qwen": Shape("qwen-tiny", 1000, 128, 2, 4, 2, 256, 128, 2, 2, (1, 2, 3, 4),
-                          mlp="swiglu", norm="rmsnorm", eps=1e-6, rope_theta=1e6,
-                          qkv_bias=True, loss_chunk=128),
         }
     return {
-        "gpt2": Shape("GPT-2 small", 50304, 768, 12, 12, 12, 3072, 1024, 8, 10,
-                      (8, 12, 16, 24, 32)),
+        "gpt2": Shape("GPT-2 small", 50304, 768, 12, 12, 12, 3072, 1024, 8, 10),
         "qwen": Shape("Qwen2.5-0.5B shape", 151936, 896, 24, 14, 2, 4864, 2048, 4, 4,
-                      (1, 2, 3, 4, 6, 8), mlp="swiglu", norm="rmsnorm", eps=1e-6,
-                      rope_theta=1e6, qkv_bias=True),
+                      mlp="swiglu", norm="rmsnorm", eps=1e-6, rope_theta=1e6, qkv_bias=True),
     }
 
 
@@ -240,53 +257,86 @@ def plain_multi_step(s: Shape) -> Callable[..., Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """A contender: the plain step, or trainrun's with a head path, an attention path and
-    model options (``loss_chunk``, ``scan_layers``, ``remat``); ``guard=False`` drops the
-    non-finite guard (a measurement of what it costs, not an option of trainrun's)."""
+    """A contender: the plain step, or trainrun's with an attention path, a head path and
+    model options (``loss_chunk``, ``scan_layers``, ``remat``). ``guard``: trainrun's
+    non-finite guard as its strategy chooses it (``library``), a select of every leaf
+    (``select``, the plain path's) or none (``none``: what the guard costs, not an option of
+    trainrun's)."""
 
     name: str
     plain: bool = False
     attention: AttentionPath = PLAIN_ATTENTION
     head: HeadPath = PLAIN_HEAD
     options: tuple[tuple[str, Any], ...] = ()
-    guard: bool = True
+    guard: str = "library"
 
     def describe(self) -> str:
         if self.plain:
             return "plain JAX (optax AdamW, XLA attention, full bf16 logits, optax CE)"
         parts = [_attention_name(self.attention), _head_name(self.head)]
         parts += [f"{k}={v}" for k, v in self.options]
-        return ", ".join(parts) + ("" if self.guard else ", no non-finite guard")
+        guard = {"library": "guard: branches", "select": "guard: a select",
+                 "none": "no non-finite guard"}[self.guard]
+        return ", ".join([*parts, guard])
+
+    def keep(self, k: int) -> KeepIfNot:
+        if self.guard == "none":
+            return lambda finite, new, old: new
+        if self.guard == "select":
+            return keep_if_not
+        return chosen().nonfinite_guard(k)
 
 
 def _attention_name(path: AttentionPath) -> str:
     kernel = path.kernel
     if isinstance(kernel, SplashAttention):
-        return (f"splash {kernel.block_q}x{kernel.block_kv}"
-                f"{' fused bwd' if kernel.fused_backward else ''}")
+        blocks = (f"{kernel.block_q}x{kernel.block_kv}" if kernel.block_q
+                  else "blocks by length")
+        return f"splash {blocks}{' fused bwd' if kernel.fused_backward else ''}"
     return "XLA attention"
 
 
 def _head_name(path: HeadPath) -> str:
-    if path.plain():
-        return "head scanned"
-    name = "head unrolled"
-    if isinstance(path.forward, FusedHeadForward):
-        name += f" + fused fwd {path.forward.block_tokens}x{path.forward.block_vocab}"
-    return name + (" + table grad once" if path.table_grad_once else "")
+    return "head unrolled" if path.unrolled else "head scanned"
 
 
-def no_guard(finite: jax.Array, new: Any, old: Any) -> Any:
-    return new
+def attention_choice(spec: str | None) -> AttentionPath:
+    """``library`` (None): what trainrun's strategies choose on a TPU; ``xla``; ``splash``
+    (its default blocks); ``splash:BQxBKV[:unfused]``."""
+    if spec in (None, "library"):
+        return chosen().attention(backend="tpu")
+    if spec == "xla":
+        return PLAIN_ATTENTION
+    parts = spec.split(":")
+    if parts[0] != "splash" or len(parts) > 3:
+        raise SystemExit(f"attention {spec!r}: give library, xla, splash or "
+                         "splash:BQxBKV[:unfused]")
+    if len(parts) == 1:
+        return AttentionPath(kernel=SplashAttention())
+    bq, bkv = (int(x) for x in parts[1].split("x"))
+    return AttentionPath(kernel=SplashAttention(bq, bkv, fused_backward=parts[2:] != ["unfused"]))
 
 
-class Shared:
-    """One state for every contender of a shape: trainrun's ``TrainState``; the plain step
-    takes its params and AdamW state. Its shapes are known without allocating it; the device
-    holds it only while its shape is timed. ``fresh``: the state at step 0, each time the
-    same (the first init is kept on the host)."""
+def head_choice(spec: str | None) -> HeadPath:
+    """``library`` (None): what trainrun's strategies choose on a TPU; ``unrolled``; ``scan``."""
+    if spec in (None, "library"):
+        return chosen().head_loss(backend="tpu")
+    if spec not in ("unrolled", "scan"):
+        raise SystemExit(f"head {spec!r}: give library, unrolled or scan")
+    return HeadPath(unrolled=spec == "unrolled")
+
+
+# ---- a shape's state, and a side: one contender compiled at one batch ------------------------
+
+
+class Model:
+    """A shape's model and optimizer, its abstract state (known without allocating it) and
+    its state at step 0, made once and kept in host memory: every contender starts from the
+    same bits. The plain step takes the state's params and AdamW state, whose layout it
+    shares."""
 
     def __init__(self, s: Shape):
+        self.s = s
         self.model, self.optimizer = make_transformer(s.config()), build_optimizer(OPTIM)
         self.policy = Policy(compute=COMPUTE)
         self.abstract = abstract_state(self.model, self.optimizer, 0, self.policy)
@@ -294,80 +344,107 @@ class Shared:
         plain_state = jax.eval_shape(plain_optimizer().init, self.abstract.params)
         if jax.tree.structure(plain_state) != jax.tree.structure(self.abstract.opt_state):
             raise RuntimeError("the plain AdamW state is not laid out as trainrun's")
-        self.state: Any = None
         self.initial: Any = None
+        self.state: Any = None
 
     def ready(self) -> None:
-        """The state at step 0 made once (here: every trace stays in the main thread), kept in
-        host memory."""
         if self.initial is None:
             state = init_state(self.model, self.optimizer, seed=0, policy=self.policy)
             self.initial = jax.device_get(state)
-            for leaf in jax.tree.leaves(state):
-                leaf.delete()
+            delete(state)
 
     def fresh(self) -> None:
+        """The state at step 0 on the device (any state there before deleted first)."""
         self.drop()
         self.ready()
         self.state = jax.device_put(self.initial)
 
     def drop(self) -> None:
-        for leaf in jax.tree.leaves(self.state):
-            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-                leaf.delete()
+        delete(self.state)
         self.state = None
 
 
-class Side:
-    """A contender lowered at one batch (here, in the calling thread), compiled by
-    ``compile`` (on the pool); ``run`` takes the shared state through one call of K steps and
-    returns the losses."""
+def delete(tree: Any) -> None:
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
 
-    def __init__(self, variant: Variant, s: Shape, batch: int, shared: Shared):
-        self.variant, self.s, self.batch, self.k = variant, s, batch, s.k
-        self.name = f"{s.name}: {variant.name} @{batch}"
-        tokens = jax.ShapeDtypeStruct((s.k, batch, s.seq + 1), jnp.int32)
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
+
+
+def first_line(err: BaseException, width: int = 300) -> str:
+    text = str(err).strip().splitlines() or [""]
+    return f"{type(err).__name__}: {text[0][:width]}"
+
+
+class Side:
+    """A contender lowered at ``rows`` x K (here, in the calling thread) and compiled by
+    ``compile`` (here or on the pool); ``run`` takes the model's state through one call of K
+    steps and returns the losses."""
+
+    def __init__(self, variant: Variant, m: Model, rows: int, k: int):
+        s = m.s
+        self.variant, self.s, self.rows, self.k = variant, s, rows, k
+        self.name = f"{s.name}: {variant.name} @{rows}x{k}"
+        self.shape = jax.ShapeDtypeStruct((k, rows, s.seq + 1), jnp.int32)
+        self.compiled: Any = None
+        self.mem: dict[str, float] = {}  # XLA's memory analysis, kept past ``free``
+        self.compile_s = math.nan
+        self.alone = False  # compiled with no other compile beside it
+        self.compile_error: str | None = None
+        self.run_verdict = "not tried"  # "ok", or why its first call failed
+        self.tokens: Any = None
         start = time.perf_counter()
         if variant.plain:
             fn = jax.jit(plain_multi_step(s), donate_argnums=0)
-            self.lowered = fn.lower((shared.abstract.params, shared.abstract.opt_state), tokens)
+            self.lowered = fn.lower((m.abstract.params, m.abstract.opt_state), self.shape)
         else:
             model = make_transformer(s.config(**dict(variant.options)), variant.attention,
                                      variant.head)
-            step = make_train_step(model, build_optimizer(OPTIM), policy=shared.policy,
-                                   **({} if variant.guard else {"keep": no_guard}))
+            step = make_train_step(model, m.optimizer, policy=m.policy, keep=variant.keep(k))
             fn = jax.jit(make_multi_step(step), donate_argnums=0)
-            self.lowered = fn.lower(shared.abstract, {"tokens": tokens})
+            self.lowered = fn.lower(m.abstract, {"tokens": self.shape})
         self.lower_s = time.perf_counter() - start
-        self.compiled: Any = None
-        self.compile_s = math.nan
-        self.tokens: Any = None
-        self.shape = tokens
 
     def compile(self) -> Side:
         start = time.perf_counter()
-        self.compiled = self.lowered.compile()
+        try:
+            self.compiled = self.lowered.compile()
+            self.mem = memory_of(self.compiled)
+        except Exception as err:  # RESOURCE_EXHAUSTED: the compiler's verdict, reported
+            self.compile_error = first_line(err)
         self.compile_s = time.perf_counter() - start
         self.lowered = None  # its text is large and no longer needed
         return self
 
-    def memory(self) -> dict[str, float]:
-        return memory_of(self.compiled)
-
-    def run(self, shared: Shared) -> np.ndarray:
-        if self.tokens is None:  # the same tokens for every contender of a shape and batch
+    def run(self, m: Model) -> np.ndarray:
+        if self.tokens is None:  # the same tokens for every contender of a shape and size
             self.tokens = jax.random.randint(jax.random.key(2), self.shape.shape, 0,
                                              self.s.vocab, jnp.int32)
-        if self.variant.plain:
-            state = shared.state
-            (params, opt_state), losses = self.compiled((state.params, state.opt_state),
-                                                        self.tokens)
-            shared.state = state.replace(params=params, opt_state=opt_state)
-        else:
-            shared.state, metrics = self.compiled(shared.state, {"tokens": self.tokens})
-            losses = metrics["loss"]
-        jax.block_until_ready(shared.state)
+        state = m.state
+        m.state = None  # donated: gone whether the call succeeds or not
+        try:
+            if self.variant.plain:
+                (params, opt_state), losses = self.compiled((state.params, state.opt_state),
+                                                            self.tokens)
+                m.state = state.replace(params=params, opt_state=opt_state)
+            else:
+                m.state, metrics = self.compiled(state, {"tokens": self.tokens})
+                losses = metrics["loss"]
+            jax.block_until_ready(m.state)
+        except Exception:  # what the failed call left of either state is off the chip
+            delete((state, m.state))
+            m.state = None
+            raise
         return np.asarray(losses, np.float32)
+
+    def free(self) -> None:
+        """The program and the tokens off the device."""
+        self.compiled = None
+        delete(self.tokens)
+        self.tokens = None
 
 
 def memory_of(compiled: Any) -> dict[str, float]:
@@ -381,8 +458,8 @@ def memory_of(compiled: Any) -> dict[str, float]:
     got = {name: float(getattr(m, f"{name}_size_in_bytes", 0) or 0)
            for name in ("temp", "argument", "output", "alias", "generated_code")}
     got["peak"] = float(getattr(m, "peak_memory_in_bytes", 0) or 0)
-    got["need"] = max(got["peak"], got["argument"] + got["output"] - got["alias"]
-                      + got["temp"]) + got["generated_code"]
+    got["need"] = (got["argument"] + got["output"] - got["alias"] + got["temp"]
+                   + got["generated_code"])
     return got
 
 
@@ -398,19 +475,22 @@ def xla_flops(compiled: Any) -> float | None:
     return float(flops) if flops and flops > 0 else None
 
 
-# ---- the compile pool and the budget --------------------------------------------------------
+def device_limit() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return float(stats["bytes_limit"]) if "bytes_limit" in stats else None
+
+
+# ---- the budget and the compile pool --------------------------------------------------------
 
 
 class Budget:
-    """The time left, and the pool of threads the programs compile on (XLA compiles outside
-    Python's lock, so they overlap each other and the timing on the chip). Programs are
-    lowered in the main thread and submitted in the order they matter."""
+    """The time left, the notes, and the pool of host threads the programs compile on."""
 
     def __init__(self, seconds: float, threads: int):
         self.deadline = time.monotonic() + seconds
+        self.threads = threads
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
         self.notes: list[str] = []
-        self.jobs: dict[tuple[str, str, int], concurrent.futures.Future[Side]] = {}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -419,35 +499,33 @@ class Budget:
         self.notes.append(text)
         say(f"- {text}")
 
-    def add(self, variant: Variant, s: Shape, batch: int, shared: Shared) -> None:
-        """Lower ``variant`` at ``batch`` here and queue its compile (once)."""
-        key = (s.name, variant.name, batch)
-        if key in self.jobs:
-            return
+    def lower(self, variant: Variant, m: Model, rows: int, k: int) -> Side | None:
         try:
-            side = Side(variant, s, batch, shared)
+            return Side(variant, m, rows, k)
         except Exception as err:
-            self.note(f"{s.name}: {variant.name} @{batch}: not traced ({type(err).__name__}: "
-                      f"{str(err)[:400]})")
-            return
-        self.jobs[key] = self.pool.submit(side.compile)
-
-    def get(self, variant: Variant, s: Shape, batch: int, reserve: float = 0.0) -> Side | None:
-        """The compiled side, or None (a note says why) if it failed or was not done while
-        the budget, less ``reserve`` seconds kept for what follows, lasted."""
-        future = self.jobs.get((s.name, variant.name, batch))
-        if future is None:
+            self.note(f"{m.s.name}: {variant.name} @{rows}x{k}: not traced ({first_line(err)})")
             return None
-        name = f"{s.name}: {variant.name} @{batch}"
-        try:
-            return future.result(timeout=max(self.left() - reserve, 0.0))
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            self.note(f"{name}: not compiled within the time budget; skipped")
-        except Exception as err:  # a contender that cannot be built is reported, not fatal
-            self.note(f"{name}: compile failed ({type(err).__name__}: {str(err)[:400]})")
-        self.jobs.pop((s.name, variant.name, batch))
-        return None
+
+    def compile_all(self, sides: list[Side], reserve: float,
+                    meanwhile: Callable[[], None] = lambda: None) -> list[Side]:
+        """Every side compiled on the pool, ``meanwhile`` run here as they compile, then all
+        waited for (until the budget less ``reserve`` seconds): the timing that follows runs
+        beside no compile. Returns those compiled."""
+        futures = [(side, self.pool.submit(side.compile)) for side in sides]
+        meanwhile()
+        done = []
+        for side, future in futures:
+            try:
+                future.result(timeout=max(self.left() - reserve, 1.0))
+            except concurrent.futures.TimeoutError:
+                self.note(f"{side.name}: not compiled within the time budget; skipped (its "
+                          "compile may still run beside the timing that follows)")
+                continue
+            if side.compile_error:
+                self.note(f"{side.name}: compile failed ({side.compile_error})")
+                continue
+            done.append(side)
+        return done
 
 
 # ---- timing ---------------------------------------------------------------------------------
@@ -461,32 +539,26 @@ class Timed:
     failed: str | None = None
 
 
-def first_calls(contenders: list[list[Side]], shared: Shared, budget: Budget) -> list[Timed]:
-    """Each contender's first call from the same fresh state (its K losses kept): the check
-    that the contenders compute the same maths. A contender is a list of sides, the next
-    tried where one fails to run (a batch too large after all)."""
-    timed = []
-    for sides in contenders:
-        for side in sides:
-            try:
-                shared.fresh()
-                losses = side.run(shared)
-            except Exception as err:  # RESOURCE_EXHAUSTED and the like: reported, not fatal
-                text = str(err).strip().splitlines() or [""]
-                budget.note(f"{side.name}: failed at its first call ({type(err).__name__}: "
-                            f"{text[0][:300]})")
-                continue
-            timed.append(Timed(side, [float(x) for x in losses]))
-            break
-    return timed
+def first_call(side: Side, m: Model, budget: Budget) -> Timed | None:
+    """The side's first call from a fresh state (its K losses kept); None, with a note, if the
+    chip cannot run it."""
+    try:
+        m.fresh()
+        losses = side.run(m)
+    except Exception as err:  # RESOURCE_EXHAUSTED and the like: the runtime's verdict
+        side.run_verdict = first_line(err)
+        budget.note(f"{side.name}: failed at its first call ({side.run_verdict})")
+        m.drop()
+        return None
+    side.run_verdict = "ok"
+    return Timed(side, [float(x) for x in losses])
 
 
-def interleave(timed: list[Timed], shared: Shared, budget: Budget, rounds: int,
-               reserve: float) -> None:
-    """Rounds of one call of each contender, each ended by a blocking read; at least two
-    rounds, then more while the budget (less ``reserve``) allows."""
+def rounds(timed: list[Timed], m: Model, budget: Budget, wanted: int, reserve: float) -> None:
+    """Rounds of one call of each, each ended by a blocking read: at least two, then more
+    while the budget (less ``reserve``) allows."""
     done = 0
-    while done < rounds:
+    while done < wanted:
         round_s = sum(statistics.median(t.times) * t.side.k if t.times else 5.0 for t in timed)
         if done >= 2 and budget.left() - reserve < round_s:
             budget.note(f"timing stopped after {done} rounds (time budget)")
@@ -496,49 +568,50 @@ def interleave(timed: list[Timed], shared: Shared, budget: Budget, rounds: int,
                 continue
             start = time.perf_counter()
             try:
-                t.side.run(shared)
+                t.side.run(m)
             except Exception as err:
-                t.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                shared.fresh()
+                t.failed = first_line(err, 200)
+                m.fresh()
                 continue
             t.times.append((time.perf_counter() - start) / t.side.k)
         done += 1
 
 
-def results(timed: list[Timed], shared: Shared, peak: float) -> list[dict[str, Any]]:
+def results(timed: list[Timed], m: Model, peak: float) -> list[dict[str, Any]]:
     rows = []
     for t in timed:
         side, s = t.side, t.side.s
         step_s = statistics.median(t.times) if t.times else math.nan
-        tokens = side.batch * s.seq
-        flops = s.flops_per_token(shared.params) * tokens
+        tokens = side.rows * s.seq
+        flops = s.flops_per_token(m.params) * tokens
         counted = xla_flops(side.compiled)
-        mem = side.memory()
         rows.append({
-            "name": side.variant.name, "what": side.variant.describe(), "batch": side.batch,
-            "seq": s.seq, "k": side.k, "compile_s": side.compile_s, "lower_s": side.lower_s,
-            "step_ms": step_s * 1e3, "step_ms_all": [x * 1e3 for x in t.times],
-            "rounds": len(t.times), "tokens_per_s": tokens / step_s,
-            "mfu_datasheet": flops / step_s / PEAK_BF16, "mfu_measured_peak": flops / step_s / peak,
-            "xla_flops_per_step": counted,
+            "name": side.variant.name, "what": side.variant.describe(), "rows": side.rows,
+            "seq": s.seq, "k": side.k, "compile_s": side.compile_s,
+            "compiled_alone": side.alone, "lower_s": side.lower_s, "step_ms": step_s * 1e3,
+            "step_ms_all": [x * 1e3 for x in t.times], "rounds": len(t.times),
+            "tokens_per_s": tokens / step_s, "mfu_datasheet": flops / step_s / PEAK_BF16,
+            "mfu_measured_peak": flops / step_s / peak, "xla_flops_per_step": counted,
             "mfu_xla_count": (counted / step_s / PEAK_BF16) if counted else None,
-            "memory": mem, "first_losses": t.first_losses, "failed": t.failed,
+            "memory": side.mem, "first_losses": t.first_losses, "failed": t.failed,
         })
     return rows
 
 
 def loss_checks(rows: list[dict[str, Any]], tolerance: float) -> dict[str, Any]:
-    """Each contender's first-call losses against trainrun's as it was (or the first one):
-    the same params, tokens and maths, so they differ by rounding alone."""
-    if not rows:
-        return {}
-    base = next((r for r in rows if r["name"] == "trainrun"), rows[0])
+    """Each contender's first-call losses against the plain step's at the same size: the
+    same params, tokens and maths, so they differ by rounding alone."""
     checks = {}
     for r in rows:
+        base = next((b for b in rows if b["name"] == PLAIN.name and b["rows"] == r["rows"]
+                     and b["k"] == r["k"]), None)
+        if base is None or base is r:
+            continue
         a, b = np.asarray(r["first_losses"]), np.asarray(base["first_losses"])
         first, last = abs(a[0] - b[0]), abs(a[-1] - b[-1])
-        checks[r["name"]] = {"first_step_diff": float(first), "last_step_diff": float(last),
-                             "against": base["name"], "ok": bool(first < tolerance)}
+        checks[f"{r['name']} @{r['rows']}"] = {
+            "first_step_diff": float(first), "last_step_diff": float(last),
+            "against": base["name"], "ok": bool(first < tolerance)}
     return checks
 
 
@@ -546,28 +619,50 @@ def table(title: str, rows: list[dict[str, Any]], checks: dict[str, Any], peak: 
     if not rows:
         say(f"\n### {title}\n\nnothing ran")
         return
-    plain = next((r for r in rows if r["name"] == PLAIN.name), None)
     say(f"\n### {title}\n")
-    say("| contender | rows x seq | ms/step | tokens/s | MFU (197 TF/s) | MFU (measured "
+    say("| contender | rows x seq, K | ms/step | tokens/s | MFU (197 TF/s) | MFU (measured "
         f"{peak / 1e12:.3g} TF/s) | MFU by XLA's count | time / plain's | tokens/s / plain's | "
-        "compile s | compiled GiB (temp / need) | loss step 0 / K-1 | first-call check |")
+        "compile s | compiled GiB (temp / need) | loss step 0 / K-1 | check against plain |")
     say("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    plain_rows = [r for r in rows if r["name"] == PLAIN.name]
     for r in rows:
-        same = plain is not None and plain["batch"] == r["batch"]
-        time_ratio = f"{r['step_ms'] / plain['step_ms']:.3f}" if plain and same else "n/a"
-        rate = f"{r['tokens_per_s'] / plain['tokens_per_s']:.3f}" if plain else "n/a"
+        same = next((p for p in plain_rows if p["rows"] == r["rows"]), None)
+        best = max(plain_rows, key=lambda p: p["tokens_per_s"], default=None)
+        time_ratio = f"{r['step_ms'] / same['step_ms']:.3f}" if same else "n/a"
+        rate = f"{r['tokens_per_s'] / best['tokens_per_s']:.3f}" if best else "n/a"
         mem = r["memory"]
-        gib = (f"{mem['temp'] / GiB:.2f} / {mem['need'] / GiB:.2f}" if mem else "n/a")
-        check = checks.get(r["name"], {})
+        gib = f"{mem['temp'] / GiB:.2f} / {mem['need'] / GiB:.2f}" if mem else "n/a"
+        check = checks.get(f"{r['name']} @{r['rows']}", {})
         verdict = (f"{'ok' if check['ok'] else 'DIFFERS'} ({check['first_step_diff']:.1e}, "
                    f"{check['last_step_diff']:.1e})" if check else "")
         xla = f"{r['mfu_xla_count']:.1%}" if r["mfu_xla_count"] else "n/a"
         losses = r["first_losses"]
-        say(f"| {r['name']}: {r['what']} | {r['batch']} x {r['seq']} | {r['step_ms']:.1f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['mfu_datasheet']:.1%} | "
-            f"{r['mfu_measured_peak']:.1%} | {xla} | {time_ratio} | {rate} | "
-            f"{r['compile_s']:.0f} | {gib} | {losses[0]:.4f} / {losses[-1]:.4f} | {verdict} |"
+        compile_s = f"{r['compile_s']:.0f}{' (alone)' if r['compiled_alone'] else ''}"
+        say(f"| {r['name']}: {r['what']} | {r['rows']} x {r['seq']}, {r['k']} | "
+            f"{r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu_datasheet']:.1%} | "
+            f"{r['mfu_measured_peak']:.1%} | {xla} | {time_ratio} | {rate} | {compile_s} | "
+            f"{gib} | {losses[0]:.4f} / {losses[-1]:.4f} | {verdict} |"
             + (f" failed: {r['failed']}" if r["failed"] else ""))
+
+
+def fit_table(title: str, sides: list[Side], limit: float | None) -> list[dict[str, Any]]:
+    """Each side's memory by XLA's analysis against the chip's verdicts."""
+    found = []
+    say(f"\n#### {title}: XLA's memory analysis against the chip's verdict (limit "
+        f"{(limit or math.nan) / GiB:.2f} GiB)\n")
+    say("| side | need GiB (temp + arg + out - alias + code) | temp GiB | compile | first "
+        "call |\n|---|---:|---:|---|---|")
+    for side in sides:
+        mem = side.mem
+        need = mem.get("need", math.nan) / GiB
+        compiled = side.compile_error or ("not compiled" if math.isnan(side.compile_s)
+                                          else "ok")
+        ran = side.run_verdict
+        found.append({"side": side.name, "need_gib": need, "temp_gib":
+                      mem.get("temp", math.nan) / GiB, "compile": compiled, "first_call": ran})
+        say(f"| {side.name} | {need:.2f} | {mem.get('temp', math.nan) / GiB:.2f} | "
+            f"{compiled[:120]} | {ran[:120]} |")
+    return found
 
 
 # ---- micro: the head's loss and attention alone --------------------------------------------
@@ -581,17 +676,18 @@ class Micro:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     library: bool  # a choice trainrun's step can take (not a reference)
-    choice: Any = None  # the HeadPath or AttentionPath it stands for
+    choice: Any = None  # (chunk, HeadPath) or AttentionPath
+    chunk_bytes: float = 0.0  # a head chunk's float32 logits
     compiled: Any = None
     compile_s: float = math.nan
-    done_at: float = math.nan  # time.monotonic() when its compile ended
+    error: str | None = None
 
 
-def head_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro]:
+def head_micros(s: Shape, key: str, tiny: bool) -> list[Micro]:
     tokens = s.batch * s.seq
     draw = np.random.default_rng(0)
     features = jnp.asarray(draw.standard_normal((tokens, s.d_model)), COMPUTE)
-    table = jnp.asarray(draw.standard_normal((s.vocab, s.d_model)) * 0.02, COMPUTE)
+    table_ = jnp.asarray(draw.standard_normal((s.vocab, s.d_model)) * 0.02, COMPUTE)
     targets = jnp.asarray(draw.integers(0, s.vocab, tokens), jnp.int32)
 
     def ours(chunk: int, path: HeadPath) -> Callable[..., Any]:
@@ -604,37 +700,23 @@ def head_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro]:
 
     chunk = s.loss_chunk
     unrolled = HeadPath(unrolled=True)
-    kernels = [FusedHeadForward(1024, 512), FusedHeadForward(512, 1024),
-               FusedHeadForward(1024, 2048)]
-    if interpret_only_one:
-        kernels = [FusedHeadForward(128, 256)]
+    chunks = [chunk] if tiny else [c for c in (1024, 2048, 4096, 8192)
+                                   if c < tokens and (c >= 2048 or s.vocab > 100_000)]
     cases: list[tuple[str, Callable[..., Any], bool, Any]] = [
-        (f"scan, chunk {chunk} (trainrun as it was)", ours(chunk, PLAIN_HEAD), True,
+        (f"scan, chunk {chunk} (trainrun's plain path)", ours(chunk, PLAIN_HEAD), True,
          (chunk, PLAIN_HEAD)),
         ("plain: full bf16 logits, optax CE", jax.jit(jax.value_and_grad(plain, (0, 1))),
-         False, None),
-        (f"unrolled, chunk {chunk}", ours(chunk, unrolled), True, (chunk, unrolled)),
-        (f"unrolled + table grad once, chunk {chunk}",
-         ours(chunk, HeadPath(unrolled=True, table_grad_once=True)), True,
-         (chunk, HeadPath(unrolled=True, table_grad_once=True))),
-    ]
-    if not interpret_only_one:  # chunk sizes: on the chip only
-        cases += [
-            (f"unrolled, chunk {2 * chunk}", ours(2 * chunk, unrolled), True,
-             (2 * chunk, unrolled)),
-            (f"unrolled, chunk {chunk // 2}", ours(chunk // 2, unrolled), True,
-             (chunk // 2, unrolled)),
-            ("one chunk, logits kept (loss_chunk=0)", ours(0, PLAIN_HEAD), False,
-             (0, PLAIN_HEAD))]
-    for kernel in kernels:
-        path = HeadPath(unrolled=True, forward=kernel)
-        cases.append((f"fused fwd {kernel.block_tokens}x{kernel.block_vocab}, unrolled bwd "
-                      f"chunk {chunk}", ours(chunk, path), True, (chunk, path)))
-    return [Micro(name, "head", key, fn, (features, table, targets), library, choice)
+         False, None)]
+    cases += [(f"unrolled, chunk {c}", ours(c, unrolled), True, (c, unrolled)) for c in chunks]
+    if not tiny:
+        cases.append(("one chunk, logits kept (loss_chunk=0)", ours(0, PLAIN_HEAD), False,
+                      (0, PLAIN_HEAD)))
+    return [Micro(name, "head", key, fn, (features, table_, targets), library, choice,
+                  (min(choice[0] or tokens, tokens) * s.vocab * 4.0) if choice else 0.0)
             for name, fn, library, choice in cases]
 
 
-def attention_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro]:
+def attention_micros(s: Shape, key: str, tiny: bool) -> list[Micro]:
     draw = np.random.default_rng(1)
     q = jnp.asarray(draw.standard_normal((s.batch, s.seq, s.heads, s.head_dim)), COMPUTE)
     k, v = (jnp.asarray(draw.standard_normal((s.batch, s.seq, s.kv_heads, s.head_dim)),
@@ -654,10 +736,10 @@ def attention_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro
     splashes = [SplashAttention(512, 512, True), SplashAttention(512, 512, False),
                 SplashAttention(1024, 1024, True), SplashAttention(256, 256, True),
                 SplashAttention(1024, 512, True)]
-    if interpret_only_one:
-        splashes = [SplashAttention(128, 128, True)]
+    if tiny:
+        splashes = [SplashAttention()]
     cases: list[tuple[str, Callable[..., Any], bool, Any]] = [
-        ("XLA, k/v repeated (trainrun as it was)", ours(AttentionPath()), True,
+        ("XLA, k/v repeated (trainrun's plain path)", ours(AttentionPath()), True,
          AttentionPath())]
     if s.kv_heads < s.heads:
         cases.append(("XLA, grouped k/v (the plain step's)",
@@ -665,7 +747,7 @@ def attention_micros(s: Shape, key: str, interpret_only_one: bool) -> list[Micro
     for spec in splashes:
         path = AttentionPath(kernel=spec)
         cases.append((_attention_name(path), ours(path), True, path))
-    if not interpret_only_one:
+    if not tiny:
         cases.append(("Pallas TPU flash_attention, blocks 512 (k/v repeated)",
                       flash_tpu(q.shape, k.shape[2], scale), False, None))
     return [Micro(name, "attention", key, fn, (q, k, v, cotangent), library, choice)
@@ -691,41 +773,38 @@ def flash_tpu(shape: tuple[int, ...], kv_heads: int, scale: float) -> Callable[.
     return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
 
-def queue_micros(micros: list[Micro], budget: Budget) -> list[concurrent.futures.Future[Any]]:
-    """Each case lowered here, compiled on the pool."""
+def run_micros(micros: list[Micro], budget: Budget, reps: int, reserve: float
+               ) -> list[dict[str, Any]]:
+    """Every case lowered here and compiled on the pool, all waited for; then each timed
+    (median of ``reps`` calls) and compared with the first case of its kind and shape (the
+    plain path)."""
 
-    def compile_one(m: Micro, lowered: Any) -> Micro:
+    def compile_one(m: Micro, lowered: Any) -> None:
         start = time.perf_counter()
         m.compiled = lowered.compile()
         m.compile_s = time.perf_counter() - start
-        m.done_at = time.monotonic()
-        return m
 
     futures = []
     for m in micros:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         try:
-            lowered = m.fn.lower(*m.args)  # type: ignore[attr-defined]
+            futures.append((m, budget.pool.submit(compile_one, m, m.fn.lower(*m.args))))
         except Exception as err:  # reported with the case's row
-            future.set_exception(err)
-        else:
-            future = budget.pool.submit(compile_one, m, lowered)
-        futures.append(future)
-    return futures
-
-
-def run_micros(micros: list[Micro], futures: list[concurrent.futures.Future[Any]],
-               budget: Budget, reps: int) -> list[dict[str, Any]]:
-    """Time each case (median of ``reps`` calls) and compare its value and gradients with the
-    first case of its kind and shape (the plain path)."""
+            m.error = first_line(err)
+    for m, future in futures:
+        try:
+            future.result(timeout=max(budget.left() - reserve, 1.0))
+        except Exception as err:  # a kernel that does not build here is reported, not fatal
+            m.error = first_line(err)
     rows: list[dict[str, Any]] = []
     reference: dict[tuple[str, str], Any] = {}
-    for m, future in zip(micros, futures, strict=True):
+    for m in micros:
         row: dict[str, Any] = {"name": m.name, "kind": m.kind, "shape": m.shape,
-                               "library": m.library, "choice": m.choice}
+                               "library": m.library, "choice": m.choice,
+                               "chunk_logits_gib": m.chunk_bytes / GiB}
         rows.append(row)
         try:
-            future.result(timeout=max(budget.left() - 330, 1.0))
+            if m.error or m.compiled is None:
+                raise RuntimeError(m.error or "not compiled within the time budget")
             value, grads = m.compiled(*m.args)
             jax.block_until_ready(grads)
             times = []
@@ -733,11 +812,9 @@ def run_micros(micros: list[Micro], futures: list[concurrent.futures.Future[Any]
                 start = time.perf_counter()
                 jax.block_until_ready(m.compiled(*m.args))
                 times.append(time.perf_counter() - start)
-        except Exception as err:  # a kernel that does not build here is reported, not fatal
-            future.cancel()
+        except Exception as err:
+            row["failed"] = first_line(err)
             m.compiled, m.args = None, ()
-            text = str(err).strip().splitlines() or [""]
-            row["failed"] = f"{type(err).__name__}: {text[0][:300]}"
             continue
         row.update(ms=statistics.median(times) * 1e3, compile_s=m.compile_s,
                    memory=memory_of(m.compiled))
@@ -751,16 +828,6 @@ def run_micros(micros: list[Micro], futures: list[concurrent.futures.Future[Any]
         row["ok"] = bool(row["value_diff"] < 2e-2 * max(1.0, abs(ref[0]))
                          and row["grad_rel_diff"] < 5e-2)
     return rows
-
-
-def compile_overlap(micros: list[Micro], queued: float) -> float:
-    """Seconds of compiling over the seconds from queueing to the last compile's end: how
-    many compiles ran at once on average."""
-    ended = [m.done_at for m in micros if math.isfinite(m.done_at)]
-    if not ended:
-        return math.nan
-    return sum(m.compile_s for m in micros if math.isfinite(m.done_at)) / max(
-        max(ended) - queued, 1e-9)
 
 
 def micro_table(rows: list[dict[str, Any]], layers: dict[str, int]) -> None:
@@ -780,9 +847,11 @@ def micro_table(rows: list[dict[str, Any]], layers: dict[str, int]) -> None:
 
 
 def fastest(rows: list[dict[str, Any]], kind: str, shape: str) -> Any:
-    """The choice of the fastest library case that computes what the plain path computes."""
+    """The choice of the fastest library case that computes what the plain path computes (a
+    head's chunk only where its logits stay within ``CHUNK_LOGITS_BUDGET``)."""
     good = [r for r in rows if r["kind"] == kind and r["shape"] == shape and r["library"]
-            and "failed" not in r and r["ok"]]
+            and "failed" not in r and r["ok"]
+            and r["chunk_logits_gib"] * GiB <= CHUNK_LOGITS_BUDGET]
     return min(good, key=lambda r: r["ms"])["choice"] if good else None
 
 
@@ -819,18 +888,17 @@ def device_ops(trace_dir: str, steps: int, hlo_text: str, top: int = 15) -> list
              "from": origin.get(name, "")} for name, us in total.most_common(top)]
 
 
-def profile(timed: list[Timed], shared: Shared, budget: Budget) -> dict[str, Any]:
+def profile(timed: list[Timed], m: Model, budget: Budget) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for t in timed:
         directory = tempfile.mkdtemp(prefix="tpu-step-trace-")
         try:
             with jax.profiler.trace(directory, create_perfetto_trace=True):
-                t.side.run(shared)
+                t.side.run(m)
             found[t.side.variant.name] = device_ops(directory, t.side.k,
                                                     t.side.compiled.as_text())
         except Exception as err:  # the trace is a report, not a requirement
-            budget.note(f"profile of {t.side.name}: none ({type(err).__name__}: "
-                        f"{str(err)[:200]})")
+            budget.note(f"profile of {t.side.name}: none ({first_line(err, 200)})")
         finally:
             shutil.rmtree(directory, ignore_errors=True)
     for name, ops in found.items():
@@ -842,74 +910,6 @@ def profile(timed: list[Timed], shared: Shared, budget: Budget) -> dict[str, Any
         for op in ops:
             say(f"| {op['op'][:60]} | {op['ms_per_step']:.2f} | {op['calls_per_step']:.1f} | "
                 f"{op['from'][:90]} |")
-    return found
-
-
-# ---- the largest batch that fits ------------------------------------------------------------
-
-
-def device_limit(override_gib: float | None) -> float | None:
-    if override_gib:
-        return override_gib * GiB
-    stats = jax.devices()[0].memory_stats() or {}
-    return float(stats["bytes_limit"]) if "bytes_limit" in stats else None
-
-
-def largest(variant: Variant, s: Shape, probes: tuple[int, ...], shared: Shared,
-            budget: Budget, limit: float | None, reserve: float
-            ) -> tuple[list[Side], dict[int, float], float]:
-    """The largest of ``s.batches`` whose program fits ``limit`` bytes (less a margin), by
-    compiling only: the ``probes`` (queued already), then the largest batch a straight line
-    through their memory predicts, then one step down at a time. Returned with the smaller
-    fitting batches compiled on the way, largest first, to fall back on. Without a limit (a
-    backend that has none) the search runs against 1.6 x the smallest probe's need: a check
-    of the search itself."""
-    needs: dict[int, float] = {}
-    sides: dict[int, Side] = {}
-
-    def measure(batch: int) -> None:
-        side = budget.get(variant, s, batch, reserve)
-        if side is not None:
-            sides[batch], needs[batch] = side, side.memory().get("need", math.inf)
-
-    for batch in probes:
-        measure(batch)
-    if not needs:
-        return [], needs, limit or math.nan
-    limit = limit or 1.6 * needs[min(needs)]
-    usable = limit * (1 - MEMORY_MARGIN)
-    fitting = [b for b in needs if needs[b] <= usable]
-    guess = max(fitting, default=min(s.batches))
-    low, high = min(needs), max(needs)
-    if high > low:  # memory is near linear in the rows: the line through two probes
-        slope = (needs[high] - needs[low]) / (high - low)
-        guess = max([guess] + [b for b in s.batches if needs[low] + slope * (b - low) <= usable])
-    for batch in sorted(s.batches, reverse=True):
-        if batch > guess or (fitting and batch <= max(fitting)):
-            continue
-        if batch not in needs:
-            if budget.left() - reserve < 60:
-                budget.note(f"{s.name}: {variant.name}: search stopped at {batch} rows (time "
-                            "budget)")
-                break
-            budget.add(variant, s, batch, shared)
-            measure(batch)
-        if needs.get(batch, math.inf) <= usable:
-            fitting.append(batch)
-            break
-    return [sides[b] for b in sorted(fitting, reverse=True)], needs, limit
-
-
-def searched(s: Shape, sides: dict[str, tuple[list[Side], dict[int, float], float]]
-             ) -> dict[str, Any]:
-    found = {}
-    for name, (fitting, needs, limit) in sides.items():
-        best = fitting[0].batch if fitting else None
-        found[name] = {"needs_gib": {b: n / GiB for b, n in sorted(needs.items())},
-                       "largest": best, "limit_gib": limit / GiB}
-        say(f"- {s.name}, {name}: compiled memory need by rows (GiB, of {limit / GiB:.2f}): "
-            + ", ".join(f"{b}: {n / GiB:.2f}" for b, n in sorted(needs.items()))
-            + f"; the largest batch that fits: {best or 'none'}")
     return found
 
 
@@ -930,10 +930,6 @@ def matmul_peak(tiny: bool) -> float:
 
 
 PLAIN = Variant("plain", plain=True)
-TODAY = Variant("trainrun")  # the plain paths: trainrun as it was
-# trainrun's own choices on a TPU (fast/strategies.py), where the micro part measured none
-LIBRARY_HEAD = HeadPath(unrolled=True, forward=FusedHeadForward())
-LIBRARY_ATTENTION = AttentionPath(kernel=SplashAttention())
 
 
 @dataclasses.dataclass
@@ -947,33 +943,291 @@ class Report:
         (self.out / "tpu_step.md").write_text("\n".join(SAID) + "\n")
 
 
-def timed_table(key: str, title: str, contenders: list[list[Side]], shared: Shared,
-                budget: Budget, report: Report, peak: float, rounds: int, reserve: float,
-                check: bool = True) -> list[Timed]:
-    """First calls, interleaved rounds, the table and the report's entry ``key``."""
-    timed = first_calls(contenders, shared, budget)
-    interleave(timed, shared, budget, rounds, reserve)
-    rows = results(timed, shared, peak)
-    checks = loss_checks(rows, 0.05) if check else {}
-    table(title, rows, checks, peak)
-    report.data[key] = {**report.data.get(key, {}), "rows": rows, "checks": checks}
+@dataclasses.dataclass
+class Plan:
+    """What each part runs: its sides, by size, in the order they are tried or timed."""
+
+    gpt2: dict[int, list[Side]] = dataclasses.field(default_factory=dict)
+    qwen_trainrun: list[Side] = dataclasses.field(default_factory=list)
+    qwen_extra: list[Side] = dataclasses.field(default_factory=list)
+    qwen_plain: list[Side] = dataclasses.field(default_factory=list)
+    qwen_target: int = 0
+
+    def qwen(self) -> list[Side]:
+        return self.qwen_trainrun + self.qwen_extra + self.qwen_plain
+
+    def eager(self) -> Iterator[Side]:
+        """The sides compiled before any timing: every one but the 0.5B shape's fallbacks
+        (trainrun below its target rows, the plain step's sizes after its first)."""
+        for sides in self.gpt2.values():
+            yield from sides
+        yield from (x for x in self.qwen_trainrun if x.rows >= self.qwen_target)
+        yield from self.qwen_extra
+        yield from self.qwen_plain[:1]
+
+
+def parse_sizes(text: str, k: int) -> list[tuple[int, int]]:
+    """``8,16`` or ``1x4,1x1``: rows (x K) each."""
+    sizes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        rows, _, steps = part.partition("x")
+        sizes.append((int(rows), int(steps) if steps else k))
+    return sizes
+
+
+def variants(args: argparse.Namespace, micro: dict[str, Any], found: dict[str, Shape]
+             ) -> dict[str, Variant]:
+    """trainrun at each shape as the command line, the micro part or trainrun's own choices
+    on a TPU say (in that order)."""
+    made = {}
+    for key, s in found.items():
+        picked = micro.get(key, {})
+        attention = (attention_choice(getattr(args, f"{key}_attention"))
+                     if getattr(args, f"{key}_attention") or "attention" not in picked
+                     else picked["attention"])
+        head = (head_choice(getattr(args, f"{key}_head"))
+                if getattr(args, f"{key}_head") or "head" not in picked else picked["head"])
+        chunk = getattr(args, f"{key}_chunk") or picked.get("chunk") or s.loss_chunk
+        options: tuple[tuple[str, Any], ...] = (("loss_chunk", chunk),)
+        if key == "qwen":
+            options += (("scan_layers", args.qwen_layers == "scan"), ("remat", args.qwen_remat))
+        made[key] = Variant("trainrun", attention=attention, head=head, options=options)
+    return made
+
+
+def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
+         models: dict[str, Model], tuned: dict[str, Variant], budget: Budget) -> Plan:
+    """Every side lowered (here, in this thread), none compiled yet."""
+    p = Plan()
+    if "gpt2" in parts:
+        s, m, trainrun = found["gpt2"], models["gpt2"], tuned["gpt2"]
+        extras = {"select": dataclasses.replace(trainrun, name="trainrun, guard a select",
+                                                guard="select"),
+                  "none": dataclasses.replace(trainrun, name="trainrun, no guard", guard="none"),
+                  "plain-paths": Variant("trainrun, plain paths", guard="select")}
+        for i, (rows, k) in enumerate(parse_sizes(args.gpt2_rows, s.k)):
+            wanted = [PLAIN, trainrun] + ([extras[e] for e in args.gpt2_extra.split(",") if e]
+                                          if i == 0 else [])
+            p.gpt2[rows] = [x for x in (budget.lower(v, m, rows, k) for v in wanted) if x]
+    if "qwen" in parts:
+        s, m, trainrun = found["qwen"], models["qwen"], tuned["qwen"]
+        p.qwen_target = args.qwen_target
+        p.qwen_trainrun = [x for x in (budget.lower(trainrun, m, rows, k)
+                                       for rows, k in parse_sizes(args.qwen_rows, s.k)) if x]
+        extras = {"none": dataclasses.replace(trainrun, name="trainrun, no guard", guard="none"),
+                  "select": dataclasses.replace(trainrun, name="trainrun, guard a select",
+                                                guard="select")}
+        p.qwen_extra = [x for x in (budget.lower(extras[e], m, args.qwen_target, s.k)
+                                    for e in args.qwen_extra.split(",") if e) if x]
+        p.qwen_plain = [x for x in (budget.lower(PLAIN, m, rows, k)
+                                    for rows, k in parse_sizes(args.qwen_plain, s.k)) if x]
+    return p
+
+
+def compile_everything(p: Plan, budget: Budget, report: Report, reserve: float,
+                       meanwhile: Callable[[], None]) -> None:
+    """The plain step's and trainrun's programs at GPT-2's first rows one at a time (their
+    compile seconds alone, cold), then every other program on the pool (``meanwhile`` run as
+    they compile), all waited for."""
+    first = next(iter(p.gpt2.values()), [])[:2]
+    for side in first:
+        side.compile()
+        side.alone = True
+        if side.compile_error:
+            budget.note(f"{side.name}: compile failed ({side.compile_error})")
+    if first:
+        say("\ncompiled alone, cold: " + "; ".join(
+            f"{side.variant.name} {side.compile_s:.1f} s" for side in first))
+        report.data["compile_alone_s"] = {side.variant.name: side.compile_s for side in first}
+    rest = [side for side in p.eager() if side not in first]
+    start = time.monotonic()
+    budget.compile_all(rest, reserve, meanwhile)
+    if rest:
+        say(f"the other {len(rest)} programs compiled side by side in "
+            f"{time.monotonic() - start:.0f} s ({budget.threads} threads)")
+
+
+def gpt2_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,
+              args: argparse.Namespace) -> None:
+    s = m.s
+    say(f"\n## {s.name}: {s.seq} tokens a row, K={s.k}, {m.params:,} params\n")
+    report.data["gpt2"] = {}
+    for i, (rows, sides) in enumerate(p.gpt2.items()):
+        sides = [side for side in sides if side.compiled is not None]
+        timed = [t for t in (first_call(side, m, budget) for side in sides) if t]
+        reserve = 40.0 * (len(p.gpt2) - i - 1) + (100.0 if p.qwen() else 0.0)
+        rounds(timed, m, budget, args.rounds, reserve)
+        got = results(timed, m, peak)
+        checks = loss_checks(got, 0.05)
+        table(f"{s.name}, {rows} rows", got, checks, peak)
+        entry: dict[str, Any] = {"rows": got, "checks": checks}
+        if args.profile and i == 0:
+            entry["profile"] = profile([t for t in timed if t.side.variant.name in
+                                        (PLAIN.name, "trainrun")], m, budget)
+        report.data["gpt2"][str(rows)] = entry
+        report.save()
+        for side in sides:
+            side.free()
+    m.drop()
+
+
+def qwen_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,
+              args: argparse.Namespace) -> None:
+    s = m.s
+    say(f"\n## {s.name}: {s.seq} tokens a row, {m.params:,} params\n")
+    say("Each contender from its own fresh state (the same init bits), one after another, not "
+        "interleaved: the state and one side's temporaries fill most of the chip, everything "
+        "of the one before is freed first.")
+    got: list[dict[str, Any]] = []
+
+    def attempt(side: Side) -> bool:
+        """Compiled (here, if it was not: no timing runs meanwhile), run, timed, freed."""
+        gc.collect()
+        jax.clear_caches()
+        if math.isnan(side.compile_s):
+            if budget.left() < 60:
+                budget.note(f"{side.name}: not compiled (time budget)")
+                return False
+            side.compile()
+            if side.compile_error:
+                budget.note(f"{side.name}: compile failed ({side.compile_error})")
+        if side.compiled is None:
+            return False
+        if budget.left() < 20:
+            budget.note(f"{side.name}: not run (time budget)")
+            return False
+        t = first_call(side, m, budget)
+        if t is not None:
+            rounds([t], m, budget, max(2, args.rounds // 2), 20.0)
+            got.extend(results([t], m, peak))
+        m.drop()
+        side.free()
+        return t is not None
+
+    for side in p.qwen_trainrun:  # down to the first that fits at or below the target
+        if attempt(side) and side.rows <= p.qwen_target:
+            break
+    for side in p.qwen_extra:
+        attempt(side)
+    for side in p.qwen_plain:  # the first that fits
+        if attempt(side):
+            break
+    for name in {side.variant.name for side in p.qwen()} - {r["name"] for r in got}:
+        budget.note(f"{s.name}: {name} ran at none of the sizes tried")
+    table(f"{s.name}, each contender alone", got, {}, peak)
+    fits = fit_table(s.name, p.qwen(), device_limit())
+    report.data["qwen"] = {"rows": got, "fit": fits}
     report.save()
-    return timed
+
+
+def verdicts(report: Report) -> None:
+    """The targets, from what ran."""
+    lines = []
+    names = {key: shape["name"] for key, shape in report.data["shapes"].items()}
+    for rows, entry in sorted(report.data.get("gpt2", {}).items(), key=lambda x: int(x[0])):
+        by = {r["name"]: r for r in entry["rows"]}
+        if PLAIN.name in by and "trainrun" in by:
+            ratio = by["trainrun"]["step_ms"] / by[PLAIN.name]["step_ms"]
+            lines.append(f"{names['gpt2']} @{rows}: trainrun {ratio:.3f}x the plain step's time "
+                         f"(target at most 0.8x), {by['trainrun']['mfu_datasheet']:.1%} MFU "
+                         "(analytic count, 197 TF/s; target 45%)")
+    qwen = report.data.get("qwen", {}).get("rows", [])
+    ours = [r for r in qwen if r["name"] == "trainrun"]
+    plain = [r for r in qwen if r["name"] == PLAIN.name]
+    if ours:
+        best = max(ours, key=lambda r: r["tokens_per_s"])
+        tokens = max(r["rows"] * r["seq"] for r in ours)
+        rate = (f"{best['tokens_per_s'] / plain[0]['tokens_per_s']:.2f}x the plain step's "
+                f"tokens/s at {plain[0]['rows']} x {plain[0]['seq']}, K={plain[0]['k']}"
+                if plain else "the plain step ran at no size tried")
+        lines.append(f"{names['qwen']}: trainrun ran {tokens:,} tokens a step; at its best "
+                     f"{best['tokens_per_s']:,.0f} tokens/s, {rate} (target 1.25x)")
+    if lines:
+        say("\n## Against the targets\n")
+        for line in lines:
+            say(f"- {line}")
+    report.data["verdicts"] = lines
+
+
+def run_parts(args: argparse.Namespace, parts: set[str], budget: Budget, report: Report
+              ) -> None:
+    device = jax.devices()[0]
+    found = shapes(args.tiny)
+    say(f"# trainrun's step against a plain-JAX step: {device.device_kind} "
+        f"({jax.default_backend()}), jax {jax.__version__}\n")
+    if jax.default_backend() != "tpu":
+        say("Not a TPU: the Pallas kernels run in their interpreter, fewer configurations; "
+            "the figures check the code, they measure nothing.")
+    models = {key: Model(s) for key, s in found.items()}
+    peak = matmul_peak(args.tiny)
+    say(f"bf16 matmul measured here: {peak / 1e12:.3g} TFLOP/s (datasheet "
+        f"{PEAK_BF16 / 1e12:.0f})")
+    report.data.update(device=device.device_kind, backend=jax.default_backend(),
+                       jax=jax.__version__, matmul_tflops=peak / 1e12, parts=sorted(parts),
+                       args=vars(args), shapes={k: dataclasses.asdict(v) for k, v in
+                                                found.items()})
+    report.save()
+    micro: dict[str, Any] = {}
+    if "micro" in parts:
+        cases = [c for key, s in found.items() for c in
+                 head_micros(s, key, args.tiny) + attention_micros(s, key, args.tiny)]
+        rows = run_micros(cases, budget, reps=3 if args.tiny else 10, reserve=300.0)
+        micro_table(rows, {key: s.layers for key, s in found.items()})
+        report.data["micro"] = rows
+        for key in found:
+            head, attention = fastest(rows, "head", key), fastest(rows, "attention", key)
+            micro[key] = {**({"chunk": head[0], "head": head[1]} if head else {}),
+                          **({"attention": attention} if attention else {})}
+        report.save()
+    tuned = variants(args, micro, found)
+    for key in found:
+        say(f"\ntrainrun at {found[key].name}: {tuned[key].describe()}")
+    p = plan(args, parts, found, models, tuned, budget)
+
+    def states() -> None:  # the states at step 0, made while the pool compiles, kept on the host
+        for key in ("gpt2", "qwen"):
+            if key in parts:
+                models[key].ready()
+
+    compile_everything(p, budget, report, 150.0 if "qwen" in parts else 60.0, states)
+    if p.gpt2:
+        gpt2_part(p, models["gpt2"], budget, report, peak, args)
+    for sides in p.gpt2.values():  # GPT-2's programs off the chip before the 0.5B shape
+        for side in sides:
+            side.free()
+    if p.qwen():
+        qwen_part(p, models["qwen"], budget, report, peak, args)
+    verdicts(report)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="tpu-step-"))
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=470.0)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--compile-threads", type=int, default=4)
-    parser.add_argument("--parts", default="micro,gpt2,attribution,qwen,search,extra")
+    parser.add_argument("--budget-s", type=float, default=370.0)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--compile-threads", type=int, default=7)
+    parser.add_argument("--parts", default="gpt2,qwen")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--memory-limit-gib", type=float, default=None,
-                        help="the device memory the search fits against (default: the "
-                        "device's bytes_limit)")
+    parser.add_argument("--gpt2-rows", default="8,16")
+    parser.add_argument("--gpt2-extra", default="select")
+    parser.add_argument("--qwen-rows", default="8,4,2,1")
+    parser.add_argument("--qwen-target", type=int, default=4)
+    parser.add_argument("--qwen-extra", default="none")
+    parser.add_argument("--qwen-plain", default="1x4,1x1")
+    parser.add_argument("--qwen-layers", choices=("scan", "unrolled"), default="scan")
+    parser.add_argument("--qwen-remat", default="full")
+    for key in ("gpt2", "qwen"):
+        parser.add_argument(f"--{key}-attention", default=None)
+        parser.add_argument(f"--{key}-head", default=None)
+        parser.add_argument(f"--{key}-chunk", type=int, default=None)
     args = parser.parse_args()
+    if args.tiny:  # toy sizes: rows and K the tiny shapes can take
+        args.gpt2_rows = "2,3" if args.gpt2_rows == "8,16" else args.gpt2_rows
+        args.qwen_rows = "4,2,1" if args.qwen_rows == "8,4,2,1" else args.qwen_rows
+        args.qwen_target = 2 if args.qwen_target == 4 else args.qwen_target
+        args.qwen_plain = "1x2,1x1" if args.qwen_plain == "1x4,1x1" else args.qwen_plain
+    jax.config.update("jax_enable_compilation_cache", False)  # compile seconds: cold
     budget = Budget(args.budget_s, args.compile_threads)
     report = Report(Path(args.out))
     started = time.monotonic()
@@ -988,145 +1242,8 @@ def main() -> int:
     report.save()
     say(f"\nwall {report.data['wall_s']:.0f} s; JSON: {report.out / 'tpu_step.json'}")
     sys.stdout.flush()
-    # compiles still queued or running (contenders skipped for time) are not waited for
+    # compiles still queued or running (sides skipped for time) are not waited for
     os._exit(code)
-
-
-def run_parts(args: argparse.Namespace, parts: set[str], budget: Budget, report: Report
-              ) -> None:
-    device = jax.devices()[0]
-    found = shapes(args.tiny)
-    gpt2, qwen = found["gpt2"], found["qwen"]
-    interpret = jax.default_backend() != "tpu"
-    say(f"# trainrun's step against a plain-JAX step: {device.device_kind} "
-        f"({jax.default_backend()}), jax {jax.__version__}\n")
-    if interpret:
-        say("Not a TPU: the Pallas kernels run in their interpreter, fewer configurations; "
-            "the figures check the code, they measure nothing.")
-    shared = {key: Shared(s) for key, s in found.items()}
-    peak = matmul_peak(args.tiny)
-    say(f"bf16 matmul measured here: {peak / 1e12:.3g} TFLOP/s (datasheet "
-        f"{PEAK_BF16 / 1e12:.0f})")
-    report.data.update(device=device.device_kind, backend=jax.default_backend(),
-                       jax=jax.__version__, matmul_tflops=peak / 1e12, parts=sorted(parts),
-                       shapes={k: dataclasses.asdict(v) for k, v in found.items()})
-    report.save()
-    micros: list[Micro] = []
-    if "micro" in parts:  # queued first: small programs, and they choose the tuned paths
-        for key, s in found.items():
-            micros += head_micros(s, key, interpret) + attention_micros(s, key, interpret)
-        queued = time.monotonic()
-        micro_futures = queue_micros(micros, budget)
-    if parts & {"gpt2", "attribution", "extra"}:
-        for variant in (PLAIN, TODAY):
-            budget.add(variant, gpt2, gpt2.batch, shared["gpt2"])
-    for key in found:  # while the pool compiles
-        shared[key].ready()
-    tuned = {key: (s.loss_chunk, LIBRARY_HEAD, LIBRARY_ATTENTION) for key, s in found.items()}
-    if micros:
-        rows = run_micros(micros, micro_futures, budget, reps=3 if args.tiny else 10)
-        overlap = compile_overlap(micros, queued)
-        report.data["compile_overlap"] = overlap
-        say(f"\ncompile pool: {overlap:.1f} compiles at once on average over the micro part's "
-            f"{len(micros)} programs ({args.compile_threads} threads)")
-        if overlap < 1.5 and args.compile_threads > 1:  # one at a time: keep what matters
-            parts -= {"attribution", "extra"}
-            budget.note("compiles did not overlap: the attribution and extra parts are dropped")
-        micros.clear()
-        micro_table(rows, {key: s.layers for key, s in found.items()})
-        report.data["micro"] = rows
-        report.save()
-        for key in found:
-            head = fastest(rows, "head", key)
-            attention = fastest(rows, "attention", key)
-            tuned[key] = (*(head or tuned[key][:2]), attention or LIBRARY_ATTENTION)
-    best = Variant("trainrun tuned", attention=tuned["gpt2"][2], head=tuned["gpt2"][1],
-                   options=(("loss_chunk", tuned["gpt2"][0]),))
-    qwen_best = Variant("trainrun tuned", attention=tuned["qwen"][2], head=tuned["qwen"][1],
-                        options=(("loss_chunk", tuned["qwen"][0]), ("scan_layers", True),
-                                 ("remat", "full")))
-    qwen_kept = dataclasses.replace(qwen_best, name="trainrun tuned, no remat",
-                                    options=qwen_best.options[:2])
-    say(f"\ntrainrun tuned: {best.describe()} ({gpt2.name}); {qwen_best.describe()} "
-        f"({qwen.name})")
-    attribution = [variant for variant, differs in (
-        (Variant("trainrun, head only", head=best.head, options=best.options),
-         best.head != TODAY.head or best.options[0][1] != gpt2.loss_chunk),
-        (Variant("trainrun, attention only", attention=best.attention),
-         best.attention != TODAY.attention)) if differs]
-    extras = [dataclasses.replace(best, name="trainrun tuned, no guard", guard=False),
-              dataclasses.replace(best, name="trainrun tuned, scan_layers",
-                                  options=(*best.options, ("scan_layers", True)))]
-    # every program queued now, in the order it matters; each part waits for its own
-    if parts & {"gpt2", "attribution", "extra"}:
-        budget.add(best, gpt2, gpt2.batch, shared["gpt2"])
-    if "attribution" in parts:
-        for variant in attribution:
-            budget.add(variant, gpt2, gpt2.batch, shared["gpt2"])
-    probes = {PLAIN.name: (1, 2), qwen_best.name: (qwen.batch, 2 * qwen.batch),
-              qwen_kept.name: (1, 2)}
-    qwen_sides = [PLAIN, qwen_best] + [qwen_kept] * ("extra" in parts)
-    if "qwen" in parts:
-        for variant in qwen_sides:
-            for batch in probes[variant.name]:
-                budget.add(variant, qwen, batch, shared["qwen"])
-    gpt2_probes = (gpt2.batches[0], gpt2.batches[2])
-    if "search" in parts:
-        for variant in (PLAIN, best):
-            for batch in gpt2_probes:
-                budget.add(variant, gpt2, batch, shared["gpt2"])
-    if "extra" in parts:
-        for variant in extras:
-            budget.add(variant, gpt2, gpt2.batch, shared["gpt2"])
-
-    if parts & {"gpt2", "attribution"}:
-        say(f"\n## {gpt2.name}: {gpt2.batch} x {gpt2.seq} tokens a step, K={gpt2.k}, "
-            f"{shared['gpt2'].params:,} params\n")
-        sides = [x for x in (budget.get(v, gpt2, gpt2.batch, 150)
-                             for v in [PLAIN, TODAY, best, *attribution]) if x]
-        timed = timed_table("gpt2", f"{gpt2.name}, {gpt2.batch} rows", [[x] for x in sides],
-                            shared["gpt2"], budget, report, peak, args.rounds, 180)
-        if args.profile:
-            report.data["gpt2"]["profile"] = profile(
-                [t for t in timed if t.side.variant.name in (PLAIN.name, TODAY.name, best.name)],
-                shared["gpt2"], budget)
-            report.save()
-        shared["gpt2"].drop()
-    if "qwen" in parts:
-        say(f"\n## {qwen.name}: {qwen.seq} tokens a row, K={qwen.k}, "
-            f"{shared['qwen'].params:,} params\n")
-        limit = device_limit(args.memory_limit_gib)
-        found_q = {v.name: largest(v, qwen, probes[v.name], shared["qwen"], budget, limit, 80)
-                   for v in qwen_sides}
-        report.data["qwen"] = {"search": searched(qwen, found_q)}
-        sides = [fitting for fitting, _, _ in found_q.values() if fitting]
-        timed = timed_table("qwen", f"{qwen.name}, each at the largest batch it fits", sides,
-                            shared["qwen"], budget, report, peak, max(2, args.rounds // 2),
-                            60, check=False)
-        if args.profile and budget.left() > 60:
-            report.data["qwen"]["profile"] = profile(timed, shared["qwen"], budget)
-            report.save()
-        shared["qwen"].drop()
-    if "search" in parts:
-        say(f"\n## {gpt2.name}: the largest batch each side fits\n")
-        limit = device_limit(args.memory_limit_gib)
-        found_g = {v.name: largest(v, gpt2, gpt2_probes, shared["gpt2"], budget, limit, 30)
-                   for v in (PLAIN, best)}
-        report.data["gpt2_search"] = {"search": searched(gpt2, found_g)}
-        sides = [fitting for fitting, _, _ in found_g.values() if fitting]
-        timed_table("gpt2_search", f"{gpt2.name}, each at the largest batch it fits", sides,
-                    shared["gpt2"], budget, report, peak, max(2, args.rounds // 2), 25,
-                    check=False)
-        shared["gpt2"].drop()
-    if "extra" in parts and budget.left() > 20:
-        sides = [x for x in (budget.get(v, gpt2, gpt2.batch, 15) for v in [TODAY, best, *extras])
-                 if x]
-        if len(sides) > 2:
-            timed_table("gpt2_extra", f"{gpt2.name}, {gpt2.batch} rows: what the non-finite "
-                        "guard and scan_layers cost", [[x] for x in sides], shared["gpt2"],
-                        budget, report,
-                        peak, max(2, args.rounds // 2), 5)
-        shared["gpt2"].drop()
 
 
 if __name__ == "__main__":

@@ -69,3 +69,11 @@ def test_what_the_kernel_does_not_take_is_said():
     assert not kernel.supports(q, k, shared, None, None)
     assert not kernel.supports(q[:, :200], k[:, :200], None, None, None)  # not whole blocks
     assert SplashAttention(512, 512).supports(q, k, None, None, None)  # one block: the sequence
+
+
+def test_the_default_blocks_are_512_rows_up_to_1024_positions_and_1024_from_2048():
+    kernel = SplashAttention()
+    assert [kernel.blocks(seq) for seq in (256, 1024, 2048, 4096)] == [
+        (256, 256), (512, 512), (1024, 1024), (1024, 1024)]
+    assert kernel.blocks(2560) == (512, 512)  # not whole blocks of 1024: blocks of 512
+    assert SplashAttention(256, 128).blocks(2048) == (256, 128)  # given blocks are kept

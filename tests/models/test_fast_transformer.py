@@ -195,9 +195,8 @@ def test_single_device_cpu_calls_run_inline_after_configure_process():
 
 @pytest.mark.slow  # the kernels run in Pallas' interpreter
 def test_the_transformer_on_the_tpu_kernels_has_the_plain_loss_and_gradients():
-    """Splash attention and the fused head (interpreted here), the head's chunks unrolled: the
-    same loss and gradients as the plain paths, grouped key/value heads and packed rows in."""
-    from trainrun.fast.head_kernel import FusedHeadForward
+    """Splash attention (interpreted here) and the head's chunks unrolled: the same loss and
+    gradients as the plain paths, grouped key/value heads and packed rows in."""
     from trainrun.fast.tpu_attention import SplashAttention
     from trainrun.models.losses import HeadPath
     from trainrun.models.transformer import AttentionPath, make_transformer
@@ -206,7 +205,7 @@ def test_the_transformer_on_the_tpu_kernels_has_the_plain_loss_and_gradients():
                                         vocab=300, init_std=0.1, loss_chunk=96), kv_heads=2)
     plain = make_transformer(cfg)
     fast = make_transformer(cfg, AttentionPath(kernel=SplashAttention(128, 128)),
-                            HeadPath(unrolled=True, forward=FusedHeadForward(128, 256)))
+                            HeadPath(unrolled=True))
     params = plain.init(jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, 300, (2, 129)).astype(np.int32)
     segments = np.ones((2, 129), np.int32)

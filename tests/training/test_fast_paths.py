@@ -95,18 +95,20 @@ def test_on_a_tpu_the_kernels_and_the_unrolled_head_are_chosen_each_by_its_switc
 
     import jax
 
-    from trainrun.fast.head_kernel import FusedHeadForward
+    from trainrun.fast.guard import keep_if_not_branched
     from trainrun.fast.tpu_attention import SplashAttention
     from trainrun.models.losses import PLAIN_HEAD, HeadPath
+    from trainrun.program.step import keep_if_not
 
     on, off = Strategies(FastPaths()), Strategies(FastPaths.none())
     # elsewhere (this CPU) the plain paths, every switch on or not
     for chosen in (on, off):
         assert chosen.attention().kernel is None and chosen.head_loss() == PLAIN_HEAD
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert isinstance(on.attention().kernel, SplashAttention)
-    head = on.head_loss()
-    assert head.unrolled and isinstance(head.forward, FusedHeadForward)
+    assert on.attention().kernel == SplashAttention()  # blocks by the sequence's length
+    assert on.head_loss() == HeadPath(unrolled=True)
+    assert on.nonfinite_guard(10) is keep_if_not_branched  # one branch there (fast/guard.py)
+    assert on.nonfinite_guard(1) is keep_if_not and off.nonfinite_guard(10) is keep_if_not
     assert off.attention().kernel is None and off.head_loss() == PLAIN_HEAD
     unrolled = Strategies(dataclasses.replace(FastPaths.none(), tpu_unrolled_head=True))
     assert unrolled.head_loss() == HeadPath(unrolled=True) and unrolled.attention().kernel is None

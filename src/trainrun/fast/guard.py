@@ -1,12 +1,15 @@
-"""The non-finite guard as branches on CPU (``cpu_guard_branches``): the ``keep`` a scanned
-step takes in place of ``program/step.py``'s ``keep_if_not``.
+"""The non-finite guard as branches (``guard_branches``): the ``keep`` a scanned step takes in
+place of ``program/step.py``'s ``keep_if_not``, grouped as the backend runs branches best.
 
-Inside a scan on XLA:CPU, a step that keeps its old state when the new one is not finite costs
-less as a few conditionals over groups of leaves than as a select of every leaf, for a state of
-many small leaves; a group stays small because XLA:CPU hands the tail of a long queue of ready
-kernels to its thread pool. At a program's top level a branch costs more, and on accelerators a
-branch would wait for its predicate on the host, so elsewhere the select is kept. The same bits
-either way (docs/internals.md, "Fast paths"; BENCHMARKS.md, "Loop overhead").
+The select of every leaf reads the new state and the old one and writes a third, after the
+optimizer has written the new one: each step passes over the whole state twice more. A
+conditional instead hands on one of the two as it is. On XLA:CPU, inside a scan, a few
+conditionals over groups of leaves cost less than the select for a state of many small leaves;
+a group stays small because XLA:CPU hands the tail of a long queue of ready kernels to its
+thread pool. A TPU runs a conditional on the chip, its predicate never leaving it, so there
+one conditional takes the whole state. At a program's top level a branch costs more, and on a
+GPU a branch waits for its predicate on the host, so elsewhere the select is kept. The same
+bits either way (docs/internals.md, "Fast paths"; BENCHMARKS.md, "Loop overhead").
 """
 
 from __future__ import annotations
@@ -16,26 +19,39 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from trainrun.program.step import KeepIfNot
+
 PyTree = Any
 
-BRANCH_LEAVES = 4  # leaves per branch: fewer than XLA:CPU runs in the calling thread
+CPU_BRANCH_LEAVES = 4  # leaves per branch on CPU: fewer than XLA:CPU runs in the calling thread
 
 
-def keep_if_not_branched(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
-    """``new`` where ``finite``, else ``old``: on CPU as branches over ``BRANCH_LEAVES`` leaves
-    at a time, elsewhere as a select of every leaf."""
+def branches_of(leaves_per_branch: int | None) -> KeepIfNot:
+    """``new`` where ``finite``, else ``old``, as one conditional per ``leaves_per_branch``
+    leaves (None: one conditional over the whole state), on any backend."""
 
-    def select() -> PyTree:
-        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-    def branches() -> PyTree:
+    def keep(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
         new_leaves, tree = jax.tree.flatten(new)
         old_leaves = jax.tree.leaves(old)
+        size = leaves_per_branch or max(len(new_leaves), 1)
         kept: list[Any] = []
-        for i in range(0, len(new_leaves), BRANCH_LEAVES):
-            group = slice(i, i + BRANCH_LEAVES)
+        for i in range(0, len(new_leaves), size):
+            group = slice(i, i + size)
             kept += jax.lax.cond(finite, lambda g=group: new_leaves[g],
                                  lambda g=group: old_leaves[g])
         return jax.tree.unflatten(tree, kept)
 
-    return jax.lax.platform_dependent(cpu=branches, default=select)
+    return keep
+
+
+def keep_if_not_branched(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` where ``finite``, else ``old``: on CPU as branches over ``CPU_BRANCH_LEAVES``
+    leaves at a time, on a TPU as one branch over the whole state, elsewhere as a select of
+    every leaf."""
+
+    def select() -> PyTree:
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    return jax.lax.platform_dependent(
+        cpu=lambda: branches_of(CPU_BRANCH_LEAVES)(finite, new, old),
+        tpu=lambda: branches_of(None)(finite, new, old), default=select)

@@ -3,7 +3,8 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
 
     how the state is carried   ``packing.PackedState``, else the ``TrainState`` itself
     where batches come from    ``resident.ResidentBatches``, else the host's, placed each call
-    the non-finite guard       ``guard.keep_if_not_branched``, else a select of every leaf
+    the non-finite guard       ``guard.keep_if_not_branched`` under a scan (branches on CPU
+                               and on a TPU), else a select of every leaf
     how metric rows are written  ``writer_thread.WriterThread``, else in the loop's thread
     decoding's output head     ``head_layout.head_transposed``, else the model's own table
     how score programs compile  at LLVM's level 1 on CPU, attending in blocks of
@@ -11,9 +12,8 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
     how attention is computed  cuDNN's fused attention on an NVIDIA GPU where XLA:GPU is not
                                deterministic; ``tpu_attention.SplashAttention`` on a TPU;
                                else ``AttentionPath()``, XLA's form
-    how the head's loss runs   on a TPU, its chunks unrolled and its forward pass
-                               ``head_kernel.FusedHeadForward``; else ``losses.PLAIN_HEAD``,
-                               a ``lax.scan`` over the chunks
+    how the head's loss runs   on a TPU, its chunks unrolled one after another; else
+                               ``losses.PLAIN_HEAD``, a ``lax.scan`` over the chunks
 
 A fast path that is off, or that does not fit the run, leaves the plain path's default.
 """
@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from trainrun.fast.guard import keep_if_not_branched
-from trainrun.fast.head_kernel import FusedHeadForward
 from trainrun.fast.head_layout import head_transposed
 from trainrun.fast.packing import PackedState, packing_for
 from trainrun.fast.tpu_attention import SplashAttention
@@ -83,8 +82,9 @@ class Strategies:
         return HostBatches() if resident is None else resident
 
     def nonfinite_guard(self, steps_per_call: int) -> KeepIfNot:
-        """Branches for a step under a scan (calls of K > 1 steps)."""
-        if self.switch.cpu_guard_branches and steps_per_call > 1:
+        """Branches for a step under a scan (calls of K > 1 steps), grouped by backend
+        (``guard.keep_if_not_branched``)."""
+        if self.switch.guard_branches and steps_per_call > 1:
             return keep_if_not_branched
         return keep_if_not
 
@@ -110,23 +110,25 @@ class Strategies:
         return dataclasses.replace(
             self.attention(), block=SCORE_ATTENTION_BLOCK if self._cpu_score() else ATTENTION_BLOCK)
 
-    def attention(self, environ: Mapping[str, str] = os.environ) -> AttentionPath:
+    def attention(self, environ: Mapping[str, str] = os.environ,
+                  backend: str | None = None) -> AttentionPath:
         """cuDNN's fused attention on an NVIDIA GPU, unless XLA:GPU runs deterministically
         (``XLA_FLAGS``; trainrun's default there): a program with two cuDNN attention calls
-        then fails when run (BENCHMARKS.md, "GPU: bfloat16 training with cuDNN attention")."""
-        fused = (self.switch.fused_gpu_attention and jax.default_backend() == "gpu"
+        then fails when run (BENCHMARKS.md, "GPU: bfloat16 training with cuDNN attention").
+        Splash attention on a TPU. ``backend``: the one to choose for (None: JAX's default)."""
+        backend = backend or jax.default_backend()
+        fused = (self.switch.fused_gpu_attention and backend == "gpu"
                  and not gpu_deterministic(environ.get("XLA_FLAGS", "")))
-        splash = self.switch.tpu_splash_attention and jax.default_backend() == "tpu"
+        splash = self.switch.tpu_splash_attention and backend == "tpu"
         return AttentionPath(fused_gpu=fused, kernel=SplashAttention() if splash else None)
 
-    def head_loss(self) -> HeadPath:
-        """On a TPU, the head's loss in unrolled chunks with a fused forward kernel: XLA's
-        passes over each chunk's float32 logits cost there as much as the head's matmul
-        (docs/internals.md, "Fast paths")."""
-        if jax.default_backend() != "tpu":
+    def head_loss(self, backend: str | None = None) -> HeadPath:
+        """On a TPU, the head's loss in unrolled chunks: a ``lax.scan`` over them costs there
+        more than the chunks one after another (docs/internals.md, "Fast paths").
+        ``backend``: the one to choose for (None: JAX's default)."""
+        if (backend or jax.default_backend()) != "tpu":
             return PLAIN_HEAD
-        return HeadPath(unrolled=self.switch.tpu_unrolled_head,
-                        forward=FusedHeadForward() if self.switch.tpu_fused_head else None)
+        return HeadPath(unrolled=self.switch.tpu_unrolled_head)
 
     def _cpu_score(self) -> bool:
         return self.switch.cpu_score_compile and jax.default_backend() == "cpu"

@@ -9,7 +9,7 @@ log-sum-exp, and runs its backward pass as one fused kernel. Grouped key/value h
 as they are, not repeated. It computes what ``models.transformer.causal_attention`` computes
 (scaled logits in float32, masked, softmax, weighted values) for the inputs it takes: causal,
 documents' ids or none, no sliding window, no soft-capping, a sequence of whole blocks. On a
-CPU it runs in Pallas' interpreter, for tests. Block sizes: docs/internals.md, "Fast paths".
+CPU it runs in Pallas' interpreter, for tests. Block sizes: ``default_block``.
 """
 
 from __future__ import annotations
@@ -24,27 +24,40 @@ import jax.numpy as jnp
 from trainrun.models.transformer import Segments, SharedPrefixes
 
 LANES = 128  # the kernel's blocks are whole multiples of the chip's 128 lanes
+# Blocks of 512 rows up to 1024 positions, of 1024 from 2048 on: the fastest of those measured
+# on a TPU v5e at each length (BENCHMARKS.md, "TPU v5e: trainrun's step against plain JAX").
+SHORT_BLOCK, LONG_BLOCK, LONG_FROM = 512, 1024, 2048
+
+
+def default_block(seq: int) -> int:
+    """The block, in query and key rows, for a sequence of ``seq`` positions."""
+    return LONG_BLOCK if seq >= LONG_FROM and seq % LONG_BLOCK == 0 else SHORT_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
 class SplashAttention:
     """Splash attention in blocks of ``block_q`` query rows and ``block_kv`` key rows (the
-    backward pass's too), its backward pass one fused kernel where ``fused_backward``.
-    ``interpret``: run in Pallas' interpreter (None: where the backend is not a TPU)."""
+    backward pass's too; None: ``default_block`` of the sequence's length), its backward pass
+    one fused kernel where ``fused_backward``. ``interpret``: run in Pallas' interpreter
+    (None: where the backend is not a TPU)."""
 
-    block_q: int = 512
-    block_kv: int = 512
+    block_q: int | None = None
+    block_kv: int | None = None
     fused_backward: bool = True
     interpret: bool | None = None
+
+    def blocks(self, seq: int) -> tuple[int, int]:
+        """The query and key blocks at ``seq`` positions (at most the sequence)."""
+        block = default_block(seq)
+        return min(self.block_q or block, seq), min(self.block_kv or block, seq)
 
     def supports(self, q: jax.Array, k: jax.Array, segments: Segments | None,
                  window: int | None, softcap: float | None) -> bool:
         """Causal attention without a window or soft-cap, over documents' ids or none, of a
         sequence the blocks tile."""
         seq = q.shape[1]
-        blocks = (min(self.block_q, seq), min(self.block_kv, seq))
         return (window is None and not softcap and not isinstance(segments, SharedPrefixes)
-                and all(b % LANES == 0 and seq % b == 0 for b in blocks)
+                and all(b % LANES == 0 and seq % b == 0 for b in self.blocks(seq))
                 and q.shape[2] % k.shape[2] == 0)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
@@ -77,7 +90,7 @@ def _kernel(spec: SplashAttention, seq: int, heads: int) -> Any:
         splash_attention_mask as masks,
     )
 
-    bq, bkv = min(spec.block_q, seq), min(spec.block_kv, seq)
+    bq, bkv = spec.blocks(seq)
     separate = None if spec.fused_backward else bq, None if spec.fused_backward else bkv
     sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                               block_kv_dkv=bkv, block_kv_dkv_compute=bkv,

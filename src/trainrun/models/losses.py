@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +13,22 @@ import optax
 LN2 = math.log(2.0)
 
 
-def first_max_index(x: jax.Array) -> jax.Array:
+def first_max_index(x: jax.Array, top: jax.Array | None = None) -> jax.Array:
     """``jnp.argmax(x, axis=-1)`` (the first greatest value's index, or the first NaN's) as
     int32, from two plain reductions: XLA:CPU runs argmax's one reduction of value and index
-    pairs several times slower (BENCHMARKS.md, "Reinforcement learning (GRPO)")."""
-    top = jnp.max(x, axis=-1, keepdims=True)
+    pairs several times slower (BENCHMARKS.md, "Reinforcement learning (GRPO)"). ``top``:
+    ``jnp.max(x, axis=-1)`` where the caller has it already."""
+    top = jnp.max(x, axis=-1) if top is None else top
     index = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where((x == top) | jnp.isnan(x), index, x.shape[-1]), axis=-1)
+    return jnp.min(jnp.where((x == top[..., None]) | jnp.isnan(x), index, x.shape[-1]), axis=-1)
+
+
+def logsumexp_from_max(x: jax.Array, top: jax.Array) -> jax.Array:
+    """``jax.nn.logsumexp(x, axis=-1)``, the same operations in the same order, from ``top =
+    jnp.max(x, axis=-1)`` computed once by the caller (who reads ``x`` for more than this)."""
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(jnp.exp(x - shift[..., None]), axis=-1)
+    return jnp.log(jnp.abs(total)) + shift
 
 
 def mean_squared_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
@@ -49,32 +57,16 @@ def next_token(logits: jax.Array,
 # ---- the output head and its loss, in chunks of tokens ----------------------------------------
 
 
-class HeadForward(Protocol):
-    """A fused forward pass of the head's cross-entropy (``fast/head_kernel.py``): per token
-    the log-sum-exp of its logits, its loss and whether its first greatest logit is its
-    target (a target of -1: loss 0 and no hit), without the ``[tokens, vocab]`` logits in
-    memory. Hashable: it is part of a compiled program's static description."""
-
-    def supports(self, tokens: int, vocab: int, d_model: int) -> bool: ...
-
-    def __call__(self, features: jax.Array, table: jax.Array, targets: jax.Array,
-                 softcap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]: ...
-
-
 @dataclasses.dataclass(frozen=True)
 class HeadPath:
-    """How the head's loss over chunks is computed (never what). ``unrolled``: the chunks as
-    static slices one after another instead of a ``lax.scan`` (every other choice here
-    implies it); ``table_grad_once``: the backward pass keeps each chunk's logits' gradient
-    (in the compute dtype) and multiplies them all by the features in one matmul for the
-    table's gradient, instead of adding a float32 ``[vocab, d_model]`` product per chunk;
-    ``forward``: a fused kernel for the forward pass, which then holds no chunk's logits (the
-    backward pass recomputes them by chunks). The plain path is the default;
+    """How the head's loss over chunks is computed (never what). ``unrolled``: the chunks one
+    after another in straight-line code instead of a ``lax.scan``, each chunk's logits made
+    only once the chunk before is done with its own (in the backward pass too), so one
+    chunk's float32 logits are still all that exists of them at a time. The plain path is the
+    default;
     ``fast/strategies.py`` chooses another once per run (docs/internals.md, "Fast paths")."""
 
     unrolled: bool = False
-    table_grad_once: bool = False
-    forward: HeadForward | None = None
 
     def plain(self) -> bool:
         return self == PLAIN_HEAD
@@ -122,8 +114,8 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
         loss_sum, hits = _head_cross_entropy(  # pyright: ignore[reportGeneralTypeIssues]
             features, embedding, targets, chunk, count, softcap)
     else:
-        loss_sum, hits = _head_cross_entropy_by_path(  # pyright: ignore[reportGeneralTypeIssues]
-            features, embedding, targets, chunk, softcap, path)
+        loss_sum, hits = _head_cross_entropy_unrolled(  # pyright: ignore[reportGeneralTypeIssues]
+            features, embedding, targets, chunk, softcap)
     if weights is None:
         loss = loss_sum / tokens
         return loss, {"accuracy": hits / tokens, unit: loss / LN2}
@@ -259,11 +251,13 @@ def _chunk_forward(features: jax.Array, embedding: jax.Array, targets: jax.Array
     chunk's logits (soft-capped by ``softcap`` where given). Padded rows (target -1) have loss
     and hit 0."""
     logits = softcapped(tied_head_logits(features, embedding), softcap)
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    # one maximum for both: the logits are [chunk, vocab] float32, each pass over them costs
+    top = jnp.max(logits, axis=-1)
+    lse = logsumexp_from_max(logits, top)
     valid = targets >= 0
     picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
     loss = jnp.where(valid, lse - picked, 0.0)
-    hit = jnp.where(valid, first_max_index(logits) == targets, False)
+    hit = jnp.where(valid, first_max_index(logits, top) == targets, False)
     return lse, loss, hit, logits
 
 
@@ -307,66 +301,64 @@ def _head_cross_entropy_bwd(chunk, count, softcap, residuals, cotangents):
 _head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)
 
 
-# ---- the same loss on another path (HeadPath): chunks unrolled, a fused forward pass ---------
+# ---- the same loss on another path (HeadPath): the chunks unrolled ------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _head_cross_entropy_by_path(features, embedding, targets, chunk, softcap, path):
-    return _by_path_fwd(features, embedding, targets, chunk, softcap, path)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _head_cross_entropy_unrolled(features, embedding, targets, chunk, softcap):
+    return _unrolled_fwd(features, embedding, targets, chunk, softcap)[0]
 
 
-def _by_path_fwd(features, embedding, targets, chunk, softcap, path):
-    tokens, vocab = features.shape[0], embedding.shape[0]
-    if path.forward is not None and path.forward.supports(tokens, vocab, features.shape[1]):
-        lse, loss, hit = path.forward(features, embedding, targets, softcap)
-    else:
-        parts = [_chunk_forward(features[lo:hi], embedding, targets[lo:hi], softcap)[:3]
-                 for lo, hi in _spans(tokens, chunk)]
-        lse, loss, hit = (jnp.concatenate(column) for column in zip(*parts, strict=True))
+def _unrolled_fwd(features, embedding, targets, chunk, softcap):
+    parts: list[tuple[jax.Array, jax.Array, jax.Array]] = []
+    done = None
+    for lo, hi in _spans(features.shape[0], chunk):
+        part = _chunk_forward(_rows_after(features, lo, hi, done), embedding, targets[lo:hi],
+                              softcap)[:3]
+        parts.append(part)
+        done = (jnp.sum(part[2].astype(jnp.int32)), jnp.sum(part[1]))
+    lse, loss, hit = (jnp.concatenate(column) for column in zip(*parts, strict=True))
     out = (jnp.sum(loss), jnp.sum(hit.astype(jnp.float32)))
     return out, (features, embedding, targets, lse)
 
 
-def _by_path_bwd(chunk, softcap, path, residuals, cotangents):
+def _unrolled_bwd(chunk, softcap, residuals, cotangents):
     features, embedding, targets, lse = residuals
     scale = cotangents[0].astype(jnp.float32)  # the hit count has no gradient
-    d_features, d_table_parts, d_logits = [], [], []
+    d_features: list[jax.Array] = []
+    d_table: jax.Array | None = None
+    done: tuple[jax.Array, ...] = (jnp.sum(lse),)  # the first chunk's, not during the forward
     for lo, hi in _spans(features.shape[0], chunk):
-        logits = softcapped(tied_head_logits(features[lo:hi], embedding), softcap)
-        if path.table_grad_once:
-            d_part = _capped_logits_grad(logits, lse[lo:hi], targets[lo:hi], scale, softcap
-                                         ).astype(features.dtype)
-            d_logits.append(d_part)
-            d_features.append(jax.lax.dot_general(
-                d_part, embedding, (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32).astype(features.dtype))
-            continue
-        d_part_features, d_part_table = _head_grads(features[lo:hi], embedding, targets[lo:hi],
+        part_features = _rows_after(features, lo, hi, done)
+        logits = softcapped(tied_head_logits(part_features, embedding), softcap)
+        d_part_features, d_part_table = _head_grads(part_features, embedding, targets[lo:hi],
                                                     lse[lo:hi], logits, scale, softcap)
         d_features.append(d_part_features)
-        d_table_parts.append(d_part_table)
-    if path.table_grad_once:  # one matmul over every chunk's gradient
-        d_table = jax.lax.dot_general(jnp.concatenate(d_logits), features,
-                                      (((0,), (0,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
-    else:
-        d_table = functools.reduce(jnp.add, d_table_parts)
+        d_table = d_part_table if d_table is None else d_table + d_part_table
+        # the running sum, not this chunk's part: else every part may wait for one late sum
+        done = (jnp.sum(d_table[0]), jnp.sum(d_part_features[0], dtype=jnp.float32))
+    assert d_table is not None  # a head has at least one token
     return jnp.concatenate(d_features), d_table.astype(embedding.dtype), None
 
 
-_head_cross_entropy_by_path.defvjp(_by_path_fwd, _by_path_bwd)
+_head_cross_entropy_unrolled.defvjp(_unrolled_fwd, _unrolled_bwd)
+
+
+def _rows_after(features: jax.Array, lo: int, hi: int, done: tuple[jax.Array, ...] | None
+                ) -> jax.Array:
+    """``features[lo:hi]``, read only once ``done`` (values of the chunk before that need
+    all of its logits) is computed: XLA then makes one chunk's logits after the last one's
+    are used, not several chunks' at once. An offset of 0 the compiler cannot prove 0 makes
+    the dependency (an ``optimization_barrier`` is dropped before scheduling on XLA:CPU)."""
+    if done is None:
+        return features[lo:hi]
+    # each comparison is 0 or 1, so their sum is never below 0
+    zero = jnp.minimum(sum((x != x).astype(jnp.int32) if jnp.issubdtype(x.dtype, jnp.floating)
+                           else (x < 0).astype(jnp.int32) for x in done), 0)
+    return jax.lax.dynamic_slice_in_dim(features, lo + zero, hi - lo)
 
 
 def _spans(tokens: int, chunk: int) -> list[tuple[int, int]]:
     """The ``[lo, hi)`` token ranges of the chunks (0: one); the last may be shorter."""
     chunk = tokens if chunk <= 0 else min(chunk, tokens)
     return [(lo, min(lo + chunk, tokens)) for lo in range(0, tokens, chunk)]
-
-
-def _capped_logits_grad(logits: jax.Array, lse: jax.Array, targets: jax.Array,
-                        scale: jax.Array, softcap: float | None) -> jax.Array:
-    """A chunk's logits' gradient, through the soft-cap where there is one (float32)."""
-    d_logits = _chunk_logits_grad(logits, lse, targets, scale)
-    if softcap is not None:  # d tanh(u) = 1 - tanh(u)^2
-        d_logits = d_logits * (1.0 - jnp.square(logits / jnp.float32(softcap)))
-    return d_logits

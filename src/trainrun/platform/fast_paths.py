@@ -13,8 +13,9 @@ plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
                         (``platform/process.py``, made by ``configure_process``)
     writer_thread       metric rows written by one thread beside the loop
                         (``fast/writer_thread.py``)
-    cpu_guard_branches  on CPU inside a scan, the non-finite guard as branches over a few
-                        leaves instead of a select of every leaf (``fast/guard.py``)
+    guard_branches      inside a scan, the non-finite guard as branches instead of a select
+                        of every leaf: on CPU over a few leaves each, on a TPU one over the
+                        whole state (``fast/guard.py``)
     decode_head_layout  decoding multiplies by the output head's table laid out [d_model,
                         vocab] once per call, not [vocab, d_model] (``fast/head_layout.py``)
     cpu_score_compile   on CPU, lm-eval's score programs compile at LLVM's optimisation level
@@ -23,12 +24,10 @@ plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
     fused_gpu_attention  on an NVIDIA GPU in bfloat16 or float16, causal attention is cuDNN's
                         fused kernel where XLA:GPU is not deterministic
                         (``transformer.AttentionPath``)
-    tpu_splash_attention  on a TPU, causal attention is Pallas' splash attention, blocks of
-                        512 and a fused backward pass (``fast/tpu_attention.py``)
-    tpu_unrolled_head   on a TPU, the chunks of the head's loss are static slices one after
-                        another, not a ``lax.scan`` (``losses.HeadPath``)
-    tpu_fused_head      on a TPU, the head's loss's forward pass is one Pallas kernel that
-                        never writes a chunk's logits to memory (``fast/head_kernel.py``)
+    tpu_splash_attention  on a TPU, causal attention is Pallas' splash attention, blocks
+                        measured there and a fused backward pass (``fast/tpu_attention.py``)
+    tpu_unrolled_head   on a TPU, the chunks of the head's loss run one after another in
+                        straight-line code, not a ``lax.scan`` (``losses.HeadPath``)
 
 ``TRAINRUN_FAST_PATHS``: ``all`` (the default), ``none``, or the names to keep on, comma
 separated. Why each pays, and on what: docs/internals.md, "Fast paths".
@@ -53,13 +52,12 @@ class FastPaths:
     resident_batches: bool = True
     inline_cpu_calls: bool = True
     writer_thread: bool = True
-    cpu_guard_branches: bool = True
+    guard_branches: bool = True
     decode_head_layout: bool = True
     cpu_score_compile: bool = True
     fused_gpu_attention: bool = True
     tpu_splash_attention: bool = True
     tpu_unrolled_head: bool = True
-    tpu_fused_head: bool = True
 
     def on(self) -> list[str]:
         """The names of the fast paths that are on."""

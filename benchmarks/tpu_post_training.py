@@ -78,7 +78,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tpu_step import MEMORY_MARGIN, PEAK_BF16, GiB, device_limit, memory_of
+from tpu_step import PEAK_BF16, GiB, device_limit, memory_of
 
 from trainrun.config import RunConfig, TransformerModel, load_config
 from trainrun.data.pair_rows import pack_pairs
@@ -95,6 +95,7 @@ from trainrun.program.rollouts import RolloutSettings, draw_rollouts
 from trainrun.program.state import abstract_state, init_state
 from trainrun.reporting.timing import Stopwatch
 
+MEMORY_MARGIN = 0.03  # of the device's memory, left free when a batch is said to fit
 SAID: list[str] = []  # every line printed, for OUT/tpu_post_training.md
 
 
@@ -363,7 +364,7 @@ def run_dpo(dpo: Dpo, sides: list[DpoSide], budget: Budget, report: Report,
     say(f"{dpo.params:,} params, {dpo.trainable:,} of them the adapters' (rank "
         f"{cfg.lora.rank if cfg.lora else 0}, {', '.join(sorted(cfg.adapted))}); config `dpo` "
         f"with {', '.join(f'`{x}`' for x in (LORA, *DPO, *dpo.extra))}")
-    limit = device_limit(None)
+    limit = device_limit()
     needs: dict[int, float] = {}
     fitting = dpo_fitting(sides, budget, limit, 20, needs)
     said = "no limit known" if limit is None else f"of {limit / GiB:.2f} less 3%"

@@ -32,7 +32,7 @@ WARM = ["eval.every=0", "optimizer.schedule.warmup=0"]  # the configs with eval 
 # A reward that varies between completions: group-relative advantages that are not all zero.
 REWARDS = '''
 def letters(prompts, completions, **fields):
-    return [float(sum(c.isalpha() for c in text)) for text in completions]
+    return [float(sum(c.isalpha() for c in message[-1]["content"])) for message in completions]
 '''
 RUNS = {
     "next-token": ("chat", [*WARM, "model.d_model=64", "model.layers=2",
@@ -67,7 +67,8 @@ def trained(kind: str, source: Path, tmp_path: Path) -> tuple[Path, np.ndarray, 
     if kind == "grpo":
         (tmp_path / "rewards.py").write_text(REWARDS)
         extra = [*extra, "rl.rewards=" + json.dumps([{"name": f"{tmp_path}/rewards.py:letters"}])]
-    config = load_config(name, [*COMMON, *extra, f"init.from={source}"])
+    # the source saves no tokenizer: the runs keep the configs' byte tokenizer
+    config = load_config(name, [*COMMON, *extra, f"init.from={source}", "data.tokenizer=bytes"])
     out = io.StringIO()
     run(config, tmp_path / kind, out=out)
     _, params = latest_params(tmp_path / kind, resolved(config))

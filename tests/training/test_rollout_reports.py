@@ -34,11 +34,16 @@ def constant(prompts, completions, **fields):
     return [0.5] * len(completions)
 
 
+def _text(value):  # conversational records come as messages, as TRL passes them
+    return value if isinstance(value, str) else value[-1]["content"]
+
+
 def letters(prompts, completions, log, **fields):
-    values = [float(sum(c.isalpha() for c in text)) for text in completions]
+    texts = [_text(c) for c in completions]
+    values = [float(sum(c.isalpha() for c in text)) for text in texts]
     with open(log, "a") as out:
-        out.write(json.dumps({"values": values, "completions": completions,
-                              "prompts": prompts}) + "\\n")
+        out.write(json.dumps({"values": values, "completions": texts,
+                              "prompts": [_text(p) for p in prompts]}) + "\\n")
     return values
 '''
 
@@ -227,7 +232,7 @@ def test_sampled_completions_are_written_every_n_steps_and_cut_back_on_resume(
             sum(c.isalpha() for c in line["completion"])
         advantages = []  # of each completion of the batch with this text and prompt
         for row, text in enumerate(batch["completions"]):
-            if text == line["completion"] and batch["prompts"][row] == line["prompt"]:
+            if text == line["completion"] and batch["prompts"][row] in line["prompt"]:
                 group = batch["values"][row // 4 * 4:row // 4 * 4 + 4]
                 advantages.append((line["reward"] - np.mean(group))
                                   / (np.std(group, ddof=1) + 1e-4))

@@ -24,6 +24,9 @@ TPU = "TPU"
 # libtpu's refusals at backend start: the holder found by its pid, or not (another user's)
 HELD_BY = re.compile(r"TPU is already in use by process with pid (\d+)")
 HELD_BY_SOMEONE = re.compile(r"TPU is already in use by another process")
+HELD_LOCKFILE = re.compile(r"Internal error when accessing libtpu multi-process lockfile")
+LIBTPU_LOCKFILE = Path("/tmp/libtpu_lockfile")  # libtpu locks it with lockf while it holds
+PROC = Path("/proc")
 COMMAND_SHOWN = 80  # characters of the holder's command line a refusal shows
 
 
@@ -65,23 +68,93 @@ def start_here_on_cpu() -> str | None:
     return held
 
 
-def held_device_line(message: str, environ: dict[str, str] | None = None) -> str | None:
+def held_device_line(message: str, environ: dict[str, str] | None = None,
+                     lockfile: Path | None = None) -> str | None:
     """JAX's error at backend start, where it says another process holds the TPU, as one line
     naming that process (its pid and command) and ``JAX_PLATFORMS``; None for any other
-    error."""
+    error. lockfile: libtpu's (default ``LIBTPU_LOCKFILE``), whose locker is the holder where
+    libtpu's words name none."""
     env = os.environ if environ is None else environ
     platforms = env.get("JAX_PLATFORMS")
     asked = f"JAX_PLATFORMS={platforms}" if platforms else "JAX_PLATFORMS unset"
     fix = "stop it, or run on the CPU with JAX_PLATFORMS=cpu"
     found = HELD_BY.search(message)
-    if found:
-        pid = int(found.group(1))
+    pid = int(found.group(1)) if found else None
+    if pid is None and HELD_LOCKFILE.search(message):
+        locked = LIBTPU_LOCKFILE if lockfile is None else lockfile
+        pid = lockfile_holder(locked)
+        if pid is None:  # not this user's, or not in this PID namespace: never remove its lock
+            return ("the TPU is held by another process, which this user cannot see (it holds "
+                    f"libtpu's lockfile {locked} locked; `sudo lsof -w {locked}` names it; "
+                    f"{asked}): one process at a time can hold it; {fix}")
+    if pid is not None:
         return (f"the TPU is held by process {pid} ({_command(pid)}; {asked}): one process at "
                 f"a time can hold it; {fix}")
     if HELD_BY_SOMEONE.search(message):
         return ("the TPU is held by another process, probably another user's (`sudo lsof -w "
                 f"/dev/accel0` names it; {asked}): one process at a time can hold it; {fix}")
     return None
+
+
+def lockfile_holder(path: Path, proc: Path = PROC) -> int | None:
+    """The process, other than this one, that holds ``path`` locked: the POSIX or flock lock
+    on its device and inode in ``/proc/locks``, else the earliest started of the processes
+    with it open (``/proc/PID/fd``; libtpu keeps its lockfile open while it holds the chip);
+    None where neither names one (another user's process, another PID namespace)."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return _locker(found, proc / "locks") or _opener(path, proc)
+
+
+def _locker(found: os.stat_result, locks: Path) -> int | None:
+    """The pid of the granted lock on ``found``'s file in ``locks`` (lines such as ``1: POSIX
+    ADVISORY WRITE 1353 00:2b:41 0 EOF``, device numbers in hex; a waiter's has ``->``)."""
+    try:
+        lines = locks.read_text().splitlines()
+    except OSError:
+        return None
+    file = (os.major(found.st_dev), os.minor(found.st_dev), found.st_ino)
+    for line in lines:
+        words = line.split()
+        if len(words) < 6 or words[1] == "->":
+            continue
+        try:
+            major, minor, inode = words[5].split(":")
+            lock = (int(major, 16), int(minor, 16), int(inode))
+            pid = int(words[4])
+        except ValueError:
+            continue
+        if lock == file and pid > 0 and pid != os.getpid():
+            return pid
+    return None
+
+
+def _opener(path: Path, proc: Path) -> int | None:
+    """The earliest started process, other than this one, with ``path`` among its open files
+    (its ``fd`` links); only processes this user may look into are seen."""
+    target = os.path.realpath(path)
+    openers = []
+    for fds in proc.glob("[0-9]*/fd"):
+        pid = int(fds.parent.name)
+        if pid == os.getpid():  # a refused start leaves libtpu's lockfile open here too
+            continue
+        try:
+            if any(os.readlink(fd) == target for fd in fds.iterdir()):
+                openers.append(pid)
+        except OSError:  # another user's process, or one that ended meanwhile
+            continue
+    return min(openers, key=lambda pid: (_started(proc / str(pid)), pid), default=None)
+
+
+def _started(process: Path) -> int:
+    """When a process started, in clock ticks after boot (``stat``'s 22nd field)."""
+    try:
+        stat = (process / "stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _command(pid: int) -> str:

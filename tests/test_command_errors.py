@@ -229,6 +229,68 @@ def test_a_refusal_names_a_batch_size_that_then_trains(tmp_path, monkeypatch, ca
     assert (tmp_path / f"run-{fits}" / "summary.json").is_file()
 
 
+def test_a_step_xla_refuses_to_compile_for_memory_names_a_batch_size_that_trains(
+        tmp_path, monkeypatch, capsys):
+    """On a TPU, XLA refuses as it compiles a program whose temporaries exceed the chip's
+    memory (RESOURCE_EXHAUSTED, "Ran out of memory on HBM"), so no compiled program is there
+    to measure. Here XLA:CPU's compiler is made to refuse as a TPU's does, with the chip's
+    words and the program's own temporaries, at a memory that takes about a third of the
+    run's batch: the refusal is one line naming a batch size that fits, found by compiling at
+    halves of the run's until one compiles (the first half is refused too), and a run at that
+    size compiles, passes the check and trains. Before, the compile's error ended the run
+    with a generic out-of-memory line, exit 1, no batch named."""
+    import jax
+
+    from trainrun.training import preflight
+
+    def train(batch: int, free: int) -> int:
+        monkeypatch.setattr(preflight, "host_memory_free",
+                            lambda: HostMemory(free, "(MemAvailable)", False))
+        return main(["train", "--config", "mlp", "--run-dir", str(tmp_path / f"run-{batch}"),
+                     "model.hidden=[512]", f"data.examples={batch}", f"data.batch_size={batch}",
+                     "data.shuffle=true", "steps=2", "steps_per_call=1", "checkpoint.every=0",
+                     "metrics.tensorboard=false"])
+
+    batch = 16384
+    assert train(batch, free=2**20) == 2  # what the step needs, from the line
+    needed = float(one_line(capsys).split("needs ")[1].split(" MiB")[0]) * 2**20
+    memory = int(needed * 0.3)
+    compile_program = jax.stages.Lowered.compile
+    compiles = []  # (rows of a step program's batch, whether it compiled)
+
+    def compile_as_a_tpu(lowered, *args, **kwargs):
+        compiled = compile_program(lowered, *args, **kwargs)
+        temporaries = compiled.memory_analysis().temp_size_in_bytes
+        taken = lowered.args_info[0]
+        batch = taken[1] if len(taken) == 2 and isinstance(taken[1], dict) else {}
+        if "x" in batch:
+            compiles.append((batch["x"].shape[0], temporaries <= memory))
+        if temporaries > memory:
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                f"HLO temporaries ({temporaries / 2**30:.2f}G) exceeds available HBM "
+                f"({memory / 2**30:.2f}G).")
+        return compiled
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_as_a_tpu)
+    assert train(batch, memory) == 2
+    err = one_line(capsys)
+    assert err.startswith("error: the compiled training step does not fit cpu:0: XLA "
+                          "refused to compile a 1-step call (RESOURCE_EXHAUSTED: Ran out of "
+                          "memory on HBM, the total memory required for HLO temporaries ("), err
+    found = re.search(r"data\.batch_size=(\d+) fits by XLA's count \(it is 16384\); or lower "
+                      r"steps_per_call", err)
+    assert found is not None, err
+    fits = int(found.group(1))
+    assert batch // 4 < fits < batch // 2  # above the half that compiled, below the refused
+    # halves until one compiles, then one more compile for the need's growth a row
+    assert compiles == [(batch, False), (batch // 2, False), (batch // 4, True),
+                        (batch // 8, True)], compiles
+    assert not (tmp_path / f"run-{batch}").exists()
+    assert train(fits, memory) == 0, capsys.readouterr().err
+    assert (tmp_path / f"run-{fits}" / "summary.json").is_file()
+
+
 @pytest.mark.slow
 def test_a_step_program_over_the_address_space_limit_is_refused_before_anything(tmp_path):
     """``ulimit -v`` bounds what a process can map, whatever MemAvailable says; JAX and XLA map

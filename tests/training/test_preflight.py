@@ -33,20 +33,21 @@ class Chip:
         return "TPU_0(process=0,(0,0,0,0))"
 
 
-def program(batch: int) -> jax.stages.Compiled:
+def program(batch: int, hidden: int = WIDTH) -> jax.stages.Compiled:
     """A gradient whose intermediates grow with the batch, compiled (on the CPU) for ``batch``
-    rows: a step program's shape in small."""
+    rows: a step program's shape in small (its intermediates the larger part for a ``hidden``
+    wider than its input)."""
 
     def loss(w: jax.Array, x: jax.Array) -> jax.Array:
         return jnp.sum(jnp.tanh(x @ w) ** 2)
 
     return jax.jit(jax.grad(loss)).lower(
-        jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32),
+        jax.ShapeDtypeStruct((WIDTH, hidden), jnp.float32),
         jax.ShapeDtypeStruct((batch, WIDTH), jnp.float32)).compile()
 
 
-def need(batch: int) -> int:
-    memory = preflight.program_memory(program(batch), [Chip(2**40)])
+def need(batch: int, hidden: int = WIDTH) -> int:
+    memory = preflight.program_memory(program(batch, hidden), [Chip(2**40)])
     assert memory is not None
     return memory.need
 
@@ -97,3 +98,75 @@ def test_once_the_state_is_placed_other_holders_count_and_the_state_once():
 def test_placed_bytes_are_each_devices_shards():
     tree = {"w": jnp.ones((WIDTH, WIDTH), jnp.float32), "b": jnp.ones((3,), jnp.bfloat16)}
     assert preflight.placed_bytes(tree) == {jax.devices()[0]: WIDTH * WIDTH * 4 + 3 * 2}
+
+
+def compiled_as_a_tpu(chip: Chip, hidden: int = WIDTH):
+    """``program``, compiled as a TPU's compiler does: refused, with its words, where the
+    program's temporaries exceed the chip's memory (its limit: XLA knows nothing of what is in
+    use)."""
+
+    def compile_at(batch: int) -> jax.stages.Compiled:
+        compiled = program(batch, hidden)
+        temporaries = compiled.memory_analysis().temp_size_in_bytes
+        if temporaries > chip.limit:
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                f"HLO temporaries ({temporaries / 2**30:.2f}G) exceeds available HBM "
+                f"({chip.limit / 2**30:.2f}G).\n")
+        return compiled
+
+    return compile_at
+
+
+def refusal(chip: Chip, size: int, hidden: int = WIDTH) -> str:
+    compile_at = compiled_as_a_tpu(chip, hidden)
+    with pytest.raises(UserError) as refused:
+        preflight.compile_or_refuse(lambda: compile_at(size), [chip], 1,
+                                    preflight.Resize(size, MULTIPLE, compile_at))
+    line = str(refused.value)
+    assert "\n" not in line, line
+    assert line.startswith(
+        "the compiled training step does not fit TPU_0(process=0,(0,0,0,0)): XLA refused to "
+        "compile a 1-step call (RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        "required for HLO temporaries ("), line
+    return line
+
+
+def named_batch(line: str, size: int) -> int:
+    found = re.search(rf"data\.batch_size=(\d+) fits by XLA's count \(it is {size}\)", line)
+    assert found is not None, line
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("hidden, limit, in_use", [
+    # 4096 and 2048 rows refused; 1024 compile and fit: the largest found above 1024
+    (8 * WIDTH, 14 * 2**20, 0),
+    # 4096 refused; 2048 compile, yet do not fit: found below 2048
+    (WIDTH, 3 * 2**20, 0),
+    (8 * WIDTH, 20 * 2**20, 2**20),  # 2048 compile, yet do not fit beside what is in use
+])
+def test_a_program_xla_refuses_to_compile_names_the_largest_batch_that_fits(hidden, limit,
+                                                                            in_use):
+    """A TPU's compiler refuses a program over the chip's memory, so there is no compiled
+    program to measure: the run's batch size is halved until its program compiles, and the
+    largest batch that fits is found from there. Before, XLA's error went through."""
+    size = 4096
+    chip = Chip(limit, in_use)
+    fits = named_batch(refusal(chip, size, hidden), size)
+    assert fits % MULTIPLE == 0 and 0 < fits < size
+    free = chip.limit - chip.in_use
+    assert need(fits, hidden) <= free < need(fits + MULTIPLE, hidden)  # by XLA's count
+
+
+def test_no_batch_xla_compiles_is_said_so():
+    line = refusal(Chip(limit=2**10), 1024)
+    assert f"not even data.batch_size={MULTIPLE} fits; lower steps_per_call" in line
+
+
+def test_any_other_compile_error_goes_through():
+    def broken() -> jax.stages.Compiled:
+        raise jax.errors.JaxRuntimeError("INTERNAL: the compiler crashed")
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        preflight.compile_or_refuse(broken, [Chip(2**30)], 1,
+                                    preflight.Resize(64, MULTIPLE, lambda b: broken()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from trainrun.config import TransformerModel
 from trainrun.data import DataError
-from trainrun.errors import UserError
+from trainrun.errors import UserError, printable
 from trainrun.models import Model
 from trainrun.models.transformer import parameter_count
 from trainrun.platform.host_memory import host_memory_free
@@ -172,6 +173,88 @@ class Resize:
     compile_at: Callable[[int], jax.stages.Compiled]
 
 
+# XLA's refusal, as it compiles, of a program whose buffers exceed the device's memory: a TPU's
+# compiler checks its temporaries against the chip's HBM, where a CPU's or GPU's compiles
+COMPILE_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED\b.*(HLO temporaries|Ran out of memory)",
+                                   re.DOTALL)
+ALSO = ("split batches (accumulate), recompute activations (model.remat), compute in bfloat16 "
+        "(precision.compute), or shrink the model")
+
+
+def refused_for_memory(err: BaseException) -> bool:
+    """Whether ``err`` is XLA's refusal to compile a program for the memory it would need."""
+    return (isinstance(err, jax.errors.JaxRuntimeError)
+            and COMPILE_OUT_OF_MEMORY.search(str(err)) is not None)
+
+
+def compile_or_refuse(compile_program: Callable[[], jax.stages.Compiled], devices: list[Any],
+                      steps: int, resize: Resize | None = None) -> jax.stages.Compiled:
+    """``compile_program()``, the step program of a ``steps``-step call; where XLA refuses to
+    compile it for the memory it would need (``refused_for_memory``), the refusal in one line,
+    naming with ``resize`` the largest batch size that fits (``batch_below_refused``)."""
+    try:
+        return compile_program()
+    except jax.errors.JaxRuntimeError as err:
+        if not refused_for_memory(err):
+            raise
+        lines = str(err).strip().splitlines()
+    where = str(devices[0]) if devices else "its device"
+    lower = "lower data.batch_size or steps_per_call"
+    if resize is not None:
+        lower = _lower(batch_below_refused(resize, devices), resize, lower)
+    raise UserError(f"the compiled training step does not fit {where}: XLA refused to compile "
+                    f"a {steps}-step call ({printable(lines[0].rstrip('.'))}): {lower}, "
+                    f"{ALSO}")
+
+
+def batch_below_refused(resize: Resize, devices: list[Any]) -> int | None:
+    """The largest batch size that fits where XLA refused to compile the run's own
+    (``resize.size``): the size halved until its program compiles; from there as
+    ``batch_that_fits`` finds it where that program does not fit either, else on the line
+    through it and a compile at half of it, below the smallest size refused (``_batch_above``).
+    0: not even ``resize.multiple`` compiles; None: it cannot be told."""
+    refused = size = resize.size
+    compiled = None
+    while compiled is None:
+        half = _halved(size, resize.multiple)
+        if half is None:
+            return 0
+        try:
+            compiled = resize.compile_at(half)
+        except jax.errors.JaxRuntimeError as err:
+            if not refused_for_memory(err):
+                raise
+            refused = half
+        size = half
+    memory = program_memory(compiled, devices)
+    at = dataclasses.replace(resize, size=size)
+    if memory is None:
+        return size  # it compiled: the one word the backend gives
+    if not memory.fits():
+        return batch_that_fits(memory, at, devices)
+    return _batch_above(memory, at, refused, devices)
+
+
+def _batch_above(memory: ProgramMemory, at: Resize, refused: int, devices: list[Any]) -> int:
+    """The largest batch size that fits, from ``at.size``, which fits (``memory``), towards
+    ``refused``, which does not compile: XLA's need grows by a step per row, measured by one
+    more compile at half ``at.size``."""
+    size, multiple = at.size, at.multiple
+    half = _halved(size, multiple)
+    other = None if half is None else program_memory(at.compile_at(half), devices)
+    if half is None or other is None or memory.need <= other.need:
+        return size  # no second point, or a need the batch does not move: the size known to fit
+    per_row = (memory.need - other.need) / (size - half)
+    fits = min(size + math.floor((memory.free - memory.need) / per_row), refused - multiple)
+    return max(fits - fits % multiple, size)
+
+
+def _halved(size: int, multiple: int) -> int | None:
+    """Half ``size``, rounded down to a multiple of ``multiple``; None below ``multiple``."""
+    half = size // 2 - (size // 2) % multiple
+    return half if 0 < half < size else None
+
+
 def program_memory(compiled: jax.stages.Compiled, devices: list[Any],
                    placed: Mapping[Any, int] | None = None) -> ProgramMemory | None:
     """XLA's buffer assignment for one call of ``compiled`` (its arguments, outputs less the
@@ -218,17 +301,21 @@ def check_program_memory(compiled: jax.stages.Compiled, devices: list[Any], step
             if placed else f"(state and batches of a {steps}-step call, with ")
     lower = "lower data.batch_size or steps_per_call"
     if resize is not None:
-        fits = batch_that_fits(memory, resize, devices, placed)
-        if fits:
-            lower = (f"data.batch_size={fits} fits by XLA's count (it is {resize.size}); or "
-                     "lower steps_per_call")
-        elif fits == 0:
-            lower = f"not even data.batch_size={resize.multiple} fits; lower steps_per_call"
+        lower = _lower(batch_that_fits(memory, resize, devices, placed), resize, lower)
     raise UserError(f"the compiled training step needs {_size(memory.need)} of {memory.where} "
                     f"{what}{_size(memory.intermediates)} of intermediates) and "
-                    f"{_size(memory.free)} is free{memory.bound}: {lower}, split batches "
-                    "(accumulate), recompute activations (model.remat), compute in bfloat16 "
-                    f"(precision.compute), or shrink the model{memory.fix}")
+                    f"{_size(memory.free)} is free{memory.bound}: {lower}, {ALSO}{memory.fix}")
+
+
+def _lower(fits: int | None, resize: Resize, otherwise: str) -> str:
+    """What a refusal says to lower: the batch size that fits (``fits``; 0: none does), or
+    ``otherwise`` where that cannot be told."""
+    if fits:
+        return (f"data.batch_size={fits} fits by XLA's count (it is {resize.size}); or lower "
+                "steps_per_call")
+    if fits == 0:
+        return f"not even data.batch_size={resize.multiple} fits; lower steps_per_call"
+    return otherwise
 
 
 def batch_that_fits(memory: ProgramMemory, resize: Resize, devices: list[Any],

@@ -629,7 +629,8 @@ def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,
                           start: int) -> None:
     """Compile the program of the run's usual call (K steps, or what is left from ``start``) on
     the shapes of the state and of the data's first batch, and refuse it if its buffers do not
-    fit (``preflight.check_program_memory``, naming the batch size that fits): the step is
+    fit (``preflight.check_program_memory``, naming the batch size that fits) or XLA refuses
+    to compile it for its memory (``preflight.compile_or_refuse``, the same): the step is
     compiled on shapes alone, before any state exists, and the first call runs that
     executable. Data that is a plain iterator cannot be looked at: its program is compiled at
     the first call, unchecked."""
@@ -639,9 +640,11 @@ def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,
         if not isinstance(data, grain.MapDataset):
             return
         batch = _batch_shapes(data, parts.placement, k, config.steps_per_call > 1)
-    compiled = programs.compile(k, programs.carried_shapes(), batch)
-    preflight.check_program_memory(compiled, _local_devices(parts), k,
-                                   resize=_resize(programs, config, data, parts, k))
+    devices, resize = _local_devices(parts), _resize(programs, config, data, parts, k)
+    # a TPU's compiler refuses a program over the chip's memory as it compiles
+    compiled = preflight.compile_or_refuse(
+        lambda: programs.compile(k, programs.carried_shapes(), batch), devices, k, resize)
+    preflight.check_program_memory(compiled, devices, k, resize=resize)
 
 
 def _check_call_memory(programs: CompiledSteps, state: TrainState, config: RunConfig,

@@ -18,10 +18,13 @@ most the chip holds). Rows of 2049 tokens hold random pairs (prompts of 128-512 
 answers of 64-384) packed as trainrun packs them (``data/pair_rows.py``: a pair's prompt once,
 both answers after it), stored in the dtypes trainrun's row files hold. The step is the run's:
 the model ``build_model`` makes with the fast paths' choices, ``CompiledSteps``' program
-(one step a call, the state donated, placed on the run's mesh), its AdamW on the adapters. Each
-batch of ``--dpo-batches`` is compiled (on a pool of threads, beside the decode part), the
-ones whose compiled memory (``memory_analysis``) fits the device's ``bytes_limit`` less 3% are
-timed: interleaved rounds of one call each, a blocking read, medians. FLOPs three ways:
+(one step a call, the state donated, placed on the run's mesh), its AdamW on the adapters. The
+batches of ``--dpo-batches`` go smallest first: the smallest compiles on a thread beside the
+decode part; a batch whose compiled memory (``memory_analysis``) fits the device's
+``bytes_limit`` less 3% is timed (rounds of one call, a blocking read, the median) and its row
+written before the next batch's compile starts, which it does only where that compile (as
+long as the longest seen here) and as long a timing again end within the budget; a batch
+that does not fit ends the part. FLOPs three ways:
 
 - model FLOPs (the MFU figure): per token, the policy's forward pass (2N) and its backward pass
   to the activations (2N: the frozen weights take no gradient), the adapters' own weight
@@ -54,8 +57,11 @@ fed trainrun's tokens (teacher forcing), the gap at each step between its greate
 trainrun's token's (0 wherever trainrun's token is the plain loop's greedy choice).
 
 A markdown report on stdout and in OUT/tpu_post_training.md; every figure in
-OUT/tpu_post_training.json (both written again as each part ends). Parts past the time
-budget are skipped with a line saying so.
+OUT/tpu_post_training.json (both written again as each part, and each DPO batch, ends).
+``--budget-s`` is a deadline: a compile starts only where the longest compile seen here would
+still end before it, timing rounds stop where one more would not, what is skipped is said in
+a line, and at the deadline itself the report is written as it stands and the process ends
+(exit 2).
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -92,7 +99,7 @@ from trainrun.program.flops import transformer_flops
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.rollouts import RolloutSettings, draw_rollouts
-from trainrun.program.state import abstract_state, init_state
+from trainrun.program.state import abstract_state, compile_init, init_program, init_state
 from trainrun.reporting.timing import Stopwatch
 
 MEMORY_MARGIN = 0.03  # of the device's memory, left free when a batch is said to fit
@@ -118,6 +125,7 @@ LAYOUT = ("model.mlp=swiglu", "model.norm=rmsnorm", "model.norm_eps=1e-6",
 LORA = "model.lora={rank: 16, alpha: 32, targets: all-linear}"
 DPO = ("preference.reference=in_step", "preference.nll_weight=0.0",
        "precision.compute=bfloat16", "model.scan_layers=true", "model.remat=full")
+DPO_RESERVE = 20.0  # seconds a DPO compile leaves: the state's init, a first call, a round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,34 +153,58 @@ def sizes(tiny: bool) -> Sizes:
 
 
 class Budget:
-    """The time left, and a pool of threads the programs compile on (XLA compiles outside
-    Python's lock: they overlap each other and the timing on the chip). Programs are lowered
-    in the main thread."""
+    """The time left (``clock``: seconds, monotonic), and a pool of threads the programs compile
+    on (XLA compiles outside Python's lock: they overlap each other and the timing on the chip).
+    Programs are lowered in the main thread. A compile starts only where the longest compile
+    seen here would still end within what is left (``can_compile``); at the deadline itself,
+    ``main``'s watchdog writes the report as it stands and ends the process."""
 
-    def __init__(self, seconds: float, threads: int):
-        self.deadline = time.monotonic() + seconds
+    def __init__(self, seconds: float, threads: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.deadline = clock() + seconds
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
         self.notes: list[str] = []
+        self.compile_s: list[float] = []  # each compile's seconds, as it ends
 
     def left(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline - self.clock()
 
     def note(self, text: str) -> None:
         self.notes.append(text)
         say(f"- {text}")
 
+    def estimate(self) -> float:
+        """The seconds a compile may take: the longest seen here (0 before any ended)."""
+        return max(self.compile_s, default=0.0)
+
+    def can_compile(self, name: str, reserve: float, then: float = 0.0) -> bool:
+        """Whether a compile of ``name`` (``estimate``), and ``then`` seconds after it, end
+        before the budget less ``reserve`` does; a note says so where not."""
+        estimate, left = self.estimate(), self.left() - reserve
+        if estimate + then <= left:
+            return True
+        self.note(f"{name}: not compiled: a compile took {estimate:.0f} s here (then "
+                  f"{then:.0f} s to time it), {max(left, 0):.0f} s are left")
+        return False
+
     def compile(self, lowered: Any) -> concurrent.futures.Future[tuple[Any, float]]:
         def job() -> tuple[Any, float]:
-            start = time.perf_counter()
+            start = self.clock()
             compiled = lowered.compile()
-            return compiled, time.perf_counter() - start
+            took = self.clock() - start
+            self.compile_s.append(took)
+            return compiled, took
 
         return self.pool.submit(job)
 
-    def wait(self, name: str, future: concurrent.futures.Future[tuple[Any, float]],
+    def wait(self, name: str, future: concurrent.futures.Future[tuple[Any, float]] | None,
              reserve: float) -> tuple[Any, float] | None:
         """The compiled program and its compile seconds, or None (a note says why) where it
-        failed or was not done while the budget, less ``reserve`` seconds, lasted."""
+        was not started, failed or was not done while the budget, less ``reserve`` seconds,
+        lasted."""
+        if future is None:
+            return None
         try:
             return future.result(timeout=max(self.left() - reserve, 0.0))
         except concurrent.futures.TimeoutError:
@@ -191,12 +223,12 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def interleaved(contenders: dict[str, Callable[[], Any]], budget: Budget, rounds: int,
                 reserve: float) -> dict[str, list[float]]:
-    """Rounds of one call of each contender (each call ends in a blocking read): at least two,
-    then more while the budget, less ``reserve``, allows one more."""
+    """Rounds of one call of each contender (each call ends in a blocking read): one, then
+    more while the budget, less ``reserve``, allows one more."""
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for done in range(rounds):
         round_s = sum(statistics.median(t) for t in times.values() if t)
-        if done >= 2 and budget.left() - reserve < round_s:
+        if done >= 1 and budget.left() - reserve < round_s:
             budget.note(f"timing stopped after {done} rounds (time budget)")
             break
         for name, call in contenders.items():
@@ -296,6 +328,7 @@ class Dpo:
         self.trainable = sum(math.prod(x.shape) for path, x in leaves
                              if "_lora" in jax.tree_util.keystr(path))
         self.carried: Any = None
+        self.init: Any = None  # the init program, compiled
 
     def side(self, batch: int) -> DpoSide:
         """The run's programs for ``batch`` rows, lowered here (the main thread)."""
@@ -314,10 +347,14 @@ class Dpo:
         return side
 
     def fresh(self) -> None:
-        """The run's fresh state (``init_state``, where the run's shardings put it)."""
+        """The run's fresh state (``init_state``, where the run's shardings put it), its
+        program compiled once."""
         self.drop()
+        if self.init is None:
+            self.init = compile_init(init_program(self.model, self.optimizer, self.config.seed,
+                                                  self.policy, self.state_sharding))
         state = init_state(self.model, self.optimizer, self.config.seed, self.policy,
-                           self.state_sharding)
+                           self.state_sharding, self.init)
         self.carried = self.carrier.carry(state)
 
     def drop(self) -> None:
@@ -333,71 +370,99 @@ class Dpo:
         return dict(zip(side.programs.metric_names, values.tolist(), strict=True))
 
 
-def dpo_fitting(sides: list[DpoSide], budget: Budget, limit: float | None, reserve: float,
-                needs: dict[int, float]) -> list[DpoSide]:
-    """The sides compiled within the budget whose compiled memory fits ``limit`` less the
-    margin (all of them where the device gives no limit), largest batch first; ``needs``
-    gets each compiled side's need in bytes."""
-    fitting = []
-    for side in sides:
-        assert side.future is not None
-        got = budget.wait(f"DPO @{side.batch} rows", side.future, reserve)
-        side.lowered = None  # its text is large
-        if got is None:
-            continue
-        side.compiled, side.compile_s = got
-        side.programs.programs[1] = side.compiled  # the run's program for calls of one step
-        need = needs[side.batch] = memory_of(side.compiled).get("need", math.nan)
-        if limit is not None and need > limit * (1 - MEMORY_MARGIN):
-            budget.note(f"DPO @{side.batch} rows: needs {need / GiB:.2f} GiB of "
-                        f"{limit / GiB:.2f}; not run")
-            side.compiled = None
-            continue
-        fitting.append(side)
-    return sorted(fitting, key=lambda side: -side.batch)
+def queue_dpo(dpo: Dpo, batch: int, budget: Budget, reserve: float,
+              then: float = 0.0) -> DpoSide | None:
+    """The side of ``batch`` rows, lowered and its compile started; None (a note says why)
+    where that compile and ``then`` seconds after it would not end in the budget."""
+    if not budget.can_compile(f"DPO @{batch} rows", reserve, then):
+        return None
+    side = dpo.side(batch)
+    side.future = budget.compile(side.lowered)
+    return side
 
 
-def run_dpo(dpo: Dpo, sides: list[DpoSide], budget: Budget, report: Report,
+def compiled_fitting(side: DpoSide, budget: Budget, limit: float | None, reserve: float,
+                     needs: dict[int, float]) -> bool:
+    """Whether ``side`` compiled within the budget and its compiled memory fits ``limit``
+    less the margin (any where the device gives no limit); a note says why not. ``needs``
+    gets its need in bytes."""
+    got = budget.wait(f"DPO @{side.batch} rows", side.future, reserve)
+    side.lowered = side.future = None  # its text is large
+    if got is None:
+        return False
+    side.compiled, side.compile_s = got
+    side.programs.programs[1] = side.compiled  # the run's program for calls of one step
+    need = needs[side.batch] = memory_of(side.compiled).get("need", math.nan)
+    if limit is not None and need > limit * (1 - MEMORY_MARGIN):
+        budget.note(f"DPO @{side.batch} rows: needs {need / GiB:.2f} GiB of "
+                    f"{limit / GiB:.2f}; not run")
+        side.compiled = None
+        return False
+    return True
+
+
+def timed_side(dpo: Dpo, side: DpoSide, budget: Budget, rounds: int,
+               reserve: float) -> dict[str, Any] | None:
+    """``side``'s row: its first call on the run's fresh state, then rounds of one call while
+    the budget lasts; None where the first call fails (a note says why)."""
+    dpo.fresh()
+    placed = jax.device_put(side.rows, side.placement.sharding)
+    try:
+        first = dpo.step(side, placed)
+    except Exception as err:  # RESOURCE_EXHAUSTED and the like: reported, not fatal
+        text = str(err).strip().splitlines() or [""]
+        budget.note(f"DPO @{side.batch} rows: failed at its first call "
+                    f"({type(err).__name__}: {text[0][:300]})")
+        dpo.drop()  # the state it was given is donated
+        return None
+    name = f"{side.batch} rows"
+    times = interleaved({name: lambda: dpo.step(side, placed)}, budget, rounds, reserve)
+    return dpo_row(dpo, side, times[name], first)
+
+
+def run_dpo(dpo: Dpo, first: DpoSide | None, budget: Budget, report: Report,
             rounds: int) -> None:
+    """Each batch of the DPO step, smallest first: compiled (the first is compiling already),
+    then, where it fits, timed and its row written; the next compile starts after that, and
+    only where it and as long a timing again would end within the budget."""
     s, cfg = dpo.s, dpo.cfg
     say(f"\n## DPO with LoRA: {s.name}, rows of {s.seq + 1} tokens\n")
     say(f"{dpo.params:,} params, {dpo.trainable:,} of them the adapters' (rank "
         f"{cfg.lora.rank if cfg.lora else 0}, {', '.join(sorted(cfg.adapted))}); config `dpo` "
-        f"with {', '.join(f'`{x}`' for x in (LORA, *DPO, *dpo.extra))}")
+        f"with {', '.join(f'`{x}`' for x in (LORA, *DPO, *dpo.extra))}\n")
     limit = device_limit()
     needs: dict[int, float] = {}
-    fitting = dpo_fitting(sides, budget, limit, 20, needs)
-    said = "no limit known" if limit is None else f"of {limit / GiB:.2f} less 3%"
-    say("compiled memory need by rows (GiB, " + said + "): "
-        + ", ".join(f"{b}: {n / GiB:.2f}" for b, n in sorted(needs.items()))
-        + f"; timed: {', '.join(str(side.batch) for side in fitting) or 'none'}\n")
+    rows: list[dict[str, Any]] = []
     report.data["dpo"] = {
         "config": [LORA, *DPO, *dpo.extra], "params": dpo.params,
         "trainable": dpo.trainable, "limit_gib": None if limit is None else limit / GiB,
-        "needs_gib": {b: n / GiB for b, n in sorted(needs.items())}, "rows": []}
-    if not fitting:
-        budget.note("DPO: no batch compiled and fitting; nothing timed")
-        return
-    dpo.fresh()
-    first: dict[int, dict[str, float]] = {}
-    placed: dict[int, Any] = {}
-    for side in list(fitting):
-        placed[side.batch] = jax.device_put(side.rows, side.placement.sharding)
-        try:
-            first[side.batch] = dpo.step(side, placed[side.batch])
-        except Exception as err:  # RESOURCE_EXHAUSTED and the like: reported, not fatal
-            text = str(err).strip().splitlines() or [""]
-            budget.note(f"DPO @{side.batch} rows: failed at its first call "
-                        f"({type(err).__name__}: {text[0][:300]})")
-            fitting.remove(side)
-            dpo.fresh()
-    calls = {side.batch: (lambda side=side: dpo.step(side, placed[side.batch]))
-             for side in fitting}
-    times = interleaved(calls, budget, rounds, reserve=5)
-    rows = [dpo_row(dpo, side, times[side.batch], first[side.batch]) for side in fitting]
-    report.data["dpo"]["rows"] = rows
-    dpo_table(rows)
+        "needs_gib": {}, "rows": rows}
+    timing_s = 0.0  # the last batch's first call and rounds
+    for batch in sorted(s.dpo_batches):
+        side = (first if first is not None and first.batch == batch else
+                queue_dpo(dpo, batch, budget, DPO_RESERVE, then=timing_s))
+        if side is None:
+            break
+        fits = compiled_fitting(side, budget, limit, DPO_RESERVE, needs)
+        report.data["dpo"]["needs_gib"] = {b: n / GiB for b, n in sorted(needs.items())}
+        started = budget.clock()
+        row = timed_side(dpo, side, budget, rounds, reserve=5) if fits else None
+        side.compiled = None
+        if row is None:  # out of time or memory: a larger batch fares no better
+            break
+        timing_s = budget.clock() - started
+        rows.append(row)
+        dpo_table(rows[-1:], header=len(rows) == 1)
+        report.save()  # each row written before the next compile starts
     dpo.drop()
+    said = "no limit known" if limit is None else f"of {limit / GiB:.2f} less 3%"
+    say("\ncompiled memory need by rows (GiB, " + said + "): "
+        + (", ".join(f"{b}: {n / GiB:.2f}" for b, n in sorted(needs.items())) or "none")
+        + f"; timed: {', '.join(str(r['batch']) for r in rows) or 'none'}")
+    if rows:
+        dpo_flops(rows[0])
+    else:
+        budget.note("DPO: no batch compiled and fitting; nothing timed")
     report.save()
 
 
@@ -428,11 +493,12 @@ def dpo_row(dpo: Dpo, side: DpoSide, times: list[float], first: dict[str, float]
     }
 
 
-def dpo_table(rows: list[dict[str, Any]]) -> None:
-    say("| rows x tokens | pairs | ms/step | tokens/s (rows; non-padding) | pairs/s | MFU, "
-        "model FLOPs | MFU, trainrun's count (XLA) | MFU, 6N | compile s | compiled GiB "
-        "(temp / need) | loss, first call |")
-    say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+def dpo_table(rows: list[dict[str, Any]], header: bool = True) -> None:
+    if header:
+        say("| rows x tokens | pairs | ms/step | tokens/s (rows; non-padding) | pairs/s | MFU, "
+            "model FLOPs | MFU, trainrun's count (XLA) | MFU, 6N | compile s | compiled GiB "
+            "(temp / need) | loss, first call | rounds |")
+        say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         mem = r["memory"]
         gib = f"{mem['temp'] / GiB:.2f} / {mem['need'] / GiB:.2f}" if mem else "n/a"
@@ -440,8 +506,10 @@ def dpo_table(rows: list[dict[str, Any]]) -> None:
         say(f"| {r['batch']} x {r['row_tokens']} | {r['pairs']} | {r['step_ms']:.1f} | "
             f"{r['tokens_per_s']:,.0f}; {r['real_tokens_per_s']:,.0f} | "
             f"{r['pairs_per_s']:,.1f} | {r['mfu_model']:.1%} | {ours} | {r['mfu_6n']:.1%} | "
-            f"{r['compile_s']:.0f} | {gib} | {r['first_loss']:.4f} |")
-    r = rows[0]
+            f"{r['compile_s']:.0f} | {gib} | {r['first_loss']:.4f} | {r['rounds']} |")
+
+
+def dpo_flops(r: dict[str, Any]) -> None:
     counted = (f"{r['flops_trainrun'] / 1e12:.4g} T ({r['flops_trainrun_source']}; "
                f"{r['flops_trainrun'] / r['flops_model']:.2f} of the model FLOPs)"
                if r["flops_trainrun"] else "none")
@@ -587,11 +655,11 @@ class Decode:
     config: RunConfig
     cfg: TransformerModel
     prompts: np.ndarray
-    sampled: concurrent.futures.Future[tuple[Any, float]]
+    sampled: concurrent.futures.Future[tuple[Any, float]] | None
     check: concurrent.futures.Future[tuple[Any, float]] | None
 
 
-def queue_decode(s: Sizes, budget: Budget, check: bool) -> Decode:
+def queue_decode(s: Sizes, budget: Budget, check: bool, reserve: float) -> Decode:
     config = grpo_config(s)
     assert isinstance(config.model, TransformerModel)
     cfg = config.model
@@ -603,9 +671,9 @@ def queue_decode(s: Sizes, budget: Budget, check: bool) -> Decode:
                             False).lower(shapes,
                                          jax.ShapeDtypeStruct((rows, s.prompt_len), jnp.int32),
                                          jax.random.key(0), np.float32(1.0))
-    sampled = budget.compile(lowered)
+    sampled = budget.compile(lowered) if budget.can_compile("plain decode loop", reserve) else None
     queued = None
-    if check:
+    if check and budget.can_compile("plain decode loop, greedy check", reserve):
         with jax.default_matmul_precision("highest"):
             lowered = plain_decoder(cfg, s.prompts, s.prompt_len, s.new, "float32", True).lower(
                 shapes, prompts, np.zeros((s.prompts, s.new), np.int32), np.bool_(False))
@@ -648,9 +716,12 @@ def compare_decoders(d: Decode, params: Any, budget: Budget, report: Report, rou
                               width=s.prompt_len, old_logps=False)
         return np.asarray(drawn.completions)
 
+    if not budget.can_compile("trainrun's rollouts", reserve):
+        return
     start = time.perf_counter()
     drawn = ours()  # its decoder compiles at the first call, as in a run
     first_s = time.perf_counter() - start
+    budget.compile_s.append(first_s)  # its compile's seconds, at most
     got = budget.wait("plain decode loop", d.sampled, reserve)
     if got is None:
         return
@@ -700,6 +771,8 @@ def greedy_check(d: Decode, params: Any, budget: Budget, report: Report,
     assert d.check is not None
     s, cfg = d.s, d.cfg
     settings = RolloutSettings(group=1, tokens=s.new, temperature=0.0, compute="float32")
+    if not budget.can_compile("trainrun's greedy rollouts", reserve):
+        return
     with jax.default_matmul_precision("highest"):
         ours = np.asarray(draw_rollouts(cfg, params, list(d.prompts), jax.random.key(0), 0,
                                         settings, None, width=s.prompt_len,
@@ -757,19 +830,29 @@ def run_parts(args: argparse.Namespace, budget: Budget, report: Report) -> None:
     report.data.update(device=device.device_kind, backend=jax.default_backend(),
                        jax=jax.__version__, sizes=dataclasses.asdict(s), parts=sorted(parts))
     report.save()
-    sides: list[DpoSide] = []
-    dpo = None
-    if "dpo" in parts:  # queued first: the largest programs
+    dpo = first = None
+    if "dpo" in parts:  # the smallest batch's compile first: beside the decode part
         dpo = Dpo(s, args.dpo_set)
-        for batch in sorted(s.dpo_batches, reverse=True):
-            side = dpo.side(batch)
-            side.future = budget.compile(side.lowered)
-            sides.append(side)
+        first = queue_dpo(dpo, min(s.dpo_batches), budget, DPO_RESERVE)
+    reserve = 3 * DPO_RESERVE if dpo else 5  # what the decode part leaves the DPO part
     if "decode" in parts:
-        decode = queue_decode(s, budget, check="check" in parts)
-        run_decode(decode, budget, report, args.rounds, reserve=60 if dpo else 5)
+        decode = queue_decode(s, budget, "check" in parts, reserve)
+        run_decode(decode, budget, report, args.rounds, reserve)
     if dpo is not None:
-        run_dpo(dpo, sorted(sides, key=lambda side: side.batch), budget, report, args.rounds)
+        run_dpo(dpo, first, budget, report, args.rounds)
+
+
+def out_of_time(budget: Budget, report: Report) -> None:
+    """At the deadline: the report as it stands written, the process ended (a compile or a
+    call under way is not waited for)."""
+    budget.notes.append("the time budget ran out: stopped there; what was measured is above")
+    SAID.append(f"- {budget.notes[-1]}")
+    try:
+        report.data["notes"] = budget.notes
+        report.save()
+    finally:
+        print(SAID[-1], flush=True)
+        os._exit(2)
 
 
 def main() -> int:
@@ -788,6 +871,9 @@ def main() -> int:
     budget = Budget(args.budget_s, args.compile_threads)
     report = Report(Path(args.out))
     started = time.monotonic()
+    watchdog = threading.Timer(args.budget_s, out_of_time, (budget, report))
+    watchdog.daemon = True
+    watchdog.start()
     code = 0
     try:
         run_parts(args, budget, report)

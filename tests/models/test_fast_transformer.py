@@ -201,7 +201,7 @@ def test_the_transformer_on_the_tpu_kernels_has_the_plain_loss_and_gradients():
     from trainrun.models.losses import HeadPath
     from trainrun.models.transformer import AttentionPath, make_transformer
 
-    cfg = llama_shaped(TransformerModel(d_model=128, layers=2, heads=4, seq_len=128,
+    cfg = llama_shaped(TransformerModel(d_model=128, layers=1, heads=4, seq_len=128,
                                         vocab=300, init_std=0.1, loss_chunk=96), kv_heads=2)
     plain = make_transformer(cfg)
     fast = make_transformer(cfg, AttentionPath(kernel=SplashAttention(128, 128)),

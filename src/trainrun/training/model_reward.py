@@ -29,8 +29,8 @@ from trainrun import rundir
 from trainrun.checkpointing.init_from import model_of, placed_params, readers, source_kind
 from trainrun.checkpointing.reader import latest_state, saved_config
 from trainrun.checkpointing.run_context import run_model
-from trainrun.config import RecordsData, TransformerModel
-from trainrun.data import model_tokenizer
+from trainrun.config import RecordsData, RLConfig, TransformerModel
+from trainrun.data import model_tokenizer, rewards
 from trainrun.data.errors import DataError
 from trainrun.data.preference_pairs import encode_sequences
 from trainrun.models.huggingface import SCORE_TENSOR, Tensors, read_config
@@ -47,7 +47,7 @@ from trainrun.program.precision import DTYPES, cast_floats
 from trainrun.storage import location
 
 PyTree = Any
-RewardFn = Callable[..., list[float]]
+RewardFn = rewards.RewardFn
 SHORTEST = 16  # the narrowest rows a batch is padded to; wider ones double from there
 
 
@@ -177,3 +177,10 @@ def reward_model_reward(path: str, batch_size: int = 16, tokenizer: str | None =
 
 # The rewards ``data/rewards.py`` cannot build on its floor, to be handed to its ``load``.
 MODEL_REWARDS: dict[str, Callable[..., RewardFn]] = {"reward_model": reward_model_reward}
+BUILT_IN: dict[str, Callable[..., RewardFn]] = {**rewards.BUILT_IN, **MODEL_REWARDS}
+
+
+def load_rewards(rl: RLConfig) -> list[rewards.Reward]:
+    """The rewards ``rl.rewards`` names (``reward_model`` among the built-ins), each call
+    limited to ``rl.reward_timeout`` seconds."""
+    return rewards.load_each(rl.rewards, rl.reward_timeout, BUILT_IN)

@@ -2,8 +2,7 @@
 ``...ForSequenceClassification`` from ``transformers``, read as ``init.from`` reads it: the same
 pairs (token ids, packed prompt-once), and the loss, accuracy and every parameter's gradient that
 ``RewardTrainer.compute_loss`` gives are trainrun's, the loss and accuracy within 1e-5, with and
-without margins and the centring term; after two steps of plain gradient descent on each side
-the loss and accuracy still agree. With the pad token the end of text, both read each answer's
+without margins and the centring term. With the pad token the end of text, both read each answer's
 score before its final token, as transformers does."""
 
 from __future__ import annotations
@@ -91,11 +90,11 @@ def _rows(margins: bool) -> dict[str, np.ndarray]:
 def reward_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("rm")
     return {(family, pad): save_tiny_reward_model(root / f"{family}-{pad}", family, pad)
-            for family, pad in (("llama", PAD), ("llama", END), ("qwen2", PAD))}
+            for family, pad in (("llama", END), ("qwen2", PAD))}
 
 
-CASES = [("llama", PAD, False, None), ("llama", END, True, 0.01), ("qwen2", PAD, True, None),
-         ("qwen2", PAD, False, 0.05)]
+# each setting in one case or the other: the pad token the end of text or not, margins, centring
+CASES = [("llama", END, True, 0.01), ("qwen2", PAD, False, None)]
 
 
 @pytest.mark.slow
@@ -126,31 +125,3 @@ def test_the_loss_accuracy_and_gradients_are_trls(reward_models, family, pad, ma
     for name, grad in grads.items():
         limit = 1e-4 * max(1.0, float(np.abs(want_grads[name]).max()))
         assert float(np.abs(grad - want_grads[name]).max()) <= limit, name
-
-
-@pytest.mark.slow
-def test_two_steps_of_gradient_descent_keep_the_loss_and_accuracy_trls(reward_models):
-    model_dir, lr = reward_models["llama", END], 2e-4
-    trainer = _trl_trainer(model_dir, END, 0.01)
-    trainer.model.train()
-    _, model, params = _trainrun_model(model_dir, 0.01)
-    rows = _rows(True)
-    step = jax.jit(jax.value_and_grad(lambda p: model.loss(p, rows, jax.random.key(0))[0]))
-    first = None
-    for _ in range(2):
-        loss = trainer.compute_loss(trainer.model, _trl_batch(trainer, True))
-        first = float(loss) if first is None else first
-        trainer.model.zero_grad()
-        loss.backward()
-        with torch.no_grad():
-            for param in trainer.model.parameters():
-                param -= lr * param.grad
-        _, grads = step(params)
-        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
-    with torch.no_grad():
-        want = float(trainer.compute_loss(trainer.model, _trl_batch(trainer, True)))
-    accuracy = trainer._metrics["train"]["accuracy"][-1]
-    loss, aux, _ = jax.jit(lambda p: model.loss(p, rows, jax.random.key(0)))(params)
-    assert want < first - 0.1  # the steps moved the model
-    assert abs(float(loss) - want) < 1e-5
-    assert abs(float(aux["accuracy"]) - accuracy) < 1e-5

@@ -24,13 +24,12 @@ from trainrun.models.transformer import bind_transformer
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import init_state
-from trainrun.training.model_reward import MODEL_REWARDS
+from trainrun.training.model_reward import BUILT_IN
 from trainrun.training.reward_run import reward_model, with_pad_id
 
 OVERRIDES = ["model.d_model=32", "model.layers=1", "model.heads=2", "steps=10",
              "data.synthetic_examples=128", "data.eval_fraction=0.125", "data.batch_size=2",
              "eval.batch_size=2", "checkpoint.every=10"]
-BUILT_IN = {**rewards.BUILT_IN, **MODEL_REWARDS}
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +137,19 @@ def test_a_path_that_holds_no_reward_model_is_refused_by_name(tmp_path):
         rewards.load("reward_model", {"path": str(lm)}, built_in=BUILT_IN)
     with pytest.raises(UserError, match=r"reward_model path .*: no such file"):
         rewards.load("reward_model", {"path": str(tmp_path / "nowhere")}, built_in=BUILT_IN)
+
+
+@pytest.mark.slow
+def test_a_grpo_run_naming_no_reward_model_is_refused_in_one_line_with_nothing_made(
+        tmp_path, capsys):
+    other = tmp_path / "not-a-reward-run"
+    other.mkdir()
+    (other / "config.yaml").write_text("name: mlp\n")  # a run's config: no reward_model
+    args = ["train", "--config", "grpo", "--run-dir", str(tmp_path / "grpo"), "steps=2",
+            "rl.prompts=2", "rl.group=4", "rl.completion_tokens=8", "model.d_model=32",
+            "model.layers=1", "data.synthetic_examples=64", "rl.rewards=[{name: reward_model, "
+            f"args: {{path: {other}}}}}]"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a run that trains no reward model" in err, err
+    assert not (tmp_path / "grpo").exists()

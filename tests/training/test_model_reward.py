@@ -127,6 +127,7 @@ def test_eval_reports_the_accuracy_on_the_held_out_pairs(reward_run):
                                              rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_path_that_holds_no_reward_model_is_refused_by_name(tmp_path):
     from conftest import save_tiny_causal_lm
 
@@ -139,7 +140,6 @@ def test_a_path_that_holds_no_reward_model_is_refused_by_name(tmp_path):
         rewards.load("reward_model", {"path": str(tmp_path / "nowhere")}, built_in=BUILT_IN)
 
 
-@pytest.mark.slow
 def test_a_grpo_run_naming_no_reward_model_is_refused_in_one_line_with_nothing_made(
         tmp_path, capsys):
     other = tmp_path / "not-a-reward-run"

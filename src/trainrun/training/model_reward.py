@@ -180,7 +180,14 @@ MODEL_REWARDS: dict[str, Callable[..., RewardFn]] = {"reward_model": reward_mode
 BUILT_IN: dict[str, Callable[..., RewardFn]] = {**rewards.BUILT_IN, **MODEL_REWARDS}
 
 
-def load_rewards(rl: RLConfig) -> list[rewards.Reward]:
+def load_rewards(rl: RLConfig, loaded: Sequence[rewards.Reward] | None = None,
+                 ) -> list[rewards.Reward]:
     """The rewards ``rl.rewards`` names (``reward_model`` among the built-ins), each call
-    limited to ``rl.reward_timeout`` seconds."""
-    return rewards.load_each(rl.rewards, rl.reward_timeout, BUILT_IN)
+    limited to ``rl.reward_timeout`` seconds. ``loaded``: the same rewards loaded before (the
+    rollouts'), whose reward models are taken as they are (read once a run); every other
+    reward is loaded anew."""
+    if loaded is None:
+        return rewards.load_each(rl.rewards, rl.reward_timeout, BUILT_IN)
+    return [old if spec.name in MODEL_REWARDS else
+            rewards.load(spec.name, spec.args, spec.weight, rl.reward_timeout, BUILT_IN)
+            for spec, old in zip(rl.rewards, loaded, strict=True)]

@@ -588,7 +588,7 @@ def _checkpoint_hooks(config: RunConfig, checkpoints: Checkpoints, log: MetricLo
 
 def _evaluator(config: RunConfig, parts: Parts,
                eval_data: grain.MapDataset | tuple[str, Any] | None,
-               head: HeadLayout, loaded: list[rewards.Reward] | None = None,
+               head: HeadLayout, rollouts: list[rewards.Reward] | None = None,
                ) -> EvalSchedule | None:
     """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
     the held-out split (``("pairs", rows)``: a preference run's held-out pair rows), placed on
@@ -597,7 +597,7 @@ def _evaluator(config: RunConfig, parts: Parts,
     if not config.eval.every:
         return None
     if isinstance(eval_data, tuple) and eval_data[0] == "prompts":
-        return _prompt_evaluator(config, eval_data[1], loaded)
+        return _prompt_evaluator(config, eval_data[1], rollouts)
     size = config.eval.batch_size or config.data.batch_size
     placement = sharding.batch_placement(parts.mesh, size, stacked=False)
     if isinstance(eval_data, tuple):
@@ -620,7 +620,7 @@ def _evaluator(config: RunConfig, parts: Parts,
 
 
 def _prompt_evaluator(config: RunConfig, prompts: list[Prompt],
-                      loaded: list[rewards.Reward] | None) -> PromptEvaluator:
+                      rollouts: list[rewards.Reward] | None) -> PromptEvaluator:
     """An RL run's evaluation of its held-out prompts, as ``trainrun eval`` scores them."""
     from trainrun.training.held_out_rewards import reward_scores
 
@@ -629,8 +629,8 @@ def _prompt_evaluator(config: RunConfig, prompts: list[Prompt],
                           "data.eval_paths or a data.eval_fraction that leaves one out, or set "
                           "eval.every=0")
     assert config.rl is not None
-    if loaded is None:  # once: a reward file runs when loaded, a reward model is read
-        loaded = load_rewards(config.rl)
+    # once: a reward file runs when loaded; a reward model is the rollouts' own
+    loaded = load_rewards(config.rl, rollouts)
     return PromptEvaluator(config.eval.every, lambda params, step: reward_scores(
         config, params, prompts, loaded=loaded, step=step)[0])
 

@@ -100,10 +100,10 @@ def test_an_exported_reward_model_scores_in_transformers_as_in_trainrun(tmp_path
 
 def test_a_reward_model_without_a_pad_id_is_not_written_as_one_that_reads_by_it(tmp_path):
     cfg = CFG.model_copy(update={"pad_id": None})
-    _, params = _params(cfg)
+    params = {SCORE: np.ones((1, CFG.d_model), np.float32)}  # refused before any is read
     with pytest.raises(WeightsError, match=r"model\.pad_id"):
-        write_model_dir(jax.tree.map(np.asarray, params), cfg, tmp_path / "rm",
-                        model_type="llama")
+        write_model_dir(params, cfg, tmp_path / "rm", model_type="llama")
+    assert not (tmp_path / "rm").exists()
 
 
 @pytest.mark.slow

@@ -54,6 +54,7 @@ from trainrun.models.huggingface import (
     read_config,
     write_model_dir,
 )
+from trainrun.models.reward_transformer import SCORE
 from trainrun.models.transformer import merge_adapters
 from trainrun.rundir import export_dir, write_failures
 from trainrun.rundir.export_dir import ExportRefused, check_target
@@ -113,6 +114,9 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
     model_type = str(hf["model_type"]) if hf is not None else model_type_of(cfg)
     step, params = latest_params(run, config, step)
     params = jax.tree.map(np.asarray, params)
+    if cfg.lora is not None and not merge and SCORE in params:  # PEFT's files hold no score head
+        raise WeightsError(f"run {run} trains a reward model with LoRA adapters, which exports "
+                           "as one model directory: give --merge")
 
     def write(staging: Path) -> tuple[str, ...]:
         """The export's files written into the new folder ``staging``; their names."""

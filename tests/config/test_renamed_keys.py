@@ -30,7 +30,7 @@ from trainrun.reporting.sinks.jsonl import read_metrics
 
 # The warm-up each built-in run had in steps before it was a fraction: unchanged at its steps.
 BUILTIN_WARMUP = {"lm": 50, "lm_bpe": 50, "digits": 100, "digits_resnet": 100, "chat": 100,
-                  "finetune": 20, "mlp": 0, "dpo": 30, "grpo": 0}
+                  "finetune": 20, "mlp": 0, "dpo": 30, "grpo": 0, "reward": 20}
 
 
 @pytest.fixture(autouse=True)

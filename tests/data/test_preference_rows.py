@@ -164,3 +164,39 @@ def test_a_file_with_no_usable_pair_left_is_one_line_naming_it(tmp_path: Path) -
     assert message.endswith("fix or replace the bad records (data.bad_records=skip left them "
                             "out)")
     assert "\n" not in message
+
+
+def test_each_pair_carries_its_records_margin_where_asked(tmp_path: Path) -> None:
+    from trainrun.data.pair_rows import MARGIN
+
+    margins = [0.5, -1.25, 2.0, 0.0, 3.5]
+    source = _pairs_file(tmp_path / "pairs.jsonl", [
+        json.dumps({"prompt": f"q{i} ", "chosen": "yes", "rejected": "no", "margin": m})
+        for i, m in enumerate(margins)])
+    plain, _, _ = preference_rows(_section(source), 512, 0)
+    assert plain.train is not None and MARGIN not in plain.train  # not read unless asked
+    kept, _, _ = preference_rows(_section(source), 512, 0, margins=True)
+    rows = kept.train
+    assert rows is not None and MARGIN in rows
+    values = rows[MARGIN].view(np.float32)
+    found = [float(values[row][rows["pair_slot"][row] == slot][0])
+             for row in range(len(rows["tokens"]))
+             for slot in range(1, int(rows["pair_slot"][row].max()) + 1)]
+    assert sorted(found) == sorted(margins)
+    again, _, _ = preference_rows(_section(source), 512, 0, margins=True)  # read back
+    assert again.train is not None
+    np.testing.assert_array_equal(again.train[MARGIN], rows[MARGIN])
+
+
+def test_a_record_without_a_margin_is_a_bad_record_where_margins_are_read(
+        tmp_path: Path) -> None:
+    source = _pairs_file(tmp_path / "pairs.jsonl", [
+        json.dumps({"prompt": "q0 ", "chosen": "yes", "rejected": "no", "margin": 1.0}),
+        json.dumps({"prompt": "q1 ", "chosen": "yes", "rejected": "no"}),
+        json.dumps({"prompt": "q2 ", "chosen": "yes", "rejected": "no", "margin": "big"})])
+    with pytest.raises(DataError) as err:
+        preference_rows(_section(source), 512, 0, margins=True)
+    assert f"record {source}:2: no 'margin' field" in str(err.value)
+    kept, _, _ = preference_rows(_section(source, bad_records="skip"), 512, 0, margins=True)
+    assert (kept.counts.examples, kept.counts.skipped) == (1, 2)
+    assert any("field 'margin' is" in line for line in kept.counts.bad)

@@ -18,6 +18,11 @@ param is read from its file a slice at a time and placed straight into its shard
 array. Loading happens before the run directory is written, so a source that does not fit is
 one line and exit 2 with nothing created.
 
+A reward model (a score head in place of the output head: ``models/reward_transformer.py``)
+reads ``score.weight`` where the source has it (a ``...ForSequenceClassification``
+checkpoint, or a reward run); from a language model the output head is left out and the score
+head is drawn fresh, as a fresh run draws it.
+
 A Hugging Face or adapter directory (or a ``.safetensors`` file) may be on object storage
 (``gs://``, ``s3://``, an adapter's base model too): read through the storage layer, each
 shard's tensors by ranged reads, as from disk, with nothing copied to this machine.
@@ -52,6 +57,7 @@ from trainrun.models.families import FAMILIES
 from trainrun.models.huggingface import (
     CONFIG,
     INDEX,
+    SCORE_TENSOR,
     WEIGHTS,
     Architecture,
     Source,
@@ -65,6 +71,7 @@ from trainrun.models.huggingface import (
     separate_head,
     tensor_map,
 )
+from trainrun.models.reward_transformer import SCORE, body_config, score_init
 from trainrun.models.transformer import adapter_draws, split_adapters
 from trainrun.program.optim import Optimizer, param_name
 from trainrun.program.precision import Policy
@@ -316,9 +323,11 @@ def _show(value: Any) -> str:
 # ---- the params ------------------------------------------------------------------------------
 
 
-def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reader]:
+def readers(source: str, model: Any, abstract_params: PyTree, seed: int = 0
+            ) -> dict[str, Reader]:
     """Dotted param name -> a reader of it, for every param the source has; checked against
-    the model's params (``abstract_params``): names, shapes, and no base param missing."""
+    the model's params (``abstract_params``): names, shapes, and no base param missing. A
+    reward model's score head the source lacks is drawn as a fresh run of ``seed`` draws it."""
     path = source_location(source)
     kind = source_kind(path)
     shapes = {param_name(p): tuple(a.shape)
@@ -329,7 +338,10 @@ def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reade
         _, params = latest_params(path, saved_config(path))
         found = {param_name(p): np.asarray(x)
                  for p, x in jax.tree_util.tree_leaves_with_path(params)}
-        return _checked(_from_arrays(found), _shapes(found), shapes, str(path))
+        if SCORE in shapes:  # a reward model: a language model's output head has no place
+            found.pop("head", None)
+        return _with_score(_checked(_from_arrays(found), _shapes(found), shapes, str(path)),
+                           model, shapes, seed)
     if not isinstance(model, TransformerModel):
         raise WeightsError(f"init.from {path}: Hugging Face weights need "
                            f"model.kind=transformer (this run's is {model.kind})")
@@ -344,12 +356,13 @@ def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reade
             _, adapters = peft.read_adapter_dir(path, cfg, model_type)
             out.update(_checked(_from_arrays(adapters), _shapes(adapters), shapes, str(path),
                                 complete=False))
-        return out
+        return _with_score(out, cfg, shapes, seed)
     tensors = Tensors.of(path)
     names = tensors.names
     layout = next((t for t, family in FAMILIES.items() if family.reads_bare(names)), None)
     if layout is not None:  # Hugging Face's names, of the first family whose layout they are
-        return _from_hf(tensors, base_cfg, layout, shapes, str(path))
+        return _with_score(_from_hf(tensors, base_cfg, layout, shapes, str(path)), cfg,
+                           shapes, seed)
     sizes = {n: tensors.shape(n) for n in names}
     tensors.check_floats(names)
     return _checked({n: _tensor_reader(tensors, Source(n)) for n in names}, sizes, shapes,
@@ -358,22 +371,40 @@ def readers(source: str, model: Any, abstract_params: PyTree) -> dict[str, Reade
 
 def _from_hf(tensors: Tensors, cfg: TransformerModel, model_type: str,
              shapes: dict[str, tuple[int, ...]], where: str) -> dict[str, Reader]:
-    if cfg.tie_embeddings and separate_head(tensors, model_type):
+    scored = SCORE in shapes  # a reward model: its score head in place of the output head
+    if scored:
+        cfg = body_config(cfg)
+    elif cfg.tie_embeddings and separate_head(tensors, model_type):
         raise WeightsError(f"{where} holds an lm_head.weight that differs from the embedding, "
                            "but model.tie_embeddings is true: set model.tie_embeddings=false "
                            "to load it as the output head")
     wanted = tensor_map(cfg, model_type)
+    if scored and SCORE_TENSOR in tensors.names:
+        wanted[SCORE] = Source(SCORE_TENSOR)
     unknown = sorted(set(wanted) - set(shapes))
     if unknown:  # the model lacks a param the layout has (bias, head, positions)
         raise WeightsError(f"{where} has {wanted[unknown[0]].name}, which this model has no "
                            f"param for ({unknown[0]}); check the model settings against it")
     check_tensors(tensors, wanted, shapes, where)
     found = {param: _tensor_reader(tensors, source) for param, source in wanted.items()}
-    missing = sorted(n for n in set(shapes) - set(found) if ADAPTER not in n)
+    missing = sorted(n for n in set(shapes) - set(found) if ADAPTER not in n and n != SCORE)
     if missing:
         raise WeightsError(f"{where} has no tensor for param {missing[0]!r} of this model "
                            f"({len(missing)} such); check the model settings against it")
     return found
+
+
+def _with_score(found: dict[str, Reader], cfg: Any, shapes: dict[str, tuple[int, ...]],
+                seed: int) -> dict[str, Reader]:
+    """``found`` with a reward model's score head drawn fresh where the source has none (it
+    was a language model), the bits a fresh run of ``seed`` draws (``init_state``'s
+    compilation); as it is for any other model."""
+    if SCORE not in shapes or SCORE in found:
+        return found
+    assert isinstance(cfg, TransformerModel)  # a reward model is a transformer
+    draw = jax.jit(lambda: score_init(root_keys(seed)[0], cfg))
+    fresh = np.asarray(draw.lower().compile(compiler_options=INIT_COMPILER_OPTIONS)())
+    return {**found, SCORE: _array_reader(fresh)}
 
 
 def _tensor_reader(tensors: Tensors, source: Source) -> Reader:
@@ -407,7 +438,7 @@ def _checked(found: dict[str, Reader], sizes: dict[str, tuple[int, ...]],
     if unknown:
         raise WeightsError(f"{source} has param {unknown[0]!r}, which this model does not have "
                            f"({len(unknown)} such); check model settings against the source")
-    missing = sorted(n for n in set(shapes) - set(found) if ADAPTER not in n)
+    missing = sorted(n for n in set(shapes) - set(found) if ADAPTER not in n and n != SCORE)
     if missing and complete:
         raise WeightsError(f"{source} lacks param {missing[0]!r} of this model "
                            f"({len(missing)} such); check model settings against the source")
@@ -486,7 +517,7 @@ def initial_state(config: RunConfig, model: Model, optimizer: Optimizer, policy:
     if source is None:
         raise ValueError("initial_state starts a run from init.from, which is not set")
     if config.init.load == "params":
-        found = readers(source, config.model, abstract.params)
+        found = readers(source, config.model, abstract.params, config.seed)
         params = placed_params(found, config.seed, abstract.params,
                                None if shardings is None else shardings.params)
         model_state = None

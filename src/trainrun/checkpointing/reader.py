@@ -62,7 +62,11 @@ def latest_params(run_dir: location.Location, config: RunConfig,
 
 def _run_model(config: RunConfig) -> Model:
     """The model a run's config trains: a reinforcement-learning run's keeps its reference in
-    the model state."""
+    the model state; a reward run's is a reward model."""
+    if config.reward_model is not None and isinstance(config.model, TransformerModel):
+        from trainrun.models.reward_transformer import make_reward_model
+
+        return make_reward_model(config.model, config.reward_model)
     if config.rl is not None and isinstance(config.model, TransformerModel):
         from trainrun.program.grpo import grpo_model
 

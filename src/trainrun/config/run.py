@@ -37,6 +37,7 @@ from trainrun.config.sections import (
     ProfileConfig,
     RecordsData,
     RegressionData,
+    RewardModelConfig,
     RLConfig,
     Section,
     SingleProcess,
@@ -60,6 +61,7 @@ class ConfigError(UserError):
 
 NAME_MAX = 255  # bytes in a file name on Linux's and macOS's file systems
 LORA_PARAMS = r"_lora\.(a|b)$"  # the adapters' params: blocks.0.attn.q_lora.a, ...
+SCORE_PARAM = r"^score$"  # a reward model's score head (models/reward_transformer.py)
 
 
 class RunConfig(Section):
@@ -93,6 +95,8 @@ class RunConfig(Section):
     preference: PreferenceConfig | None = None
     # Reinforcement learning on prompt records; None for the other runs, left out as above.
     rl: RLConfig | None = None
+    # A reward model trained on preference records; None for the other runs, left out as above.
+    reward_model: RewardModelConfig | None = None
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -144,7 +148,11 @@ class RunConfig(Section):
         if (isinstance(model, dict) and model.get("lora") is not None
                 and (optimizer is None or isinstance(optimizer, dict))
                 and (optimizer or {}).get("trainable") is None):
-            raw = {**raw, "optimizer": {**(optimizer or {}), "trainable": [LORA_PARAMS]}}
+            # a reward model's score head is new: it trains beside the adapters, as PEFT's
+            # sequence-classification task keeps its score module trained
+            trained = [LORA_PARAMS, *([SCORE_PARAM] if raw.get("reward_model") is not None
+                                      else [])]
+            raw = {**raw, "optimizer": {**(optimizer or {}), "trainable": trained}}
         return raw
 
     @pydantic.field_validator("name")
@@ -170,8 +178,9 @@ class RunConfig(Section):
     @classmethod
     def _pairs_tune_by_preference(cls, raw: Any) -> Any:
         """Preference records (``data.format: preference``) train under the ``preference``
-        section's defaults when the config gives none."""
-        if not isinstance(raw, dict) or raw.get("preference") is not None:
+        section's defaults when the config gives none (nor a ``reward_model`` section)."""
+        if (not isinstance(raw, dict) or raw.get("preference") is not None
+                or raw.get("reward_model") is not None):
             return raw
         data = raw.get("data")
         form = (data.get("format") if isinstance(data, dict) else getattr(data, "format", None))
@@ -179,7 +188,7 @@ class RunConfig(Section):
 
     def to_dict(self) -> dict[str, Any]:
         dumped = self.model_dump(mode="json")
-        for section in ("preference", "rl"):
+        for section in ("preference", "rl", "reward_model"):
             if dumped.get(section) is None:
                 dumped.pop(section, None)
         return dumped
@@ -447,6 +456,7 @@ def _check_model_and_data(config: RunConfig) -> None:
                           f"{TASK_OF_DATA[data.kind]})")
     _check_preference(config)
     _check_rl(config)
+    _check_reward_model(config)
     if config.eval.params == "ema" and config.optimizer.ema is None:
         raise ConfigError("eval.params=ema needs a moving average to evaluate: set "
                           "optimizer.ema (e.g. 0.999)")
@@ -513,6 +523,34 @@ def _check_rl(config: RunConfig) -> None:
         if value % rl.updates:
             raise ConfigError(f"{name}={value} is not a multiple of rl.updates={rl.updates}: a "
                               "run stops only between rollout batches; give a multiple")
+
+
+def _check_reward_model(config: RunConfig) -> None:
+    """A ``reward_model`` section trains a transformer's score head on preference records, and
+    is no other kind of run."""
+    if config.reward_model is None:
+        return
+    data = config.data
+    if not isinstance(data, RecordsData) or data.format != "preference":
+        shown = f"data.format={data.format}" if isinstance(data, RecordsData) else (
+            f"data.kind={data.kind}")
+        raise ConfigError(f"the reward_model section trains on preference records, not "
+                          f"{shown}; set data.kind=records and data.format=preference, or drop "
+                          "the reward_model section")
+    if config.model.kind != "transformer":
+        raise ConfigError(f"a reward model is a transformer, not model.kind="
+                          f"{config.model.kind}; set model.kind=transformer")
+    for other in ("preference", "rl"):
+        if getattr(config, other) is not None:
+            raise ConfigError(f"a run trains a reward model or tunes by {other}, not both; "
+                              f"drop the reward_model or the {other} section")
+    if data.mix:
+        raise ConfigError("data.format=preference reads data.paths or data.synthetic, not "
+                          "data.mix; list the files in data.paths")
+    if config.eval.generate:
+        raise ConfigError(f"eval.generate={config.eval.generate} scores generated answers, "
+                          "and a reward model generates none; set eval.generate=0 (evaluation "
+                          "reports the accuracy on held-out pairs)")
 
 
 # ---- error messages --------------------------------------------------------------------------

@@ -580,11 +580,30 @@ class PreferenceConfig(Section):
         return self
 
 
+class RewardModelConfig(Section):
+    """Reward modelling on pairs (``data.format: preference``): a scalar score head on the
+    transformer, trained with the Bradley-Terry loss ``-log sig(r_chosen - r_rejected)``
+    (``models/reward_losses.py``; names and defaults are TRL's ``RewardConfig``'s).
+
+    center_rewards_coefficient: the weight of ``mean((r_chosen + r_rejected)^2)`` added to
+        the loss, which pulls the rewards towards mean zero (None: none; TRL suggests 0.01).
+    margin: read each record's ``margin`` field and train on ``-log sig(r_chosen - r_rejected
+        - margin)``.
+    max_prompt, max_completion: the most tokens kept of a prompt (its end) and of each
+        completion (its start); 0: no limit. Pairs are packed as preference tuning packs them.
+    """
+
+    center_rewards_coefficient: float | None = Field(default=None, ge=0)
+    margin: bool = False
+    max_prompt: int = Field(default=512, ge=0)
+    max_completion: int = Field(default=0, ge=0)
+
+
 class RewardSpec(Section):
     """One reward of an ``rl`` run: ``name`` a built-in (``exact_match``, ``numeric_answer``,
-    ``format_regex``, ``length_penalty``) or ``module:function`` (a ``.py`` file's too), its
-    ``weight`` in the total, and ``args``: a built-in's settings, or keyword arguments bound to
-    each call of a function (``data/rewards.py``)."""
+    ``format_regex``, ``length_penalty``, ``reward_model``) or ``module:function`` (a ``.py``
+    file's too), its ``weight`` in the total, and ``args``: a built-in's settings, or keyword
+    arguments bound to each call of a function (``data/rewards.py``)."""
 
     name: str = Field(min_length=1)
     weight: float = 1.0

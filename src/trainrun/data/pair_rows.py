@@ -18,6 +18,9 @@ A row is ``row_len`` tokens with, beside them:
 - ``pair_slot``: which of the row's pairs a token belongs to, from 1 (0: padding).
 - ``branch``: 0 on the shared prefix, ``CHOSEN`` or ``REJECTED`` on each branch.
 - ``answer``: ``CHOSEN`` or ``REJECTED`` on the completion's tokens, 0 on the prompt's.
+- ``margin``, only where the pairs carry one (a reward model's records' ``margin`` field): the
+  pair's margin as float32 bits in int32 (a precision policy casts floats, not these), on
+  every token of the pair.
 
 The targets a pair's log-probability sums are the completion's tokens, each predicted from the
 token before it in the same sequence (``models.preference_transformer.token_logps``).
@@ -34,6 +37,7 @@ from trainrun.data.preference_pairs import Pair
 
 CHOSEN, REJECTED = 1, 2
 ARRAYS = ("tokens", "segment_ids", "positions", "pair_slot", "branch", "answer")
+MARGIN = "margin"  # the column of pairs that carry a margin
 LAYOUT = "shared-prompt-1"  # in the rows' cache key: rows of another layout are made anew
 
 
@@ -47,13 +51,15 @@ def pack_pairs(pairs: Sequence[Pair], row_len: int, bins: int,
                slots: int | None = None) -> tuple[dict[str, np.ndarray], int]:
     """The pairs packed first-fit into rows of ``row_len`` tokens (at most ``bins`` rows open
     at a time) and the most pairs any row holds. ``slots``: refuse rows of more pairs than
-    that (ValueError), so every batch's shapes agree with rows packed before."""
+    that (ValueError), so every batch's shapes agree with rows packed before. Pairs with a
+    margin give the ``margin`` column too (a pair without one: 0)."""
     lengths = [pair_length(pair) for pair in pairs]
     rows = first_fit(lengths, row_len, bins)
     most = max((len(members) for members in rows), default=0)
     if slots is not None and most > slots:
         raise ValueError(f"a row holds {most} pairs, more than the {slots} slots given")
-    arrays = {name: np.zeros((len(rows), row_len), np.int32) for name in ARRAYS}
+    names = (*ARRAYS, MARGIN) if any(pair.margin is not None for pair in pairs) else ARRAYS
+    arrays = {name: np.zeros((len(rows), row_len), np.int32) for name in names}
     for row, members in enumerate(rows):
         at = 0
         for slot, index in enumerate(members, 1):
@@ -81,4 +87,7 @@ def _place(arrays: dict[str, np.ndarray], row: int, at: int, slot: int, pair: Pa
         arrays["branch"][row, span] = side
         arrays["answer"][row, at + last.size:end] = side
         at = end
+    if MARGIN in arrays:
+        bits = np.asarray(pair.margin or 0.0, np.float32).view(np.int32)
+        arrays[MARGIN][row, at - pair_length(pair):at] = bits
     return at

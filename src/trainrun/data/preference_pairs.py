@@ -36,11 +36,13 @@ FIELDS = ("prompt", "chosen", "rejected")
 
 @dataclasses.dataclass(frozen=True)
 class Pair:
-    """One preference pair's token ids (uint32): the prompt, then either completion."""
+    """One preference pair's token ids (uint32): the prompt, then either completion; and, for
+    a reward model's records that give one, the margin its chosen answer should win by."""
 
     prompt: np.ndarray
     chosen: np.ndarray
     rejected: np.ndarray
+    margin: float | None = None
 
 
 @dataclasses.dataclass
@@ -122,36 +124,76 @@ def split(record: Mapping[str, Any], form: PairForm) -> tuple[Any, Any, Any]:
 
 def encode_pairs(records: Sequence[Mapping[str, Any]], form: PairForm,
                  tokenizer: ModelTokenizer, max_prompt: int, max_completion: int,
-                 counts: PairCounts) -> list[Pair | str]:
+                 counts: PairCounts, margins: bool = False) -> list[Pair | str]:
     """Records ``problem`` passed as pairs, in order; one whose conversation the chat template
     cannot split into prompt and completion, or whose answers are the same tokens, gives what
     is wrong with it in its place.
-    ``max_prompt``, ``max_completion``: the most tokens kept of each (0: no limit)."""
+    ``max_prompt``, ``max_completion``: the most tokens kept of each (0: no limit).
+    ``margins``: each pair carries its record's ``margin`` field (a finite number; a record
+    without one is a bad record)."""
     pieces = [split(record, form) for record in records]
-    texts: list[tuple[str, str, str] | str] = []
+    out: list[Pair | str] = []
+    for record, item in zip(records, _encoded(pieces, tokenizer), strict=True):
+        counts.records += 1
+        margin = _margin(record) if margins else None
+        if isinstance(item, str) or isinstance(margin, str):
+            out.append(item if isinstance(item, str) else str(margin))
+            continue
+        prompt, chosen, rejected = item
+        out.append(_cut(Pair(prompt, chosen, rejected, margin), max_prompt, max_completion,
+                        counts))
+    return out
+
+
+def encode_sequences(prompts: Sequence[Any], completions: Sequence[Any],
+                     tokenizer: ModelTokenizer) -> list[np.ndarray | str]:
+    """Each prompt and its completion as one sequence's token ids (uint32), encoded as a
+    pair's prompt and chosen answer are (strings, or lists of messages as a pair's); what is
+    wrong with one in its place."""
+    pieces = [(prompt, completion) for prompt, completion in zip(prompts, completions,
+                                                                 strict=True)]
+    return [item if isinstance(item, str) else np.concatenate(item)
+            for item in _encoded(pieces, tokenizer)]
+
+
+def _encoded(pieces: Sequence[tuple[Any, ...]], tokenizer: ModelTokenizer,
+             ) -> list[tuple[np.ndarray, ...] | str]:
+    """Each ``(prompt, answer, ...)`` (strings, or lists of messages) as the prompt's token ids
+    and each answer's after it (uint32), or what is wrong with it: a text's prompt is encoded
+    as its start (with the tokenizer's special tokens), each answer after it, then ``eos``; a
+    conversation's prompt as the chat template renders it with the generation prompt, each
+    answer as what the template adds after it."""
     chat = bool(pieces) and not isinstance(pieces[0][0], str)
-    for prompt, chosen, rejected in pieces:
-        texts.append(_rendered(tokenizer, prompt, chosen, rejected) if chat
-                     else (prompt, chosen, rejected))
+    texts: list[tuple[str, ...] | str] = [
+        _rendered(tokenizer, piece[0], *piece[1:]) if chat else tuple(piece)
+        for piece in pieces]
     lib = tokenizer.tokenizer
     whole = [t for t in texts if not isinstance(t, str)]
     prompts = lib.encode_batch([t[0] for t in whole], add_special_tokens=not chat)
-    answers = lib.encode_batch([piece for t in whole for piece in t[1:]],
-                               add_special_tokens=False)
+    answers = iter(lib.encode_batch([part for t in whole for part in t[1:]],
+                                    add_special_tokens=False))
     end = [] if chat or tokenizer.eos_id is None else [tokenizer.eos_id]
-    out: list[Pair | str] = []
+    out: list[tuple[np.ndarray, ...] | str] = []
     done = 0
     for item in texts:
-        counts.records += 1
         if isinstance(item, str):
             out.append(item)
             continue
-        out.append(_cut(Pair(np.asarray(prompts[done].ids, np.uint32),
-                             np.asarray([*answers[2 * done].ids, *end], np.uint32),
-                             np.asarray([*answers[2 * done + 1].ids, *end], np.uint32)),
-                        max_prompt, max_completion, counts))
+        parts = [np.asarray([*next(answers).ids, *end], np.uint32) for _ in item[1:]]
+        out.append((np.asarray(prompts[done].ids, np.uint32), *parts))
         done += 1
     return out
+
+
+def _margin(record: Mapping[str, Any]) -> float | str:
+    """A record's ``margin`` as a float, or what is wrong with it."""
+    value = record.get("margin")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value):
+        given = "no 'margin' field" if "margin" not in record else (
+            f"field 'margin' is {describe(value)}")
+        return (f"{given}, not a finite number (reward_model.margin reads each pair's margin; "
+                "set it to false for records without one)")
+    return float(value)
 
 
 def _cut(pair: Pair, max_prompt: int, max_completion: int, counts: PairCounts) -> Pair | str:
@@ -171,11 +213,11 @@ def _cut(pair: Pair, max_prompt: int, max_completion: int, counts: PairCounts) -
     counts.prompts_cut += prompt_cut
     counts.completions_cut += answers_cut
     counts.pairs += 1
-    return Pair(prompt, chosen, rejected)
+    return Pair(prompt, chosen, rejected, pair.margin)
 
 
-def _rendered(tokenizer: ModelTokenizer, prompt: list[dict], chosen: list[dict],
-              rejected: list[dict]) -> tuple[str, str, str] | str:
+def _rendered(tokenizer: ModelTokenizer, prompt: list[dict], *completions: list[dict],
+              ) -> tuple[str, ...] | str:
     """The prompt's text with the generation prompt, and what each completion adds to it."""
     if tokenizer.template is None:
         raise DataError(f"conversational preference records need a chat template and "
@@ -185,7 +227,7 @@ def _rendered(tokenizer: ModelTokenizer, prompt: list[dict], chosen: list[dict],
     try:
         start = template.render(prompt, add_generation_prompt=True, special=special)
         answers = []
-        for completion in (chosen, rejected):
+        for completion in completions:
             text = template.render([*prompt, *completion], special=special)
             if not text.startswith(start):
                 return ("the chat template renders the prompt differently once an answer "
@@ -193,7 +235,7 @@ def _rendered(tokenizer: ModelTokenizer, prompt: list[dict], chosen: list[dict],
             answers.append(text[len(start):].rstrip())
     except DataError as error:
         return str(error)
-    return start, answers[0], answers[1]
+    return (start, *answers)
 
 
 def _messages(value: object, needs_assistant: bool) -> str | None:

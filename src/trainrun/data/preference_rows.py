@@ -6,10 +6,11 @@ run opens them: rows found damaged are made anew, with a notice.
 
 The key names everything that decides the rows: the files' content (path and sha256, or an
 object's version), the tokenizer and template, the row length, the truncation lengths, the bad
-records' policy. A bad record (not JSON, no ``chosen``/``rejected``, messages out of order, two
-answers that are the same tokens) is one line naming its file and line
-(``data.bad_records=refuse``), or skipped and counted. A pair longer than a row is dropped and
-counted.
+records' policy, and whether each pair carries its record's ``margin`` (a reward model's). A
+bad record (not JSON, no ``chosen``/``rejected``, messages out of order, two answers that are the
+same tokens, a ``margin`` that is no number where one is read) is one line naming its file and
+line (``data.bad_records=refuse``), or skipped and counted. A pair longer than a row is dropped
+and counted.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from trainrun.config import RecordsData
 from trainrun.data import model_tokenizer
 from trainrun.data.documents import row_index_dtype
 from trainrun.data.errors import DataError
-from trainrun.data.pair_rows import ARRAYS, LAYOUT, pack_pairs, pair_length
+from trainrun.data.pair_rows import ARRAYS, LAYOUT, MARGIN, pack_pairs, pair_length
 from trainrun.data.preference_pairs import Pair, PairCounts, PairForm, detect_form, encode_pairs
 from trainrun.data.preference_pairs import problem as pair_problem
 from trainrun.data.record_rows import (
@@ -66,20 +67,22 @@ class PairRows:
 
 
 def preference_rows(cfg: RecordsData, max_prompt: int, max_completion: int,
-                    ) -> tuple[PairRows, PairRows | None, dict[str, str]]:
+                    margins: bool = False) -> tuple[PairRows, PairRows | None, dict[str, str]]:
     """The training source's rows (with every ``round(1 / eval_fraction)``-th usable record
     held out), the held-out files' rows (``data.eval_paths``; None without) and the content
-    fingerprint of each file read."""
+    fingerprint of each file read. ``margins``: each pair carries its record's ``margin``
+    (the rows' ``margin`` column)."""
     tokenizer = model_tokenizer.of_records(cfg)
     source = (Source(synthetic=cfg.synthetic) if cfg.synthetic else
               Source(files=tuple(corpus_files(cfg.paths))))
     every = 0 if cfg.eval_paths or not cfg.eval_fraction else round(1 / cfg.eval_fraction)
-    train = kept_pair_rows(cfg, tokenizer, source, every, max_prompt, max_completion)
+    train = kept_pair_rows(cfg, tokenizer, source, every, max_prompt, max_completion, margins)
     held = None
     files = dict(source.fingerprints())
     if cfg.eval_paths:
         held_source = Source(files=tuple(corpus_files(cfg.eval_paths)))
-        held = kept_pair_rows(cfg, tokenizer, held_source, -1, max_prompt, max_completion)
+        held = kept_pair_rows(cfg, tokenizer, held_source, -1, max_prompt, max_completion,
+                              margins)
         files.update(held_source.fingerprints())
     if train.train is None:
         fix = ("fix or replace the bad records (data.bad_records=skip left them out)"
@@ -91,33 +94,38 @@ def preference_rows(cfg: RecordsData, max_prompt: int, max_completion: int,
 
 
 def kept_pair_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-                   every: int, max_prompt: int, max_completion: int) -> PairRows:
+                   every: int, max_prompt: int, max_completion: int,
+                   margins: bool = False) -> PairRows:
     """A source's pair rows from the cache, made first when missing or damaged. every: hold
-    out each ``every``-th usable record (0: none; -1: all of them)."""
+    out each ``every``-th usable record (0: none; -1: all of them); margins: as
+    ``preference_rows``'."""
     settings = {"format": CACHE_FORMAT, "kind": "preference", "layout": LAYOUT,
                 "source": source.key(),
                 "every": every, "tokenizer": tokenizer.fingerprint(), "seq_len": cfg.seq_len,
                 "max_prompt": max_prompt, "max_completion": max_completion,
                 "bad_records": cfg.bad_records, "examples": cfg.synthetic_examples,
                 "fields": [cfg.fields.prompt, cfg.fields.chosen, cfg.fields.rejected]}
+    if margins:  # only where asked: the keys of pairs without margins stay what they were
+        settings["margin"] = True
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     root = cache_dir() / "records"
     refused: OSError | None = None
     try:
         return _kept_or_built(cfg, tokenizer, source, every, (max_prompt, max_completion),
-                              root / key)
+                              root / key, margins)
     except OSError as err:
         refused = err
     raise cache_refused(refused, root)
 
 
 def _kept_or_built(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-                   every: int, limits: tuple[int, int], folder: Path) -> PairRows:
+                   every: int, limits: tuple[int, int], folder: Path,
+                   margins: bool) -> PairRows:
     folder.parent.mkdir(parents=True, exist_ok=True)
     with locked(folder.parent / f"{folder.name}.lock", fcntl.LOCK_EX):  # one builder
         notice = None
         try:
-            rows = _open(folder)
+            rows = _open(folder, margins)
         except Damaged as damage:
             notice = (f"the preference pairs kept in {folder} were damaged ({damage}); "
                       "making them anew")
@@ -127,9 +135,9 @@ def _kept_or_built(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, 
             shutil.rmtree(folder)
             rows = None
         if rows is None:
-            _build(cfg, tokenizer, source, every, limits, folder)
+            _build(cfg, tokenizer, source, every, limits, folder, margins)
             try:
-                rows = _open(folder)
+                rows = _open(folder, margins)
             except Damaged as damage:
                 raise WriteFailed(f"the preference pairs written to {folder} do not read back "
                                   f"({damage}); check the disk, or point TRAINRUN_CACHE_DIR "
@@ -138,23 +146,24 @@ def _kept_or_built(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, 
     return dataclasses.replace(rows, notice=notice)
 
 
-def _dtypes(vocab: int, row_len: int) -> dict[str, str]:
+def _dtypes(vocab: int, row_len: int, margins: bool) -> dict[str, str]:
     index = np.dtype(row_index_dtype(row_len)).name
     return {"tokens": "uint16" if vocab <= 2**16 else "uint32", "segment_ids": index,
             "positions": index, "pair_slot": index, "branch": "uint8",
-            "answer": "uint8"}
+            "answer": "uint8", **({MARGIN: "int32"} if margins else {})}
 
 
 def _build(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-           every: int, limits: tuple[int, int], folder: Path) -> None:
+           every: int, limits: tuple[int, int], folder: Path, margins: bool) -> None:
     """Write the pair rows of ``source`` into ``folder`` (whole or not at all: a temporary
     folder renamed into place)."""
     staging = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     row_len = cfg.seq_len + 1
     try:
-        writer = _RowWriter(staging, _dtypes(tokenizer.size, row_len), row_len)
-        counts, truncated = _write_pairs(cfg, tokenizer, source, every, limits, writer)
+        writer = _RowWriter(staging, _dtypes(tokenizer.size, row_len, margins), row_len)
+        counts, truncated = _write_pairs(cfg, tokenizer, source, every, limits, writer,
+                                         margins)
         manifest = {"row_len": row_len, "rows": writer.rows, "dtypes": writer.dtypes,
                     "sha256": {name: d.hexdigest() for name, d in writer.digests.items()},
                     "counts": dataclasses.asdict(counts),
@@ -179,7 +188,7 @@ class _RowWriter:
     def append(self, split: str, pairs: list[Pair]) -> None:
         arrays, _ = pack_pairs(pairs, self.row_len, OPEN_ROWS)
         self.rows[split] += arrays["tokens"].shape[0]
-        for name in ARRAYS:
+        for name in self.dtypes:
             data = np.ascontiguousarray(arrays[name], self.dtypes[name]).tobytes()
             file = f"{split}.{name}.bin"
             self.digests.setdefault(file, hashlib.sha256()).update(data)
@@ -188,11 +197,12 @@ class _RowWriter:
 
 
 def _write_pairs(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-                 every: int, limits: tuple[int, int], writer: _RowWriter,
+                 every: int, limits: tuple[int, int], writer: _RowWriter, margins: bool,
                  ) -> tuple[RecordCounts, PairCounts]:
     """Every usable record of ``source`` encoded, a chunk at a time, and written; what became
     of the records, and of their truncation."""
-    chunks = _Chunks(cfg, tokenizer, limits, writer, RecordCounts(vocab=tokenizer.size))
+    chunks = _Chunks(cfg, tokenizer, limits, writer, RecordCounts(vocab=tokenizer.size),
+                     margins)
     for split, where, record in _usable(cfg, source, every, chunks.counts, chunks.forms,
                                         chunks.refuse_or_skip):
         chunks.pending[split].append((where, record))
@@ -213,6 +223,7 @@ class _Chunks:
     limits: tuple[int, int]  # max_prompt, max_completion
     writer: _RowWriter
     counts: RecordCounts
+    margins: bool = False  # each pair carries its record's margin
     truncated: PairCounts = dataclasses.field(default_factory=PairCounts)
     forms: list[PairForm] = dataclasses.field(default_factory=list)  # the first record's
     pending: dict[str, list[tuple[str, dict[str, Any]]]] = dataclasses.field(
@@ -230,7 +241,7 @@ class _Chunks:
         """The split's pending records encoded; the pairs that fit a row written."""
         located, self.pending[split] = self.pending[split], []
         encoded = encode_pairs([record for _, record in located], self.forms[0],
-                               self.tokenizer, *self.limits, self.truncated)
+                               self.tokenizer, *self.limits, self.truncated, self.margins)
         kept = []
         for (where, _), pair in zip(located, encoded, strict=True):
             if isinstance(pair, str):
@@ -303,10 +314,12 @@ def _as_named(what: str, named: dict[str, str]) -> str:
     return what
 
 
-def _open(folder: Path) -> PairRows | None:
-    """The rows in ``folder``, each file checked against its sha256; None when never made;
-    ``Damaged`` when they do not read back as written."""
-    return open_kept(folder, ARRAYS, lambda manifest, splits: PairRows(
+def _open(folder: Path, margins: bool) -> PairRows | None:
+    """The rows in ``folder`` (with the ``margin`` column where ``margins``), each file checked
+    against its sha256; None when never made; ``Damaged`` when they do not read back as
+    written."""
+    names = (*ARRAYS, MARGIN) if margins else ARRAYS
+    return open_kept(folder, names, lambda manifest, splits: PairRows(
         train=splits["train"], eval=splits["eval"], folder=folder,
         counts=RecordCounts(**manifest["counts"]),
         truncated=PairCounts(**manifest["truncated"])))

@@ -24,6 +24,9 @@ Built-ins (their settings are keyword arguments in the config's ``args``):
 - ``format_regex``: 1 when ``pattern`` is found in the completion (``full``: matches it whole).
 - ``length_penalty``: DAPO's soft penalty on long completions: 0 up to ``max_tokens -
   soft_tokens`` generated tokens, falling linearly to -1 at ``max_tokens`` and beyond.
+- ``reward_model``: the score of a trained reward model at ``path``
+  (``training/model_reward.py``, which loads models and so lives above this floor: it is
+  handed to ``load`` as one of its ``built_in``).
 """
 
 from __future__ import annotations
@@ -84,19 +87,21 @@ class RunProgress:
 
 
 def load(name: str, args: Mapping[str, Any] | None = None, weight: float = 1.0,
-         timeout: float | None = None) -> Reward:
+         timeout: float | None = None,
+         built_in: Mapping[str, Callable[..., RewardFn]] | None = None) -> Reward:
     """The reward ``name`` names: a built-in (made with ``args``), or ``module:function``
     (``args`` then bound as keyword arguments of each call). A name that finds nothing is a
-    DataError naming it."""
+    DataError naming it. ``built_in``: the built-ins by name (None: ``BUILT_IN``)."""
     settings = dict(args or {})
-    if name in BUILT_IN:
+    built_in = BUILT_IN if built_in is None else built_in
+    if name in built_in:
         try:
-            return Reward(name, BUILT_IN[name](**settings), weight, timeout)
+            return Reward(name, built_in[name](**settings), weight, timeout)
         except TypeError as error:
             raise DataError(f"reward {name}: {error}; see the built-in's settings") from None
     module_name, colon, attribute = name.rpartition(":")
     if not colon or not module_name or not attribute:
-        raise DataError(f"reward {name!r} is neither a built-in ({', '.join(BUILT_IN)}) nor "
+        raise DataError(f"reward {name!r} is neither a built-in ({', '.join(built_in)}) nor "
                         "module:function; name one")
     module = _module(module_name, name)
     found: RewardFn | None = getattr(module, attribute, None)
@@ -111,10 +116,11 @@ def load(name: str, args: Mapping[str, Any] | None = None, weight: float = 1.0,
     return Reward(name, bound, weight, timeout)
 
 
-def load_each(specs: Sequence[RewardSpec], timeout: float | None = None) -> list[Reward]:
-    """The rewards an ``rl.rewards`` list names, each as ``load`` finds it, each call limited
-    to ``timeout`` seconds (``rl.reward_timeout``)."""
-    return [load(spec.name, spec.args, spec.weight, timeout) for spec in specs]
+def load_each(specs: Sequence[RewardSpec], timeout: float | None = None,
+              built_in: Mapping[str, Callable[..., RewardFn]] | None = None) -> list[Reward]:
+    """The rewards an ``rl.rewards`` list names, each as ``load`` finds it (``built_in``: as
+    ``load``'s), each call limited to ``timeout`` seconds (``rl.reward_timeout``)."""
+    return [load(spec.name, spec.args, spec.weight, timeout, built_in) for spec in specs]
 
 
 def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequence[Any],

@@ -13,8 +13,9 @@ Each record's prompt, expected and produced answer go to ``answers.jsonl`` besid
 (``scores.json``), in ``RUN_DIR/eval/step-N`` unless ``--out`` names a folder. A preference
 run is scored on its held-out pairs instead (``preference_eval.py``): the loss, reward
 accuracy and margins against the reference, in ``scores.json`` alone (it generates no
-answers); a reinforcement-learning run on its held-out prompts (``rl_eval.py``): its answers'
-rewards.
+answers); a reward run likewise (``reward_eval.py``): the loss and the accuracy, the share of
+held-out pairs whose chosen answer scores higher; a reinforcement-learning run on its held-out
+prompts (``rl_eval.py``): its answers' rewards.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int | 
         from trainrun.evaluation.preference_eval import preference_scores
 
         return EvalResult(*preference_scores(config, run, data, ema), answers=None)
+    if config.reward_model is not None:  # pairs: their loss and accuracy, no answers
+        from trainrun.evaluation.reward_eval import reward_scores
+
+        return EvalResult(*reward_scores(config, run, data, ema), answers=None)
     if config.rl is not None:  # prompts: their answers scored by the run's rewards
         from trainrun.evaluation.rl_eval import rl_scores
 

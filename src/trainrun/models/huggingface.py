@@ -31,6 +31,7 @@ from trainrun.models.families import FAMILIES, MODEL_TYPES
 from trainrun.models.families.family import (
     CONFIG,
     HEAD,
+    SCORE_TENSOR,
     Architecture,
     Family,
     Source,
@@ -38,6 +39,7 @@ from trainrun.models.families.family import (
 )
 from trainrun.models.families.gpt2 import PREFIX
 from trainrun.models.hf_config import checked_model_config
+from trainrun.models.reward_transformer import SCORE, body_config
 from trainrun.storage import location, remote
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
@@ -191,7 +193,7 @@ class Tensors:
             n.startswith("h.") or n == "wte.weight" for n in stored)
         for file, header in headers.items():
             for name, entry in header.items():
-                asked = PREFIX + name if gpt2_body and name != HEAD else name
+                asked = PREFIX + name if gpt2_body and name not in (HEAD, SCORE_TENSOR) else name
                 self._where[asked] = (file, name)
                 self._header[asked] = entry
 
@@ -401,7 +403,12 @@ def read_param(tensors: Tensors, source: Source,
 
 def hf_tensors(params: dict[str, np.ndarray], cfg: TransformerModel,
                model_type: str) -> Iterator[tuple[str, np.ndarray]]:
-    """``(name, float32 tensor)`` in Hugging Face's layout from trainrun's dotted params."""
+    """``(name, float32 tensor)`` in Hugging Face's layout from trainrun's dotted params; a
+    reward model's (``score`` beside the transformer's) as its ``...ForSequenceClassification``
+    holds them: ``score.weight`` and no output head."""
+    if SCORE in params:
+        cfg = body_config(cfg)
+        yield SCORE_TENSOR, np.ascontiguousarray(np.asarray(params[SCORE], np.float32))
     fused: dict[str, list[tuple[int, np.ndarray]]] = {}
     transposed: dict[str, bool] = {}
     for param, source in tensor_map(cfg, model_type).items():
@@ -457,8 +464,12 @@ def write_model_dir(params: PyTree, cfg: TransformerModel, path: Path, *, model_
                     shard_bytes: int = 5 * 2**30) -> Path:
     """``config.json`` and the weights (sharded above ``shard_bytes``) of ``params`` (a nested
     dict, without adapters) in ``model_type``'s layout, which ``transformers`` loads with
-    ``from_pretrained``. ``source``: the config.json the model came from (kept fields)."""
+    ``from_pretrained``. ``source``: the config.json the model came from (kept fields). A
+    reward model's params (``score`` among them) are written as the family's
+    ``...ForSequenceClassification`` (``classifier_config``)."""
     hf = config_json(cfg, model_type, source)
+    if SCORE in params:
+        hf = classifier_config(hf, cfg, model_type)
     for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["dtype"]:
         hf[key] = dtype  # the weights' dtype, under the source's spelling (older: torch_dtype)
     path.mkdir(parents=True, exist_ok=True)
@@ -466,6 +477,22 @@ def write_model_dir(params: PyTree, cfg: TransformerModel, path: Path, *, model_
                   shard_bytes=shard_bytes)
     (path / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
     return path
+
+
+def classifier_config(hf: dict[str, Any], cfg: TransformerModel,
+                      model_type: str) -> dict[str, Any]:
+    """A causal LM's ``config.json`` ``hf`` as its family's ``...ForSequenceClassification``
+    with one label, a reward model: it reads the score at each sequence's last token that is
+    not ``pad_token_id`` (``model.pad_id``), which it must therefore have."""
+    if cfg.pad_id is None:
+        raise WeightsError("the reward model has no model.pad_id, and transformers' "
+                           "ForSequenceClassification reads its score by pad_token_id: set "
+                           "model.pad_id (the tokenizer's pad token, or its end of text)")
+    out = {key: value for key, value in hf.items() if key != "num_labels"}
+    architecture = family(model_type, f"model_type {model_type!r} is not one trainrun writes; "
+                          "it writes").classifier
+    return {**out, "architectures": [architecture], "id2label": {"0": "LABEL_0"},
+            "label2id": {"LABEL_0": 0}, "pad_token_id": cfg.pad_id}
 
 
 def dotted(tree: PyTree, prefix: str = "") -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ from trainrun.data import model_tokenizer, rewards
 from trainrun.data.prompt_records import Prompt, completion_texts, score_completions
 from trainrun.program.decode import StopStrings, generate_batch
 from trainrun.program.grpo import host_metric_names
+from trainrun.training.model_reward import load_rewards
 
 PyTree = Any
 
@@ -39,8 +40,7 @@ def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
                          stop_ids=tokenizer.stop_ids, batch_size=batch_size,
                          top_p=rl.top_p if temperature else 1.0, stop_strings=stops)
     texts = completion_texts(tokenizer, ids, stops.cut if stops is not None else lambda t: t)
-    found = (list(loaded) if loaded is not None
-             else rewards.load_each(rl.rewards, rl.reward_timeout))
+    found = list(loaded) if loaded is not None else load_rewards(rl)
     values = score_completions(found, asked, texts, ids,
                                rewards.RunProgress(step, config.steps))
     total = rewards.total(found, values)

@@ -50,6 +50,7 @@ from trainrun.program.sharding import every_process_rows, on_host
 from trainrun.program.state import TrainState
 from trainrun.reporting.timing import HostParts, PartClock
 from trainrun.training.completion_log import CompletionLog
+from trainrun.training.model_reward import load_rewards
 
 Batch = dict[str, np.ndarray]
 
@@ -63,7 +64,7 @@ class RolloutBatches:
         self.rl, self.model, self.seed = config.rl, config.model, config.seed
         self.steps = config.steps
         self.prompts = list(prompts)
-        self.rewards = rewards.load_each(self.rl.rewards, self.rl.reward_timeout)
+        self.rewards = load_rewards(self.rl)
         self.tokenizer = model_tokenizer.of_records(config.data)
         detokenize = self.tokenizer.tokenizer.decode
         self.stops = (StopStrings(self.rl.stop_strings, detokenize) if self.rl.stop_strings

@@ -104,11 +104,13 @@ from trainrun.training.finish import Finish
 from trainrun.training.hooks import Hook, HookRunner
 from trainrun.training.metric_log import MetricLog, OrderedOutput
 from trainrun.training.metrics_reader import MetricsReader
+from trainrun.training.model_reward import load_rewards
 from trainrun.training.no_signal import NoSignalNotice
 from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
 from trainrun.training.preference_data import pair_batches, preference_data
 from trainrun.training.profiling import ProfileWindow
+from trainrun.training.reward_run import reward_data, reward_model
 from trainrun.training.rollout_batches import RolloutBatches
 from trainrun.training.run_parts import Parts, Reporting, Start
 from trainrun.training.storage_hook import StorageHook
@@ -179,7 +181,8 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
         return _finished(run_dir, directory, resumes, config.steps, console, primary)
     parts = _parts(config, asked.model, batch_size, console, chosen)
     data, batches, records, files, eval_data = _data(config, asked, parts, console)
-    evaluator = _evaluator(config, parts, eval_data, chosen.decode_head())
+    evaluator = _evaluator(config, parts, eval_data, chosen.decode_head(),
+                           batches.rewards if isinstance(batches, RolloutBatches) else None)
     stream = _metric_stream(config)
     timing = _timing(chosen, batches, watch)
     compiled_steps = _compiled_steps(config, parts, timing.watch, stream, chosen)
@@ -318,6 +321,8 @@ def _model(config: RunConfig, mesh: Any, chosen: Strategies) -> Model:
             f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
     if config.rl is not None and isinstance(config.model, TransformerModel):
         return grpo_model(config.model, config.rl)
+    if config.reward_model is not None:
+        return reward_model(config)
     return build_model(config.model, config.preference, chosen.attention(), chosen.head_loss())
 
 
@@ -329,9 +334,11 @@ def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
     given (a preference run's: its held-out pair rows)."""
     data, eval_data = asked.data, asked.eval_data
     records = files = None
-    if data is None and config.preference is not None:
-        pairs = preference_data(config, parts.policy, lambda: _fresh_state(config, parts).params,
-                                parts.placement.rows)
+    if data is None and (config.preference is not None or config.reward_model is not None):
+        pairs = (reward_data(config, parts.placement.rows) if config.reward_model is not None
+                 else preference_data(config, parts.policy,
+                                      lambda: _fresh_state(config, parts).params,
+                                      parts.placement.rows))
         for notice in [*pairs.notices, pairs.batch_holds]:
             console.message(notice)
         preflight.check_vocab(pairs.counts.vocab, config.model, config.data,
@@ -581,7 +588,8 @@ def _checkpoint_hooks(config: RunConfig, checkpoints: Checkpoints, log: MetricLo
 
 def _evaluator(config: RunConfig, parts: Parts,
                eval_data: grain.MapDataset | tuple[str, Any] | None,
-               head: HeadLayout) -> EvalSchedule | None:
+               head: HeadLayout, rollouts: list[rewards.Reward] | None = None,
+               ) -> EvalSchedule | None:
     """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
     the held-out split (``("pairs", rows)``: a preference run's held-out pair rows), placed on
     the mesh as training batches are; a reinforcement-learning run's (``("prompts", held
@@ -589,14 +597,15 @@ def _evaluator(config: RunConfig, parts: Parts,
     if not config.eval.every:
         return None
     if isinstance(eval_data, tuple) and eval_data[0] == "prompts":
-        return _prompt_evaluator(config, eval_data[1])
+        return _prompt_evaluator(config, eval_data[1], rollouts)
     size = config.eval.batch_size or config.data.batch_size
     placement = sharding.batch_placement(parts.mesh, size, stacked=False)
     if isinstance(eval_data, tuple):
         eval_data = pair_batches(eval_data[1], size, "eval", shuffle=False, seed=0,
                                  process_index=placement.rows[0],
                                  process_count=placement.rows[1])
-    elif config.preference is not None and eval_data is None:
+    elif (config.preference is not None or config.reward_model is not None) and (
+            eval_data is None):
         raise ConfigError("eval.every is set but the preference records hold no held-out pair; "
                           "give data.eval_paths or a data.eval_fraction that leaves one out, or "
                           "set eval.every=0")
@@ -610,7 +619,8 @@ def _evaluator(config: RunConfig, parts: Parts,
                      answers=answer_scorer(config, head) if config.eval.generate else None)
 
 
-def _prompt_evaluator(config: RunConfig, prompts: list[Prompt]) -> PromptEvaluator:
+def _prompt_evaluator(config: RunConfig, prompts: list[Prompt],
+                      rollouts: list[rewards.Reward] | None) -> PromptEvaluator:
     """An RL run's evaluation of its held-out prompts, as ``trainrun eval`` scores them."""
     from trainrun.training.held_out_rewards import reward_scores
 
@@ -619,8 +629,8 @@ def _prompt_evaluator(config: RunConfig, prompts: list[Prompt]) -> PromptEvaluat
                           "data.eval_paths or a data.eval_fraction that leaves one out, or set "
                           "eval.every=0")
     assert config.rl is not None
-    # once: a reward file runs when loaded
-    loaded = rewards.load_each(config.rl.rewards, config.rl.reward_timeout)
+    # once: a reward file runs when loaded; a reward model is the rollouts' own
+    loaded = load_rewards(config.rl, rollouts)
     return PromptEvaluator(config.eval.every, lambda params, step: reward_scores(
         config, params, prompts, loaded=loaded, step=step)[0])
 

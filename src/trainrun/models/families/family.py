@@ -15,6 +15,7 @@ from trainrun.models.hf_config import ModelConfig, checked_model_config
 
 CONFIG = "config.json"
 HEAD = "lm_head.weight"
+SCORE_TENSOR = "score.weight"  # a ...ForSequenceClassification's score head, every family's
 
 
 class WeightsError(UserError):
@@ -98,7 +99,9 @@ class Family:
     family cannot say is refused); tensor_map: trainrun's dotted param name -> its tensor;
     embedding: the embedding's tensor name; writes_fresh: whether a model trained from no
     config.json is written as this family; reads_bare: whether a ``.safetensors`` file of these
-    tensor names (no config.json) is read in this family's layout."""
+    tensor names (no config.json) is read in this family's layout; classifier: the
+    ``architectures`` entry of the family's ``...ForSequenceClassification`` (a reward model's
+    export)."""
 
     model_type: str
     title: str  # the family's name in messages
@@ -108,6 +111,7 @@ class Family:
     tensor_map: Callable[[TransformerModel], dict[str, Source]]
     embedding: str
     adapters: AdapterLayout
+    classifier: str
     writes_fresh: Callable[[TransformerModel], bool] = never
     reads_bare: Callable[[set[str]], bool] = never
 

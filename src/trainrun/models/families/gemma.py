@@ -34,6 +34,7 @@ def refuse(hf: dict[str, Any]) -> None:
 
 FAMILY = family(LlamaLayout(
     model_type="gemma3_text", title="Gemma 3", architecture="Gemma3ForCausalLM",
+    classifier="Gemma3TextForSequenceClassification",
     attention_bias=True, qk_norm=True, activation_key="hidden_activation",
     default_activation="gelu_pytorch_tanh", norm_plus_one=True, post_norms=True,
     softcaps=(None, None), embed_scale=True, query_scale_key="query_pre_attn_scalar",

@@ -146,5 +146,5 @@ FAMILY = Family(
     tensor_map=tensor_map, embedding=PREFIX + "wte.weight",
     adapters=AdapterLayout(layers="transformer.h", modules=ADAPTER_MODULES, dims=adapter_dims,
                            joined=C_ATTN, fan_in_fan_out=True),
-    writes_fresh=is_gpt2_layout,
+    classifier="GPT2ForSequenceClassification", writes_fresh=is_gpt2_layout,
     reads_bare=lambda names: any(n.startswith(PREFIX) for n in names))

@@ -117,11 +117,14 @@ class LlamaLayout:
     config.json implies without the key; global_window: the window written (unused) where
     every layer is global; refuse: the family's own refusals; fused: one qkv_proj and one
     gate_up_proj per layer; experts: a mixture's experts; pad_default: ``pad_token_id`` where
-    config.json lacks it (transformers' config class's default)."""
+    config.json lacks it (transformers' config class's default); classifier: the architectures
+    entry of its ``...ForSequenceClassification`` (None: ``architecture``'s, ``ForCausalLM``
+    made ``ForSequenceClassification``)."""
 
     model_type: str
     title: str
     architecture: str  # config.json's architectures entry
+    classifier: str | None = None
     qkv_bias: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -483,6 +486,8 @@ def family(layout: LlamaLayout, *, writes_fresh: Callable[[TransformerModel], bo
         adapters=AdapterLayout(layers="model.layers", modules=ADAPTER_MODULES, dims=adapter_dims,
                                fused=FUSED_MODULES if layout.fused else {},
                                experts=layout.experts is not None),
+        classifier=layout.classifier or layout.architecture.replace(
+            "ForCausalLM", "ForSequenceClassification"),
         writes_fresh=writes_fresh, reads_bare=reads_bare)
 
 

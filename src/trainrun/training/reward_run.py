@@ -1,0 +1,79 @@
+"""What a reward run (a config with a ``reward_model`` section) trains on and with: its config
+with the pad token the score is read past, its model, and its batches, for the set-up to call.
+
+- ``with_pad_id``: ``model.pad_id`` where the config gives none, TRL's choice: the tokenizer's
+  pad token, else its end of text. The score is read at each sequence's last token that is not
+  the pad token, as transformers' ``...ForSequenceClassification`` reads it, so a trained model
+  exports with that ``pad_token_id`` and scores alike there.
+- ``reward_model``: the ``Model`` of ``models/reward_transformer.py`` with the section's loss.
+- ``reward_data``: the pair rows (``data/preference_rows.py``, with each record's ``margin``
+  where ``reward_model.margin``), batched as a preference run's: ``data.batch_size`` rows a
+  batch, each row holding as many whole pairs as fit; the held-out rows for evaluation.
+
+The held-out evaluation is the ``Evaluator`` of ``training/evaluation.py`` over ``reward_data``'s
+held-out rows: the model's ``eval_loss`` gives the loss and TRL's metrics, ``accuracy`` among
+them, each a mean over every held-out pair.
+"""
+
+from __future__ import annotations
+
+from trainrun.config import RecordsData, RunConfig, TransformerModel
+from trainrun.data import model_tokenizer
+from trainrun.data.preference_rows import preference_rows
+from trainrun.data.record_rows import RecordCounts
+from trainrun.models.adapters import Model
+from trainrun.models.reward_transformer import make_reward_model
+from trainrun.training.preference_data import PreferenceData, batch_line, pair_batches
+
+
+def reward_pad_id(tokenizer: model_tokenizer.ModelTokenizer) -> int | None:
+    """The id TRL pads a reward model's batches with: the tokenizer's pad token, else its end
+    of text (None: it has neither)."""
+    pad = tokenizer.special.get("pad_token")
+    found = tokenizer.tokenizer.token_to_id(pad) if pad else None
+    return found if found is not None else tokenizer.eos_id
+
+
+def with_pad_id(config: RunConfig) -> RunConfig:
+    """``config`` with ``model.pad_id`` set to the records' tokenizer's ``reward_pad_id`` where
+    it gives none; as it is where it does, or where the tokenizer has no such token."""
+    model, data = config.model, config.data
+    if (config.reward_model is None or not isinstance(model, TransformerModel)
+            or model.pad_id is not None or not isinstance(data, RecordsData)):
+        return config
+    pad = reward_pad_id(model_tokenizer.of_records(data))
+    if pad is None or pad >= model.vocab:
+        return config
+    return config.model_copy(update={"model": model.model_copy(update={"pad_id": pad})})
+
+
+def reward_model(config: RunConfig) -> Model:
+    """The reward model a reward run trains."""
+    assert config.reward_model is not None and isinstance(config.model, TransformerModel)
+    return make_reward_model(config.model, config.reward_model)
+
+
+def reward_data(config: RunConfig, rows: tuple[int, int]) -> PreferenceData:
+    """The run's training batches (this process's ``rows``: its index and the count) and its
+    held-out rows."""
+    section, data = config.reward_model, config.data
+    assert section is not None and isinstance(data, RecordsData)  # a reward run's
+    train, held, files = preference_rows(data, section.max_prompt, section.max_completion,
+                                         section.margin)
+    counts = RecordCounts(vocab=train.counts.vocab)
+    for part in (train, held):
+        if part is not None:
+            counts.add(part.counts)
+    notices = [part.notice for part in (train, held) if part is not None and part.notice]
+    cut = train.truncated
+    if cut.prompts_cut or cut.completions_cut:
+        notices.append(f"preference pairs: {cut.prompts_cut} prompts cut to reward_model."
+                       f"max_prompt, {cut.completions_cut} pairs' completions cut to "
+                       "reward_model.max_completion")
+    assert train.train is not None  # preference_rows refuses a source without
+    batches = pair_batches(train.train, data.batch_size, shuffle=data.shuffle, seed=config.seed,
+                           process_index=rows[0], process_count=rows[1])
+    return PreferenceData(
+        train=batches, eval=held.eval if held is not None else train.eval, counts=counts,
+        files=files, notices=notices,
+        batch_holds=batch_line(data.batch_size, train.counts.examples, batches.num_examples))

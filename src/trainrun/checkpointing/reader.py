@@ -42,8 +42,8 @@ def saved_config(run_dir: location.Location) -> RunConfig:
     """The resolved config a run directory was trained with (its ``config.yaml``); read by
     sampling, export and ``init.from``."""
     path = run_dir / rundir.CONFIG
-    if not location.is_file(path):
-        location.require_bucket(run_dir)
+    if not path.is_file():
+        run_dir.require_bucket()
         raise RunReadError(f"{run_dir} is not a run directory (no {rundir.CONFIG}); give the "
                           "directory a training run wrote, e.g. runs/lm")
     try:
@@ -85,11 +85,9 @@ def latest_state(run_dir: location.Location, config: RunConfig,
     that cannot be read, or whose files do not match their checksums, is skipped for the one
     before it, as a resume would.
     """
-    directory = checkpoint_dir(config, run_dir)
-    remote = location.is_remote(directory)
-    if not remote:
-        directory = directory.absolute()
-    if not location.is_dir(directory):
+    directory = checkpoint_dir(config, run_dir).absolute()
+    remote = not directory.renames  # Orbax's commit file marks a step committed
+    if not directory.is_dir():
         raise RunReadError(f"{run_dir} has no checkpoints ({directory} does not exist); train "
                           "it first, e.g. trainrun train --config lm")
     if remote:  # Orbax and TensorStore told how to reach the store and what commits a step
@@ -141,10 +139,10 @@ def _opened(directory: location.Location, options: ocp.CheckpointManagerOptions
     PyTree handler, the one under the standard handler that saved it, which can leave parts of
     the tree unread (``ocp.PLACEHOLDER``)."""
     try:
-        manager = ocp.CheckpointManager(directory, options=options,
+        manager = ocp.CheckpointManager(directory.epath(), options=options,
                                         item_handlers={"state": ocp.PyTreeCheckpointHandler()})
     except ValueError:
-        steps = sorted(int(name) for name in location.list_names(directory) if name.isdigit())
+        steps = sorted(int(name) for name in directory.list_names() if name.isdigit())
         found = [f"{directory / str(step)}: {why}" for step in steps
                  if (why := step_record_problem(directory / str(step))) is not None]
         if not found:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,9 +198,10 @@ class Tensors:
                 self._header[asked] = entry
 
     @classmethod
-    def of(cls, path: Location) -> Tensors:
+    def of(cls, path: Location | str | os.PathLike[str]) -> Tensors:
         """The tensors of a ``.safetensors`` file, or of a model directory (one file, or the
         shards its ``model.safetensors.index.json`` lists), local or on object storage."""
+        path = location.location(path)  # a path given here enters here
         entries: dict[tuple[str, str], ranges.Entry] = {}
 
         def header(file: Location) -> dict[str, tuple[tuple[int, ...], str]]:

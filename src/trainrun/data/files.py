@@ -23,7 +23,7 @@ Arrays = dict[str, np.ndarray]
 
 def _existing(path: str, key: str) -> Path:
     """The local file ``path``; a location of object storage, or a URL trainrun does not take
-    (refused by ``is_remote``), is one line."""
+    (refused as the location is made), is one line."""
     file = location.location(path).local_path
     if file is None:
         raise DataError(f"{key}: {path!r} is on object storage, and arrays and token files are "

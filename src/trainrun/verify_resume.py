@@ -336,9 +336,9 @@ def state_digest(ckpt_dir: Location, step: int) -> str:
             continue
         digest.update(f"{name}|{leaf.dtype}|{leaf.shape}|".encode())
         digest.update(np.ascontiguousarray(leaf).tobytes())
-    for name in (step_dir / "data").list_names():
+    for name in (where / "data").list_names():
         if name.endswith(".json") and name != MANIFEST:
-            text = (step_dir / "data" / name).read_text()
+            text = (where / "data" / name).read_text()
             digest.update(json.dumps(json.loads(text), sort_keys=True).encode())
     return digest.hexdigest()
 

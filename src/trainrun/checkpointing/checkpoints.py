@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import shutil
 import threading
 import time
@@ -248,9 +249,11 @@ class Checkpoints:
     the store no longer answers (the run's mirror failed past storage.deadline_s; None: go on
     waiting), and ``say`` where progress of a long wait is said."""
 
-    def __init__(self, directory: Location, config: RunConfig, provenance: dict[str, Any], *,
+    def __init__(self, directory: Location | str | os.PathLike[str], config: RunConfig,
+                 provenance: dict[str, Any], *,
                  stalled: Callable[[int | None], Exception | None] | None = None,
                  say: Callable[[str], None] | None = None):
+        directory = location.location(directory)  # a path given here enters here
         self.directory = directory.absolute()
         self.remote = not directory.renames  # Orbax's commit file marks a step committed
         local = self.directory.local_path

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -82,10 +83,11 @@ def source_location(source: str) -> Location:
     return location.location(source)
 
 
-def source_kind(path: Location, what: str = "init.from") -> str:
+def source_kind(path: Location | str | os.PathLike[str], what: str = "init.from") -> str:
     """"run", "huggingface", "adapter" or "safetensors"; anything else is refused in one line
     that says what was found and what is read. what: how the line names the path's origin.
     ``path``: local, or on object storage (``source_location``)."""
+    path = location.location(path)  # a path given here enters here
     if (path / rundir.CONFIG).is_file():
         return "run"
     if (path / peft.ADAPTER_CONFIG).is_file():
@@ -188,7 +190,7 @@ def records_tokenizer(path: Location, kind: str) -> tuple[str, str | None]:
     return str(path), None
 
 
-def model_of(path: Location, model: TransformerModel | None = None,
+def model_of(path: Location | str | os.PathLike[str], model: TransformerModel | None = None,
              seq_len: int | None = None, *, full_context: bool = False,
              seq_len_key: str = "data.seq_len") -> TransformerModel:
     """The transformer a Hugging Face or adapter directory holds. ``model``: the run's model
@@ -196,6 +198,7 @@ def model_of(path: Location, model: TransformerModel | None = None,
     agree; ``seq_len``: the run's sequence length (``seq_len_key`` names it in a refusal), the
     context of a rotary model; ``full_context``: without ``seq_len``, the context config.json
     gives (``max_position_embeddings``)."""
+    path = location.location(path)  # a path given here enters here
     model = model or TransformerModel()
     adapter = (path / peft.ADAPTER_CONFIG).is_file()
     base = _adapter_base(path) if adapter else path

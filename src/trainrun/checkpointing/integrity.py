@@ -103,7 +103,7 @@ class Verified:
     bytes: int = 0
 
 
-def verify_step(step_dir: Location, *, read: bool = True) -> Verified:
+def verify_step(step_dir: Location | str | os.PathLike[str], *, read: bool = True) -> Verified:
     """Compare every file of the step at ``step_dir`` with the checksums saved with it.
 
     On object storage with ``read=False`` (a restore), a file whose saved record holds the
@@ -111,6 +111,7 @@ def verify_step(step_dir: Location, *, read: bool = True) -> Verified:
     it from the bytes it was given and keeps its data checked itself, so an object changed or
     written again since the save shows another. ``read=True`` (``verify-checkpoint``) reads and
     hashes every byte."""
+    step_dir = location.location(step_dir)  # a path given here enters here
     items = [step_dir / name for name in ITEMS if (step_dir / name).is_dir()]
     if not any((item / MANIFEST).exists() for item in items):
         return Verified([], checked=False)

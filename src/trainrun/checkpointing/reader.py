@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,10 +53,11 @@ def saved_config(run_dir: location.Location) -> RunConfig:
         raise RunReadError(f"the config saved in {path} no longer loads: {err}") from None
 
 
-def latest_params(run_dir: location.Location, config: RunConfig,
+def latest_params(run_dir: location.Location | str | os.PathLike[str], config: RunConfig,
                   step: int | None = None) -> tuple[int, PyTree]:
     """``(step, params)`` of the run's newest readable checkpoint, or of ``step`` (see
     ``latest_state``)."""
+    run_dir = location.location(run_dir)  # a path given here enters here
     found, state = latest_state(run_dir, config, optimizer_state=False, step=step)
     return found, state.params
 
@@ -70,7 +72,7 @@ def _run_model(config: RunConfig) -> Model:
     return build_model(config.model, config.preference)
 
 
-def latest_state(run_dir: location.Location, config: RunConfig,
+def latest_state(run_dir: location.Location | str | os.PathLike[str], config: RunConfig,
                  model: Model | None = None, *,
                  optimizer_state: bool = True, step: int | None = None) -> tuple[int, Any]:
     """``(step, TrainState)`` of the run's newest readable checkpoint, on one device. model:
@@ -85,6 +87,7 @@ def latest_state(run_dir: location.Location, config: RunConfig,
     that cannot be read, or whose files do not match their checksums, is skipped for the one
     before it, as a resume would.
     """
+    run_dir = location.location(run_dir)  # a path given here enters here
     directory = checkpoint_dir(config, run_dir).absolute()
     remote = not directory.renames  # Orbax's commit file marks a step committed
     if not directory.is_dir():

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -84,9 +85,10 @@ def is_adapter_dir(path: Location) -> bool:
     return (path / ADAPTER_CONFIG).is_file()
 
 
-def base_model_name(path: Location) -> str | None:
+def base_model_name(path: Location | str | os.PathLike[str]) -> str | None:
     """``base_model_name_or_path`` of an adapter directory: the model its adapters were trained
     on, as PEFT recorded it (a hub id, a path or a ``gs://``/``s3://`` location), or None."""
+    path = location.location(path)  # a path given here enters here
     name = _read_config(path).get("base_model_name_or_path")
     return name if isinstance(name, str) and name else None
 
@@ -234,14 +236,14 @@ def write_adapter_dir(params: PyTree, cfg: TransformerModel, model_type: str,
     return path
 
 
-def read_adapter_dir(path: Location, cfg: TransformerModel,
+def read_adapter_dir(path: Location | str | os.PathLike[str], cfg: TransformerModel,
                      model_type: str) -> tuple[LoraSettings, dict[str, np.ndarray]]:
     """(settings, trainrun adapter params by dotted name, e.g. ``blocks.0.attn.q_lora.a``) of a
     PEFT LoRA adapter directory for a ``model_type`` base model whose trainrun config is ``cfg``
     (its ``lora`` is not consulted). What trainrun's adapters cannot express exactly raises
     ``WeightsError`` on one line, naming the field and what to do."""
+    path = location.location(path)  # a path given here enters here
     layout = _family(model_type).adapters
-    path = path
     config = _read_config(path)
     _check_config(config, cfg, layout)
     kinds = _module_kinds(layout, cfg)

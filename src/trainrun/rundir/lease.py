@@ -28,7 +28,7 @@ import socket
 from typing import Any
 
 from trainrun.rundir.lock import RunDirLocked
-from trainrun.storage import remote
+from trainrun.storage import location, remote
 from trainrun.storage.location import Location
 
 LEASES = "trainrun.lease"  # the folder of lease objects in a run directory on object storage
@@ -164,10 +164,11 @@ class Lease:
             self._object(number).delete()
 
 
-def job_gone(url: Location) -> bool:
+def job_gone(url: Location | str | os.PathLike[str]) -> bool:
     """Whether the job that last held the run at ``url`` is gone: its lease released, run out,
     or held by a dead process of this host (what ``trainrun runs`` says of a run whose status
     still reads running)."""
+    url = location.location(url)  # a path given here enters here
     probe = Lease(url, 60.0)
     numbers = probe._numbers()
     if not numbers:

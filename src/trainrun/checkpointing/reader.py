@@ -39,9 +39,10 @@ class RunReadError(UserError):
     """A run directory that cannot be read as asked; one line, exit 2."""
 
 
-def saved_config(run_dir: location.Location) -> RunConfig:
+def saved_config(run_dir: location.Location | str | os.PathLike[str]) -> RunConfig:
     """The resolved config a run directory was trained with (its ``config.yaml``); read by
     sampling, export and ``init.from``."""
+    run_dir = location.location(run_dir)  # a path given here enters here
     path = run_dir / rundir.CONFIG
     if not path.is_file():
         run_dir.require_bucket()

@@ -13,6 +13,7 @@ from typing import Any
 from trainrun.rundir.checkpoint_steps import committed_steps
 from trainrun.rundir.layout import STATUS, SUMMARY
 from trainrun.rundir.run_files import DamagedFile, read_json, write_json
+from trainrun.storage import location
 from trainrun.storage.location import Location
 
 STATUSES = ("running", "finished", "preempted", "failed")
@@ -92,10 +93,11 @@ def record_stopped(run_dir: Location, ckpt_dir: Location, reason: str,
     return line
 
 
-def read_status(run_dir: Location) -> dict[str, Any]:
+def read_status(run_dir: Location | str | os.PathLike[str]) -> dict[str, Any]:
     """The recorded status; ``running`` whose process is gone from this host reads as
     ``failed``. A run without a status file (written before there were any) reads as
     ``finished`` if it has a summary, else ``unknown``."""
+    run_dir = location.location(run_dir)  # a path given here enters here
     path = run_dir / STATUS
     if not path.exists():
         return {"status": "finished" if (run_dir / SUMMARY).exists() else "unknown"}

@@ -148,7 +148,7 @@ def transfer_rates(buckets: dict[str, str], mb: int, repeats: int, work: Path) -
             with Checkpoints(url, config, {}) as ckpt:
                 times["trainrun restore"].append(timed(lambda: jax.block_until_ready(
                     ckpt.restore(target, None, lambda meta: None).state)))
-            key = f"{remote._key(bucket)}/plain-{repeat}/1"
+            key = f"{remote.ObjectLocation(bucket).key}/plain-{repeat}/1"
             times["plain put"].append(timed(functools.partial(fs.put, str(step_dir), key,
                                                               recursive=True)))
             down = work / f"down-{scheme}-{repeat}"

@@ -555,11 +555,11 @@ def upload_run(local: Path, url: str):
     root = location.location(url)
     for path in sorted(local.rglob("*")):
         if path.is_file() and path.name != "trainrun.lock":  # the local writer's lock
-            location.write_bytes(root / path.relative_to(local).as_posix(), path.read_bytes())
+            (root / path.relative_to(local).as_posix()).write_bytes(path.read_bytes())
     for step in rundir.committed_steps(local / rundir.CHECKPOINTS):
         mark = root / rundir.CHECKPOINTS / str(step) / rundir.COMMIT_FILE
-        if not location.exists(mark):
-            location.write_bytes(mark, b"")
+        if not mark.exists():
+            mark.write_bytes(b"")
     return root
 
 

@@ -217,7 +217,7 @@ class Sandbox:
     def prefix(self, name: str, **objects: str) -> str:
         """``<bucket>/<name>`` holding ``objects`` (name -> text)."""
         for key, text in objects.items():
-            location.write_text(location.location(f"{self.bucket}/{name}/{key}"), text)
+            location.location(f"{self.bucket}/{name}/{key}").write_text(text)
         return f"{self.bucket}/{name}"
 
     def unreadable(self, path: Path) -> Path:
@@ -597,8 +597,8 @@ def bucket_objects(bucket: str) -> dict[str, str]:
     if not bucket:
         return {}
     root = location.location(bucket)
-    return {name: hashlib.sha1(location.read_bytes(root / name)).hexdigest()
-            for name in location.list_tree(root)}
+    return {name: hashlib.sha1((root / name).read_bytes()).hexdigest()
+            for name in root.list_tree()}
 
 
 NO_BUCKET = (r"bucket 'trainrun-no-such-bucket' does not exist \(reading (gs|s3)://.*/runs/x\): "
@@ -690,7 +690,7 @@ def put(source: Path, url: str, cut: int = 0) -> str:
         if cut and file.suffix == ".safetensors":
             data = data[:-cut]
         target = url if source.is_file() else f"{url}/{file.name}"
-        location.write_bytes(location.location(target), data)
+        location.location(target).write_bytes(data)
     return url
 
 

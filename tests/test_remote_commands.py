@@ -48,7 +48,7 @@ LM = ["steps_per_call=1", "checkpoint.every=0", "eval.every=0",
 
 def objects(url: location.Location) -> dict[str, bytes]:
     """Every object under ``url``: its name below it and its bytes."""
-    return {name: location.read_bytes(url / name) for name in location.list_tree(url)}
+    return {name: (url / name).read_bytes() for name in url.list_tree()}
 
 
 def files(path: Path) -> dict[str, bytes]:
@@ -74,7 +74,7 @@ def test_report_on_a_remote_run_writes_report_html_and_plots_there(bucket, train
     assert main(["report", str(run)]) == 0
     out, err = capsys.readouterr()
     assert out == f"wrote {run / 'report.html'}\n" and err == "", (out, err)
-    page = location.read_text(run / "report.html")
+    page = (run / "report.html").read_text()
     assert f"<p>{run}</p>" in page and "<h1>mlp</h1>" in page
     plots = re.findall(r'<img src="report/([^"]+)"', page)
     local = tmp_path / "mlp"
@@ -83,7 +83,7 @@ def test_report_on_a_remote_run_writes_report_html_and_plots_there(bucket, train
     capsys.readouterr()
     assert plots and sorted(plots) == sorted(p.name for p in (local / "report").iterdir())
     for name in plots:  # each plot the page shows is there, a whole PNG
-        assert location.read_bytes(run / "report" / name).startswith(b"\x89PNG\r\n\x1a\n")
+        assert (run / "report" / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     # the run's own files are as they were: the report only added its own
     assert {k: v for k, v in objects(run).items()
             if not k.startswith("report")} == {k: v for k, v in files(trained / "mlp").items()
@@ -100,7 +100,7 @@ def test_compare_a_remote_and_a_local_run_with_the_png_on_a_bucket(bucket, train
     rows = [line.split(None, 1) for line in out.splitlines()[1:3]]
     assert [r[0] for r in rows] == [str(run), str(trained / "mlp")]
     assert rows[0][1] == rows[1][1]  # status, step, final loss ...: the same run's
-    assert location.read_bytes(out_png).startswith(b"\x89PNG\r\n\x1a\n")
+    assert out_png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_runs_lists_the_runs_under_a_remote_root_with_status_and_step(bucket, trained, workdir,
@@ -124,7 +124,7 @@ def test_runs_on_a_bucket_lists_only_what_train_takes_for_a_run(bucket, trained,
                                                                tmp_path, monkeypatch, capsys):
     upload_run(trained / "mlp", f"{bucket}/runs/mlp")
     for key, text in (("alice", "name: alice\nitems: [1, 2]\n"), ("team/bob", "- 1\n- 2\n")):
-        location.write_text(location.location(f"{bucket}/runs/{key}/config.yaml"), text)
+        location.location(f"{bucket}/runs/{key}/config.yaml").write_text(text)
     monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["train", "--run-dir", f"{bucket}/runs/alice", "steps=1"]) == 2
     assert "is not a trainrun run directory" in capsys.readouterr().err  # train's own test
@@ -143,11 +143,11 @@ def test_verify_checkpoint_of_a_remote_run_passes_and_finds_a_changed_byte(bucke
     counted = re.search(r": (\d+ files, [\d,]+ bytes): every checksum matches\n$", local)
     assert counted and out == f"{run}/checkpoints/4: {counted.group(1)}: every checksum matches\n"
     # one byte flipped in an array file of the newest step, the object rewritten whole
-    array = sorted(n for n in location.list_tree(run / "checkpoints/4")
+    array = sorted(n for n in (run / "checkpoints/4").list_tree()
                    if n.startswith("state/ocdbt.process_0/d/"))[0]
-    data = bytearray(location.read_bytes(run / "checkpoints/4" / array))
+    data = bytearray((run / "checkpoints/4" / array).read_bytes())
     data[len(data) // 2] ^= 0x01
-    location.write_bytes(run / "checkpoints/4" / array, bytes(data))
+    (run / "checkpoints/4" / array).write_bytes(bytes(data))
     assert main(["verify-checkpoint", str(run)]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"{run}/checkpoints/4: checksum mismatch in {array} (sha256 "), out
@@ -181,7 +181,7 @@ def test_a_step_without_its_commit_file_is_never_read(bucket, trained, workdir):
     from trainrun.checkpointing.reader import latest_state, saved_config
 
     run = upload_run(trained / "mlp", f"{bucket}/runs/mlp")
-    location.delete(run / "checkpoints/4" / rundir.COMMIT_FILE)
+    (run / "checkpoints/4" / rundir.COMMIT_FILE).delete()
     step, _ = latest_state(run, saved_config(run))
     assert step == 2
 
@@ -202,9 +202,9 @@ def test_export_to_a_bucket_writes_its_mark_last_and_replaces_only_an_export(
     run = trained / "lm"
     assert main(["export", str(run), "--to", str(tmp_path / "local")]) == 0
     uploaded: list[str] = []
-    put = remote.upload
-    monkeypatch.setattr(remote, "upload", lambda local, path: (uploaded.append(path.name),
-                                                               put(local, path))[1])
+    put = remote.ObjectLocation.upload
+    monkeypatch.setattr(remote.ObjectLocation, "upload", lambda path, local: (
+        uploaded.append(path.name), put(path, local))[1])
     to = location.location(f"{bucket}/models/lm")
     assert main(["export", str(run), "--to", str(to)]) == 0
     assert objects(to) == files(tmp_path / "local") and uploaded[-1] == "config.json"
@@ -214,13 +214,13 @@ def test_export_to_a_bucket_writes_its_mark_last_and_replaces_only_an_export(
     assert "is not empty (it holds config.json, model.safetensors); pass --replace" in (
         capsys.readouterr().err)
     # --replace over an earlier export with a file this one does not write: exactly the new one
-    location.write_text(to / "generation_config.json", '{"old": true}\n')
-    location.write_text(to / "config.json", '{"old": true}\n')
+    (to / "generation_config.json").write_text('{"old": true}\n')
+    (to / "config.json").write_text('{"old": true}\n')
     uploaded.clear()
     assert main(["export", str(run), "--to", str(to), "--replace"]) == 0
     assert objects(to) == files(tmp_path / "local") and uploaded[-1] == "config.json"
     # a prefix holding an object no export writes: refused, nothing deleted
-    location.write_text(to / "notes.txt", "mine\n")
+    (to / "notes.txt").write_text("mine\n")
     before = objects(to)
     capsys.readouterr()
     assert main(["export", str(run), "--to", str(to), "--replace"]) == 2
@@ -251,17 +251,17 @@ def test_an_export_cut_short_on_a_bucket_has_no_mark_and_is_replaced_by_the_next
     run = trained / "lm"
     to = location.location(f"{bucket}/models/lm")
     assert main(["export", str(run), "--to", str(to)]) == 0
-    put = remote.upload
+    put = remote.ObjectLocation.upload
 
-    def fail_on_the_mark(local: Path, path: location.Location) -> None:
+    def fail_on_the_mark(path: remote.ObjectLocation, local: Path) -> None:
         if path.name == "config.json":
             raise remote.StorageUnavailable(f"object storage did not answer writing {path}")
-        put(local, path)
+        put(path, local)
 
-    monkeypatch.setattr(remote, "upload", fail_on_the_mark)
+    monkeypatch.setattr(remote.ObjectLocation, "upload", fail_on_the_mark)
     assert main(["export", str(run), "--to", str(to), "--replace"]) == 1
-    assert sorted(location.list_tree(to)) == ["model.safetensors"]  # no mark: not whole
-    monkeypatch.setattr(remote, "upload", put)
+    assert sorted(to.list_tree()) == ["model.safetensors"]  # no mark: not whole
+    monkeypatch.setattr(remote.ObjectLocation, "upload", put)
     assert main(["export", str(run), "--to", str(to), "--replace"]) == 0
     assert main(["export", str(run), "--to", str(tmp_path / "local")]) == 0
     assert objects(to) == files(tmp_path / "local")

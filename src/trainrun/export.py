@@ -60,6 +60,7 @@ from trainrun.rundir import export_dir, write_failures
 from trainrun.rundir.export_dir import ExportRefused, check_target
 from trainrun.storage import location
 from trainrun.storage.atomic import create_new
+from trainrun.storage.location import LocalLocation, Location
 
 DTYPES = ("float32", "bfloat16", "float16")
 _ERRNO = {what: code for code, what in write_failures.REFUSED.items()}
@@ -70,11 +71,11 @@ class Export:
     """What ``export_run`` wrote: the checkpoint's step, the directory, and its files."""
 
     step: int
-    path: location.Location
+    path: Location
     files: tuple[str, ...]
 
 
-def export_run(run_dir: location.Location | str, to: location.Location | str, *,
+def export_run(run_dir: Location | str, to: Location | str, *,
                merge: bool = False, replace: bool = False, dtype: str = "float32",
                shard_size: str = "5GB", step: int | None = None) -> Export:
     """A run's newest readable checkpoint (or that of ``step``) as a model directory
@@ -85,13 +86,13 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
     weights' dtype in the files; ``shard_size``: the most bytes per file. Either path may be
     on object storage (``gs://``, ``s3://``)."""
     run, dest = location.location(run_dir), location.location(to)
-    remote_to = location.is_remote(dest)
-    target = dest if remote_to else Path(os.path.realpath(dest))  # a link: its directory replaced
-    if remote_to:
+    here = dest.local_path  # None on object storage, where nothing is renamed
+    target = None if here is None else Path(os.path.realpath(here))  # a link: its folder replaced
+    if here is None or target is None:
         export_dir.check_remote_target(dest, replace, run)
     else:
         export_dir.restore_interrupted(target)
-        check_target(dest, replace, run)
+        check_target(here, replace, run)
     if dtype not in DTYPES:
         raise WeightsError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(shard_size)
@@ -137,7 +138,7 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
         _copy_tokenizer(copies, own, staging)
         return tuple(sorted(p.name for p in staging.iterdir()))
 
-    if remote_to:  # no rename there: staged here, uploaded with its mark last
+    if target is None:  # no rename there: staged here, uploaded with its mark last
         with tempfile.TemporaryDirectory(prefix="trainrun-export-") as staged:
             files = write(Path(staged))
             export_dir.publish(Path(staged), dest)
@@ -146,7 +147,7 @@ def export_run(run_dir: location.Location | str, to: location.Location | str, *,
 
 
 def _swapped_in(write: Callable[[Path], tuple[str, ...]], target: Path,
-                dest: location.Location) -> tuple[str, ...]:
+                dest: Location) -> tuple[str, ...]:
     """The names of the files ``write`` puts in a new folder beside ``target``, which then
     replaces ``target`` in one rename (``dest``: the path as given, ``target`` where it
     leads). A write the file system refuses is one line, with ``target`` as it was."""
@@ -182,28 +183,30 @@ def _refused_write(err: BaseException, target: Path) -> str | None:
     return what
 
 
-def _lineage(run_dir: location.Location, config: RunConfig,
-             ) -> tuple[Path | None, list[tuple[location.Location, str]]]:
+def _lineage(run_dir: Location, config: RunConfig,
+             ) -> tuple[LocalLocation | None, list[tuple[Location, str]]]:
     """The Hugging Face directory the run started from, where it still is (through an adapter
     directory to its base model, and through runs that started from other runs, on disk or on
     object storage), and every path along that ``init.from`` chain, each with what it is to
     the export."""
-    reads: list[tuple[location.Location, str]] = []
+    reads: list[tuple[Location, str]] = []
     seen: set[object] = set()
     name = run_dir
     while config.init.from_ is not None:
         path = source_location(config.init.from_)
         reads.append((path, f"the init.from of {name}"))
-        if not location.is_remote(path):  # a model or adapter directory is local
-            if (path / peft.ADAPTER_CONFIG).is_file():
-                base = _adapter_base(path)
+        here = path.local_path
+        if here is not None:  # a model or adapter directory is read locally
+            folder = location.local(here)
+            if (folder / peft.ADAPTER_CONFIG).is_file():
+                base = _adapter_base(folder)
                 if base is not None:
                     reads.append((base, f"the base model of the adapters in {path}"))
-                    path = base
-            if (path / CONFIG).is_file():
-                return path, reads
-        key = export_dir.comparable(path)
-        if key in seen or not location.is_file(path / rundir.CONFIG):
+                    folder = base
+            if (folder / CONFIG).is_file():
+                return folder, reads
+        key = path.real()
+        if key in seen or not (path / rundir.CONFIG).is_file():
             return None, reads
         seen.add(key)
         try:
@@ -214,31 +217,31 @@ def _lineage(run_dir: location.Location, config: RunConfig,
     return None, reads
 
 
-def _adapter_base(adapters: Path) -> Path | None:
+def _adapter_base(adapters: LocalLocation) -> LocalLocation | None:
     """An adapter directory's base model as a path, as ``init.from`` reads it: relative to the
     adapter directory when it is there, else as written."""
     name = peft.base_model_name(adapters)
     if not name:
         return None
-    base = Path(name).expanduser()
+    base = location.local(name)
     return adapters / base if not base.is_absolute() and (adapters / base).is_dir() else base
 
 
-def _source_files(source: Path, names: tuple[str, ...]) -> dict[str, Path]:
+def _source_files(source: LocalLocation, names: tuple[str, ...]) -> dict[str, Path]:
     """The files of ``names`` the source directory has, each as the path to read: a symbolic
     link only where it stays inside the source or its hub repository's folder; any other link
     is refused on one line naming it and its target (``location.model_file``)."""
     found = {}
     for name in names:
-        path = location.model_file(source / name, ExportRefused)
+        path = (source / name).model_file(ExportRefused)
         if path.is_file():
             found[name] = Path(os.path.realpath(path)) if path.is_symlink() else path
     return found
 
 
-def _tokenizer_file(config: RunConfig) -> Path | None:
+def _tokenizer_file(config: RunConfig) -> LocalLocation | None:
     name = getattr(config.data, "tokenizer", None)
-    return Path(name).expanduser() if name and Path(name).expanduser().is_file() else None
+    return location.local(name) if name and location.local(name).is_file() else None
 
 
 def _token_ids(config: RunConfig, copies: dict[str, Path]) -> dict[str, Any]:

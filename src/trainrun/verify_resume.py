@@ -55,7 +55,8 @@ from trainrun.config import ConfigError, RunConfig, dump_yaml, load_config
 from trainrun.errors import UserError
 from trainrun.models.preference_transformer import REFERENCE_COLUMN
 from trainrun.rundir import CHECKPOINTS, METRICS, committed_steps, read_summary
-from trainrun.storage import location, remote
+from trainrun.storage import location
+from trainrun.storage.location import LocalLocation, Location
 from trainrun.training import preference_data
 from trainrun.training.callbacks import Boundary, Callback
 
@@ -69,7 +70,7 @@ class Chain:
     """One row of the table: the uninterrupted run, or a kill and its resume."""
 
     label: str
-    run_dir: Path
+    run_dir: Location
     kill: str | None = None  # "STEP:committed" | "STEP:in-save"
     problems: list[str] = dataclasses.field(default_factory=list)
     resumed_from: str = "-"
@@ -124,7 +125,7 @@ def verify_resume(config_name: str, overrides: list[str], *, kill_at: list[int],
         shown.write(f"PASS: every step's {' and '.join(COMPARED)} and the final state (params, "
                   "optimizer state, step, key, data position) are bitwise equal\n")
         if not keep:
-            location.delete_tree(base)
+            base.delete_tree()
             if local != base:
                 shutil.rmtree(local)
     else:
@@ -150,20 +151,21 @@ def _config_to_check(config_name: str, overrides: list[str]) -> RunConfig:
     return init_from.resolved(config)
 
 
-def _work_dirs(work_dir: str | None) -> tuple[location.Location, Path]:
+def _work_dirs(work_dir: str | None) -> tuple[Location, LocalLocation]:
     """Where the runs go (``work_dir``, which must be new or empty, or a new temporary
     directory), and the local directory for their config and logs (the same one unless the
     runs are on object storage)."""
-    if work_dir and location.is_remote(work_dir):  # the runs on object storage, the config here
-        base = location.location(work_dir)
-        if location.list_names(base) or not remote.bucket_exists(base):
-            location.require_bucket(base, "writing")
+    base = location.location(work_dir) if work_dir else None  # where --work-dir enters
+    if base is not None and base.local_path is None:  # the runs on object storage, the config here
+        base.require_bucket("writing")
+        if base.list_names():
             raise UserError(f"--work-dir {base} is not empty; its runs would be resumed, not "
                             "redone. Give a new or empty location")
-        return base, Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
-    if work_dir and Path(work_dir).exists() and not Path(work_dir).is_dir():
+        return base, location.local(tempfile.mkdtemp(prefix="trainrun-verify-"))
+    if base is not None and base.exists() and not base.is_dir():
         raise UserError(f"--work-dir {work_dir} is a file; give a new or empty directory")
-    local = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trainrun-verify-"))
+    local = location.local(base.local_path if base is not None and base.local_path is not None
+                           else tempfile.mkdtemp(prefix="trainrun-verify-"))
     if local.exists() and any(local.iterdir()):
         raise UserError(f"--work-dir {local} is not empty; its runs would be resumed, not "
                         "redone. Give a new or empty directory")
@@ -208,7 +210,7 @@ def _kill_points(config: RunConfig, kill_at: list[int], kill_in_save: list[int],
             + ([(0, REFERENCE)] if kill_in_reference else []))
 
 
-def _train(config_path: Path, run_dir: Path, log: Path, kill: str | None = None,
+def _train(config_path: Path, run_dir: Location, log: Path, kill: str | None = None,
            cache: Path | None = None) -> subprocess.CompletedProcess:
     env = None if cache is None else {**os.environ, "TRAINRUN_CACHE_DIR": str(cache)}
     with log.open("a") as f:
@@ -244,9 +246,9 @@ def _run_chain(chain: Chain, config_path: Path, logs: Path) -> None:
     chain.digest = state_digest(chain.run_dir / CHECKPOINTS, _final_step(chain))
 
 
-def _metrics(path: location.Location) -> list[dict]:
+def _metrics(path: Location) -> list[dict]:
     """The training records of a run's ``metrics.jsonl``, local or on object storage."""
-    records = [json.loads(line) for line in location.read_text(path).splitlines()
+    records = [json.loads(line) for line in path.read_text().splitlines()
                if line.strip()]
     return [r for r in records if r.get("split", "train") == "train"]
 
@@ -267,8 +269,8 @@ def _after_kill(chain: Chain, kill: str) -> str:
     if when == GENERATION:
         return _after_generation_kill(chain, int(step))
     ckpt_dir = chain.run_dir / CHECKPOINTS
-    names = location.list_names(ckpt_dir)
-    if location.is_remote(ckpt_dir):  # committed by its commit file; a step without is partial
+    names = ckpt_dir.list_names()
+    if not ckpt_dir.renames:  # committed by its commit file; a step without is partial
         committed = int(step) in committed_steps(ckpt_dir)
         partial = step in names and not committed
     else:
@@ -313,15 +315,14 @@ def _final_step(chain: Chain) -> int:
     return committed_steps(chain.run_dir / CHECKPOINTS)[-1]
 
 
-def state_digest(ckpt_dir: location.Location, step: int) -> str:
+def state_digest(ckpt_dir: Location, step: int) -> str:
     """sha256 over a checkpoint's state arrays (name, dtype, shape, bytes) and data position."""
     import orbax.checkpoint as ocp
 
-    step_dir = ckpt_dir / str(step)
-    if location.is_remote(step_dir):
-        object_store.prepare(step_dir)
-    else:
-        step_dir = step_dir.absolute()
+    where = (ckpt_dir / str(step)).absolute()
+    if not where.renames:  # Orbax and TensorStore told how to reach the store
+        object_store.prepare(where)
+    step_dir = where.epath()
     handler = ocp.PyTreeCheckpointHandler()
     meta = handler.metadata(step_dir / "state").tree
     restore_args = _tree_map_dict(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
@@ -335,9 +336,9 @@ def state_digest(ckpt_dir: location.Location, step: int) -> str:
             continue
         digest.update(f"{name}|{leaf.dtype}|{leaf.shape}|".encode())
         digest.update(np.ascontiguousarray(leaf).tobytes())
-    for name in location.list_names(step_dir / "data"):
+    for name in (where / "data").list_names():
         if name.endswith(".json") and name != MANIFEST:
-            text = location.read_text(step_dir / "data" / name)
+            text = (where / "data" / name).read_text()
             digest.update(json.dumps(json.loads(text), sort_keys=True).encode())
     return digest.hexdigest()
 

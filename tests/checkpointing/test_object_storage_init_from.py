@@ -52,7 +52,7 @@ def in_tmp(tmp_path, monkeypatch):
 
 def upload(folder: Path, url: str) -> str:
     for file in folder.iterdir():
-        location.write_bytes(location.location(f"{url}/{file.name}"), file.read_bytes())
+        location.location(f"{url}/{file.name}").write_bytes(file.read_bytes())
     return url
 
 
@@ -96,22 +96,22 @@ def test_each_tensor_of_a_sharded_llama_in_a_bucket_is_read_by_ranges_as_from_di
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     shards = {f.stat().st_size for f in llama_dir.glob("model-*.safetensors")}
     requested: list[int] = []
-    read_range = remote.read_range
+    read_range = remote.ObjectLocation.read_range
 
     def spy(path, begin: int, end: int) -> bytes:
         requested.append(end - begin)
         return read_range(path, begin, end)
 
-    whole = remote.read_bytes
+    whole = remote.ObjectLocation.read_bytes
 
     def read_bytes(path) -> bytes:
         assert not str(path).endswith(".safetensors"), f"{path} read whole"
         return whole(path)
 
-    monkeypatch.setattr(remote, "read_range", spy)
-    monkeypatch.setattr(remote, "read_bytes", read_bytes)
+    monkeypatch.setattr(remote.ObjectLocation, "read_range", spy)
+    monkeypatch.setattr(remote.ObjectLocation, "read_bytes", read_bytes)
     before = temp_files()
-    here, there = Tensors.of(location.location(url)), Tensors.of(llama_dir)
+    here, there = Tensors.of(location.location(url)), Tensors.of(location.location(llama_dir))
     assert here.names == there.names and len(here.names) > 10
     for name in sorted(there.names):
         assert (here.shape(name), here.dtype(name)) == (there.shape(name), there.dtype(name))
@@ -215,12 +215,12 @@ def test_a_damaged_or_missing_source_in_a_bucket_is_one_line(llama_dir, bucket, 
     # a shard cut short: its header's offsets run past the object's end
     shard = sorted(llama_dir.glob("model-*.safetensors"))[0]
     cut = location.location(f"{url}/{shard.name}")
-    location.write_bytes(cut, shard.read_bytes()[:-100])
+    cut.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(WeightsError, match=rf"cannot read .*/{shard.name}: tensor '.*' .* has "
                        r"data_offsets \[\d+, \d+\] outside the object's \d+ bytes .*; is the "
                        "file complete") as err:
         start(finetune(tmp_path, url))
     assert "\n" not in str(err.value)
-    location.delete(cut)
+    cut.delete()
     with pytest.raises(WeightsError, match=rf"index\.json lists {shard.name}, which is not in"):
         start(finetune(tmp_path, url))

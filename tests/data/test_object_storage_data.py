@@ -36,7 +36,7 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 def upload(local: Path, url: str) -> str:
-    location.write_bytes(location.location(url), local.read_bytes())
+    location.location(url).write_bytes(local.read_bytes())
     return url
 
 
@@ -72,7 +72,7 @@ def test_text_in_a_bucket_gives_the_windows_and_packed_rows_of_the_same_files_on
     settings = dict(seq_len=16, vocab_size=300, eval_fraction=0.2)
     here = text_splits(TextData(paths=(f"{bucket}/corpus/**/*.txt",), tokenizer=tokenizer,
                                 **settings))
-    (tmp_path / "text.json").write_bytes(location.read_bytes(location.location(tokenizer)))
+    (tmp_path / "text.json").write_bytes(location.location(tokenizer).read_bytes())
     local = text_splits(TextData(paths=(str(root / "**/*.txt"),),
                                  tokenizer=str(tmp_path / "text.json"), **settings))
     for split in ("train", "eval"):
@@ -118,14 +118,15 @@ def test_records_in_a_bucket_give_the_rows_of_the_same_files_on_disk(bucket, tmp
     held = write_jsonl(tmp_path / "held.jsonl", [chat(100 + i) for i in range(6)])
     held_url = upload(held, f"{bucket}/held/held.jsonl")
     ranges: list[int] = []
-    read_range = remote.read_range
+    read_range = remote.ObjectLocation.read_range
 
     def spy(path, start: int, end: int) -> bytes:
         ranges.append(end - start)
         return read_range(path, start, end)
 
-    monkeypatch.setattr(remote, "read_range", spy)
-    monkeypatch.setattr(remote, "read_bytes", lambda path: pytest.fail(f"{path} read whole"))
+    monkeypatch.setattr(remote.ObjectLocation, "read_range", spy)
+    monkeypatch.setattr(remote.ObjectLocation, "read_bytes",
+                        lambda path: pytest.fail(f"{path} read whole"))
     for name, (local, url) in files.items():
         here = record_splits(records(paths=(url,), eval_paths=(held_url,)))
         there = record_splits(records(paths=(local,), eval_paths=(str(held),)))

@@ -52,7 +52,7 @@ def train(url: str, steps: int, cache: Path, monkeypatch, *extra: str):
 
 
 def remote_losses(url: str) -> np.ndarray:
-    text = location.read_text(location.location(url) / rundir.METRICS)
+    text = (location.location(url) / rundir.METRICS).read_text()
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     return np.array([r["loss"] for r in records if r.get("split", "train") == "train"],
                     np.float32)
@@ -77,13 +77,13 @@ def test_a_run_in_a_bucket_resumes_on_another_machine_bit_for_bit(bucket, workdi
     url = f"{bucket}/runs/a"
     train(url, 4, tmp_path / "machine-1", monkeypatch)
     root = location.location(url)
-    names = set(location.list_tree(root))
+    names = set(root.list_tree())
     assert {"trainrun.json", "config.yaml", "provenance.json", "metrics.jsonl", "status.json",
             "summary.json", "timing.jsonl", "checkpoints/2/commit_success.txt",
             "checkpoints/4/commit_success.txt", f"{LEASES}/00000001"} <= names
     assert rundir.read_json(root / rundir.STATUS)["status"] == "finished"
     assert rundir.committed_steps(root / rundir.CHECKPOINTS) == [2, 4]
-    assert json.loads(location.read_bytes(root / LEASES / "00000001"))["released"]
+    assert json.loads((root / LEASES / "00000001").read_bytes())["released"]
 
     summary = train(url, 6, tmp_path / "machine-2", monkeypatch)  # a new stage: from the bucket
     assert summary.start_step == 4 and summary.steps_done == 6
@@ -102,11 +102,11 @@ def test_a_changed_byte_in_a_bucket_step_moves_it_aside_and_resumes_from_the_one
     if instances_dropped:  # as another library in the process may: Orbax's client is kept
         type(remote.filesystem(url)).clear_instance_cache()
     step4 = location.location(url) / rundir.CHECKPOINTS / "4"
-    name = max((n for n in location.list_tree(step4 / "state") if "/d/" in f"/{n}"),
-               key=lambda n: location.list_tree(step4 / "state")[n])
-    data = bytearray(location.read_bytes(step4 / "state" / name))
+    name = max((n for n in (step4 / "state").list_tree() if "/d/" in f"/{n}"),
+               key=lambda n: (step4 / "state").list_tree()[n])
+    data = bytearray((step4 / "state" / name).read_bytes())
     data[len(data) // 2] ^= 0xFF
-    location.write_bytes(step4 / "state" / name, bytes(data))
+    (step4 / "state" / name).write_bytes(bytes(data))
     out = io.StringIO()
     monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "m2"))
     summary = trainrun.run(load_config("mlp", [*MLP, "steps=6"]), url, out=out)
@@ -115,7 +115,7 @@ def test_a_changed_byte_in_a_bucket_step_moves_it_aside_and_resumes_from_the_one
                      r".*\); moved it to .*/checkpoints/corrupt/4-", out.getvalue()), out.getvalue()
     ckpt = location.location(url) / rundir.CHECKPOINTS
     assert rundir.committed_steps(ckpt)[-2:] == [4, 6]  # 4 saved again on the way to 6
-    assert [n.split("-")[0] for n in location.list_names(ckpt / "corrupt")] == ["4"]
+    assert [n.split("-")[0] for n in (ckpt / "corrupt").list_names()] == ["4"]
     np.testing.assert_array_equal(remote_losses(url).view(np.uint32),
                                   local_losses(*MLP, "steps=6").view(np.uint32))
 
@@ -155,20 +155,20 @@ def test_one_job_holds_a_bucket_run_until_its_lease_runs_out(bucket, workdir, tm
                        r"storage\.lease_s=5\)") as refused:
         train(url, 2, tmp_path / "m", monkeypatch, "storage.lease_s=5")
     assert "\n" not in str(refused.value)
-    assert set(location.list_tree(root)) == {f"{LEASES}/00000001"}  # nothing else written
+    assert set(root.list_tree()) == {f"{LEASES}/00000001"}  # nothing else written
     assert not job_gone(root)
     deadline = time.monotonic() + 30
     while not job_gone(root):  # the store's clock: the object's age passes the lease
         assert time.monotonic() < deadline, "the lease did not run out"
         time.sleep(0.5)
     train(url, 2, tmp_path / "m", monkeypatch, "storage.lease_s=5")  # takes it over
-    assert location.list_names(root / LEASES) == ["00000002"]
+    assert (root / LEASES).list_names() == ["00000002"]
     with pytest.raises(LeaseLost, match="taken over by another job"):
         other.renew()
     # a lease released by a job that ended is taken at once, however long the lease
     summary = train(url, 4, tmp_path / "m", monkeypatch, "storage.lease_s=3600")
     assert summary.start_step == 2
-    assert location.list_names(root / LEASES) == ["00000003"]
+    assert (root / LEASES).list_names() == ["00000003"]
 
 
 def test_a_refused_run_leaves_a_bucket_location_as_it_found_it(bucket, workdir, tmp_path,
@@ -177,19 +177,19 @@ def test_a_refused_run_leaves_a_bucket_location_as_it_found_it(bucket, workdir, 
     root = location.location(url)
     with pytest.raises(UserError, match=r"init\.from"):
         train(url, 2, tmp_path / "m", monkeypatch, f"init.from={tmp_path / 'no-such-model'}")
-    assert location.list_tree(root) == {}
+    assert root.list_tree() == {}
 
-    location.write_bytes(root / "notes.txt", b"mine")
+    (root / "notes.txt").write_bytes(b"mine")
     with pytest.raises(UserError, match=r"--run-dir .*/runs/refused is not a trainrun run "
                        r"directory \(it holds notes\.txt and no trainrun\.json\)"):
         train(url, 2, tmp_path / "m", monkeypatch)
-    assert location.list_tree(root) == {"notes.txt": 4}
+    assert root.list_tree() == {"notes.txt": 4}
 
     monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "m"))
     with pytest.raises(UserError, match="object storage cannot rename: give a new --run-dir"):
         trainrun.run(load_config("mlp", MLP), f"{bucket}/runs/fresh", fresh=True,
                      out=io.StringIO())
-    assert location.list_tree(location.location(f"{bucket}/runs/fresh")) == {}
+    assert location.location(f"{bucket}/runs/fresh").list_tree() == {}
 
 
 @pytest.mark.slow
@@ -293,7 +293,7 @@ def test_two_processes_train_into_one_bucket_and_it_resumes_on_one_process_and_a
                        "--run-dir", url, *RUN, "steps=20", TRAINRUN_CACHE_DIR=str(tmp_path / "a"))
     assert launched.returncode == 0, launched.stdout[-3000:]
     step = location.location(url) / rundir.CHECKPOINTS / "20"
-    names = set(location.list_tree(step))
+    names = set(step.list_tree())
     # each process wrote its own shards and data position into the one bucket
     assert {"data/process_0-of-2.json", "data/process_1-of-2.json",
             "state/ocdbt.process_0/manifest.ocdbt", "state/ocdbt.process_1/manifest.ocdbt",
@@ -327,8 +327,8 @@ def test_credentials_are_never_written_to_the_run_or_its_stage(bucket, workdir, 
     assert done.returncode == 0, done.stderr[-3000:]
     assert secret not in done.stdout + done.stderr
     root = location.location(url)
-    for name in location.list_tree(root):
-        assert secret.encode() not in location.read_bytes(root / name), name
+    for name in root.list_tree():
+        assert secret.encode() not in (root / name).read_bytes(), name
     for path in (tmp_path / "c").rglob("*"):
         assert not path.is_file() or secret.encode() not in path.read_bytes(), path
 
@@ -340,7 +340,7 @@ def test_a_restore_compares_the_stores_checksums_and_verify_checkpoint_reads_eve
     url = f"{bucket}/runs/sums"
     train(url, 2, tmp_path / "m", monkeypatch)
     item = location.location(url) / rundir.CHECKPOINTS / "2" / "state"
-    manifest = json.loads(location.read_text(item / integrity.MANIFEST))
+    manifest = json.loads((item / integrity.MANIFEST).read_text())
     assert all(entry["store"].startswith(remote.scheme_of(bucket) + ":")
                for entry in manifest["files"].values())
     reads: list[str] = []
@@ -352,13 +352,13 @@ def test_a_restore_compares_the_stores_checksums_and_verify_checkpoint_reads_eve
     # a sha256 that no longer matches is found only by reading (verify-checkpoint) ...
     name = next(iter(manifest["files"]))
     manifest["files"][name]["sha256"] = "0" * 64
-    location.write_text(item / integrity.MANIFEST, json.dumps(manifest))
+    (item / integrity.MANIFEST).write_text(json.dumps(manifest))
     assert integrity.verify_step(item.parent, read=False).problems == []
     assert [p for p in integrity.verify_step(item.parent).problems if "checksum mismatch" in p]
     # ... and an object written again with other bytes by its store checksum alone
-    data = bytearray(location.read_bytes(item / name))
+    data = bytearray((item / name).read_bytes())
     data[0] ^= 0xFF
-    location.write_bytes(item / name, bytes(data))
+    (item / name).write_bytes(bytes(data))
     found = integrity.verify_step(item.parent, read=False).problems
     assert found and "the store's" in found[0], found
 

@@ -26,18 +26,18 @@ def deadlines() -> Iterator[contextlib.ExitStack]:
 
 def test_whole_objects_read_back_listed_and_deleted(bucket):
     root = location.location(f"{bucket}/runs/x")
-    location.write_text(root / "config.yaml", "steps: 3\n")
-    location.write_bytes(root / "sub" / "a.bin", b"0123456789")
-    assert location.read_text(root / "config.yaml") == "steps: 3\n"
-    assert remote.read_range(root / "sub" / "a.bin", 2, 5) == b"234"
-    assert location.list_names(root) == ["config.yaml", "sub"]
-    assert location.is_dir(root / "sub") and not location.is_dir(root / "nothing")
-    assert location.is_file(root / "config.yaml") and not location.is_file(root / "sub")
-    with location.open_read(root / "sub" / "a.bin") as f:
+    (root / "config.yaml").write_text("steps: 3\n")
+    (root / "sub" / "a.bin").write_bytes(b"0123456789")
+    assert (root / "config.yaml").read_text() == "steps: 3\n"
+    assert (root / "sub" / "a.bin").read_range(2, 5) == b"234"
+    assert root.list_names() == ["config.yaml", "sub"]
+    assert (root / "sub").is_dir() and not (root / "nothing").is_dir()
+    assert (root / "config.yaml").is_file() and not (root / "sub").is_file()
+    with (root / "sub" / "a.bin").open_read() as f:
         assert f.read() == b"0123456789"
-    location.delete_tree(root / "sub")
-    location.delete(root / "missing")  # nothing there: nothing to do
-    assert location.list_names(root) == ["config.yaml"]
+    (root / "sub").delete_tree()
+    (root / "missing").delete()  # nothing there: nothing to do
+    assert root.list_names() == ["config.yaml"]
 
 
 def test_create_if_absent_has_one_winner_and_each_write_a_new_version(bucket):
@@ -45,7 +45,7 @@ def test_create_if_absent_has_one_winner_and_each_write_a_new_version(bucket):
     won: list[int] = []
 
     def contend(i: int) -> None:
-        if remote.create(path, f"{i}".encode()):
+        if path.create(f"{i}".encode()):
             won.append(i)
 
     threads = [threading.Thread(target=contend, args=(i,)) for i in range(8)]
@@ -53,18 +53,18 @@ def test_create_if_absent_has_one_winner_and_each_write_a_new_version(bucket):
         t.start()
     for t in threads:
         t.join()
-    assert len(won) == 1 and location.read_text(path) == str(won[0])
-    first = remote.stat(path)
-    location.write_text(path, f"{won[0]} again")
-    second = remote.stat(path)
+    assert len(won) == 1 and path.read_text() == str(won[0])
+    first = path.info()
+    path.write_text(f"{won[0]} again")
+    second = path.info()
     assert first is not None and second is not None and first.version != second.version
-    assert second.updated is not None and remote.stat(path.parent / "none") is None
+    assert second.updated is not None and (path.parent / "none").info() is None
 
 
 def test_a_missing_bucket_is_one_line(object_store_servers):
     for scheme in ("gs", "s3"):
         with pytest.raises(remote.StorageRefused, match=r"bucket .* does not exist") as err:
-            location.write_text(location.location(f"{scheme}://no-such-bucket-here/x"), "1")
+            location.location(f"{scheme}://no-such-bucket-here/x").write_text("1")
         assert "\n" not in str(err.value)
 
 
@@ -81,11 +81,11 @@ def test_a_store_that_stops_answering_is_retried_then_one_line(object_store_serv
     timer = threading.Timer(3, server.resume)
     timer.start()
     try:
-        location.write_text(path, "after the pause")
+        path.write_text("after the pause")
     finally:
         timer.join()
         server.resume()
-    assert location.read_text(path) == "after the pause"
+    assert path.read_text() == "after the pause"
     # Paused past the deadline: one line naming the location and the deadline.
     deadlines.enter_context(remote.deadline(4))
     server.pause()
@@ -93,7 +93,7 @@ def test_a_store_that_stops_answering_is_retried_then_one_line(object_store_serv
     try:
         with pytest.raises(remote.StorageUnavailable, match=r"did not answer writing .* for "
                            r"\d+ s \(storage\.deadline_s=4\)") as err:
-            location.write_text(path, "never")
+            path.write_text("never")
     finally:
         server.resume()
     assert time.monotonic() - start < 60 and "\n" not in str(err.value)
@@ -105,19 +105,19 @@ def test_a_deadline_shorter_than_a_request_timeout_is_kept(object_store_servers,
                                                            deadlines):
     server = object_store_servers[scheme]
     path = location.location(f"{server.new_bucket()}/x")
-    location.write_text(path, "before")
+    path.write_text("before")
     deadlines.enter_context(remote.deadline(3))
     server.pause()
     start = time.monotonic()
     try:
         with pytest.raises(remote.StorageUnavailable, match=r"did not answer reading .* "
                            r"\(storage\.deadline_s=3\)"):
-            location.read_text(path)
+            path.read_text()
     finally:
         server.resume()
     # the deadline and the least wait for an answer, not a whole request timeout (20 s)
     assert time.monotonic() - start < 3 + remote.LEAST_ATTEMPT_S + 2
-    assert location.read_text(path) == "before"
+    assert path.read_text() == "before"
 
 
 @pytest.mark.slow
@@ -128,17 +128,18 @@ def test_every_request_to_a_store_that_stopped_answering_ends_at_the_deadline(
     bucket = server.new_bucket()
     local = tmp_path / "blob"
     local.write_bytes(bytes(range(256)) * 400)
-    remote.upload(local, location.location(f"{bucket}/x"))
+    location.location(f"{bucket}/x").upload(local)
     monkeypatch.setattr(remote, "REQUEST_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(remote, "list_tree", lambda path: {"x": local.stat().st_size})
+    monkeypatch.setattr(remote.ObjectLocation, "list_tree",
+                        lambda self: {"x": local.stat().st_size})
     deadlines.enter_context(remote.deadline(0.5))
     calls = {  # s3fs's upload once waited without end for a store that stopped answering
-        "upload": lambda: remote.upload(local, location.location(f"{bucket}/y")),
-        "write": lambda: remote.write_bytes(location.location(f"{bucket}/z"), b"abc"),
-        "create": lambda: remote.create(location.location(f"{bucket}/w"), b"abc"),
-        "copy": lambda: remote.copy_tree(location.location(bucket), location.location(
+        "upload": lambda: location.location(f"{bucket}/y").upload(local),
+        "write": lambda: location.location(f"{bucket}/z").write_bytes(b"abc"),
+        "create": lambda: location.location(f"{bucket}/w").create(b"abc"),
+        "copy": lambda: location.location(bucket).copy_tree(location.location(
             f"{bucket}/copy")),
-        "ranged read": lambda: remote.read_range(location.location(f"{bucket}/x"), 0, 10),
+        "ranged read": lambda: location.location(f"{bucket}/x").read_range(0, 10),
     }
     ended: dict[str, BaseException | None] = {}
 
@@ -164,17 +165,17 @@ def test_every_request_to_a_store_that_stopped_answering_ends_at_the_deadline(
 def test_a_streamed_read_is_ranged_requests_that_seek(bucket, monkeypatch):
     path = location.location(f"{bucket}/data/big.bin")
     data = bytes(range(256)) * 40
-    location.write_bytes(path, data)
+    path.write_bytes(data)
     monkeypatch.setattr(remote, "READ_BLOCK", 1000)
     asked: list[tuple[int, int]] = []
-    read_range = remote.read_range
+    read_range = remote.ObjectLocation.read_range
 
     def spy(where, start: int, end: int) -> bytes:
         asked.append((start, end))
         return read_range(where, start, end)
 
-    monkeypatch.setattr(remote, "read_range", spy)
-    with location.open_read(path) as f:
+    monkeypatch.setattr(remote.ObjectLocation, "read_range", spy)
+    with path.open_read() as f:
         assert f.read(10) == data[:10] and f.tell() == 10
         f.seek(5000)
         assert f.read(3000) == data[5000:8000]
@@ -183,27 +184,31 @@ def test_a_streamed_read_is_ranged_requests_that_seek(bucket, monkeypatch):
     assert asked[0] == (0, 1000) and all(end <= len(data) for _, end in asked)
     assert sum(end - start for start, end in asked) < len(data)  # not the whole object
     with pytest.raises(FileNotFoundError):
-        location.open_read(path.parent / "missing.bin")
+        (path.parent / "missing.bin").open_read()
+
+
+def _glob(pattern: str) -> list[str]:
+    return [str(found) for found in location.location(pattern).matches()]
 
 
 def test_a_glob_matches_objects_below_prefixes_never_the_prefixes(bucket):
     for name in ("a.txt", "b.md", "sub/c.txt", "sub/deeper/d.txt"):
-        location.write_text(location.location(f"{bucket}/corpus/{name}"), name)
-    assert remote.glob(f"{bucket}/corpus/*.txt") == [f"{bucket}/corpus/a.txt"]
-    assert remote.glob(f"{bucket}/corpus/**/*.txt") == [
+        location.location(f"{bucket}/corpus/{name}").write_text(name)
+    assert _glob(f"{bucket}/corpus/*.txt") == [f"{bucket}/corpus/a.txt"]
+    assert _glob(f"{bucket}/corpus/**/*.txt") == [
         f"{bucket}/corpus/{n}" for n in ("a.txt", "sub/c.txt", "sub/deeper/d.txt")]
-    assert remote.glob(f"{bucket}/corpus/**") == [
+    assert _glob(f"{bucket}/corpus/**") == [
         f"{bucket}/corpus/{n}" for n in ("a.txt", "b.md", "sub/c.txt", "sub/deeper/d.txt")]
-    location.write_text(location.location(f"{bucket}/corpus/e.txt"), "new")  # seen at once
-    assert f"{bucket}/corpus/e.txt" in remote.glob(f"{bucket}/corpus/*.txt")
-    assert remote.glob(f"{bucket}/nothing/*") == []
+    location.location(f"{bucket}/corpus/e.txt").write_text("new")  # seen at once
+    assert f"{bucket}/corpus/e.txt" in _glob(f"{bucket}/corpus/*.txt")
+    assert _glob(f"{bucket}/nothing/*") == []
     scheme = remote.scheme_of(bucket)
-    assert remote.glob(f"{scheme}://no-such-bucket-here/*") == []
-    assert remote.bucket_exists(bucket) and not remote.bucket_exists(
-        f"{scheme}://no-such-bucket-here/x")
+    assert _glob(f"{scheme}://no-such-bucket-here/*") == []
+    assert location.location(bucket).bucket_exists() and not location.location(
+        f"{scheme}://no-such-bucket-here/x").bucket_exists()
     with pytest.raises(remote.StorageRefused, match="bucket 'no-such-bucket-here' does not"):
-        remote.missing_line(f"{scheme}://no-such-bucket-here/x", "object")
-    assert remote.missing_line(f"{bucket}/x", "object") == f"no object {bucket}/x"
+        location.location(f"{scheme}://no-such-bucket-here/x").missing_line("object")
+    assert location.location(f"{bucket}/x").missing_line("object") == f"no object {bucket}/x"
 
 
 @pytest.mark.slow
@@ -213,11 +218,11 @@ def test_a_store_that_stops_answering_mid_stream_is_waited_for(object_store_serv
     server = object_store_servers[scheme]
     path = location.location(f"{server.new_bucket()}/x.bin")
     data = bytes(range(256)) * 16
-    location.write_bytes(path, data)
+    path.write_bytes(data)
     monkeypatch.setattr(remote, "READ_BLOCK", 1024)
     monkeypatch.setattr(remote, "REQUEST_TIMEOUT_S", 1.0)
     deadlines.enter_context(remote.deadline(60))
-    with location.open_read(path) as f:
+    with path.open_read() as f:
         first = f.read(1024)
         server.pause()
         timer = threading.Timer(3, server.resume)
@@ -289,7 +294,7 @@ def test_a_gcs_key_file_that_cannot_be_loaded_is_one_line_at_once(
                 f"^GOOGLE_APPLICATION_CREDENTIALS names {re.escape(str(key))}, {why}: give it the "
                 "path of a "
                 "service account key")) as err:
-            location.list_names(location.location("gs://bucket/runs"))
+            location.location("gs://bucket/runs").list_names()
         assert "\n" not in str(err.value)
         from trainrun.cli import main
 
@@ -320,6 +325,6 @@ def test_an_aws_credentials_file_that_cannot_be_read_is_named_in_one_line(
     try:
         with pytest.raises(remote.StorageRefused,
                            match=says.format(file=re.escape(str(file)), url=re.escape(url))):
-            location.list_names(location.location(url))
+            location.location(url).list_names()
     finally:
         _fresh_clients()

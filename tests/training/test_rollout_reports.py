@@ -258,5 +258,5 @@ def test_sampled_completions_of_a_run_on_object_storage_reach_its_bucket(
     config = load_config("grpo", [*SMALL, "steps=2", "checkpoint.every=2",
                                   "rl.log_completions.every=1", _rewards({"name": "exact_match"})])
     run(config, url, out=io.StringIO())
-    text = location.read_text(location.location(url) / "completions.jsonl")
+    text = (location.location(url) / "completions.jsonl").read_text()
     assert [json.loads(line)["step"] for line in text.splitlines()] == [1] * 4 + [2] * 4

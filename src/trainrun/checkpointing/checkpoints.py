@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import shutil
 import threading
 import time
@@ -39,6 +40,7 @@ from trainrun.config import RunConfig
 from trainrun.errors import UserError, WriteFailed
 from trainrun.rundir import write_failures
 from trainrun.storage import location
+from trainrun.storage.location import Location
 
 DEFAULT_DIR = rundir.CHECKPOINTS
 CORRUPT_DIR = "corrupt"  # unreadable steps are moved here, never deleted
@@ -51,7 +53,7 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be used as asked; the CLI prints it on one line and exits 2."""
 
 
-def checkpoint_dir(config: RunConfig, run_dir: Path) -> Path:
+def checkpoint_dir(config: RunConfig, run_dir: Location) -> Location:
     """``checkpoint.dir``, else the run directory's; a ``gs://``/``s3://`` one stays remote."""
     return (location.location(config.checkpoint.dir) if config.checkpoint.dir
             else run_dir / DEFAULT_DIR)
@@ -171,7 +173,7 @@ class Restored:
     step: int
     state: PyTree
     metadata: dict[str, Any]
-    moved: list[tuple[int, str, Path]]  # unreadable newer steps: (step, why, moved to)
+    moved: list[tuple[int, str, Location]]  # unreadable newer steps: (step, why, moved to)
     verified: bool = True  # False: saved without checksums (by an earlier trainrun)
 
 
@@ -233,8 +235,8 @@ def repair_step_metadata(directory: Path) -> list[str]:
         record = path / STEP_METADATA
         if not (path.name.isdigit() and record.is_file() and not record.is_symlink()):
             continue
-        if integrity.step_record_problem(path) is not None:
-            rundir.write_text(record, "{}\n")
+        if integrity.step_record_problem(location.local(path)) is not None:
+            rundir.write_text(location.local(record), "{}\n")
             repaired.append(path.name)
     return repaired
 
@@ -247,25 +249,27 @@ class Checkpoints:
     the store no longer answers (the run's mirror failed past storage.deadline_s; None: go on
     waiting), and ``say`` where progress of a long wait is said."""
 
-    def __init__(self, directory: Path, config: RunConfig, provenance: dict[str, Any], *,
+    def __init__(self, directory: Location | str | os.PathLike[str], config: RunConfig,
+                 provenance: dict[str, Any], *,
                  stalled: Callable[[int | None], Exception | None] | None = None,
                  say: Callable[[str], None] | None = None):
-        self.remote = location.is_remote(directory)
-        self.directory = (location.location(directory) if self.remote
-                          else Path(directory).absolute())
+        directory = location.location(directory)  # a path given here enters here
+        self.directory = directory.absolute()
+        self.remote = not directory.renames  # Orbax's commit file marks a step committed
+        local = self.directory.local_path
         self.config = config
         self.cfg = cfg = config.checkpoint
         self.provenance = provenance
         primary = jax.process_index() == 0
-        if self.remote:  # Orbax's commit file marks a step committed; one without is partial
+        if local is None:  # a step without Orbax's commit file is partial
             object_store.prepare(self.directory)
             self.partial = rundir.uncommitted_steps(self.directory) if primary else []
             self.half_deleted, self.repaired = [], []
         else:
-            self.partial = sorted(p.name for p in self.directory.glob(f"*{TMP_MARK}*"))
+            self.partial = sorted(p.name for p in local.glob(f"*{TMP_MARK}*"))
             # old steps a killed run was deleting, finished off (Orbax warns on each start)
-            self.half_deleted = finish_deletions(self.directory) if primary else []
-            self.repaired = repair_step_metadata(self.directory) if primary else []
+            self.half_deleted = finish_deletions(local) if primary else []
+            self.repaired = repair_step_metadata(local) if primary else []
         policies = ocp.checkpoint_managers
         keep = policies.LatestN(cfg.keep)
         best: dict[str, Any] = {}
@@ -287,7 +291,7 @@ class Checkpoints:
         self._unquiet = write_failures.quiet_orbax_errors()
         handlers = {"state": StateHandler(), "data": DataHandler(), "meta": MetaHandler()}
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
+            self.directory.epath(), options=options,
             # DataHandler is an Orbax handler by duck typing (Grain's), not by subclass.
             item_handlers=handlers)  # pyright: ignore[reportArgumentType]
         self._in_flight = False  # a save may still be being written in the background
@@ -305,7 +309,7 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, state: PyTree, iterator: Any, *, wait: bool = False,
-             metrics: dict[str, float] | None = None) -> Path:
+             metrics: dict[str, float] | None = None) -> Location:
         """Checkpoint ``state`` after ``step`` steps. Blocks while the state is copied to host
         (the caller may donate it afterwards); the write continues in the background unless
         ``wait`` or ``async: false``. metrics: what ``keep_best`` ranks this step by."""
@@ -410,12 +414,12 @@ class Checkpoints:
     def _restore(self, step: int, **items: Any) -> Any:
         return self.manager.restore(step, args=ocp.args.Composite(**items))
 
-    def _move_aside(self, step: int) -> Path:
+    def _move_aside(self, step: int) -> Location:
         """An unreadable step goes to ``corrupt/`` (process 0 moves it; all wait for that)."""
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
         target = self.directory / CORRUPT_DIR / f"{step}-{stamp}"
         if jax.process_index() == 0:
-            location.move_tree(self.directory / str(step), target)
+            (self.directory / str(step)).move_tree(target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"trainrun: moved step {step} aside")
         self.manager.reload()

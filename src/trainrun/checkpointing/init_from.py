@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -76,7 +76,7 @@ from trainrun.models.transformer import adapter_draws, split_adapters
 from trainrun.program.optim import Optimizer, param_name
 from trainrun.program.precision import Policy
 from trainrun.program.state import INIT_COMPILER_OPTIONS, TrainState, root_keys
-from trainrun.storage import location, remote
+from trainrun.storage import location
 
 PyTree = Any
 Location = location.Location  # a local path, or a gs:// or s3:// one
@@ -85,26 +85,27 @@ Reader = Callable[[tuple[slice, ...] | None], np.ndarray]  # a param, or a slice
 
 
 def source_location(source: str) -> Location:
-    """``init.from`` as its store's path type: a ``gs://``/``s3://`` location, or a local
-    path (``~`` expanded)."""
-    return location.location(source) if location.is_remote(source) else Path(source).expanduser()
+    """Where ``init.from`` enters: a ``gs://``/``s3://`` location, or a local path (``~``
+    expanded)."""
+    return location.location(source)
 
 
-def source_kind(path: Location, what: str = "init.from") -> str:
+def source_kind(path: Location | str | os.PathLike[str], what: str = "init.from") -> str:
     """"run", "huggingface", "adapter" or "safetensors"; anything else is refused in one line
     that says what was found and what is read. what: how the line names the path's origin.
     ``path``: local, or on object storage (``source_location``)."""
-    if location.is_file(path / rundir.CONFIG):
+    path = location.location(path)  # a path given here enters here
+    if (path / rundir.CONFIG).is_file():
         return "run"
-    if location.is_file(path / peft.ADAPTER_CONFIG):
+    if (path / peft.ADAPTER_CONFIG).is_file():
         extras.require("huggingface", f"{what} {path}")
         return "adapter"
-    if location.is_file(path / CONFIG):
-        if not (location.is_file(path / WEIGHTS) or location.is_file(path / INDEX)):
+    if (path / CONFIG).is_file():
+        if not ((path / WEIGHTS).is_file() or (path / INDEX).is_file()):
             raise _weights_unread(path, what)
         extras.require("huggingface", f"{what} {path}")
         return "huggingface"
-    if path.suffix == ".safetensors" and location.is_file(path):
+    if path.suffix == ".safetensors" and path.is_file():
         extras.require("huggingface", f"{what} {path}")
         return "safetensors"
     raise _not_a_source(path, what)
@@ -114,7 +115,7 @@ def _weights_unread(path: Location, what: str) -> WeightsError:
     """The line for a model directory (``config.json``) without safetensors weights: the
     PyTorch ``.bin`` weights it holds instead, or none."""
     if any(name.startswith("pytorch_model") and name.endswith(".bin")
-           for name in location.list_names(path)):
+           for name in path.list_names()):
         return WeightsError(f"{what} {path}: its weights are pytorch_model.bin, which "
                             "trainrun does not read; save them as safetensors "
                             "(save_pretrained(..., safe_serialization=True))")
@@ -125,12 +126,12 @@ def _weights_unread(path: Location, what: str) -> WeightsError:
 def _not_a_source(path: Location, what: str) -> WeightsError:
     """The line for a path that holds no source ``source_kind`` reads: a PyTorch ``.bin``
     file, nothing at all (a hub name given for a local path is told so), or something else."""
-    if path.suffix == ".bin" and location.is_file(path):
+    if path.suffix == ".bin" and path.is_file():
         return WeightsError(f"{what} {path}: a PyTorch .bin file, which trainrun does not "
                             "read; save the model as safetensors")
-    if location.is_remote(path):
-        if not location.is_file(path) and not location.is_dir(path):
-            return WeightsError(f"{what}: {remote.missing_line(path, 'object or folder')}; "
+    if path.local_path is None:
+        if not path.is_file() and not path.is_dir():
+            return WeightsError(f"{what}: {path.missing_line('object or folder')}; "
                                 "give the location of a run, a model directory or an adapter "
                                 "directory")
     elif not path.exists():
@@ -191,12 +192,12 @@ def records_tokenizer(path: Location, kind: str) -> tuple[str, str | None]:
         if not isinstance(data, RecordsData):
             return model_tokenizer.BYTES, None
         return data.tokenizer or model_tokenizer.BYTES, data.chat_template
-    if kind == "adapter" and not location.is_file(path / "tokenizer.json"):
+    if kind == "adapter" and not (path / "tokenizer.json").is_file():
         return str(_adapter_base(path)), None
     return str(path), None
 
 
-def model_of(path: Location, model: TransformerModel | None = None,
+def model_of(path: Location | str | os.PathLike[str], model: TransformerModel | None = None,
              seq_len: int | None = None, *, full_context: bool = False,
              seq_len_key: str = "data.seq_len") -> TransformerModel:
     """The transformer a Hugging Face or adapter directory holds. ``model``: the run's model
@@ -204,8 +205,9 @@ def model_of(path: Location, model: TransformerModel | None = None,
     agree; ``seq_len``: the run's sequence length (``seq_len_key`` names it in a refusal), the
     context of a rotary model; ``full_context``: without ``seq_len``, the context config.json
     gives (``max_position_embeddings``)."""
+    path = location.location(path)  # a path given here enters here
     model = model or TransformerModel()
-    adapter = location.is_file(path / peft.ADAPTER_CONFIG)
+    adapter = (path / peft.ADAPTER_CONFIG).is_file()
     base = _adapter_base(path) if adapter else path
     hf = read_config(base)
     arch = architecture(hf, str(base / CONFIG))
@@ -236,17 +238,11 @@ def _adapter_base(path: Location) -> Location:
     """The base model an adapter directory names: a local path (relative ones tried inside the
     adapter directory first) or a ``gs://``/``s3://`` location."""
     name = peft.base_model_name(path)
-    base: Location | None = None
-    if name and location.is_remote(name):
-        base = location.location(name)
-    elif name and location.is_remote(path) and not name.startswith(("/", "~")) and \
-            location.is_dir(path / name):
-        base = path / name  # a relative name beside remote adapters: inside their folder
-    elif name:
-        base = Path(name).expanduser()
-        if not base.is_absolute() and not location.is_remote(path):
-            base = (path / base) if (path / base).is_dir() else base
-    if base is None or not location.is_file(base / CONFIG):
+    base = location.location(name) if name else None  # where the name enters: as written
+    if (name and base is not None and base.local_path is not None
+            and not name.startswith(("/", "~")) and (path / name).is_dir()):
+        base = path / name  # a relative name: inside the adapter directory first
+    if base is None or not (base / CONFIG).is_file():
         raise WeightsError(f"init.from {path}: its base model {name!r} "
                            "(base_model_name_or_path) is not a Hugging Face directory here or "
                            "on object storage; download it and set base_model_name_or_path in "
@@ -268,7 +264,7 @@ _EFFECTIVE = {"kv_heads": "kv_key_heads", "head_dim": "attention_head_dim",
               "mlp_hidden": "hidden", "mlp_ratio": "hidden"}
 
 
-def _agreed(model: TransformerModel, arch: Architecture, described_by: Path,
+def _agreed(model: TransformerModel, arch: Architecture, described_by: Location,
             data_seq_len: int | None, seq_len_key: str = "data.seq_len") -> TransformerModel:
     """``model`` with ``arch``'s fields (the file ``described_by`` gives them); a field the
     model sets to another value is refused, naming both. ``data_seq_len``: the length the run

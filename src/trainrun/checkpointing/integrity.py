@@ -25,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
-from trainrun.storage import location, remote
+from trainrun.storage import location
+from trainrun.storage.location import Location
 
 MANIFEST = "trainrun-checksums.json"
 ITEMS = ("state", "data", "meta")
@@ -40,18 +42,18 @@ BLOCK = 1 << 20  # bytes hashed at a time: a file of any size in little memory
 RANGE, RANGES_AT_ONCE = 32 << 20, 4
 
 
-def file_digest(path: location.Location, size: int | None = None) -> str:
+def file_digest(path: Location, size: int | None = None) -> str:
     """The sha256 of a file; an object on object storage of known ``size`` is read as ranges
     several at a time (a round trip each), hashed in order."""
     digest = hashlib.sha256()
-    if location.is_remote(path) and size is not None and size > RANGE:
+    if path.local_path is None and size is not None and size > RANGE:  # a round trip a read
         starts = range(0, size, RANGE)
         with ThreadPoolExecutor(RANGES_AT_ONCE) as pool:
-            for block in pool.map(lambda a: remote.read_range(path, a, min(a + RANGE, size)),
+            for block in pool.map(lambda a: path.read_range(a, min(a + RANGE, size)),
                                   starts):
                 digest.update(block)
         return digest.hexdigest()
-    with location.open_read(path) as f:
+    with path.open_read() as f:
         for block in iter(lambda: f.read(BLOCK), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -60,10 +62,11 @@ def file_digest(path: location.Location, size: int | None = None) -> str:
 REMOTE_READERS = 8  # small files hashed at once on object storage: each read is a round trip
 
 
-def digests(directory: location.Location, sizes: dict[str, int]) -> dict[str, str]:
+def digests(directory: Location, sizes: dict[str, int]) -> dict[str, str]:
     """``{name: sha256}`` of files below ``directory`` (of the given sizes): one after another
     locally, several at once on object storage."""
-    small = [name for name in sizes if location.is_remote(directory) and sizes[name] <= RANGE]
+    at_once = directory.local_path is None  # each read a round trip to the store
+    small = [name for name in sizes if at_once and sizes[name] <= RANGE]
     found = {}
     if len(small) > 1:  # several at once; a large one alone, its ranges several at once
         with ThreadPoolExecutor(min(REMOTE_READERS, len(small))) as pool:
@@ -73,20 +76,20 @@ def digests(directory: location.Location, sizes: dict[str, int]) -> dict[str, st
             for name in sizes}
 
 
-def write_manifest(directory: location.Location) -> None:
+def write_manifest(directory: Location | os.PathLike[str]) -> None:
     """The checksums of every file under ``directory`` (an item being finalized), local or on
     object storage."""
-    directory = location.location(directory)
-    sizes = {name: size for name, size in location.list_tree(directory).items()
+    directory = location.location(directory)  # as Orbax hands it over
+    sizes = {name: size for name, size in directory.list_tree().items()
              if name.rsplit("/", 1)[-1] not in ORBAX_MARKS | {MANIFEST}}
     hashed = digests(directory, sizes)
     files: dict[str, dict[str, object]] = {name: {"sha256": hashed[name], "bytes": size}
                                            for name, size in sizes.items()}
-    if location.is_remote(directory):  # what a restore compares, reading no byte (see below)
-        for name, checksum in remote.content_checksums(directory).items():
-            if name in files:
-                files[name]["store"] = checksum
-    location.write_text(directory / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1))
+    # what a restore compares on object storage, reading no byte (see below); none locally
+    for name, checksum in directory.content_checksums().items():
+        if name in files:
+            files[name]["store"] = checksum
+    (directory / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=1))
 
 
 @dataclasses.dataclass
@@ -100,7 +103,7 @@ class Verified:
     bytes: int = 0
 
 
-def verify_step(step_dir: location.Location, *, read: bool = True) -> Verified:
+def verify_step(step_dir: Location | str | os.PathLike[str], *, read: bool = True) -> Verified:
     """Compare every file of the step at ``step_dir`` with the checksums saved with it.
 
     On object storage with ``read=False`` (a restore), a file whose saved record holds the
@@ -108,8 +111,9 @@ def verify_step(step_dir: location.Location, *, read: bool = True) -> Verified:
     it from the bytes it was given and keeps its data checked itself, so an object changed or
     written again since the save shows another. ``read=True`` (``verify-checkpoint``) reads and
     hashes every byte."""
-    items = [step_dir / name for name in ITEMS if location.is_dir(step_dir / name)]
-    if not any(location.exists(item / MANIFEST) for item in items):
+    step_dir = location.location(step_dir)  # a path given here enters here
+    items = [step_dir / name for name in ITEMS if (step_dir / name).is_dir()]
+    if not any((item / MANIFEST).exists() for item in items):
         return Verified([], checked=False)
     result = Verified([], checked=True)
     for item in items:
@@ -117,17 +121,17 @@ def verify_step(step_dir: location.Location, *, read: bool = True) -> Verified:
     return result
 
 
-def _verify_item(item: location.Location, result: Verified, read: bool = True) -> list[str]:
+def _verify_item(item: Location, result: Verified, read: bool = True) -> list[str]:
     try:
-        listed = json.loads(location.read_text(item / MANIFEST))["files"]
+        listed = json.loads((item / MANIFEST).read_text())["files"]
     except FileNotFoundError:
         return [f"{item.name}/ has no {MANIFEST}"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return [f"{item.name}/{MANIFEST} cannot be read ({type(err).__name__})"]
     problems = []
-    present = {name: size for name, size in location.list_tree(item).items()
+    present = {name: size for name, size in item.list_tree().items()
                if name.rsplit("/", 1)[-1] not in ORBAX_MARKS | {MANIFEST}}
-    stored = ({} if read or not location.is_remote(item) else remote.content_checksums(item))
+    stored = {} if read else item.content_checksums()
     by_store = {name for name, saved in listed.items()
                 if saved.get("store") and name in stored}
     hashed = digests(item, {name: saved["bytes"] for name, saved in listed.items()
@@ -156,13 +160,13 @@ def _verify_item(item: location.Location, result: Verified, read: bool = True) -
     return problems
 
 
-def step_record_problem(step_dir: location.Location) -> str | None:
+def step_record_problem(step_dir: Location) -> str | None:
     """Why Orbax cannot read its record of the step at ``step_dir`` (``_CHECKPOINT_METADATA``:
     the step's item handlers, timestamps and metrics, written as the step commits, after the
     checksums and so outside them), read through the storage layer and checked by Orbax's
     own deserializer; None when it reads, or when there is none (Orbax then goes without)."""
     try:
-        record = json.loads(location.read_text(step_dir / STEP_RECORD))
+        record = json.loads((step_dir / STEP_RECORD).read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:  # not UTF-8 text, or not JSON
@@ -178,7 +182,7 @@ def step_record_problem(step_dir: location.Location) -> str | None:
     return None
 
 
-def verify_run_checkpoint(run_dir: location.Location | str,
+def verify_run_checkpoint(run_dir: Location | str,
                           step: int | None = None) -> tuple[bool, str]:
     """``trainrun verify-checkpoint``: the checksums of one committed step of a run (default
     its newest), without training. Returns (every file matches, a line saying what was found)."""
@@ -186,8 +190,8 @@ def verify_run_checkpoint(run_dir: location.Location | str,
     from trainrun.rundir import CHECKPOINTS, CONFIG, committed_steps, read_yaml
 
     run = location.location(run_dir)
-    if not location.is_file(run / CONFIG):
-        location.require_bucket(run)
+    if not (run / CONFIG).is_file():
+        run.require_bucket()
         raise UserError(f"{run} holds no trainrun run (no {CONFIG}); give a run directory")
     section = read_yaml(run / CONFIG).get("checkpoint")
     ckpt = section.get("dir") if isinstance(section, dict) else None

@@ -22,6 +22,7 @@ from typing import Any
 
 from trainrun.errors import UserError
 from trainrun.storage import remote
+from trainrun.storage.location import Location
 
 S3_ATTEMPTS = 16  # botocore's tries of one request Orbax makes itself (about 4 minutes)
 _patched = threading.Lock()
@@ -36,7 +37,7 @@ def manager_options() -> dict[str, Any]:
         mode=ocp.options.AtomicityMode.COMMIT_FILE)}
 
 
-def prepare(directory: Any) -> None:
+def prepare(directory: Location) -> None:
     """Make Orbax and TensorStore reach ``directory``'s store (idempotent)."""
     scheme = remote.scheme_of(directory)
     with _patched:

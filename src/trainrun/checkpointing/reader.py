@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,12 +39,13 @@ class RunReadError(UserError):
     """A run directory that cannot be read as asked; one line, exit 2."""
 
 
-def saved_config(run_dir: location.Location) -> RunConfig:
+def saved_config(run_dir: location.Location | str | os.PathLike[str]) -> RunConfig:
     """The resolved config a run directory was trained with (its ``config.yaml``); read by
     sampling, export and ``init.from``."""
+    run_dir = location.location(run_dir)  # a path given here enters here
     path = run_dir / rundir.CONFIG
-    if not location.is_file(path):
-        location.require_bucket(run_dir)
+    if not path.is_file():
+        run_dir.require_bucket()
         raise RunReadError(f"{run_dir} is not a run directory (no {rundir.CONFIG}); give the "
                           "directory a training run wrote, e.g. runs/lm")
     try:
@@ -52,10 +54,11 @@ def saved_config(run_dir: location.Location) -> RunConfig:
         raise RunReadError(f"the config saved in {path} no longer loads: {err}") from None
 
 
-def latest_params(run_dir: location.Location, config: RunConfig,
+def latest_params(run_dir: location.Location | str | os.PathLike[str], config: RunConfig,
                   step: int | None = None) -> tuple[int, PyTree]:
     """``(step, params)`` of the run's newest readable checkpoint, or of ``step`` (see
     ``latest_state``)."""
+    run_dir = location.location(run_dir)  # a path given here enters here
     found, state = latest_state(run_dir, config, optimizer_state=False, step=step)
     return found, state.params
 
@@ -74,7 +77,7 @@ def _run_model(config: RunConfig) -> Model:
     return build_model(config.model, config.preference)
 
 
-def latest_state(run_dir: location.Location, config: RunConfig,
+def latest_state(run_dir: location.Location | str | os.PathLike[str], config: RunConfig,
                  model: Model | None = None, *,
                  optimizer_state: bool = True, step: int | None = None) -> tuple[int, Any]:
     """``(step, TrainState)`` of the run's newest readable checkpoint, on one device. model:
@@ -89,11 +92,10 @@ def latest_state(run_dir: location.Location, config: RunConfig,
     that cannot be read, or whose files do not match their checksums, is skipped for the one
     before it, as a resume would.
     """
-    directory = checkpoint_dir(config, run_dir)
-    remote = location.is_remote(directory)
-    if not remote:
-        directory = directory.absolute()
-    if not location.is_dir(directory):
+    run_dir = location.location(run_dir)  # a path given here enters here
+    directory = checkpoint_dir(config, run_dir).absolute()
+    remote = not directory.renames  # Orbax's commit file marks a step committed
+    if not directory.is_dir():
         raise RunReadError(f"{run_dir} has no checkpoints ({directory} does not exist); train "
                           "it first, e.g. trainrun train --config lm")
     if remote:  # Orbax and TensorStore told how to reach the store and what commits a step
@@ -145,10 +147,10 @@ def _opened(directory: location.Location, options: ocp.CheckpointManagerOptions
     PyTree handler, the one under the standard handler that saved it, which can leave parts of
     the tree unread (``ocp.PLACEHOLDER``)."""
     try:
-        manager = ocp.CheckpointManager(directory, options=options,
+        manager = ocp.CheckpointManager(directory.epath(), options=options,
                                         item_handlers={"state": ocp.PyTreeCheckpointHandler()})
     except ValueError:
-        steps = sorted(int(name) for name in location.list_names(directory) if name.isdigit())
+        steps = sorted(int(name) for name in directory.list_names() if name.isdigit())
         found = [f"{directory / str(step)}: {why}" for step in steps
                  if (why := step_record_problem(directory / str(step))) is not None]
         if not found:

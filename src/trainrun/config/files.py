@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Self
 
 import yaml
 
@@ -84,7 +84,7 @@ def resolve_config_path(name_or_path: str, relative_to: Path | None = None) -> P
                       "(or give a path to a .yaml file)")
 
 
-def _read_yaml(path: Path, label: str) -> dict[str, Any]:
+def _read_yaml(path: Path | SavedFile, label: str) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
@@ -235,17 +235,26 @@ def config_layers(name_or_path: str = "mlp", overrides: list[str] | None = None)
     return layers
 
 
-def saved_layers(path: Path, overrides: list[str] | None = None) -> list[Layer]:
+class SavedFile(Protocol):
+    """A run's saved config file as the storage layer hands it (a local path or an object)."""
+
+    @property
+    def parent(self) -> Self: ...
+
+    def read_text(self, encoding: str | None = None) -> str: ...
+
+
+def saved_layers(path: Path | SavedFile, overrides: list[str] | None = None) -> list[Layer]:
     """A run's saved ``config.yaml`` (every value resolved when it was written) and overrides
     over it: the config that resumes or extends that run as it was. Its ``distributed``
     section is left out: it says how the job that wrote it joined its processes (``launch``
     gives each its id and coordinator), not what the run computes, and a resume on one
     process would wait for the others."""
     remote = "://" in str(path)  # gs:// or s3://: a location, read as its own path type reads
-    label = str(path) if remote else os.path.normpath(path)
+    label = str(path) if remote else os.path.normpath(str(path))
     tree = _renamed(_read_yaml(path, label), None)  # trainrun wrote it: no warning
     tree.pop("distributed", None)
-    layers = [Layer(f"run: {str(path.parent) if remote else os.path.normpath(path.parent)}",
+    layers = [Layer(f"run: {str(path.parent) if remote else os.path.normpath(str(path.parent))}",
                     tree)]
     if overrides:
         layers.append(Layer("override", parse_overrides(overrides)))

@@ -40,7 +40,6 @@ import re
 from collections.abc import Mapping
 from contextvars import ContextVar
 from datetime import datetime
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +47,6 @@ import numpy as np
 
 from trainrun.data.errors import DataError
 from trainrun.errors import printable
-from trainrun.storage import location
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -158,12 +156,12 @@ class ChatTemplate:
         ``"chat_template"`` of ``tokenizer_config.json`` (a string, or a list of
         ``{"name", "template"}`` of which "default" is taken); None when there is neither.
         Either file linking out of the folder is refused (``location.model_file``)."""
-        folder = path if location.is_remote(path) else Path(path)
-        jinja_file = location.model_file(folder / TEMPLATE_FILE, DataError)
-        if location.is_file(jinja_file):
+        folder = path
+        jinja_file = (folder / TEMPLATE_FILE).model_file(DataError)
+        if jinja_file.is_file():
             return cls(_read(jinja_file), str(jinja_file))
-        config_file = location.model_file(folder / CONFIG_FILE, DataError)
-        if not location.is_file(config_file):
+        config_file = (folder / CONFIG_FILE).model_file(DataError)
+        if not config_file.is_file():
             return None
         try:
             config = json.loads(_read(config_file))
@@ -361,9 +359,7 @@ def _read(file: Any) -> str:
     """A template file's text, local or on object storage (its line ends read as a local
     file's are, in text mode)."""
     try:
-        if location.is_remote(file):
-            return location.read_text(file).replace("\r\n", "\n").replace("\r", "\n")
-        return file.read_text(encoding="utf-8")
+        return file.read_text().replace("\r\n", "\n").replace("\r", "\n")
     except (OSError, UnicodeDecodeError) as error:
         raise DataError(f"cannot read {printable(str(file))}: {printable(str(error))}") from None
 

@@ -23,11 +23,11 @@ Arrays = dict[str, np.ndarray]
 
 def _existing(path: str, key: str) -> Path:
     """The local file ``path``; a location of object storage, or a URL trainrun does not take
-    (refused by ``is_remote``), is one line."""
-    if location.is_remote(path):
+    (refused as the location is made), is one line."""
+    file = location.location(path).local_path
+    if file is None:
         raise DataError(f"{key}: {path!r} is on object storage, and arrays and token files are "
                         "memory-mapped from a local disk; copy it there and give its path")
-    file = Path(path).expanduser()
     if not file.is_file():
         raise DataError(f"{key}: file {path!r} not found; give the path of an existing file")
     return file

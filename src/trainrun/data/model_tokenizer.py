@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any
 
 from trainrun.data.chat import CHATML, ChatTemplate
 from trainrun.data.errors import DataError
 from trainrun.data.tokenizer import DOCUMENT_TOKEN, byte_alphabet, library
-from trainrun.storage import location, remote
+from trainrun.storage import location
 
 Location = location.Location
 
@@ -81,14 +80,13 @@ def load(source: str, chat_template: str | None = None) -> ModelTokenizer:
     if source == BYTES:
         found = byte_tokenizer()
     else:
-        path = location.location(source) if location.is_remote(source) else Path(
-            source).expanduser()
-        if location.is_file(path):
+        path = location.location(source)
+        if path.is_file():
             found = _tokenizer_file(path, source)
-        elif location.is_dir(path):
+        elif path.is_dir():
             found = _model_dir(path, source)
-        elif location.is_remote(path):
-            raise DataError(f"data.tokenizer: {remote.missing_line(path, 'object or folder')}; "
+        elif path.local_path is None:
+            raise DataError(f"data.tokenizer: {path.missing_line('object or folder')}; "
                             "give a Hugging Face model directory, a tokenizer.json, or 'bytes'")
         else:
             raise DataError(f"data.tokenizer {source!r} not found; give a Hugging Face model "
@@ -130,9 +128,10 @@ def byte_tokenizer() -> ModelTokenizer:
 
 def _read_tokenizer(file: Location, source: str) -> Any:
     lib = library()
-    text = _text(file, source) if location.is_remote(file) else None
+    local = file.local_path
+    text = _text(file, source) if local is None else None
     try:
-        return lib.Tokenizer.from_file(str(file)) if text is None else lib.Tokenizer.from_str(text)
+        return lib.Tokenizer.from_file(str(local)) if text is None else lib.Tokenizer.from_str(text)
     except Exception as err:  # the library raises a bare Exception for bad JSON
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"data.tokenizer {source!r}: cannot read {file.name} as a tokenizer of "
@@ -142,7 +141,7 @@ def _read_tokenizer(file: Location, source: str) -> Any:
 def _text(file: Location, source: str) -> str:
     """A file of the tokenizer as UTF-8 text; unreadable is one line."""
     try:
-        return location.read_text(file)
+        return file.read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise DataError(f"data.tokenizer {source!r}: cannot read {file.name} ({err}); restore "
                         "the file from the model's release") from None
@@ -157,8 +156,8 @@ def _tokenizer_file(file: Location, source: str) -> ModelTokenizer:
 
 
 def _model_dir(path: Location, source: str) -> ModelTokenizer:
-    file = location.model_file(path / "tokenizer.json", DataError)
-    if not location.is_file(file):
+    file = (path / "tokenizer.json").model_file(DataError)
+    if not file.is_file():
         raise DataError(f"data.tokenizer {source!r} has no tokenizer.json (a tokenizer saved by "
                         "an older transformers as vocab files alone is not read); save it with a "
                         "recent transformers, or name a tokenizer.json")
@@ -185,10 +184,10 @@ def _model_dir(path: Location, source: str) -> ModelTokenizer:
 
 def _json_object(file: Location, source: str) -> dict[str, Any]:
     """The JSON object in ``file`` ({} when there is no file)."""
-    if not location.is_file(location.model_file(file, DataError)):
+    if not file.model_file(DataError).is_file():
         return {}
     try:
-        value = json.loads(location.read_text(file))
+        value = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DataError(f"data.tokenizer {source!r}: {file.name} is not readable JSON ({err}); "
                         "restore the file from the model's release") from None

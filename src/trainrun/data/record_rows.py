@@ -68,7 +68,7 @@ from trainrun.data.tasks import task_records
 from trainrun.data.text import corpus_files
 from trainrun.errors import WriteFailed
 from trainrun.platform.user_cache import cache_dir
-from trainrun.storage import location, remote
+from trainrun.storage import location
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 
@@ -191,8 +191,9 @@ class Source:
     def _identities(self) -> list[list[Any]]:
         """Each file's identity, asked of it once: its resolved path and the sha256 of its
         bytes, or an object's ``_object_identity``."""
-        return [_object_identity(file) if location.is_remote(file) else
-                [str(file.resolve()), _content_digest(file)] for file in self.files]
+        return [_object_identity(file) if file.local_path is None else
+                [str(file.local_path.resolve()), _content_digest(file.local_path)]
+                for file in self.files]
 
     def fingerprints(self) -> dict[str, str]:
         """Each file by its name, with its content fingerprint: ``sha256:<hex>`` of a local
@@ -222,11 +223,12 @@ def _object_identity(file: Location) -> list[Any]:
     bytes, or of its parts' MD5s for a multipart upload), which the size then backs. The same
     bytes written again keep an S3 ETag but get a new GCS generation: at worst the rows are
     made again."""
-    info = remote.stat(file)
-    if info is None:
-        raise DataError(f"data.paths: {remote.missing_line(file, 'object')}; it was listed but "
-                        "is gone: run again once the data stops changing")
-    return [str(file), "version", info.version, info.size]
+    try:
+        name, size, version = file.identity()
+    except FileNotFoundError:
+        raise DataError(f"data.paths: {file.missing_line('object')}; it was listed but "
+                        "is gone: run again once the data stops changing") from None
+    return [name, "version", version, size]
 
 
 def _content_digest(file: Path) -> str:

@@ -77,12 +77,12 @@ def _opened(path: Location) -> Iterator[Iterable[bytes]]:
     """A JSONL file's bytes, decompressed when it is gzipped: read from disk, or streamed from
     object storage a block at a time (ranged requests)."""
     gzipped = path.name.lower().endswith(".gz")
-    if not location.is_remote(path):
-        local: os.PathLike[str] = path  # typed, so that gzip.open picks its binary overload
+    local: os.PathLike[str] | None = path.local_path  # typed for gzip.open's binary overload
+    if local is not None:
         with gzip.open(local, "rb") if gzipped else open(local, "rb") as file:
             yield file
         return
-    with location.open_read(path) as raw:
+    with path.open_read() as raw:
         if not gzipped:
             yield raw
             return
@@ -141,8 +141,8 @@ def _parquet(path: Location, columns: Sequence[str]) -> Iterator[Located]:
         with contextlib.ExitStack() as stack:
             # on object storage, a seekable file of ranged reads: pyarrow reads the footer,
             # then only the wanted columns' chunks, never the whole object
-            source = (stack.enter_context(location.open_read(path))
-                      if location.is_remote(path) else path)
+            source = (path.local_path if path.local_path is not None
+                      else stack.enter_context(path.open_read()))
             file = pq.ParquetFile(source)
             present = set(file.schema_arrow.names)
             wanted = [name for name in columns if name in present] or None

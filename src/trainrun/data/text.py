@@ -29,7 +29,7 @@ import numpy as np
 
 from trainrun.data.errors import DataError
 from trainrun.data.pipeline import token_windows
-from trainrun.storage import location, remote
+from trainrun.storage import location
 
 Location = location.Location
 
@@ -43,44 +43,35 @@ def stdlib_patterns() -> tuple[str, ...]:
 def corpus_files(patterns: Sequence[str]) -> list[Location]:
     """The files the patterns match (``**`` recurses), sorted and without duplicates: local
     paths, then objects of ``gs://`` and ``s3://`` patterns (matched by the store's listing)."""
-    found: set[Path] = set()
-    objects: set[str] = set()
+    found: set[Location] = set()
     for pattern in patterns:
-        if location.is_remote(pattern):
-            names = _matching_objects(pattern)
-            objects.update(names)
-            continue
-        matches = [Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True)]
-        files = [p for p in matches if p.is_file() and not EXCLUDED_DIRS & set(p.parts)]
+        where = location.location(pattern)  # one naming no bucket, or no client: one line
+        files = [f for f in where.matches() if not EXCLUDED_DIRS & set(str(f).split("/"))]
         if not files:
-            raise DataError(f"data.paths pattern {pattern!r} matches no files; check the path "
-                            "(use ** to search subdirectories)")
+            raise DataError(_no_match(where, pattern))
         found.update(files)
-    return [*sorted(found), *(location.location(name) for name in sorted(objects))]
+    # local files first, in path order, then objects by name
+    return sorted(found, key=lambda f: (f.local_path is None, f.local_path or Path(), str(f)))
 
 
-def _matching_objects(pattern: str) -> list[str]:
-    """The objects a ``gs://``/``s3://`` pattern matches; none is one line, naming a bucket
-    that does not exist as such."""
-    location.location(pattern)  # a pattern naming no bucket, or no client installed: one line
-    names = [name for name in remote.glob(pattern)
-             if not EXCLUDED_DIRS & set(name.split("/"))]
-    if not names:
-        missing = remote.missing_line(pattern, "object")  # no bucket: its own line
-        if not glob.has_magic(pattern):
-            raise DataError(f"data.paths: {missing}; check the bucket and the path")
-        raise DataError(f"data.paths pattern {pattern!r} matches no objects; check the bucket "
-                        "and the path (use ** to search below prefixes)")
-    return names
+def _no_match(where: Location, pattern: str) -> str:
+    if where.local_path is not None:
+        return (f"data.paths pattern {pattern!r} matches no files; check the path (use ** to "
+                "search subdirectories)")
+    missing = where.missing_line("object")  # no bucket: its own line
+    if not glob.has_magic(pattern):
+        return f"data.paths: {missing}; check the bucket and the path"
+    return (f"data.paths pattern {pattern!r} matches no objects; check the bucket and the path "
+            "(use ** to search below prefixes)")
 
 
 def read_file(path: Location) -> bytes:
     """A corpus file's bytes, local or on object storage (one that went away after it was
     listed is one line)."""
     try:
-        return location.read_bytes(path)
+        return path.read_bytes()
     except FileNotFoundError:
-        if not location.is_remote(path):
+        if path.local_path is not None:
             raise
         raise DataError(f"data.paths: {path} is no longer there (deleted after it was "
                         "listed); run again once the data stops changing") from None

@@ -16,8 +16,6 @@ import contextlib
 import hashlib
 import io
 import json
-import os
-import uuid
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +25,8 @@ import numpy as np
 
 from trainrun.data.errors import DataError
 from trainrun.platform.user_cache import cache_dir
-from trainrun.storage import location, remote
+from trainrun.storage import location
+from trainrun.storage.atomic import replace_file
 
 Location = location.Location
 
@@ -51,14 +50,15 @@ def load_or_train(path: str, texts: Callable[[], Sequence[str]], vocab_size: int
 
     Raises DataError for a file that is not a tokenizer, one with more tokens than
     ``vocab_size`` or one without the document token."""
-    if location.is_remote(path):
-        file = location.location(path)
-        if remote.stat(file) is None and not remote.is_dir(file):
-            remote.create(file, train(texts(), vocab_size).to_str().encode())
-        return load(path, vocab_size)
-    local = Path(path).expanduser()
-    if not local.exists() and not local.is_symlink():
-        _write_atomically(local, train(texts(), vocab_size).to_str().encode())
+    file = location.location(path)
+    if not file.exists() and not file.is_symlink() and not file.is_dir():
+        data = train(texts(), vocab_size).to_str().encode()
+        try:
+            file.parent.make_dirs()
+            file.create(data)
+        except OSError as err:
+            raise DataError(f"cannot write {str(file)!r} ({err.strerror}); point "
+                            "data.tokenizer at a writable place") from None
     return load(path, vocab_size)
 
 
@@ -66,20 +66,20 @@ def load(path: str, vocab_size: int) -> Any:
     """The tokenizer at ``path`` (checked as ``load_or_train`` checks it); a missing file is a
     DataError."""
     lib = library()
-    file = location.location(path) if location.is_remote(path) else Path(path).expanduser()
-    if location.is_dir(file) and not location.is_file(file):
+    file = location.location(path)
+    if file.is_dir() and not file.is_file():
         raise DataError(f"data.tokenizer {path!r} is a folder; give the path of a "
                         "tokenizer.json file (it is trained and written there when missing)")
-    if not location.is_file(file):
-        if location.is_remote(file):
-            raise DataError(f"data.tokenizer: {remote.missing_line(file, 'object')}; give the "
+    if not file.is_file():
+        if file.local_path is None:
+            raise DataError(f"data.tokenizer: {file.missing_line('object')}; give the "
                             "location of a tokenizer.json")
         raise DataError(f"data.tokenizer {path!r} not found (a relative path is taken from the "
                         "directory you run in); run from where the run was trained, or give the "
                         "tokenizer's path")
-    text = _object_text(file) if location.is_remote(file) else None
+    text = _object_text(file) if file.local_path is None else None
     try:
-        tokenizer = (lib.Tokenizer.from_file(str(file)) if text is None
+        tokenizer = (lib.Tokenizer.from_file(str(file.local_path)) if text is None
                      else lib.Tokenizer.from_str(text))
     except Exception as err:  # the library raises a bare Exception for bad JSON
         raise DataError(f"data.tokenizer: cannot read {path!r} as a tokenizer.json of the "
@@ -111,12 +111,12 @@ def train(texts: Sequence[str], vocab_size: int) -> Any:
 def _object_text(file: Location) -> str:
     """A tokenizer file on object storage as text; not UTF-8 is one line."""
     try:
-        return location.read_text(file)
+        return file.read_text()
     except UnicodeDecodeError as err:
         raise DataError(f"data.tokenizer: {file} is not UTF-8 text ({err.reason} at byte "
                         f"{err.start}); give a tokenizer.json") from None
     except FileNotFoundError:
-        raise DataError(f"data.tokenizer: {remote.missing_line(file, 'object')}; give the "
+        raise DataError(f"data.tokenizer: {file.missing_line('object')}; give the "
                         "location of a tokenizer.json") from None
 
 
@@ -124,9 +124,9 @@ def encoded_cache(path: str) -> Path:
     """Where token ids encoded with the tokenizer at ``path`` are kept: ``<tokenizer>.cache/``
     beside a local file, the local cache directory for one on object storage (its entries are
     keyed by the tokenizer and the texts, so tokenizers share it safely)."""
-    if location.is_remote(path):
+    file = location.location(path).local_path
+    if file is None:  # on object storage: this machine's cache
         return cache_dir() / "encoded-text"
-    file = Path(path).expanduser()
     return file.with_name(file.name + ".cache")
 
 
@@ -173,8 +173,9 @@ def encode(tokenizer: Any, texts: Sequence[str], cache: Path | None = None) -> l
     if file is not None:
         lengths = np.array([doc.size for doc in docs], np.int64)
         blob = np.concatenate(docs) if docs else np.zeros(0, dtype)
-        with contextlib.suppress(DataError):  # a read-only place: encode again next time
-            _write_atomically(file, _npz_bytes(ids=blob, lengths=lengths))
+        with contextlib.suppress(OSError):  # a read-only place: encode again next time
+            file.parent.mkdir(parents=True, exist_ok=True)
+            replace_file(file, _npz_bytes(ids=blob, lengths=lengths))
     return docs
 
 
@@ -182,21 +183,6 @@ def _npz_bytes(ids: np.ndarray, lengths: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, ids=ids, lengths=lengths)
     return buffer.getvalue()
-
-
-def _write_atomically(file: Path, data: bytes) -> None:
-    """Write ``data`` to ``file`` whole or not at all (a temporary file renamed over it), so
-    two runs starting together cannot leave a half-written file."""
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "xb") as out:  # the umask's permissions, as any file the user writes
-            out.write(data)
-        os.replace(tmp, file)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot write {str(file)!r} ({err.strerror}); point data.tokenizer at "
-                        "a writable place") from None
 
 
 def byte_alphabet() -> dict[int, str]:

@@ -174,14 +174,14 @@ def write_result(result: EvalResult, out: location.Location) -> list[location.Lo
     and an ``answers.jsonl`` of its own that this result has none for is removed). Returns
     the files written."""
     require_writable(out)
-    location.make_dirs(out)
-    answers, scores = location.join(out, "answers.jsonl"), location.join(out, "scores.json")
+    out.make_dirs()
+    answers, scores = out / "answers.jsonl", out / "scores.json"
     if result.answers is not None:
-        location.write_text(answers, "".join(
+        answers.write_text("".join(
             json.dumps(answer, ensure_ascii=False) + "\n" for answer in result.answers))
-    elif location.exists(answers):  # an earlier eval's, of other answers: not this step's
-        location.delete(answers)
-    location.write_text(scores, json.dumps(
+    elif answers.exists():  # an earlier eval's, of other answers: not this step's
+        answers.delete()
+    scores.write_text(json.dumps(
         {"written_by": WRITTEN_BY, "step": result.step, "scores": result.scores}, indent=2)
         + "\n")
     return [scores] if result.answers is None else [scores, answers]
@@ -192,16 +192,16 @@ def require_writable(out: location.Location) -> None:
     other files)."""
     if isinstance(out, Path) and out.is_symlink():
         raise EvalError(f"--out {out} is a symbolic link; give the folder itself")
-    if not location.is_dir(out):
-        if location.exists(out):
+    if not out.is_dir():
+        if out.exists():
             raise EvalError(f"--out {out} is a file; give a folder for scores.json and "
                             "answers.jsonl")
         return
-    names = set(location.list_names(out))
+    names = set(out.list_names())
     if not names:
         return
     try:
-        ours = json.loads(location.read_text(location.join(out, "scores.json"))).get(
+        ours = json.loads((out / "scores.json").read_text()).get(
             "written_by") == WRITTEN_BY
     except (OSError, ValueError, AttributeError):
         ours = False
@@ -209,14 +209,14 @@ def require_writable(out: location.Location) -> None:
         raise EvalError(f"--out {out} holds files trainrun eval did not write; give a new or "
                         "empty folder")
     for name in names:
-        path = location.join(out, name)
-        if isinstance(path, Path) and path.is_symlink():
+        path = out / name
+        if path.is_symlink():
             raise EvalError(f"{path} is a symbolic link; trainrun eval writes no file through "
                             "one: give a new folder")
 
 
 def default_out(run_dir: str | Path, step: int) -> location.Location:
-    return location.join(location.location(run_dir), "eval", f"step-{step}")
+    return location.location(run_dir) / "eval" / f"step-{step}"
 
 
 def print_progress(line: str) -> None:

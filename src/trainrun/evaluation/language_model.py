@@ -22,6 +22,7 @@ from trainrun.config import TransformerModel
 from trainrun.errors import UserError, path_refused
 from trainrun.program.precision import DTYPES, cast_floats
 from trainrun.storage import location
+from trainrun.storage.location import Location
 
 PyTree = Any
 
@@ -122,44 +123,44 @@ def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> 
 
     require_backend()  # one line, not JAX's assertion, when JAX cannot start
     require_context(context)
-    if location.is_remote(path):
-        run = location.location(path)
-        if not location.is_file(run / rundir.CONFIG):
-            location.require_bucket(run)
-            raise LoadError(f"{run} holds no trainrun run (no {rundir.CONFIG}); on object "
+    where = location.location(path)  # where the path enters: asked nothing again below
+    folder = where.local_path
+    if folder is None:
+        if not (where / rundir.CONFIG).is_file():
+            where.require_bucket()
+            raise LoadError(f"{where} holds no trainrun run (no {rundir.CONFIG}); on object "
                             "storage trainrun.load reads run directories: give one, or the "
                             "local path of a Hugging Face or adapter directory")
-        return _load_run(run, ema, context)
-    path = Path(path).expanduser()
+        return _load_run(where, ema, context)
     try:
-        path.stat()
+        folder.stat()
     except OSError as err:
         line, code = path_refused(err)
         if code == 2:  # a path no file system holds: said in one line
             raise LoadError(line) from None
-    if (path / rundir.CONFIG).is_file():
-        return _load_run(path, ema, context)
+    if (where / rundir.CONFIG).is_file():
+        return _load_run(where, ema, context)
     if ema:
-        raise LoadError(f"{path} is not a run directory: only a run keeps a moving average")
+        raise LoadError(f"{where} is not a run directory: only a run keeps a moving average")
     from trainrun.checkpointing.init_from import model_of, placed_params, readers, source_kind
     from trainrun.models import build_model
 
-    kind = source_kind(path, what="trainrun.load")
+    kind = source_kind(where, what="trainrun.load")
     if kind not in ("huggingface", "adapter"):
-        raise LoadError(f"{path} is a lone weights file: load its model directory (with "
+        raise LoadError(f"{where} is a lone weights file: load its model directory (with "
                         "config.json), a run directory or an adapter directory")
-    cfg = model_of(path, seq_len=context, full_context=True, seq_len_key="context")
+    cfg = model_of(where, seq_len=context, full_context=True, seq_len_key="context")
     from trainrun.training.preflight import check_model_memory
 
     # the params go whole onto the first device: refused there before a layer is built
-    check_model_memory(cfg, jax.local_devices()[:1], "float32", f"the model of {path}")
+    check_model_memory(cfg, jax.local_devices()[:1], "float32", f"the model of {where}")
     model = build_model(cfg)
     abstract = jax.eval_shape(model.init, jax.random.key(0))
-    params = placed_params(readers(str(path), cfg, abstract), 0, abstract, None)
+    params = placed_params(readers(str(where), cfg, abstract), 0, abstract, None)
     return LanguageModel(cfg, params)
 
 
-def _load_run(path: location.Location, ema: bool, context: int | None) -> LanguageModel:
+def _load_run(path: Location, ema: bool, context: int | None) -> LanguageModel:
     """A run directory's model at its newest readable checkpoint (local or on object storage,
     where only run directories are read), within ``context`` (``run_model``)."""
     from trainrun.checkpointing.reader import latest_state, saved_config

@@ -214,9 +214,9 @@ def _model_directory(path: Path | str) -> bool:
     from trainrun.models.huggingface import CONFIG
     from trainrun.models.peft import ADAPTER_CONFIG
 
-    if location.is_remote(path):
+    folder = location.location(path)
+    if folder.local_path is None:
         return False
-    folder = Path(path).expanduser()
     return not (folder / rundir.CONFIG).is_file() and any(
         (folder / name).is_file() for name in (CONFIG, ADAPTER_CONFIG))
 
@@ -229,7 +229,8 @@ def _exported(path: Path, ema: bool, context: int | None) -> Trained:
     from trainrun.evaluation.language_model import load
 
     loaded = load(path, ema=ema, context=context)
-    tokenizer, _ = records_tokenizer(path, source_kind(path))
+    where = location.location(path)
+    tokenizer, _ = records_tokenizer(where, source_kind(where))
     if not (Path(tokenizer) / "tokenizer.json").is_file():
         raise SampleError(f"{tokenizer} holds no tokenizer.json, which sampling reads text "
                           "through; copy the tokenizer files of the model it came from there")

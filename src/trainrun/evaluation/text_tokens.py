@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from trainrun import rundir
 from trainrun.errors import UserError
 from trainrun.storage import location
+from trainrun.storage.location import Location
 
 if TYPE_CHECKING:  # the tokenizers stack is imported only where a tokenizer is read
     from trainrun.data.chat import ChatTemplate
@@ -90,19 +91,18 @@ def load_tokenizer(path: str | Path, *, chat_template: str | None = None) -> Tex
     """The tokenizer of the model at ``path`` (what ``trainrun.load(path)`` reads); a run
     directory may be on object storage. ``chat_template``: a built-in template's name
     (``chatml``, ``llama3``) or Jinja text, in place of the tokenizer's own."""
-    run = location.location(path) if location.is_remote(path) else Path(path).expanduser()
-    if location.is_file(run / rundir.CONFIG):
-        found = _run_tokenizer(run, chat_template)
-    elif location.is_remote(run):
+    run = location.location(path)  # where the path enters
+    folder = run.local_path
+    if (run / rundir.CONFIG).is_file():
+        return _run_tokenizer(run, chat_template)
+    if folder is None:
         raise TokenizerError(f"{run} holds no trainrun run (no {rundir.CONFIG}); on object "
                              "storage a run directory's tokenizer is read: give one, or the "
                              "local path of a Hugging Face or adapter directory")
-    else:
-        found = _model_dir_tokenizer(Path(run), chat_template)
-    return found
+    return _model_dir_tokenizer(run, chat_template)
 
 
-def _run_tokenizer(run: location.Location, chat_template: str | None) -> TextTokenizer:
+def _run_tokenizer(run: Location, chat_template: str | None) -> TextTokenizer:
     from trainrun.checkpointing.reader import saved_config
     from trainrun.config import RecordsData, TextData
 
@@ -122,7 +122,7 @@ def _run_tokenizer(run: location.Location, chat_template: str | None) -> TextTok
     return TextTokenizer(BYTES, None, None, (), template, {})
 
 
-def _model_dir_tokenizer(path: Path, chat_template: str | None) -> TextTokenizer:
+def _model_dir_tokenizer(path: Location, chat_template: str | None) -> TextTokenizer:
     from trainrun.models import peft
 
     model_config = path / "config.json"  # where the model's own bos and eos ids are
@@ -130,14 +130,14 @@ def _model_dir_tokenizer(path: Path, chat_template: str | None) -> TextTokenizer
         from trainrun.checkpointing.init_from import _adapter_base
 
         base = _adapter_base(path)
-        if not location.is_remote(base):
-            model_config = Path(base) / "config.json"
+        if base.local_path is not None:
+            model_config = base / "config.json"
         if not (path / "tokenizer.json").is_file():
-            if location.is_remote(base):
+            if base.local_path is None:
                 raise TokenizerError(f"{path} has no tokenizer.json and its base model {base} "
                                      "is on object storage; copy the base's tokenizer files "
                                      f"into {path}")
-            path = Path(base)
+            path = base
     if not (path / "tokenizer.json").is_file():
         raise TokenizerError(f"{path} has no tokenizer.json; save the model's tokenizer there "
                              "(tokenizer.save_pretrained) or give a directory that has one")
@@ -157,12 +157,12 @@ def _model_dir_tokenizer(path: Path, chat_template: str | None) -> TextTokenizer
                                special=special)
 
 
-def _config_ids(file: Path) -> dict[str, int]:
+def _config_ids(file: Location) -> dict[str, int]:
     """The whole-number ``bos_token_id`` and ``eos_token_id`` of a model's config.json."""
     import json
 
     try:
-        text = location.model_file(file, TokenizerError).read_text(encoding="utf-8")
+        text = file.model_file(TokenizerError).read_text(encoding="utf-8")
         config = json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError):
         return {}  # the model's loader reports an unreadable config.json

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,7 @@ from trainrun.models.families.family import (
 from trainrun.models.families.gpt2 import PREFIX
 from trainrun.models.hf_config import checked_model_config
 from trainrun.models.reward_transformer import SCORE, body_config
-from trainrun.storage import location, remote
+from trainrun.storage import location
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 
@@ -150,14 +151,15 @@ def read_file(file: Location) -> bytes:
     """A file of a model directory, local or on object storage; a local file the system will
     not read is its one line, a missing object one naming it (or its missing bucket), a link
     out of the directory one naming the link (``location.model_file``)."""
-    if location.is_remote(file):
+    local = file.model_file(WeightsError).local_path
+    if local is None:
         try:
-            return location.read_bytes(file)
+            return file.read_bytes()
         except FileNotFoundError:
-            raise WeightsError(f"{remote.missing_line(file, 'object')}; the model "
+            raise WeightsError(f"{file.missing_line('object')}; the model "
                                "directory is incomplete: copy it again") from None
     try:
-        return Path(location.model_file(file, WeightsError)).read_bytes()
+        return local.read_bytes()
     except OSError as err:  # not the file's fault: the system's cause, said as such
         raise read_refused(err) from None
 
@@ -198,25 +200,26 @@ class Tensors:
                 self._header[asked] = entry
 
     @classmethod
-    def of(cls, path: Location) -> Tensors:
+    def of(cls, path: Location | str | os.PathLike[str]) -> Tensors:
         """The tensors of a ``.safetensors`` file, or of a model directory (one file, or the
         shards its ``model.safetensors.index.json`` lists), local or on object storage."""
+        path = location.location(path)  # a path given here enters here
         entries: dict[tuple[str, str], ranges.Entry] = {}
 
         def header(file: Location) -> dict[str, tuple[tuple[int, ...], str]]:
-            if not location.is_remote(file):
-                return _header(file)
+            if file.local_path is not None:
+                return _header(file.local_path)
             found = _remote_header(file)
             entries.update({(str(file), name): entry for name, entry in found.items()})
             return {name: (entry.shape, entry.dtype) for name, entry in found.items()}
 
-        if location.is_file(path):
+        if path.is_file():
             return cls({path: header(path)}, entries)
         index = path / INDEX
-        if location.is_file(path / WEIGHTS):
-            weights = location.model_file(path / WEIGHTS, WeightsError)
+        if (path / WEIGHTS).is_file():
+            weights = (path / WEIGHTS).model_file(WeightsError)
             return cls({weights: header(weights)}, entries)
-        if not location.is_file(index):
+        if not index.is_file():
             raise WeightsError(f"{path} has neither {WEIGHTS} nor {INDEX}; save the model with "
                                "save_pretrained (safetensors)")
         text = read_file(index)
@@ -228,10 +231,10 @@ class Tensors:
                                "weight_map); save the model again") from None
         headers = {}
         for file in sorted(set(files.values()), key=str):
-            if str(file.parent) != str(path) or not location.is_file(file):
+            if str(file.parent) != str(path) or not file.is_file():
                 raise WeightsError(f"{index} lists {file.name}, which is not in {path}; the "
                                    "download is incomplete")
-            found = header(location.model_file(file, WeightsError))
+            found = header(file.model_file(WeightsError))
             listed = {n for n, f in files.items() if f == file}
             if listed - set(found):
                 raise WeightsError(f"{file.name} lacks tensor {sorted(listed - set(found))[0]!r} "
@@ -268,7 +271,8 @@ class Tensors:
         from safetensors import safe_open
 
         file, stored = self._where[name]
-        if location.is_remote(file):
+        local = file.local_path
+        if local is None:
             try:
                 value = ranges.read_tensor(file, self._entries[str(file), stored], index)
             except ranges.Unreadable as err:
@@ -285,7 +289,7 @@ class Tensors:
                 with safe_open(str(file), framework="numpy") as f:
                     value = f.get_slice(stored)[index or ...]
         except Exception as err:  # safetensors' own error types are not importable from numpy
-            refuse_unreadable(file)  # safetensors says "No such file" for a denied read too
+            refuse_unreadable(local)  # safetensors says "No such file" for a denied read too
             raise WeightsError(f"cannot read tensor {name} from {file}: {err}"
                                .replace("\n", " ")) from None
         return np.asarray(value, np.float32)
@@ -306,7 +310,7 @@ def _remote_header(file: Location) -> dict[str, ranges.Entry]:
     try:
         return ranges.read_header(file)
     except FileNotFoundError:
-        raise WeightsError(f"{remote.missing_line(file, 'object')}; the model directory is "
+        raise WeightsError(f"{file.missing_line('object')}; the model directory is "
                            "incomplete: copy it again") from None
     except ranges.Unreadable as err:
         raise WeightsError(f"cannot read {file}: {err}; is the file complete?") from None

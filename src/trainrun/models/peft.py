@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -81,18 +82,14 @@ class LoraSettings:
 
 def is_adapter_dir(path: Location) -> bool:
     """Whether ``path`` is a PEFT adapter directory (it has ``adapter_config.json``)."""
-    return location.is_file(_folder(path) / ADAPTER_CONFIG)
+    return (path / ADAPTER_CONFIG).is_file()
 
 
-def _folder(path: Location) -> Location:
-    """``path`` as its store's path type: a remote one is kept, a local one made a Path."""
-    return path if location.is_remote(path) else Path(path)
-
-
-def base_model_name(path: Location) -> str | None:
+def base_model_name(path: Location | str | os.PathLike[str]) -> str | None:
     """``base_model_name_or_path`` of an adapter directory: the model its adapters were trained
     on, as PEFT recorded it (a hub id, a path or a ``gs://``/``s3://`` location), or None."""
-    name = _read_config(_folder(path)).get("base_model_name_or_path")
+    path = location.location(path)  # a path given here enters here
+    name = _read_config(path).get("base_model_name_or_path")
     return name if isinstance(name, str) and name else None
 
 
@@ -239,14 +236,14 @@ def write_adapter_dir(params: PyTree, cfg: TransformerModel, model_type: str,
     return path
 
 
-def read_adapter_dir(path: Location, cfg: TransformerModel,
+def read_adapter_dir(path: Location | str | os.PathLike[str], cfg: TransformerModel,
                      model_type: str) -> tuple[LoraSettings, dict[str, np.ndarray]]:
     """(settings, trainrun adapter params by dotted name, e.g. ``blocks.0.attn.q_lora.a``) of a
     PEFT LoRA adapter directory for a ``model_type`` base model whose trainrun config is ``cfg``
     (its ``lora`` is not consulted). What trainrun's adapters cannot express exactly raises
     ``WeightsError`` on one line, naming the field and what to do."""
+    path = location.location(path)  # a path given here enters here
     layout = _family(model_type).adapters
-    path = _folder(path)
     config = _read_config(path)
     _check_config(config, cfg, layout)
     kinds = _module_kinds(layout, cfg)
@@ -593,7 +590,7 @@ def _modules(tensors: dict[str, np.ndarray], cfg: TransformerModel, prefix: str,
 
 
 def _read_config(path: Location) -> dict[str, Any]:
-    if not location.is_file(path / ADAPTER_CONFIG):
+    if not (path / ADAPTER_CONFIG).is_file():
         raise WeightsError(f"{path} is not a PEFT adapter directory: {ADAPTER_CONFIG} is "
                            "missing (PeftModel.save_pretrained writes it)")
     data = read_file(path / ADAPTER_CONFIG)
@@ -614,17 +611,18 @@ def _read_tensors(path: Location) -> dict[str, np.ndarray]:
     from safetensors.numpy import load, load_file
 
     weights = path / ADAPTER_WEIGHTS
-    if not location.is_file(weights):
-        if location.is_file(path / ADAPTER_BIN):
+    if not weights.is_file():
+        if (path / ADAPTER_BIN).is_file():
             raise WeightsError(f"{path} has {ADAPTER_BIN} (a pickle) but no {ADAPTER_WEIGHTS}; "
                                "save it with save_pretrained(..., safe_serialization=True)")
         raise WeightsError(f"{path} has no {ADAPTER_WEIGHTS}; PeftModel.save_pretrained "
                            "writes it")
-    if not location.is_remote(weights):  # safetensors says "No such file" for a denied read
-        refuse_unreadable(location.model_file(weights, WeightsError))
-    data = read_file(weights) if location.is_remote(weights) else None
+    local = weights.model_file(WeightsError).local_path
+    if local is not None:  # safetensors says "No such file" for a denied read
+        refuse_unreadable(local)
+    data = read_file(weights) if local is None else None
     try:
-        tensors = load_file(str(weights)) if data is None else load(data)
+        tensors = load_file(str(local)) if data is None else load(data)
     except (SafetensorError, ValueError, OSError) as err:
         raise WeightsError(f"cannot read {weights} ({err}); is it complete? save it "
                            "again".replace("\n", " ")) from None

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from trainrun.errors import UserError
-from trainrun.storage import remote
+from trainrun.storage.location import Location
 
 FIRST_READ = 2**16  # bytes read at once from the start: the header of a shard, mostly
 MAX_HEADER = 100 * 2**20  # the largest header safetensors itself reads
@@ -51,14 +51,13 @@ class Entry:
     end: int
 
 
-def read_header(path: Any) -> dict[str, Entry]:
+def read_header(path: Location) -> dict[str, Entry]:
     """Every tensor's entry in the safetensors object at ``path``, each checked: a known dtype,
     a shape of whole numbers, and a byte range of exactly its elements inside the object.
     ``Unreadable`` names what is wrong; ``FileNotFoundError`` when there is no such object."""
-    info = remote.stat(path)
-    if info is None:
+    size = path.size()
+    if size is None:
         raise FileNotFoundError(f"no object {path}")
-    size = info.size
     header, data_start = _json_header(path, size)
     dtypes = _dtypes()
     entries: dict[str, Entry] = {}
@@ -69,18 +68,18 @@ def read_header(path: Any) -> dict[str, Entry]:
     return entries
 
 
-def _json_header(path: Any, size: int) -> tuple[dict[str, Any], int]:
+def _json_header(path: Location, size: int) -> tuple[dict[str, Any], int]:
     """The JSON object at the head of the ``size``-byte object at ``path``, and the offset where
     the tensors' bytes start (after the 8-byte length and the header)."""
     if size < 8:
         raise Unreadable(f"it holds {size} bytes, fewer than the 8 of a header length")
-    first = remote.read_range(path, 0, min(size, FIRST_READ))
+    first = path.read_range(0, min(size, FIRST_READ))
     length = int.from_bytes(first[:8], "little")
     if length > MAX_HEADER or 8 + length > size:
         raise Unreadable(f"its header length {length} does not fit its {size} bytes")
     blob = first[8:8 + length]
     if len(blob) < length:
-        blob += remote.read_range(path, len(first), 8 + length)
+        blob += path.read_range(len(first), 8 + length)
     try:
         header = json.loads(blob)
     except ValueError as err:
@@ -113,7 +112,7 @@ def _checked_entry(name: str, entry: Any, dtypes: dict[str, np.dtype], data_star
     return Entry(dtype, tuple(shape), data_start + begin, data_start + end)
 
 
-def read_tensor(path: Any, entry: Entry, index: tuple[slice, ...] | None = None) -> np.ndarray:
+def read_tensor(path: Location, entry: Entry, index: tuple[slice, ...] | None = None) -> np.ndarray:
     """The tensor ``entry`` describes (``index``: a part of it), in its own dtype. When
     ``index`` takes a run of rows of the first axis, only those rows are requested."""
     dtype = _dtypes()[entry.dtype]
@@ -127,7 +126,7 @@ def read_tensor(path: Any, entry: Entry, index: tuple[slice, ...] | None = None)
     row = math.prod(shape[1:]) * dtype.itemsize
     begin, end = ((entry.start + lo * row, entry.start + hi * row) if shape else
                   (entry.start, entry.end))
-    data = remote.read_range(path, begin, end) if end > begin else b""
+    data = path.read_range(begin, end) if end > begin else b""
     if len(data) != end - begin:
         raise Unreadable(f"it ends before the {end - begin} bytes of a tensor at byte {begin} "
                          "(changed while it was read?)")

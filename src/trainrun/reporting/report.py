@@ -31,6 +31,7 @@ from trainrun.errors import UserError, WriteFailed, path_refused, printable
 from trainrun.reporting.units import duration, time_unit
 from trainrun.rundir.run_config import saved_config_file
 from trainrun.storage import location
+from trainrun.storage.location import Location
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -50,7 +51,7 @@ class ReportError(UserError):
 class RunRecord:
     """The files of one run directory, parsed."""
 
-    path: location.Location
+    path: Location
     config: dict[str, Any]
     summary: dict[str, Any]
     status: dict[str, Any]
@@ -73,16 +74,16 @@ class RunRecord:
         return self.train[-1]["step"] if self.train else 0
 
 
-def _read_jsonl(path: location.Location, unreadable: list[str] | None = None,
+def _read_jsonl(path: Location, unreadable: list[str] | None = None,
                 ) -> dict[str, list[dict[str, Any]]]:
     """A JSONL file's records by ``split`` (train when absent). A line that is not a record (a
     torn last line of a killed writer, a file cut or damaged) is skipped and, with
     ``unreadable``, listed there; where steps go back (a resumed run appending), the later pass
     wins."""
     splits: dict[str, list[dict[str, Any]]] = {}
-    if not location.exists(path):
+    if not path.exists():
         return splits
-    for line in location.read_bytes(path).decode("utf-8", errors="replace").splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
@@ -98,10 +99,10 @@ def _read_jsonl(path: location.Location, unreadable: list[str] | None = None,
     return splits
 
 
-def load_run(path: location.Location | str) -> RunRecord:
+def load_run(path: Location | str) -> RunRecord:
     run_dir = location.location(path)
-    if not location.exists(run_dir / rundir.CONFIG):
-        location.require_bucket(run_dir)
+    if not (run_dir / rundir.CONFIG).exists():
+        run_dir.require_bucket()
         raise ReportError(f"{run_dir} holds no trainrun run (no {rundir.CONFIG}); give a run "
                           "directory such as runs/mlp (`trainrun runs` lists them)")
     if saved_config_file(run_dir) is None:  # the test `train` makes before writing there
@@ -247,16 +248,16 @@ def _wall_time_plots(run: RunRecord) -> list[tuple[str, Figure]]:
     return [("wall-time split", fig)]
 
 
-def _plot_run(run: RunRecord, out_dir: location.Location,
-              ) -> list[tuple[str, location.Location]]:
+def _plot_run(run: RunRecord, out_dir: Location,
+              ) -> list[tuple[str, Location]]:
     """Each plot the run's files allow, as ``(caption, png path)``."""
     plots = [*_metric_plots(run), *_timing_plots(run), *_wall_time_plots(run)]
 
-    location.make_dirs(out_dir)
+    out_dir.make_dirs()
     written = []
     for caption, fig in plots:
         path = out_dir / (caption.replace(" ", "_").replace("-", "_") + ".png")
-        location.write_bytes(path, _image(fig))
+        path.write_bytes(_image(fig))
         written.append((caption, path))
     return written
 
@@ -331,17 +332,22 @@ figure{margin:0}figcaption{font-size:13px;color:#555}pre{background:#f7f7f7;padd
 font-size:12px;overflow:auto}"""
 
 
-def write_report(run_dir: location.Location | str) -> tuple[location.Location, list[str]]:
+def _shown(path: Location) -> object:
+    """A run directory as its report names it: a local one resolved (links followed)."""
+    local = path.local_path
+    return path if local is None else local.resolve()
+
+
+def write_report(run_dir: Location | str) -> tuple[Location, list[str]]:
     """Write ``report.html`` and its PNGs into the run directory; returns the HTML's path and
     what is wrong with the run's metrics file (its rows that could not be plotted)."""
     extras.require("report", "trainrun report")
     run = load_run(run_dir)
     plot_dir = run.path / PLOT_DIR
-    remote = location.is_remote(plot_dir)
-    if not remote and plot_dir.is_symlink():
-        raise ReportError(f"{plot_dir} is a symbolic link (to {os.readlink(plot_dir)}), not the "
-                          "folder trainrun report writes its plots in; remove the link (what it "
-                          "points to is left alone) and run the report again")
+    if plot_dir.is_symlink():
+        raise ReportError(f"{plot_dir} is a symbolic link (to {os.readlink(str(plot_dir))}), not "
+                          "the folder trainrun report writes its plots in; remove the link (what "
+                          "it points to is left alone) and run the report again")
     plots = _plot_run(run, plot_dir)
     figures = "".join(
         f'<figure><img src="{PLOT_DIR}/{p.name}" alt="{html.escape(c)}">'
@@ -351,7 +357,7 @@ def write_report(run_dir: location.Location | str) -> tuple[location.Location, l
     name = html.escape(printable(str(run.config.get("name", run.path.name))))
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <title>trainrun report: {name}</title><style>{STYLE}</style></head><body>
-<h1>{name}</h1><p>{html.escape(printable(str(run.path if remote else run.path.resolve())))}</p>
+<h1>{name}</h1><p>{html.escape(printable(str(_shown(run.path))))}</p>
 <h2>Summary</h2>{_table(_summary_rows(run))}
 <h2>Plots</h2><div class="plots">{figures or "<p>no metrics written yet</p>"}</div>
 <h2>Wall time</h2>{_table(_split_rows(split, run.summary.get("wall_s") or 0))
@@ -361,12 +367,12 @@ def write_report(run_dir: location.Location | str) -> tuple[location.Location, l
 </body></html>
 """
     out = run.path / REPORT_HTML
-    location.write_text(out, page)  # a link there is replaced by the report, never written through
+    out.write_text(page)  # a link there is replaced by the report, never written through
     return out, metrics_notes([run])
 
 
-def _read_json(path: location.Location) -> dict[str, Any]:
-    return rundir.read_json(path) if location.exists(path) else {}
+def _read_json(path: Location) -> dict[str, Any]:
+    return rundir.read_json(path) if path.exists() else {}
 
 
 # ---- compare and list ------------------------------------------------------------------------
@@ -386,8 +392,8 @@ def metrics_notes(runs: list[RunRecord]) -> list[str]:
             for run in runs if run.problems]
 
 
-def compare(run_dirs: list[location.Location | str], out: location.Location | str = "compare.png",
-            ) -> tuple[location.Location, str, list[str]]:
+def compare(run_dirs: list[Location | str], out: Location | str = "compare.png",
+            ) -> tuple[Location, str, list[str]]:
     """Overlay the runs' curves (train loss, eval loss, lr, grad norm) in one PNG; return it,
     a table of their final metrics and what is wrong with their metrics files."""
     extras.require("report", "trainrun compare")
@@ -422,9 +428,9 @@ def compare(run_dirs: list[location.Location | str], out: location.Location | st
         else:
             ax.text(0.5, 0.5, "none of the runs has it", ha="center", transform=ax.transAxes)
     try:
-        location.make_dirs(out_path.parent)
+        out_path.parent.make_dirs()
         # the format from the name, as savefig(out) would; the bytes never go through a link
-        location.write_bytes(out_path, _image(fig, out_path.suffix.lstrip(".").lower()))
+        out_path.write_bytes(_image(fig, out_path.suffix.lstrip(".").lower()))
     except OSError as err:
         line, code = path_refused(err)
         if code == 2:  # a name no file system takes: the input's
@@ -443,15 +449,15 @@ def compare(run_dirs: list[location.Location | str], out: location.Location | st
     return out_path, _text_table(header, rows), metrics_notes(runs)
 
 
-def list_runs(root: location.Location | str = "runs") -> str:
+def list_runs(root: Location | str = "runs") -> str:
     """A table of the trainrun runs under ``root`` (the folders one or two levels down that
     ``train`` takes for runs: ``_run_dirs``). An empty folder, bucket or prefix has none; a
     local folder that is not there, or a bucket that is not, is refused."""
     root = location.location(root)
-    if not location.is_dir(root):
-        location.require_bucket(root)
+    if not root.is_dir():
+        root.require_bucket()
         # a prefix with nothing below it is an empty folder, as a bucket has no folders
-        if not location.is_remote(root) or location.is_file(root):
+        if root.local_path is not None or root.is_file():
             raise ReportError(f"no runs directory {root}; train a run first, or pass --root DIR")
     rows = []
     for name, run_dir in _run_dirs(root):
@@ -478,27 +484,28 @@ def list_runs(root: location.Location | str = "runs") -> str:
     return _text_table(["run", "status", "step", "last loss", "best eval", "updated"], rows)
 
 
-def _run_dirs(root: location.Location) -> list[tuple[str, location.Location]]:
+def _run_dirs(root: Location) -> list[tuple[str, Location]]:
     """``(name relative to root, path)`` of each folder one or two levels below ``root`` that
     holds a trainrun run's ``config.yaml`` (``saved_config_file``: one with trainrun's marker,
     or locally a run from before it; someone else's ``config.yaml`` is no run), in the order of
     those files' paths. On object storage each level is one listing by prefix (a run's own
     files are not listed further)."""
-    if not location.is_remote(root):
-        configs = [*root.glob(f"*/{rundir.CONFIG}"), *root.glob(f"*/*/{rundir.CONFIG}")]
-        return [(str(c.parent.relative_to(root)), c.parent) for c in sorted(configs)
-                if saved_config_file(c.parent) is not None]
+    local = root.local_path
+    if local is not None:  # globbed, each level at once
+        configs = [*local.glob(f"*/{rundir.CONFIG}"), *local.glob(f"*/*/{rundir.CONFIG}")]
+        return [(str(c.parent.relative_to(local)), location.local(c.parent))
+                for c in sorted(configs) if saved_config_file(location.local(c.parent)) is not None]
 
     def is_run(names: list[str]) -> bool:  # saved_config_file's test, from the listing
         return rundir.CONFIG in names and rundir.MARKER in names
 
     found = []
-    for name in location.list_names(root):
-        names = location.list_names(root / name)
+    for name in root.list_names():
+        names = (root / name).list_names()
         if is_run(names):
             found.append((name, root / name))
         for inner in names:
             if inner not in rundir.RUN_FILES and inner != REPORT_HTML and is_run(
-                    location.list_names(root / name / inner)):
+                    (root / name / inner).list_names()):
                 found.append((f"{name}/{inner}", root / name / inner))
     return sorted(found, key=lambda pair: PurePosixPath(pair[0], rundir.CONFIG))

@@ -34,7 +34,7 @@ import os
 import re
 import secrets
 import shutil
-from pathlib import Path, PurePath, PurePosixPath
+from pathlib import Path
 
 from trainrun.errors import UserError
 from trainrun.models.huggingface import (
@@ -46,7 +46,8 @@ from trainrun.models.huggingface import (
 )
 from trainrun.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from trainrun.rundir import layout, ownership
-from trainrun.storage import location, remote
+from trainrun.storage import location
+from trainrun.storage.location import Location
 
 # Every file an export writes, and every file transformers 5.x's save_pretrained (model,
 # tokenizer, generation config; safetensors only) and peft's (adapter, model card) write for
@@ -62,11 +63,10 @@ class ExportRefused(UserError):
     """A ``--to`` that export will not write to; the CLI prints it on one line and exits 2."""
 
 
-def check_target(to: Path, replace: bool, run_dir: Path) -> None:
+def check_target(to: Path, replace: bool, run_dir: Location) -> None:
     """Refuse a ``--to`` (before the run is read) that is a file, at or inside a run
     directory, or a directory with files in it unless ``replace`` and it is a model directory
     that does not hold ``run_dir``."""
-    to = Path(to)
     if to.exists() and not to.is_dir():
         raise ExportRefused(f"--to {to} is a file, not a directory; give a directory for the "
                             "export (a new or empty one)")
@@ -80,18 +80,17 @@ def check_target(to: Path, replace: bool, run_dir: Path) -> None:
     entries = sorted(target.iterdir(), key=lambda p: p.name) if target.is_dir() else []
     if not entries:
         return
-    _refuse_holding_the_run(to, run_dir)
+    _refuse_holding_the_run(location.local(to), run_dir)
     _require_replaceable(to, replace, _shown(entries), _not_a_model_dir(to, entries))
 
 
-def _refuse_holding_the_run(to: location.Location, run_dir: location.Location) -> None:
-    if location.is_remote(run_dir) == location.is_remote(to) and (
-            comparable(run_dir).is_relative_to(comparable(to))):
+def _refuse_holding_the_run(to: Location, run_dir: Location) -> None:
+    if run_dir.real().is_relative_to(to.real()):
         raise ExportRefused(f"--to {to} holds the run being exported ({run_dir}); --replace "
                             "never deletes a run: give a new or empty directory outside it")
 
 
-def _require_replaceable(to: location.Location, replace: bool, shown: str,
+def _require_replaceable(to: object, replace: bool, shown: str,
                          why: str | None) -> None:
     """A ``--to`` that holds ``shown``: refused unless ``replace`` and it is a model
     directory (``why`` None, else what makes it none)."""
@@ -104,14 +103,6 @@ def _require_replaceable(to: location.Location, replace: bool, shown: str,
                             "is; give a new or empty directory, or an earlier export to replace")
 
 
-def comparable(path: location.Location) -> PurePath:
-    """A path as two are compared for one lying in the other: a local one resolved (links
-    followed), a remote one as ``/<scheme>/<bucket>/<key>``."""
-    if location.is_remote(path):
-        return PurePosixPath("/", remote.scheme_of(path), str(path).split("://", 1)[1])
-    return Path(os.path.realpath(path))
-
-
 def _not_a_model_dir(to: Path, entries: list[Path]) -> str | None:
     """What makes ``to`` (holding ``entries``) no model directory, or None if it is one."""
     foreign = [p for p in entries if not _replaceable(p)]
@@ -122,14 +113,12 @@ def _not_a_model_dir(to: Path, entries: list[Path]) -> str | None:
     return None
 
 
-def check_reads(to: location.Location, reads: list[tuple[location.Location, str]]) -> None:
+def check_reads(to: Location, reads: list[tuple[Location, str]]) -> None:
     """Refuse a ``--to`` that is, holds or lies inside a path the export reads; ``reads``:
     ``(path, what it is to the run)``, e.g. ``(llama, "the init.from of runs/sft")``."""
-    target = comparable(to)
+    target = to.real()
     for path, what in reads:
-        if location.is_remote(path) != location.is_remote(to):  # one local, one not: apart
-            continue
-        real = comparable(path)
+        real = path.real()  # a local path and an object are always apart
         if real == target:
             relation = f"is {what}"
         elif real.is_relative_to(target):
@@ -162,13 +151,13 @@ def _shown(entries: list[Path]) -> str:
 # ---- on object storage -----------------------------------------------------------------------
 
 
-def check_remote_target(to: location.Location, replace: bool,
-                        run_dir: location.Location) -> None:
+def check_remote_target(to: Location, replace: bool,
+                        run_dir: Location) -> None:
     """``check_target`` for a ``--to`` on object storage: a prefix in a bucket that exists,
     not an object, not in or at a run, and empty unless ``replace`` and every object below it
     is one an export writes (weights among them)."""
-    remote.require_bucket(to, "writing")
-    if remote.stat(to) is not None:
+    to.require_bucket("writing")
+    if to.info() is not None:
         raise ExportRefused(f"--to {to} is an object, not a folder; give a prefix for the "
                             "export (a new or empty one)")
     run = _enclosing_remote_run(to)
@@ -177,7 +166,7 @@ def check_remote_target(to: location.Location, replace: bool,
         raise ExportRefused(f"--to {to} {where} trainrun folder {run} (it has "
                             f"{layout.MARKER}): an export is never written into a run; give "
                             "a prefix outside it")
-    objects = location.list_tree(to)
+    objects = to.list_tree()
     if not objects:
         return
     _refuse_holding_the_run(to, run_dir)
@@ -194,40 +183,39 @@ def check_remote_target(to: location.Location, replace: bool,
     _require_replaceable(to, replace, shown, why)
 
 
-def _enclosing_remote_run(to: location.Location) -> location.Location | None:
+def _enclosing_remote_run(to: Location) -> Location | None:
     """``to`` or the nearest prefix above it in its bucket that holds a run's marker, or a
     ``config.yaml`` beside the status or provenance trainrun writes; None when none does."""
-    bucket = f"{remote.scheme_of(to)}://{remote.bucket_of(to)}"
     folder = to
     while True:
-        if location.is_file(folder / layout.MARKER) or (
-                location.is_file(folder / layout.CONFIG)
-                and (location.is_file(folder / layout.STATUS)
-                     or location.is_file(folder / layout.PROVENANCE))):
+        if (folder / layout.MARKER).is_file() or (
+                (folder / layout.CONFIG).is_file()
+                and ((folder / layout.STATUS).is_file()
+                     or (folder / layout.PROVENANCE).is_file())):
             return folder
-        if str(folder).rstrip("/") == bucket:
+        if folder.parent == folder:  # the bucket itself
             return None
         folder = folder.parent
 
 
-def publish(staging: Path, to: location.Location) -> None:
+def publish(staging: Path, to: Location) -> None:
     """The export written in the local folder ``staging`` uploaded under ``to`` on object
     storage, each file as one object, the marks (``config.json``, ``adapter_config.json``)
     last; an old export there (checked replaceable) loses its marks first and, once the new
     files are up, the objects the new export does not have."""
     files = sorted(p.name for p in staging.iterdir())
-    old = location.list_tree(to)
+    old = to.list_tree()
     for mark in MARKS:  # no longer whole from here until the new marks are up
         if mark in old:
-            location.delete(to / mark)
+            (to / mark).delete()
     for name in files:
         if name not in MARKS:
-            remote.upload(staging / name, to / name)
+            (to / name).upload(staging / name)
     for name in sorted(set(old) - set(files) - set(MARKS)):
-        location.delete(to / name)
+        (to / name).delete()
     for mark in MARKS:
         if mark in files:
-            remote.upload(staging / mark, to / mark)
+            (to / mark).upload(staging / mark)
 
 
 # ---- staging, the swap, and what a killed export left ----------------------------------------

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from trainrun.config import RunConfig
 from trainrun.rundir.lock import LOCK
+from trainrun.storage import location
+from trainrun.storage.location import LocalLocation
 
 MARKER = "trainrun.json"
 FORMAT = 1  # the run directory layout this trainrun reads and writes
@@ -40,5 +42,5 @@ RUN_FILES = (MARKER, LOCK, CONFIG, PROVENANCE, DATA_FILES, METRICS, SUMMARY, TIM
              COMPLETIONS)
 
 
-def default_run_dir(config: RunConfig) -> Path:
-    return Path("runs") / config.name
+def default_run_dir(config: RunConfig) -> LocalLocation:
+    return location.local(Path("runs") / config.name)

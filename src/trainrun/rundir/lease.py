@@ -5,7 +5,7 @@ A bucket has no ``flock``, and a job's processes may run on many machines. The r
 holds numbered lease objects, ``trainrun.lease/00000001``, ``00000002``, ...; the newest names
 the job that holds the run. Taking the lease is creating the next number with a write that
 succeeds only if no object has that name (GCS ``ifGenerationMatch=0``, S3 ``If-None-Match:
-*``: ``remote.create``), so of two jobs that try at once exactly one wins.
+*``: ``ObjectLocation.create``), so of two jobs that try at once exactly one wins.
 
 The holder rewrites its object every quarter of the lease (``storage.lease_s``); the store stamps
 each write with its own time. A lease whose object the store last wrote more than ``lease_s``
@@ -28,7 +28,8 @@ import socket
 from typing import Any
 
 from trainrun.rundir.lock import RunDirLocked
-from trainrun.storage import remote
+from trainrun.storage import location, remote
+from trainrun.storage.location import Location
 
 LEASES = "trainrun.lease"  # the folder of lease objects in a run directory on object storage
 DIGITS = 8
@@ -57,9 +58,9 @@ def _gone(record: dict[str, Any]) -> bool:
 
 
 class Lease:
-    """The lease on the run directory ``url`` (an ``epath`` location on object storage)."""
+    """The lease on the run directory ``url`` (on object storage)."""
 
-    def __init__(self, url: Any, lease_s: float):
+    def __init__(self, url: Location, lease_s: float):
         self.url, self.lease_s = url, float(lease_s)
         self.folder = url / LEASES
         self.number: int | None = None
@@ -69,11 +70,11 @@ class Lease:
     def held(self) -> bool:
         return self.number is not None
 
-    def _object(self, number: int) -> Any:
+    def _object(self, number: int) -> Location:
         return self.folder / f"{number:0{DIGITS}d}"
 
     def _numbers(self) -> list[int]:
-        return sorted(int(name) for name in remote.list_names(self.folder)
+        return sorted(int(name) for name in self.folder.list_names()
                       if name.isdigit() and len(name) == DIGITS)
 
     def _record(self, released: bool = False) -> bytes:
@@ -84,11 +85,11 @@ class Lease:
     def _store_time(self) -> datetime.datetime | None:
         """The store's clock now: the time it stamps on an object written for the purpose."""
         probe = self.folder / f"clock-{secrets.token_hex(6)}"
-        remote.write_bytes(probe, b"")
+        probe.write_bytes(b"")
         try:
-            info = remote.stat(probe)
+            info = probe.info()
         finally:
-            remote.delete(probe)
+            probe.delete()
         return info.updated if info is not None else None
 
     def acquire(self) -> None:
@@ -99,27 +100,27 @@ class Lease:
         if numbers:
             self._refuse_if_live(numbers[-1])
             following = numbers[-1] + 1
-        if not remote.create(self._object(following), self._record()):
+        if not self._object(following).create(self._record()):
             raise RunDirLocked(f"run directory {self.url} was just taken by another job (it "
                                "created the next lease first); wait for that run to end, or "
                                "give another --run-dir")
         self.number = following
         for old in numbers:  # what is left of leases before this one: nobody reads them again
             with contextlib.suppress(remote.StorageRefused, FileNotFoundError):
-                remote.delete(self._object(old))
+                self._object(old).delete()
 
     def _refuse_if_live(self, number: int) -> None:
         """Refuse when lease ``number`` is live: not released and written within its length."""
         path = self._object(number)
         try:
-            record = json.loads(remote.read_bytes(path))
+            record = json.loads(path.read_bytes())
         except FileNotFoundError:
             return  # deleted by the job that created a newer one: it lists on the next try
         except ValueError:
             record = {}
         if not isinstance(record, dict) or record.get("released") or _gone(record):
             return
-        info = remote.stat(path)
+        info = path.info()
         now = self._store_time()
         if info is None or info.updated is None or now is None:
             return
@@ -137,13 +138,13 @@ class Lease:
     def renew(self) -> None:
         """Write this job's lease again; ``LeaseLost`` when a newer one exists."""
         assert self.number is not None
-        if remote.stat(self._object(self.number + 1)) is not None:
+        if self._object(self.number + 1).info() is not None:
             number, self.number = self.number, None
             raise LeaseLost(
                 f"run directory {self.url} was taken over by another job: this one could not "
                 f"renew its lease (number {number}) within storage.lease_s={self.lease_s:g}; "
                 "it stops without writing more")
-        remote.write_bytes(self._object(self.number), self._record())
+        self._object(self.number).write_bytes(self._record())
 
     def release(self) -> None:
         """Mark the lease released (the next job takes it at once); best effort."""
@@ -151,8 +152,8 @@ class Lease:
             return
         number, self.number = self.number, None
         with contextlib.suppress(Exception):
-            if remote.stat(self._object(number + 1)) is None:
-                remote.write_bytes(self._object(number), self._record(released=True))
+            if self._object(number + 1).info() is None:
+                self._object(number).write_bytes(self._record(released=True))
 
     def remove(self) -> None:
         """Delete this job's lease object (a run refused before it started leaves nothing)."""
@@ -160,13 +161,14 @@ class Lease:
             return
         number, self.number = self.number, None
         with contextlib.suppress(Exception):
-            remote.delete(self._object(number))
+            self._object(number).delete()
 
 
-def job_gone(url: Any) -> bool:
+def job_gone(url: Location | str | os.PathLike[str]) -> bool:
     """Whether the job that last held the run at ``url`` is gone: its lease released, run out,
     or held by a dead process of this host (what ``trainrun runs`` says of a run whose status
     still reads running)."""
+    url = location.location(url)  # a path given here enters here
     probe = Lease(url, 60.0)
     numbers = probe._numbers()
     if not numbers:

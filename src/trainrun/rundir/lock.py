@@ -24,6 +24,8 @@ import socket
 from pathlib import Path
 
 from trainrun.errors import UserError
+from trainrun.storage import location
+from trainrun.storage.location import Location
 
 LOCK = "trainrun.lock"
 
@@ -116,11 +118,13 @@ def is_locked(directory: Path) -> bool:
     return False
 
 
-def refuse_joining(directory: Path) -> None:
+def refuse_joining(run_dir: Location | str | os.PathLike[str]) -> None:
     """Before a process joins a multi-process job: refuse, on one line, when the run directory
     is held, since its job is running and a process joining that job's coordinator under an id
     the job already has would stop it (``platform/coordinator.py``)."""
-    if is_locked(directory):
+    run_dir = location.location(run_dir)  # a path given here enters here
+    directory = run_dir.local_path
+    if directory is not None and is_locked(directory):  # a bucket's run: its lease, at claim
         raise RunDirLocked(
             f"run directory {directory} is in use by {holder(directory / LOCK)}: its job is "
             "running, and joining that job's coordinator as a process it already has would "

@@ -28,11 +28,12 @@ from trainrun.rundir.layout import (
 from trainrun.rundir.lock import LOCK
 from trainrun.rundir.run_files import write_json
 from trainrun.rundir.status import STATUSES
+from trainrun.storage import location
 
 
 def write_marker(folder: Path, role: str) -> None:
     """The marker that says ``folder`` is trainrun's: a run, or a checkpoint directory."""
-    write_json(folder / MARKER, {
+    write_json(location.local(folder) / MARKER, {
         "format": FORMAT, "holds": role,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
 

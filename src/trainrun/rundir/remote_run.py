@@ -39,6 +39,7 @@ from trainrun.rundir.ownership import write_marker
 from trainrun.rundir.run_directory import RunDirectory
 from trainrun.storage import remote
 from trainrun.storage.atomic import TMP_SUFFIX
+from trainrun.storage.location import Location
 
 STAGE = "remote-runs"
 
@@ -50,7 +51,7 @@ class RunStopped(WriteFailed):
     step: int | None = None  # the cache directory's folder of stages
 
 
-def stage_of(url: Any) -> Path:
+def stage_of(url: Location) -> Path:
     """The local stage of the run at ``url``: one per location, in the user's cache."""
     digest = hashlib.sha256(str(url).encode()).hexdigest()[:24]
     return cache_dir() / STAGE / digest
@@ -60,7 +61,7 @@ class RunMirror:
     """Uploads the stage's changed files to the bucket and renews the lease, in a thread of
     its own; ``failure`` holds the first error that thread met (the run stops on it)."""
 
-    def __init__(self, stage: Path, url: Any, lease: Lease, sync_every_s: float):
+    def __init__(self, stage: Path, url: Location, lease: Lease, sync_every_s: float):
         self.stage, self.url, self.lease = stage, url, lease
         self.sync_every_s = sync_every_s
         self.renew_every_s = lease.lease_s / 4
@@ -95,7 +96,7 @@ class RunMirror:
             changed = [name for name, key in files.items() if self.uploaded.get(name) != key]
             changed.sort(key=lambda name: name == "status.json")
             for name in changed:
-                remote.upload(self.stage / name, self.url / name)
+                (self.url / name).upload(self.stage / name)
                 self.uploaded[name] = files[name]
 
     def sync_before_save(self, last_committed: int | None) -> None:
@@ -167,14 +168,14 @@ class RemoteRunDirectory(RunDirectory):
     the bucket, the run's files are written in the stage (``run_dir``), checkpoints in
     ``ckpt_dir`` on the bucket."""
 
-    def __init__(self, url: Any, ckpt_dir: Any, fresh: bool, *, lease_s: float,
+    def __init__(self, url: Location, ckpt_dir: Location, fresh: bool, *, lease_s: float,
                  sync_every_s: float, deadline_s: float):
         self.url = url
         self.deadline_s = deadline_s
         stage = stage_of(url)
         super().__init__(stage, stage / CHECKPOINTS, fresh)
         self.ckpt_dir = ckpt_dir
-        self.folders = [(stage, "--run-dir", "run")]
+        self.folders = [(self.run_dir, "--run-dir", "run")]
         self.lease = Lease(url, lease_s)
         self.mirror = RunMirror(stage, url, self.lease, sync_every_s)
         self.stage_lock = RunLock(stage)
@@ -182,7 +183,7 @@ class RemoteRunDirectory(RunDirectory):
         self.claimed = False  # claim wrote in the bucket (a location it found empty or its own)
 
     @property
-    def display(self) -> Any:
+    def display(self) -> Location:
         return self.url
 
     def requests(self) -> contextlib.AbstractContextManager[Any]:
@@ -198,8 +199,8 @@ class RemoteRunDirectory(RunDirectory):
             raise UserError(f"checkpoint.dir {self.ckpt_dir} with --run-dir {self.url}: a run "
                             "on object storage keeps its checkpoints in its own checkpoints/; "
                             "leave checkpoint.dir unset")
-        remote.require_bucket(self.url, "writing")
-        names = set(remote.list_names(self.url)) - {LEASES}  # a lease alone: a run's start
+        self.url.require_bucket("writing")
+        names = set(self.url.list_names()) - {LEASES}  # a lease alone: a run's start
         if names and MARKER not in names:
             shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
             raise UserError(f"--run-dir {self.url} is not a trainrun run directory (it holds "
@@ -214,7 +215,7 @@ class RemoteRunDirectory(RunDirectory):
 
     def _check_marker(self) -> None:
         try:
-            marker = json.loads(remote.read_bytes(self.url / MARKER))
+            marker = json.loads((self.url / MARKER).read_bytes())
         except ValueError:
             marker = None
         if not isinstance(marker, dict) or not isinstance(marker.get("format"), int):
@@ -233,12 +234,12 @@ class RemoteRunDirectory(RunDirectory):
         shutil.rmtree(stage, ignore_errors=True)  # trainrun's own, made again from the bucket
         stage.mkdir(parents=True)
         self.stage_lock.acquire(create=True)
-        for name in remote.list_tree(self.url) if self.existed else {}:
+        for name in self.url.list_tree() if self.existed else {}:
             if name.split("/", 1)[0] in (CHECKPOINTS, LEASES):
                 continue
             target = stage / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(remote.read_bytes(self.url / name))
+            target.write_bytes((self.url / name).read_bytes())
         self.mirror.known()
 
     def claim(self) -> list[str]:
@@ -259,9 +260,9 @@ class RemoteRunDirectory(RunDirectory):
         self.mirror.stop()
         if self.claimed and not self.existed:
             with contextlib.suppress(Exception):
-                for name in remote.list_tree(self.url):
+                for name in self.url.list_tree():
                     if name.split("/", 1)[0] != LEASES:
-                        remote.delete(self.url / name)
+                        (self.url / name).delete()
         self.lease.remove()
 
     def finish(self) -> None:

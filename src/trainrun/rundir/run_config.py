@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 from trainrun.config import Layer, RunConfig, config_from_layers, config_layers, saved_layers
 from trainrun.rundir.layout import CONFIG, MARKER, default_run_dir
 from trainrun.rundir.ownership import inspect
 from trainrun.storage import location
+from trainrun.storage.location import Location
 
 DEFAULT_CONFIG = "mlp"  # the built-in config of a command that names none and no run
 
@@ -24,18 +24,19 @@ class CommandConfig:
 
     config: RunConfig
     layers: list[Layer]
-    run_dir: Any  # a Path, or an epath location on object storage
-    saved: Any
+    run_dir: Location
+    saved: Location | None
 
 
-def saved_config_file(run_dir: Any) -> Any:
+def saved_config_file(run_dir: Location) -> Location | None:
     """The ``config.yaml`` of a trainrun run directory (marked, or from before the marker);
     None for any other folder, or a run that had not written it yet. On object storage, a
     location with trainrun's marker."""
-    if location.is_remote(run_dir):
+    local = run_dir.local_path
+    if local is None:  # no folder to inspect: a location with trainrun's marker
         path = run_dir / CONFIG
-        return path if (location.is_file(run_dir / MARKER) and location.is_file(path)) else None
-    if inspect(run_dir).kind not in ("marked", "legacy"):
+        return path if ((run_dir / MARKER).is_file() and path.is_file()) else None
+    if inspect(local).kind not in ("marked", "legacy"):
         return None
     path = run_dir / CONFIG
     return path if path.is_file() else None
@@ -63,6 +64,7 @@ def command_config(config_name: str | None, overrides: list[str],
     return CommandConfig(config, layers, path, None)
 
 
-def _location(run_dir: str | Path) -> Any:
-    """A local path, or a ``gs://``/``s3://`` location kept as one (never a folder ``gs:``)."""
-    return location.location(run_dir) if location.is_remote(run_dir) else Path(run_dir)
+def _location(run_dir: str | Path) -> Location:
+    """Where the run directory enters: a local path, or a ``gs://``/``s3://`` location (never
+    a folder ``gs:``)."""
+    return location.location(run_dir)

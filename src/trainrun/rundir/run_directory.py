@@ -21,6 +21,8 @@ from trainrun.rundir.path_checks import (
     require_real_steps,
     require_utf8,
 )
+from trainrun.storage import location
+from trainrun.storage.location import Location
 
 
 def move_aside(run_dir: Path) -> Path:
@@ -48,12 +50,14 @@ class RunDirectory:
     ``release`` (or the process ending) frees the locks.
     """
 
-    def __init__(self, run_dir: Path, ckpt_dir: Path, fresh: bool = False):
-        self.run_dir, self.ckpt_dir, self.fresh = Path(run_dir), Path(ckpt_dir), fresh
+    def __init__(self, run_dir: Path, ckpt_dir: Path | Location, fresh: bool = False):
+        self.run_dir, self.fresh = location.local(run_dir), fresh
+        self.local_ckpt = location.local(str(ckpt_dir))
+        self.ckpt_dir: Location = self.local_ckpt  # a bucket's, for a run on object storage
         self.folders = [(self.run_dir, "--run-dir", "run")]
-        if os.path.abspath(ckpt_dir) != os.path.abspath(self.run_dir / CHECKPOINTS):
-            self.folders.append((self.ckpt_dir, "checkpoint.dir", "checkpoints"))
-        self.locks: dict[Path, RunLock] = {}
+        if os.path.abspath(self.local_ckpt) != os.path.abspath(self.run_dir / CHECKPOINTS):
+            self.folders.append((self.local_ckpt, "checkpoint.dir", "checkpoints"))
+        self.locks: dict[Location, RunLock] = {}
         # What claim changed, for withdraw: folders it created, the entries an existing folder
         # held before it, and runs it moved aside (path, where to, whether it had a lock file).
         self.created: list[Path] = []
@@ -61,7 +65,7 @@ class RunDirectory:
         self.moved: list[tuple[Path, Path, bool]] = []
 
     @property
-    def display(self) -> Any:
+    def display(self) -> Location:
         """The run directory as the user named it (a stage's bucket location)."""
         return self.run_dir
 
@@ -79,7 +83,7 @@ class RunDirectory:
             require_fits(path, flag)
             require_no_links(path)
         if not self.fresh:  # --fresh moves the old steps aside instead
-            require_real_steps(self.ckpt_dir)
+            require_real_steps(self.local_ckpt)
         for path, flag, role in self.folders:
             found = inspect(path, role)
             if found.kind == "foreign":
@@ -125,8 +129,9 @@ class RunDirectory:
             if found.kind == "legacy":
                 notices.append(f"{path} was written by an earlier trainrun: marked it as "
                                f"trainrun's ({MARKER})")
-        if self.ckpt_dir.is_dir():  # Orbax writes into it after the claim
-            self.held_before.setdefault(self.ckpt_dir, {p.name for p in self.ckpt_dir.iterdir()})
+        if self.local_ckpt.is_dir():  # Orbax writes into it after the claim
+            self.held_before.setdefault(self.local_ckpt,
+                                        {p.name for p in self.local_ckpt.iterdir()})
         if (existed[self.run_dir].kind in ("marked", "legacy", "leftover")
                 and not committed_steps(self.ckpt_dir)):
             notices.append(f"taking over {self.run_dir}: it holds no checkpoint (its run "

@@ -5,16 +5,15 @@ once."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from trainrun.config import RunConfig, dump_yaml
 from trainrun.rundir.layout import COMPLETIONS, CONFIG, DATA_FILES, METRICS, PROVENANCE, TIMING
 from trainrun.rundir.run_files import DamagedFile, read_json, write_json, write_text
-from trainrun.storage import location
+from trainrun.storage.location import LocalLocation, Location
 
 
-def start(run_dir: Path, config: RunConfig, provenance: dict[str, Any], step: int,
+def start(run_dir: LocalLocation, config: RunConfig, provenance: dict[str, Any], step: int,
           data_files: dict[str, str] | None = None) -> None:
     """Write the run's files for a run (re)starting at ``step``: the config (``steps`` may have
     grown), this process's provenance, the fingerprint of each data file it reads (None: data
@@ -30,11 +29,11 @@ def start(run_dir: Path, config: RunConfig, provenance: dict[str, Any], step: in
     truncate_metrics(run_dir / COMPLETIONS, step)
 
 
-def read_data_files(run_dir: Path) -> dict[str, str] | None:
+def read_data_files(run_dir: Location) -> dict[str, str] | None:
     """The data files' fingerprints a run recorded as it started (``start``); None for a run
     that recorded none (one from before the record, or trained on a dataset it was given)."""
     path = run_dir / DATA_FILES
-    if not location.is_file(path):
+    if not path.is_file():
         return None
     files = read_json(path).get("files")
     if not isinstance(files, dict):
@@ -42,7 +41,7 @@ def read_data_files(run_dir: Path) -> dict[str, str] | None:
     return {str(name): str(fingerprint) for name, fingerprint in files.items()}
 
 
-def truncate_metrics(path: Path, step: int) -> int:
+def truncate_metrics(path: Location, step: int) -> int:
     """Drop the lines of steps after ``step`` (written before a kill, recomputed on resume);
     returns how many were dropped. Rewritten to a temporary name and renamed, like JSON."""
     if not path.exists():

@@ -27,7 +27,7 @@ from trainrun.rundir.layout import ORBAX_TMP
 from trainrun.rundir.run_directory import RunDirectory
 from trainrun.rundir.status import mark_failed, resume_point
 from trainrun.storage.atomic import TMP_SUFFIX
-from trainrun.storage.location import is_remote
+from trainrun.storage.location import Location
 
 # errno -> how the line says it (strerror's wording, lower case)
 REFUSED = {
@@ -67,24 +67,26 @@ def refused_write(err: BaseException) -> tuple[str, str | None] | None:
     return None
 
 
-def remove_partial(run_dir: Path, ckpt_dir: Path) -> None:
+def remove_partial(run_dir: Path, ckpt_dir: Location) -> None:
     """Temporary files and uncommitted step directories: what a refused write left behind.
     Only the process holding the run directory's lock calls this, so none is another's."""
     for path in (run_dir.glob(f"*{TMP_SUFFIX}") if run_dir.is_dir() else ()):
         with contextlib.suppress(OSError):
             path.unlink()
-    if is_remote(ckpt_dir):  # a step without its commit file: Orbax removes it at the next start
+    local = ckpt_dir.local_path
+    if local is None:  # a step without its commit file: Orbax removes it at the next start
         return
-    for path in (ckpt_dir.glob(f"*{ORBAX_TMP}*") if ckpt_dir.is_dir() else ()):
+    for path in (local.glob(f"*{ORBAX_TMP}*") if local.is_dir() else ()):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def failure_line(what: str, file: str | None, run_dir: Path, ckpt_dir: Path) -> str:
+def failure_line(what: str, file: str | None, run_dir: Location, ckpt_dir: Location) -> str:
     """The one line: what was refused, where, and what a resume starts from."""
     if file is None:  # Orbax's threads do not say which file: name the save in flight
-        partial = (uncommitted_steps(ckpt_dir) if is_remote(ckpt_dir) else
-                   [p.name.split(".")[0] for p in sorted(ckpt_dir.glob(f"*{ORBAX_TMP}*"))]
-                   if ckpt_dir.is_dir() else [])
+        local = ckpt_dir.local_path
+        partial = (uncommitted_steps(ckpt_dir) if local is None else
+                   [p.name.split(".")[0] for p in sorted(local.glob(f"*{ORBAX_TMP}*"))]
+                   if local.is_dir() else [])
         file = (f"the checkpoint of step {partial[0]} ({ckpt_dir})" if partial
                 else f"in {run_dir}")
     steps = committed_steps(ckpt_dir)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import BinaryIO
 
@@ -49,4 +50,37 @@ def replace_file(path: Path, data: bytes | str) -> None:
                 tmp.unlink()
         if isinstance(err, OSError):  # the temporary name means nothing to the reader
             raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
+
+
+def create_whole(path: Path, data: bytes) -> bool:
+    """``path`` holds ``data`` if nothing had that name (a link included), written whole under
+    a temporary name and linked into place; returns whether this call made it. Of several
+    writers, exactly one's content stays, never half of it."""
+    tmp = path.with_name(f".trainrun-{secrets.token_hex(6)}{TMP_SUFFIX}")
+    try:
+        with create_new(tmp) as f:
+            f.write(data)
+        os.link(tmp, path, follow_symlinks=False)
+    except FileExistsError:
+        if not tmp.exists():
+            raise
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return True
+
+
+def copy_file(source: Path, path: Path) -> None:
+    """``path`` holds a copy of the file ``source``, streamed under a temporary name beside it
+    and renamed over it: whole or not at all, never written through a link."""
+    tmp = Path(path).with_name(f".trainrun-{secrets.token_hex(6)}{TMP_SUFFIX}")
+    try:
+        with open(source, "rb") as f, create_new(tmp) as out:
+            shutil.copyfileobj(f, out)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise

@@ -1,16 +1,17 @@
 """Object storage: ``gs://bucket/...`` and ``s3://bucket/...`` locations, read and written through
 fsspec (gcsfs, s3fs: the clients Orbax reaches object storage with, through ``etils.epath``).
 
-A location on object storage is an ``etils.epath.Path``; a local one stays a ``pathlib.Path``
-(its guarantees are the file system's: renames, ``flock``, ``O_NOFOLLOW``). Everything here
-works on whole objects:
+A location on object storage is an ``ObjectLocation`` (``location.location`` makes it where a
+path enters); a local one is ``location.LocalLocation``, whose guarantees are the file
+system's (renames, ``flock``, ``O_NOFOLLOW``). An ``ObjectLocation``'s methods work on whole
+objects:
 
     write_bytes   one PUT: a reader sees the old object or the new one, never half of one
     create        one PUT only if no object has the name (GCS ``ifGenerationMatch=0``, S3
                   ``If-None-Match: *``): exactly one of several writers succeeds
-    stat          size, the version the store gives each write (GCS generation, S3 ETag) and
+    info          size, the version the store gives each write (GCS generation, S3 ETag) and
                   the store's own time of it (no clock of this machine involved)
-    list_names, glob, delete, delete_tree, read_bytes, read_range
+    list_names, matches, delete, delete_tree, read_bytes, read_range
     list_tree     every object below a prefix with its size (a checkpoint step's files)
     open_read     a file read a block at a time, each block one ranged request
     upload        a local file as one object, streamed
@@ -22,9 +23,9 @@ Credentials and endpoints come from where each ecosystem's own tools look: for G
 that names no loadable key is one line before any request (gcsfs would go on without
 credentials); a credentials file botocore cannot parse is one line naming its variable.
 
-``is_remote``, which every path passes before it is read or written, refuses what is no
-location: a URL of another scheme, a bucket URL without a bucket or with ``.``, ``..`` or empty
-segments (``BadLocation``, one line).
+``is_remote``, which every path passes once, where it becomes a location (and every join),
+refuses what is no location: a URL of another scheme, a bucket URL without a bucket or with
+``.``, ``..`` or empty segments (``BadLocation``, one line).
 
 A request that fails for a reason that may pass (the store not answering, a timeout, a 5xx, a
 429) is tried again with exponential backoff until ``deadline_s`` (``storage.deadline_s``) has
@@ -46,7 +47,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO, Any, TypeVar
 
 from trainrun import extras
@@ -79,13 +80,14 @@ class BadLocation(UserError):
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # RFC 3986's scheme, then an authority
 
 
-def is_remote(path: Any) -> bool:
+def is_remote(path: object) -> bool:
     """Whether ``path`` (a string, ``pathlib`` or ``epath`` path) names an object store.
 
-    Every location passes here before it is read or written, so this is where a URL trainrun
-    cannot take is refused (``BadLocation``): one of another scheme (``az://``, which would
-    otherwise be a local folder ``az:``), a ``gs://``/``s3://`` one that names no bucket, or
-    one with a ``.``, ``..`` or empty segment (the store takes each as part of a key, so
+    Every location passes here when it is made (``location.location``, a join), so this is
+    where a URL trainrun cannot take is refused (``BadLocation``): one of another scheme
+    (``az://``, which would otherwise be a local folder ``az:``), a ``gs://``/``s3://`` one
+    that names no bucket, or one with a ``.``, ``..`` or empty segment (the store takes each
+    as part of a key, so
     ``gs://b/runs/../x`` would be written under the key ``runs/../x`` while the checkpoint
     library resolves it elsewhere)."""
     text = str(path)
@@ -108,27 +110,12 @@ def is_remote(path: Any) -> bool:
     return True
 
 
-def scheme_of(path: Any) -> str:
+def scheme_of(path: object) -> str:
     return str(path).split("://", 1)[0]
 
 
-def bucket_of(path: Any) -> str:
+def bucket_of(path: object) -> str:
     return str(path).split("://", 1)[1].split("/", 1)[0]
-
-
-Location = Any  # pathlib.Path locally, etils.epath.Path on object storage
-
-
-def location(path: str | os.PathLike[str] | Any) -> Location:
-    """``path`` as the path type its store takes: an ``epath.Path`` for ``gs://`` and ``s3://``
-    (whose client is set up first), a ``pathlib.Path`` otherwise."""
-    if not is_remote(path):  # a URL trainrun cannot take is refused there
-        return Path(path)
-    text = str(path).rstrip("/")
-    filesystem(text)  # the extra's hint, and the client configured, before any use
-    from etils import epath
-
-    return epath.Path(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +162,7 @@ def notices(say: Callable[[str], None]) -> Iterator[None]:
         _notices[:] = before
 
 
-def filesystem(path: Any) -> Any:
+def filesystem(path: object) -> Any:
     """The fsspec filesystem for ``path``'s scheme, made once per process."""
     scheme = scheme_of(path)
     extras.require("cloud", f"{scheme}:// locations")
@@ -234,11 +221,6 @@ def _timeout(wait: float, nbytes: int = 0) -> float:
     client's own socket timeouts do not cover every wait (s3fs's upload to a store that
     stopped answering waited without end)."""
     return wait + nbytes / SLOWEST_BYTES_PER_S
-
-
-def _key(path: Any) -> str:
-    """``bucket/key`` as fsspec names an object."""
-    return str(path).split("://", 1)[1]
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -305,7 +287,7 @@ def _unparsed_file(err: BaseException) -> str | None:
     return None
 
 
-def refused_line(path: Any, err: BaseException, doing: str) -> str:
+def refused_line(path: object, err: BaseException, doing: str) -> str:
     """The one line for a request the store refused for good."""
     scheme = scheme_of(path)
     unparsed = _unparsed_file(err)
@@ -338,7 +320,13 @@ def refused_line(path: Any, err: BaseException, doing: str) -> str:
     return f"{doing} {path} failed: {text}"
 
 
-def with_retries(path: Any, doing: str, request: Callable[[float], T]) -> T:
+def _no_bucket(path: object, doing: str) -> str:
+    fix = "check its name" if doing in ("reading", "listing") else "create it"
+    return (f"bucket {bucket_of(path)!r} does not exist ({doing} {path}): {fix}, or give "
+            "another location")
+
+
+def with_retries(path: object, doing: str, request: Callable[[float], T]) -> T:
     """``request(wait)``, tried again with backoff while it fails for reasons that may pass,
     until the deadline; a lasting refusal is ``StorageRefused`` at once. ``wait``: the seconds
     an attempt waits for an answer, ``REQUEST_TIMEOUT_S`` or what the deadline leaves
@@ -371,214 +359,373 @@ def with_retries(path: Any, doing: str, request: Callable[[float], T]) -> T:
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
 
-# ---- whole objects ---------------------------------------------------------------------------
+# ---- a location on object storage ------------------------------------------------------------
 
 
-def read_bytes(path: Any) -> bytes:
-    fs = filesystem(path)
-    return with_retries(path, "reading", lambda wait: fs.cat_file(_key(path), timeout=wait))
+class ObjectLocation:
+    """A ``gs://bucket/key`` or ``s3://bucket/key`` location: its URL, checked once when it is
+    made (``is_remote``: another scheme, no bucket or a ``.``, ``..`` or empty segment is
+    refused), and its store's client. Its methods are ``storage.location.Location``'s, each a
+    request on whole objects, retried to ``storage.deadline_s``; a join is checked as the
+    location was."""
 
+    __slots__ = ("url",)
 
-def read_range(path: Any, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of an object."""
-    fs = filesystem(path)
-    return with_retries(path, "reading", lambda wait: fs.cat_file(
-        _key(path), start=start, end=end, timeout=_timeout(wait, end - start)))
+    def __init__(self, url: str):
+        if not is_remote(url):
+            raise BadLocation(f"{url!r}: give gs://BUCKET/PATH or s3://BUCKET/PATH")
+        self.url = url.rstrip("/")
 
+    # ---- the name: joined, split and compared as text ----
 
-def write_bytes(path: Any, data: bytes) -> None:
-    """The object holds ``data``: one request, all or nothing."""
-    fs = filesystem(path)
-    try:
-        with_retries(path, "writing", lambda wait: fs.pipe_file(_key(path), data,
-                                                                timeout=_timeout(wait, len(data))))
-    except FileNotFoundError:  # a write finds no object missing, only the bucket
-        raise StorageRefused(_no_bucket(path, "writing")) from None
+    def __str__(self) -> str:
+        return self.url
 
+    def __repr__(self) -> str:
+        return f"ObjectLocation({self.url!r})"
 
-def _no_bucket(path: Any, doing: str) -> str:
-    fix = "check its name" if doing in ("reading", "listing") else "create it"
-    return (f"bucket {bucket_of(path)!r} does not exist ({doing} {path}): {fix}, or give "
-            "another location")
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectLocation) and other.url == self.url
 
+    def __hash__(self) -> int:
+        return hash(self.url)
 
-def create(path: Any, data: bytes) -> bool:
-    """Write ``data`` only if no object has that name; returns whether this call made it."""
-    fs = filesystem(path)
-    try:
-        with_retries(path, "creating", lambda wait: fs.pipe_file(
-            _key(path), data, mode="create", timeout=_timeout(wait, len(data))))
-    except FileExistsError:
+    def __lt__(self, other: ObjectLocation) -> bool:
+        return self.url < other.url
+
+    def __truediv__(self, key: str | os.PathLike[str], /) -> ObjectLocation:
+        return ObjectLocation(f"{self.url}/{os.fspath(key).strip('/')}")
+
+    def joinpath(self, *names: str) -> ObjectLocation:
+        joined = self
+        for name in names:
+            joined = joined / name
+        return joined
+
+    @property
+    def scheme(self) -> str:
+        return scheme_of(self.url)
+
+    @property
+    def bucket(self) -> str:
+        return bucket_of(self.url)
+
+    @property
+    def key(self) -> str:
+        """``bucket/key`` as fsspec names the object."""
+        return self.url.split("://", 1)[1]
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1] if "/" in self.key else ""
+
+    @property
+    def parent(self) -> ObjectLocation:
+        return ObjectLocation(self.url.rsplit("/", 1)[0]) if "/" in self.key else self
+
+    @property
+    def suffix(self) -> str:
+        dot = self.name.rfind(".")
+        return self.name[dot:] if 0 < dot < len(self.name) - 1 else ""
+
+    def with_name(self, name: str) -> ObjectLocation:
+        return self.parent / name
+
+    def relative_to(self, other: ObjectLocation) -> str:
+        """The part of the key below ``other`` (``a/b``); ``ValueError`` if it is not below."""
+        if not self.url.startswith(other.url.rstrip("/") + "/"):
+            raise ValueError(f"{self} is not below {other}")
+        return self.url[len(other.url.rstrip("/")) + 1:]
+
+    def is_relative_to(self, other: ObjectLocation) -> bool:
+        return self == other or self.url.startswith(other.url.rstrip("/") + "/")
+
+    def absolute(self) -> ObjectLocation:
+        return self
+
+    def expanduser(self) -> ObjectLocation:
+        return self
+
+    def resolve(self) -> ObjectLocation:
+        return self  # no links on object storage
+
+    def is_symlink(self) -> bool:
         return False
-    except FileNotFoundError:
-        raise StorageRefused(_no_bucket(path, "creating")) from None
-    except StorageRefused as err:
-        if _status(err.__cause__ or err) == 412:  # a precondition that failed: it exists
+
+    def real(self) -> PurePosixPath:
+        return PurePosixPath(f"//{self.scheme}/{self.key}")  # "//": a root no local path has
+
+    @property
+    def renames(self) -> bool:
+        return False  # copied object by object; a folder is complete by its commit object
+
+    @property
+    def local_path(self) -> None:
+        return None  # read through this location's requests, never opened by name
+
+    @property
+    def fs(self) -> Any:
+        """The store's fsspec client."""
+        return filesystem(self.url)
+
+    def epath(self) -> Any:
+        """The location as ``etils.epath.Path``: how Orbax is handed it."""
+        from etils import epath
+
+        return epath.Path(self.url)
+
+    # ---- whole objects ----
+
+    def read_bytes(self) -> bytes:
+        fs = self.fs
+        return with_retries(self, "reading", lambda wait: fs.cat_file(self.key, timeout=wait))
+
+    def read_text(self, encoding: str | None = None) -> str:
+        """The object as text, UTF-8 unless told (``UnicodeDecodeError`` as ``bytes.decode``
+        raises it), its line ends as they are."""
+        return self.read_bytes().decode(encoding or "utf-8")
+
+    def read_range(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object."""
+        fs = self.fs
+        return with_retries(self, "reading", lambda wait: fs.cat_file(
+            self.key, start=start, end=end, timeout=_timeout(wait, end - start)))
+
+    def write_bytes(self, data: bytes) -> int:
+        """The object holds ``data``: one request, all or nothing."""
+        fs = self.fs
+        try:
+            with_retries(self, "writing", lambda wait: fs.pipe_file(
+                self.key, data, timeout=_timeout(wait, len(data))))
+        except FileNotFoundError:  # a write finds no object missing, only the bucket
+            raise StorageRefused(self._no_bucket("writing")) from None
+        return len(data)
+
+    def write_text(self, data: str) -> int:
+        return self.write_bytes(data.encode("utf-8"))
+
+    def _no_bucket(self, doing: str) -> str:
+        return _no_bucket(self, doing)
+
+    def create(self, data: bytes) -> bool:
+        """Write ``data`` only if no object has that name; returns whether this call made it."""
+        fs = self.fs
+        try:
+            with_retries(self, "creating", lambda wait: fs.pipe_file(
+                self.key, data, mode="create", timeout=_timeout(wait, len(data))))
+        except FileExistsError:
             return False
-        raise
-    return True
-
-
-def stat(path: Any) -> ObjectInfo | None:
-    """The object's size, version and time, or None when there is none."""
-    fs = filesystem(path)
-    try:
-        info = with_retries(path, "reading", lambda wait: fs.info(
-            _key(path), refresh=True, timeout=wait))
-    except FileNotFoundError:
-        return None
-    if info.get("type") == "directory":
-        return None
-    version = str(info.get("generation") or info.get("ETag") or info.get("etag") or "")
-    updated = info.get("updated") or info.get("LastModified") or info.get("mtime")
-    if isinstance(updated, str):
-        updated = datetime.datetime.fromisoformat(updated.replace("Z", "+00:00"))
-    return ObjectInfo(int(info.get("size") or 0), version,
-                      updated if isinstance(updated, datetime.datetime) else None)
-
-
-def list_names(path: Any) -> list[str]:
-    """The names directly below ``path`` (objects and the "folders" their keys imply)."""
-    fs = filesystem(path)
-    try:
-        entries = with_retries(path, "listing",
-                               lambda wait: fs.ls(
-            _key(path), detail=False, refresh=True, timeout=wait))
-    except FileNotFoundError:
-        return []
-    prefix = _key(path).rstrip("/") + "/"
-    names = {e.rstrip("/")[len(prefix):] for e in entries if e.rstrip("/").startswith(prefix)}
-    return sorted(n for n in names if n and "/" not in n)
-
-
-def list_tree(path: Any) -> dict[str, int]:
-    """Every object whose key lies below ``path``: its name relative to ``path`` (``a/b``) and
-    its size. ``StorageRefused`` when the bucket does not exist (an empty prefix is {})."""
-    fs = filesystem(path)
-    prefix = _key(path).rstrip("/") + "/"
-    try:
-        found = with_retries(path, "listing", lambda wait: fs.find(
-            _key(path), detail=True, refresh=True, timeout=wait))
-    except FileNotFoundError:
-        raise StorageRefused(_no_bucket(path, "reading")) from None
-    return {name[len(prefix):]: int(info.get("size") or 0) for name, info in found.items()
-            if name.startswith(prefix) and info.get("type") != "directory"}
-
-
-def content_checksums(path: Any) -> dict[str, str]:
-    """Every object below ``path`` with the checksum the store computed of its bytes when it
-    was written (GCS ``md5Hash``, else ``crc32c``; S3 ``ETag``, an MD5 of the bytes or of the
-    parts), one listing, no byte read: an object written again with other bytes has another."""
-    fs = filesystem(path)
-    prefix = _key(path).rstrip("/") + "/"
-    found = with_retries(path, "listing", lambda wait: fs.find(
-        _key(path), detail=True, refresh=True, timeout=wait))
-    sums = {}
-    for name, info in found.items():
-        value = info.get("md5Hash") or info.get("crc32c") or info.get("ETag")
-        if name.startswith(prefix) and info.get("type") != "directory" and value:
-            sums[name[len(prefix):]] = f"{scheme_of(path)}:{str(value).strip(chr(34))}"
-    return sums
-
-
-def bucket_exists(path: Any) -> bool:
-    """Whether ``path``'s bucket exists (asked by listing it: the permission a reader of its
-    objects has, where asking for the bucket itself needs one more)."""
-    fs = filesystem(path)
-    try:
-        with_retries(path, "listing", lambda wait: fs.ls(
-            bucket_of(path), detail=False, refresh=True, timeout=wait))
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def require_bucket(path: Any, doing: str = "reading") -> None:
-    """``StorageRefused`` when ``path``'s bucket does not exist: said, where a missing object
-    would otherwise be taken for a missing run."""
-    if not bucket_exists(path):
-        raise StorageRefused(_no_bucket(path, doing))
-
-
-def upload(local: Path, path: Any) -> None:
-    """The local file ``local`` as the object ``path``, streamed from disk: the object appears
-    whole once the upload is complete (a multipart or resumable upload), never in part."""
-    fs = filesystem(path)
-    try:
-        size = Path(local).stat().st_size
-        with_retries(path, "writing", lambda wait: fs.put_file(str(local), _key(path),
-                                                               timeout=_timeout(wait, size)))
-    except FileNotFoundError:
-        if not Path(local).is_file():
+        except FileNotFoundError:
+            raise StorageRefused(self._no_bucket("creating")) from None
+        except StorageRefused as err:
+            if _status(err.__cause__ or err) == 412:  # a precondition that failed: it exists
+                return False
             raise
-        raise StorageRefused(_no_bucket(path, "writing")) from None
+        return True
 
+    def info(self) -> ObjectInfo | None:
+        """The object's size, version and time, or None when there is none."""
+        fs = self.fs
+        try:
+            info = with_retries(self, "reading", lambda wait: fs.info(
+                self.key, refresh=True, timeout=wait))
+        except FileNotFoundError:
+            return None
+        if info.get("type") == "directory":
+            return None
+        version = str(info.get("generation") or info.get("ETag") or info.get("etag") or "")
+        updated = info.get("updated") or info.get("LastModified") or info.get("mtime")
+        if isinstance(updated, str):
+            updated = datetime.datetime.fromisoformat(updated.replace("Z", "+00:00"))
+        return ObjectInfo(int(info.get("size") or 0), version,
+                          updated if isinstance(updated, datetime.datetime) else None)
 
-def copy_tree(path: Any, target: Any) -> None:
-    """Every object below ``path`` copied below ``target`` (server-side copies)."""
-    fs = filesystem(path)
+    def size(self) -> int | None:
+        info = self.info()
+        return None if info is None else info.size
 
-    def copy(source: str, dest: str, size: int) -> Callable[[float], Any]:
-        return lambda wait: fs.copy(source, dest, timeout=_timeout(wait, size))
+    def identity(self) -> tuple[str, int, str]:
+        """What changes when the object is written again: its name, size and version (locally
+        a file's size and modification time)."""
+        info = self.info()
+        if info is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", self.url)
+        return (self.url, info.size, info.version)
 
-    for name, size in list_tree(path).items():
-        with_retries(path, "copying", copy(f"{_key(path)}/{name}", f"{_key(target)}/{name}",
-                                           size))
+    def list_names(self) -> list[str]:
+        """The names directly below (objects and the "folders" their keys imply), sorted;
+        empty when there is nothing there."""
+        fs = self.fs
+        try:
+            entries = with_retries(self, "listing", lambda wait: fs.ls(
+                self.key, detail=False, refresh=True, timeout=wait))
+        except FileNotFoundError:
+            return []
+        prefix = self.key.rstrip("/") + "/"
+        names = {e.rstrip("/")[len(prefix):] for e in entries
+                 if e.rstrip("/").startswith(prefix)}
+        return sorted(n for n in names if n and "/" not in n)
 
+    def _find(self) -> dict[str, Any]:
+        fs = self.fs
+        return with_retries(self, "listing", lambda wait: fs.find(
+            self.key, detail=True, refresh=True, timeout=wait))
 
-def exists(path: Any) -> bool:
-    fs = filesystem(path)
-    return bool(with_retries(path, "reading", lambda wait: fs.exists(
-        _key(path), timeout=wait)))
+    def list_tree(self) -> dict[str, int]:
+        """Every object whose key lies below: its name relative to this location (``a/b``) and
+        its size, sorted. ``StorageRefused`` when the bucket does not exist (an empty prefix is
+        {})."""
+        prefix = self.key.rstrip("/") + "/"
+        try:
+            found = self._find()
+        except FileNotFoundError:
+            raise StorageRefused(self._no_bucket("reading")) from None
+        return dict(sorted((name[len(prefix):], int(info.get("size") or 0))
+                           for name, info in found.items()
+                           if name.startswith(prefix) and info.get("type") != "directory"))
 
+    def content_checksums(self) -> dict[str, str]:
+        """Every object below with the checksum the store computed of its bytes when it was
+        written (GCS ``md5Hash``, else ``crc32c``; S3 ``ETag``, an MD5 of the bytes or of the
+        parts), one listing, no byte read: an object written again with other bytes has
+        another. (Locally there are none: {}.)"""
+        prefix = self.key.rstrip("/") + "/"
+        sums = {}
+        for name, info in self._find().items():
+            value = info.get("md5Hash") or info.get("crc32c") or info.get("ETag")
+            if name.startswith(prefix) and info.get("type") != "directory" and value:
+                sums[name[len(prefix):]] = f"{self.scheme}:{str(value).strip(chr(34))}"
+        return sums
 
-def is_dir(path: Any) -> bool:
-    """Whether any object's key lies below ``path``."""
-    return bool(list_names(path))
+    def bucket_exists(self) -> bool:
+        """Whether the bucket exists (asked by listing it: the permission a reader of its
+        objects has, where asking for the bucket itself needs one more)."""
+        fs = self.fs
+        try:
+            with_retries(self, "listing", lambda wait: fs.ls(
+                self.bucket, detail=False, refresh=True, timeout=wait))
+        except FileNotFoundError:
+            return False
+        return True
 
+    def require_bucket(self, doing: str = "reading") -> None:
+        """``StorageRefused`` when the bucket does not exist: said, where a missing object
+        would otherwise be taken for a missing run."""
+        if not self.bucket_exists():
+            raise StorageRefused(self._no_bucket(doing))
 
-def delete(path: Any) -> None:
-    fs = filesystem(path)
-    with contextlib.suppress(FileNotFoundError):
-        with_retries(path, "deleting", lambda wait: fs.rm_file(_key(path), timeout=wait))
+    def missing_line(self, what: str) -> str:
+        """The line for nothing here: ``no {what} {location}``, for the caller's error; a
+        bucket that does not exist is ``StorageRefused`` at once, on its own line."""
+        self.require_bucket()
+        return f"no {what} {self}"
 
+    def upload(self, local: Path) -> None:
+        """The local file ``local`` as this object, streamed from disk: the object appears
+        whole once the upload is complete (a multipart or resumable upload), never in part."""
+        fs = self.fs
+        try:
+            size = Path(local).stat().st_size
+            with_retries(self, "writing", lambda wait: fs.put_file(
+                str(local), self.key, timeout=_timeout(wait, size)))
+        except FileNotFoundError:
+            if not Path(local).is_file():
+                raise
+            raise StorageRefused(self._no_bucket("writing")) from None
 
-def delete_tree(path: Any) -> None:
-    """Every object whose key lies below ``path``."""
-    fs = filesystem(path)
-    with contextlib.suppress(FileNotFoundError):
-        with_retries(path, "deleting", lambda wait: fs.rm(
-            _key(path), recursive=True, timeout=wait))
-    forget_listings(path)
+    def copy_tree(self, target: ObjectLocation) -> None:
+        """Every object below this location copied below ``target`` (server-side copies)."""
+        fs = self.fs
 
+        def copy(source: str, dest: str, size: int) -> Callable[[float], Any]:
+            return lambda wait: fs.copy(source, dest, timeout=_timeout(wait, size))
 
-def forget_listings(path: Any) -> None:
-    """Drop the listings every client of ``path``'s store keeps in this process (fsspec caches
-    them per filesystem object; Orbax reaches the store through ``epath``'s own): a folder
-    removed here is not found again in an old listing. ``epath`` keeps its client for good,
-    also when fsspec's own cache of clients was emptied (``clear_instance_cache``): Orbax would
-    then see a removed step still there and skip saving it again."""
-    from etils.epath import backend
+        for name, size in self.list_tree().items():
+            with_retries(self, "copying", copy(f"{self.key}/{name}", f"{target.key}/{name}",
+                                               size))
 
-    for client in [*type(filesystem(path))._cache.values(), backend.fsspec_backend.fs(path)]:
-        client.invalidate_cache()
+    def move_tree(self, target: ObjectLocation) -> None:
+        """A folder to a new place: object storage cannot rename, so each object is copied,
+        then the originals deleted."""
+        self.copy_tree(target)
+        self.delete_tree()
 
+    def make_dirs(self) -> None:
+        """Nothing to make: a prefix exists once an object lies below it."""
 
-def open_read(path: Any) -> IO[bytes]:
-    """The object as a file read a block at a time, each block one ranged request retried as
-    ``read_range`` is (a store that stops answering mid-stream is waited for, up to the
-    deadline): for streamed records, and a seekable file for Parquet. ``FileNotFoundError``
-    when there is no such object."""
-    info = stat(path)
-    if info is None:
-        raise FileNotFoundError(errno.ENOENT, "no such object", str(path))
-    return io.BufferedReader(_RangedObject(path, info.size), buffer_size=READ_BLOCK)
+    def exists(self) -> bool:
+        fs = self.fs
+        return bool(with_retries(self, "reading", lambda wait: fs.exists(
+            self.key, timeout=wait)))
+
+    def is_file(self) -> bool:
+        return self.info() is not None
+
+    def is_dir(self) -> bool:
+        """Whether any object's key lies below."""
+        return bool(self.list_names())
+
+    def delete(self) -> None:
+        fs = self.fs
+        with contextlib.suppress(FileNotFoundError):
+            with_retries(self, "deleting", lambda wait: fs.rm_file(self.key, timeout=wait))
+
+    def delete_tree(self) -> None:
+        """Every object whose key lies below."""
+        fs = self.fs
+        with contextlib.suppress(FileNotFoundError):
+            with_retries(self, "deleting", lambda wait: fs.rm(
+                self.key, recursive=True, timeout=wait))
+        self.forget_listings()
+
+    def forget_listings(self) -> None:
+        """Drop the listings every client of this store keeps in this process (fsspec caches
+        them per filesystem object; Orbax reaches the store through ``epath``'s own): a folder
+        removed here is not found again in an old listing. ``epath`` keeps its client for
+        good, also when fsspec's own cache of clients was emptied (``clear_instance_cache``):
+        Orbax would then see a removed step still there and skip saving it again."""
+        from etils.epath import backend
+
+        for client in [*type(self.fs)._cache.values(), backend.fsspec_backend.fs(self.url)]:
+            client.invalidate_cache()
+
+    def open_read(self) -> IO[bytes]:
+        """The object as a file read a block at a time, each block one ranged request retried
+        as ``read_range`` is (a store that stops answering mid-stream is waited for, up to the
+        deadline): for streamed records, and a seekable file for Parquet.
+        ``FileNotFoundError`` when there is no such object."""
+        info = self.info()
+        if info is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", self.url)
+        return io.BufferedReader(_RangedObject(self, info.size), buffer_size=READ_BLOCK)
+
+    def model_file(self, error: type[UserError] = UserError) -> ObjectLocation:
+        """The file as it is: object storage has no links to refuse."""
+        return self
+
+    def glob(self, pattern: str) -> list[ObjectLocation]:
+        """The objects ``pattern`` below this location matches (``*``, ``?``, ``[...]``;
+        ``**`` across ``/``), sorted; the "folders" their keys imply are left out."""
+        return (self / pattern).matches()
+
+    def matches(self) -> list[ObjectLocation]:
+        """The objects this location, read as a pattern (``*``, ``?``, ``[...]``; ``**``
+        across ``/``), matches, sorted; the "folders" their keys imply are left out."""
+        fs = self.fs
+        fs.invalidate_cache()  # listings fsspec kept from earlier calls may predate new objects
+        try:
+            found = with_retries(self, "listing", lambda wait: fs.glob(
+                self.key, detail=True, timeout=wait))
+        except FileNotFoundError:  # gcsfs, for a bucket that is not there
+            found = {}
+        return sorted(ObjectLocation(f"{self.scheme}://{name}") for name, info in found.items()
+                      if info.get("type") != "directory")
 
 
 class _RangedObject(io.RawIOBase):
     """An object of ``size`` bytes as a raw, seekable file whose reads are ranged requests."""
 
-    def __init__(self, path: Any, size: int):
+    def __init__(self, path: ObjectLocation, size: int):
         super().__init__()
         self.path, self.size, self.position = path, size, 0
 
@@ -603,30 +750,7 @@ class _RangedObject(io.RawIOBase):
         end = min(self.position + len(view), self.size)
         if end <= self.position:
             return 0
-        data = read_range(self.path, self.position, end)
+        data = self.path.read_range(self.position, end)
         view[:len(data)] = data
         self.position += len(data)
         return len(data)
-
-
-def glob(pattern: str) -> list[str]:
-    """The objects a pattern matches (``*``, ``?``, ``[...]``; ``**`` across ``/``), as
-    ``scheme://bucket/key`` names, sorted; the "folders" their keys imply are left out."""
-    fs = filesystem(pattern)
-    scheme = scheme_of(pattern)
-    fs.invalidate_cache()  # listings fsspec kept from earlier calls may predate new objects
-    try:
-        found = with_retries(pattern, "listing", lambda wait: fs.glob(
-            _key(pattern), detail=True, timeout=wait))
-    except FileNotFoundError:  # gcsfs, for a bucket that is not there
-        found = {}
-    return sorted(f"{scheme}://{name}" for name, info in found.items()
-                  if info.get("type") != "directory")
-
-
-def missing_line(path: Any, what: str) -> str:
-    """The line for nothing at ``path``: ``no {what} {path}``, for the caller's error; a
-    bucket that does not exist is ``StorageRefused`` at once, on its own line."""
-    if not bucket_exists(path):
-        raise StorageRefused(_no_bucket(path, "reading"))
-    return f"no {what} {path}"

@@ -23,6 +23,7 @@ from trainrun.checkpointing import init_from
 from trainrun.errors import UserError
 from trainrun.platform.process import configure_process
 from trainrun.rundir import write_failures
+from trainrun.storage.location import Location
 from trainrun.training import user_code
 from trainrun.training.calls import CallRunner
 from trainrun.training.hooks import Boundary, HookRunner
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 Batch = Any
 
 
-def run(config: RunConfig, run_dir: Path | str | None = None, *, model: Any = None,
+def run(config: RunConfig, run_dir: Path | str | Location | None = None, *, model: Any = None,
         data: grain.MapDataset | Iterator[Batch] | None = None, fresh: bool = False,
         allow_config_change: bool = False, allow_data_change: bool = False,
         out: TextIO | None = None,

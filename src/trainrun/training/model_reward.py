@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -121,8 +120,8 @@ def load_reward_model(path: str, tokenizer: str | None = None,
     """The reward model at ``path``: a reward run's directory (local or on object storage) or
     a ``...ForSequenceClassification`` model directory. ``tokenizer``, ``chat_template``: in
     place of the model's own (``data.tokenizer`` names the forms)."""
-    where = location.location(path) if location.is_remote(path) else Path(path).expanduser()
-    if location.is_file(where / rundir.CONFIG):
+    where = location.location(path)
+    if (where / rundir.CONFIG).is_file():
         return _from_run(where, tokenizer, chat_template)
     kind = source_kind(where, what="reward_model path")
     if kind != "huggingface":

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from trainrun.models import Model
@@ -15,6 +14,7 @@ from trainrun.program.precision import Policy
 from trainrun.program.state import TrainState
 from trainrun.reporting.console import Console
 from trainrun.reporting.run_output import RunOutput
+from trainrun.storage.location import LocalLocation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,7 +37,7 @@ class Reporting:
     """Where the run's record goes: its folder, written by process 0, its console and its
     metric writers."""
 
-    run_dir: Path
+    run_dir: LocalLocation
     primary: bool  # process 0: the one that writes files and prints
     provenance: dict[str, Any]
     console: Console

@@ -92,6 +92,7 @@ from trainrun.reporting.timing import StepTimer, Stopwatch, Timing
 from trainrun.rundir.lock import refuse_joining
 from trainrun.rundir.remote_run import RemoteRunDirectory, RunMirror
 from trainrun.storage import location, remote
+from trainrun.storage.location import LocalLocation, Location
 from trainrun.training import preflight
 from trainrun.training.answers import answer_scorer
 from trainrun.training.background_compile import BackgroundCompile
@@ -135,21 +136,21 @@ def params_copier(programs: CompiledSteps) -> Callable[[TrainState], Any]:
     return lambda state: jax.tree.map(jnp.copy, state.params)
 
 
-def run_directory(config: RunConfig, run_dir: Path | str | None,
+def run_directory(config: RunConfig, run_dir: Path | str | Location | None,
                   fresh: bool) -> rundir.RunDirectory:
     """The run's folders (run and checkpoints), to be checked, claimed and locked: ``run_dir``,
     or the config's default. The one place that asks whether a run is on object storage: such
     a run is written through a local stage (``rundir/remote_run.py``)."""
-    if run_dir is not None and location.is_remote(run_dir):
-        url = location.location(run_dir)
-        return RemoteRunDirectory(url, checkpoint_dir(config, url), fresh,
+    where = location.location(run_dir) if run_dir is not None else rundir.default_run_dir(config)
+    path = where.local_path
+    if path is None:
+        return RemoteRunDirectory(where, checkpoint_dir(config, where), fresh,
                                   lease_s=config.storage.lease_s,
                                   sync_every_s=config.storage.sync_every_s,
                                   deadline_s=config.storage.deadline_s)
-    path = Path(run_dir) if run_dir is not None else rundir.default_run_dir(config)
-    if fresh:  # `--run-dir . --fresh`: the new run goes where `.` was, not into the old one
-        path = Path(os.path.abspath(path))
-    return rundir.RunDirectory(path, checkpoint_dir(config, path), fresh)
+    # `--run-dir . --fresh`: the new run goes where `.` was, not into the old one
+    here = location.local(os.path.abspath(path) if fresh else path)
+    return rundir.RunDirectory(here, checkpoint_dir(config, here), fresh)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -275,7 +276,7 @@ def _resume_step(directory: rundir.RunDirectory) -> int | None:
     return committed[-1] if committed and not directory.fresh else None
 
 
-def _finished(run_dir: Path, directory: rundir.RunDirectory, latest: int, steps: int,
+def _finished(run_dir: LocalLocation, directory: rundir.RunDirectory, latest: int, steps: int,
               console: Console, primary: bool) -> RunSummary:
     """The summary of a run whose last checkpoint is at its end: nothing runs. A process
     killed after committing that checkpoint, before recording its end, left the status
@@ -461,7 +462,7 @@ def _claim(config: RunConfig, directory: rundir.RunDirectory, prov: dict[str, An
     return checkpoints, mirror
 
 
-def _reporting(config: RunConfig, run_dir: Path, console: Console, primary: bool,
+def _reporting(config: RunConfig, run_dir: LocalLocation, console: Console, primary: bool,
                prov: dict[str, Any], start: int) -> Reporting:
     """The run's metric writers opened at the step it starts at, and its status "running"."""
     output = build_output(
@@ -741,7 +742,7 @@ class _Resuming:
     """What the start of the run's files, its checks on resume and its console messages
     need."""
 
-    run_dir: Path
+    run_dir: LocalLocation
     shown: Any  # the run directory as messages show it
     provenance: dict[str, Any]
     console: Console

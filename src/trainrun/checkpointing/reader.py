@@ -64,9 +64,9 @@ def _run_model(config: RunConfig) -> Model:
     """The model a run's config trains: a reinforcement-learning run's keeps its reference in
     the model state."""
     if config.rl is not None and isinstance(config.model, TransformerModel):
-        from trainrun.program.grpo import grpo_model
+        from trainrun.models.grpo_transformer import make_grpo_transformer
 
-        return grpo_model(config.model, config.rl)
+        return make_grpo_transformer(config.model, config.rl)
     return build_model(config.model, config.preference)
 
 

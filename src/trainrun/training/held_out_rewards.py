@@ -14,8 +14,8 @@ from typing import Any
 from trainrun.config import RunConfig, TransformerModel
 from trainrun.data import model_tokenizer, rewards
 from trainrun.data.prompt_records import Prompt, completion_texts, score_completions
+from trainrun.models.grpo_transformer import host_metric_names
 from trainrun.program.decode import StopStrings, generate_batch
-from trainrun.program.grpo import host_metric_names
 
 PyTree = Any
 

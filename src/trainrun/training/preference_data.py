@@ -4,7 +4,7 @@ log-probabilities as one more column, ``reference_logps``.
 
 That column is computed once, before training, from the starting params (the run's fresh init,
 or ``init.from``'s), in forward passes of ``preference.reference_batch_size`` rows, by the same
-function the step runs (``preference_transformer.token_logps``) under the run's precision. It is
+function the step runs (``models/token_logps.py``) under the run's precision. It is
 kept beside the rows it scores (``<rows>/reference/<key>-<split>``, as ``storage/kept_files.py``
 keeps files), keyed by content: the rows' own key, the sha256 of the starting params' bytes, the
 model and the compute dtype; its file's sha256 sits in its manifest and is checked as a run
@@ -39,7 +39,8 @@ from trainrun.data.pipeline import ArrayBatches
 from trainrun.data.preference_rows import PairRows, preference_rows
 from trainrun.data.record_rows import RecordCounts
 from trainrun.models.preference_losses import REFERENCE_FREE
-from trainrun.models.preference_transformer import REFERENCE_COLUMN, ROW_ARRAYS, token_logps
+from trainrun.models.preference_transformer import REFERENCE_COLUMN
+from trainrun.models.token_logps import PAIR_ROW_ARRAYS, pair_rows, token_logps
 from trainrun.models.transformer import bind_transformer
 from trainrun.program.precision import Policy
 from trainrun.storage import kept_files
@@ -190,14 +191,15 @@ def compute_reference(config: RunConfig, policy: Policy, params: PyTree,
 
     @jax.jit
     def scored(params: PyTree, batch: dict[str, jax.Array]) -> jax.Array:
-        logps = token_logps(bind(policy.cast_to_compute(params)), batch,
-                            chunk=config.model.loss_chunk)  # type: ignore[union-attr]
+        logps, _ = token_logps(bind(policy.cast_to_compute(params)), pair_rows(batch),
+                               chunk=config.model.loss_chunk)  # type: ignore[union-attr]
         return jnp.pad(logps, ((0, 0), (1, 0)))
 
     total = arrays["tokens"].shape[0]
     out = np.zeros(arrays["tokens"].shape, np.float32)
     for start in range(0, total, batch_size):
-        batch = {name: np.asarray(arrays[name][start:start + batch_size]) for name in ROW_ARRAYS}
+        batch = {name: np.asarray(arrays[name][start:start + batch_size])
+                 for name in PAIR_ROW_ARRAYS}
         short = batch_size - batch["tokens"].shape[0]
         if short:  # the one compiled shape: empty rows (segment 0) score nothing
             batch = {name: np.pad(value, ((0, short), (0, 0))) for name, value in batch.items()}

@@ -37,9 +37,9 @@ from trainrun.config import RunConfig, TransformerModel
 from trainrun.data import model_tokenizer, rewards
 from trainrun.data.pipeline import process_rows
 from trainrun.data.prompt_records import Prompt, completion_texts, score_completions
+from trainrun.models.grpo_transformer import as_bits
 from trainrun.models.policy_gradient import group_advantages, zero_spread_fraction
 from trainrun.program.decode import StopStrings
-from trainrun.program.grpo import as_bits
 from trainrun.program.rollouts import (
     Rollouts,
     RolloutSettings,
@@ -185,7 +185,8 @@ class RolloutBatches:
 
     def _batch(self, rollouts: Rollouts, advantages: np.ndarray,
                reference: jax.Array | None, metrics: np.ndarray) -> Batch:
-        """The columns the step takes (``grpo.grpo_model``'s), this process's rows of them."""
+        """The columns the step takes (``grpo_transformer.make_grpo_transformer``'s), this
+        process's rows of them."""
         rows = advantages.shape[0]
         old = on_host(rollouts.old_logps).astype(np.float32)
         columns = {

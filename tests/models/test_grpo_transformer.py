@@ -10,11 +10,17 @@ import pytest
 
 from trainrun.config import RLConfig, TransformerModel
 from trainrun.models import build_model
+from trainrun.models.grpo_transformer import (
+    Rollouts,
+    as_bits,
+    grpo_loss,
+    host_metric_names,
+    make_grpo_transformer,
+)
 from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages, token_entropy
 from trainrun.models.reference import plain_logits
-from trainrun.program.grpo import as_bits, grpo_loss, grpo_model, host_metric_names
 from trainrun.program.precision import Policy
-from trainrun.program.rollouts import Rollouts, RolloutSettings, draw_rollouts
+from trainrun.program.rollouts import RolloutSettings, draw_rollouts
 from trainrun.program.step import make_gradient_fn
 
 CFG = TransformerModel(d_model=32, layers=1, heads=4, seq_len=32)
@@ -132,7 +138,7 @@ def test_the_step_reads_old_and_reference_logps_in_float32_under_bfloat16():
     old = np.where(mask, np.asarray(rollouts.old_logps) + 1e-3, 0.0).astype(np.float32)
     reference = np.where(mask, old - 0.0123, 0.0).astype(np.float32)
     policy = Policy(compute=jnp.bfloat16)
-    gradients = jax.jit(make_gradient_fn(grpo_model(CFG, RL), policy))
+    gradients = jax.jit(make_gradient_fn(make_grpo_transformer(CFG, RL), policy))
     step_loss = lambda old_, ref_: gradients(
         params, _rollout_batch(rollouts, advantages, old_, ref_), jax.random.key(0),
         policy.initial_loss_scale())[0]

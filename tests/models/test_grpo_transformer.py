@@ -17,7 +17,7 @@ from trainrun.models.grpo_transformer import (
     host_metric_names,
     make_grpo_transformer,
 )
-from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages, token_entropy
+from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages
 from trainrun.models.reference import plain_logits
 from trainrun.program.precision import Policy
 from trainrun.program.rollouts import RolloutSettings, draw_rollouts
@@ -39,6 +39,12 @@ def drawn():
     return params, rollouts
 
 
+def next_token_entropy(logits: jax.Array) -> jax.Array:
+    """The entropy of each position's next-token distribution, ``logits [..., vocab]``."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
 def row_logps(params, text: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The summed log-probability of a row's completion tokens (``mask`` over its last
     ``LIMIT``), and the entropy of each of their distributions, by the plain transformer over
@@ -46,7 +52,7 @@ def row_logps(params, text: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.
     logits = plain_logits(CFG, params, text[None, :-1])[0]
     picked = jnp.take_along_axis(jax.nn.log_softmax(logits), text[1:, None], axis=-1)
     return (jnp.sum(jnp.where(mask, picked[-LIMIT:, 0], 0.0)),
-            token_entropy(jax.lax.stop_gradient(logits[-LIMIT:])))
+            next_token_entropy(jax.lax.stop_gradient(logits[-LIMIT:])))
 
 
 @pytest.fixture(scope="module")

@@ -79,11 +79,6 @@ class LoraSettings:
         return LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)
 
 
-def is_adapter_dir(path: Location) -> bool:
-    """Whether ``path`` is a PEFT adapter directory (it has ``adapter_config.json``)."""
-    return location.is_file(_folder(path) / ADAPTER_CONFIG)
-
-
 def _folder(path: Location) -> Location:
     """``path`` as its store's path type: a remote one is kept, a local one made a Path."""
     return path if location.is_remote(path) else Path(path)

@@ -1,6 +1,6 @@
 """Arrays trainrun makes once and keeps on this machine's disk for later runs: tokenized records
 (``data/record_rows.py``), preference pairs (``data/preference_rows.py``) and a preference run's
-reference log-probabilities (``training/kinds/reference_column.py``).
+reference log-probabilities (``training/preference_data.py``).
 
 A kept folder holds one file per split and array (``train.tokens.bin``: ``[rows, row_len]``,
 row after row) and a ``manifest.json`` with each file's sha256, the rows of each split, their

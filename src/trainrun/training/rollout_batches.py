@@ -37,10 +37,9 @@ from trainrun.config import RunConfig, TransformerModel
 from trainrun.data import rewards
 from trainrun.data.pipeline import process_rows
 from trainrun.data.prompt_records import Prompt, score_completions
-from trainrun.models.grpo_transformer import as_bits
+from trainrun.models.grpo_transformer import Rollouts, as_bits
 from trainrun.models.policy_gradient import group_advantages, zero_spread_fraction
 from trainrun.program.rollouts import (
-    Rollouts,
     RolloutSettings,
     draw_rollouts,
     reference_logps,

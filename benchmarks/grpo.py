@@ -53,8 +53,8 @@ from trl_rounds import interleaved
 from trainrun.config import RunConfig, load_config
 from trainrun.data.prompt_records import Prompt, prompt_records
 from trainrun.models import build_model
+from trainrun.models.grpo_transformer import make_grpo_transformer
 from trainrun.platform.process import configure_process
-from trainrun.program.grpo import grpo_model
 from trainrun.program.optim import build_optimizer
 from trainrun.program.rollouts import completion_logps
 from trainrun.program.state import TrainState, state_from_params
@@ -180,7 +180,7 @@ def against_trl(rounds: int, count: int) -> None:
     # the prompts of trainrun's rollout batches, in its order, for TRL's sequential one
     order = rollout_batches(config, pool)
     asked = [prompt for index in range(count) for prompt in order.batch_prompts(index)]
-    step = jitted_step(config, grpo_model(config.model, config.rl))
+    step = jitted_step(config, make_grpo_transformer(config.model, config.rl))
     trainrun_contender(config, params, pool, 2, step)  # warmup: compile
     with tempfile.TemporaryDirectory() as tmp:
         path = hf_dir(config, params, Path(tmp) / "llama")
@@ -255,7 +255,8 @@ def parts(rounds: int) -> None:
 
     contenders[ROLLOUT] = draw
     contenders["old log-probs' forward pass (several updates a batch)"] = old_logps
-    for name, model, rows in (("GRPO update (dapo)", grpo_model(config.model, config.rl), batch),
+    for name, model, rows in (("GRPO update (dapo)",
+                               make_grpo_transformer(config.model, config.rl), batch),
                               ("next-token step, same rows and targets",
                                build_model(config.model), sft_rows)):
         step = jitted_step(config, model)

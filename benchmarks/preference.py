@@ -61,12 +61,8 @@ from trainrun.config import OptimizerConfig, RunConfig, load_config
 from trainrun.data.pair_rows import pack_pairs
 from trainrun.data.preference_pairs import Pair
 from trainrun.models import build_model
-from trainrun.models.preference_transformer import (
-    REFERENCE_COLUMN,
-    ROW_ARRAYS,
-    make_preference_transformer,
-    token_logps,
-)
+from trainrun.models.preference_transformer import REFERENCE_COLUMN, make_preference_transformer
+from trainrun.models.token_logps import PAIR_ROW_ARRAYS, pair_rows, token_logps
 from trainrun.models.transformer import bind_transformer
 from trainrun.platform.process import configure_process
 from trainrun.program.optim import build_optimizer
@@ -142,8 +138,9 @@ def steps(rounds: int) -> None:
         contenders[name] = measure
     reference_rows = {k: np.tile(v, (8, 1)) for k, v in rows.items()}  # 64 rows: one pass
     bind = bind_transformer(config.model)
-    scored = jax.jit(lambda p, b: jnp.pad(token_logps(bind(p), b), ((0, 0), (1, 0))))
-    one_pass = jax.device_put({name: reference_rows[name] for name in ROW_ARRAYS})
+    scored = jax.jit(lambda p, b: jnp.pad(token_logps(bind(p), pair_rows(b))[0],
+                                          ((0, 0), (1, 0))))
+    one_pass = jax.device_put({name: reference_rows[name] for name in PAIR_ROW_ARRAYS})
     np.asarray(scored(params, one_pass))  # warmup: compile
 
     def reference() -> float:  # compute_reference's pass, as it runs after its first

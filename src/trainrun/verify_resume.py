@@ -6,7 +6,7 @@
                           its files still being written); then a new process resumes it
     kill in the reference a preference run with a cached reference: train it again with a cache
                           of its own; the process SIGKILLs itself when the reference column is
-                          written but not yet committed by its manifest; then a new process
+                          written but its folder not yet committed; then a new process
                           starts it again on what the kill left
     kill in generation    a reinforcement-learning run: train it again; once the checkpoint at
                           STEP is committed, the process SIGKILLs itself while its decoder
@@ -16,9 +16,10 @@
 
 The kill is a real ``kill -9`` (no handler runs, no file is closed), sent by the process to
 itself so that the kill point is exact: the runs are ``trainrun train`` with one callback more,
-``KillAt``, which hears of each save (``Callback.on_checkpoint``); for the kill in the
-reference pass, the write of the reference's manifest is replaced by the kill, and in
-generation a thread sends the kill as the decoder's program is called. Kill points
+``KillAt``, which hears of each save (``Callback.on_checkpoint``); in the reference pass, the
+kill follows the write of the reference's column, before its folder is renamed into place
+(which commits it), and in generation a thread sends the kill as the decoder's program is
+called. Kill points
 are checkpoint steps (and that one), so the runs save by steps only
 (``checkpoint.every_seconds=0``); a config that saves by time only is checked with a
 checkpoint at half its steps. Which step a run resumed from is read
@@ -44,7 +45,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -299,12 +300,13 @@ def _after_generation_kill(chain: Chain, step: int) -> str:
 
 
 def _after_reference_kill(chain: Chain, cache: Path) -> str:
-    """What a kill in the reference pass left: a column written and no manifest committing it."""
+    """What a kill in the reference pass left: a column written in its staging folder, none
+    committed (renamed into place)."""
     columns = list(cache.glob(f"**/reference/*/train.{REFERENCE_COLUMN}.bin"))
     if not columns:
         chain.problems.append("the kill in the reference pass left no column written")
         return "no column"
-    if any((column.parent / "train.manifest.json").exists() for column in columns):
+    if any(not column.parent.name.startswith(".") for column in columns):  # not staged
         chain.problems.append("the reference column was committed when the kill landed; "
                               "nothing was in flight")
         return "committed"
@@ -410,14 +412,17 @@ def _table(chains: list[Chain], steps: int, out: TextIO) -> None:
                   + "\n")
 
 
-def kill_before_reference_manifest() -> None:
-    """Fault injection: SIGKILL this process when its reference column is written and its
-    manifest, which commits it, is about to be."""
+def kill_before_reference_commit() -> None:
+    """Fault injection: SIGKILL this process when its reference column is written into the
+    folder being made and that folder, which the rename commits, is about to be renamed."""
+    write = preference_data.write_column
 
-    def killed(*_: object) -> None:
+    def killed(*args: Any) -> dict[str, Any]:
+        write(*args)
         os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("killed")  # not reached
 
-    preference_data.write_manifest = killed  # type: ignore[assignment]
+    preference_data.write_column = killed  # type: ignore[assignment]
 
 
 class KillInGeneration(Callback):
@@ -477,7 +482,7 @@ def train_for_check(config_path: str, run_dir: str, kill: str | None = None) -> 
     if kill:
         step, _, when = kill.partition(":")
         if when == REFERENCE:
-            kill_before_reference_manifest()
+            kill_before_reference_commit()
         elif when == GENERATION:
             callbacks.append(KillInGeneration(int(step)))
         else:

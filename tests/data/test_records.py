@@ -468,8 +468,8 @@ def test_a_byte_changed_in_kept_rows_is_found_and_the_rows_made_anew(tmp_path):
 def test_a_full_cache_directory_is_one_line_naming_it(tmp_path, monkeypatch):
     """A cache directory without room (ENOSPC as the rows are written) is one line naming the
     directory, the cause and TRAINRUN_CACHE_DIR; no half-made rows are left."""
-    from trainrun.data import record_rows
     from trainrun.errors import WriteFailed
+    from trainrun.storage import kept_files
 
     path = write_jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(20)])
 
@@ -490,7 +490,7 @@ def test_a_full_cache_directory_is_one_line_naming_it(tmp_path, monkeypatch):
         opened = open(file, mode, *args, **kwargs)  # noqa: SIM115 (closed by the caller)
         return Full(opened) if str(file).endswith(".bin") else opened
 
-    monkeypatch.setattr(record_rows, "open", full_open, raising=False)
+    monkeypatch.setattr(kept_files, "open", full_open, raising=False)
     with pytest.raises(WriteFailed) as err:
         record_splits(data(tmp_path, paths=(str(path),)))
     root = tmp_path / "cache" / "records"

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages, token_entropy
+from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages
 
 DRAW = np.random.default_rng(7)
 B, T, G = 6, 5, 3  # completions, tokens, completions per prompt
@@ -85,10 +85,6 @@ def test_one_update_gives_the_group_baseline_policy_gradient() -> None:
     np.testing.assert_allclose(np.asarray(grad), hand, atol=1e-6)
     # the ratio is 1: the loss is minus the mean advantage (per completion)
     assert float(value) == pytest.approx(-float(np.mean(a)), abs=1e-6)
-
-
-def test_entropy_of_a_uniform_distribution_is_log_vocab() -> None:
-    assert float(token_entropy(jnp.zeros((2, 8)))[0]) == pytest.approx(np.log(8), rel=1e-6)
 
 
 def test_settings_that_cannot_work_are_refused() -> None:

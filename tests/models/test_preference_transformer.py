@@ -14,12 +14,9 @@ import pytest
 from trainrun.config import LoraConfig, PreferenceConfig, TransformerModel
 from trainrun.data.pair_rows import pack_pairs
 from trainrun.data.preference_pairs import Pair
-from trainrun.models.preference_transformer import (
-    REFERENCE_COLUMN,
-    adapters_off,
-    make_preference_transformer,
-    token_logps,
-)
+from trainrun.models.lora import adapters_off
+from trainrun.models.preference_transformer import REFERENCE_COLUMN, make_preference_transformer
+from trainrun.models.token_logps import pair_rows, token_logps
 from trainrun.models.transformer import SharedPrefixes, bind_transformer
 from trainrun.program.precision import Policy
 from trainrun.program.step import make_gradient_fn
@@ -38,8 +35,8 @@ def _rows(count: int = 6, seed: int = 0) -> dict[str, np.ndarray]:
 
 def _column(cfg: TransformerModel, params, rows: dict[str, np.ndarray]) -> np.ndarray:
     """The cached reference column of ``rows`` from ``params``, as the run stores it."""
-    logps = np.asarray(jax.jit(lambda p, b: token_logps(bind_transformer(cfg)(p), b))(params,
-                                                                                    rows))
+    logps = np.asarray(jax.jit(lambda p, b: token_logps(bind_transformer(cfg)(p),
+                                                        pair_rows(b))[0])(params, rows))
     return np.pad(logps, ((0, 0), (1, 0))).astype(np.float32).view(np.int32)
 
 
@@ -171,7 +168,7 @@ def test_a_model_with_capped_logits_scores_pairs_through_its_cap() -> None:
                                       segment_positions=rows["positions"][:, :-1].astype(
                                           jnp.int32))
         raw = features @ module.head_table().T
-        return token_logps(module, rows), raw, tokens
+        return token_logps(module, pair_rows(rows))[0], raw, tokens
 
     got, raw, tokens = jax.jit(both)(params, rows)
     logits = 0.01 * np.tanh(np.asarray(raw, np.float64) / 0.01)

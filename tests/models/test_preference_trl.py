@@ -23,8 +23,8 @@ from trainrun.models.preference_transformer import (
     REFERENCE_COLUMN,
     make_preference_transformer,
     pair_logps,
-    token_logps,
 )
+from trainrun.models.token_logps import pair_rows, token_logps
 from trainrun.models.transformer import bind_transformer
 
 torch = pytest.importorskip("torch")
@@ -86,7 +86,8 @@ def _with_reference(models, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray
     """The rows with the reference model's column, as a run caches it."""
     start = trainrun.load(models[0])
     cfg = start.config
-    logps = jax.jit(lambda p, b: token_logps(bind_transformer(cfg)(p), b))(start.params, rows)
+    logps = jax.jit(lambda p, b: token_logps(bind_transformer(cfg)(p), pair_rows(b))[0])(
+        start.params, rows)
     column = np.pad(np.asarray(logps), ((0, 0), (1, 0))).astype(np.float32).view(np.int32)
     return {**rows, REFERENCE_COLUMN: column}
 
@@ -174,7 +175,8 @@ def _margins(policy, batch: dict[str, np.ndarray]) -> np.ndarray:
     """Each pair's ``(policy - reference)`` log-probability margin of chosen over rejected."""
     import jax.numpy as jnp
 
-    scored = jax.jit(lambda p: token_logps(bind_transformer(policy.config)(p), batch))
+    scored = jax.jit(lambda p: token_logps(bind_transformer(policy.config)(p),
+                                           pair_rows(batch))[0])
     mine, present = pair_logps(scored(policy.params), batch)
     column = jax.lax.bitcast_convert_type(jnp.asarray(batch[REFERENCE_COLUMN]), jnp.float32)
     reference, _ = pair_logps(column[:, 1:], batch)

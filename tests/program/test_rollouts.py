@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ from conftest import cli_env
 
 from trainrun.config import LoraConfig, TransformerModel
 from trainrun.models import build_model
+from trainrun.models.grpo_transformer import Rollouts
+from trainrun.models.token_logps import completions_per_row, rollout_rows, token_logps
 from trainrun.models.transformer import bind_transformer
 from trainrun.program import decode, rollouts
 from trainrun.program.decode import SampleError, StopStrings, generate_batch
@@ -52,7 +55,7 @@ def forward_logps(cfg: TransformerModel, params, text: jax.Array, limit: int) ->
     return picked[-limit:]
 
 
-def check_rows(drawn: rollouts.Rollouts, answers: list[np.ndarray]) -> None:
+def check_rows(drawn: Rollouts, answers: list[np.ndarray]) -> None:
     """Each row of ``drawn`` holds its prompt left-padded, then ``answers``' answer, 0 after it,
     its mask and length those of the answer."""
     tokens, start = np.asarray(drawn.tokens), np.asarray(drawn.start)
@@ -210,9 +213,11 @@ def test_the_logps_of_a_model_with_capped_logits_are_those_of_its_capped_logits(
     cap, as its forward pass does."""
     capped = CFG.model_copy(update={"final_logit_softcap": 0.01})
     text = np.frombuffer(b"import jax", np.uint8).astype(np.int32)
-    got, _ = jax.jit(lambda p, t: rollouts.token_logps(bind_transformer(capped)(p), t,
-                                                       jnp.zeros(1, jnp.int32), 4))(
-        params, text[None])
+    def scored(p: Any, t: jax.Array) -> jax.Array:
+        module = bind_transformer(capped)(p)
+        return token_logps(module, rollout_rows(module, t, jnp.zeros(1, jnp.int32), 4))[0]
+
+    got = jax.jit(scored)(params, text[None])
     want = forward_logps(capped, params, text, 4)
     assert not np.allclose(want, forward_logps(CFG, params, text, 4), atol=1e-4)
     np.testing.assert_allclose(got[0], want, rtol=0, atol=1e-6)
@@ -220,16 +225,17 @@ def test_the_logps_of_a_model_with_capped_logits_are_those_of_its_capped_logits(
 
 @pytest.mark.parametrize("window", [None, 5])  # 5: fewer positions than a prompt and answer
 def test_a_prompts_completions_share_a_row_and_score_as_each_alone(params, window):
-    """token_logps puts a prompt's completions in one row of the forward pass (the prompt once)
+    """rollout_rows puts a prompt's completions in one row of the forward pass (the prompt once)
     where that costs less, with the log-probabilities and entropies of each row alone."""
     cfg = CFG.model_copy(update={"sliding_window": window})
     module = bind_transformer(cfg)(params)
     drawn = draw_rollouts(cfg, params, PROMPTS, KEY, STEP, RolloutSettings(G, LIMIT))
     rows, width = drawn.tokens.shape[0], drawn.tokens.shape[1] - LIMIT
-    assert rollouts.completions_per_row(module, rows, G, width, LIMIT) == G
-    shared = jax.jit(rollouts.token_logps, static_argnums=(3, 4, 5))
-    apart = shared(module, drawn.tokens, drawn.start, LIMIT, 0, 1)
-    together = shared(module, drawn.tokens, drawn.start, LIMIT, 0, G)
+    assert completions_per_row(module, rows, G, width, LIMIT) == G
+    shared = jax.jit(lambda m, tokens, start, group: token_logps(
+        m, rollout_rows(m, tokens, start, LIMIT, group)), static_argnums=(3,))
+    apart = shared(module, drawn.tokens, drawn.start, 1)
+    together = shared(module, drawn.tokens, drawn.start, G)
     for one, other in zip(apart, together, strict=True):
         np.testing.assert_allclose(other, one, rtol=0, atol=1e-5)
     for row in range(rows):  # and those of the text alone, no padding

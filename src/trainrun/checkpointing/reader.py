@@ -71,9 +71,9 @@ def _run_model(config: RunConfig) -> Model:
 
         return make_reward_model(config.model, config.reward_model)
     if config.rl is not None and isinstance(config.model, TransformerModel):
-        from trainrun.program.grpo import grpo_model
+        from trainrun.models.grpo_transformer import make_grpo_transformer
 
-        return grpo_model(config.model, config.rl)
+        return make_grpo_transformer(config.model, config.rl)
     return build_model(config.model, config.preference)
 
 

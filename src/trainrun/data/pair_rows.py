@@ -23,7 +23,7 @@ A row is ``row_len`` tokens with, beside them:
   every token of the pair.
 
 The targets a pair's log-probability sums are the completion's tokens, each predicted from the
-token before it in the same sequence (``models.preference_transformer.token_logps``).
+token before it in the same sequence (``models/token_logps.py``'s ``pair_rows``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Preference records as packed pair rows, kept on disk as chat records' rows are
 (``record_rows.py``): read as a stream (``records.py``), each record made a pair
 (``preference_pairs.py``), packed (``pair_rows.py``) and appended to one file per array in the
-cache (``$TRAINRUN_CACHE_DIR/records/<key>``), each file's sha256 in the manifest, checked as a
-run opens them: rows found damaged are made anew, with a notice.
+cache (``$TRAINRUN_CACHE_DIR/records/<key>``, kept as ``storage/kept_files.py`` keeps files),
+each file's sha256 in the manifest, checked as a run opens them: rows found damaged are made
+anew, with a notice.
 
 The key names everything that decides the rows: the files' content (path and sha256, or an
 object's version), the tokenizer and template, the row length, the truncation lengths, the bad
@@ -16,12 +17,8 @@ and counted.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,21 +30,12 @@ from trainrun.data import model_tokenizer
 from trainrun.data.documents import row_index_dtype
 from trainrun.data.errors import DataError
 from trainrun.data.pair_rows import ARRAYS, LAYOUT, MARGIN, pack_pairs, pair_length
-from trainrun.data.preference_pairs import Pair, PairCounts, PairForm, detect_form, encode_pairs
+from trainrun.data.preference_pairs import PairCounts, PairForm, detect_form, encode_pairs
 from trainrun.data.preference_pairs import problem as pair_problem
-from trainrun.data.record_rows import (
-    CHUNK_RECORDS,
-    SHOWN_BAD,
-    Damaged,
-    RecordCounts,
-    Source,
-    open_kept,
-)
-from trainrun.data.record_rows import _cache_refused as cache_refused
-from trainrun.data.record_rows import _locked as locked
+from trainrun.data.record_rows import CHUNK_RECORDS, SHOWN_BAD, RecordCounts, Source
 from trainrun.data.text import corpus_files
-from trainrun.errors import WriteFailed
 from trainrun.platform.user_cache import cache_dir
+from trainrun.storage import kept_files
 
 CACHE_FORMAT = 2  # raised when the files' layout or counts change, so old rows are not read
 OPEN_ROWS = 16  # rows open at a time while packing (first fit)
@@ -96,9 +84,9 @@ def preference_rows(cfg: RecordsData, max_prompt: int, max_completion: int,
 def kept_pair_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
                    every: int, max_prompt: int, max_completion: int,
                    margins: bool = False) -> PairRows:
-    """A source's pair rows from the cache, made first when missing or damaged. every: hold
-    out each ``every``-th usable record (0: none; -1: all of them); margins: as
-    ``preference_rows``'."""
+    """A source's pair rows from the cache, made first when missing or damaged
+    (``storage/kept_files.py``). every: hold out each ``every``-th usable record (0: none; -1:
+    all of them); margins: as ``preference_rows``'."""
     settings = {"format": CACHE_FORMAT, "kind": "preference", "layout": LAYOUT,
                 "source": source.key(),
                 "every": every, "tokenizer": tokenizer.fingerprint(), "seq_len": cfg.seq_len,
@@ -108,41 +96,15 @@ def kept_pair_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, 
     if margins:  # only where asked: the keys of pairs without margins stay what they were
         settings["margin"] = True
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
-    root = cache_dir() / "records"
-    refused: OSError | None = None
-    try:
-        return _kept_or_built(cfg, tokenizer, source, every, (max_prompt, max_completion),
-                              root / key, margins)
-    except OSError as err:
-        refused = err
-    raise cache_refused(refused, root)
-
-
-def _kept_or_built(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-                   every: int, limits: tuple[int, int], folder: Path,
-                   margins: bool) -> PairRows:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with locked(folder.parent / f"{folder.name}.lock", fcntl.LOCK_EX):  # one builder
-        notice = None
-        try:
-            rows = _open(folder, margins)
-        except Damaged as damage:
-            notice = (f"the preference pairs kept in {folder} were damaged ({damage}); "
-                      "making them anew")
-            if folder.is_symlink():  # not a folder this cache made: not followed, not removed
-                raise WriteFailed(f"{folder} is a symbolic link where trainrun keeps "
-                                  "preference pairs; remove the link") from None
-            shutil.rmtree(folder)
-            rows = None
-        if rows is None:
-            _build(cfg, tokenizer, source, every, limits, folder, margins)
-            try:
-                rows = _open(folder, margins)
-            except Damaged as damage:
-                raise WriteFailed(f"the preference pairs written to {folder} do not read back "
-                                  f"({damage}); check the disk, or point TRAINRUN_CACHE_DIR "
-                                  "elsewhere") from None
-            assert rows is not None  # just written
+    folder = cache_dir() / "records" / key
+    rows, notice = kept_files.kept(
+        folder, "preference pairs", (*ARRAYS, MARGIN) if margins else ARRAYS,
+        lambda manifest, splits: PairRows(
+            train=splits["train"], eval=splits["eval"], folder=folder,
+            counts=RecordCounts(**manifest["counts"]),
+            truncated=PairCounts(**manifest["truncated"])),
+        lambda staging: _build(cfg, tokenizer, source, every, (max_prompt, max_completion),
+                               staging, margins))
     return dataclasses.replace(rows, notice=notice)
 
 
@@ -154,54 +116,21 @@ def _dtypes(vocab: int, row_len: int, margins: bool) -> dict[str, str]:
 
 
 def _build(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-           every: int, limits: tuple[int, int], folder: Path, margins: bool) -> None:
-    """Write the pair rows of ``source`` into ``folder`` (whole or not at all: a temporary
-    folder renamed into place)."""
-    staging = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    staging.mkdir()
+           every: int, limits: tuple[int, int], folder: Path, margins: bool) -> dict[str, Any]:
+    """The pair rows of ``source`` written into ``folder``; their manifest."""
     row_len = cfg.seq_len + 1
-    try:
-        writer = _RowWriter(staging, _dtypes(tokenizer.size, row_len, margins), row_len)
-        counts, truncated = _write_pairs(cfg, tokenizer, source, every, limits, writer,
-                                         margins)
-        manifest = {"row_len": row_len, "rows": writer.rows, "dtypes": writer.dtypes,
-                    "sha256": {name: d.hexdigest() for name, d in writer.digests.items()},
-                    "counts": dataclasses.asdict(counts),
-                    "truncated": dataclasses.asdict(truncated)}
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        os.replace(staging, folder)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-@dataclasses.dataclass
-class _RowWriter:
-    """Appends packed pairs to one file per split and array, hashing the bytes as they go."""
-
-    folder: Path
-    dtypes: dict[str, str]
-    row_len: int
-    rows: dict[str, int] = dataclasses.field(default_factory=lambda: {"train": 0, "eval": 0})
-    digests: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def append(self, split: str, pairs: list[Pair]) -> None:
-        arrays, _ = pack_pairs(pairs, self.row_len, OPEN_ROWS)
-        self.rows[split] += arrays["tokens"].shape[0]
-        for name in self.dtypes:
-            data = np.ascontiguousarray(arrays[name], self.dtypes[name]).tobytes()
-            file = f"{split}.{name}.bin"
-            self.digests.setdefault(file, hashlib.sha256()).update(data)
-            with open(self.folder / file, "ab") as out:
-                out.write(data)
+    files = kept_files.RowFiles(folder, _dtypes(tokenizer.size, row_len, margins), row_len)
+    counts, truncated = _write_pairs(cfg, tokenizer, source, every, limits, files, margins)
+    return files.manifest(counts=dataclasses.asdict(counts),
+                          truncated=dataclasses.asdict(truncated))
 
 
 def _write_pairs(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-                 every: int, limits: tuple[int, int], writer: _RowWriter, margins: bool,
-                 ) -> tuple[RecordCounts, PairCounts]:
+                 every: int, limits: tuple[int, int], files: kept_files.RowFiles,
+                 margins: bool) -> tuple[RecordCounts, PairCounts]:
     """Every usable record of ``source`` encoded, a chunk at a time, and written; what became
     of the records, and of their truncation."""
-    chunks = _Chunks(cfg, tokenizer, limits, writer, RecordCounts(vocab=tokenizer.size),
+    chunks = _Chunks(cfg, tokenizer, limits, files, RecordCounts(vocab=tokenizer.size),
                      margins)
     for split, where, record in _usable(cfg, source, every, chunks.counts, chunks.forms,
                                         chunks.refuse_or_skip):
@@ -221,7 +150,7 @@ class _Chunks:
     cfg: RecordsData
     tokenizer: model_tokenizer.ModelTokenizer
     limits: tuple[int, int]  # max_prompt, max_completion
-    writer: _RowWriter
+    files: kept_files.RowFiles
     counts: RecordCounts
     margins: bool = False  # each pair carries its record's margin
     truncated: PairCounts = dataclasses.field(default_factory=PairCounts)
@@ -246,7 +175,7 @@ class _Chunks:
         for (where, _), pair in zip(located, encoded, strict=True):
             if isinstance(pair, str):
                 self.refuse_or_skip(where, _as_named(pair, _field_names(self.cfg)))
-            elif pair_length(pair) > self.writer.row_len:
+            elif pair_length(pair) > self.files.row_len:
                 self.counts.dropped += 1
             else:
                 kept.append(pair)
@@ -254,8 +183,8 @@ class _Chunks:
             self.counts.held_examples += len(kept)
         else:
             self.counts.examples += len(kept)
-        if kept:
-            self.writer.append(split, kept)
+        if kept:  # packed into rows, each array appended to its file
+            self.files.append(split, pack_pairs(kept, self.files.row_len, OPEN_ROWS)[0])
 
 
 def _usable(cfg: RecordsData, source: Source, every: int, counts: RecordCounts,
@@ -312,14 +241,3 @@ def _as_named(what: str, named: dict[str, str]) -> str:
     for given, part in named.items():
         what = what.replace(f"'{part}'", f"'{given}'")
     return what
-
-
-def _open(folder: Path, margins: bool) -> PairRows | None:
-    """The rows in ``folder`` (with the ``margin`` column where ``margins``), each file checked
-    against its sha256; None when never made; ``Damaged`` when they do not read back as
-    written."""
-    names = (*ARRAYS, MARGIN) if margins else ARRAYS
-    return open_kept(folder, names, lambda manifest, splits: PairRows(
-        train=splits["train"], eval=splits["eval"], folder=folder,
-        counts=RecordCounts(**manifest["counts"]),
-        truncated=PairCounts(**manifest["truncated"])))

@@ -21,13 +21,11 @@ records of the same size and time (``cp -p``, ``rsync -t``) is another key, whil
 copied unchanged keeps its rows. Each start reads the files once to hash them (streamed, a block
 at a time; ``BENCHMARKS.md`` has the cost), as it reads the kept rows to check them.
 
-The kept rows carry the sha256 of each of their files in the cache's manifest, computed as they
-are written and checked as a run opens them (each file read through once, a block at a time,
-before it is mapped): rows changed in place or cut short, by a disk or a hand, are made anew,
-with a one-line notice (``Rows.notice``) that the run prints.
-
-A cache directory that cannot take the rows (full, read-only, not permitted) is one line naming
-the directory, the cause and ``TRAINRUN_CACHE_DIR``, exit 1.
+The rows are kept as ``storage/kept_files.py`` keeps files: each file's sha256 in the folder's
+manifest, computed as it is written and checked as a run opens it (read through once, a block
+at a time, before it is mapped); rows changed in place or cut short, by a disk or a hand, are
+made anew, with a one-line notice (``Rows.notice``) that the run prints; a cache directory that
+cannot take them (full, read-only, not permitted) is one line naming it, exit 1.
 
 Held-out split: ``data.eval_paths``, or every ``round(1 / eval_fraction)``-th usable record of
 each source (a rule that needs no count of the records in advance).
@@ -35,20 +33,13 @@ each source (a rule that needs no count of the records in advance).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import fcntl
 import functools
 import hashlib
 import json
-import mmap
-import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -66,9 +57,8 @@ from trainrun.data.examples import (
 from trainrun.data.records import Located, read_records
 from trainrun.data.tasks import task_records
 from trainrun.data.text import corpus_files
-from trainrun.errors import WriteFailed
 from trainrun.platform.user_cache import cache_dir
-from trainrun.storage import location
+from trainrun.storage import kept_files, location
 
 Location = location.Location  # a local path, or a gs:// or s3:// one
 
@@ -76,6 +66,7 @@ CACHE_FORMAT = 3  # raised when the files' layout or counts change, so old cache
 CHUNK_RECORDS = 2048  # records encoded and packed at a time
 SHOWN_BAD = 3  # bad records quoted in the counts
 ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
+WHAT = "tokenized records"  # what the cache's notices and refusals call the rows
 
 
 @dataclasses.dataclass
@@ -249,14 +240,11 @@ class Rows:
     notice: str | None = None  # kept rows were damaged and made anew: what the run says
 
 
-class Damaged(Exception):
-    """Kept rows that do not read back as they were written; the message says how."""
-
-
 def cached_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
                 every: int) -> Rows:
-    """A source's rows from the cache, built first when missing. every: hold out each
-    ``every``-th record (0: none; -1: all of them, a held-out source)."""
+    """A source's rows from the cache, built first when missing or damaged
+    (``storage/kept_files.py``). every: hold out each ``every``-th record (0: none; -1: all of
+    them, a held-out source)."""
     settings = {"format": CACHE_FORMAT, "source": source.key(), "every": every,
                 "tokenizer": tokenizer.fingerprint(), "seq_len": cfg.seq_len,
                 "data": {**cfg.model_dump(mode="json", include={
@@ -264,97 +252,20 @@ def cached_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
                     # under its name when the rows were first kept: they stay valid
                     "task_examples": cfg.synthetic_examples}}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
-    root = cache_dir() / "records"
-    folder = root / key
-    refused: OSError | None = None
-    try:
-        rows = _kept_or_built(cfg, tokenizer, source, every, root, folder)
-    except OSError as err:
-        refused = err
-    if refused is not None:  # raised here, so the line carries no OSError as its context
-        raise _cache_refused(refused, root)
-    return rows
-
-
-def _kept_or_built(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-                   every: int, root: Path, folder: Path) -> Rows:
-    """The rows kept in ``folder`` when they check out; else made there first. Processes on
-    one machine check kept rows side by side (a shared lock) and make them one at a time."""
-    root.mkdir(parents=True, exist_ok=True)
-    lock_file = root / f"{folder.name}.lock"
-    with _locked(lock_file, fcntl.LOCK_SH), contextlib.suppress(Damaged):
-        rows = _open(folder)
-        if rows is not None:
-            return rows
-    with _locked(lock_file, fcntl.LOCK_EX):  # one builder per machine
-        notice = None
-        try:  # again: another process may have made them meanwhile
-            rows = _open(folder)
-        except Damaged as damage:
-            notice = (f"the tokenized records kept in {folder} were damaged ({damage}); "
-                      "making them anew")
-            rows = None
-            if folder.is_symlink():  # not a folder this cache made: not followed, not removed
-                raise WriteFailed(f"{folder} is a symbolic link where trainrun keeps tokenized "
-                                  "records; remove the link") from None
-            shutil.rmtree(folder)
-        if rows is None:
-            _build(cfg, tokenizer, source, every, folder)
-            try:
-                rows = _open(folder)
-            except Damaged as damage:
-                raise WriteFailed(f"the tokenized records written to {folder} do not read back "
-                                  f"({damage}); check the disk, or point TRAINRUN_CACHE_DIR "
-                                  "elsewhere") from None
-            if rows is None:
-                raise WriteFailed(f"the tokenized records written to {folder} are gone; check "
-                                  "what else removes files from TRAINRUN_CACHE_DIR")
+    rows, notice = kept_files.kept(
+        cache_dir() / "records" / key, WHAT, ARRAYS,
+        lambda manifest, splits: Rows(train=splits["train"], eval=splits["eval"],
+                                      counts=RecordCounts(**manifest["counts"])),
+        lambda staging: _build(cfg, tokenizer, source, every, staging))
     return dataclasses.replace(rows, notice=notice)
 
 
-@contextlib.contextmanager
-def _locked(path: Path, kind: int) -> Iterator[None]:
-    """``path`` locked (``fcntl.LOCK_SH`` or ``LOCK_EX``) for the block. A shared lock takes
-    a lock file that exists in a directory this process cannot write (rows made by another
-    user, say: they are checked all the same)."""
-    try:
-        lock = open(path, "a")  # noqa: SIM115 (closed below)
-    except OSError:
-        if kind != fcntl.LOCK_SH or not path.is_file():
-            raise
-        lock = open(path)  # noqa: SIM115 (closed below)
-    with lock:
-        fcntl.flock(lock, kind)
-        yield
-
-
-def _cache_refused(err: OSError, root: Path) -> WriteFailed:
-    """The one line for a cache directory the system would not write to: where, why, what to
-    do."""
-    cause = (err.strerror or type(err).__name__).lower()
-    fix = ("free space there, or set TRAINRUN_CACHE_DIR to a directory with room"
-           if err.errno in (errno.ENOSPC, errno.EDQUOT) else
-           "make it writable, or set TRAINRUN_CACHE_DIR to a directory this user can write")
-    return WriteFailed(f"cannot keep the tokenized records in {root}: {cause}; {fix}")
-
-
 def _build(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-           every: int, folder: Path) -> None:
-    """Write the rows of ``source`` into ``folder`` (whole or not at all: a temporary folder
-    renamed into place)."""
-    staging = folder.with_name(f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    staging.mkdir()
-    try:
-        counts, digests = _write_rows(cfg, tokenizer, source, every, staging)
-        rows = {split: _row_count(staging, split, cfg.seq_len + 1) for split in ("train", "eval")}
-        manifest = {"row_len": cfg.seq_len + 1, "rows": rows,
-                    "dtypes": _dtypes(tokenizer.size, cfg.seq_len + 1),
-                    "sha256": digests, "counts": dataclasses.asdict(counts)}
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        os.replace(staging, folder)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+           every: int, folder: Path) -> dict[str, Any]:
+    """The rows of ``source`` written into ``folder``; their manifest."""
+    files = kept_files.RowFiles(folder, _dtypes(tokenizer.size, cfg.seq_len + 1), cfg.seq_len + 1)
+    counts = _write_rows(cfg, tokenizer, source, every, files)
+    return files.manifest(counts=dataclasses.asdict(counts))
 
 
 def _dtypes(vocab: int, row_len: int) -> dict[str, str]:
@@ -363,20 +274,12 @@ def _dtypes(vocab: int, row_len: int) -> dict[str, str]:
             "positions": index, "loss_mask": "uint8"}
 
 
-def _row_count(folder: Path, split: str, row_len: int) -> int:
-    file = folder / f"{split}.loss_mask.bin"
-    return file.stat().st_size // row_len if file.exists() else 0
-
-
 def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
-                every: int, folder: Path) -> tuple[RecordCounts, dict[str, str]]:
-    """The rows' files written into ``folder``; what became of the records, and the sha256 of
-    each file written (hashed as its bytes go out, so nothing is read back for it)."""
+                every: int, files: kept_files.RowFiles) -> RecordCounts:
+    """The rows' files written (``files``); what became of the records."""
     counts = RecordCounts()
-    digests: dict[str, Any] = {}
     form: str | None = None if cfg.format == "auto" else cfg.format
     pending: dict[str, list[tuple[str, dict[str, Any]]]] = {"train": [], "eval": []}
-    dtypes = _dtypes(tokenizer.size, cfg.seq_len + 1)
 
     def refuse_or_skip(where: str, what: str) -> None:
         if cfg.bad_records == "refuse":
@@ -390,8 +293,10 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
         examples = _encode(pending[split], form or "text", cfg, tokenizer, refuse_or_skip)
         pending[split] = []
         kept = _fit(examples, cfg, counts, split)
-        if kept:
-            _append_rows(kept, cfg.seq_len + 1, dtypes, folder, split, digests)
+        if kept:  # packed into rows, each array appended to its file
+            files.append(split, pack_documents(
+                [ids.astype(files.dtypes["tokens"]) for ids, _ in kept], files.row_len,
+                masks=[mask for _, mask in kept]))
 
     for split, where, record, found in split_records(cfg, tokenizer, source, every, counts,
                                                      refuse_or_skip):
@@ -402,21 +307,7 @@ def _write_rows(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, sou
     for split in pending:
         if pending[split]:
             flush(split)
-    return counts, {file: digest.hexdigest() for file, digest in digests.items()}
-
-
-def _append_rows(kept: list[Example], row_len: int, dtypes: dict[str, str], folder: Path,
-                 split: str, digests: dict[str, Any]) -> None:
-    """Pack the examples ``kept`` (token ids and loss mask each) into rows and append each
-    array to its ``split`` file in ``folder``, updating that file's sha256 in ``digests``."""
-    rows = pack_documents([ids.astype(dtypes["tokens"]) for ids, _ in kept],
-                          row_len, masks=[mask for _, mask in kept])
-    for name in ARRAYS:
-        data = np.ascontiguousarray(rows[name], dtypes[name]).tobytes()
-        file = f"{split}.{name}.bin"
-        digests.setdefault(file, hashlib.sha256()).update(data)
-        with open(folder / file, "ab") as out:
-            out.write(data)
+    return counts
 
 
 def split_records(cfg: RecordsData, tokenizer: model_tokenizer.ModelTokenizer, source: Source,
@@ -510,57 +401,3 @@ def _fit(examples: list[Example], cfg: RecordsData, counts: RecordCounts,
     else:
         counts.examples += len(kept)
     return kept
-
-
-def _open(folder: Path) -> Rows | None:
-    """The rows in ``folder``, each file checked against its sha256; None when there is no
-    such folder (never made); ``Damaged`` when it does not read back as written."""
-    return open_kept(folder, ARRAYS, lambda manifest, splits: Rows(
-        train=splits["train"], eval=splits["eval"], counts=RecordCounts(**manifest["counts"])))
-
-
-Splits = dict[str, dict[str, np.ndarray] | None]
-T = TypeVar("T")
-
-
-def open_kept(folder: Path, arrays: Sequence[str],
-              build: Callable[[dict[str, Any], Splits], T]) -> T | None:
-    """``build(manifest, splits)`` of the kept rows in ``folder``: each split's ``arrays``, each
-    file checked against its sha256; None when there is no such folder (never made);
-    ``Damaged`` when it does not read back as written."""
-    if not folder.exists():
-        return None
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        row_len, dtypes, digests = manifest["row_len"], manifest["dtypes"], manifest["sha256"]
-        splits: Splits = {}
-        for split, rows in manifest["rows"].items():
-            splits[split] = None if not rows else {
-                name: _mapped(folder / f"{split}.{name}.bin", dtypes[name], rows, row_len,
-                              digests[f"{split}.{name}.bin"])
-                for name in arrays}
-        return build(manifest, splits)
-    except FileNotFoundError as err:
-        raise Damaged(f"{Path(err.filename or '?').name} is missing") from None
-    except OSError as err:
-        raise Damaged(f"{Path(err.filename or '?').name}: {err.strerror or err}") from None
-    except (ValueError, KeyError, TypeError) as err:
-        raise Damaged(f"manifest.json is not as written ({type(err).__name__}: {err})") from None
-
-
-def _mapped(file: Path, dtype: str, rows: int, row_len: int, sha256: str) -> np.ndarray:
-    """``[rows, row_len]`` of ``file``, read-only through a memory map, once its bytes are
-    checked against ``sha256`` (read, not mapped, for that: the pages stay out of the process).
-    Batches read rows at random: the kernel is told so, or each row read would pull in its
-    neighbours as well."""
-    with open(file, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != rows * row_len * np.dtype(dtype).itemsize:
-            raise Damaged(f"{file.name} holds {size} bytes, not {rows} rows of {row_len} "
-                          f"{dtype}")
-        if hashlib.file_digest(f, "sha256").hexdigest() != sha256:
-            raise Damaged(f"{file.name} does not match its sha256")
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if hasattr(mmap, "MADV_RANDOM"):
-        mapped.madvise(mmap.MADV_RANDOM)
-    return np.frombuffer(mapped, dtype).reshape(rows, row_len)

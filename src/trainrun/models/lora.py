@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,3 +32,14 @@ class LoRA(nnx.Module):
 
     def scaled_a(self) -> jax.Array:
         return self.a[...] * jnp.asarray(self.scale, self.a.dtype)
+
+
+def adapters_off(params: Any) -> Any:
+    """``params`` with every LoRA adapter's ``b`` read as zero: the base model's function (a
+    reference model without a second copy of the weights)."""
+    def off(path: tuple[Any, ...], leaf: jax.Array) -> jax.Array:
+        names = [getattr(part, "key", None) for part in path]
+        adapter = len(names) > 1 and str(names[-2]).endswith("_lora") and names[-1] == "b"
+        return jnp.zeros_like(leaf) if adapter else leaf
+
+    return jax.tree_util.tree_map_with_path(off, params)

@@ -80,11 +80,6 @@ class LoraSettings:
         return LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)
 
 
-def is_adapter_dir(path: Location) -> bool:
-    """Whether ``path`` is a PEFT adapter directory (it has ``adapter_config.json``)."""
-    return (path / ADAPTER_CONFIG).is_file()
-
-
 def base_model_name(path: Location | str | os.PathLike[str]) -> str | None:
     """``base_model_name_or_path`` of an adapter directory: the model its adapters were trained
     on, as PEFT recorded it (a hub id, a path or a ``gs://``/``s3://`` location), or None."""

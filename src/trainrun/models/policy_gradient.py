@@ -117,9 +117,3 @@ class PolicyGradientLoss:
                           ("clip_ratio/region_mean", low | high)):
             metrics[name] = jax.lax.stop_gradient((hit * weight).sum() / tokens)
         return loss, metrics
-
-
-def token_entropy(logits: jax.Array) -> jax.Array:
-    """The entropy of each position's next-token distribution, ``logits [..., vocab]``."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)

@@ -9,7 +9,7 @@ sums. The reference's per-token log-probabilities come from
 
 - ``cached``: the batch's ``reference_logps`` column (``[rows, row_len]``, the log-probability
   of token ``t`` at ``t``, 0 at the first; float32 bits as ``int32``), computed once before
-  training from the starting params by ``token_logps`` itself;
+  training from the starting params by the same ``token_logps`` (``token_logps.py``);
 - ``in_step``: a forward pass in the step under ``stop_gradient``: of the same params with the
   LoRA adapters off (``B`` read as zero; no second copy of the weights), or, without LoRA, of
   the starting params kept in the state as the model state at the first step (``kept_start``:
@@ -29,38 +29,14 @@ import jax.numpy as jnp
 
 from trainrun.config import PreferenceConfig, TransformerModel
 from trainrun.models.adapters import Model
-from trainrun.models.losses import head_token_logps
+from trainrun.models.lora import adapters_off
 from trainrun.models.preference_losses import PairLogps, PreferenceLoss
-from trainrun.models.transformer import (
-    SharedPrefixes,
-    Transformer,
-    bind_transformer,
-    make_transformer,
-)
+from trainrun.models.token_logps import pair_rows, token_logps
+from trainrun.models.transformer import bind_transformer, make_transformer
 
 PyTree = Any
 Batch = dict[str, jax.Array]
 REFERENCE_COLUMN = "reference_logps"
-ROW_ARRAYS = ("tokens", "segment_ids", "positions", "pair_slot", "branch")  # token_logps reads
-
-
-def token_logps(module: Transformer, batch: Batch, key: jax.Array | None = None,
-                chunk: int = 0) -> jax.Array:
-    """``[rows, row_len - 1]``: log p(token ``t + 1`` | the tokens of its sequence up to ``t``)
-    of the pair rows in ``batch`` (``ROW_ARRAYS``; each branch sees its pair's shared prefix),
-    float32 (0 where the next token starts another sequence or is padding); the head's logits
-    ``chunk`` tokens at a time (``model.loss_chunk``)."""
-    tokens = batch["tokens"]
-    segments = batch["segment_ids"].astype(jnp.int32)
-    prefixes = SharedPrefixes(*(batch[name][:, :-1].astype(jnp.int32)
-                                for name in ("pair_slot", "branch", "positions")))
-    features, _ = module.features(tokens[:, :-1], key, segments=prefixes,
-                                  segment_positions=prefixes.position)
-    same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
-    targets = jnp.where(same, tokens[:, 1:].astype(jnp.int32), -1)  # -1: not a target
-    logps, _ = head_token_logps(features, module.head_table(), targets.reshape(-1), chunk,
-                                module.final_softcap)
-    return logps.reshape(tokens.shape[0], -1)
 
 
 def pair_logps(logps: jax.Array, batch: Batch) -> tuple[PairLogps, jax.Array]:
@@ -69,16 +45,6 @@ def pair_logps(logps: jax.Array, batch: Batch) -> tuple[PairLogps, jax.Array]:
     return PairLogps.of_rows(logps, batch["segment_ids"].astype(jnp.int32),
                              batch["pair_slot"].astype(jnp.int32),
                              batch["answer"].astype(jnp.int32), batch["tokens"].shape[1] // 2)
-
-
-def adapters_off(params: PyTree) -> PyTree:
-    """``params`` with every LoRA adapter's ``b`` read as zero: the base model's function."""
-    def off(path: tuple[Any, ...], leaf: jax.Array) -> jax.Array:
-        names = [getattr(part, "key", None) for part in path]
-        adapter = len(names) > 1 and str(names[-2]).endswith("_lora") and names[-1] == "b"
-        return jnp.zeros_like(leaf) if adapter else leaf
-
-    return jax.tree_util.tree_map_with_path(off, params)
 
 
 def make_preference_transformer(cfg: TransformerModel, preference: PreferenceConfig) -> Model:
@@ -100,13 +66,14 @@ def make_preference_transformer(cfg: TransformerModel, preference: PreferenceCon
             return pair_logps(column[:, 1:], batch)[0]
         start = (adapters_off(params) if start is None else  # in the policy's dtype
                  jax.tree.map(lambda r, p: r.astype(p.dtype), start, params))
-        logps = token_logps(bind(jax.lax.stop_gradient(start)), batch, chunk=cfg.loss_chunk)
+        logps, _ = token_logps(bind(jax.lax.stop_gradient(start)), pair_rows(batch),
+                               chunk=cfg.loss_chunk)
         return pair_logps(jax.lax.stop_gradient(logps), batch)[0]
 
     def evaluate(params: PyTree, batch: Batch, key: jax.Array | None,
                  start: PyTree) -> tuple[jax.Array, dict[str, jax.Array]]:
-        policy, present = pair_logps(token_logps(bind(params), batch, key, cfg.loss_chunk),
-                                     batch)
+        logps, _ = token_logps(bind(params), pair_rows(batch), key, cfg.loss_chunk)
+        policy, present = pair_logps(logps, batch)
         loss, aux = spec(policy, reference(params, batch, start), present)
         return loss, {**aux, "weight": jnp.sum(present, dtype=jnp.float32)}
 

@@ -30,9 +30,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainrun.config import BATCH_AXES, TransformerModel
-from trainrun.models.losses import head_token_logps
-from trainrun.models.preference_transformer import adapters_off
-from trainrun.models.transformer import SharedPrefixes, Transformer, bind_transformer
+from trainrun.models.grpo_transformer import Rollouts
+from trainrun.models.lora import adapters_off
+from trainrun.models.token_logps import rollout_rows, token_logps
+from trainrun.models.transformer import bind_transformer
 from trainrun.program.decode import (
     SampleError,
     StopStrings,
@@ -46,39 +47,6 @@ from trainrun.program.precision import DTYPES, cast_floats
 from trainrun.program.sharding import on_host
 
 PyTree = Any
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Rollouts:
-    """A batch of rollouts: ``rows = prompts x group``, each prompt's ``group`` completions side
-    by side (as ``group_advantages`` takes their rewards), ``limit`` the token limit.
-
-    tokens: ``[rows, width + limit]`` int32: the prompt left-padded to ``width``, then the
-        completion (0 after its end).
-    start: ``[rows]`` int32: each row's first prompt slot (the padding before it).
-    completion_mask: ``[rows, limit]`` bool: the completion's tokens (its stop id included).
-    completion_lengths: ``[rows]`` int32: their number.
-    old_logps: ``[rows, limit]`` float32: each completion token's log-probability under the
-        params that drew it (0 outside the mask).
-    group: completions per prompt.
-    """
-
-    tokens: jax.Array
-    start: jax.Array
-    completion_mask: jax.Array
-    completion_lengths: jax.Array
-    old_logps: jax.Array
-    group: int = dataclasses.field(metadata={"static": True})
-
-    @property
-    def limit(self) -> int:
-        return int(self.completion_mask.shape[1])
-
-    @property
-    def completions(self) -> jax.Array:
-        """``[rows, limit]`` the completions' token ids (0 after each one's end)."""
-        return self.tokens[:, -self.limit:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,73 +170,6 @@ def _placer(mesh: Mesh | None, rows: int) -> Any:
 # ---- log-probabilities of completions --------------------------------------------------------
 
 
-def token_logps(module: Transformer, tokens: jax.Array, start: jax.Array,
-                limit: int, chunk: int = 0, group: int = 1) -> tuple[jax.Array, jax.Array]:
-    """The log-probability of each of the last ``limit`` tokens of each row of ``tokens``
-    ``[rows, width + limit]`` (left-padded from ``start``) given the tokens before it, and the
-    entropy of the distribution it was drawn from (a measurement: no gradient): each ``[rows,
-    limit]`` float32. One forward pass of the whole text; the padding is a document of its own,
-    which nothing attends across, and each row's positions count from its start. The head's
-    logits ``chunk`` tokens at a time (``model.loss_chunk``).
-
-    group: how many consecutive rows hold one prompt's completions (the same prompt, the same
-    start). Where it pays (``completions_per_row``), several of them go in one row of the
-    forward pass: the prompt but its last token once, then each completion after that token,
-    each attending to the prompt and to itself alone (``SharedPrefixes``), so the prompt is
-    computed once for them, not once per completion."""
-    inputs = tokens[:, :-1].astype(jnp.int32)
-    rows, length = inputs.shape
-    width = length + 1 - limit  # the prompts' padded width
-    per_row = completions_per_row(module, rows, group, width, limit)
-    packed = rows // per_row
-    lead = width - 1  # the prompt but its last slot: shared by a row's completions
-    prefix_slots = jnp.arange(lead)[None]
-    first = start[::per_row, None]  # [packed, 1]: a row's completions share their start
-    tail = per_row * limit  # each completion: the prompt's last token, then its inputs
-    inputs = jnp.concatenate([inputs[::per_row, :lead], inputs[:, lead:].reshape(packed, tail)],
-                             axis=1)
-    segments = SharedPrefixes(
-        group=jnp.concatenate([(prefix_slots >= first).astype(jnp.int32),
-                               jnp.ones((packed, tail), jnp.int32)], axis=1),
-        branch=jnp.broadcast_to(jnp.concatenate([
-            jnp.zeros(lead, jnp.int32), jnp.repeat(jnp.arange(1, per_row + 1), limit)]),
-            inputs.shape),
-        position=jnp.concatenate([jnp.maximum(prefix_slots - first, 0),
-                                  lead - first + jnp.tile(jnp.arange(limit), per_row)[None]],
-                                 axis=1))
-    features, _ = module.features(inputs, None, segments=segments,
-                                  segment_positions=segments.position)
-    features = features.reshape(packed, lead + tail, -1)[:, lead:].reshape(rows * limit, -1)
-    taken = tokens[:, -limit:].astype(jnp.int32).reshape(-1)
-    logps, entropy = head_token_logps(features, module.head_table(), taken, chunk,
-                                      module.final_softcap)
-    return logps.reshape(rows, limit), entropy.reshape(rows, limit)
-
-
-# A masked logit's mask, softmax and their gradients, in multiply-adds' time: elementwise work
-# runs far below a matmul's rate (BENCHMARKS.md, "Reinforcement learning (GRPO)").
-LOGIT_COST = 150
-
-
-def completions_per_row(module: Transformer, rows: int, group: int, width: int,
-                        limit: int) -> int:
-    """How many of a prompt's completions ``token_logps`` puts in one row: the divisor of
-    ``group`` and ``rows`` that costs the least, counting each token's multiply-adds through
-    the layers and the head, and its attention to the keys before it (half a row on average;
-    each key a product with the query and the value, and a masked logit), for which a row of
-    more completions pays with longer rows."""
-    vocab, d_model = module.head_table().shape
-    layers, heads = module.layers, module.blocks["0"].attn.heads
-    per_token = 12 * d_model * d_model * layers + vocab * d_model  # projections, MLP, head
-    per_key = layers * (2 * d_model + LOGIT_COST * heads)
-
-    def cost(per_row: int) -> float:
-        length = width - 1 + per_row * limit
-        return rows / per_row * length * (per_token + per_key * length / 2)
-
-    return min((n for n in range(1, group + 1) if group % n == 0 and rows % n == 0), key=cost)
-
-
 @functools.lru_cache(maxsize=8)
 def _logps_program(cfg: TransformerModel, compute: str, group: int) -> Any:
     """The jitted ``(params, tokens, start, mask) -> logps`` of ``completion_logps``."""
@@ -276,8 +177,9 @@ def _logps_program(cfg: TransformerModel, compute: str, group: int) -> Any:
 
     def logps(params: PyTree, tokens: jax.Array, start: jax.Array,
               mask: jax.Array) -> jax.Array:
-        found, _ = token_logps(module_of(cast_floats(params, dtype)), tokens, start,
-                               mask.shape[1], cfg.loss_chunk, group)
+        module = module_of(cast_floats(params, dtype))
+        found, _ = token_logps(module, rollout_rows(module, tokens, start, mask.shape[1], group),
+                               chunk=cfg.loss_chunk)
         return jnp.where(mask, found, 0.0)
 
     return jax.jit(logps)

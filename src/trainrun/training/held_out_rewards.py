@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainrun.config import RunConfig, TransformerModel
-from trainrun.data import model_tokenizer, rewards
-from trainrun.data.prompt_records import Prompt, completion_texts, score_completions
-from trainrun.program.decode import StopStrings, generate_batch
-from trainrun.program.grpo import host_metric_names
+from trainrun.data import rewards
+from trainrun.data.prompt_records import Prompt, score_completions
+from trainrun.models.grpo_transformer import host_metric_names
+from trainrun.program.decode import generate_batch
+from trainrun.training.completion_text import completion_text
 from trainrun.training.model_reward import load_rewards
 
 PyTree = Any
@@ -32,14 +33,12 @@ def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
     rl, model = config.rl, config.model
     assert rl is not None and isinstance(model, TransformerModel)
     tokens = rl.completion_tokens if tokens is None else tokens
-    tokenizer = model_tokenizer.of_records(config.data)
-    stops = (StopStrings(rl.stop_strings, tokenizer.tokenizer.decode) if rl.stop_strings
-             else None)
+    text = completion_text(config)
     ids = generate_batch(model, params, [p.ids for p in asked], tokens,
                          temperature=temperature, seed=seed, compute=config.precision.compute,
-                         stop_ids=tokenizer.stop_ids, batch_size=batch_size,
-                         top_p=rl.top_p if temperature else 1.0, stop_strings=stops)
-    texts = completion_texts(tokenizer, ids, stops.cut if stops is not None else lambda t: t)
+                         stop_ids=text.stop_ids, batch_size=batch_size,
+                         top_p=rl.top_p if temperature else 1.0, stop_strings=text.stops)
+    texts = text.texts(ids)
     found = list(loaded) if loaded is not None else load_rewards(rl)
     values = score_completions(found, asked, texts, ids,
                                rewards.RunProgress(step, config.steps))

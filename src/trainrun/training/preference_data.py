@@ -4,11 +4,12 @@ log-probabilities as one more column, ``reference_logps``.
 
 That column is computed once, before training, from the starting params (the run's fresh init,
 or ``init.from``'s), in forward passes of ``preference.reference_batch_size`` rows, by the same
-function the step runs (``preference_transformer.token_logps``) under the run's precision. It is
-kept beside the rows it scores (``<rows>/reference/<key>``), keyed by content: the rows' own
-key, the sha256 of the starting params' bytes, the model and the compute dtype; its files'
-sha256 sit in its manifest and are checked as a run opens them. A resumed run and the next run
-on the same data and start read it; a damaged file is computed anew, with a notice.
+function the step runs (``models/token_logps.py``) under the run's precision. It is
+kept beside the rows it scores (``<rows>/reference/<key>-<split>``, as ``storage/kept_files.py``
+keeps files), keyed by content: the rows' own key, the sha256 of the starting params' bytes, the
+model and the compute dtype; its file's sha256 sits in its manifest and is checked as a run
+opens it. A resumed run and the next run on the same data and start read it; a damaged file is
+computed anew, with a notice.
 
 The column travels as the float32 values' bits in ``int32``: the step casts floating batch
 leaves to the compute dtype, which would round the reference to bfloat16.
@@ -22,12 +23,8 @@ step's count (metric ``pairs``).
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,17 +37,16 @@ from trainrun.config import RunConfig
 from trainrun.data.errors import DataError
 from trainrun.data.pipeline import ArrayBatches
 from trainrun.data.preference_rows import PairRows, preference_rows
-from trainrun.data.record_rows import Damaged, RecordCounts
-from trainrun.data.record_rows import _locked as locked
-from trainrun.data.record_rows import _mapped as mapped
-from trainrun.errors import WriteFailed
+from trainrun.data.record_rows import RecordCounts
 from trainrun.models.preference_losses import REFERENCE_FREE
-from trainrun.models.preference_transformer import REFERENCE_COLUMN, ROW_ARRAYS, token_logps
+from trainrun.models.preference_transformer import REFERENCE_COLUMN
+from trainrun.models.token_logps import PAIR_ROW_ARRAYS, pair_rows, token_logps
 from trainrun.models.transformer import bind_transformer
 from trainrun.program.precision import Policy
+from trainrun.storage import kept_files
 
 PyTree = Any
-CACHE_FORMAT = 1  # raised when the column's layout changes, so old files are not read
+CACHE_FORMAT = 2  # raised when the column's layout changes, so old files are not read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,29 +154,33 @@ def reference_column(config: RunConfig, policy: Policy, params: PyTree, rows_fol
                 "params": params_fingerprint(params), "model": config.model.model_dump(
                     mode="json"), "compute": config.precision.compute}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
-    folder = rows_folder / "reference" / key
     shape = arrays["tokens"].shape
-    folder.parent.mkdir(exist_ok=True)
-    with locked(folder.parent / f"{key}.{split}.lock", fcntl.LOCK_EX):  # one computer
-        try:
-            kept = _open(folder, split, shape)
-        except Damaged as damage:
-            notices.append(f"the reference log-probabilities kept in {folder} were damaged "
-                           f"({damage}); computing them anew")
-            _remove(folder, split)
-            kept = None
-        if kept is not None:
-            return kept
-        values = compute_reference(config, policy, params, arrays, preference.reference_batch_size)
-        _write(folder, split, values)
-        try:
-            kept = _open(folder, split, shape)
-        except Damaged as damage:
-            raise WriteFailed(f"the reference log-probabilities written to {folder} do not read "
-                              f"back ({damage}); check the disk, or point TRAINRUN_CACHE_DIR "
-                              "elsewhere") from None
-        assert kept is not None  # just written
-        return kept
+
+    def read(manifest: dict[str, Any], splits: kept_files.Splits) -> np.ndarray:
+        found = splits[split]
+        if found is None or found[REFERENCE_COLUMN].shape != shape:
+            raise kept_files.Damaged(f"it holds {manifest['rows']} rows, not {shape[0]} of "
+                                     f"{shape[1]}")
+        return found[REFERENCE_COLUMN]
+
+    def make(folder: Path) -> dict[str, Any]:
+        values = compute_reference(config, policy, params, arrays,
+                                   preference.reference_batch_size)
+        return write_column(folder, split, values)
+
+    column, notice = kept_files.kept(rows_folder / "reference" / f"{key}-{split}",
+                                     "reference log-probabilities", (REFERENCE_COLUMN,), read,
+                                     make)
+    if notice is not None:
+        notices.append(notice)
+    return column
+
+
+def write_column(folder: Path, split: str, values: np.ndarray) -> dict[str, Any]:
+    """The column's file written into ``folder`` (the kept folder being made); its manifest."""
+    files = kept_files.RowFiles(folder, {REFERENCE_COLUMN: "float32"}, values.shape[1])
+    files.append(split, {REFERENCE_COLUMN: values})
+    return files.manifest()
 
 
 def compute_reference(config: RunConfig, policy: Policy, params: PyTree,
@@ -191,67 +191,17 @@ def compute_reference(config: RunConfig, policy: Policy, params: PyTree,
 
     @jax.jit
     def scored(params: PyTree, batch: dict[str, jax.Array]) -> jax.Array:
-        logps = token_logps(bind(policy.cast_to_compute(params)), batch,
-                            chunk=config.model.loss_chunk)  # type: ignore[union-attr]
+        logps, _ = token_logps(bind(policy.cast_to_compute(params)), pair_rows(batch),
+                               chunk=config.model.loss_chunk)  # type: ignore[union-attr]
         return jnp.pad(logps, ((0, 0), (1, 0)))
 
     total = arrays["tokens"].shape[0]
     out = np.zeros(arrays["tokens"].shape, np.float32)
     for start in range(0, total, batch_size):
-        batch = {name: np.asarray(arrays[name][start:start + batch_size]) for name in ROW_ARRAYS}
+        batch = {name: np.asarray(arrays[name][start:start + batch_size])
+                 for name in PAIR_ROW_ARRAYS}
         short = batch_size - batch["tokens"].shape[0]
         if short:  # the one compiled shape: empty rows (segment 0) score nothing
             batch = {name: np.pad(value, ((0, short), (0, 0))) for name, value in batch.items()}
         out[start:start + batch_size] = np.asarray(scored(params, batch))[:batch_size - short]
     return out
-
-
-def _write(folder: Path, split: str, values: np.ndarray) -> None:
-    """The column's file and the manifest that holds its sha256 (each written whole, then
-    renamed into place; the manifest last)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    data = np.ascontiguousarray(values, np.float32).tobytes()
-    file = folder / f"{split}.{REFERENCE_COLUMN}.bin"
-    staged = file.with_name(f".{file.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    staged.write_bytes(data)
-    os.replace(staged, file)
-    write_manifest(folder, split, {"rows": values.shape[0], "row_len": values.shape[1],
-                                   "sha256": hashlib.sha256(data).hexdigest()})
-
-
-def write_manifest(folder: Path, split: str, manifest: dict[str, Any]) -> None:
-    """The split's manifest, whose presence commits its column (written whole, then renamed)."""
-    manifest_file = folder / f"{split}.manifest.json"
-    staged = manifest_file.with_name(f".{manifest_file.name}.{uuid.uuid4().hex[:8]}")
-    staged.write_text(json.dumps(manifest))
-    os.replace(staged, manifest_file)
-
-
-def _open(folder: Path, split: str, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The kept column, its bytes checked against the manifest's sha256; None when never
-    written; ``Damaged`` when it does not read back as written."""
-    manifest_file = folder / f"{split}.manifest.json"
-    if not manifest_file.exists():
-        return None
-    try:
-        manifest = json.loads(manifest_file.read_text())
-        if (manifest["rows"], manifest["row_len"]) != tuple(shape):
-            raise Damaged(f"it holds {manifest['rows']} rows of {manifest['row_len']}, not "
-                          f"{shape[0]} of {shape[1]}")
-        return mapped(folder / f"{split}.{REFERENCE_COLUMN}.bin", "float32", shape[0],
-                      shape[1], manifest["sha256"])
-    except FileNotFoundError as err:
-        raise Damaged(f"{Path(err.filename or '?').name} is missing") from None
-    except (ValueError, KeyError, TypeError) as err:
-        raise Damaged(f"{split}.manifest.json is not as written ({type(err).__name__})") from None
-
-
-def _remove(folder: Path, split: str) -> None:
-    """The split's kept files, which this cache wrote (a link there is not followed)."""
-    if folder.is_symlink():
-        raise WriteFailed(f"{folder} is a symbolic link where trainrun keeps reference "
-                          "log-probabilities; remove the link")
-    for name in (f"{split}.manifest.json", f"{split}.{REFERENCE_COLUMN}.bin"):
-        (folder / name).unlink(missing_ok=True)
-    if not any(folder.iterdir()):
-        shutil.rmtree(folder)

@@ -34,14 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun.config import RunConfig, TransformerModel
-from trainrun.data import model_tokenizer, rewards
+from trainrun.data import rewards
 from trainrun.data.pipeline import process_rows
-from trainrun.data.prompt_records import Prompt, completion_texts, score_completions
+from trainrun.data.prompt_records import Prompt, score_completions
+from trainrun.models.grpo_transformer import Rollouts, as_bits
 from trainrun.models.policy_gradient import group_advantages, zero_spread_fraction
-from trainrun.program.decode import StopStrings
-from trainrun.program.grpo import as_bits
 from trainrun.program.rollouts import (
-    Rollouts,
     RolloutSettings,
     draw_rollouts,
     reference_logps,
@@ -50,6 +48,7 @@ from trainrun.program.sharding import every_process_rows, on_host
 from trainrun.program.state import TrainState
 from trainrun.reporting.timing import HostParts, PartClock
 from trainrun.training.completion_log import CompletionLog
+from trainrun.training.completion_text import completion_text
 from trainrun.training.model_reward import load_rewards
 
 Batch = dict[str, np.ndarray]
@@ -65,14 +64,11 @@ class RolloutBatches:
         self.steps = config.steps
         self.prompts = list(prompts)
         self.rewards = load_rewards(self.rl)
-        self.tokenizer = model_tokenizer.of_records(config.data)
-        detokenize = self.tokenizer.tokenizer.decode
-        self.stops = (StopStrings(self.rl.stop_strings, detokenize) if self.rl.stop_strings
-                      else None)
+        self.text = completion_text(config)
         self.settings = RolloutSettings(
             group=self.rl.group, tokens=self.rl.completion_tokens,
             temperature=self.rl.temperature, top_p=self.rl.top_p,
-            stop_ids=self.tokenizer.stop_ids, stop_strings=self.stops,
+            stop_ids=self.text.stop_ids, stop_strings=self.text.stops,
             compute=config.precision.compute)
         # the longest prompt's width for every batch: one compile, and no wider than needed
         self.width = max(prompt.ids.size for prompt in self.prompts)
@@ -155,9 +151,8 @@ class RolloutBatches:
         return batch
 
     def texts(self, ids: list[np.ndarray]) -> list[str]:
-        """Completions' texts as the rewards read them (``completion_texts``)."""
-        return completion_texts(self.tokenizer, ids,
-                                self.stops.cut if self.stops is not None else lambda t: t)
+        """Completions' texts as the rewards read them (``CompletionText.texts``)."""
+        return self.text.texts(ids)
 
     def _update_rate(self, now: float) -> float:
         """Tokens per second of the updates on the last rollout batch (0 before any)."""
@@ -177,8 +172,7 @@ class RolloutBatches:
         completions side by side), this process's rows scored here, the others' gathered."""
         mine = range(completions.shape[0])[self._mine(completions.shape[0])]
         ids = [completions[row, :lengths[row]] for row in mine]
-        texts = completion_texts(self.tokenizer, ids,
-                                 self.stops.cut if self.stops is not None else lambda t: t)
+        texts = self.text.texts(ids)
         each = [asked[row // self.rl.group] for row in mine]
         progress = rewards.RunProgress(step, self.steps)
         return every_process_rows(score_completions(self.rewards, each, texts, ids, progress),
@@ -186,7 +180,8 @@ class RolloutBatches:
 
     def _batch(self, rollouts: Rollouts, advantages: np.ndarray,
                reference: jax.Array | None, metrics: np.ndarray) -> Batch:
-        """The columns the step takes (``grpo.grpo_model``'s), this process's rows of them."""
+        """The columns the step takes (``grpo_transformer.make_grpo_transformer``'s), this
+        process's rows of them."""
         rows = advantages.shape[0]
         old = on_host(rollouts.old_logps).astype(np.float32)
         columns = {

@@ -68,13 +68,13 @@ from trainrun.data.record_rows import RecordCounts
 from trainrun.fast import strategies
 from trainrun.fast.strategies import Strategies
 from trainrun.models import Model, build_model
+from trainrun.models.grpo_transformer import make_grpo_transformer
 from trainrun.models.transformer import embedding_rows
 from trainrun.platform import distributed
 from trainrun.platform.process import calls_run_inline, require_backend
 from trainrun.program import sharding
 from trainrun.program.compiled import CompiledSteps
 from trainrun.program.decode import HeadLayout
-from trainrun.program.grpo import grpo_model
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import (
@@ -321,7 +321,7 @@ def _model(config: RunConfig, mesh: Any, chosen: Strategies) -> Model:
             config.model, list(mesh.devices.flat), config.precision.params,
             f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
     if config.rl is not None and isinstance(config.model, TransformerModel):
-        return grpo_model(config.model, config.rl)
+        return make_grpo_transformer(config.model, config.rl)
     if config.reward_model is not None:
         return reward_model(config)
     return build_model(config.model, config.preference, chosen.attention(), chosen.head_loss())

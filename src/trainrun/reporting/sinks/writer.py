@@ -5,12 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from trainrun.errors import UserError
 from trainrun.reporting.table import Table
-
-
-class WriterError(UserError):
-    """A metrics destination that cannot be used as configured."""
 
 
 class Writer(Protocol):

@@ -10,11 +10,17 @@ import pytest
 
 from trainrun.config import RLConfig, TransformerModel
 from trainrun.models import build_model
-from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages, token_entropy
+from trainrun.models.grpo_transformer import (
+    Rollouts,
+    as_bits,
+    grpo_loss,
+    host_metric_names,
+    make_grpo_transformer,
+)
+from trainrun.models.policy_gradient import PolicyGradientLoss, group_advantages
 from trainrun.models.reference import plain_logits
-from trainrun.program.grpo import as_bits, grpo_loss, grpo_model, host_metric_names
 from trainrun.program.precision import Policy
-from trainrun.program.rollouts import Rollouts, RolloutSettings, draw_rollouts
+from trainrun.program.rollouts import RolloutSettings, draw_rollouts
 from trainrun.program.step import make_gradient_fn
 
 CFG = TransformerModel(d_model=32, layers=1, heads=4, seq_len=32)
@@ -33,6 +39,12 @@ def drawn():
     return params, rollouts
 
 
+def next_token_entropy(logits: jax.Array) -> jax.Array:
+    """The entropy of each position's next-token distribution, ``logits [..., vocab]``."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
 def row_logps(params, text: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The summed log-probability of a row's completion tokens (``mask`` over its last
     ``LIMIT``), and the entropy of each of their distributions, by the plain transformer over
@@ -40,7 +52,7 @@ def row_logps(params, text: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.
     logits = plain_logits(CFG, params, text[None, :-1])[0]
     picked = jnp.take_along_axis(jax.nn.log_softmax(logits), text[1:, None], axis=-1)
     return (jnp.sum(jnp.where(mask, picked[-LIMIT:, 0], 0.0)),
-            token_entropy(jax.lax.stop_gradient(logits[-LIMIT:])))
+            next_token_entropy(jax.lax.stop_gradient(logits[-LIMIT:])))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +144,7 @@ def test_the_step_reads_old_and_reference_logps_in_float32_under_bfloat16():
     old = np.where(mask, np.asarray(rollouts.old_logps) + 1e-3, 0.0).astype(np.float32)
     reference = np.where(mask, old - 0.0123, 0.0).astype(np.float32)
     policy = Policy(compute=jnp.bfloat16)
-    gradients = jax.jit(make_gradient_fn(grpo_model(CFG, RL), policy))
+    gradients = jax.jit(make_gradient_fn(make_grpo_transformer(CFG, RL), policy))
     step_loss = lambda old_, ref_: gradients(
         params, _rollout_batch(rollouts, advantages, old_, ref_), jax.random.key(0),
         policy.initial_loss_scale())[0]

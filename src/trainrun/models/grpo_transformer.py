@@ -1,11 +1,12 @@
-"""The GRPO update's loss: a pure, jittable function of the policy's params, a batch of rollouts
-(``rollouts.Rollouts``), their advantages (``policy_gradient.group_advantages``), the old and the
-reference log-probabilities of their tokens. The policy's log-probabilities come from one
-forward pass of the rollouts' text (``rollouts.token_logps``); ``PolicyGradientLoss`` weighs
-them. Its gradient is the update's: what is needed besides the params arrives as arguments, so
-a step built on it stays one jitted call.
+"""The transformer trained by GRPO: the update's loss, a pure, jittable function of the
+policy's params, a batch of rollouts (``Rollouts``, drawn by ``program/rollouts.py``), their
+advantages (``policy_gradient.group_advantages``), the old and the reference log-probabilities
+of their tokens. The policy's log-probabilities come from one forward pass of the rollouts'
+text (``token_logps.rollout_rows``); ``PolicyGradientLoss`` weighs them. Its gradient is the
+update's: what is needed besides the params arrives as arguments, so a step built on it stays
+one jitted call.
 
-``grpo_model`` makes that loss a ``Model`` over a rollout batch's columns,
+``make_grpo_transformer`` makes that loss a ``Model`` over a rollout batch's columns,
 so the one training step (``step.py``) runs it with everything it promises: accumulation
 weighted by what the normalisation averages over, precision, sharding, bitwise resume. The
 float32 columns (advantages, the old and the reference log-probabilities, the host's reward
@@ -25,8 +26,8 @@ import numpy as np
 from trainrun.config import RLConfig, TransformerModel
 from trainrun.models.adapters import Model
 from trainrun.models.policy_gradient import PolicyGradientLoss
+from trainrun.models.token_logps import rollout_rows, token_logps
 from trainrun.models.transformer import bind_transformer, make_transformer
-from trainrun.program.rollouts import Rollouts, token_logps
 
 PyTree = Any
 Metrics = dict[str, jax.Array]
@@ -37,15 +38,49 @@ Batch = dict[str, jax.Array]
 FLOAT_COLUMNS = ("advantages", "old_logps", "reference_logps", "host_metrics")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+    """A batch of rollouts: ``rows = prompts x group``, each prompt's ``group`` completions side
+    by side (as ``group_advantages`` takes their rewards), ``limit`` the token limit.
+
+    tokens: ``[rows, width + limit]`` int32: the prompt left-padded to ``width``, then the
+        completion (0 after its end).
+    start: ``[rows]`` int32: each row's first prompt slot (the padding before it).
+    completion_mask: ``[rows, limit]`` bool: the completion's tokens (its stop id included).
+    completion_lengths: ``[rows]`` int32: their number.
+    old_logps: ``[rows, limit]`` float32: each completion token's log-probability under the
+        params that drew it (0 outside the mask).
+    group: completions per prompt.
+    """
+
+    tokens: jax.Array
+    start: jax.Array
+    completion_mask: jax.Array
+    completion_lengths: jax.Array
+    old_logps: jax.Array
+    group: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def limit(self) -> int:
+        return int(self.completion_mask.shape[1])
+
+    @property
+    def completions(self) -> jax.Array:
+        """``[rows, limit]`` the completions' token ids (0 after each one's end)."""
+        return self.tokens[:, -self.limit:]
+
+
 def grpo_loss(cfg: TransformerModel, objective: PolicyGradientLoss) -> GrpoLoss:
     """``(params, rollouts, advantages, old_logps=None, reference_logps=None,
     tokens_in_batch=None) -> (loss, metrics)`` of the policy ``cfg`` describes.
 
     params: the policy's, in the dtype it computes in; advantages: ``[rows]``, one per
     completion; old_logps: ``[rows, limit]`` of the params that drew the rollouts
-    (``rollouts.old_logps``; None: these params, one update per rollout batch, the ratio 1);
-    reference_logps: ``[rows, limit]`` (``rollouts.reference_logps``), needed when
-    ``objective.beta`` > 0; tokens_in_batch: ``dapo``'s divisor for one microbatch of a batch.
+    (``program/rollouts.py``'s ``completion_logps``; None: these params, one update per
+    rollout batch, the ratio 1); reference_logps: ``[rows, limit]`` (its ``reference_logps``),
+    needed when ``objective.beta`` > 0; tokens_in_batch: ``dapo``'s divisor for one
+    microbatch of a batch.
 
     Metrics: ``PolicyGradientLoss``'s (the clipped fractions ``clip_ratio/...``, ``kl`` when
     ``beta`` > 0), ``entropy`` (the mean over completion tokens of their distribution's
@@ -56,8 +91,10 @@ def grpo_loss(cfg: TransformerModel, objective: PolicyGradientLoss) -> GrpoLoss:
     def loss(params: PyTree, rollouts: Rollouts, advantages: jax.Array,
              old_logps: jax.Array | None = None, reference_logps: jax.Array | None = None,
              tokens_in_batch: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
-        logps, entropy = token_logps(module_of(params), rollouts.tokens, rollouts.start,
-                                     rollouts.limit, cfg.loss_chunk, rollouts.group)
+        module = module_of(params)
+        logps, entropy = token_logps(module, rollout_rows(module, rollouts.tokens, rollouts.start,
+                                                          rollouts.limit, rollouts.group),
+                                     chunk=cfg.loss_chunk)
         mask = rollouts.completion_mask
         value, metrics = objective(logps, advantages, mask, old_logps, reference_logps,
                                    tokens_in_batch)
@@ -92,7 +129,7 @@ def as_bits(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, np.float32).view(np.int32)
 
 
-def grpo_model(cfg: TransformerModel, rl: RLConfig) -> Model:
+def make_grpo_transformer(cfg: TransformerModel, rl: RLConfig) -> Model:
     """The transformer ``cfg`` describes with the GRPO loss over rollout batches (module
     docstring). Aux ``weight``: the completion tokens (``dapo``) or the completions (``grpo``,
     ``dr_grpo``), what the loss averages over. With ``rl.beta`` > 0 and no LoRA adapters the

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -47,6 +48,8 @@ import numpy as np
 
 from trainrun.data.errors import DataError
 from trainrun.errors import printable
+from trainrun.storage import location
+from trainrun.storage.location import Location
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -150,13 +153,13 @@ class ChatTemplate:
                 f"the chat template ({printable(self.origin)})")
 
     @classmethod
-    def from_model_dir(cls, path: Any) -> ChatTemplate | None:
+    def from_model_dir(cls, path: str | os.PathLike[str] | Location) -> ChatTemplate | None:
         """The template saved with a Hugging Face tokenizer in the folder ``path``:
         ``chat_template.jinja`` when there is one (transformers reads it first), else the
         ``"chat_template"`` of ``tokenizer_config.json`` (a string, or a list of
         ``{"name", "template"}`` of which "default" is taken); None when there is neither.
         Either file linking out of the folder is refused (``location.model_file``)."""
-        folder = path
+        folder = location.location(path)  # a path given here enters here
         jinja_file = (folder / TEMPLATE_FILE).model_file(DataError)
         if jinja_file.is_file():
             return cls(_read(jinja_file), str(jinja_file))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun.config import RunConfig
+from trainrun.config import RecordsData, RunConfig
 from trainrun.data.errors import DataError
 from trainrun.data.pipeline import ArrayBatches
 from trainrun.data.preference_rows import PairRows, preference_rows
@@ -68,6 +68,25 @@ def needs_reference_column(config: RunConfig) -> bool:
             and preference.loss not in REFERENCE_FREE)
 
 
+
+def read_pairs(data: RecordsData, section: str, max_prompt: int, max_completion: int,
+               margins: bool = False,
+               ) -> tuple[PairRows, PairRows | None, dict[str, str], RecordCounts, list[str]]:
+    """The pair rows of a run on pairs (``preference_rows``), what became of its records, and
+    its notices (a damaged cache made anew, pairs cut to ``section``'s lengths)."""
+    train, held, files = preference_rows(data, max_prompt, max_completion, margins)
+    counts = RecordCounts(vocab=train.counts.vocab)
+    for part in (train, held):
+        if part is not None:
+            counts.add(part.counts)
+    notices = [part.notice for part in (train, held) if part is not None and part.notice]
+    cut = train.truncated
+    if cut.prompts_cut or cut.completions_cut:
+        notices.append(f"preference pairs: {cut.prompts_cut} prompts cut to {section}."
+                       f"max_prompt, {cut.completions_cut} pairs' completions cut to "
+                       f"{section}.max_completion")
+    return train, held, files, counts, notices
+
 def preference_data(config: RunConfig, policy: Policy, start: Callable[[], PyTree],
                     rows: tuple[int, int]) -> PreferenceData:
     """The run's training batches (this process's ``rows``: its index and the count) and its
@@ -76,18 +95,8 @@ def preference_data(config: RunConfig, policy: Policy, start: Callable[[], PyTre
     preference = config.preference
     assert preference is not None  # a preference run
     data = config.data
-    train, held, files = preference_rows(data, preference.max_prompt,  # type: ignore[arg-type]
-                                         preference.max_completion)
-    counts = RecordCounts(vocab=train.counts.vocab)
-    for part in (train, held):
-        if part is not None:
-            counts.add(part.counts)
-    notices = [part.notice for part in (train, held) if part is not None and part.notice]
-    cut = train.truncated
-    if cut.prompts_cut or cut.completions_cut:
-        notices.append(f"preference pairs: {cut.prompts_cut} prompts cut to preference."
-                       f"max_prompt, {cut.completions_cut} pairs' completions cut to "
-                       "preference.max_completion")
+    train, held, files, counts, notices = read_pairs(
+        data, "preference", preference.max_prompt, preference.max_completion)  # type: ignore[arg-type]
     train_rows, eval_rows = train.train, (held.eval if held is not None else train.eval)
     assert train_rows is not None  # preference_rows refuses a source without
     if needs_reference_column(config):

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from trainrun.config import RecordsData, RunConfig, TransformerModel
 from trainrun.data import model_tokenizer
-from trainrun.data.preference_rows import preference_rows
-from trainrun.data.record_rows import RecordCounts
 from trainrun.models.adapters import Model
 from trainrun.models.reward_transformer import make_reward_model
-from trainrun.training.preference_data import PreferenceData, batch_line, pair_batches
+from trainrun.training.preference_data import (
+    PreferenceData,
+    batch_line,
+    pair_batches,
+    read_pairs,
+)
 
 
 def reward_pad_id(tokenizer: model_tokenizer.ModelTokenizer) -> int | None:
@@ -58,18 +61,8 @@ def reward_data(config: RunConfig, rows: tuple[int, int]) -> PreferenceData:
     held-out rows."""
     section, data = config.reward_model, config.data
     assert section is not None and isinstance(data, RecordsData)  # a reward run's
-    train, held, files = preference_rows(data, section.max_prompt, section.max_completion,
-                                         section.margin)
-    counts = RecordCounts(vocab=train.counts.vocab)
-    for part in (train, held):
-        if part is not None:
-            counts.add(part.counts)
-    notices = [part.notice for part in (train, held) if part is not None and part.notice]
-    cut = train.truncated
-    if cut.prompts_cut or cut.completions_cut:
-        notices.append(f"preference pairs: {cut.prompts_cut} prompts cut to reward_model."
-                       f"max_prompt, {cut.completions_cut} pairs' completions cut to "
-                       "reward_model.max_completion")
+    train, held, files, counts, notices = read_pairs(
+        data, "reward_model", section.max_prompt, section.max_completion, section.margin)
     assert train.train is not None  # preference_rows refuses a source without
     batches = pair_batches(train.train, data.batch_size, shuffle=data.shuffle, seed=config.seed,
                            process_index=rows[0], process_count=rows[1])

@@ -17,6 +17,8 @@
 #      checkpoint, resumed; PASS; records need the jinja2, markupsafe and tokenizers wheels)
 #   6. JAX's start with TPU_SKIP_MDS_QUERY=1 (libtpu not asking the cloud's metadata server),
 #      against part 1's
+#   7. `trainrun train` at the Qwen2.5-0.5B shape (4 x 2048 tokens), cold and warm, as
+#      part 3 (layers under scan, rematerialized)
 #
 #   bash benchmarks/tpu_checks.sh           # on the TPU machine, from the repository root
 #   bash benchmarks/tpu_checks.sh --tiny    # every part at toy sizes on a CPU (JAX_PLATFORMS
@@ -36,7 +38,7 @@ cd "$(dirname "$0")/.."
 TINY=0
 [[ "${1:-}" == "--tiny" ]] && TINY=1
 PY=${PY:-python3}
-PARTS=" ${TPU_CHECK_PARTS:-1 2 3 4 5 6} "
+PARTS=" ${TPU_CHECK_PARTS:-1 2 3 4 5 6 7} "
 PARTS=${PARTS//,/ }
 BUDGET=${TPU_CHECK_BUDGET_S:-510}
 OUT=${OUT:-$(mktemp -d /tmp/tpu-checks.XXXXXX)}
@@ -139,59 +141,79 @@ done < "$WORK/guide/commands"
 cp "$WORK/guide/runs/lm-tpu/summary.json" "$OUT/lm-tpu.summary.json" 2> /dev/null
 fi
 
-if want 3 140 "gpt2 train, cold and warm"; then
-part "3: time to the first step at GPT-2 small, cold and from the compile cache"
-if [[ $TINY == 1 ]]; then
-  V=512; D=64; L=2; H=2; T=64; B=4; K=2; N=4
+# SHAPE: `trainrun train` at SHAPE (gpt2: GPT-2 small, 8 x 1024 tokens, K=10; qwen: the
+# Qwen2.5-0.5B shape, 4 x 2048 tokens, K=4, layers under scan, rematerialized) on a token file,
+# cold (an empty compile cache) and again from the cache
+first_step() {
+local shape=$1 MODEL EXTRA_MODEL="" pass t0 code kept
+if [[ $shape == gpt2 ]]; then
+  if [[ $TINY == 1 ]]; then V=512; D=64; L=2; H=2; KV=2; F=256; T=64; B=4; K=2; N=4
+  else V=50304; D=768; L=12; H=12; KV=12; F=3072; T=1024; B=8; K=10; N=20; fi
+  MODEL="mlp_ratio: 4"
 else
-  V=50304; D=768; L=12; H=12; T=1024; B=8; K=10; N=20
+  if [[ $TINY == 1 ]]; then V=1000; D=64; L=2; H=4; KV=2; F=256; T=64; B=4; K=2; N=4
+  else V=151936; D=896; L=24; H=14; KV=2; F=4864; T=2048; B=4; K=4; N=8; fi
+  MODEL="kv_heads: $KV, mlp: swiglu, mlp_hidden: $F, norm: rmsnorm, norm_eps: 1.0e-6,
+        rope_theta: 1000000.0, qkv_bias: true, scan_layers: true, remat: full"
 fi
-"$PY" - "$WORK/tokens.bin" $(( (N + 10) * B * (T + 1) )) $V <<'EOF'
+"$PY" - "$WORK/tokens-$shape.bin" $(( (N + 10) * B * (T + 1) )) $V <<'PYEOF'
 import sys
 import numpy as np
 ids = np.random.default_rng(0).integers(0, int(sys.argv[3]), int(sys.argv[2]), dtype=np.int64)
-ids.astype(np.uint16).tofile(sys.argv[1])
-EOF
-cat > "$WORK/gpt2.yaml" <<EOF
-name: gpt2-shape
+ids.astype(np.uint32).tofile(sys.argv[1])
+PYEOF
+cat > "$WORK/$shape.yaml" <<YAMLEOF
+name: $shape-shape
 seed: 0
 steps: $N
 steps_per_call: $K
-model: {kind: transformer, vocab: $V, d_model: $D, layers: $L, heads: $H, mlp_ratio: 4,
+model: {kind: transformer, vocab: $V, d_model: $D, layers: $L, heads: $H, $MODEL,
         seq_len: $T, positions: rope, dropout: 0.0, init_std: 0.02}
-data: {kind: tokens, paths: $WORK/tokens.bin, dtype: uint16, seq_len: $T, batch_size: $B,
+data: {kind: tokens, paths: $WORK/tokens-$shape.bin, dtype: uint32, seq_len: $T, batch_size: $B,
        shuffle: true, prefetch_threads: 2}
 precision: {compute: bfloat16}
 optimizer: {name: adamw, lr: 0.0006, b1: 0.9, b2: 0.95, weight_decay: 0.1}
 eval: {every: 0}
 checkpoint: {every: 0}
 metrics: {every: $K, tensorboard: false}
-EOF
+YAMLEOF
 for pass in cold warm; do
   t0=$SECONDS
-  TRAINRUN_COMPILATION_CACHE=$WORK/programs timeout 200 "$PY" -m trainrun train \
-    --config "$WORK/gpt2.yaml" --run-dir "$WORK/gpt2-$pass" > "$WORK/gpt2-$pass.log" 2>&1
+  TRAINRUN_COMPILATION_CACHE=$WORK/programs-$shape timeout 240 "$PY" -m trainrun train \
+    --config "$WORK/$shape.yaml" --run-dir "$WORK/$shape-$pass" > "$WORK/$shape-$pass.log" 2>&1
   code=$?
-  echo "$pass: exit $code, process $((SECONDS - t0)) s"
+  echo "$shape $pass: exit $code, process $((SECONDS - t0)) s"
   if [[ $code == 0 ]]; then
-    "$PY" - "$WORK/gpt2-$pass/summary.json" <<'EOF'
+    "$PY" - "$WORK/$shape-$pass/summary.json" <<'PYEOF'
 import json, sys
 s = json.load(open(sys.argv[1]))
 split = s["wall_time_split_s"]
 before = sum(split.get(k, 0.0) for k in ("backend_start", "init", "compile"))
 print(f"wall {s['wall_s']:.1f} s; backend_start + init + compile {before:.1f} s; "
-      f"step {1e3 * (s['step_time_median_s'] or 0):.1f} ms")
+      f"init + compile {before - split.get('backend_start', 0.0):.1f} s; "
+      f"step {1e3 * (s['step_time_median_s'] or 0):.1f} ms; MFU {s.get('mfu')}")
 print("  " + "  ".join(f"{k} {v:.2f}" for k, v in split.items() if v >= 0.005))
-EOF
-    cp "$WORK/gpt2-$pass/summary.json" "$OUT/gpt2-$pass.summary.json"
+PYEOF
+    cp "$WORK/$shape-$pass/summary.json" "$OUT/$shape-$pass.summary.json"
   else
-    tail -5 "$WORK/gpt2-$pass.log"
+    tail -5 "$WORK/$shape-$pass.log"
   fi
-  kept=$(ls "$WORK/programs" 2> /dev/null | grep -- '-cache$' | sed 's/-[0-9a-f]*-cache$//' \
-         | sort | uniq -c | awk '{printf "%s%s x%s", (NR > 1 ? ", " : ""), $2, $1}')
+  kept=$(ls "$WORK/programs-$shape" 2> /dev/null | grep -- '-cache$' \
+         | sed 's/-[0-9a-f]*-cache$//' | sort | uniq -c \
+         | awk '{printf "%s%s x%s", (NR > 1 ? ", " : ""), $2, $1}')
   echo "programs in the cache after the $pass run: $kept"
-  result "gpt2 train, $pass" "$(verdict $code)" "exit $code, $((SECONDS - t0)) s"
+  result "$shape train, $pass" "$(verdict $code)" "exit $code, $((SECONDS - t0)) s"
 done
+}
+
+if want 3 140 "gpt2 train, cold and warm"; then
+part "3: time to the first step at GPT-2 small, cold and from the compile cache"
+first_step gpt2
+fi
+
+if want 7 200 "the Qwen2.5-0.5B shape's train, cold and warm"; then
+part "7: time to the first step at the Qwen2.5-0.5B shape, cold and from the compile cache"
+first_step qwen
 fi
 
 if want 4 35 "memory refusal naming the batch that fits"; then

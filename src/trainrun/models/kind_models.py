@@ -56,6 +56,6 @@ MODELS: dict[RunKindName, ModelOf] = {
     "reinforcement": reinforcement_model, "reward": reward_model}
 
 
-def run_model(config: RunConfig, attention: Any = None, head: Any = None) -> Model:
+def kind_model(config: RunConfig, attention: Any = None, head: Any = None) -> Model:
     """The model a run of ``config`` trains."""
     return MODELS[config.kind](config, attention, head)

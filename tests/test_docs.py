@@ -156,7 +156,8 @@ def grpo_reward(run_dir: Path) -> float:
     """The held-out reward of a GRPO run's last params, as ``trainrun eval`` scores it."""
     from trainrun.checkpointing.reader import latest_params
     from trainrun.config import load_config
-    from trainrun.evaluation.rl_eval import held_out_prompts, reward_scores
+    from trainrun.training.held_out_rewards import reward_scores
+    from trainrun.training.kinds.reinforcement import held_out_prompts
 
     config = load_config(str(run_dir / "config.yaml"))
     _, params = latest_params(run_dir, config)
@@ -170,7 +171,8 @@ def test_every_reinforcement_learning_command_runs_as_written(tmp_path):
     from trainrun.checkpointing.init_from import resolved
     from trainrun.checkpointing.reader import latest_params
     from trainrun.config import load_config
-    from trainrun.evaluation.rl_eval import held_out_prompts, reward_scores
+    from trainrun.training.held_out_rewards import reward_scores
+    from trainrun.training.kinds.reinforcement import held_out_prompts
 
     commands = bash_commands("guides/reinforcement-learning.md")
     assert [c.split()[:2] for c in commands if c.startswith("trainrun ")] == [

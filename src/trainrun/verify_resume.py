@@ -60,6 +60,7 @@ from trainrun.storage import location
 from trainrun.storage.location import LocalLocation, Location
 from trainrun.training import preference_data
 from trainrun.training.callbacks import Boundary, Callback
+from trainrun.training.kinds import kind_of
 
 COMPARED = ("loss", "grad_norm")  # per-step metrics the step computes (no timings)
 REFERENCE = "reference"  # the kill in a preference run's reference pass
@@ -181,11 +182,12 @@ def _kill_points(config: RunConfig, kill_at: list[int], kill_in_save: list[int],
     checkpoint, one during the save of the second, and for the runs that have one, one in the
     reference pass and one in generation after the first checkpoint."""
     generation = list(kill_in_generation or [])
-    cached = preference_data.needs_reference_column(config)
+    kind = kind_of(config)
+    cached = kind.reference_pass(config)
     if kill_in_reference and not cached:
         raise ConfigError("--kill-in-reference needs a preference run whose loss has a "
                           "reference kept before training (preference.reference=cached)")
-    if generation and config.rl is None:
+    if generation and not kind.generates:
         raise ConfigError("--kill-in-generation needs a reinforcement-learning run (an rl "
                           "section): no other run generates while it trains")
     every = config.checkpoint.every
@@ -196,7 +198,7 @@ def _kill_points(config: RunConfig, kill_at: list[int], kill_in_save: list[int],
                               f"below steps ({config.steps})")
         kill_at = saves[:1]
         kill_in_save = (saves[1:2] or saves[:1]) if config.checkpoint.async_ else []
-        generation = saves[:1] if config.rl is not None else []
+        generation = saves[:1] if kind.generates else []
         kill_in_reference = cached
     for step in [*kill_at, *kill_in_save, *generation]:
         if step not in saves:

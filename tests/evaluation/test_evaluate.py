@@ -157,6 +157,7 @@ def test_eval_builds_the_run_model_once_for_the_checkpoint_and_the_loss(chat_run
     apart from the checkpoint's gives."""
     import trainrun.checkpointing.reader as reader
     import trainrun.models
+    import trainrun.models.kind_models as kind_models
     from trainrun.evaluation.evaluate import evaluate_run, held_out_loss
 
     run_dir, config = chat_run
@@ -168,7 +169,7 @@ def test_eval_builds_the_run_model_once_for_the_checkpoint_and_the_loss(chat_run
         return real(cfg, *args, **kwargs)
 
     monkeypatch.setattr(trainrun.models, "build_model", counted)
-    monkeypatch.setattr(reader, "build_model", counted)
+    monkeypatch.setattr(kind_models, "build_model", counted)
     result = evaluate_run(run_dir, tokens=4, limit=2)
     assert len(built) == 1
     _, state = reader.latest_state(reader.location.location(run_dir), config)

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from trainrun.config import load_config
-from trainrun.evaluation.rl_eval import PromptsError, held_out_prompts, reward_scores
 from trainrun.models import build_model
+from trainrun.training.held_out_rewards import reward_scores
+from trainrun.training.kinds.reinforcement import PromptsError, held_out_prompts
 
 SMALL = ["model.d_model=16", "model.layers=1", "data.synthetic_examples=64",
          "rl.completion_tokens=4",

@@ -17,7 +17,8 @@ from trainrun.data import model_tokenizer, rewards
 from trainrun.data.pair_rows import pack_pairs
 from trainrun.data.preference_pairs import PairCounts, encode_pairs
 from trainrun.data.tasks import task_records
-from trainrun.evaluation.reward_eval import reward_scores
+from trainrun.evaluation.evaluate import evaluate_run
+from trainrun.models.kind_models import reward_model
 from trainrun.models.reward_transformer import SCORE, body_config, body_params, pair_rewards
 from trainrun.models.reward_transformer import read_positions as reads
 from trainrun.models.transformer import bind_transformer
@@ -25,7 +26,7 @@ from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import init_state
 from trainrun.training.model_reward import BUILT_IN
-from trainrun.training.reward_run import reward_model, with_pad_id
+from trainrun.training.reward_run import with_pad_id
 
 OVERRIDES = ["model.d_model=32", "model.layers=1", "model.heads=2", "steps=10",
              "data.synthetic_examples=128", "data.eval_fraction=0.125", "data.batch_size=2",
@@ -116,7 +117,8 @@ def test_an_export_of_a_reward_run_scores_alike_in_transformers_and_as_a_reward(
 @pytest.mark.slow
 def test_eval_reports_the_accuracy_on_the_held_out_pairs(reward_run):
     run, config, params = reward_run
-    step, scores = reward_scores(config, run, None, ema=False)
+    result = evaluate_run(run)
+    step, scores = result.step, result.scores
     assert step == 10
     held = task_records("last", 128)[7::8]  # eval_fraction 1/8: every 8th record
     rewards_ = _trained_rewards(config, params, held)

@@ -123,7 +123,8 @@ class _PastTheStateCheck(Exception):
 def test_the_memory_check_counts_a_reference_the_state_keeps(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: str) -> None:
     from trainrun.errors import UserCodeFailed, UserError
-    from trainrun.training import preflight, setup
+    from trainrun.training import preflight
+    from trainrun.training.kinds.preference import Preference
 
     def past(*_: object, **__: object) -> None:
         raise _PastTheStateCheck
@@ -131,7 +132,7 @@ def test_the_memory_check_counts_a_reference_the_state_keeps(
     # 8.5 MiB of params, 17 MiB of Adam's moments: 30 MiB holds them, not a third copy
     monkeypatch.setattr(preflight, "_host", lambda: (30 * 2**20, " (test)", ""))
     monkeypatch.setattr(preflight, "check_model_memory", lambda *a, **k: None)
-    monkeypatch.setattr(setup, "_data", past)
+    monkeypatch.setattr(Preference, "data", past)
     config = load_config("dpo", ["steps=2", "model.d_model=256", "metrics.tensorboard=false",
                                  f"preference.reference={reference}"])
     if reference == "cached":  # the column is data: the state holds no reference

@@ -16,12 +16,12 @@ import pytest
 from trainrun.checkpointing.reader import latest_params, saved_config
 from trainrun.cli import main
 from trainrun.config import load_config
+from trainrun.models.kind_models import reward_model
 from trainrun.program.optim import build_optimizer
 from trainrun.program.state import init_state
 from trainrun.reporting.sinks.jsonl import read_metrics
 from trainrun.training.loop import run
 from trainrun.training.model_reward import load_reward_model
-from trainrun.training.reward_run import reward_model
 
 REWARD = ["model.d_model=32", "model.layers=1", "model.heads=2", "steps=8", "steps_per_call=4",
           "data.synthetic_examples=64", "data.eval_fraction=0.25", "data.batch_size=4",

@@ -178,7 +178,7 @@ def test_an_rl_run_evaluates_its_held_out_prompts_and_trains_as_without(
         tmp_path: Path) -> None:
     from trainrun.checkpointing.reader import latest_params
     from trainrun.data.prompt_records import prompt_records
-    from trainrun.evaluation.rl_eval import reward_scores
+    from trainrun.training.held_out_rewards import reward_scores
 
     common = [*SMALL, "steps=4", "rl.completion_tokens=4", _rewards({"name": "exact_match"},
               {"name": "format_regex", "args": {"pattern": "[a-m]"}})]
@@ -200,7 +200,7 @@ def test_an_rl_run_evaluates_its_held_out_prompts_and_trains_as_without(
     assert losses[0] == losses[1]
 
 
-def test_a_reward_file_runs_once_for_the_rollouts_and_once_for_all_evaluations(
+def test_a_reward_file_runs_once_a_run_for_its_rollouts_and_evaluations(
         tmp_path: Path) -> None:
     loads = tmp_path / "loads.txt"
     reward = tmp_path / "loaded.py"
@@ -211,7 +211,7 @@ def test_a_reward_file_runs_once_for_the_rollouts_and_once_for_all_evaluations(
                                   _rewards({"name": f"{reward}:any_text"})])
     run(config, tmp_path / "run", out=io.StringIO())
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl", split="eval")) == 3
-    assert loads.read_text().splitlines() == ["loaded", "loaded"]  # not once an evaluation
+    assert loads.read_text().splitlines() == ["loaded"]  # one load shared by both
 
 
 def test_an_rl_run_told_to_evaluate_with_no_prompt_held_out_is_one_line(

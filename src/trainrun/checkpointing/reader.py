@@ -24,9 +24,10 @@ from trainrun.checkpointing.checkpoints import (
     readable,
 )
 from trainrun.checkpointing.integrity import step_record_problem, verify_step
-from trainrun.config import ConfigError, RunConfig, TransformerModel, config_from_dict
+from trainrun.config import ConfigError, RunConfig, config_from_dict
 from trainrun.errors import UserError
-from trainrun.models import Model, build_model
+from trainrun.models import Model
+from trainrun.models.kind_models import kind_model
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import abstract_state
@@ -63,29 +64,16 @@ def latest_params(run_dir: location.Location | str | os.PathLike[str], config: R
     return found, state.params
 
 
-def _run_model(config: RunConfig) -> Model:
-    """The model a run's config trains: a reinforcement-learning run's keeps its reference in
-    the model state; a reward run's is a reward model."""
-    if config.reward_model is not None and isinstance(config.model, TransformerModel):
-        from trainrun.models.reward_transformer import make_reward_model
-
-        return make_reward_model(config.model, config.reward_model)
-    if config.rl is not None and isinstance(config.model, TransformerModel):
-        from trainrun.models.grpo_transformer import make_grpo_transformer
-
-        return make_grpo_transformer(config.model, config.rl)
-    return build_model(config.model, config.preference)
-
-
 def latest_state(run_dir: location.Location | str | os.PathLike[str], config: RunConfig,
                  model: Model | None = None, *,
                  optimizer_state: bool = True, step: int | None = None) -> tuple[int, Any]:
     """``(step, TrainState)`` of the run's newest readable checkpoint, on one device. model:
-    the run's model (``build_model(config.model)``) where the caller built it already; built
-    here otherwise. optimizer_state: False leaves the optimizer's state unread (its leaves are
-    ``ocp.PLACEHOLDER``): for what scores, samples or exports the params, to which an Adam
-    state adds twice their size in reading and memory. step: that committed step's state
-    instead (refused in one line naming the steps there are; read as it is or not at all).
+    the run's model where the caller built it already; else the one its kind trains
+    (``models/kind_models.py``). optimizer_state: False leaves the optimizer's state unread
+    (its leaves are ``ocp.PLACEHOLDER``): for what scores, samples or exports the params, to
+    which an Adam state adds twice their size in reading and memory. step: that committed
+    step's state instead (refused in one line naming the steps there are; read as it is or
+    not at all).
 
     Read-only: the checkpoint directory is opened without creating, cleaning or deleting
     anything, so sampling is safe while the run is still training and saving. A newest step
@@ -113,7 +101,7 @@ def latest_state(run_dir: location.Location | str | os.PathLike[str], config: Ru
             raise RunReadError(f"{run_dir} has no checkpoint of step {step}; its steps: "
                               f"{', '.join(map(str, sorted(steps)))}")
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = abstract_state(model or _run_model(config),
+        abstract = abstract_state(model or kind_model(config),
                                   build_optimizer(config.optimizer, config.steps), config.seed,
                                   policy_from_config(config.precision))
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),

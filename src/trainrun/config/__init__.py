@@ -20,6 +20,7 @@ from trainrun.config.files import (
 from trainrun.config.run import (
     ConfigError,
     RunConfig,
+    RunKindName,
     config_from_dict,
     describe_validation_error,
     dump_yaml,
@@ -85,7 +86,8 @@ __all__ = [
     "ModelConfig", "NNXMLPModel", "OptimizerConfig", "PiecewiseSchedule", "PrecisionConfig",
     "PreferenceConfig", "ProfileConfig", "RLConfig", "RecordFields", "RecordsData",
     "RegressionData", "ResNetModel", "RewardModelConfig", "RewardSpec",
-    "RopeScaling", "RunConfig", "ScheduleConfig", "Section", "SingleProcess", "StorageConfig",
+    "RopeScaling", "RunConfig", "RunKindName", "ScheduleConfig", "Section", "SingleProcess",
+    "StorageConfig",
     "TextData", "TokenData", "TransformerModel", "WSDSchedule", "WarmupSchedule",
     "builtin_config_names", "config_from_dict",
     "config_from_layers", "config_layers", "describe_validation_error", "dump_yaml",

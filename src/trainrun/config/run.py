@@ -64,6 +64,11 @@ LORA_PARAMS = r"_lora\.(a|b)$"  # the adapters' params: blocks.0.attn.q_lora.a, 
 SCORE_PARAM = r"^score$"  # a reward model's score head (models/reward_transformer.py)
 
 
+# The four kinds of training run (``RunConfig.kind``): next-token or supervised training, DPO-style
+# preference tuning, GRPO reinforcement learning, Bradley-Terry reward-model training.
+RunKindName = Literal["language", "preference", "reinforcement", "reward"]
+
+
 class RunConfig(Section):
     """The whole run's configuration: a frozen tree of sections, validated as it is made.
 
@@ -185,6 +190,19 @@ class RunConfig(Section):
         data = raw.get("data")
         form = (data.get("format") if isinstance(data, dict) else getattr(data, "format", None))
         return {**raw, "preference": {}} if form == "preference" else raw
+
+    @property
+    def kind(self) -> RunKindName:
+        """The kind of run this config describes, from the one section that tunes it (at most
+        one is set: ``_check_rl`` and ``_check_reward_model`` refuse two): the one place that
+        reads them to choose. ``training/kinds/`` holds what each kind does."""
+        if self.preference is not None:
+            return "preference"
+        if self.rl is not None:
+            return "reinforcement"
+        if self.reward_model is not None:
+            return "reward"
+        return "language"
 
     def to_dict(self) -> dict[str, Any]:
         dumped = self.model_dump(mode="json")

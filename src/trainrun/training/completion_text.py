@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trainrun.config import RunConfig
+from trainrun.config import DataConfig, RLConfig
 from trainrun.data import model_tokenizer
 from trainrun.data.prompt_records import completion_texts
 from trainrun.program.decode import StopStrings
@@ -36,10 +36,10 @@ class CompletionText:
                                 self.stops.cut if self.stops is not None else lambda t: t)
 
 
-def completion_text(config: RunConfig) -> CompletionText:
-    """The completion text of the reinforcement-learning run ``config`` describes."""
-    assert config.rl is not None
-    tokenizer = model_tokenizer.of_records(config.data)
-    stops = (StopStrings(config.rl.stop_strings, tokenizer.tokenizer.decode)
-             if config.rl.stop_strings else None)
+def completion_text(data: DataConfig, rl: RLConfig) -> CompletionText:
+    """The completion text of a reinforcement-learning run on ``data`` with the ``rl``
+    section."""
+    tokenizer = model_tokenizer.of_records(data)
+    stops = (StopStrings(rl.stop_strings, tokenizer.tokenizer.decode)
+             if rl.stop_strings else None)
     return CompletionText(tokenizer, stops)

@@ -33,7 +33,7 @@ def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
     rl, model = config.rl, config.model
     assert rl is not None and isinstance(model, TransformerModel)
     tokens = rl.completion_tokens if tokens is None else tokens
-    text = completion_text(config)
+    text = completion_text(config.data, rl)
     ids = generate_batch(model, params, [p.ids for p in asked], tokens,
                          temperature=temperature, seed=seed, compute=config.precision.compute,
                          stop_ids=text.stop_ids, batch_size=batch_size,

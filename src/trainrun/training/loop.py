@@ -27,8 +27,8 @@ from trainrun.storage.location import Location
 from trainrun.training import user_code
 from trainrun.training.calls import CallRunner
 from trainrun.training.hooks import Boundary, HookRunner
+from trainrun.training.kinds import kind_of
 from trainrun.training.preemption import Preemption
-from trainrun.training.reward_run import with_pad_id
 from trainrun.training.run_parts import Start
 from trainrun.training.setup import Asked, run_directory, setup
 from trainrun.training.summary import RunSummary
@@ -75,7 +75,7 @@ def run(config: RunConfig, run_dir: Path | str | Location | None = None, *, mode
     """
     settings = configure_process()  # while JAX's backend has not started; else a notice
     config = init_from.resolved(config)  # a Hugging Face source's config.json: the model
-    config = with_pad_id(config)  # a reward model reads its score past the tokenizer's pad
+    config = kind_of(config).resolved(config)  # a reward model: the pad its score is read past
     # The folders' claim: checked, then locked for the run's life (released last, after a
     # failure is recorded).
     directory = run_directory(config, run_dir, fresh)

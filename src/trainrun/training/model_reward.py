@@ -146,7 +146,7 @@ def _from_run(run: location.Location, tokenizer: str | None,
               chat_template: str | None) -> RewardModel:
     """A reward run's model at its newest readable checkpoint, in its compute dtype."""
     config = saved_config(run)
-    if config.reward_model is None or not isinstance(config.model, TransformerModel):
+    if config.kind != "reward" or not isinstance(config.model, TransformerModel):
         raise DataError(f"reward_model path {run} is a run that trains no reward model (it has "
                         "no reward_model section); give a reward run's directory")
     model = make_reward_transformer(config.model, RewardLoss())
@@ -179,14 +179,8 @@ MODEL_REWARDS: dict[str, Callable[..., RewardFn]] = {"reward_model": reward_mode
 BUILT_IN: dict[str, Callable[..., RewardFn]] = {**rewards.BUILT_IN, **MODEL_REWARDS}
 
 
-def load_rewards(rl: RLConfig, loaded: Sequence[rewards.Reward] | None = None,
-                 ) -> list[rewards.Reward]:
+def load_rewards(rl: RLConfig) -> list[rewards.Reward]:
     """The rewards ``rl.rewards`` names (``reward_model`` among the built-ins), each call
-    limited to ``rl.reward_timeout`` seconds. ``loaded``: the same rewards loaded before (the
-    rollouts'), whose reward models are taken as they are (read once a run); every other
-    reward is loaded anew."""
-    if loaded is None:
-        return rewards.load_each(rl.rewards, rl.reward_timeout, BUILT_IN)
-    return [old if spec.name in MODEL_REWARDS else
-            rewards.load(spec.name, spec.args, spec.weight, rl.reward_timeout, BUILT_IN)
-            for spec, old in zip(rl.rewards, loaded, strict=True)]
+    limited to ``rl.reward_timeout`` seconds. A run loads them once, for its rollouts and its
+    evaluations alike: a reward file runs when it is loaded."""
+    return rewards.load_each(rl.rewards, rl.reward_timeout, BUILT_IN)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun.config import RecordsData, RunConfig
+from trainrun.config import PreferenceConfig, RecordsData, RunConfig
 from trainrun.data.errors import DataError
 from trainrun.data.pipeline import ArrayBatches
 from trainrun.data.preference_rows import PairRows, preference_rows
@@ -61,11 +61,9 @@ class PreferenceData:
     batch_holds: str = ""  # what a training batch holds (``batch_line``), for the console
 
 
-def needs_reference_column(config: RunConfig) -> bool:
-    """Whether the run's batches carry the cached reference column."""
-    preference = config.preference
-    return (preference is not None and preference.reference == "cached"
-            and preference.loss not in REFERENCE_FREE)
+def cached_reference(preference: PreferenceConfig) -> bool:
+    """Whether a preference run's batches carry the cached reference column."""
+    return preference.reference == "cached" and preference.loss not in REFERENCE_FREE
 
 
 
@@ -99,7 +97,7 @@ def preference_data(config: RunConfig, policy: Policy, start: Callable[[], PyTre
         data, "preference", preference.max_prompt, preference.max_completion)  # type: ignore[arg-type]
     train_rows, eval_rows = train.train, (held.eval if held is not None else train.eval)
     assert train_rows is not None  # preference_rows refuses a source without
-    if needs_reference_column(config):
+    if cached_reference(preference):
         params = start()
         train_rows = _with_column(config, policy, params, train, "train", train_rows, notices)
         if eval_rows is not None:

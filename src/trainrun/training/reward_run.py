@@ -5,7 +5,6 @@ with the pad token the score is read past, its model, and its batches, for the s
   pad token, else its end of text. The score is read at each sequence's last token that is not
   the pad token, as transformers' ``...ForSequenceClassification`` reads it, so a trained model
   exports with that ``pad_token_id`` and scores alike there.
-- ``reward_model``: the ``Model`` of ``models/reward_transformer.py`` with the section's loss.
 - ``reward_data``: the pair rows (``data/preference_rows.py``, with each record's ``margin``
   where ``reward_model.margin``), batched as a preference run's: ``data.batch_size`` rows a
   batch, each row holding as many whole pairs as fit; the held-out rows for evaluation.
@@ -18,9 +17,8 @@ them, each a mean over every held-out pair.
 from __future__ import annotations
 
 from trainrun.config import RecordsData, RunConfig, TransformerModel
+from trainrun.config.sections import RewardModelConfig
 from trainrun.data import model_tokenizer
-from trainrun.models.adapters import Model
-from trainrun.models.reward_transformer import make_reward_model
 from trainrun.training.preference_data import (
     PreferenceData,
     batch_line,
@@ -41,7 +39,7 @@ def with_pad_id(config: RunConfig) -> RunConfig:
     """``config`` with ``model.pad_id`` set to the records' tokenizer's ``reward_pad_id`` where
     it gives none; as it is where it does, or where the tokenizer has no such token."""
     model, data = config.model, config.data
-    if (config.reward_model is None or not isinstance(model, TransformerModel)
+    if (config.kind != "reward" or not isinstance(model, TransformerModel)
             or model.pad_id is not None or not isinstance(data, RecordsData)):
         return config
     pad = reward_pad_id(model_tokenizer.of_records(data))
@@ -50,17 +48,11 @@ def with_pad_id(config: RunConfig) -> RunConfig:
     return config.model_copy(update={"model": model.model_copy(update={"pad_id": pad})})
 
 
-def reward_model(config: RunConfig) -> Model:
-    """The reward model a reward run trains."""
-    assert config.reward_model is not None and isinstance(config.model, TransformerModel)
-    return make_reward_model(config.model, config.reward_model)
-
-
 def reward_data(config: RunConfig, rows: tuple[int, int]) -> PreferenceData:
     """The run's training batches (this process's ``rows``: its index and the count) and its
     held-out rows."""
     section, data = config.reward_model, config.data
-    assert section is not None and isinstance(data, RecordsData)  # a reward run's
+    assert isinstance(section, RewardModelConfig) and isinstance(data, RecordsData)
     train, held, files, counts, notices = read_pairs(
         data, "reward_model", section.max_prompt, section.max_completion, section.margin)
     assert train.train is not None  # preference_rows refuses a source without

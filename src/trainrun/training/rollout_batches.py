@@ -64,7 +64,7 @@ class RolloutBatches:
         self.steps = config.steps
         self.prompts = list(prompts)
         self.rewards = load_rewards(self.rl)
-        self.text = completion_text(config)
+        self.text = completion_text(config.data, self.rl)
         self.settings = RolloutSettings(
             group=self.rl.group, tokens=self.rl.completion_tokens,
             temperature=self.rl.temperature, top_p=self.rl.top_p,

@@ -9,7 +9,9 @@ Every input is checked (mesh, model, data, init.from's source, the memory the st
 compiled step need) before anything is written; a refusal after the claim has the run
 (``loop.run``) withdraw it. ``setup`` is the list of builders in that order, each returning
 what it builds, in the bundles the loop's pieces take (``run_parts.py``); it returns
-``Runners``, what the loop runs, each built whole. ``run_directory`` is the one place that
+``Runners``, what the loop runs, each built whole. What differs by the kind of run (its model,
+data, held-out data and evaluator, hooks) the run's kind gives (``kinds/``); the state it
+starts from is ``restore.py``'s. ``run_directory`` is the one place that
 asks whether a run is on object storage; ``build_hooks`` lists what acts between the calls
 (``hooks.py``).
 """
@@ -32,49 +34,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun import extras, rundir
-from trainrun.checkpointing import init_from
 from trainrun.checkpointing.checkpoints import (
-    STEP_METADATA,
     Checkpoints,
-    Restored,
     checkpoint_dir,
 )
 from trainrun.checkpointing.policy import CheckpointPolicy, Clock
-from trainrun.checkpointing.resume import (
-    check_config,
-    check_data,
-    provenance_changes,
-    schedule_shift,
-)
 from trainrun.config import (
     BATCH_AXES,
     ConfigError,
-    RecordsData,
     RunConfig,
     TransformerModel,
     schedule_notices,
 )
-from trainrun.data import (
-    batch_iterator,
-    build_dataset,
-    build_eval_dataset,
-    data_counts,
-    data_files,
-    data_notices,
-    rewards,
-)
-from trainrun.data.prompt_records import Prompt, prompt_records
 from trainrun.data.record_rows import RecordCounts
 from trainrun.fast import strategies
 from trainrun.fast.strategies import Strategies
-from trainrun.models import Model, build_model
-from trainrun.models.grpo_transformer import make_grpo_transformer
-from trainrun.models.transformer import embedding_rows
+from trainrun.models import Model
 from trainrun.platform import distributed
 from trainrun.platform.process import calls_run_inline, require_backend
 from trainrun.program import sharding
 from trainrun.program.compiled import CompiledSteps
-from trainrun.program.decode import HeadLayout
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import policy_from_config
 from trainrun.program.state import (
@@ -82,7 +61,6 @@ from trainrun.program.state import (
     abstract_state,
     compile_init,
     init_program,
-    init_state,
 )
 from trainrun.reporting.console import Console, make_console
 from trainrun.reporting.provenance import provenance
@@ -94,25 +72,20 @@ from trainrun.rundir.remote_run import RemoteRunDirectory, RunMirror
 from trainrun.storage import location, remote
 from trainrun.storage.location import LocalLocation, Location
 from trainrun.training import preflight
-from trainrun.training.answers import answer_scorer
 from trainrun.training.background_compile import BackgroundCompile
 from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.calls import CallRunner
 from trainrun.training.checkpoint_hook import CheckpointHook
-from trainrun.training.completion_log import CompletionLog
-from trainrun.training.evaluation import EvalHook, EvalSchedule, Evaluator, PromptEvaluator
+from trainrun.training.evaluation import EvalHook, EvalSchedule
 from trainrun.training.finish import Finish
 from trainrun.training.hooks import Hook, HookRunner
+from trainrun.training.kinds import RunData, RunKind, kind_of
 from trainrun.training.metric_log import MetricLog, OrderedOutput
 from trainrun.training.metrics_reader import MetricsReader
-from trainrun.training.model_reward import load_rewards
-from trainrun.training.no_signal import NoSignalNotice
 from trainrun.training.nonfinite import NonFinitePolicy
 from trainrun.training.preemption import Preemption
-from trainrun.training.preference_data import pair_batches, preference_data
 from trainrun.training.profiling import ProfileWindow
-from trainrun.training.reward_run import reward_data, reward_model
-from trainrun.training.rollout_batches import RolloutBatches
+from trainrun.training.restore import Resuming, fresh_state, restore_or_init
 from trainrun.training.run_parts import Parts, Reporting, Start
 from trainrun.training.storage_hook import StorageHook
 from trainrun.training.summary import RunSummary
@@ -175,47 +148,50 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
     watch = Stopwatch()
     run_dir = directory.run_dir
     chosen, primary, prov = _process(config, directory, watch)
-    batch_size = getattr(asked.data, "batch_size", None) or _batch_size(config)
+    kind = kind_of(config)
+    batch_size = getattr(asked.data, "batch_size", None) or kind.batch_size(config)
     console = _console(config, batch_size, asked.out if primary else None)
     resumes = _resume_step(directory)
     if resumes is not None and resumes >= config.steps:  # finished: nothing to do
         return _finished(run_dir, directory, resumes, config.steps, console, primary)
-    parts = _parts(config, asked.model, batch_size, console, chosen)
-    data, batches, records, files, eval_data = _data(config, asked, parts, console)
-    evaluator = _evaluator(config, parts, eval_data, chosen.decode_head(),
-                           batches.rewards if isinstance(batches, RolloutBatches) else None)
+    parts = _parts(config, asked.model, batch_size, console, chosen, kind)
+    found = kind.data(config, parts, console, asked.data, asked.eval_data)
+    evaluator = (found.held_out.evaluator(config, parts, chosen.decode_head())
+                 if config.eval.every else None)
     stream = _metric_stream(config)
-    timing = _timing(chosen, batches, watch)
+    timing = _timing(chosen, found, watch)
     compiled_steps = _compiled_steps(config, parts, timing.watch, stream, chosen)
     init_compiling = _init_compiling(config, parts, resumes, timing.watch, cleanup)
-    programs = _checked_programs(compiled_steps, chosen, config, data, batches, parts, resumes)
-    loaded = _init_from_state(config, parts, resumes, timing.watch)
+    programs = _checked_programs(compiled_steps, chosen, config, found, parts, resumes)
+    loaded = _init_from_state(config, parts, resumes, timing.watch, kind)
     checkpoints, mirror = _claim(config, directory, prov, primary, console, cleanup)
     with timing.watch.phase("init"):
-        state = _restore_or_init(checkpoints, config, parts, batches, loaded, init_compiling,
-                                 _Resuming(run_dir, directory.display, prov, console, primary,
-                                           files, asked.allow_config_change,
-                                           asked.allow_data_change))
-    _check_call_memory(programs, state, config, data, parts, int(state.step))
-    reporting = _reporting(config, run_dir, console, primary, prov, int(state.step))
-    _report_start(config, reporting, records, stream, int(state.step), parts.model.name,
+        state = restore_or_init(checkpoints, config, parts, found.batches, loaded,
+                                init_compiling, Resuming(
+                                    run_dir, directory.display, prov, console, primary,
+                                    found.files, asked.allow_config_change,
+                                    asked.allow_data_change, kind))
+    _check_call_memory(programs, state, config, found.dataset, parts, int(state.step))
+    reporting = _reporting(config, run_dir, console, primary, prov, int(state.step),
+                           kind.writes_completions(config))
+    _report_start(config, reporting, found.records, stream, int(state.step), parts.model.name,
                   directory.display)
-    programs = _at_data_position(compiled_steps, programs, batches, int(state.step))
+    programs = _at_data_position(compiled_steps, programs, found.batches, int(state.step))
     if asked.process_notice is not None:
         console.message(asked.process_notice)
     log = metric_log(reporting.output, timing, batch_size, stream is not None, chosen)
     start = _start(programs, state)
     hooks = HookRunner(
-        build_hooks(config, reporting, log, timing.watch, checkpoints, batches=batches,
+        build_hooks(config, reporting, log, timing.watch, checkpoints, data=found,
                     evaluator=evaluator, mirror=mirror, start_nonfinite=start.nonfinite,
                     preemption=preemption, callbacks=asked.callbacks, clock=asked.clock,
-                    start_step=start.step),
+                    start_step=start.step, kind=kind),
         config.steps_per_call, config.steps,
         MetricsReader(programs, timing.timer, config.metrics.every), programs.state,
         params_copier(programs))
-    follow = (None if not isinstance(batches, RolloutBatches) else
-              lambda carried: batches.follow(programs.state(carried)))
-    calls = CallRunner(programs, batches, parts.placement, timing,
+    follows = found.follow
+    follow = None if follows is None else lambda carried: follows(programs.state(carried))
+    calls = CallRunner(programs, found.batches, parts.placement, timing,
                        stacked=config.steps_per_call > 1, saving=checkpoints.saving,
                        reset_rate=reporting.output.reset_rate, follow=follow)
     finish = Finish(config=config, reporting=reporting, timing=timing, log=log, calls=calls,
@@ -245,20 +221,12 @@ def _process(config: RunConfig, directory: rundir.RunDirectory, watch: Stopwatch
     return chosen, primary, prov
 
 
-def _timing(chosen: Strategies, batches: Any, watch: Stopwatch) -> Timing:
-    """The run's clocks; a reinforcement-learning run's rollout batches time the parts of each
-    step drawn on the host (``timing.HostParts``)."""
-    parts = batches.parts if isinstance(batches, RolloutBatches) else None
+def _timing(chosen: Strategies, data: RunData, watch: Stopwatch) -> Timing:
+    """The run's clocks; the parts of each step its data draws on the host, where it does
+    (``timing.HostParts``: a reinforcement-learning run's rollout batches)."""
+    parts = data.host_parts
     return Timing(watch=watch,
                   timer=StepTimer(inline=chosen.switch.inline_cpu_calls, host=parts), parts=parts)
-
-
-def _batch_size(config: RunConfig) -> int:
-    """Examples per step: a reinforcement-learning run's completions (prompts x group), else
-    the data's batch size."""
-    if config.rl is not None:
-        return config.rl.prompts * config.rl.group
-    return config.data.batch_size
 
 
 def _console(config: RunConfig, batch_size: int, out: TextIO | None) -> Console:
@@ -288,7 +256,7 @@ def _finished(run_dir: LocalLocation, directory: rundir.RunDirectory, latest: in
 
 
 def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Console,
-           chosen: Strategies) -> Parts:
+           chosen: Strategies, kind: RunKind) -> Parts:
     """The mesh, the model and its program's shapes, each checked against memory before the
     next is made."""
     if config.checkpoint.keep_best and not config.eval.every:
@@ -297,7 +265,7 @@ def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Con
     mesh = sharding.build_mesh(config.mesh)
     placement = sharding.batch_placement(mesh, batch_size, stacked=config.steps_per_call > 1)
     counted = None if model else config.model
-    built = model or _model(config, mesh, chosen)
+    built = model or _model(config, mesh, chosen, kind)
     optimizer = build_optimizer(config.optimizer, config.steps)
     for notice in schedule_notices(config):
         console.message(f"warning: {notice}")
@@ -305,88 +273,21 @@ def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Con
     abstract = abstract_state(built, optimizer, config.seed, policy)
     state_sharding = sharding.state_shardings(mesh, abstract, built.logical_axes, optimizer.tx,
                                               config.mesh)
-    # a preference or RL run's model state is the frozen reference it keeps (none with LoRA)
-    tuned = config.preference is not None or config.rl is not None
     preflight.check_state_memory(abstract, state_sharding,  # before data or state is made
-                                 "the reference's params" if tuned else "model state")
+                                 kind.state_holds)
     return Parts(mesh=mesh, placement=placement, model=built, counted=counted,
                  optimizer=optimizer, policy=policy, abstract=abstract,
                  state_sharding=state_sharding)
 
 
-def _model(config: RunConfig, mesh: Any, chosen: Strategies) -> Model:
-    """The config's model; a transformer's memory is checked before it is built."""
+def _model(config: RunConfig, mesh: Any, chosen: Strategies, kind: RunKind) -> Model:
+    """The model the run's kind trains; a transformer's memory is checked before it is
+    built."""
     if isinstance(config.model, TransformerModel):
         preflight.check_model_memory(
             config.model, list(mesh.devices.flat), config.precision.params,
             f"the model of init.from {config.init.from_}" if config.init.from_ else "the model")
-    if config.rl is not None and isinstance(config.model, TransformerModel):
-        return make_grpo_transformer(config.model, config.rl)
-    if config.reward_model is not None:
-        return reward_model(config)
-    return build_model(config.model, config.preference, chosen.attention(), chosen.head_loss())
-
-
-def _data(config: RunConfig, asked: Asked, parts: Parts, console: Console,
-          ) -> tuple[Any, Any, RecordCounts | None, dict[str, str] | None, Any]:
-    """The training data (as given, else the config's: this process's rows), its host
-    batches, what became of its records when it has a count of them, the content fingerprint
-    of each file the config's data reads (None: data was given), and the held-out data as
-    given (a preference run's: its held-out pair rows)."""
-    data, eval_data = asked.data, asked.eval_data
-    records = files = None
-    if data is None and (config.preference is not None or config.reward_model is not None):
-        pairs = (reward_data(config, parts.placement.rows) if config.reward_model is not None
-                 else preference_data(config, parts.policy,
-                                      lambda: _fresh_state(config, parts).params,
-                                      parts.placement.rows))
-        for notice in [*pairs.notices, pairs.batch_holds]:
-            console.message(notice)
-        preflight.check_vocab(pairs.counts.vocab, config.model, config.data,
-                              config.init.model_source)
-        held = None if pairs.eval is None else ("pairs", pairs.eval)
-        return (pairs.train, _batches(config, pairs.train, parts), pairs.counts, pairs.files,
-                eval_data if eval_data is not None else held)
-    if data is None and config.rl is not None:
-        return _rollout_data(config, parts, console)
-    if data is None:
-        rows = parts.placement.rows
-        data = build_dataset(config.data, seed=config.seed, process_index=rows[0],
-                             process_count=rows[1])
-        for notice in data_notices(config.data):
-            console.message(notice)
-        records = data_counts(config.data)
-        if records is not None:
-            preflight.check_vocab(records.vocab, config.model, config.data,
-                                  config.init.model_source)
-        files = data_files(config.data)
-    return data, _batches(config, data, parts), records, files, eval_data
-
-
-def _rollout_data(config: RunConfig, parts: Parts, console: Console,
-                  ) -> tuple[Any, Any, None, dict[str, str], tuple[str, list[Prompt]]]:
-    """A reinforcement-learning run's data as ``_data`` gives it: its rollout batches, drawn
-    from the prompt records, the files they come from, and its held-out prompts."""
-    assert config.rl is not None and isinstance(config.data, RecordsData)
-    if config.init.from_ is not None:
-        init_from.source_kind(init_from.source_location(config.init.from_))
-    found = prompt_records(config.data, config.data.seq_len - config.rl.completion_tokens)
-    if found.skipped:
-        console.message(f"data: {len(found.skipped)} prompt records left out "
-                        f"(data.bad_records=skip), the first: {found.skipped[0]}")
-    batches = RolloutBatches(config, found.train, parts.mesh, parts.placement.rows)
-    return batches, batches, None, found.files, ("prompts", found.eval)
-
-
-def _batches(config: RunConfig, data: Any, parts: Parts) -> Any:
-    """This process's host batches, once the data's first batch fits the model and init.from's
-    source is there (a source that is not there is refused before claiming)."""
-    preflight.check_batch(parts.model, data, parts.abstract.params,
-                          from_config=parts.counted is not None)
-    if config.init.from_ is not None:
-        init_from.source_kind(init_from.source_location(config.init.from_))
-    return (batch_iterator(data, config.data.prefetch_threads)
-            if isinstance(data, grain.MapDataset) else iter(data))
+    return kind.model(config, chosen)
 
 
 def _metric_stream(config: RunConfig) -> MetricStream | None:
@@ -410,13 +311,13 @@ def _compiled_steps(config: RunConfig, parts: Parts, watch: Stopwatch,
 
 
 def _checked_programs(compiled_steps: Callable[..., CompiledSteps], chosen: Strategies,
-                      config: RunConfig, data: Any, batches: Any, parts: Parts,
+                      config: RunConfig, data: RunData, parts: Parts,
                       resumes: int | None) -> CompiledSteps:
     """The run's programs on its batch source (cut at data position 0), the usual call's
     compiled on shapes and its memory checked (``_check_program_memory``) for the step the
     run starts at."""
-    programs = compiled_steps(source=chosen.batch_source(batches, parts.mesh.size == 1))
-    _check_program_memory(programs, config, data, parts, start=resumes or 0)
+    programs = compiled_steps(source=chosen.batch_source(data.batches, parts.mesh.size == 1))
+    _check_program_memory(programs, config, data.dataset, parts, start=resumes or 0)
     return programs
 
 
@@ -436,12 +337,12 @@ def _init_compiling(config: RunConfig, parts: Parts, resumes: int | None, watch:
 
 
 def _init_from_state(config: RunConfig, parts: Parts, resumes: int | None,
-                     watch: Stopwatch) -> TrainState | None:
+                     watch: Stopwatch, kind: RunKind) -> TrainState | None:
     """init.from's state for a run that starts afresh: loaded, or refused, before the claim."""
     if config.init.from_ is None or resumes is not None:
         return None
     with watch.phase("init"):
-        return _fresh_state(config, parts)
+        return fresh_state(config, parts, kind)
 
 
 def _claim(config: RunConfig, directory: rundir.RunDirectory, prov: dict[str, Any],
@@ -463,14 +364,14 @@ def _claim(config: RunConfig, directory: rundir.RunDirectory, prov: dict[str, An
 
 
 def _reporting(config: RunConfig, run_dir: LocalLocation, console: Console, primary: bool,
-               prov: dict[str, Any], start: int) -> Reporting:
+               prov: dict[str, Any], start: int, completions: bool) -> Reporting:
     """The run's metric writers opened at the step it starts at, and its status "running"."""
     output = build_output(
         run_dir, console, log_every=config.metrics.every, total_steps=config.steps,
         primary=primary, start_step=start, tensorboard=config.metrics.tensorboard,
         wandb=config.metrics.wandb, wandb_project=config.metrics.wandb_project,
         config=config.to_dict(), name=config.name,
-        completions=config.rl is not None and config.rl.log_completions.every > 0)
+        completions=completions)
     if primary:
         rundir.write_status(run_dir, "running", start)
     return Reporting(run_dir=run_dir, primary=primary, provenance=prov, console=console,
@@ -513,12 +414,13 @@ def metric_log(output: RunOutput, timing: Timing, batch_size: int, streamed: boo
 
 
 def build_hooks(config: RunConfig, reporting: Reporting, log: MetricLog, watch: Stopwatch,
-                checkpoints: Checkpoints, *, batches: Any, evaluator: EvalSchedule | None,
+                checkpoints: Checkpoints, *, data: RunData, evaluator: EvalSchedule | None,
                 mirror: RunMirror | None, start_nonfinite: int, preemption: Preemption,
-                callbacks: list[Callback], clock: Clock, start_step: int = 0) -> list[Hook]:
+                callbacks: list[Callback], clock: Clock, kind: RunKind,
+                start_step: int = 0) -> list[Hook]:
     """The run's hooks, in the order they act at every boundary (``hooks.py``): the metric log
-    first (the loop finishes it last), a reinforcement-learning run's rollout reports, the
-    checkpoint's last."""
+    first (the loop finishes it last), the kind's own (a reinforcement-learning run's rollout
+    reports), the checkpoint's last."""
 
     def before_halt() -> None:  # the last good checkpoint commits; the files are closed
         log.finish()
@@ -528,8 +430,7 @@ def build_hooks(config: RunConfig, reporting: Reporting, log: MetricLog, watch: 
     output = log.ordered  # every later write is timed as logging
     hooks: list[Hook] = [
         log, NonFinitePolicy(config.nonfinite, output, start_nonfinite, before_halt)]
-    if isinstance(batches, RolloutBatches):
-        hooks += _rollout_hooks(config, batches, output, reporting.primary, start_step)
+    hooks += kind.hooks(config, data, output, reporting.primary, start_step)
     if config.profile.steps and reporting.primary:
         hooks.append(ProfileWindow(config.profile.steps, reporting.run_dir,
                                    say=output.message, watch=watch))
@@ -537,21 +438,8 @@ def build_hooks(config: RunConfig, reporting: Reporting, log: MetricLog, watch: 
         hooks.append(EvalHook(evaluator, output, watch, config.steps, config.eval.params))
     hooks.append(preemption)
     hooks += _callback_hooks(config.steps_per_call, callbacks, output, watch)
-    return hooks + _checkpoint_hooks(config, checkpoints, log, watch, batches=batches,
+    return hooks + _checkpoint_hooks(config, checkpoints, log, watch, batches=data.batches,
                                      mirror=mirror, clock=clock, callbacks=callbacks)
-
-
-def _rollout_hooks(config: RunConfig, batches: RolloutBatches, output: OrderedOutput,
-                   primary: bool, start_step: int) -> list[Hook]:
-    """A reinforcement-learning run's reports on its rollouts: the notice of a run with no
-    learning signal, and on process 0 the sampled completions (``rl.log_completions``)."""
-    assert config.rl is not None
-    hooks: list[Hook] = [NoSignalNotice(config.rl.updates, config.steps - start_step,
-                                        output.message)]
-    if primary and config.rl.log_completions.every:
-        batches.completion_log = CompletionLog(config.rl, batches.texts, output.completions)
-        hooks.append(batches.completion_log)
-    return hooks
 
 
 def _callback_hooks(steps_per_call: int, callbacks: list[Callback], output: OrderedOutput,
@@ -585,55 +473,6 @@ def _checkpoint_hooks(config: RunConfig, checkpoints: Checkpoints, log: MetricLo
                            listeners=[c.on_checkpoint for c in callbacks],
                            before_save=lambda: mirror.sync_before_save(
                                checkpoints.last_committed))]
-
-
-def _evaluator(config: RunConfig, parts: Parts,
-               eval_data: grain.MapDataset | tuple[str, Any] | None,
-               head: HeadLayout, rollouts: list[rewards.Reward] | None = None,
-               ) -> EvalSchedule | None:
-    """The evaluator (None when ``eval.every`` is 0): its batches are this process's rows of
-    the held-out split (``("pairs", rows)``: a preference run's held-out pair rows), placed on
-    the mesh as training batches are; a reinforcement-learning run's (``("prompts", held
-    out)``) answers its held-out prompts and scores them by its rewards."""
-    if not config.eval.every:
-        return None
-    if isinstance(eval_data, tuple) and eval_data[0] == "prompts":
-        return _prompt_evaluator(config, eval_data[1], rollouts)
-    size = config.eval.batch_size or config.data.batch_size
-    placement = sharding.batch_placement(parts.mesh, size, stacked=False)
-    if isinstance(eval_data, tuple):
-        eval_data = pair_batches(eval_data[1], size, "eval", shuffle=False, seed=0,
-                                 process_index=placement.rows[0],
-                                 process_count=placement.rows[1])
-    elif (config.preference is not None or config.reward_model is not None) and (
-            eval_data is None):
-        raise ConfigError("eval.every is set but the preference records hold no held-out pair; "
-                          "give data.eval_paths or a data.eval_fraction that leaves one out, or "
-                          "set eval.every=0")
-    if eval_data is None:
-        eval_data = build_eval_dataset(config.data, size, process_index=placement.rows[0],
-                                       process_count=placement.rows[1])
-    shardings = (parts.state_sharding.params, placement.sharding,
-                 parts.state_sharding.model_state)
-    return Evaluator(parts.model, eval_data, config.eval.every, max_batches=config.eval.batches,
-                     policy=parts.policy, put=placement.put, shardings=shardings,
-                     answers=answer_scorer(config, head) if config.eval.generate else None)
-
-
-def _prompt_evaluator(config: RunConfig, prompts: list[Prompt],
-                      rollouts: list[rewards.Reward] | None) -> PromptEvaluator:
-    """An RL run's evaluation of its held-out prompts, as ``trainrun eval`` scores them."""
-    from trainrun.training.held_out_rewards import reward_scores
-
-    if not prompts:
-        raise ConfigError("eval.every is set but the prompt records hold none out; give "
-                          "data.eval_paths or a data.eval_fraction that leaves one out, or set "
-                          "eval.every=0")
-    assert config.rl is not None
-    # once: a reward file runs when loaded; a reward model is the rollouts' own
-    loaded = load_rewards(config.rl, rollouts)
-    return PromptEvaluator(config.eval.every, lambda params, step: reward_scores(
-        config, params, prompts, loaded=loaded, step=step)[0])
 
 
 def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any, parts: Parts,
@@ -717,143 +556,3 @@ def _require_writers(config: RunConfig) -> None:
         extras.require("tensorboard", "metrics.tensorboard=true")
     if config.metrics.wandb != "off":
         extras.require("wandb", f"metrics.wandb={config.metrics.wandb}")
-
-
-def _fresh_state(config: RunConfig, parts: Parts,
-                 compiling: BackgroundCompile | None = None) -> TrainState:
-    """The state a run without a checkpoint starts from: random init (``compiling``: its
-    program, compiling already), or ``init.from``'s source placed where the state goes
-    (loaded, or refused, before anything is written)."""
-    if config.init.from_ is not None:
-        state = init_from.initial_state(config, parts.model, parts.optimizer, parts.policy,
-                                        parts.state_sharding, parts.abstract)
-        if config.rl is not None and state.model_state is not None:
-            # an rl run's reference is the params it starts from, init.from's here
-            state = state.replace(model_state=jax.tree.map(  # buffers of its own: donated
-                lambda p, r: jnp.array(p, r.dtype, copy=True), state.params, state.model_state))
-        return jax.block_until_ready(state)
-    return jax.block_until_ready(init_state(
-        parts.model, parts.optimizer, config.seed, parts.policy, parts.state_sharding,
-        compiled=None if compiling is None else compiling.result()))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Resuming:
-    """What the start of the run's files, its checks on resume and its console messages
-    need."""
-
-    run_dir: LocalLocation
-    shown: Any  # the run directory as messages show it
-    provenance: dict[str, Any]
-    console: Console
-    primary: bool
-    data_files: dict[str, str] | None  # None: data given as a dataset, no files to compare
-    allow_config_change: bool
-    allow_data_change: bool
-
-    def changes(self, config: RunConfig, meta: dict[str, Any]) -> tuple[list[str], list[str]]:
-        """The config's and the data files' differences from what the checkpoint's run trained
-        on; raises for either unless allowed. Process 0 holds the run's files, and checks the
-        data files."""
-        configs = check_config(meta["config"], config, self.allow_config_change, self.shown)
-        if not self.primary or self.data_files is None:
-            return configs, []
-        return configs, check_data(rundir.read_data_files(self.run_dir), self.data_files,
-                                   self.allow_data_change, self.shown)
-
-
-def _restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, batches: Any,
-                     loaded: TrainState | None, init_compiling: BackgroundCompile | None,
-                     resuming: _Resuming) -> TrainState:
-    """The newest readable checkpoint's state, placed by the state's shardings (any mesh), with
-    the data iterator set to its position, once its config and the data files are checked
-    against the run's; else a fresh state (``loaded``: init.from's, made already;
-    ``init_compiling``: the init program, compiling since before the claim). Then the
-    run's files are written for the step it starts at, the data files' fingerprints among
-    them (nothing is written before a refusal)."""
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          parts.abstract, parts.state_sharding)
-    changes: list[str] = []
-    data_changes: list[str] = []
-
-    def check(meta: dict[str, Any]) -> None:  # each step tried: the last one's are said
-        changes[:], data_changes[:] = resuming.changes(config, meta)
-
-    restored = checkpoints.restore(target, batches, check)
-    if restored is None:
-        state = loaded if loaded is not None else _fresh_state(config, parts, init_compiling)
-        step = int(state.step)
-    else:
-        state, step = restored.state, restored.step
-        checkpoints.last_committed = step
-    if resuming.primary:
-        rundir.start(resuming.run_dir, config, resuming.provenance, step, resuming.data_files)
-    _say_cleanups(checkpoints, resuming.console)
-    if restored is None:
-        _say_fresh_start(config, resuming.console, step)
-        return state
-    _say_restored(restored, config, checkpoints, changes, data_changes, resuming)
-    return state
-
-
-def _say_fresh_start(config: RunConfig, console: Console, step: int) -> None:
-    """What a run that starts afresh starts from, and what a transformer's embedding rows
-    learn from their lookups."""
-    if config.init.from_ is not None:
-        console.message(f"starting from {config.init.load} of {config.init.from_} "
-                        f"(init.from) at step {step}")
-    if isinstance(config.model, TransformerModel):
-        console.message(embedding_rows(config.model))
-
-
-def _say_cleanups(checkpoints: Checkpoints, console: Console) -> None:
-    """What the checkpoints' opening cleaned up: unfinished saves, records rewritten, deletions
-    finished."""
-    for name in checkpoints.partial:
-        console.message(f"removing {name}: a checkpoint whose save never finished")
-    for name in checkpoints.repaired:
-        console.message(f"rewrote step {name}'s {STEP_METADATA}: Orbax's record of the step "
-                        "could not be read (the step's own files are checked by their "
-                        "checksums)")
-    for name in checkpoints.half_deleted:
-        console.message(f"removed the rest of step {name}: an old checkpoint whose deletion "
-                        "was cut short")
-
-
-def _say_restored(restored: Restored, config: RunConfig, checkpoints: Checkpoints,
-                  changes: list[str], data_changes: list[str], resuming: _Resuming) -> None:
-    """What a resume passed over or differs in (unreadable steps, no checksums, a changed
-    config, changed data files, a shifted schedule, other versions), then where it resumed
-    from."""
-    console, step = resuming.console, restored.step
-    for bad, why, where in restored.moved:
-        console.message(f"warning: checkpoint step {bad} cannot be read ({why}); "
-                        f"moved it to {where}")
-    if not restored.verified:
-        console.message(f"checkpoint step {step} has no checksums (saved by an earlier "
-                        "trainrun): restored without verifying its files")
-    if changes:
-        console.message("warning: resuming with a changed config (--allow-config-change): "
-                        + "; ".join(changes))
-    if data_changes:
-        console.message("warning: resuming on changed data (--allow-data-change): "
-                        + "; ".join(data_changes))
-    _say_drift(restored, config, step, resuming)
-    console.message(f"resumed from step {step} ({checkpoints.directory / str(step)})")
-
-
-def _say_drift(restored: Restored, config: RunConfig, step: int, resuming: _Resuming) -> None:
-    """Where the resumed run stops matching an uninterrupted one: a schedule that spans the
-    run's length, or other versions than the checkpoint's."""
-    saved = restored.metadata["config"]
-    shift = schedule_shift(saved, config, step)
-    if shift is not None:
-        resuming.console.message(
-            f"warning: the learning-rate schedule spans the run's length: with "
-            f"steps={config.steps} (was {saved['steps']}) it "
-            f"differs from step {shift} on, so this run matches no uninterrupted one")
-    drift = provenance_changes(restored.metadata.get("provenance", {}), resuming.provenance)
-    if drift:
-        resuming.console.message(
-            f"warning: the checkpoint was written with other {', '.join(drift)}; "
-            "bitwise equality with an uninterrupted run is not promised across that")

@@ -100,26 +100,43 @@ def test_placed_bytes_are_each_devices_shards():
     assert preflight.placed_bytes(tree) == {jax.devices()[0]: WIDTH * WIDTH * 4 + 3 * 2}
 
 
-def compiled_as_a_tpu(chip: Chip, hidden: int = WIDTH):
+def readable(nbytes: float) -> str:
+    """Bytes as XLA's messages write them: two decimals of the largest unit under 1024."""
+    for unit in ("", "K", "M", "G"):
+        if nbytes < 1024 or unit == "G":
+            return f"{nbytes:.2f}{unit}"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def compiled_as_a_tpu(chip: Chip, hidden: int = WIDTH, compiles: list[int] | None = None,
+                      units: bool = False):
     """``program``, compiled as a TPU's compiler does: refused, with its words, where the
     program's temporaries exceed the chip's memory (its limit: XLA knows nothing of what is in
-    use)."""
+    use). The figures in GiB (too coarse at these sizes to draw on), or with ``units`` as XLA
+    writes bytes; ``compiles`` collects the batch size of every compile."""
 
     def compile_at(batch: int) -> jax.stages.Compiled:
+        if compiles is not None:
+            compiles.append(batch)
         compiled = program(batch, hidden)
-        temporaries = compiled.memory_analysis().temp_size_in_bytes
+        stats = compiled.memory_analysis()
+        assert stats is not None
+        temporaries = stats.temp_size_in_bytes
         if temporaries > chip.limit:
+            said = ((readable(temporaries), readable(chip.limit)) if units else
+                    (f"{temporaries / 2**30:.2f}G", f"{chip.limit / 2**30:.2f}G"))
             raise jax.errors.JaxRuntimeError(
                 "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
-                f"HLO temporaries ({temporaries / 2**30:.2f}G) exceeds available HBM "
-                f"({chip.limit / 2**30:.2f}G).\n")
+                f"HLO temporaries ({said[0]}) exceeds available HBM ({said[1]}).\n")
         return compiled
 
     return compile_at
 
 
-def refusal(chip: Chip, size: int, hidden: int = WIDTH) -> str:
-    compile_at = compiled_as_a_tpu(chip, hidden)
+def refusal(chip: Chip, size: int, hidden: int = WIDTH, compiles: list[int] | None = None,
+            units: bool = False) -> str:
+    compile_at = compiled_as_a_tpu(chip, hidden, compiles, units)
     with pytest.raises(UserError) as refused:
         preflight.compile_or_refuse(lambda: compile_at(size), [chip], 1,
                                     preflight.Resize(size, MULTIPLE, compile_at))
@@ -156,6 +173,36 @@ def test_a_program_xla_refuses_to_compile_names_the_largest_batch_that_fits(hidd
     assert fits % MULTIPLE == 0 and 0 < fits < size
     free = chip.limit - chip.in_use
     assert need(fits, hidden) <= free < need(fits + MULTIPLE, hidden)  # by XLA's count
+
+
+@pytest.mark.parametrize("hidden, limit, in_use", [
+    (8 * WIDTH, 14 * 2**20, 0),  # the one compile at the figures' size fits
+    (8 * WIDTH, 20 * 2**20, 5 * 2**20),  # it compiles, yet does not fit beside the rest
+])
+def test_a_refusal_that_says_its_figures_takes_one_more_compile(hidden, limit, in_use):
+    """Where XLA's refusal says what the temporaries need and what the chip has, in figures
+    fine enough to draw a line through, one compile at the size they point to finds the
+    largest batch that fits: on a chip each compile of a program that fills it takes most of
+    a minute. Before, the size was halved until a program compiled and once more (4 compiles
+    here, over 3 minutes on the chip for a byte LM at 2048 rows)."""
+    size = 4096
+    chip, compiles = Chip(limit, in_use), []
+    fits = named_batch(refusal(chip, size, hidden, compiles, units=True), size)
+    assert fits % MULTIPLE == 0 and 0 < fits < size
+    free = chip.limit - chip.in_use
+    # it fits, by XLA's count, and is within an eighth of the largest that does: the line
+    # grows by the temporaries a row, here less the batch's own input of each row
+    larger = fits + fits // 8
+    assert need(fits, hidden) <= free < need(larger - larger % MULTIPLE, hidden)
+    assert compiles[0] == size and len(compiles) == 2, compiles
+
+
+def test_refused_figures_are_read_only_where_fine_enough():
+    said = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+            "temporaries (23.71G) exceeds available HBM (15.75G).")
+    assert preflight.refused_need(said) == (23.71 * 2**30, 15.75 * 2**30)
+    assert preflight.refused_need(said.replace("23.71G", "0.01G")) is None
+    assert preflight.refused_need("RESOURCE_EXHAUSTED: out of memory") is None
 
 
 def test_no_batch_xla_compiles_is_said_so():

@@ -198,21 +198,31 @@ def compile_or_refuse(compile_program: Callable[[], jax.stages.Compiled], device
         if not refused_for_memory(err):
             raise
         lines = str(err).strip().splitlines()
+        said = str(err)
     where = str(devices[0]) if devices else "its device"
     lower = "lower data.batch_size or steps_per_call"
     if resize is not None:
-        lower = _lower(batch_below_refused(resize, devices), resize, lower)
+        lower = _lower(batch_below_refused(resize, devices, said), resize, lower)
     raise UserError(f"the compiled training step does not fit {where}: XLA refused to compile "
                     f"a {steps}-step call ({printable(lines[0].rstrip('.'))}): {lower}, "
                     f"{ALSO}")
 
 
-def batch_below_refused(resize: Resize, devices: list[Any]) -> int | None:
+def batch_below_refused(resize: Resize, devices: list[Any], said: str = "") -> int | None:
     """The largest batch size that fits where XLA refused to compile the run's own
-    (``resize.size``): the size halved until its program compiles; from there as
-    ``batch_that_fits`` finds it where that program does not fit either, else on the line
-    through it and a compile at half of it, below the smallest size refused (``_batch_above``).
-    0: not even ``resize.multiple`` compiles; None: it cannot be told."""
+    (``resize.size``). Where the refusal ``said`` what the temporaries need and what there is,
+    finely enough to draw a line through (``refused_need``), one compile at the size they
+    point to gives the line's second point (``_batch_between``): each compile of a program
+    that fills a chip takes most of a minute there. Otherwise the size is halved until its
+    program compiles; from there as ``batch_that_fits`` finds it where that program does not
+    fit either, else on the line through it and a compile at half of it, below the smallest
+    size refused (``_batch_above``). 0: not even ``resize.multiple`` compiles; None: it cannot
+    be told."""
+    needs = refused_need(said)
+    if needs is not None:
+        found = _batch_between(resize, devices, *needs)
+        if found is not None:
+            return found
     refused = size = resize.size
     compiled = None
     while compiled is None:
@@ -233,6 +243,52 @@ def batch_below_refused(resize: Resize, devices: list[Any]) -> int | None:
     if not memory.fits():
         return batch_that_fits(memory, at, devices)
     return _batch_above(memory, at, refused, devices)
+
+
+# XLA's words for what the temporaries of a refused program need and what the chip has
+REFUSED_NEED = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM "
+                          r"\(([\d.]+)([KMGT]?)\)")
+
+
+def refused_need(said: str) -> tuple[float, float] | None:
+    """``(temporaries, available)`` bytes of XLA's refusal ``said``; None where it does not
+    say them, or says them too coarsely (a figure of under three digits) to draw a line on."""
+    found = REFUSED_NEED.search(said)
+    if found is None:
+        return None
+    digits = min(len(found.group(i).replace(".", "").lstrip("0")) for i in (1, 3))
+    if digits < 3:
+        return None
+    unit = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    return (float(found.group(1)) * unit[found.group(2)],
+            float(found.group(3)) * unit[found.group(4)])
+
+
+def _batch_between(resize: Resize, devices: list[Any], temporaries: float,
+                   available: float) -> int | None:
+    """The largest batch size that fits (0: none does), on the line through the refused
+    size's temporaries (``temporaries``, of ``available``) and one compile at the size a need
+    proportional to the batch would fit, less a tenth, whether that one fits or not; None
+    where that compile is refused too or says nothing."""
+    size, multiple = resize.size, resize.multiple
+    guess = int(size * available / temporaries * 0.9)
+    guess -= guess % multiple
+    if not 0 < guess < size:
+        return None
+    try:
+        compiled = resize.compile_at(guess)
+    except jax.errors.JaxRuntimeError as err:
+        if not refused_for_memory(err):
+            raise
+        return None
+    memory = program_memory(compiled, devices)
+    if memory is None:
+        return guess  # it compiled: the one word the backend gives
+    per_row = (temporaries - memory.intermediates) / (size - guess)
+    if per_row <= 0:  # the batch does not move the need: the size known to compile, or none
+        return guess if memory.fits() else 0
+    fits = min(guess + math.floor((memory.free - memory.need) / per_row), size - multiple)
+    return max(fits - fits % multiple, 0)
 
 
 def _batch_above(memory: ProgramMemory, at: Resize, refused: int, devices: list[Any]) -> int:

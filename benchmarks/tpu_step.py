@@ -1104,14 +1104,16 @@ def qwen_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,
         side.free()
         return t is not None
 
-    for side in p.qwen_trainrun:  # down to the first that fits at or below the target
-        if attempt(side) and side.rows <= p.qwen_target:
+    # the largest that runs of each side before any variant: on the chip a 0.5B compile takes
+    # most of a minute, and a budget spent on trainrun's smaller sizes left no plain figure
+    for side in p.qwen_trainrun:
+        if attempt(side):
+            break
+    for side in p.qwen_plain:
+        if attempt(side):
             break
     for side in p.qwen_extra:
         attempt(side)
-    for side in p.qwen_plain:  # the first that fits
-        if attempt(side):
-            break
     for name in {side.variant.name for side in p.qwen()} - {r["name"] for r in got}:
         budget.note(f"{s.name}: {name} ran at none of the sizes tried")
     table(f"{s.name}, each contender alone", got, {}, peak)

@@ -67,6 +67,8 @@ SCORE_PARAM = r"^score$"  # a reward model's score head (models/reward_transform
 # The four kinds of training run (``RunConfig.kind``): next-token or supervised training, DPO-style
 # preference tuning, GRPO reinforcement learning, Bradley-Terry reward-model training.
 RunKindName = Literal["language", "preference", "reinforcement", "reward"]
+# the sections that tune a run into a kind of its own
+TuningSection = typing.TypeVar("TuningSection", "PreferenceConfig", "RLConfig", "RewardModelConfig")
 
 
 class RunConfig(Section):
@@ -203,6 +205,15 @@ class RunConfig(Section):
         if self.reward_model is not None:
             return "reward"
         return "language"
+
+    def tuning(self, kind: type[TuningSection]) -> TuningSection:
+        """The section of ``kind`` that tunes this run, for the code of that kind of run, which
+        is handed only configs of its kind (``kind``): a config of another kind is a fault."""
+        found = {PreferenceConfig: self.preference, RLConfig: self.rl,
+                 RewardModelConfig: self.reward_model}[kind]
+        if not isinstance(found, kind):
+            raise TypeError(f"a {self.kind} run has no {kind.__name__} section")
+        return found
 
     def to_dict(self) -> dict[str, Any]:
         dumped = self.model_dump(mode="json")

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from trainrun.config import RunConfig, TransformerModel
+from trainrun.config import RLConfig, RunConfig, TransformerModel
 from trainrun.data import rewards
 from trainrun.data.prompt_records import Prompt, score_completions
 from trainrun.models.grpo_transformer import host_metric_names
@@ -30,8 +30,8 @@ def reward_scores(config: RunConfig, params: PyTree, asked: list[Prompt], *,
     record; ``tokens``: the most an answer takes (None: ``rl.completion_tokens``); ``loaded``:
     the run's rewards as loaded before (None: loaded here); ``step``: the step of the params,
     the rewards' ``trainer_state.global_step``."""
-    rl, model = config.rl, config.model
-    assert rl is not None and isinstance(model, TransformerModel)
+    rl, model = config.tuning(RLConfig), config.model
+    assert isinstance(model, TransformerModel)
     tokens = rl.completion_tokens if tokens is None else tokens
     text = completion_text(config.data, rl)
     ids = generate_batch(model, params, [p.ids for p in asked], tokens,

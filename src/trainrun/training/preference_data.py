@@ -90,8 +90,7 @@ def preference_data(config: RunConfig, policy: Policy, start: Callable[[], PyTre
     """The run's training batches (this process's ``rows``: its index and the count) and its
     held-out rows; ``start``: the starting params, asked for only when the reference column
     is needed."""
-    preference = config.preference
-    assert preference is not None  # a preference run
+    preference = config.tuning(PreferenceConfig)
     data = config.data
     train, held, files, counts, notices = read_pairs(
         data, "preference", preference.max_prompt, preference.max_completion)  # type: ignore[arg-type]
@@ -155,8 +154,7 @@ def reference_column(config: RunConfig, policy: Policy, params: PyTree, rows_fol
                      notices: list[str]) -> np.ndarray:
     """``[rows, row_len]`` float32: the reference log-probability of each token of ``split``'s
     rows (0 at a row's first), kept in the cache, computed first when missing or damaged."""
-    preference = config.preference
-    assert preference is not None
+    preference = config.tuning(PreferenceConfig)
     settings = {"format": CACHE_FORMAT, "rows": rows_folder.name,
                 "params": params_fingerprint(params), "model": config.model.model_dump(
                     mode="json"), "compute": config.precision.compute}

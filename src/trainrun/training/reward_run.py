@@ -51,8 +51,8 @@ def with_pad_id(config: RunConfig) -> RunConfig:
 def reward_data(config: RunConfig, rows: tuple[int, int]) -> PreferenceData:
     """The run's training batches (this process's ``rows``: its index and the count) and its
     held-out rows."""
-    section, data = config.reward_model, config.data
-    assert isinstance(section, RewardModelConfig) and isinstance(data, RecordsData)
+    section, data = config.tuning(RewardModelConfig), config.data
+    assert isinstance(data, RecordsData)
     train, held, files, counts, notices = read_pairs(
         data, "reward_model", section.max_prompt, section.max_completion, section.margin)
     assert train.train is not None  # preference_rows refuses a source without

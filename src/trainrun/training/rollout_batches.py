@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrun.config import RunConfig, TransformerModel
+from trainrun.config import RLConfig, RunConfig, TransformerModel
 from trainrun.data import rewards
 from trainrun.data.pipeline import process_rows
 from trainrun.data.prompt_records import Prompt, score_completions
@@ -59,8 +59,8 @@ class RolloutBatches:
 
     def __init__(self, config: RunConfig, prompts: Sequence[Prompt],
                  mesh: jax.sharding.Mesh | None = None, rows: tuple[int, int] = (0, 1)):
-        assert config.rl is not None and isinstance(config.model, TransformerModel)
-        self.rl, self.model, self.seed = config.rl, config.model, config.seed
+        assert isinstance(config.model, TransformerModel)
+        self.rl, self.model, self.seed = config.tuning(RLConfig), config.model, config.seed
         self.steps = config.steps
         self.prompts = list(prompts)
         self.rewards = load_rewards(self.rl)

@@ -116,7 +116,7 @@ def say(text: str = "") -> None:
 
 QWEN = ("model.vocab=151936", "model.d_model=896", "model.layers=24", "model.heads=14",
         "model.kv_heads=2", "model.mlp_hidden=4864")
-TINY = ("model.vocab=512", "model.d_model=64", "model.layers=1", "model.heads=4",
+TINY = ("model.vocab=512", "model.d_model=64", "model.layers=2", "model.heads=4",
         "model.kv_heads=2", "model.mlp_hidden=128")
 # Qwen2's layout, whatever the size
 LAYOUT = ("model.mlp=swiglu", "model.norm=rmsnorm", "model.norm_eps=1e-6",

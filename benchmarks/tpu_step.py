@@ -166,8 +166,8 @@ class Shape:
 def shapes(tiny: bool) -> dict[str, Shape]:
     if tiny:
         return {
-            "gpt2": Shape("gpt2-tiny", 512, 128, 2, 2, 2, 512, 128, 2, 2, loss_chunk=128),
-            "qwen": Shape("qwen-tiny", 1000, 128, 2, 4, 2, 256, 128, 2, 2, mlp="swiglu",
+            "gpt2": Shape("gpt2-tiny", 512, 128, 1, 2, 2, 512, 128, 2, 2, loss_chunk=128),
+            "qwen": Shape("qwen-tiny", 1000, 128, 1, 4, 2, 256, 128, 2, 2, mlp="swiglu",
                           norm="rmsnorm", eps=1e-6, rope_theta=1e6, qkv_bias=True,
                           loss_chunk=128),
         }

@@ -135,7 +135,7 @@ def test_every_preference_tuning_command_runs_as_written(tmp_path):
     # What the guide says they print and leave behind.
     assert "starting from params of runs/sft (init.from) at step 0" in out
     assert "y" in out.splitlines()  # the sampled answer, ended at its turn's end
-    scores = json.loads((tmp_path / "runs/dpo/eval/step-200/scores.json").read_text())
+    scores = json.loads((tmp_path / "runs/dpo/eval/step-100/scores.json").read_text())
     rows = [json.loads(line) for line in (tmp_path / "runs/dpo/metrics.jsonl").open()]
     during = next(r for r in rows if r.get("split") == "eval")
     for name in ("rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -70,28 +71,39 @@ def trained(kind: str, source: Path, tmp_path: Path) -> tuple[Path, np.ndarray, 
     # the source saves no tokenizer: the runs keep the configs' byte tokenizer
     config = load_config(name, [*COMMON, *extra, f"init.from={source}", "data.tokenizer=bytes"])
     out = io.StringIO()
-    run(config, tmp_path / kind, out=out)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+        run(config, tmp_path / kind, out=out)
     _, params = latest_params(tmp_path / kind, resolved(config))
     return tmp_path / kind, np.asarray(params["embed"]["embedding"]), out.getvalue()
 
 
+@pytest.fixture(scope="module")
+def runs(llama_dir, tmp_path_factory) -> Callable[[str], tuple[Path, np.ndarray, str]]:
+    """``trained`` from ``llama_dir``, each kind trained once for the module's tests."""
+    done: dict[str, tuple[Path, np.ndarray, str]] = {}
+
+    def of(kind: str) -> tuple[Path, np.ndarray, str]:
+        if kind not in done:
+            done[kind] = trained(kind, llama_dir, tmp_path_factory.mktemp(kind))
+        return done[kind]
+
+    return of
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(RUNS))
-def test_each_kind_of_run_leaves_the_pad_row_of_its_source_as_it_was(kind, llama_dir,
-                                                                     tmp_path, monkeypatch):
-    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
+def test_each_kind_of_run_leaves_the_pad_row_of_its_source_as_it_was(kind, llama_dir, runs):
     before = np.asarray(trainrun.load(llama_dir).params["embed"]["embedding"])
-    _, after, said = trained(kind, llama_dir, tmp_path)
+    _, after, said = runs(kind)
     assert not np.array_equal(after[OTHER], before[OTHER])  # the step trained the embedding
     np.testing.assert_array_equal(after[PAD], before[PAD])
     assert f"embedding: row {PAD}, the pad token's (model.pad_id), learns nothing" in said
 
 
 @pytest.mark.slow
-def test_a_run_directory_and_its_export_carry_the_pad_row_on(llama_dir, tmp_path,
-                                                             monkeypatch):
-    monkeypatch.setenv("TRAINRUN_CACHE_DIR", str(tmp_path / "cache"))
-    run_dir, _, _ = trained("next-token", llama_dir, tmp_path)
+def test_a_run_directory_and_its_export_carry_the_pad_row_on(runs, tmp_path):
+    run_dir, _, _ = runs("next-token")
     name, extra = RUNS["next-token"]
     after_run = resolved(load_config(name, [*COMMON, *extra, f"init.from={run_dir}"]))
     assert after_run.model.pad_id == PAD

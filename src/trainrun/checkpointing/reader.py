@@ -27,10 +27,7 @@ from trainrun.checkpointing.integrity import step_record_problem, verify_step
 from trainrun.config import ConfigError, RunConfig, config_from_dict
 from trainrun.errors import UserError
 from trainrun.models import Model
-from trainrun.models.kind_models import kind_model
-from trainrun.program.optim import build_optimizer
-from trainrun.program.precision import policy_from_config
-from trainrun.program.state import abstract_state
+from trainrun.program.state import run_abstract_state
 from trainrun.storage import location
 
 PyTree = Any
@@ -101,9 +98,7 @@ def latest_state(run_dir: location.Location | str | os.PathLike[str], config: Ru
             raise RunReadError(f"{run_dir} has no checkpoint of step {step}; its steps: "
                               f"{', '.join(map(str, sorted(steps)))}")
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = abstract_state(model or kind_model(config),
-                                  build_optimizer(config.optimizer, config.steps), config.seed,
-                                  policy_from_config(config.precision))
+        abstract = run_abstract_state(config, model)
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                               abstract)
         if not optimizer_state:

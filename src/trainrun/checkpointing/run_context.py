@@ -8,6 +8,7 @@ from typing import Any
 
 from trainrun.config import RunConfig, TransformerModel
 from trainrun.errors import UserError
+from trainrun.storage.location import Location
 
 PyTree = Any
 
@@ -50,6 +51,18 @@ def run_model(config: RunConfig, context: int | None = None, *,
         raise ContextRefused(f"context={context}: the model of {named} reads at most {limit} "
                         f"positions ({why}); give at most {limit}")
     return model.model_copy(update={"seq_len": context or default})
+
+
+def trained(run: Location, config: RunConfig, context: int | None = None, *,
+            ema: bool = False) -> tuple[TransformerModel, int, PyTree]:
+    """A language-model run's transformer within ``context`` (``run_model``), and the step and
+    params (with ``ema``: their moving average) of its newest readable checkpoint as that model
+    holds them (``within``); the optimizer's state is left unread."""
+    from trainrun.checkpointing.reader import latest_state
+
+    model = run_model(config, context, named=str(run))
+    step, state = latest_state(run, config, optimizer_state=False)
+    return model, step, within(model, state.ema if ema else state.params)
 
 
 def require_context(context: int | None) -> None:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrun import rundir
-from trainrun.checkpointing.run_context import require_context, run_model, within
+from trainrun.checkpointing.run_context import require_context, trained
 from trainrun.config import TransformerModel
 from trainrun.errors import UserError, path_refused
 from trainrun.program.precision import DTYPES, cast_floats
@@ -163,7 +163,7 @@ def load(path: str | Path, *, ema: bool = False, context: int | None = None) -> 
 def _load_run(path: Location, ema: bool, context: int | None) -> LanguageModel:
     """A run directory's model at its newest readable checkpoint (local or on object storage,
     where only run directories are read), within ``context`` (``run_model``)."""
-    from trainrun.checkpointing.reader import latest_state, saved_config
+    from trainrun.checkpointing.reader import saved_config
 
     config = saved_config(path)
     if not isinstance(config.model, TransformerModel):
@@ -172,7 +172,5 @@ def _load_run(path: Location, ema: bool, context: int | None) -> LanguageModel:
     if ema and config.optimizer.ema is None:
         raise LoadError(f"{path} keeps no moving average (optimizer.ema is not set); "
                         "load it without ema")
-    model = run_model(config, context, named=str(path))
-    step, state = latest_state(path, config, optimizer_state=False)
-    params = within(model, state.ema if ema else state.params)
+    model, step, params = trained(path, config, context, ema=ema)
     return LanguageModel(model, params, config.precision.compute, step)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trainrun.checkpointing.reader import latest_state, saved_config
+from trainrun.checkpointing.reader import saved_config
 from trainrun.config import RecordsData, TransformerModel
 from trainrun.fast import strategies
 from trainrun.program.decode import (
@@ -191,20 +191,18 @@ def _trained(run_dir: Path | str, ema: bool, chat: bool = False, context: int | 
     (or their moving average) as that model holds them, or those of a model directory (what
     ``trainrun export`` writes). chat: the run must be one on records, which have a chat
     template."""
-    from trainrun.checkpointing.run_context import run_model, within
+    from trainrun.checkpointing.run_context import trained
 
     if _model_directory(run_dir):
         return _exported(Path(run_dir).expanduser(), ema, context)
     run, config = language_run(run_dir, ema, chat=chat)
-    model = run_model(config, context, named=str(run))
-    _, state = latest_state(run, config, optimizer_state=False)
+    model, _, params = trained(run, config, context, ema=ema)
     tokenizer = None
     if isinstance(config.data, RecordsData):
         from trainrun.data import model_tokenizer
 
         tokenizer = model_tokenizer.of_records(config.data)
-    return Trained(model, within(model, state.ema if ema else state.params),
-                   config.precision.compute, tokenizer, config.data)
+    return Trained(model, params, config.precision.compute, tokenizer, config.data)
 
 
 def _model_directory(path: Path | str) -> bool:

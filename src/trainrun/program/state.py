@@ -13,6 +13,7 @@ import optax
 from trainrun.program.precision import LossScale, Policy
 
 if TYPE_CHECKING:
+    from trainrun.config import RunConfig
     from trainrun.models import Model
     from trainrun.program.optim import Optimizer
 
@@ -139,6 +140,19 @@ def abstract_state(model: Model, optimizer: Optimizer, seed: int,
                             policy.initial_loss_scale(), ema=optimizer.ema is not None)
 
     return jax.eval_shape(around, shapes)
+
+
+def run_abstract_state(config: RunConfig, model: Model | None = None) -> TrainState:
+    """The state's shapes and dtypes (``abstract_state``) for a run of ``config``: of ``model``
+    where the caller built it, else of the model its kind trains (``models/kind_models.py``),
+    under the optimizer and precision policy its config gives."""
+    from trainrun.models.kind_models import kind_model
+    from trainrun.program.optim import build_optimizer
+    from trainrun.program.precision import policy_from_config
+
+    return abstract_state(model or kind_model(config),
+                          build_optimizer(config.optimizer, config.steps), config.seed,
+                          policy_from_config(config.precision))
 
 
 def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None = None,

@@ -287,8 +287,7 @@ def _batch_between(resize: Resize, devices: list[Any], temporaries: float,
     per_row = (temporaries - memory.intermediates) / (size - guess)
     if per_row <= 0:  # the batch does not move the need: the size known to compile, or none
         return guess if memory.fits() else 0
-    fits = min(guess + math.floor((memory.free - memory.need) / per_row), size - multiple)
-    return max(fits - fits % multiple, 0)
+    return max(_on_line(guess, memory, per_row, size - multiple, multiple), 0)
 
 
 def _batch_above(memory: ProgramMemory, at: Resize, refused: int, devices: list[Any]) -> int:
@@ -301,8 +300,15 @@ def _batch_above(memory: ProgramMemory, at: Resize, refused: int, devices: list[
     if half is None or other is None or memory.need <= other.need:
         return size  # no second point, or a need the batch does not move: the size known to fit
     per_row = (memory.need - other.need) / (size - half)
-    fits = min(size + math.floor((memory.free - memory.need) / per_row), refused - multiple)
-    return max(fits - fits % multiple, size)
+    return max(_on_line(size, memory, per_row, refused - multiple, multiple), size)
+
+
+def _on_line(size: int, memory: ProgramMemory, per_row: float, ceiling: int,
+             multiple: int) -> int:
+    """The batch size where the need, ``memory``'s at ``size`` growing by ``per_row`` bytes a
+    row, meets what is free: at most ``ceiling``, rounded down to ``multiple``."""
+    fits = min(size + math.floor((memory.free - memory.need) / per_row), ceiling)
+    return fits - fits % multiple
 
 
 def _halved(size: int, multiple: int) -> int | None:
@@ -396,9 +402,7 @@ def batch_that_fits(memory: ProgramMemory, resize: Resize, devices: list[Any],
     per_row = (memory.need - other.need) / (size - guess)
     if per_row <= 0:  # the batch does not move the need: no batch size fits
         return 0
-    fits = guess + math.floor((other.free - other.need) / per_row)
-    fits = min(fits, size - multiple)
-    return max(fits - fits % multiple, 0)
+    return max(_on_line(guess, other, per_row, size - multiple, multiple), 0)
 
 
 def placed_bytes(tree: Any) -> dict[Any, int]:

@@ -196,8 +196,9 @@ def _linear(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return y + p["bias"] if "bias" in p else y
 
 
-def plain_loss(p: Any, tokens: jax.Array, s: Shape) -> jax.Array:
-    """The model's mean next-token cross-entropy, written plainly over trainrun's params."""
+def plain_loss(p: Any, tokens: jax.Array, s: Shape, remat: bool = False) -> jax.Array:
+    """The model's mean next-token cross-entropy, written plainly over trainrun's params;
+    ``remat``: each layer's activations recomputed in the backward pass (``jax.checkpoint``)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     batch, seq = inputs.shape
     table = p["embed"]["embedding"]
@@ -211,8 +212,7 @@ def plain_loss(p: Any, tokens: jax.Array, s: Shape) -> jax.Array:
         a, b = t[..., :half], t[..., half:]
         return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
-    for i in range(s.layers):
-        block = p["blocks"][str(i)]
+    def layer(x: jax.Array, block: Any) -> jax.Array:
         att = block["attn"]
         h = _norm(x, block["ln1"], s.norm, s.eps)
         q = _linear(h, att["q"]).reshape(batch, seq, s.heads, s.head_dim)
@@ -226,7 +226,11 @@ def plain_loss(p: Any, tokens: jax.Array, s: Shape) -> jax.Array:
             h = jax.nn.silu(_linear(h, mlp["gate"])) * _linear(h, mlp["up"])
         else:
             h = jax.nn.gelu(_linear(h, mlp["up"]), approximate=True)
-        x = x + _linear(h, mlp["down"])
+        return x + _linear(h, mlp["down"])
+
+    each = jax.checkpoint(layer) if remat else layer
+    for i in range(s.layers):
+        x = each(x, p["blocks"][str(i)])
     x = _norm(x, p["ln_f"], s.norm, s.eps)
     logits = x @ table.T
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
@@ -239,13 +243,13 @@ def plain_optimizer() -> optax.GradientTransformation:
                        mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params))
 
 
-def plain_multi_step(s: Shape) -> Callable[..., Any]:
+def plain_multi_step(s: Shape, remat: bool = False) -> Callable[..., Any]:
     tx = plain_optimizer()
 
     def step(carry: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
         params, opt_state = carry
         loss, grads = jax.value_and_grad(lambda p: plain_loss(
-            jax.tree.map(lambda x: x.astype(COMPUTE), p), tokens, s))(params)
+            jax.tree.map(lambda x: x.astype(COMPUTE), p), tokens, s, remat))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
@@ -272,7 +276,8 @@ class Variant:
 
     def describe(self) -> str:
         if self.plain:
-            return "plain JAX (optax AdamW, XLA attention, full bf16 logits, optax CE)"
+            remat = ", each layer rematerialized" if dict(self.options).get("remat") else ""
+            return f"plain JAX (optax AdamW, XLA attention, full bf16 logits, optax CE{remat})"
         parts = [_attention_name(self.attention), _head_name(self.head)]
         parts += [f"{k}={v}" for k, v in self.options]
         guard = {"library": "guard: branches", "select": "guard: a select",
@@ -398,7 +403,8 @@ class Side:
         self.tokens: Any = None
         start = time.perf_counter()
         if variant.plain:
-            fn = jax.jit(plain_multi_step(s), donate_argnums=0)
+            fn = jax.jit(plain_multi_step(s, dict(variant.options).get("remat", False)),
+                         donate_argnums=0)
             self.lowered = fn.lower((m.abstract.params, m.abstract.opt_state), self.shape)
         else:
             model = make_transformer(s.config(**dict(variant.options)), variant.attention,
@@ -650,17 +656,18 @@ def fit_table(title: str, sides: list[Side], limit: float | None) -> list[dict[s
     found = []
     say(f"\n#### {title}: XLA's memory analysis against the chip's verdict (limit "
         f"{(limit or math.nan) / GiB:.2f} GiB)\n")
-    say("| side | need GiB (temp + arg + out - alias + code) | temp GiB | compile | first "
-        "call |\n|---|---:|---:|---|---|")
+    say("| side | need GiB (temp + arg + out - alias + code) | peak + code GiB (the preflight's "
+        "count on a TPU) | temp GiB | compile | first call |\n|---|---:|---:|---:|---|---|")
     for side in sides:
         mem = side.mem
         need = mem.get("need", math.nan) / GiB
+        peak = (mem["peak"] + mem["generated_code"]) / GiB if mem.get("peak") else math.nan
         compiled = side.compile_error or ("not compiled" if math.isnan(side.compile_s)
                                           else "ok")
         ran = side.run_verdict
-        found.append({"side": side.name, "need_gib": need, "temp_gib":
+        found.append({"side": side.name, "need_gib": need, "peak_gib": peak, "temp_gib":
                       mem.get("temp", math.nan) / GiB, "compile": compiled, "first_call": ran})
-        say(f"| {side.name} | {need:.2f} | {mem.get('temp', math.nan) / GiB:.2f} | "
+        say(f"| {side.name} | {need:.2f} | {peak:.2f} | {mem.get('temp', math.nan) / GiB:.2f} | "
             f"{compiled[:120]} | {ran[:120]} |")
     return found
 
@@ -930,6 +937,7 @@ def matmul_peak(tiny: bool) -> float:
 
 
 PLAIN = Variant("plain", plain=True)
+PLAIN_REMAT = Variant("plain, layers rematerialized", plain=True, options=(("remat", True),))
 
 
 @dataclasses.dataclass
@@ -951,10 +959,11 @@ class Plan:
     qwen_trainrun: list[Side] = dataclasses.field(default_factory=list)
     qwen_extra: list[Side] = dataclasses.field(default_factory=list)
     qwen_plain: list[Side] = dataclasses.field(default_factory=list)
+    qwen_plain_remat: list[Side] = dataclasses.field(default_factory=list)
     qwen_target: int = 0
 
     def qwen(self) -> list[Side]:
-        return self.qwen_trainrun + self.qwen_extra + self.qwen_plain
+        return self.qwen_trainrun + self.qwen_extra + self.qwen_plain + self.qwen_plain_remat
 
     def eager(self) -> Iterator[Side]:
         """The sides compiled before any timing: every one but the 0.5B shape's fallbacks
@@ -1009,6 +1018,8 @@ def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
             wanted = [PLAIN, trainrun] + ([extras[e] for e in args.gpt2_extra.split(",") if e]
                                           if i == 0 else [])
             p.gpt2[rows] = [x for x in (budget.lower(v, m, rows, k) for v in wanted) if x]
+        for rows, k in parse_sizes(args.gpt2_ours_rows, s.k):  # past what the plain step fits
+            p.gpt2[rows] = [x for x in [budget.lower(trainrun, m, rows, k)] if x]
     if "qwen" in parts:
         s, m, trainrun = found["qwen"], models["qwen"], tuned["qwen"]
         p.qwen_target = args.qwen_target
@@ -1021,6 +1032,8 @@ def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
                                     for e in args.qwen_extra.split(",") if e) if x]
         p.qwen_plain = [x for x in (budget.lower(PLAIN, m, rows, k)
                                     for rows, k in parse_sizes(args.qwen_plain, s.k)) if x]
+        p.qwen_plain_remat = [x for x in (budget.lower(PLAIN_REMAT, m, rows, k) for rows, k
+                                          in parse_sizes(args.qwen_plain_remat, s.k)) if x]
     return p
 
 
@@ -1109,9 +1122,10 @@ def qwen_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,
     for side in p.qwen_trainrun:
         if attempt(side):
             break
-    for side in p.qwen_plain:
-        if attempt(side):
-            break
+    for plain in (p.qwen_plain, p.qwen_plain_remat):
+        for side in plain:
+            if attempt(side):
+                break
     for side in p.qwen_extra:
         attempt(side)
     for name in {side.variant.name for side in p.qwen()} - {r["name"] for r in got}:
@@ -1120,6 +1134,20 @@ def qwen_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,
     fits = fit_table(s.name, p.qwen(), device_limit())
     report.data["qwen"] = {"rows": got, "fit": fits}
     report.save()
+
+
+def _at_largest(gpt2: dict[str, Any], name: str) -> list[str]:
+    """Each side at the largest batch it ran, a step's time per token against the other's."""
+    ran = [r for entry in gpt2.values() for r in entry["rows"] if not r["failed"]]
+    ours = [r for r in ran if r["name"] == "trainrun"]
+    plain = [r for r in ran if r["name"] == PLAIN.name]
+    if not ours or not plain:
+        return []
+    a, b = max(ours, key=lambda r: r["rows"]), max(plain, key=lambda r: r["rows"])
+    ratio = b["tokens_per_s"] / a["tokens_per_s"]
+    return [f"{name}, each at its largest batch (trainrun {a['rows']} rows, plain {b['rows']}): "
+            f"trainrun {ratio:.3f}x the plain step's time a token (target at most 0.8x), "
+            f"{a['mfu_datasheet']:.1%} MFU"]
 
 
 def verdicts(report: Report) -> None:
@@ -1133,14 +1161,17 @@ def verdicts(report: Report) -> None:
             lines.append(f"{names['gpt2']} @{rows}: trainrun {ratio:.3f}x the plain step's time "
                          f"(target at most 0.8x), {by['trainrun']['mfu_datasheet']:.1%} MFU "
                          "(analytic count, 197 TF/s; target 45%)")
+    lines += _at_largest(report.data.get("gpt2", {}), names["gpt2"])
     qwen = report.data.get("qwen", {}).get("rows", [])
     ours = [r for r in qwen if r["name"] == "trainrun"]
-    plain = [r for r in qwen if r["name"] == PLAIN.name]
+    plain = sorted((r for r in qwen if r["name"].startswith(PLAIN.name)),
+                   key=lambda r: -r["tokens_per_s"])
     if ours:
         best = max(ours, key=lambda r: r["tokens_per_s"])
         tokens = max(r["rows"] * r["seq"] for r in ours)
         rate = (f"{best['tokens_per_s'] / plain[0]['tokens_per_s']:.2f}x the plain step's "
-                f"tokens/s at {plain[0]['rows']} x {plain[0]['seq']}, K={plain[0]['k']}"
+                f"best tokens/s ({plain[0]['name']}, {plain[0]['rows']} x {plain[0]['seq']}, "
+                f"K={plain[0]['k']})"
                 if plain else "the plain step ran at no size tried")
         lines.append(f"{names['qwen']}: trainrun ran {tokens:,} tokens a step; at its best "
                      f"{best['tokens_per_s']:,.0f} tokens/s, {rate} (target 1.25x)")
@@ -1213,10 +1244,12 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--gpt2-rows", default="8,16")
     parser.add_argument("--gpt2-extra", default="select")
+    parser.add_argument("--gpt2-ours-rows", default="32")
     parser.add_argument("--qwen-rows", default="8,4,2,1")
     parser.add_argument("--qwen-target", type=int, default=4)
     parser.add_argument("--qwen-extra", default="none")
     parser.add_argument("--qwen-plain", default="1x4,1x1")
+    parser.add_argument("--qwen-plain-remat", default="4x4,2x4,1x4")
     parser.add_argument("--qwen-layers", choices=("scan", "unrolled"), default="scan")
     parser.add_argument("--qwen-remat", default="full")
     for key in ("gpt2", "qwen"):
@@ -1226,9 +1259,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.tiny:  # toy sizes: rows and K the tiny shapes can take
         args.gpt2_rows = "2,3" if args.gpt2_rows == "8,16" else args.gpt2_rows
+        args.gpt2_ours_rows = "4" if args.gpt2_ours_rows == "32" else args.gpt2_ours_rows
         args.qwen_rows = "4,2,1" if args.qwen_rows == "8,4,2,1" else args.qwen_rows
         args.qwen_target = 2 if args.qwen_target == 4 else args.qwen_target
         args.qwen_plain = "1x2,1x1" if args.qwen_plain == "1x4,1x1" else args.qwen_plain
+        args.qwen_plain_remat = ("2x2,1x2" if args.qwen_plain_remat == "4x4,2x4,1x4"
+                                 else args.qwen_plain_remat)
     jax.config.update("jax_enable_compilation_cache", False)  # compile seconds: cold
     budget = Budget(args.budget_s, args.compile_threads)
     report = Report(Path(args.out))

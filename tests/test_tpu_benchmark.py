@@ -43,12 +43,13 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
     # the two main programs compiled alone, before any other
     assert set(report["compile_alone_s"]) == {"plain", "trainrun"}
     gpt2 = report["gpt2"]
-    assert set(gpt2) == {"2", "3"}
+    assert set(gpt2) == {"2", "3", "4"}  # 4: trainrun alone, past the plain step's largest
     first = {r["name"]: r for r in gpt2["2"]["rows"]}
     assert set(first) == {"plain", "trainrun", "trainrun, guard a select"}
     assert first["trainrun"]["compiled_alone"] and first["plain"]["compiled_alone"]
     assert "splash" in first["trainrun"]["what"] and "head unrolled" in first["trainrun"]["what"]
     assert {r["name"] for r in gpt2["3"]["rows"]} == {"plain", "trainrun"}
+    assert [r["name"] for r in gpt2["4"]["rows"]] == ["trainrun"]
     qwen = report["qwen"]["rows"]
     for row in [*first.values(), *gpt2["3"]["rows"], *qwen]:
         assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["rounds"] >= 2
@@ -65,7 +66,8 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
     # that fits, then trainrun without its guard at the target rows; trainrun's smaller sizes
     # compiled ahead but not run, the sizes not needed never compiled
     assert sorted((r["name"], r["rows"], r["k"]) for r in qwen) == [
-        ("plain", 1, 2), ("trainrun", 4, 2), ("trainrun, no guard", 2, 2)]
+        ("plain", 1, 2), ("plain, layers rematerialized", 2, 2), ("trainrun", 4, 2),
+        ("trainrun, no guard", 2, 2)]
     fit = {f["side"]: (f["compile"], f["first_call"]) for f in report["qwen"]["fit"]}
     assert fit == {
         "qwen-tiny: trainrun @4x2": ("ok", "ok"),
@@ -73,6 +75,10 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
         "qwen-tiny: trainrun @1x2": ("not compiled", "not tried"),
         "qwen-tiny: trainrun, no guard @2x2": ("ok", "ok"),
         "qwen-tiny: plain @1x2": ("ok", "ok"), "qwen-tiny: plain @1x1": ("not compiled",
-                                                                         "not tried")}
+                                                                         "not tried"),
+        "qwen-tiny: plain, layers rematerialized @2x2": ("ok", "ok"),
+        "qwen-tiny: plain, layers rematerialized @1x2": ("not compiled", "not tried")}
     assert "splash" in qwen[0]["what"] and "scan_layers=True, remat=full" in qwen[0]["what"]
     assert report["verdicts"][-1].startswith("qwen-tiny: trainrun ran 512 tokens a step")
+    assert any(v.startswith("gpt2-tiny, each at its largest batch (trainrun 4 rows, plain 3)")
+               for v in report["verdicts"])

@@ -6,6 +6,8 @@ something else holds counts while the state itself is not counted twice."""
 from __future__ import annotations
 
 import re
+import types
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -217,3 +219,36 @@ def test_any_other_compile_error_goes_through():
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         preflight.compile_or_refuse(broken, [Chip(2**30)], 1,
                                     preflight.Resize(64, MULTIPLE, lambda b: broken()))
+
+
+class _TpuDevice:
+    platform = "tpu"
+
+
+class _Placed:
+    device_set = frozenset({_TpuDevice()})
+
+
+class _ChipProgram:
+    """A step program as XLA:TPU reported it: the Qwen2.5-0.5B shape at 8 x 2048 tokens, K=4,
+    which ran on a 15.75 GiB v5e (BENCHMARKS.md, "Third run on the chip")."""
+
+    input_shardings = ((_Placed(),), {})
+
+    def memory_analysis(self) -> Any:
+        return types.SimpleNamespace(
+            argument_size_in_bytes=5928786944, output_size_in_bytes=5928516096,
+            alias_size_in_bytes=5928508416, temp_size_in_bytes=13557424640,
+            generated_code_size_in_bytes=65025536, peak_memory_in_bytes=16356069888)
+
+
+def test_on_a_tpu_a_program_is_held_to_xla_s_peak_not_its_parts_summed():
+    """Its parts summed (18.2 GiB) refused a run the chip ran; XLA's peak (15.3 GiB) fits."""
+    chip = Chip(int(15.75 * 2**30))
+    memory = preflight.program_memory(_ChipProgram(), [chip])  # type: ignore[arg-type]
+    assert memory is not None and memory.fits()
+    assert memory.need == 16356069888 + 65025536
+    preflight.check_program_memory(_ChipProgram(), [chip], 4)  # type: ignore[arg-type]
+    smaller = Chip(15 * 2**30)
+    with pytest.raises(UserError, match=r"needs 15\.3 GiB of TPU_0"):
+        preflight.check_program_memory(_ChipProgram(), [smaller], 4)  # type: ignore[arg-type]

@@ -329,8 +329,8 @@ def program_memory(compiled: jax.stages.Compiled, devices: list[Any],
         return None
     temp = int(stats.temp_size_in_bytes)
     # On a TPU the sum counts twice what XLA places in the donated state's buffers as they free
-    # up: a 0.5B step that ran was summed to 18.2 GiB of a 15.75 GiB chip (BENCHMARKS.md); on
-    # CPU the peak leaves out part of the temporaries' one allocation
+    # up, and refused steps the chip ran (BENCHMARKS.md, "Third run on the chip"); on CPU the
+    # peak leaves out part of the temporaries' one allocation
     peak = (int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
             if _compiled_for(compiled) == "tpu" else 0)
     per_device = int(stats.generated_code_size_in_bytes) + (

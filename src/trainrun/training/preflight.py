@@ -331,8 +331,7 @@ def program_memory(compiled: jax.stages.Compiled, devices: list[Any],
     # On a TPU the sum counts twice what XLA places in the donated state's buffers as they free
     # up, and refused steps the chip ran (BENCHMARKS.md, "Third run on the chip"); on CPU the
     # peak leaves out part of the temporaries' one allocation
-    peak = (int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-            if _compiled_for(compiled) == "tpu" else 0)
+    peak = int(stats.peak_memory_in_bytes) if _compiled_for(compiled) == "tpu" else 0
     per_device = int(stats.generated_code_size_in_bytes) + (
         peak or (int(stats.argument_size_in_bytes) + int(stats.output_size_in_bytes)
                  - int(stats.alias_size_in_bytes) + temp))

@@ -25,6 +25,7 @@
 #                                           # unset), where part 1's chip is a CPU made to be
 #                                           # held as one (tests/platform/one_process_cpu)
 #   TPU_CHECK_PARTS="4 5" bash benchmarks/tpu_checks.sh    # only the parts listed
+#   TPU_CHECK_GPT2_MODEL="scan_layers: true" ...           # part 3's model with these fields
 #
 # A part starts only if what it takes (its estimate on the chip) fits in what is left of
 # TPU_CHECK_BUDGET_S (default 510 s): one left out is said in the table, to run in a second
@@ -149,7 +150,7 @@ local shape=$1 MODEL EXTRA_MODEL="" pass t0 code kept
 if [[ $shape == gpt2 ]]; then
   if [[ $TINY == 1 ]]; then V=512; D=64; L=2; H=2; KV=2; F=256; T=64; B=4; K=2; N=4
   else V=50304; D=768; L=12; H=12; KV=12; F=3072; T=1024; B=8; K=10; N=20; fi
-  MODEL="mlp_ratio: 4"
+  MODEL="mlp_ratio: 4${TPU_CHECK_GPT2_MODEL:+, $TPU_CHECK_GPT2_MODEL}"
 else
   if [[ $TINY == 1 ]]; then V=1000; D=64; L=2; H=4; KV=2; F=256; T=64; B=4; K=2; N=4
   else V=151936; D=896; L=24; H=14; KV=2; F=4864; T=2048; B=4; K=4; N=8; fi
@@ -179,7 +180,8 @@ metrics: {every: $K, tensorboard: false}
 YAMLEOF
 for pass in cold warm; do
   t0=$SECONDS
-  TRAINRUN_COMPILATION_CACHE=$WORK/programs-$shape timeout 240 "$PY" -m trainrun train \
+  JAX_LOG_COMPILES=1 TRAINRUN_COMPILATION_CACHE=$WORK/programs-$shape timeout 240 \
+    "$PY" -m trainrun train \
     --config "$WORK/$shape.yaml" --run-dir "$WORK/$shape-$pass" > "$WORK/$shape-$pass.log" 2>&1
   code=$?
   echo "$shape $pass: exit $code, process $((SECONDS - t0)) s"
@@ -195,6 +197,23 @@ print(f"wall {s['wall_s']:.1f} s; backend_start + init + compile {before:.1f} s;
 print("  " + "  ".join(f"{k} {v:.2f}" for k, v in split.items() if v >= 0.005))
 PYEOF
     cp "$WORK/$shape-$pass/summary.json" "$OUT/$shape-$pass.summary.json"
+    "$PY" - "$WORK/$shape-$pass.log" <<'PYEOF'
+import collections, re, sys
+# JAX's own timings of each program's stages (JAX_LOG_COMPILES), summed by program
+stages = {"trace": r"Finished tracing (\S+) for jit in ([0-9.]+) sec",
+          "lower": r"Finished jaxpr to MLIR module conversion jit\((\S+)\) in ([0-9.]+) sec",
+          "compile": r"Finished XLA compilation of jit\((\S+)\) in ([0-9.]+) sec"}
+took: dict = collections.defaultdict(lambda: collections.Counter())
+text = open(sys.argv[1], errors="replace").read()
+for stage, pattern in stages.items():
+    for name, seconds in re.findall(pattern, text):
+        took[name][stage] += float(seconds)
+hits = len(re.findall(r"[Pp]ersistent compilation cache hit", text))
+big = sorted(took.items(), key=lambda kv: -sum(kv[1].values()))
+print("  JAX's stages, s (trace / lower / compile): " + "; ".join(
+    f"{name} {c['trace']:.1f} / {c['lower']:.1f} / {c['compile']:.1f}" for name, c in big[:6]
+    if sum(c.values()) >= 0.05) + f"; cache hits {hits}")
+PYEOF
   else
     tail -5 "$WORK/$shape-$pass.log"
   fi

@@ -2,8 +2,8 @@
 ``--tiny``, on any backend at toy sizes: a check of the code, not a measurement).
 
     python benchmarks/tpu_step.py --out DIR [--tiny] [--parts gpt2,qwen,micro] [--profile]
-        [--budget-s 370] [--rounds 5] [--compile-threads 7]
-        [--gpt2-rows 8,16] [--gpt2-extra select,none,plain-paths]
+        [--budget-s 370] [--rounds 5] [--compile-threads 7] [--compile-alone 2]
+        [--gpt2-rows 8,16] [--gpt2-extra select,none,plain-paths,xla,whole-logits,scan]
         [--gpt2-attention A] [--gpt2-head H] [--gpt2-chunk N]
         [--qwen-rows 8,4,2,1] [--qwen-target 4] [--qwen-extra none,select]
         [--qwen-plain 1x4,1x1] [--qwen-attention A] [--qwen-head H] [--qwen-chunk N]
@@ -21,15 +21,17 @@ unfused``; H: ``library``, ``unrolled``, ``scan``).
 
 Parts:
 
-  gpt2   GPT-2 small (vocabulary 50304, 12 x 768, 12 heads, rope, tied head), 1024 tokens a
-         row, K=10, at each of ``--gpt2-rows``: the plain step and trainrun, and at the first
-         rows trainrun with its guard as a select of every leaf (``select``), without a guard
-         (``none``) or on its plain paths (``plain-paths``: XLA's attention, the head's chunks
-         scanned, the select). One state on the device, handed from call to call; each
+  gpt2   GPT-2 small (vocabulary 50304, 12 x 768, 12 heads, rope, tied head), 1024 tokens a row,
+         K=10, at each of ``--gpt2-rows``: the plain step and trainrun, and at the first rows
+         trainrun with its guard as a select of every leaf (``select``), without a guard (``none``),
+         on its plain paths (``plain-paths``: XLA's attention, the head's chunks scanned, the
+         select), with XLA's attention alone (``xla``), its logits whole (``whole-logits``) or its
+         layers under scan (``scan``). One state on the device, handed from call to call; each
          contender's first call starts from the same fresh state (their losses compared), then
          interleaved rounds (one call of each, a blocking read; medians). The plain step's and
-         trainrun's programs at the first rows are compiled first, one at a time, cold (no
-         compilation cache): their compile seconds compare alone.
+         trainrun's programs at the first rows (and the extras after them, up to ``--compile-alone``
+         programs) are compiled first, one at a time, cold (no compilation cache): their compile
+         seconds compare alone.
   qwen   a Qwen2.5-0.5B shape (vocabulary 151936, 24 layers, d_model 896, 14 query and 2
          key/value heads, SwiGLU 4864, RMSNorm, q/k/v biases, tied head), 2048 tokens a row,
          K=4: trainrun (layers under scan, rematerialized, as ``--qwen-layers``/``--qwen-remat``
@@ -279,7 +281,7 @@ class Variant:
             remat = ", each layer rematerialized" if dict(self.options).get("remat") else ""
             return f"plain JAX (optax AdamW, XLA attention, full bf16 logits, optax CE{remat})"
         parts = [_attention_name(self.attention), _head_name(self.head)]
-        parts += [f"{k}={v}" for k, v in self.options]
+        parts += [f"{k}={v}" for k, v in dict(self.options).items()]
         guard = {"library": "guard: branches", "select": "guard: a select",
                  "none": "no non-finite guard"}[self.guard]
         return ", ".join([*parts, guard])
@@ -1013,7 +1015,15 @@ def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
         extras = {"select": dataclasses.replace(trainrun, name="trainrun, guard a select",
                                                 guard="select"),
                   "none": dataclasses.replace(trainrun, name="trainrun, no guard", guard="none"),
-                  "plain-paths": Variant("trainrun, plain paths", guard="select")}
+                  "plain-paths": Variant("trainrun, plain paths", guard="select"),
+                  "xla": dataclasses.replace(trainrun, name="trainrun, XLA attention",
+                                             attention=PLAIN_ATTENTION),
+                  "whole-logits": dataclasses.replace(
+                      trainrun, name="trainrun, logits whole",
+                      options=(*trainrun.options, ("loss_chunk", 0))),
+                  "scan": dataclasses.replace(
+                      trainrun, name="trainrun, layers under scan",
+                      options=(*trainrun.options, ("scan_layers", True)))}
         for i, (rows, k) in enumerate(parse_sizes(args.gpt2_rows, s.k)):
             wanted = [PLAIN, trainrun] + ([extras[e] for e in args.gpt2_extra.split(",") if e]
                                           if i == 0 else [])
@@ -1038,20 +1048,21 @@ def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
 
 
 def compile_everything(p: Plan, budget: Budget, report: Report, reserve: float,
-                       meanwhile: Callable[[], None]) -> None:
-    """The plain step's and trainrun's programs at GPT-2's first rows one at a time (their
-    compile seconds alone, cold), then every other program on the pool (``meanwhile`` run as
-    they compile), all waited for."""
-    first = next(iter(p.gpt2.values()), [])[:2]
+                       meanwhile: Callable[[], None], alone: int) -> None:
+    """The first ``alone`` programs at GPT-2's first rows (the plain step's, trainrun's, then
+    the extras) one at a time (their compile seconds alone, cold), then every other program on
+    the pool (``meanwhile`` run as they compile), all waited for."""
+    first = next(iter(p.gpt2.values()), [])[:alone]
     for side in first:
         side.compile()
         side.alone = True
         if side.compile_error:
             budget.note(f"{side.name}: compile failed ({side.compile_error})")
     if first:
-        say("\ncompiled alone, cold: " + "; ".join(
-            f"{side.variant.name} {side.compile_s:.1f} s" for side in first))
+        say("\ncompiled alone, cold (traced and lowered; compiled): " + "; ".join(
+            f"{side.variant.name} {side.lower_s:.1f}; {side.compile_s:.1f} s" for side in first))
         report.data["compile_alone_s"] = {side.variant.name: side.compile_s for side in first}
+        report.data["lower_s"] = {side.variant.name: side.lower_s for side in first}
     rest = [side for side in p.eager() if side not in first]
     start = time.monotonic()
     budget.compile_all(rest, reserve, meanwhile)
@@ -1222,7 +1233,8 @@ def run_parts(args: argparse.Namespace, parts: set[str], budget: Budget, report:
             if key in parts:
                 models[key].ready()
 
-    compile_everything(p, budget, report, 150.0 if "qwen" in parts else 60.0, states)
+    compile_everything(p, budget, report, 150.0 if "qwen" in parts else 60.0, states,
+                       args.compile_alone)
     if p.gpt2:
         gpt2_part(p, models["gpt2"], budget, report, peak, args)
     for sides in p.gpt2.values():  # GPT-2's programs off the chip before the 0.5B shape
@@ -1240,6 +1252,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=370.0)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compile-threads", type=int, default=7)
+    parser.add_argument("--compile-alone", type=int, default=2)
     parser.add_argument("--parts", default="gpt2,qwen")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--gpt2-rows", default="8,16")

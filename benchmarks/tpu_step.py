@@ -1,7 +1,7 @@
 """trainrun's training step against a plain-JAX step written here, on one TPU chip (or, with
 ``--tiny``, on any backend at toy sizes: a check of the code, not a measurement).
 
-    python benchmarks/tpu_step.py --out DIR [--tiny] [--parts gpt2,qwen,micro] [--profile]
+    python benchmarks/tpu_step.py --out DIR [--tiny] [--parts gpt2,qwen,micro,init] [--profile]
         [--budget-s 370] [--rounds 5] [--compile-threads 7] [--compile-alone 2]
         [--gpt2-rows 8,16] [--gpt2-extra select,none,plain-paths,xla,whole-logits,scan]
         [--gpt2-attention A] [--gpt2-head H] [--gpt2-chunk N]
@@ -43,6 +43,10 @@ Parts:
          state and each side's temporaries fill most of the chip, so the contenders run one
          after another, not interleaved: each from its own fresh state (the same init bits),
          everything of the one before freed first.
+  init   the state at step 0 at both shapes, three ways: trainrun's init program (compiled
+         without XLA's algebraic simplifier, as ``init_state`` does), the same program with it,
+         and the builder called op by op: trace, compile and run seconds, and whether each gives
+         trainrun's bits.
   micro  the head's loss (chunks scanned or unrolled, chunk sizes) and causal attention (XLA's,
          Pallas splash attention at several blocks, Pallas flash attention) alone, forward and
          backward, at both shapes: time, compiled memory, values and gradients against the
@@ -106,7 +110,13 @@ from trainrun.models.transformer import (
 )
 from trainrun.program.optim import build_optimizer
 from trainrun.program.precision import Policy
-from trainrun.program.state import abstract_state, init_state
+from trainrun.program.state import (
+    INIT_COMPILER_OPTIONS,
+    _state_builder,
+    abstract_state,
+    init_program,
+    init_state,
+)
 from trainrun.program.step import KeepIfNot, keep_if_not, make_multi_step, make_train_step
 
 PEAK_BF16 = 197e12  # TPU v5e datasheet, dense bfloat16
@@ -938,6 +948,69 @@ def matmul_peak(tiny: bool) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
+def init_part(found: dict[str, Shape], models: dict[str, Model], budget: Budget,
+              report: Report) -> None:
+    """The state at step 0 made three ways at each shape: trainrun's init program (traced,
+    lowered, compiled without the algebraic simplifier, run), the same program compiled with
+    it, and the builder called op by op (each op's program compiled once per shape, as a
+    hand-written eager init runs): seconds of each stage, and whether its bits are trainrun's."""
+    say("\n## The state at step 0: trainrun's init program against its alternatives\n")
+    say("| shape | how | trace + lower s | compile s | run s | first run s | same bits |")
+    say("|---|---|---:|---:|---:|---:|---|")
+    rows = []
+    for key, s in found.items():
+        m = models[key]
+        if budget.left() < 60:
+            budget.note(f"{s.name}: init not measured (time budget)")
+            continue
+        jax.clear_caches()
+        start = time.perf_counter()
+        lowered = init_program(m.model, m.optimizer, 0, m.policy)
+        lower_s = time.perf_counter() - start
+        ours: Any = None
+        for how, options in (("trainrun's init program", INIT_COMPILER_OPTIONS),
+                             ("the same, algebraic simplifier on", {})):
+            start = time.perf_counter()
+            compiled = lowered.compile(compiler_options=options)
+            compile_s = time.perf_counter() - start
+            start = time.perf_counter()
+            state = jax.block_until_ready(compiled())
+            run_s = time.perf_counter() - start
+            got = jax.device_get(state)
+            delete(state)
+            same = ours is None or _same_bits(ours, got)
+            ours = got if ours is None else ours
+            rows.append(dict(shape=s.name, how=how, lower_s=lower_s, compile_s=compile_s,
+                             run_s=run_s, same_bits=same))
+        build = _state_builder(m.model, m.optimizer, 0, m.policy)
+        jax.clear_caches()
+        runs = []
+        for _ in range(2):
+            start = time.perf_counter()
+            state = jax.block_until_ready(build())
+            runs.append(time.perf_counter() - start)
+            got = jax.device_get(state)
+            delete(state)
+        rows.append(dict(shape=s.name, how="op by op", lower_s=math.nan, compile_s=math.nan,
+                         run_s=runs[1], first_run_s=runs[0], same_bits=_same_bits(ours, got)))
+        for r in rows[-3:]:
+            say(f"| {r['shape']} | {r['how']} | {r['lower_s']:.1f} | {r['compile_s']:.1f} | "
+                f"{r['run_s']:.2f} | {r.get('first_run_s', math.nan):.1f} | "
+                f"{'yes' if r['same_bits'] else 'no'} |")
+        report.data["init"] = rows
+        report.save()
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    def raw(x: Any) -> np.ndarray:
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.atleast_1d(np.asarray(x)).view(np.uint8)
+
+    return all(np.array_equal(raw(x), raw(y))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
 PLAIN = Variant("plain", plain=True)
 PLAIN_REMAT = Variant("plain, layers rematerialized", plain=True, options=(("remat", True),))
 
@@ -1223,6 +1296,8 @@ def run_parts(args: argparse.Namespace, parts: set[str], budget: Budget, report:
             micro[key] = {**({"chunk": head[0], "head": head[1]} if head else {}),
                           **({"attention": attention} if attention else {})}
         report.save()
+    if "init" in parts:
+        init_part(found, models, budget, report)
     tuned = variants(args, micro, found)
     for key in found:
         say(f"\ntrainrun at {found[key].name}: {tuned[key].describe()}")

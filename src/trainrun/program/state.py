@@ -83,6 +83,21 @@ def create_state(params: PyTree, optimizer: optax.GradientTransformation,
     )
 
 
+def state_tree(state: TrainState) -> dict[str, PyTree]:
+    """The state as the nested dicts its checkpoint holds, each field (the loss scale's too) by
+    name: a restore target Orbax fills without building the state's classes."""
+    tree = {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
+    scale = state.loss_scale
+    tree["loss_scale"] = {field.name: getattr(scale, field.name)
+                          for field in dataclasses.fields(scale)}
+    return tree
+
+
+def state_from_tree(tree: dict[str, PyTree]) -> TrainState:
+    """The state ``state_tree`` gave as nested dicts, as the ``TrainState`` it was."""
+    return TrainState(**{**tree, "loss_scale": LossScale(**tree["loss_scale"])})
+
+
 def step_key(state: TrainState) -> jax.Array:
     """The randomness of the step about to run: ``fold_in(state.key, state.step)``."""
     return jax.random.fold_in(state.key, state.step)

@@ -1,5 +1,6 @@
 """TrainState: everything that decides the future of a run, as one registered pytree, and how a
-run builds it (abstract shapes, a fresh sharded init). No IO."""
+run builds it (abstract shapes, a fresh sharded init), and the nested dicts a checkpoint holds
+it as. No IO."""
 
 from __future__ import annotations
 

@@ -43,10 +43,10 @@ RANGE, RANGES_AT_ONCE = 32 << 20, 4
 
 
 def file_digest(path: Location, size: int | None = None) -> str:
-    """The sha256 of a file; an object on object storage of known ``size`` is read as ranges
-    several at a time (a round trip each), hashed in order."""
+    """The sha256 of a file, streamed; one whose ``size`` is given (an object on object
+    storage, each read a round trip) is read as ranges several at a time, hashed in order."""
     digest = hashlib.sha256()
-    if path.local_path is None and size is not None and size > RANGE:  # a round trip a read
+    if size is not None and size > RANGE:
         starts = range(0, size, RANGE)
         with ThreadPoolExecutor(RANGES_AT_ONCE) as pool:
             for block in pool.map(lambda a: path.read_range(a, min(a + RANGE, size)),
@@ -72,7 +72,9 @@ def digests(directory: Location, sizes: dict[str, int]) -> dict[str, str]:
         with ThreadPoolExecutor(min(REMOTE_READERS, len(small))) as pool:
             found = dict(zip(small, pool.map(
                 lambda name: file_digest(directory / name, sizes[name]), small), strict=True))
-    return {name: found.get(name) or file_digest(directory / name, sizes[name])
+    # the store asked once here, not again for each file
+    return {name: found.get(name) or file_digest(directory / name,
+                                                 sizes[name] if at_once else None)
             for name in sizes}
 
 

@@ -27,7 +27,7 @@ from trainrun.checkpointing.integrity import step_record_problem, verify_step
 from trainrun.config import ConfigError, RunConfig, config_from_dict
 from trainrun.errors import UserError
 from trainrun.models import Model
-from trainrun.program.state import run_abstract_state
+from trainrun.program.state import run_abstract_state, state_from_tree, state_tree
 from trainrun.storage import location
 
 PyTree = Any
@@ -98,20 +98,20 @@ def latest_state(run_dir: location.Location | str | os.PathLike[str], config: Ru
             raise RunReadError(f"{run_dir} has no checkpoint of step {step}; its steps: "
                               f"{', '.join(map(str, sorted(steps)))}")
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = run_abstract_state(config, model)
+        # plain dicts: Orbax fills them without calling back into the state's classes
+        abstract = state_tree(run_abstract_state(config, model))
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                               abstract)
         if not optimizer_state:
-            target = target.replace(opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER,
-                                                           target.opt_state))
+            target["opt_state"] = jax.tree.map(lambda _: ocp.PLACEHOLDER, target["opt_state"])
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
 
         def read(step: int) -> Any:  # a step whose files changed or fail: the one before
             changed = verify_step(directory / str(step), read=False).problems  # its checksums
             if changed:
                 raise Unreadable(changed[0])
-            return readable(lambda: ckpt.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))))["state"]
+            return state_from_tree(readable(lambda: ckpt.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))))["state"])
 
         found, state, problems = newest_readable([step] if step is not None else steps, read)
         if found is not None and state is not None:  # state: a step was read

@@ -1,5 +1,6 @@
 """TrainState: everything that decides the future of a run, as one registered pytree, and how a
-run builds it (abstract shapes, a fresh sharded init). No IO."""
+run builds it (abstract shapes, a fresh sharded init), and the nested dicts a checkpoint holds
+it as. No IO."""
 
 from __future__ import annotations
 
@@ -81,6 +82,21 @@ def create_state(params: PyTree, optimizer: optax.GradientTransformation,
         model_state=model_state,
         ema=jax.tree.map(jnp.copy, params) if ema else None,
     )
+
+
+def state_tree(state: TrainState) -> dict[str, PyTree]:
+    """The state as the nested dicts its checkpoint holds, each field (the loss scale's too) by
+    name: a restore target Orbax fills without building the state's classes."""
+    tree = {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
+    scale = state.loss_scale
+    tree["loss_scale"] = {field.name: getattr(scale, field.name)
+                          for field in dataclasses.fields(scale)}
+    return tree
+
+
+def state_from_tree(tree: dict[str, PyTree]) -> TrainState:
+    """The state ``state_tree`` gave as nested dicts, as the ``TrainState`` it was."""
+    return TrainState(**{**tree, "loss_scale": LossScale(**tree["loss_scale"])})
 
 
 def step_key(state: TrainState) -> jax.Array:

@@ -1,7 +1,7 @@
 """benchmarks/tpu_step.py at toy sizes on the CPU: it runs, and its JSON holds both shapes'
 figures, sane, with the plain step and trainrun's step computing the same losses from the
 same params; no compile ran beside a timing; the head's and attention's paths compute what
-the plain ones do."""
+the plain ones do; the state at step 0 made op by op has the init program's bits."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
         [str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "tpu_step.py"), "--tiny", "--out",
-         str(tmp_path), "--parts", "micro,gpt2,qwen", "--rounds", "2", "--compile-threads",
+         str(tmp_path), "--parts", "micro,init,gpt2,qwen", "--rounds", "2", "--compile-threads",
          "2", "--budget-s", "3000", "--gpt2-extra", "select", "--gpt2-attention", "library",
          # the head as trainrun chooses it on a TPU, not as the micro part's CPU timings do
          "--gpt2-head", "library", "--qwen-attention", "splash"],
@@ -39,6 +39,13 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
     assert all("failed" not in r and r["ok"] and r["ms"] > 0 for r in micro), micro
     names = {r["name"] for r in micro}
     assert any(n.startswith("unrolled") for n in names) and any("splash" in n for n in names)
+
+    # the state at step 0: op by op it is trainrun's init program's bits, as state.py says
+    init = {(r["shape"], r["how"]): r for r in report["init"]}
+    assert {shape for shape, _ in init} == {"gpt2-tiny", "qwen-tiny"} and len(init) == 6
+    for shape in ("gpt2-tiny", "qwen-tiny"):
+        assert init[shape, "op by op"]["same_bits"], init
+        assert init[shape, "trainrun's init program"]["compile_s"] > 0
 
     # the two main programs compiled alone, before any other
     assert set(report["compile_alone_s"]) == {"plain", "trainrun"}

@@ -146,7 +146,7 @@ fi
 # Qwen2.5-0.5B shape, 4 x 2048 tokens, K=4, layers under scan, rematerialized) on a token file,
 # cold (an empty compile cache) and again from the cache
 first_step() {
-local shape=$1 MODEL EXTRA_MODEL="" pass t0 code kept
+local shape=$1 MODEL pass t0 code kept
 if [[ $shape == gpt2 ]]; then
   if [[ $TINY == 1 ]]; then V=512; D=64; L=2; H=2; KV=2; F=256; T=64; B=4; K=2; N=4
   else V=50304; D=768; L=12; H=12; KV=12; F=3072; T=1024; B=8; K=10; N=20; fi
@@ -203,7 +203,7 @@ import collections, re, sys
 stages = {"trace": r"Finished tracing (\S+) for jit in ([0-9.]+) sec",
           "lower": r"Finished jaxpr to MLIR module conversion jit\((\S+)\) in ([0-9.]+) sec",
           "compile": r"Finished XLA compilation of jit\((\S+)\) in ([0-9.]+) sec"}
-took: dict = collections.defaultdict(lambda: collections.Counter())
+took: dict = collections.defaultdict(collections.Counter)
 text = open(sys.argv[1], errors="replace").read()
 for stage, pattern in stages.items():
     for name, seconds in re.findall(pattern, text):

@@ -47,6 +47,22 @@ def test_state_packing_off_carries_the_train_state_itself():
     assert isinstance(off.carrier, TrainStateCarrier)
 
 
+def test_a_run_whose_state_is_built_op_by_op_is_the_chapter_run(tmp_path, monkeypatch):
+    """The one-device TPU init (``tpu_op_by_op_init``) chosen here: no init program compiles,
+    and the run trains the chapter's bits."""
+    from trainrun.program import state
+    from trainrun.training import setup
+
+    monkeypatch.setattr(Strategies, "init_op_by_op", lambda self, devices, backend=None: True)
+
+    def refused(lowered):
+        raise AssertionError("an init program was compiled")
+
+    for module in (state, setup):
+        monkeypatch.setattr(module, "compile_init", refused)
+    assert trainrun_losses(tmp_path).tobytes() == chapter_losses().tobytes()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 10, 7])
 def test_the_plain_path_trains_the_fast_paths_bits(tmp_path, monkeypatch, k):
@@ -110,6 +126,8 @@ def test_on_a_tpu_the_kernels_and_the_unrolled_head_are_chosen_each_by_its_switc
     assert on.nonfinite_guard(10) is keep_if_not_branched  # one branch there (fast/guard.py)
     assert on.nonfinite_guard(1) is keep_if_not and off.nonfinite_guard(10) is keep_if_not
     assert off.attention().kernel is None and off.head_loss() == PLAIN_HEAD
+    assert on.init_op_by_op(1) and not on.init_op_by_op(2) and not off.init_op_by_op(1)
+    assert not on.init_op_by_op(1, backend="gpu")
     unrolled = Strategies(dataclasses.replace(FastPaths.none(), tpu_unrolled_head=True))
     assert unrolled.head_loss() == HeadPath(unrolled=True) and unrolled.attention().kernel is None
     splash = Strategies(dataclasses.replace(FastPaths.none(), tpu_splash_attention=True))

@@ -14,6 +14,7 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
                                else ``AttentionPath()``, XLA's form
     how the head's loss runs   on a TPU, its chunks unrolled one after another; else
                                ``losses.PLAIN_HEAD``, a ``lax.scan`` over the chunks
+    how a fresh state is made  on a TPU with one device, op by op; else one init program
 
 A fast path that is off, or that does not fit the run, leaves the plain path's default.
 """
@@ -87,6 +88,13 @@ class Strategies:
         if self.switch.guard_branches and steps_per_call > 1:
             return keep_if_not_branched
         return keep_if_not
+
+    def init_op_by_op(self, devices: int, backend: str | None = None) -> bool:
+        """On a TPU with one device, a fresh state built op by op: its small programs compile
+        in seconds where the init program compiled for a minute (BENCHMARKS.md, "Fifth run on
+        the chip"); the same bits (``program.state.init_state``)."""
+        return (self.switch.tpu_op_by_op_init and devices == 1
+                and (backend or jax.default_backend()) == "tpu")
 
     def metric_writes(self) -> WriterThread | None:
         """A writer thread of its own; None: the metric log writes in the loop's thread."""

@@ -28,6 +28,8 @@ plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
                         measured there and a fused backward pass (``fast/tpu_attention.py``)
     tpu_unrolled_head   on a TPU, the chunks of the head's loss run one after another in
                         straight-line code, not a ``lax.scan`` (``losses.HeadPath``)
+    tpu_op_by_op_init   on a TPU with one device, a fresh run's state is built op by op, not
+                        compiled as one init program (``program.state.init_state``)
 
 ``TRAINRUN_FAST_PATHS``: ``all`` (the default), ``none``, or the names to keep on, comma
 separated. Why each pays, and on what: docs/internals.md, "Fast paths".
@@ -58,6 +60,7 @@ class FastPaths:
     fused_gpu_attention: bool = True
     tpu_splash_attention: bool = True
     tpu_unrolled_head: bool = True
+    tpu_op_by_op_init: bool = True
 
     def on(self) -> list[str]:
         """The names of the fast paths that are on."""

@@ -40,7 +40,8 @@ def fresh_state(config: RunConfig, parts: Parts, kind: RunKind,
         return jax.block_until_ready(kind.started(state))
     return jax.block_until_ready(init_state(
         parts.model, parts.optimizer, config.seed, parts.policy, parts.state_sharding,
-        compiled=None if compiling is None else compiling.result()))
+        compiled=None if compiling is None else compiling.result(),
+        op_by_op=parts.init_op_by_op))
 
 
 @dataclasses.dataclass(frozen=True)

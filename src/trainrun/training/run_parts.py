@@ -30,6 +30,7 @@ class Parts:
     policy: Policy
     abstract: TrainState
     state_sharding: TrainState
+    init_op_by_op: bool = False  # the state at step 0 built op by op (a fast path's choice)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -277,7 +277,7 @@ def _parts(config: RunConfig, model: Model | None, batch_size: int, console: Con
                                  kind.state_holds)
     return Parts(mesh=mesh, placement=placement, model=built, counted=counted,
                  optimizer=optimizer, policy=policy, abstract=abstract,
-                 state_sharding=state_sharding)
+                 state_sharding=state_sharding, init_op_by_op=chosen.init_op_by_op(mesh.size))
 
 
 def _model(config: RunConfig, mesh: Any, chosen: Strategies, kind: RunKind) -> Model:
@@ -324,9 +324,9 @@ def _checked_programs(compiled_steps: Callable[..., CompiledSteps], chosen: Stra
 def _init_compiling(config: RunConfig, parts: Parts, resumes: int | None, watch: Stopwatch,
                     cleanup: contextlib.ExitStack) -> BackgroundCompile | None:
     """A fresh run's init program, traced here and compiled in a thread while set-up compiles
-    the step program (``background_compile.py``); None for a run that resumes or starts from
-    init.from's source."""
-    if resumes is not None or config.init.from_ is not None:
+    the step program (``background_compile.py``); None for a run that resumes, starts from
+    init.from's source or builds its state op by op."""
+    if resumes is not None or config.init.from_ is not None or parts.init_op_by_op:
         return None
     with watch.phase("init"):
         lowered = init_program(parts.model, parts.optimizer, config.seed, parts.policy,

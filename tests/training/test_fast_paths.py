@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -49,7 +50,8 @@ def test_state_packing_off_carries_the_train_state_itself():
 
 def test_a_run_whose_state_is_built_op_by_op_is_the_chapter_run(tmp_path, monkeypatch):
     """The one-device TPU init (``tpu_op_by_op_init``) chosen here: no init program compiles,
-    and the run trains the chapter's bits."""
+    the state is built in a thread beside the step's compile, and the run trains the chapter's
+    bits."""
     from trainrun.program import state
     from trainrun.training import setup
 
@@ -60,7 +62,17 @@ def test_a_run_whose_state_is_built_op_by_op_is_the_chapter_run(tmp_path, monkey
 
     for module in (state, setup):
         monkeypatch.setattr(module, "compile_init", refused)
+    built_in = []
+    real = setup.init_state
+
+    def recorded(*args, **kwargs):
+        built_in.append((threading.current_thread().name, kwargs.get("op_by_op")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(setup, "init_state", recorded)
     assert trainrun_losses(tmp_path).tobytes() == chapter_losses().tobytes()
+    # built beside the step program's compile, in init's own thread
+    assert [(name.startswith("trainrun-init"), op) for name, op in built_in] == [(True, True)]
 
 
 @pytest.mark.slow

@@ -24,23 +24,23 @@ from trainrun.models.transformer import embedding_rows
 from trainrun.program.state import TrainState, init_state
 from trainrun.reporting.console import Console
 from trainrun.storage.location import LocalLocation
-from trainrun.training.background_compile import BackgroundCompile
+from trainrun.training.background_init import BackgroundInit
 from trainrun.training.kinds.base import RunKind
 from trainrun.training.run_parts import Parts
 
 
 def fresh_state(config: RunConfig, parts: Parts, kind: RunKind,
-                compiling: BackgroundCompile | None = None) -> TrainState:
-    """The state a run without a checkpoint starts from: random init (``compiling``: its
-    program, compiling already), or ``init.from``'s source placed where the state goes
-    (loaded, or refused, before anything is written)."""
+                readying: BackgroundInit | None = None) -> TrainState:
+    """The state a run without a checkpoint starts from: random init (``readying``: its
+    program compiling, or its state being built, already), or ``init.from``'s source placed
+    where the state goes (loaded, or refused, before anything is written)."""
     if config.init.from_ is not None:
         state = init_from.initial_state(config, parts.model, parts.optimizer, parts.policy,
                                         parts.state_sharding, parts.abstract)
         return jax.block_until_ready(kind.started(state))
     return jax.block_until_ready(init_state(
         parts.model, parts.optimizer, config.seed, parts.policy, parts.state_sharding,
-        compiled=None if compiling is None else compiling.result(),
+        compiled=None if readying is None else readying.result(),
         op_by_op=parts.init_op_by_op))
 
 
@@ -71,12 +71,12 @@ class Resuming:
 
 
 def restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, batches: Any,
-                    loaded: TrainState | None, init_compiling: BackgroundCompile | None,
+                    loaded: TrainState | None, init_readying: BackgroundInit | None,
                     resuming: Resuming) -> TrainState:
     """The newest readable checkpoint's state, placed by the state's shardings (any mesh), with
     the data iterator set to its position, once its config and the data files are checked
     against the run's; else a fresh state (``loaded``: init.from's, made already;
-    ``init_compiling``: the init program, compiling since before the claim). Then the
+    ``init_readying``: its init, readied since before the claim). Then the
     run's files are written for the step it starts at, the data files' fingerprints among
     them (nothing is written before a refusal)."""
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -90,7 +90,7 @@ def restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, b
     restored = checkpoints.restore(target, batches, check)
     if restored is None:
         state = (loaded if loaded is not None
-                 else fresh_state(config, parts, resuming.kind, init_compiling))
+                 else fresh_state(config, parts, resuming.kind, init_readying))
         step = int(state.step)
     else:
         state, step = restored.state, restored.step

@@ -61,6 +61,7 @@ from trainrun.program.state import (
     abstract_state,
     compile_init,
     init_program,
+    init_state,
 )
 from trainrun.reporting.console import Console, make_console
 from trainrun.reporting.provenance import provenance
@@ -72,7 +73,7 @@ from trainrun.rundir.remote_run import RemoteRunDirectory, RunMirror
 from trainrun.storage import location, remote
 from trainrun.storage.location import LocalLocation, Location
 from trainrun.training import preflight
-from trainrun.training.background_compile import BackgroundCompile
+from trainrun.training.background_init import BackgroundInit, StateMaker
 from trainrun.training.callbacks import Callback, CallbackHook
 from trainrun.training.calls import CallRunner
 from trainrun.training.checkpoint_hook import CheckpointHook
@@ -161,13 +162,15 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
     stream = _metric_stream(config)
     timing = _timing(chosen, found, watch)
     compiled_steps = _compiled_steps(config, parts, timing.watch, stream, chosen)
-    init_compiling = _init_compiling(config, parts, resumes, timing.watch, cleanup)
-    programs = _checked_programs(compiled_steps, chosen, config, found, parts, resumes)
+    init_readying = _init_readying(config, parts, resumes, timing.watch, cleanup)
+    # a state being built meanwhile holds memory: the program is checked once it is placed
+    programs = _checked_programs(compiled_steps, chosen, config, found, parts, resumes,
+                                 check=not (init_readying is not None and parts.init_op_by_op))
     loaded = _init_from_state(config, parts, resumes, timing.watch, kind)
     checkpoints, mirror = _claim(config, directory, prov, primary, console, cleanup)
     with timing.watch.phase("init"):
         state = restore_or_init(checkpoints, config, parts, found.batches, loaded,
-                                init_compiling, Resuming(
+                                init_readying, Resuming(
                                     run_dir, directory.display, prov, console, primary,
                                     found.files, asked.allow_config_change,
                                     asked.allow_data_change, kind))
@@ -312,28 +315,37 @@ def _compiled_steps(config: RunConfig, parts: Parts, watch: Stopwatch,
 
 def _checked_programs(compiled_steps: Callable[..., CompiledSteps], chosen: Strategies,
                       config: RunConfig, data: RunData, parts: Parts,
-                      resumes: int | None) -> CompiledSteps:
+                      resumes: int | None, check: bool = True) -> CompiledSteps:
     """The run's programs on its batch source (cut at data position 0), the usual call's
-    compiled on shapes and its memory checked (``_check_program_memory``) for the step the
-    run starts at."""
+    compiled on shapes and (``check``) its memory checked (``_check_program_memory``) for the
+    step the run starts at."""
     programs = compiled_steps(source=chosen.batch_source(data.batches, parts.mesh.size == 1))
-    _check_program_memory(programs, config, data.dataset, parts, start=resumes or 0)
+    _check_program_memory(programs, config, data.dataset, parts, start=resumes or 0,
+                          check=check)
     return programs
 
 
-def _init_compiling(config: RunConfig, parts: Parts, resumes: int | None, watch: Stopwatch,
-                    cleanup: contextlib.ExitStack) -> BackgroundCompile | None:
-    """A fresh run's init program, traced here and compiled in a thread while set-up compiles
-    the step program (``background_compile.py``); None for a run that resumes, starts from
-    init.from's source or builds its state op by op."""
-    if resumes is not None or config.init.from_ is not None or parts.init_op_by_op:
+def _init_readying(config: RunConfig, parts: Parts, resumes: int | None, watch: Stopwatch,
+                   cleanup: contextlib.ExitStack) -> BackgroundInit | None:
+    """A fresh run's init readied in a thread while set-up compiles the step program
+    (``background_init.py``): its program traced here and compiled there, or its state built
+    there op by op (``Parts.init_op_by_op``); None for a run that resumes or starts from
+    init.from's source."""
+    if resumes is not None or config.init.from_ is not None:
         return None
-    with watch.phase("init"):
-        lowered = init_program(parts.model, parts.optimizer, config.seed, parts.policy,
-                               parts.state_sharding)
-    compiling = BackgroundCompile(lowered, compile_init)
-    cleanup.callback(compiling.wait)
-    return compiling
+    if parts.init_op_by_op:
+        def built() -> StateMaker:
+            state = init_state(parts.model, parts.optimizer, config.seed, parts.policy,
+                               parts.state_sharding, op_by_op=True)
+            return lambda: state
+        readying = BackgroundInit(built)
+    else:
+        with watch.phase("init"):
+            lowered = init_program(parts.model, parts.optimizer, config.seed, parts.policy,
+                                   parts.state_sharding)
+        readying = BackgroundInit(lambda: compile_init(lowered))
+    cleanup.callback(readying.wait)
+    return readying
 
 
 def _init_from_state(config: RunConfig, parts: Parts, resumes: int | None,
@@ -476,14 +488,15 @@ def _checkpoint_hooks(config: RunConfig, checkpoints: Checkpoints, log: MetricLo
 
 
 def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any, parts: Parts,
-                          start: int) -> None:
+                          start: int, check: bool = True) -> None:
     """Compile the program of the run's usual call (K steps, or what is left from ``start``) on
     the shapes of the state and of the data's first batch, and refuse it if its buffers do not
     fit (``preflight.check_program_memory``, naming the batch size that fits) or XLA refuses
     to compile it for its memory (``preflight.compile_or_refuse``, the same): the step is
     compiled on shapes alone, before any state exists, and the first call runs that
     executable. Data that is a plain iterator cannot be looked at: its program is compiled at
-    the first call, unchecked."""
+    the first call, unchecked. ``check`` False: compiled (or refused by XLA) only, its memory
+    left to ``_check_call_memory``."""
     k = min(config.steps_per_call, config.steps - start)
     batch = programs.source.held(k)  # None: host batches, shaped as the data's first
     if batch is None:
@@ -494,7 +507,8 @@ def _check_program_memory(programs: CompiledSteps, config: RunConfig, data: Any,
     # a TPU's compiler refuses a program over the chip's memory as it compiles
     compiled = preflight.compile_or_refuse(
         lambda: programs.compile(k, programs.carried_shapes(), batch), devices, k, resize)
-    preflight.check_program_memory(compiled, devices, k, resize=resize)
+    if check:
+        preflight.check_program_memory(compiled, devices, k, resize=resize)
 
 
 def _check_call_memory(programs: CompiledSteps, state: TrainState, config: RunConfig,

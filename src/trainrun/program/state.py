@@ -182,12 +182,12 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | N
     this state. op_by_op: built as a hand-written eager init runs, each op's small program
     compiled on its own, then placed (for one device: the whole state is made there); the
     same bits as the program."""
+    if compiled is not None:
+        return compiled()
     if op_by_op:
         state = _state_builder(model, optimizer, seed, policy)()
         return state if shardings is None else jax.device_put(state, shardings)
-    if compiled is None:
-        compiled = compile_init(init_program(model, optimizer, seed, policy, shardings))
-    return compiled()
+    return compile_init(init_program(model, optimizer, seed, policy, shardings))()
 
 
 def init_program(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None = None,

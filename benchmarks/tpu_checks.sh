@@ -146,7 +146,7 @@ fi
 # Qwen2.5-0.5B shape, 4 x 2048 tokens, K=4, layers under scan, rematerialized) on a token file,
 # cold (an empty compile cache) and again from the cache
 first_step() {
-local shape=$1 MODEL pass t0 code kept
+local shape=$1 MODEL pass t0 code kept largest
 if [[ $shape == gpt2 ]]; then
   if [[ $TINY == 1 ]]; then V=512; D=64; L=2; H=2; KV=2; F=256; T=64; B=4; K=2; N=4
   else V=50304; D=768; L=12; H=12; KV=12; F=3072; T=1024; B=8; K=10; N=20; fi
@@ -221,6 +221,9 @@ PYEOF
          | sed 's/-[0-9a-f]*-cache$//' | sort | uniq -c \
          | awk '{printf "%s%s x%s", (NR > 1 ? ", " : ""), $2, $1}')
   echo "programs in the cache after the $pass run: $kept"
+  largest=$(ls -S "$WORK/programs-$shape" 2> /dev/null | grep -- '-cache$' | head -1)
+  [[ -n $largest ]] && echo "the largest: ${largest%%-*}, $(( $(stat -c %s \
+    "$WORK/programs-$shape/$largest") / 1000000 )) MB"
   result "$shape train, $pass" "$(verdict $code)" "exit $code, $((SECONDS - t0)) s"
 done
 }

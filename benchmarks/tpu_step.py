@@ -88,6 +88,7 @@ import sys
 import tempfile
 import time
 import traceback
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -1136,12 +1137,45 @@ def compile_everything(p: Plan, budget: Budget, report: Report, reserve: float,
             f"{side.variant.name} {side.lower_s:.1f}; {side.compile_s:.1f} s" for side in first))
         report.data["compile_alone_s"] = {side.variant.name: side.compile_s for side in first}
         report.data["lower_s"] = {side.variant.name: side.lower_s for side in first}
+        trips = {side.variant.name: cache_round_trip(side.compiled) for side in first
+                 if side.compiled is not None}
+        say("what the compile cache adds, done by hand (serialize; zlib compress; MB "
+            "compressed; decompress; deserialize and load, s): " + "; ".join(
+                f"{name} {t['serialize_s']:.1f}; {t['compress_s']:.1f}; {t['mb']:.0f}; "
+                f"{t['decompress_s']:.1f}; {t['load_s']:.1f}" if "mb" in t else
+                f"{name} {t['error']}" for name, t in trips.items()))
+        report.data["cache_round_trip"] = trips
     rest = [side for side in p.eager() if side not in first]
     start = time.monotonic()
     budget.compile_all(rest, reserve, meanwhile)
     if rest:
         say(f"the other {len(rest)} programs compiled side by side in "
             f"{time.monotonic() - start:.0f} s ({budget.threads} threads)")
+
+
+def cache_round_trip(compiled: Any) -> dict[str, Any]:
+    """What JAX's persistent compile cache does to a program on its write and its read,
+    timed step by step: the executable serialized and compressed as JAX compresses it without
+    zstandard (zlib), then decompressed, deserialized and loaded onto the device."""
+    from jax.experimental.serialize_executable import deserialize_and_load, serialize
+
+    try:
+        start = time.perf_counter()
+        payload, in_tree, out_tree = serialize(compiled)
+        serialize_s = time.perf_counter() - start
+        start = time.perf_counter()
+        packed = zlib.compress(payload)
+        compress_s = time.perf_counter() - start
+        start = time.perf_counter()
+        unpacked = zlib.decompress(packed)
+        decompress_s = time.perf_counter() - start
+        start = time.perf_counter()
+        deserialize_and_load(unpacked, in_tree, out_tree)
+        load_s = time.perf_counter() - start
+    except Exception as err:  # a backend that cannot serialize: said, not measured
+        return {"error": first_line(err, 120)}
+    return {"serialize_s": serialize_s, "compress_s": compress_s, "mb": len(packed) / 1e6,
+            "raw_mb": len(payload) / 1e6, "decompress_s": decompress_s, "load_s": load_s}
 
 
 def gpt2_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,

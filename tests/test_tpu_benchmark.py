@@ -49,6 +49,10 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
 
     # the two main programs compiled alone, before any other
     assert set(report["compile_alone_s"]) == {"plain", "trainrun"}
+    # the compile cache's write and read, step by step, of each program compiled alone
+    trips = report["cache_round_trip"]
+    assert set(trips) == {"plain", "trainrun"}
+    assert all(t["raw_mb"] > t["mb"] > 0 and t["load_s"] > 0 for t in trips.values()), trips
     gpt2 = report["gpt2"]
     assert set(gpt2) == {"2", "3", "4"}  # 4: trainrun alone, past the plain step's largest
     first = {r["name"]: r for r in gpt2["2"]["rows"]}

@@ -31,7 +31,8 @@ Parts:
          interleaved rounds (one call of each, a blocking read; medians). The plain step's and
          trainrun's programs at the first rows (and the extras after them, up to ``--compile-alone``
          programs) are compiled first, one at a time, cold (no compilation cache): their compile
-         seconds compare alone.
+         seconds compare alone, and each is put through the cache's write and read by hand
+         (serialized, compressed, decompressed, loaded: the seconds of each and its size).
   qwen   a Qwen2.5-0.5B shape (vocabulary 151936, 24 layers, d_model 896, 14 query and 2
          key/value heads, SwiGLU 4864, RMSNorm, q/k/v biases, tied head), 2048 tokens a row,
          K=4: trainrun (layers under scan, rematerialized, as ``--qwen-layers``/``--qwen-remat``

@@ -1143,8 +1143,10 @@ def compile_everything(p: Plan, budget: Budget, report: Report, reserve: float,
         say("what the compile cache adds, done by hand (serialize; zlib compress; MB "
             "compressed; decompress; deserialize and load, s): " + "; ".join(
                 f"{name} {t['serialize_s']:.1f}; {t['compress_s']:.1f}; {t['mb']:.0f}; "
-                f"{t['decompress_s']:.1f}; {t['load_s']:.1f}" if "mb" in t else
-                f"{name} {t['error']}" for name, t in trips.items()))
+                f"{t['decompress_s']:.1f}; {t['load_s']:.1f}" + (
+                    f" (zstd: {t['zstd_compress_s']:.1f}; {t['zstd_mb']:.0f}; "
+                    f"{t['zstd_decompress_s']:.1f})" if "zstd_mb" in t else "")
+                if "mb" in t else f"{name} {t['error']}" for name, t in trips.items()))
         report.data["cache_round_trip"] = trips
     rest = [side for side in p.eager() if side not in first]
     start = time.monotonic()
@@ -1175,8 +1177,19 @@ def cache_round_trip(compiled: Any) -> dict[str, Any]:
         load_s = time.perf_counter() - start
     except Exception as err:  # a backend that cannot serialize: said, not measured
         return {"error": first_line(err, 120)}
-    return {"serialize_s": serialize_s, "compress_s": compress_s, "mb": len(packed) / 1e6,
-            "raw_mb": len(payload) / 1e6, "decompress_s": decompress_s, "load_s": load_s}
+    got = {"serialize_s": serialize_s, "compress_s": compress_s, "mb": len(packed) / 1e6,
+           "raw_mb": len(payload) / 1e6, "decompress_s": decompress_s, "load_s": load_s}
+    try:  # what JAX's cache would do with zstandard installed
+        import zstandard  # type: ignore[import-not-found]
+    except ImportError:
+        return got
+    start = time.perf_counter()
+    packed = zstandard.ZstdCompressor().compress(payload)
+    got["zstd_compress_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    zstandard.ZstdDecompressor().decompress(packed)
+    got.update(zstd_decompress_s=time.perf_counter() - start, zstd_mb=len(packed) / 1e6)
+    return got
 
 
 def gpt2_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,

@@ -60,8 +60,8 @@ A markdown report on stdout and in OUT/tpu_post_training.md; every figure in
 OUT/tpu_post_training.json (both written again as each part, and each DPO batch, ends).
 ``--budget-s`` is a deadline: a compile starts only where the longest compile seen here would
 still end before it, timing rounds stop where one more would not, what is skipped is said in
-a line, and at the deadline itself the report is written as it stands and the process ends
-(exit 2).
+a line, and at the deadline itself the report is written as it stands and the process ends.
+Exit 2 where the budget left a program out, at the deadline or before it.
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ class Budget:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
         self.notes: list[str] = []
         self.compile_s: list[float] = []  # each compile's seconds, as it ends
+        self.left_out = False  # whether a program was not compiled for want of time
 
     def left(self) -> float:
         return self.deadline - self.clock()
@@ -184,6 +185,7 @@ class Budget:
         estimate, left = self.estimate(), self.left() - reserve
         if estimate + then <= left:
             return True
+        self.left_out = True
         self.note(f"{name}: not compiled: a compile took {estimate:.0f} s here (then "
                   f"{then:.0f} s to time it), {max(left, 0):.0f} s are left")
         return False
@@ -209,6 +211,7 @@ class Budget:
             return future.result(timeout=max(self.left() - reserve, 0.0))
         except concurrent.futures.TimeoutError:
             future.cancel()
+            self.left_out = True
             self.note(f"{name}: not compiled within the time budget; skipped")
         except Exception as err:  # a program that cannot be built is reported, not fatal
             self.note(f"{name}: compile failed ({type(err).__name__}: {str(err)[:300]})")
@@ -880,6 +883,9 @@ def main() -> int:
     except Exception:  # whatever was measured is still written
         budget.note("stopped by an error: " + traceback.format_exc()[-2000:])
         code = 1
+    if code == 0 and budget.left_out:  # ended before the deadline, yet short of the budget
+        code = 2
+        budget.note("the time budget ran out: what it left out is said above")
     report.data["notes"] = budget.notes
     report.data["wall_s"] = time.monotonic() - started
     report.save()

@@ -120,9 +120,13 @@ def test_a_keyboard_interrupt_of_the_function_is_its_failure_under_a_runs_handle
     file = tmp_path / "interrupting.py"
     file.write_text("def f(prompts, completions, **k):\n    raise KeyboardInterrupt\n")
     reward = rewards.load(f"{file}:f")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(KeyboardInterrupt):
-        rewards.score([reward], ["q"], ["a"], {}, WHERE[:1])
+    # Python's own handler, as a process started in the background by a shell has SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rewards.score([reward], ["q"], ["a"], {}, WHERE[:1])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     with Preemption(err=io.StringIO()), pytest.raises(rewards.RewardError) as caught:
         rewards.score([reward], ["q"], ["a"], {}, WHERE[:1])
     assert str(caught.value) == (f"reward {file}:f raised KeyboardInterrupt (on the completions "

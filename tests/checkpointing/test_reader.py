@@ -85,3 +85,27 @@ def test_reading_a_checkpoint_imports_no_grain():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False"]
+
+
+@pytest.mark.slow
+def test_a_run_whose_metric_sinks_are_not_installed_here_is_still_read(tmp_path, monkeypatch):
+    """A run trained where tensorboardX was installed (``metrics.tensorboard: true``, the
+    default there) is loaded and sampled where it is not: reading a run needs none of the sinks
+    it wrote to. Training from its config there is refused in one line naming the extra."""
+    import sys
+
+    import trainrun
+    from trainrun.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    run(load_config("lm", ["steps=2", "checkpoint.every=2", "metrics.tensorboard=true",
+                           "model.d_model=32", "model.layers=1", "model.heads=2",
+                           "eval.every=0"]), run_dir, out=io.StringIO())
+    assert (run_dir / "tensorboard").is_dir()
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # not installed, as extras sees it
+    config = saved_config(run_dir)
+    assert config.metrics.tensorboard
+    model = trainrun.load(run_dir)
+    assert model.step == 2 and len(model.generate([1, 2], 3)) == 5
+    with pytest.raises(ConfigError, match=r"pip install 'trainrun\[tensorboard\]'"):
+        load_config(str(run_dir / "config.yaml"))

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from trainrun.config import renamed
 from trainrun.config.sections import (
     ARCHITECTURE,
+    SAVED,
     SEED_MAX,
     CheckpointConfig,
     DataConfig,
@@ -401,13 +402,14 @@ def _tokenizer_size(file: str, stamp: int) -> int | None:
 
 def config_from_dict(raw: dict[str, Any], source: str | None = "the config") -> RunConfig:
     """The validated config of ``raw``; ``source`` names it in the warning of a key given by
-    its old name (None: a config trainrun wrote, whose old names are read silently)."""
+    its old name (None: a config trainrun wrote, read back: its old names are read silently,
+    and the metric sinks its run wrote to need not be installed here)."""
     try:
         raw = renamed.upgrade(raw, source)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     try:
-        config = RunConfig.model_validate(raw)
+        config = RunConfig.model_validate(raw, context={SAVED: source is None})
     except pydantic.ValidationError as err:
         raise ConfigError(describe_validation_error(err, raw)) from None
     _check_optimization(config)

@@ -993,6 +993,15 @@ DistributedConfig = Annotated[
 # ---- what the run writes --------------------------------------------------------------------
 
 
+SAVED = "saved"  # the validation context of a config a run wrote, read back to use its model
+
+
+def _to_train(info: pydantic.ValidationInfo) -> bool:
+    """Whether the config is validated to train with: a saved one read back does not need the
+    metric sinks its run wrote to."""
+    return not (info.context or {}).get(SAVED, False)
+
+
 class MetricsConfig(Section):
     """How often training metrics are read and shown, where they go besides ``metrics.jsonl``
     (always written, a row per step), and how they leave the device.
@@ -1025,15 +1034,15 @@ class MetricsConfig(Section):
 
     @pydantic.field_validator("tensorboard")
     @classmethod
-    def _tensorboard_installed(cls, value: bool) -> bool:
-        if value and not extras.installed("tensorboard"):
+    def _tensorboard_installed(cls, value: bool, info: pydantic.ValidationInfo) -> bool:
+        if value and _to_train(info) and not extras.installed("tensorboard"):
             raise ValueError(extras.message("tensorboard", "true") + ", or set it false")
         return value
 
     @pydantic.field_validator("wandb")
     @classmethod
-    def _wandb_installed(cls, value: str) -> str:
-        if value != "off" and not extras.installed("wandb"):
+    def _wandb_installed(cls, value: str, info: pydantic.ValidationInfo) -> str:
+        if value != "off" and _to_train(info) and not extras.installed("wandb"):
             raise ValueError(extras.message("wandb", repr(value)) + ", or set metrics.wandb=off")
         return value
 

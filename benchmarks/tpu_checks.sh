@@ -10,7 +10,8 @@
 #      one after another, PASS)
 #   3. `trainrun train` at GPT-2 small (124M, 8 x 1024 tokens, K=10) on a token file, cold
 #      (an empty compile cache) and again from the cache: backend start, init, compile and the
-#      rest of each wall time, and the programs the cold run compiled
+#      rest of each wall time, the programs the cold run compiled, and each one's compile
+#      figure split into XLA's compile and the compile cache's key, lookup and write
 #   4. the memory preflight: a byte LM whose step cannot fit the chip, refused in one line
 #      naming the batch size that does
 #   5. `trainrun verify-resume --config dpo` and `--config grpo` (a kill after a committed
@@ -180,7 +181,9 @@ metrics: {every: $K, tensorboard: false}
 YAMLEOF
 for pass in cold warm; do
   t0=$SECONDS
-  JAX_LOG_COMPILES=1 TRAINRUN_COMPILATION_CACHE=$WORK/programs-$shape timeout 240 \
+  # jax._src.compiler's debug lines hold XLA's own compile seconds, without the cache's work
+  JAX_LOG_COMPILES=1 JAX_DEBUG_LOG_MODULES=jax._src.compiler \
+    TRAINRUN_COMPILATION_CACHE=$WORK/programs-$shape timeout 240 \
     "$PY" -m trainrun train \
     --config "$WORK/$shape.yaml" --run-dir "$WORK/$shape-$pass" > "$WORK/$shape-$pass.log" 2>&1
   code=$?
@@ -213,6 +216,15 @@ big = sorted(took.items(), key=lambda kv: -sum(kv[1].values()))
 print("  JAX's stages, s (trace / lower / compile): " + "; ".join(
     f"{name} {c['trace']:.1f} / {c['lower']:.1f} / {c['compile']:.1f}" for name, c in big[:6]
     if sum(c.values()) >= 0.05) + f"; cache hits {hits}")
+# XLA's compile alone (jax._src.compiler, debug); JAX's compile figure less it is the
+# persistent cache's key, lookup and write of the executable
+xla: collections.Counter = collections.Counter()
+for name, seconds in re.findall(r"'(?:jit_)?(\S+)' took at least [0-9.]+ seconds to compile "
+                                r"\(([0-9.]+)s\)", text):
+    xla[name] += float(seconds)
+print("  JAX's compile figure = XLA's compile + the cache's key, lookup and write, s: " + (
+    "; ".join(f"{name} {c['compile']:.1f} = {xla[name]:.1f} + {c['compile'] - xla[name]:.1f}"
+              for name, c in big[:3] if name in xla) or "none compiled"))
 PYEOF
   else
     tail -5 "$WORK/$shape-$pass.log"

@@ -5,7 +5,6 @@ it as. No IO."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -173,17 +172,11 @@ def run_abstract_state(config: RunConfig, model: Model | None = None) -> TrainSt
 
 
 def init_state(model: Model, optimizer: Optimizer, seed: int, policy: Policy | None = None,
-               shardings: TrainState | None = None,
-               compiled: Callable[[], TrainState] | None = None,
-               op_by_op: bool = False) -> TrainState:
+               shardings: TrainState | None = None, op_by_op: bool = False) -> TrainState:
     """A fresh state, created where ``shardings`` puts it: each device computes only its own
-    shards, so a model never has to fit whole on one device. compiled: ``init_program``'s
-    program for these arguments, compiled already (``compile_init``), or whatever else makes
-    this state. op_by_op: built as a hand-written eager init runs, each op's small program
-    compiled on its own, then placed (for one device: the whole state is made there); the
-    same bits as the program."""
-    if compiled is not None:
-        return compiled()
+    shards, so a model never has to fit whole on one device. op_by_op: built as a
+    hand-written eager init runs, each op's small program compiled on its own, then placed
+    (for one device: the whole state is made there); the same bits as the program."""
     if op_by_op:
         state = _state_builder(model, optimizer, seed, policy)()
         return state if shardings is None else jax.device_put(state, shardings)

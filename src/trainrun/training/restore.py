@@ -38,9 +38,10 @@ def fresh_state(config: RunConfig, parts: Parts, kind: RunKind,
         state = init_from.initial_state(config, parts.model, parts.optimizer, parts.policy,
                                         parts.state_sharding, parts.abstract)
         return jax.block_until_ready(kind.started(state))
+    if readying is not None:
+        return jax.block_until_ready(readying.result()())
     return jax.block_until_ready(init_state(
         parts.model, parts.optimizer, config.seed, parts.policy, parts.state_sharding,
-        compiled=None if readying is None else readying.result(),
         op_by_op=parts.init_op_by_op))
 
 

@@ -9,8 +9,9 @@ the source that is a symbolic link is read only where the link stays inside the 
 real path) or, for a Hugging Face hub snapshot (``.../snapshots/<revision>``), inside the
 repository's folder that holds ``snapshots/`` and ``blobs/``, where the hub keeps the files its
 snapshots link to; a link anywhere else (a ``special_tokens_map.json`` pointing at a key) is
-refused on one line naming the link and its target, before anything is written. The run's own
-``data.tokenizer`` is the file its config names, read wherever that is.
+refused on one line naming the link and its target, before anything is written. A text run's
+own tokenizer is the copy it keeps (``tokenizer/``), else the file its ``data.tokenizer`` names,
+read wherever that is.
 
 Where the export may go, and what ``--replace`` may replace: ``rundir.export_dir``. The
 directory is written under a temporary name beside ``to`` and renamed into place once
@@ -41,7 +42,8 @@ from trainrun.checkpointing.checkpoints import checkpoint_dir
 from trainrun.checkpointing.init_from import source_location
 from trainrun.checkpointing.reader import latest_params, saved_config
 from trainrun.checkpointing.run_context import run_model
-from trainrun.config import RunConfig
+from trainrun.config import RunConfig, TextData
+from trainrun.data import kept_tokenizer
 from trainrun.errors import UserError, WriteFailed, path_refused
 from trainrun.models import peft
 from trainrun.models.huggingface import (
@@ -102,7 +104,7 @@ def export_run(run_dir: Location | str, to: Location | str, *,
         raise WeightsError(f"run {run} trains model.kind={cfg.kind}; export writes "
                            "transformers in Hugging Face's layout")
     source, reads = _lineage(run, config)
-    own = _tokenizer_file(config)
+    own = _tokenizer_file(run, config)
     export_dir.check_reads(dest, [
         (run, "the run being exported"),
         (checkpoint_dir(config, run), f"the checkpoints of {run}"), *reads,
@@ -129,7 +131,7 @@ def export_run(run_dir: Location | str, to: Location | str, *,
                                    staging)
         else:
             model, weights = merge_adapters(model, weights)
-            ids = _token_ids(config, copies)
+            ids = _token_ids(own, copies)
             # the run's own tokenizer's ids are what it trained with; else the source's stand
             source_config = ({**(source_config or {}), **ids} if own is not None
                              else {**ids, **(source_config or {})})
@@ -239,15 +241,21 @@ def _source_files(source: LocalLocation, names: tuple[str, ...]) -> dict[str, Pa
     return found
 
 
-def _tokenizer_file(config: RunConfig) -> LocalLocation | None:
+def _tokenizer_file(run: Location, config: RunConfig) -> LocalLocation | None:
+    """The run's own tokenizer.json: for a text run the copy it keeps (``tokenizer/``, where
+    the run is local), else the file ``data.tokenizer`` names; None where it names none."""
     name = getattr(config.data, "tokenizer", None)
-    return location.local(name) if name and location.local(name).is_file() else None
+    if not name:
+        return None
+    kept = (run / kept_tokenizer.FOLDER / kept_tokenizer.TOKENIZER_JSON).local_path
+    if isinstance(config.data, TextData) and kept is not None and kept.is_file():
+        return location.local(kept)
+    return location.local(name) if location.local(name).is_file() else None
 
 
-def _token_ids(config: RunConfig, copies: dict[str, Path]) -> dict[str, Any]:
-    """bos/eos ids: the run's own tokenizer's document token, the source's ids, or those in
-    the source's generation config."""
-    own = _tokenizer_file(config)
+def _token_ids(own: LocalLocation | None, copies: dict[str, Path]) -> dict[str, Any]:
+    """bos/eos ids: the run's own tokenizer's (``own``) document token, the source's ids, or
+    those in the source's generation config."""
     if own is not None:
         from tokenizers import Tokenizer
 

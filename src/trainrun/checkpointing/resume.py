@@ -144,10 +144,13 @@ def data_changes(saved: dict[str, str], current: dict[str, str]) -> list[str]:
 
 
 def check_data(saved: dict[str, str] | None, current: dict[str, str], allow: bool,
-               where: Path) -> list[str]:
+               where: Path, tokenizer_changed: bool = False) -> list[str]:
     """The differences between the data files a run recorded (None: it recorded none, so
-    there is nothing to compare) and those read now; raises unless ``allow``."""
+    there is nothing to compare) and those read now, and whether the tokenizer the data is
+    read with is not the one the run keeps; raises unless ``allow``."""
     changes = [] if saved is None else data_changes(saved, current)
+    if tokenizer_changed:
+        changes.insert(0, "data.tokenizer is not the one it trained with, kept in tokenizer/")
     if changes and not allow:
         raise DataChangedError(
             f"{where} was trained on other data ({_first(changes)}); resuming on it alters the "

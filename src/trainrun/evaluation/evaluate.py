@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainrun.data.kept_tokenizer import records_as_trained
 from trainrun.storage import location
 from trainrun.training.kinds import EvalAsked, EvalError, kind_of
 from trainrun.training.kinds.language import ANSWER_TOKENS, held_out_loss
@@ -64,6 +65,7 @@ def evaluate_run(run_dir: str | Path, *, data: str | None = None, tokens: int | 
         raise EvalError(f"--batch-size {batch_size} --limit {limit}: give a batch size of at "
                         "least 1 and a limit of 0 (every answer) or more")
     run, config = language_run(run_dir, ema, doing="eval", command="evaluate")
+    config = config.model_copy(update={"data": records_as_trained(run, config.data)})
     asked = EvalAsked(data=data, ema=ema, tokens=tokens, temperature=temperature, seed=seed,
                       batch_size=batch_size, limit=limit,
                       progress=progress or (lambda line: None))

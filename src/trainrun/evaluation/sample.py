@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trainrun.checkpointing.reader import saved_config
-from trainrun.config import RecordsData, TransformerModel
+from trainrun.config import RecordsData, TextData, TransformerModel
+from trainrun.data.kept_tokenizer import run_records_tokenizer, run_text_tokenizer
 from trainrun.fast import strategies
 from trainrun.program.decode import (
     BATCH,
@@ -197,12 +198,12 @@ def _trained(run_dir: Path | str, ema: bool, chat: bool = False, context: int | 
         return _exported(Path(run_dir).expanduser(), ema, context)
     run, config = language_run(run_dir, ema, chat=chat)
     model, _, params = trained(run, config, context, ema=ema)
-    tokenizer = None
-    if isinstance(config.data, RecordsData):
-        from trainrun.data import model_tokenizer
-
-        tokenizer = model_tokenizer.of_records(config.data)
-    return Trained(model, params, config.precision.compute, tokenizer, config.data)
+    tokenizer, data = None, config.data
+    if isinstance(data, RecordsData):
+        tokenizer = run_records_tokenizer(run, data)
+    elif isinstance(data, TextData) and data.tokenizer is not None:  # the copy the run keeps
+        data = data.model_copy(update={"tokenizer": run_text_tokenizer(run, data)})
+    return Trained(model, params, config.precision.compute, tokenizer, data)
 
 
 def _model_directory(path: Path | str) -> bool:

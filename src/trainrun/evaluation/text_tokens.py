@@ -2,9 +2,9 @@
 reads, and back, whichever form the model is in:
 
 - a run directory: the tokenizer it was trained with: one token per byte for a text run without
-  ``data.tokenizer``, its ``tokenizer.json`` for a tokenized text run, and for a run on records
-  its ``data.tokenizer`` (``bytes``, a model directory or a ``tokenizer.json``) with its chat
-  template;
+  ``data.tokenizer``, else the tokenizer it keeps (``tokenizer/``: a tokenized text run's
+  ``tokenizer.json``, a run on records' tokenizer with its chat template), or for a run from
+  before it kept one what its ``data.tokenizer`` names;
 - a Hugging Face model directory: its ``tokenizer.json``, special tokens and chat template;
 - a PEFT adapter directory: its own tokenizer files, else its base model's.
 
@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainrun import rundir
+from trainrun.data.kept_tokenizer import run_records_tokenizer, run_text_tokenizer
 from trainrun.errors import UserError
 from trainrun.storage import location
 from trainrun.storage.location import Location
 
 if TYPE_CHECKING:  # the tokenizers stack is imported only where a tokenizer is read
     from trainrun.data.chat import ChatTemplate
+    from trainrun.data.model_tokenizer import ModelTokenizer
 
 BYTES = "bytes"
 
@@ -108,12 +110,13 @@ def _run_tokenizer(run: Location, chat_template: str | None) -> TextTokenizer:
 
     data = saved_config(run).data
     if isinstance(data, RecordsData):
-        return _model_tokenizer(data.tokenizer or BYTES, chat_template or data.chat_template)
+        return _text_tokenizer(run_records_tokenizer(run, data, chat_template))
     if not isinstance(data, TextData):
         raise TokenizerError(f"{run} trains on data.kind={data.kind}, which is not text; a "
                              "tokenizer is read from runs on data.kind=text or records")
-    if data.tokenizer is not None:
-        return _model_tokenizer(data.tokenizer, chat_template)
+    source = run_text_tokenizer(run, data)
+    if source is not None:
+        return _model_tokenizer(source, chat_template)
     template = None
     if chat_template is not None:
         from trainrun.data.chat import ChatTemplate
@@ -176,9 +179,12 @@ def _model_tokenizer(source: str, chat_template: str | None) -> TextTokenizer:
     """A record source's tokenizer (``trainrun.data.model_tokenizer``), as a TextTokenizer."""
     from trainrun.data import model_tokenizer
 
-    found = model_tokenizer.load(source, chat_template)
+    return _text_tokenizer(model_tokenizer.load(source, chat_template))
+
+
+def _text_tokenizer(found: ModelTokenizer) -> TextTokenizer:
     lib = found.tokenizer
     bos = found.special.get("bos_token")
     bos_id = None if bos is None else lib.token_to_id(bos)
-    return TextTokenizer(source, bos_id, found.eos_id, found.stop_ids, found.template,
+    return TextTokenizer(found.source, bos_id, found.eos_id, found.stop_ids, found.template,
                          dict(found.special), lib)

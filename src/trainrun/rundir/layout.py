@@ -9,6 +9,7 @@
               summary.json      written at the end: final loss, timing, throughput
               timing.jsonl      one line per timing window: device time per step
               completions.jsonl sampled completions of an rl run (rl.log_completions)
+              tokenizer/        the tokenizer the run reads text with (data/kept_tokenizer.py)
               status.json       running | finished | preempted | failed, and by which process
               tensorboard/      TensorBoard event files
               checkpoints/      Orbax step directories (see checkpoint.py)
@@ -19,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainrun.config import RunConfig
+from trainrun.data.kept_tokenizer import FOLDER as TOKENIZER
 from trainrun.rundir.lock import LOCK
 from trainrun.storage import location
 from trainrun.storage.location import LocalLocation
@@ -39,7 +41,7 @@ COMMIT_FILE = "commit_success.txt"  # Orbax's mark of a committed step on object
 
 # The files a run writes at its top: none may be a link, which a write would follow out of it.
 RUN_FILES = (MARKER, LOCK, CONFIG, PROVENANCE, DATA_FILES, METRICS, SUMMARY, TIMING, STATUS,
-             COMPLETIONS)
+             COMPLETIONS, TOKENIZER)
 
 
 def default_run_dir(config: RunConfig) -> LocalLocation:

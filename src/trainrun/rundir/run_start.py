@@ -1,6 +1,6 @@
 """A run's files as it (re)starts at a step: its config, its provenance, the fingerprints of
-the data files it reads, and its metrics cut back to that step, so that each step is written
-once."""
+the data files it reads, the tokenizer it reads them with, and its metrics cut back to that
+step, so that each step is written once."""
 
 from __future__ import annotations
 
@@ -8,25 +8,47 @@ import json
 from typing import Any
 
 from trainrun.config import RunConfig, dump_yaml
-from trainrun.rundir.layout import COMPLETIONS, CONFIG, DATA_FILES, METRICS, PROVENANCE, TIMING
+from trainrun.rundir.layout import (
+    COMPLETIONS,
+    CONFIG,
+    DATA_FILES,
+    METRICS,
+    PROVENANCE,
+    TIMING,
+    TOKENIZER,
+)
 from trainrun.rundir.run_files import DamagedFile, read_json, write_json, write_text
 from trainrun.storage.location import LocalLocation, Location
 
 
 def start(run_dir: LocalLocation, config: RunConfig, provenance: dict[str, Any], step: int,
-          data_files: dict[str, str] | None = None) -> None:
+          data_files: dict[str, str] | None = None,
+          tokenizer: dict[str, str] | None = None) -> None:
     """Write the run's files for a run (re)starting at ``step``: the config (``steps`` may have
     grown), this process's provenance, the fingerprint of each data file it reads (None: data
-    given as a dataset, nothing recorded), and ``metrics.jsonl`` (``timing.jsonl``,
-    ``completions.jsonl``) cut back to ``step`` so that each step is in it once."""
+    given as a dataset, nothing recorded), the files of the tokenizer it reads text with (None:
+    none), and ``metrics.jsonl`` (``timing.jsonl``, ``completions.jsonl``) cut back to ``step``
+    so that each step is in it once."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / CONFIG, dump_yaml(config))
     write_json(run_dir / PROVENANCE, provenance)
     if data_files is not None:
         write_json(run_dir / DATA_FILES, {"files": data_files})
+    if tokenizer is not None:
+        keep_tokenizer(run_dir / TOKENIZER, tokenizer)
     truncate_metrics(run_dir / METRICS, step)
     truncate_metrics(run_dir / TIMING, step)
     truncate_metrics(run_dir / COMPLETIONS, step)
+
+
+def keep_tokenizer(folder: LocalLocation, files: dict[str, str]) -> None:
+    """The tokenizer's files in the run's ``tokenizer/`` folder, each written whole where it
+    differs from what is there (a resume on the same tokenizer rewrites nothing)."""
+    folder.mkdir(exist_ok=True)
+    for name, text in files.items():
+        path = folder / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            write_text(path, text)
 
 
 def read_data_files(run_dir: Location) -> dict[str, str] | None:

@@ -31,6 +31,7 @@ from trainrun.checkpointing.run_context import run_model
 from trainrun.config import RecordsData, RLConfig, TransformerModel
 from trainrun.data import model_tokenizer, rewards
 from trainrun.data.errors import DataError
+from trainrun.data.kept_tokenizer import run_records_tokenizer
 from trainrun.data.preference_pairs import encode_sequences
 from trainrun.models.huggingface import SCORE_TENSOR, Tensors, read_config
 from trainrun.models.reward_losses import RewardLoss
@@ -153,8 +154,7 @@ def _from_run(run: location.Location, tokenizer: str | None,
     _, state = latest_state(run, config, model, optimizer_state=False)
     assert isinstance(config.data, RecordsData)  # a reward run's
     found = (model_tokenizer.load(tokenizer, chat_template) if tokenizer is not None else
-             model_tokenizer.load(config.data.tokenizer or model_tokenizer.BYTES,
-                                  chat_template or config.data.chat_template))
+             run_records_tokenizer(run, config.data, chat_template))
     return RewardModel(run_model(config, named=str(run)), state.params, found,
                        config.precision.compute, str(run))
 

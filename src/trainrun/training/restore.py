@@ -20,6 +20,7 @@ from trainrun.checkpointing.resume import (
     schedule_shift,
 )
 from trainrun.config import RunConfig, TransformerModel
+from trainrun.data.kept_tokenizer import kept_files
 from trainrun.models.transformer import embedding_rows
 from trainrun.program.state import TrainState, init_state
 from trainrun.reporting.console import Console
@@ -59,6 +60,7 @@ class Resuming:
     allow_config_change: bool
     allow_data_change: bool
     kind: RunKind
+    tokenizer: dict[str, str] | None = None  # its files; None: data read without one
 
     def changes(self, config: RunConfig, meta: dict[str, Any]) -> tuple[list[str], list[str]]:
         """The config's and the data files' differences from what the checkpoint's run trained
@@ -67,8 +69,10 @@ class Resuming:
         configs = check_config(meta["config"], config, self.allow_config_change, self.shown)
         if not self.primary or self.data_files is None:
             return configs, []
+        kept = kept_files(self.run_dir) if self.tokenizer is not None else None
         return configs, check_data(rundir.read_data_files(self.run_dir), self.data_files,
-                                   self.allow_data_change, self.shown)
+                                   self.allow_data_change, self.shown,
+                                   tokenizer_changed=kept is not None and kept != self.tokenizer)
 
 
 def restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, batches: Any,
@@ -97,7 +101,8 @@ def restore_or_init(checkpoints: Checkpoints, config: RunConfig, parts: Parts, b
         state, step = restored.state, restored.step
         checkpoints.last_committed = step
     if resuming.primary:
-        rundir.start(resuming.run_dir, config, resuming.provenance, step, resuming.data_files)
+        rundir.start(resuming.run_dir, config, resuming.provenance, step, resuming.data_files,
+                     resuming.tokenizer)
     _say_cleanups(checkpoints, resuming.console)
     if restored is None:
         _say_fresh_start(config, resuming.console, step)

@@ -46,6 +46,7 @@ from trainrun.config import (
     TransformerModel,
     schedule_notices,
 )
+from trainrun.data.kept_tokenizer import tokenizer_files
 from trainrun.data.record_rows import RecordCounts
 from trainrun.fast import strategies
 from trainrun.fast.strategies import Strategies
@@ -173,7 +174,8 @@ def setup(config: RunConfig, directory: rundir.RunDirectory, asked: Asked,
                                 init_readying, Resuming(
                                     run_dir, directory.display, prov, console, primary,
                                     found.files, asked.allow_config_change,
-                                    asked.allow_data_change, kind))
+                                    asked.allow_data_change, kind, _tokenizer(config, found,
+                                                                              primary)))
     _check_call_memory(programs, state, config, found.dataset, parts, int(state.step))
     reporting = _reporting(config, run_dir, console, primary, prov, int(state.step),
                            kind.writes_completions(config))
@@ -230,6 +232,12 @@ def _timing(chosen: Strategies, data: RunData, watch: Stopwatch) -> Timing:
     parts = data.host_parts
     return Timing(watch=watch,
                   timer=StepTimer(inline=chosen.switch.inline_cpu_calls, host=parts), parts=parts)
+
+
+def _tokenizer(config: RunConfig, found: RunData, primary: bool) -> dict[str, str] | None:
+    """The files of the tokenizer the run reads its data with, which process 0 keeps in the run
+    (none for data given as a dataset)."""
+    return tokenizer_files(config.data) if primary and found.files is not None else None
 
 
 def _console(config: RunConfig, batch_size: int, out: TextIO | None) -> Console:

@@ -1,0 +1,108 @@
+"""A run keeps the tokenizer it reads text with (``tokenizer/`` in its run directory): sampling,
+``trainrun.load_tokenizer``, ``trainrun eval`` and export read that copy, so a run whose ``data.tokenizer`` was
+replaced or removed afterwards still speaks the token ids it trained on, and a resume on
+another tokenizer is refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+
+import pytest
+
+import trainrun
+from trainrun import rundir
+from trainrun.checkpointing.resume import DataChangedError
+from trainrun.config import load_config
+from trainrun.data import model_tokenizer
+from trainrun.data.chat import CHATML
+from trainrun.data.kept_tokenizer import FOLDER, run_records_tokenizer
+from trainrun.evaluation.evaluate import evaluate_run
+from trainrun.evaluation.sample import chat_answers, sample_run
+from trainrun.export import export_run
+from trainrun.training.loop import run
+
+CORPUS = {"a.py": "def add(a, b):\n    return a + b\n" * 30,
+          "b.py": "import os\nprint(os.getcwd(), 'café')\n" * 40,
+          "c.py": "class A:\n    x = 1\n" * 25}
+
+
+REFUSED = re.escape("(data.tokenizer is not the one it trained with, kept in tokenizer/)")
+
+
+def other_tokenizer_json() -> str:
+    """A tokenizer.json of other ids than the one trained on CORPUS: one token per byte."""
+    return model_tokenizer.byte_tokenizer().tokenizer.to_str()
+
+
+@pytest.mark.slow
+def test_a_text_run_samples_through_its_kept_tokenizer_and_refuses_another_on_resume(tmp_path):
+    for name, text in CORPUS.items():
+        (tmp_path / name).write_text(text)
+    tok = tmp_path / "tok.json"
+    small = [f"data.paths=[{tmp_path}/*.py]", f"data.tokenizer={tok}", "data.vocab_size=300",
+             "model.vocab=300", "data.seq_len=16", "model.seq_len=16", "model.d_model=16",
+             "model.layers=1", "model.norm=rmsnorm", "model.mlp=swiglu", "data.batch_size=4",
+             "eval.every=0", "steps_per_call=3",
+             "metrics.tensorboard=false", "checkpoint.every=6", "checkpoint.async=false"]
+    run_dir = tmp_path / "run"
+    run(load_config("lm_bpe", [*small, "steps=6"]), run_dir, out=io.StringIO())
+    trained_with = tok.read_bytes()  # trained and written at first use
+    assert (run_dir / FOLDER / "tokenizer.json").read_bytes() == trained_with
+    before = sample_run(run_dir, "def add", 8, temperature=0)
+    ids = trainrun.load_tokenizer(run_dir).encode("def add(a, b)")
+
+    tok.write_text(other_tokenizer_json())  # data.tokenizer now names another tokenizer
+    assert sample_run(run_dir, "def add", 8, temperature=0) == before
+    assert trainrun.load_tokenizer(run_dir).encode("def add(a, b)") == ids
+    metrics = (run_dir / rundir.METRICS).read_bytes()
+    with pytest.raises(DataChangedError, match=REFUSED):
+        run(load_config("lm_bpe", [*small, "steps=9"]), run_dir, out=io.StringIO())
+    assert (run_dir / FOLDER / "tokenizer.json").read_bytes() == trained_with
+    assert (run_dir / rundir.METRICS).read_bytes() == metrics
+
+    moved = tmp_path / "moved"  # the run elsewhere, its data.tokenizer gone
+    shutil.copytree(run_dir, moved)
+    tok.unlink()
+    assert sample_run(moved, "def add", 8, temperature=0) == before
+    export_run(moved, tmp_path / "export")
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == trained_with
+
+
+@pytest.mark.slow
+def test_a_chat_run_answers_through_its_kept_tokenizer_and_template(tmp_path):
+    model_dir = tmp_path / "model-tokenizer"
+    model_dir.mkdir()
+    byte = model_tokenizer.byte_tokenizer()
+    (model_dir / "tokenizer.json").write_text(byte.tokenizer.to_str())
+    settings = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                "chat_template": CHATML}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [257]}))
+    overrides = [f"data.tokenizer={model_dir}", "data.chat_template=null", "model.d_model=32",
+                 "model.layers=1", "data.synthetic_examples=256", "data.batch_size=8",
+                 "eval.every=0", "steps_per_call=2", "checkpoint.every=4",
+                 "checkpoint.async=false", "metrics.tensorboard=false",
+                 "optimizer.schedule.warmup=1"]
+    run_dir = tmp_path / "run"
+    config = load_config("chat", [*overrides, "steps=4"])
+    run(config, run_dir, out=io.StringIO())
+    named, kept = model_tokenizer.load(str(model_dir)), run_records_tokenizer(run_dir, config.data)
+    assert kept.tokenizer.to_str() == named.tokenizer.to_str()
+    assert (kept.special, kept.eos_id, kept.stop_ids) == (named.special, named.eos_id,
+                                                          named.stop_ids)
+    assert kept.template is not None and named.template is not None
+    assert kept.template.source == named.template.source
+    before = chat_answers(run_dir, ["abc", "hello"], 12)
+    scored = evaluate_run(run_dir, tokens=8, limit=2)
+
+    settings["chat_template"] = CHATML.replace("<|im_start|>", "<|im_start|> ")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert chat_answers(run_dir, ["abc", "hello"], 12) == before
+    assert evaluate_run(run_dir, tokens=8, limit=2) == scored  # the held-out records alike
+    with pytest.raises(DataChangedError, match=REFUSED):
+        run(load_config("chat", [*overrides, "steps=6"]), run_dir, out=io.StringIO())
+    shutil.rmtree(model_dir)
+    assert chat_answers(run_dir, ["abc", "hello"], 12) == before

@@ -1,7 +1,8 @@
 """A run keeps the tokenizer it reads text with (``tokenizer/`` in its run directory): sampling,
-``trainrun.load_tokenizer``, ``trainrun eval`` and export read that copy, so a run whose ``data.tokenizer`` was
-replaced or removed afterwards still speaks the token ids it trained on, and a resume on
-another tokenizer is refused in one line before anything is written."""
+``trainrun.load_tokenizer``, ``trainrun eval``, export and a fine-tune from the run read that
+copy, so a run whose ``data.tokenizer`` was replaced or removed afterwards still speaks the
+token ids it trained on, and a resume on another tokenizer is refused in one line before
+anything is written."""
 
 from __future__ import annotations
 
@@ -106,3 +107,9 @@ def test_a_chat_run_answers_through_its_kept_tokenizer_and_template(tmp_path):
         run(load_config("chat", [*overrides, "steps=6"]), run_dir, out=io.StringIO())
     shutil.rmtree(model_dir)
     assert chat_answers(run_dir, ["abc", "hello"], 12) == before
+    # A fine-tune from the run that names no tokenizer takes the one the run keeps.
+    tuned = tmp_path / "tuned"
+    run(load_config("chat", [*overrides[1:], "data.tokenizer=null", f"init.from={run_dir}",
+                             "steps=2"]), tuned, out=io.StringIO())
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tuned / FOLDER / name).read_bytes() == (run_dir / FOLDER / name).read_bytes()

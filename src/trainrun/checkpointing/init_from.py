@@ -187,8 +187,9 @@ def records_tokenizer(path: Location, kind: str) -> tuple[str, str | None]:
     its base model's), or the source run's."""
     if kind == "run":
         from trainrun.checkpointing.reader import saved_config
+        from trainrun.data.kept_tokenizer import records_as_trained
 
-        data = saved_config(path).data
+        data = records_as_trained(path, saved_config(path).data)  # the tokenizer it keeps
         if not isinstance(data, RecordsData):
             return model_tokenizer.BYTES, None
         return data.tokenizer or model_tokenizer.BYTES, data.chat_template

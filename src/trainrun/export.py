@@ -4,7 +4,8 @@ is), or, for a run with LoRA adapters and no ``--merge``, as a PEFT adapter dire
 base model.
 
 Beside the weights go the source directory's tokenizer files and generation config, or the
-run's own ``data.tokenizer``; ``bos_token_id`` and ``eos_token_id`` come from them. A file of
+run's own tokenizer (a run on records with no source: the tokenizer folder it keeps, chat
+template and stop ids included); ``bos_token_id`` and ``eos_token_id`` come from them. A file of
 the source that is a symbolic link is read only where the link stays inside the source (its
 real path) or, for a Hugging Face hub snapshot (``.../snapshots/<revision>``), inside the
 repository's folder that holds ``snapshots/`` and ``blobs/``, where the hub keeps the files its
@@ -42,7 +43,7 @@ from trainrun.checkpointing.checkpoints import checkpoint_dir
 from trainrun.checkpointing.init_from import source_location
 from trainrun.checkpointing.reader import latest_params, saved_config
 from trainrun.checkpointing.run_context import run_model
-from trainrun.config import RunConfig, TextData
+from trainrun.config import RecordsData, RunConfig, TextData
 from trainrun.data import kept_tokenizer
 from trainrun.errors import UserError, WriteFailed, path_refused
 from trainrun.models import peft
@@ -109,7 +110,8 @@ def export_run(run_dir: Location | str, to: Location | str, *,
         (run, "the run being exported"),
         (checkpoint_dir(config, run), f"the checkpoints of {run}"), *reads,
         *([(own, f"the data.tokenizer of {run}")] if own is not None else [])])
-    copies = _source_files(source, TOKENIZER_FILES) if source is not None else {}
+    copies = (_source_files(source, TOKENIZER_FILES) if source is not None
+              else _kept_records_tokenizer(run, config))
     hf = None
     if source is not None:
         _source_files(source, (CONFIG,))  # its fields go into the export: a link is checked
@@ -251,6 +253,16 @@ def _tokenizer_file(run: Location, config: RunConfig) -> LocalLocation | None:
     if isinstance(config.data, TextData) and kept is not None and kept.is_file():
         return location.local(kept)
     return location.local(name) if location.local(name).is_file() else None
+
+
+def _kept_records_tokenizer(run: Location, config: RunConfig) -> dict[str, Path]:
+    """A run on records with no source model: the tokenizer files it keeps (``tokenizer/``:
+    its tokenizer, special tokens, chat template and stop ids), where the run is local."""
+    folder = (run / kept_tokenizer.FOLDER).local_path
+    if not isinstance(config.data, RecordsData) or folder is None or not (
+            folder / kept_tokenizer.TOKENIZER_JSON).is_file():
+        return {}
+    return {name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}
 
 
 def _token_ids(own: LocalLocation | None, copies: dict[str, Path]) -> dict[str, Any]:

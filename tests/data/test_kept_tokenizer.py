@@ -107,6 +107,8 @@ def test_a_chat_run_answers_through_its_kept_tokenizer_and_template(tmp_path):
         run(load_config("chat", [*overrides, "steps=6"]), run_dir, out=io.StringIO())
     shutil.rmtree(model_dir)
     assert chat_answers(run_dir, ["abc", "hello"], 12) == before
+    export_run(run_dir, tmp_path / "export")  # no source model: the kept tokenizer goes with it
+    assert chat_answers(tmp_path / "export", ["abc", "hello"], 12) == before
     # A fine-tune from the run that names no tokenizer takes the one the run keeps.
     tuned = tmp_path / "tuned"
     run(load_config("chat", [*overrides[1:], "data.tokenizer=null", f"init.from={run_dir}",

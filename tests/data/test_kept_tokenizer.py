@@ -115,3 +115,6 @@ def test_a_chat_run_answers_through_its_kept_tokenizer_and_template(tmp_path):
                              "steps=2"]), tuned, out=io.StringIO())
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (tuned / FOLDER / name).read_bytes() == (run_dir / FOLDER / name).read_bytes()
+    # its config names the kept folder wherever it is read from, as the source's is gone
+    saved = load_config(str(tuned / rundir.CONFIG)).data
+    assert saved.tokenizer == str((run_dir / FOLDER).absolute())  # type: ignore[union-attr]

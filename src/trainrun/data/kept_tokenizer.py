@@ -21,6 +21,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from trainrun.config import RecordsData, TextData
+from trainrun.errors import UserError
 from trainrun.storage import location
 from trainrun.storage.location import Location
 
@@ -83,11 +84,18 @@ def run_records_tokenizer(run: Location, data: RecordsData,
 
 def records_as_trained(run: Location, data: Any) -> Any:
     """``data``, a run's section, reading its records through the tokenizer and chat template
-    the run keeps (``data`` itself where it keeps none, or reads no records)."""
+    the run keeps: ``data`` itself while its ``data.tokenizer`` and ``data.chat_template`` still
+    make that tokenizer (or where the run keeps none, or reads no records), else naming the kept
+    folder by its absolute path."""
     folder = run / FOLDER
     if not isinstance(data, RecordsData) or not (folder / TOKENIZER_JSON).is_file():
         return data
-    return data.model_copy(update={"tokenizer": str(folder), "chat_template": None})
+    try:
+        if tokenizer_files(data) == kept_files(run):
+            return data
+    except (UserError, OSError):  # what it names is gone or no longer reads
+        pass
+    return data.model_copy(update={"tokenizer": str(folder.absolute()), "chat_template": None})
 
 
 def run_text_tokenizer(run: Location, data: TextData) -> str | None:

@@ -249,20 +249,25 @@ def _tokenizer_file(run: Location, config: RunConfig) -> LocalLocation | None:
     name = getattr(config.data, "tokenizer", None)
     if not name:
         return None
-    kept = (run / kept_tokenizer.FOLDER / kept_tokenizer.TOKENIZER_JSON).local_path
-    if isinstance(config.data, TextData) and kept is not None and kept.is_file():
-        return location.local(kept)
+    kept = _kept_local(run)
+    if isinstance(config.data, TextData) and kept is not None:
+        return location.local(kept / kept_tokenizer.TOKENIZER_JSON)
     return location.local(name) if location.local(name).is_file() else None
 
 
 def _kept_records_tokenizer(run: Location, config: RunConfig) -> dict[str, Path]:
     """A run on records with no source model: the tokenizer files it keeps (``tokenizer/``:
     its tokenizer, special tokens, chat template and stop ids), where the run is local."""
-    folder = (run / kept_tokenizer.FOLDER).local_path
-    if not isinstance(config.data, RecordsData) or folder is None or not (
-            folder / kept_tokenizer.TOKENIZER_JSON).is_file():
+    folder = _kept_local(run)
+    if not isinstance(config.data, RecordsData) or folder is None:
         return {}
     return {name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}
+
+
+def _kept_local(run: Location) -> Path | None:
+    """The tokenizer folder the run keeps, where the run is local; None elsewhere or without."""
+    folder = kept_tokenizer.kept_folder(run)
+    return None if folder is None else folder.local_path
 
 
 def _token_ids(own: LocalLocation | None, copies: dict[str, Path]) -> dict[str, Any]:

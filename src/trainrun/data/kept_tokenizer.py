@@ -59,10 +59,16 @@ def _json(value: dict[str, Any]) -> str:
     return json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
+def kept_folder(run: Location) -> Location | None:
+    """The folder holding the tokenizer ``run`` keeps; None for a run that keeps none."""
+    folder = run / FOLDER
+    return folder if (folder / TOKENIZER_JSON).is_file() else None
+
+
 def kept_files(run: Location) -> dict[str, str] | None:
     """The tokenizer files ``run`` keeps (name -> text); None for a run that keeps none."""
-    folder = run / FOLDER
-    if not (folder / TOKENIZER_JSON).is_file():
+    folder = kept_folder(run)
+    if folder is None:
         return None
     return {name: (folder / name).read_text(encoding="utf-8")
             for name in sorted(folder.list_names()) if (folder / name).is_file()}
@@ -75,8 +81,8 @@ def run_records_tokenizer(run: Location, data: RecordsData,
     ``chat_template``: a built-in template's name or Jinja text, in place of the run's."""
     from trainrun.data import model_tokenizer
 
-    folder = run / FOLDER
-    if (folder / TOKENIZER_JSON).is_file():
+    folder = kept_folder(run)
+    if folder is not None:
         return model_tokenizer.load(str(folder), chat_template)
     return model_tokenizer.load(data.tokenizer or model_tokenizer.BYTES,
                                 chat_template or data.chat_template)
@@ -87,8 +93,8 @@ def records_as_trained(run: Location, data: Any) -> Any:
     the run keeps: ``data`` itself while its ``data.tokenizer`` and ``data.chat_template`` still
     make that tokenizer (or where the run keeps none, or reads no records), else naming the kept
     folder by its absolute path."""
-    folder = run / FOLDER
-    if not isinstance(data, RecordsData) or not (folder / TOKENIZER_JSON).is_file():
+    folder = kept_folder(run)
+    if not isinstance(data, RecordsData) or folder is None:
         return data
     try:
         if tokenizer_files(data) == kept_files(run):
@@ -103,5 +109,5 @@ def run_text_tokenizer(run: Location, data: TextData) -> str | None:
     ``data.tokenizer``; None for a byte-level run."""
     if data.tokenizer is None:
         return None
-    kept = run / FOLDER / TOKENIZER_JSON
-    return str(kept) if kept.is_file() else data.tokenizer
+    folder = kept_folder(run)
+    return str(folder / TOKENIZER_JSON) if folder is not None else data.tokenizer

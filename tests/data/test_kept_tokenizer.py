@@ -16,6 +16,7 @@ import pytest
 import trainrun
 from trainrun import rundir
 from trainrun.checkpointing.resume import DataChangedError
+from trainrun.cli import main
 from trainrun.config import load_config
 from trainrun.data import model_tokenizer
 from trainrun.data.chat import CHATML
@@ -118,3 +119,27 @@ def test_a_chat_run_answers_through_its_kept_tokenizer_and_template(tmp_path):
     # its config names the kept folder wherever it is read from, as the source's is gone
     saved = load_config(str(tuned / rundir.CONFIG)).data
     assert saved.tokenizer == str((run_dir / FOLDER).absolute())  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_a_kept_tokenizer_folder_that_is_a_link_is_refused_and_its_target_left_alone(
+        tmp_path, capsys):
+    """The folder a run keeps its tokenizer in, made a link to a user's folder: the resume is
+    refused in one line, and nothing is written through it."""
+    run_dir = tmp_path / "run"
+    small = ["--run-dir", str(run_dir), "model.d_model=32", "model.layers=1",
+             "data.synthetic_examples=256", "data.batch_size=8", "eval.every=0",
+             "steps_per_call=2", "checkpoint.every=2", "metrics.tensorboard=false"]
+    assert main(["train", "--config", "chat", *small, "steps=2"]) == 0
+    assert (run_dir / FOLDER / "tokenizer.json").is_file()
+    users = tmp_path / "my-tokenizer"
+    users.mkdir()
+    (users / "tokenizer.json").write_text("mine\n")
+    shutil.rmtree(run_dir / FOLDER)
+    (run_dir / FOLDER).symlink_to(users)
+    capsys.readouterr()
+    assert main(["train", "--config", "chat", *small, "steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run_dir / FOLDER} is a symbolic link" in err, err
+    assert [p.name for p in users.iterdir()] == ["tokenizer.json"]
+    assert (users / "tokenizer.json").read_text() == "mine\n"

@@ -26,7 +26,8 @@ Parts:
          trainrun with its guard as a select of every leaf (``select``), without a guard (``none``),
          on its plain paths (``plain-paths``: XLA's attention, the head's chunks scanned, the
          select), with XLA's attention alone (``xla``), its logits whole (``whole-logits``) or its
-         layers under scan (``scan``). One state on the device, handed from call to call; each
+         layers under scan (``scan``); ``chunk=N`` its head's chunks of N tokens, ``a+b`` the
+         changes of both. One state on the device, handed from call to call; each
          contender's first call starts from the same fresh state (their losses compared), then
          interleaved rounds (one call of each, a blocking read; medians). The plain step's and
          trainrun's programs at the first rows (and the extras after them, up to ``--compile-alone``
@@ -294,7 +295,7 @@ class Variant:
             return f"plain JAX (optax AdamW, XLA attention, full bf16 logits, optax CE{remat})"
         parts = [_attention_name(self.attention), _head_name(self.head)]
         parts += [f"{k}={v}" for k, v in dict(self.options).items()]
-        guard = {"library": "guard: branches", "select": "guard: a select",
+        guard = {"library": "guard: trainrun's", "select": "guard: a select",
                  "none": "no non-finite guard"}[self.guard]
         return ", ".join([*parts, guard])
 
@@ -1081,6 +1082,29 @@ def variants(args: argparse.Namespace, micro: dict[str, Any], found: dict[str, S
     return made
 
 
+def _combined(trainrun: Variant, extras: dict[str, Variant], spec: str) -> Variant:
+    """The extra named ``spec``, or for ``a+b`` trainrun with what each of them changes."""
+    def named(name: str) -> Variant:  # chunk=N: the head's chunks of N tokens
+        if name.startswith("chunk="):
+            return dataclasses.replace(trainrun, name=f"trainrun, {name}", options=(
+                *trainrun.options, ("loss_chunk", int(name.removeprefix("chunk=")))))
+        return extras[name]
+
+    names = spec.split("+")
+    if len(names) == 1:
+        return named(spec)
+    made = trainrun
+    for name in names:
+        extra = named(name)
+        changed = {f.name: getattr(extra, f.name) for f in dataclasses.fields(extra)
+                   if f.name not in ("name", "options")
+                   and getattr(extra, f.name) != getattr(trainrun, f.name)}
+        made = dataclasses.replace(made, **changed,
+                                   options=(*made.options,
+                                            *extra.options[len(trainrun.options):]))
+    return dataclasses.replace(made, name="trainrun, " + " + ".join(names))
+
+
 def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
          models: dict[str, Model], tuned: dict[str, Variant], budget: Budget) -> Plan:
     """Every side lowered (here, in this thread), none compiled yet."""
@@ -1100,7 +1124,8 @@ def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
                       trainrun, name="trainrun, layers under scan",
                       options=(*trainrun.options, ("scan_layers", True)))}
         for i, (rows, k) in enumerate(parse_sizes(args.gpt2_rows, s.k)):
-            wanted = [PLAIN, trainrun] + ([extras[e] for e in args.gpt2_extra.split(",") if e]
+            wanted = [PLAIN, trainrun] + ([_combined(trainrun, extras, e)
+                                           for e in args.gpt2_extra.split(",") if e]
                                           if i == 0 else [])
             p.gpt2[rows] = [x for x in (budget.lower(v, m, rows, k) for v in wanted) if x]
         for rows, k in parse_sizes(args.gpt2_ours_rows, s.k):  # past what the plain step fits
@@ -1113,7 +1138,8 @@ def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
         extras = {"none": dataclasses.replace(trainrun, name="trainrun, no guard", guard="none"),
                   "select": dataclasses.replace(trainrun, name="trainrun, guard a select",
                                                 guard="select")}
-        p.qwen_extra = [x for x in (budget.lower(extras[e], m, args.qwen_target, s.k)
+        p.qwen_extra = [x for x in (budget.lower(_combined(trainrun, extras, e), m,
+                                                 args.qwen_target, s.k)
                                     for e in args.qwen_extra.split(",") if e) if x]
         p.qwen_plain = [x for x in (budget.lower(PLAIN, m, rows, k)
                                     for rows, k in parse_sizes(args.qwen_plain, s.k)) if x]

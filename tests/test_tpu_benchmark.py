@@ -24,7 +24,7 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "tpu_step.py"), "--tiny", "--out",
          str(tmp_path), "--parts", "micro,init,gpt2,qwen", "--rounds", "2", "--compile-threads",
-         "2", "--budget-s", "3000", "--gpt2-extra", "select", "--gpt2-attention", "library",
+         "2", "--budget-s", "3000", "--gpt2-extra", "select,none+chunk=64", "--gpt2-attention", "library",
          # the head as trainrun chooses it on a TPU, not as the micro part's CPU timings do
          "--gpt2-head", "library", "--qwen-attention", "splash"],
         capture_output=True, text=True, env=env, timeout=3000)
@@ -56,7 +56,10 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
     gpt2 = report["gpt2"]
     assert set(gpt2) == {"2", "3", "4"}  # 4: trainrun alone, past the plain step's largest
     first = {r["name"]: r for r in gpt2["2"]["rows"]}
-    assert set(first) == {"plain", "trainrun", "trainrun, guard a select"}
+    assert set(first) == {"plain", "trainrun", "trainrun, guard a select",
+                          "trainrun, none + chunk=64"}
+    both = first["trainrun, none + chunk=64"]["what"]  # an extra of two changes
+    assert "loss_chunk=64" in both and "no non-finite guard" in both, both
     assert first["trainrun"]["compiled_alone"] and first["plain"]["compiled_alone"]
     assert "splash" in first["trainrun"]["what"] and "head unrolled" in first["trainrun"]["what"]
     assert {r["name"] for r in gpt2["3"]["rows"]} == {"plain", "trainrun"}

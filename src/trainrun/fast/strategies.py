@@ -3,8 +3,8 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
 
     how the state is carried   ``packing.PackedState``, else the ``TrainState`` itself
     where batches come from    ``resident.ResidentBatches``, else the host's, placed each call
-    the non-finite guard       ``guard.keep_if_not_branched`` under a scan (branches on CPU
-                               and on a TPU), else a select of every leaf
+    the non-finite guard       ``guard.keep_if_not_branched`` under a scan (branches on
+                               CPU), else a select of every leaf
     how metric rows are written  ``writer_thread.WriterThread``, else in the loop's thread
     decoding's output head     ``head_layout.head_transposed``, else the model's own table
     how score programs compile  at LLVM's level 1 on CPU, attending in blocks of

@@ -13,9 +13,8 @@ plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
                         (``platform/process.py``, made by ``configure_process``)
     writer_thread       metric rows written by one thread beside the loop
                         (``fast/writer_thread.py``)
-    guard_branches      inside a scan, the non-finite guard as branches instead of a select
-                        of every leaf: on CPU over a few leaves each, on a TPU one over the
-                        whole state (``fast/guard.py``)
+    guard_branches      inside a scan on CPU, the non-finite guard as branches over a few
+                        leaves each instead of a select of every leaf (``fast/guard.py``)
     decode_head_layout  decoding multiplies by the output head's table laid out [d_model,
                         vocab] once per call, not [vocab, d_model] (``fast/head_layout.py``)
     cpu_score_compile   on CPU, lm-eval's score programs compile at LLVM's optimisation level

@@ -24,7 +24,8 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "tpu_step.py"), "--tiny", "--out",
          str(tmp_path), "--parts", "micro,init,gpt2,qwen", "--rounds", "2", "--compile-threads",
-         "2", "--budget-s", "3000", "--gpt2-extra", "select,none+chunk=64", "--gpt2-attention", "library",
+         "2", "--budget-s", "3000", "--gpt2-extra", "select,none+chunk=64",
+         "--gpt2-attention", "library",
          # the head as trainrun chooses it on a TPU, not as the micro part's CPU timings do
          "--gpt2-head", "library", "--qwen-attention", "splash"],
         capture_output=True, text=True, env=env, timeout=3000)

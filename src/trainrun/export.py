@@ -88,7 +88,15 @@ def export_run(run_dir: Location | str, to: Location | str, *,
     new export only (``rundir.export_dir`` says which folders are refused). ``dtype``: the
     weights' dtype in the files; ``shard_size``: the most bytes per file. Either path may be
     on object storage (``gs://``, ``s3://``)."""
-    run, dest = location.location(run_dir), location.location(to)
+    run = location.location(run_dir)
+    with tempfile.TemporaryDirectory(prefix="trainrun-kept-tokenizer-") as held:
+        return _export(run, location.location(to), _kept_here(run, Path(held)), merge=merge,
+                       replace=replace, dtype=dtype, shard_size=shard_size, step=step)
+
+
+def _export(run: Location, dest: Location, kept: Path | None, *, merge: bool, replace: bool,
+            dtype: str, shard_size: str, step: int | None) -> Export:
+    """``export_run`` of ``run`` to ``dest``; ``kept``: the tokenizer the run keeps, here."""
     here = dest.local_path  # None on object storage, where nothing is renamed
     target = None if here is None else Path(os.path.realpath(here))  # a link: its folder replaced
     if here is None or target is None:
@@ -105,13 +113,13 @@ def export_run(run_dir: Location | str, to: Location | str, *,
         raise WeightsError(f"run {run} trains model.kind={cfg.kind}; export writes "
                            "transformers in Hugging Face's layout")
     source, reads = _lineage(run, config)
-    own = _tokenizer_file(run, config)
+    own = _tokenizer_file(kept, config)
     export_dir.check_reads(dest, [
         (run, "the run being exported"),
         (checkpoint_dir(config, run), f"the checkpoints of {run}"), *reads,
         *([(own, f"the data.tokenizer of {run}")] if own is not None else [])])
     copies = (_source_files(source, TOKENIZER_FILES) if source is not None
-              else _kept_records_tokenizer(run, config))
+              else _kept_records_tokenizer(kept, config))
     hf = None
     if source is not None:
         _source_files(source, (CONFIG,))  # its fields go into the export: a link is checked
@@ -243,31 +251,37 @@ def _source_files(source: LocalLocation, names: tuple[str, ...]) -> dict[str, Pa
     return found
 
 
-def _tokenizer_file(run: Location, config: RunConfig) -> LocalLocation | None:
-    """The run's own tokenizer.json: for a text run the copy it keeps (``tokenizer/``, where
-    the run is local), else the file ``data.tokenizer`` names; None where it names none."""
+def _tokenizer_file(kept: Path | None, config: RunConfig) -> LocalLocation | None:
+    """The run's own tokenizer.json: for a text run the copy it keeps (``kept``), else the
+    file ``data.tokenizer`` names; None where it names none."""
     name = getattr(config.data, "tokenizer", None)
     if not name:
         return None
-    kept = _kept_local(run)
     if isinstance(config.data, TextData) and kept is not None:
         return location.local(kept / kept_tokenizer.TOKENIZER_JSON)
     return location.local(name) if location.local(name).is_file() else None
 
 
-def _kept_records_tokenizer(run: Location, config: RunConfig) -> dict[str, Path]:
-    """A run on records with no source model: the tokenizer files it keeps (``tokenizer/``:
-    its tokenizer, special tokens, chat template and stop ids), where the run is local."""
-    folder = _kept_local(run)
-    if not isinstance(config.data, RecordsData) or folder is None:
+def _kept_records_tokenizer(kept: Path | None, config: RunConfig) -> dict[str, Path]:
+    """A run on records with no source model: the tokenizer files it keeps (``kept``: its
+    tokenizer, special tokens, chat template and stop ids)."""
+    if not isinstance(config.data, RecordsData) or kept is None:
         return {}
-    return {name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}
+    return {name: kept / name for name in TOKENIZER_FILES if (kept / name).is_file()}
 
 
-def _kept_local(run: Location) -> Path | None:
-    """The tokenizer folder the run keeps, where the run is local; None elsewhere or without."""
+def _kept_here(run: Location, held: Path) -> Path | None:
+    """The folder of the tokenizer ``run`` keeps, on this machine: its own where the run is
+    local, else a copy of its files written into ``held``; None for a run that keeps none."""
     folder = kept_tokenizer.kept_folder(run)
-    return None if folder is None else folder.local_path
+    if folder is None:
+        return None
+    if folder.local_path is not None:
+        return folder.local_path
+    for name in folder.list_names():
+        if (folder / name).is_file():
+            (held / name).write_bytes((folder / name).read_bytes())
+    return held
 
 
 def _token_ids(own: LocalLocation | None, copies: dict[str, Path]) -> dict[str, Any]:

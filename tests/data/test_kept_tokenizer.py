@@ -143,3 +143,29 @@ def test_a_kept_tokenizer_folder_that_is_a_link_is_refused_and_its_target_left_a
     assert err.count("\n") == 1 and f"{run_dir / FOLDER} is a symbolic link" in err, err
     assert [p.name for p in users.iterdir()] == ["tokenizer.json"]
     assert (users / "tokenizer.json").read_text() == "mine\n"
+
+
+@pytest.mark.slow
+def test_a_text_run_on_a_bucket_samples_and_exports_through_its_kept_tokenizer(
+        tmp_path, object_store_servers):
+    from conftest import upload_run
+
+    for name, text in CORPUS.items():
+        (tmp_path / name).write_text(text)
+    tok = tmp_path / "tok.json"
+    small = [f"data.paths=[{tmp_path}/*.py]", f"data.tokenizer={tok}", "data.vocab_size=300",
+             "model.vocab=300", "data.seq_len=16", "model.seq_len=16", "model.d_model=16",
+             "model.layers=1", "model.norm=rmsnorm", "model.mlp=swiglu", "data.batch_size=4",
+             "eval.every=0", "steps_per_call=3", "metrics.tensorboard=false",
+             "checkpoint.every=6", "checkpoint.async=false"]
+    run_dir = tmp_path / "run"
+    run(load_config("lm_bpe", [*small, "steps=6"]), run_dir, out=io.StringIO())
+    trained_with = tok.read_bytes()
+    before = sample_run(run_dir, "def add", 8, temperature=0)
+    url = object_store_servers["s3"].new_bucket() + "/runs/text"
+    upload_run(run_dir, url)
+    tok.write_text(other_tokenizer_json())  # data.tokenizer now names another tokenizer
+
+    assert sample_run(url, "def add", 8, temperature=0) == before
+    export_run(url, tmp_path / "export")
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == trained_with

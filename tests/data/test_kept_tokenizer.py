@@ -169,3 +169,34 @@ def test_a_text_run_on_a_bucket_samples_and_exports_through_its_kept_tokenizer(
     assert sample_run(url, "def add", 8, temperature=0) == before
     export_run(url, tmp_path / "export")
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == trained_with
+
+
+@pytest.mark.slow
+def test_a_chat_run_on_a_bucket_answers_scores_and_exports_through_its_kept_tokenizer(
+        tmp_path, object_store_servers):
+    from conftest import upload_run
+
+    model_dir = tmp_path / "model-tokenizer"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text(model_tokenizer.byte_tokenizer().tokenizer.to_str())
+    settings = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                "chat_template": CHATML}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    overrides = [f"data.tokenizer={model_dir}", "data.chat_template=null", "model.d_model=32",
+                 "model.layers=1", "data.synthetic_examples=256", "data.batch_size=8",
+                 "eval.every=0", "steps_per_call=2", "checkpoint.every=4",
+                 "checkpoint.async=false", "metrics.tensorboard=false",
+                 "optimizer.schedule.warmup=1", "steps=4"]
+    run_dir = tmp_path / "run"
+    run(load_config("chat", overrides), run_dir, out=io.StringIO())
+    before = chat_answers(run_dir, ["abc", "hello"], 12)
+    scored = evaluate_run(run_dir, tokens=8, limit=2)
+    url = object_store_servers["gs"].new_bucket() + "/runs/chat"
+    upload_run(run_dir, url)
+    settings["chat_template"] = CHATML.replace("<|im_start|>", "<|im_start|> ")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+
+    assert chat_answers(url, ["abc", "hello"], 12) == before
+    assert evaluate_run(url, tokens=8, limit=2) == scored
+    export_run(url, tmp_path / "export")  # no source model: the kept tokenizer goes with it
+    assert chat_answers(tmp_path / "export", ["abc", "hello"], 12) == before

@@ -10,6 +10,7 @@ import io
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -39,16 +40,45 @@ def other_tokenizer_json() -> str:
     return model_tokenizer.byte_tokenizer().tokenizer.to_str()
 
 
+def text_run_on_corpus(folder: Path) -> tuple[Path, list[str]]:
+    """CORPUS written into ``folder``; the tokenizer.json a small tokenized text run on it
+    trains (at first use) and reads, and that run's overrides (without its steps)."""
+    for name, text in CORPUS.items():
+        (folder / name).write_text(text)
+    tok = folder / "tok.json"
+    return tok, [f"data.paths=[{folder}/*.py]", f"data.tokenizer={tok}", "data.vocab_size=300",
+                 "model.vocab=300", "data.seq_len=16", "model.seq_len=16", "model.d_model=16",
+                 "model.layers=1", "model.norm=rmsnorm", "model.mlp=swiglu",
+                 "data.batch_size=4", "eval.every=0", "steps_per_call=3",
+                 "metrics.tensorboard=false", "checkpoint.every=6", "checkpoint.async=false"]
+
+
+def write_model_tokenizer(folder: Path, chat_template: str) -> None:
+    """A model directory's tokenizer files in ``folder``: the byte tokenizer, its special
+    tokens and ``chat_template``, and its stop id."""
+    folder.mkdir(exist_ok=True)
+    (folder / "tokenizer.json").write_text(model_tokenizer.byte_tokenizer().tokenizer.to_str())
+    settings = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                "chat_template": chat_template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [257]}))
+
+
+def chat_run_overrides(model_dir: Path) -> list[str]:
+    """A small chat run's overrides (without its steps), reading records with ``model_dir``'s
+    tokenizer and chat template."""
+    return [f"data.tokenizer={model_dir}", "data.chat_template=null", "model.d_model=32",
+            "model.layers=1", "data.synthetic_examples=256", "data.batch_size=8",
+            "eval.every=0", "steps_per_call=2", "checkpoint.every=4", "checkpoint.async=false",
+            "metrics.tensorboard=false", "optimizer.schedule.warmup=1"]
+
+
+OTHER_CHATML = CHATML.replace("<|im_start|>", "<|im_start|> ")  # another template, same ids
+
+
 @pytest.mark.slow
 def test_a_text_run_samples_through_its_kept_tokenizer_and_refuses_another_on_resume(tmp_path):
-    for name, text in CORPUS.items():
-        (tmp_path / name).write_text(text)
-    tok = tmp_path / "tok.json"
-    small = [f"data.paths=[{tmp_path}/*.py]", f"data.tokenizer={tok}", "data.vocab_size=300",
-             "model.vocab=300", "data.seq_len=16", "model.seq_len=16", "model.d_model=16",
-             "model.layers=1", "model.norm=rmsnorm", "model.mlp=swiglu", "data.batch_size=4",
-             "eval.every=0", "steps_per_call=3",
-             "metrics.tensorboard=false", "checkpoint.every=6", "checkpoint.async=false"]
+    tok, small = text_run_on_corpus(tmp_path)
     run_dir = tmp_path / "run"
     run(load_config("lm_bpe", [*small, "steps=6"]), run_dir, out=io.StringIO())
     trained_with = tok.read_bytes()  # trained and written at first use
@@ -76,18 +106,8 @@ def test_a_text_run_samples_through_its_kept_tokenizer_and_refuses_another_on_re
 @pytest.mark.slow
 def test_a_chat_run_answers_through_its_kept_tokenizer_and_template(tmp_path):
     model_dir = tmp_path / "model-tokenizer"
-    model_dir.mkdir()
-    byte = model_tokenizer.byte_tokenizer()
-    (model_dir / "tokenizer.json").write_text(byte.tokenizer.to_str())
-    settings = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-                "chat_template": CHATML}
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
-    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [257]}))
-    overrides = [f"data.tokenizer={model_dir}", "data.chat_template=null", "model.d_model=32",
-                 "model.layers=1", "data.synthetic_examples=256", "data.batch_size=8",
-                 "eval.every=0", "steps_per_call=2", "checkpoint.every=4",
-                 "checkpoint.async=false", "metrics.tensorboard=false",
-                 "optimizer.schedule.warmup=1"]
+    write_model_tokenizer(model_dir, CHATML)
+    overrides = chat_run_overrides(model_dir)
     run_dir = tmp_path / "run"
     config = load_config("chat", [*overrides, "steps=4"])
     run(config, run_dir, out=io.StringIO())
@@ -100,8 +120,7 @@ def test_a_chat_run_answers_through_its_kept_tokenizer_and_template(tmp_path):
     before = chat_answers(run_dir, ["abc", "hello"], 12)
     scored = evaluate_run(run_dir, tokens=8, limit=2)
 
-    settings["chat_template"] = CHATML.replace("<|im_start|>", "<|im_start|> ")
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    write_model_tokenizer(model_dir, OTHER_CHATML)
     assert chat_answers(run_dir, ["abc", "hello"], 12) == before
     assert evaluate_run(run_dir, tokens=8, limit=2) == scored  # the held-out records alike
     with pytest.raises(DataChangedError, match=REFUSED):
@@ -150,14 +169,7 @@ def test_a_text_run_on_a_bucket_samples_and_exports_through_its_kept_tokenizer(
         tmp_path, object_store_servers):
     from conftest import upload_run
 
-    for name, text in CORPUS.items():
-        (tmp_path / name).write_text(text)
-    tok = tmp_path / "tok.json"
-    small = [f"data.paths=[{tmp_path}/*.py]", f"data.tokenizer={tok}", "data.vocab_size=300",
-             "model.vocab=300", "data.seq_len=16", "model.seq_len=16", "model.d_model=16",
-             "model.layers=1", "model.norm=rmsnorm", "model.mlp=swiglu", "data.batch_size=4",
-             "eval.every=0", "steps_per_call=3", "metrics.tensorboard=false",
-             "checkpoint.every=6", "checkpoint.async=false"]
+    tok, small = text_run_on_corpus(tmp_path)
     run_dir = tmp_path / "run"
     run(load_config("lm_bpe", [*small, "steps=6"]), run_dir, out=io.StringIO())
     trained_with = tok.read_bytes()
@@ -177,24 +189,15 @@ def test_a_chat_run_on_a_bucket_answers_scores_and_exports_through_its_kept_toke
     from conftest import upload_run
 
     model_dir = tmp_path / "model-tokenizer"
-    model_dir.mkdir()
-    (model_dir / "tokenizer.json").write_text(model_tokenizer.byte_tokenizer().tokenizer.to_str())
-    settings = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-                "chat_template": CHATML}
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
-    overrides = [f"data.tokenizer={model_dir}", "data.chat_template=null", "model.d_model=32",
-                 "model.layers=1", "data.synthetic_examples=256", "data.batch_size=8",
-                 "eval.every=0", "steps_per_call=2", "checkpoint.every=4",
-                 "checkpoint.async=false", "metrics.tensorboard=false",
-                 "optimizer.schedule.warmup=1", "steps=4"]
+    write_model_tokenizer(model_dir, CHATML)
     run_dir = tmp_path / "run"
-    run(load_config("chat", overrides), run_dir, out=io.StringIO())
+    run(load_config("chat", [*chat_run_overrides(model_dir), "steps=4"]), run_dir,
+        out=io.StringIO())
     before = chat_answers(run_dir, ["abc", "hello"], 12)
     scored = evaluate_run(run_dir, tokens=8, limit=2)
     url = object_store_servers["gs"].new_bucket() + "/runs/chat"
     upload_run(run_dir, url)
-    settings["chat_template"] = CHATML.replace("<|im_start|>", "<|im_start|> ")
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    write_model_tokenizer(model_dir, OTHER_CHATML)
 
     assert chat_answers(url, ["abc", "hello"], 12) == before
     assert evaluate_run(url, tokens=8, limit=2) == scored

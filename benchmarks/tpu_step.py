@@ -2,7 +2,8 @@
 ``--tiny``, on any backend at toy sizes: a check of the code, not a measurement).
 
     python benchmarks/tpu_step.py --out DIR [--tiny] [--parts gpt2,qwen,micro,init] [--profile]
-        [--budget-s 370] [--rounds 5] [--compile-threads 7] [--compile-alone 2]
+        [--profile-top 15] [--micro-kinds head,attention] [--budget-s 370] [--rounds 5]
+        [--compile-threads 7] [--compile-alone 2]
         [--gpt2-rows 8,16] [--gpt2-extra select,none,plain-paths,xla,whole-logits,scan]
         [--gpt2-attention A] [--gpt2-head H] [--gpt2-chunk N]
         [--qwen-rows 8,4,2,1] [--qwen-target 4] [--qwen-extra none,select]
@@ -16,8 +17,9 @@ compute on float32 masters, K steps per jitted call under ``lax.scan``, the stat
 "trainrun" is the step as a user gets it on a TPU: the attention and head paths trainrun's
 strategies choose there (``fast/strategies.py``, ``TRAINRUN_FAST_PATHS`` honoured), its
 non-finite guard, the config's default ``loss_chunk``; ``--gpt2-attention`` and the like
-change one choice (A: ``library``, ``xla``, ``splash``, ``splash:BQxBKV``, ``splash:BQxBKV:
-unfused``; H: ``library``, ``unrolled``, ``scan``).
+change one choice (A: ``library``, ``xla``, ``splash``, ``splash:BQxBKV[:unfused][:c=N]
+[:minor=qkv]``: N the key rows of the kernel's inner step, ``minor`` the inputs it reads with
+the sequence minor-most; H: ``library``, ``unrolled``, ``scan``).
 
 Parts:
 
@@ -26,9 +28,10 @@ Parts:
          trainrun with its guard as a select of every leaf (``select``), without a guard (``none``),
          on its plain paths (``plain-paths``: XLA's attention, the head's chunks scanned, the
          select), with XLA's attention alone (``xla``), its logits whole (``whole-logits``) or its
-         layers under scan (``scan``); ``chunk=N`` its head's chunks of N tokens, ``a+b`` the
-         changes of both. One state on the device, handed from call to call; each
-         contender's first call starts from the same fresh state (their losses compared), then
+         layers under scan (``scan``); ``chunk=N`` its head's chunks of N tokens,
+         ``attention=A`` its attention as ``--gpt2-attention`` says, ``a+b`` the changes of
+         both. One state on the device, handed from call to call; each contender's first call
+         starts from the same fresh state (their losses compared), then
          interleaved rounds (one call of each, a blocking read; medians). The plain step's and
          trainrun's programs at the first rows (and the extras after them, up to ``--compile-alone``
          programs) are compiled first, one at a time, cold (no compilation cache): their compile
@@ -50,7 +53,8 @@ Parts:
          and the builder called op by op: trace, compile and run seconds, and whether each gives
          trainrun's bits.
   micro  the head's loss (chunks scanned or unrolled, chunk sizes) and causal attention (XLA's,
-         Pallas splash attention at several blocks, Pallas flash attention) alone, forward and
+         Pallas splash attention at several blocks and layouts, Pallas flash attention; those of
+         ``--micro-kinds``) alone, forward and
          backward, at both shapes: time, compiled memory, values and gradients against the
          plain path's. Its fastest choices (a chunk only where its float32 logits stay within
          ``CHUNK_LOGITS_BUDGET``) replace the defaults not given on the command line.
@@ -66,10 +70,10 @@ Reported: ms/step, tokens/s, MFU against 197 TFLOP/s (v5e's datasheet) and again
 8192^3 matmul measured in this process, by one analytic FLOP count for both sides (6 x params x
 tokens + 12 x layers x seq x width x tokens) and by XLA's count of each program (trainrun's own
 count; a Pallas kernel's FLOPs are not in it); compile seconds; compiled memory. ``--profile``:
-one call of the plain step and of trainrun at GPT-2's first rows under ``jax.profiler``, the
-device's ops summed per step. A markdown report on stdout and in OUT/tpu_step.md; every figure
-in OUT/tpu_step.json (both written again as each part ends, so a run stopped early keeps what
-it measured).
+one call of each contender at GPT-2's first rows under ``jax.profiler``, the device's ops
+summed per step (the ``--profile-top`` costliest). A markdown report on stdout and in
+OUT/tpu_step.md; every figure in OUT/tpu_step.json (both written again as each part ends, so
+a run stopped early keeps what it measured).
 """
 
 from __future__ import annotations
@@ -312,7 +316,9 @@ def _attention_name(path: AttentionPath) -> str:
     if isinstance(kernel, SplashAttention):
         blocks = (f"{kernel.block_q}x{kernel.block_kv}" if kernel.block_q
                   else "blocks by length")
-        return f"splash {blocks}{' fused bwd' if kernel.fused_backward else ''}"
+        more = (f" compute {kernel.block_kv_compute}" if kernel.block_kv_compute else "") + (
+            f" {kernel.seq_minor or 'none'} seq-minor" if kernel.seq_minor is not None else "")
+        return f"splash {blocks}{more}{' fused bwd' if kernel.fused_backward else ''}"
     return "XLA attention"
 
 
@@ -322,19 +328,26 @@ def _head_name(path: HeadPath) -> str:
 
 def attention_choice(spec: str | None) -> AttentionPath:
     """``library`` (None): what trainrun's strategies choose on a TPU; ``xla``; ``splash``
-    (its default blocks); ``splash:BQxBKV[:unfused]``."""
+    (its default blocks); ``splash:BQxBKV[:unfused][:c=N][:minor=qkv]`` (``c``: the key rows
+    of the kernel's inner step; ``minor``: the inputs read with the sequence minor-most)."""
     if spec in (None, "library"):
         return chosen().attention(backend="tpu")
     if spec == "xla":
         return PLAIN_ATTENTION
     parts = spec.split(":")
-    if parts[0] != "splash" or len(parts) > 3:
-        raise SystemExit(f"attention {spec!r}: give library, xla, splash or "
-                         "splash:BQxBKV[:unfused]")
+    usage = "give library, xla, splash or splash:BQxBKV[:unfused][:c=N][:minor=qkv]"
+    if parts[0] != "splash":
+        raise SystemExit(f"attention {spec!r}: {usage}")
     if len(parts) == 1:
         return AttentionPath(kernel=SplashAttention())
     bq, bkv = (int(x) for x in parts[1].split("x"))
-    return AttentionPath(kernel=SplashAttention(bq, bkv, fused_backward=parts[2:] != ["unfused"]))
+    options = dict(o.partition("=")[::2] for o in parts[2:])
+    if set(options) - {"unfused", "c", "minor"}:
+        raise SystemExit(f"attention {spec!r}: {usage}")
+    return AttentionPath(kernel=SplashAttention(
+        bq, bkv, fused_backward="unfused" not in options,
+        block_kv_compute=int(options["c"]) if options.get("c") else None,
+        seq_minor=options.get("minor")))
 
 
 def head_choice(spec: str | None) -> HeadPath:
@@ -755,9 +768,14 @@ def attention_micros(s: Shape, key: str, tiny: bool) -> list[Micro]:
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return jnp.sum(out.astype(jnp.float32) * cotangent)
 
-    splashes = [SplashAttention(512, 512, True), SplashAttention(512, 512, False),
+    splashes = [SplashAttention(512, 512, True, seq_minor=""),
+                SplashAttention(512, 512, True), SplashAttention(512, 512, False),
+                SplashAttention(1024, 1024, True, seq_minor=""),
                 SplashAttention(1024, 1024, True), SplashAttention(256, 256, True),
-                SplashAttention(1024, 512, True)]
+                SplashAttention(1024, 512, True), SplashAttention(512, 1024, True),
+                SplashAttention(512, 512, True, block_kv_compute=256),
+                SplashAttention(512, 512, True, seq_minor="k"),
+                SplashAttention(512, 512, True, seq_minor="qkv")]
     if tiny:
         splashes = [SplashAttention()]
     cases: list[tuple[str, Callable[..., Any], bool, Any]] = [
@@ -910,7 +928,7 @@ def device_ops(trace_dir: str, steps: int, hlo_text: str, top: int = 15) -> list
              "from": origin.get(name, "")} for name, us in total.most_common(top)]
 
 
-def profile(timed: list[Timed], m: Model, budget: Budget) -> dict[str, Any]:
+def profile(timed: list[Timed], m: Model, budget: Budget, top: int) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for t in timed:
         directory = tempfile.mkdtemp(prefix="tpu-step-trace-")
@@ -918,7 +936,7 @@ def profile(timed: list[Timed], m: Model, budget: Budget) -> dict[str, Any]:
             with jax.profiler.trace(directory, create_perfetto_trace=True):
                 t.side.run(m)
             found[t.side.variant.name] = device_ops(directory, t.side.k,
-                                                    t.side.compiled.as_text())
+                                                    t.side.compiled.as_text(), top)
         except Exception as err:  # the trace is a report, not a requirement
             budget.note(f"profile of {t.side.name}: none ({first_line(err, 200)})")
         finally:
@@ -1085,6 +1103,9 @@ def variants(args: argparse.Namespace, micro: dict[str, Any], found: dict[str, S
 def _combined(trainrun: Variant, extras: dict[str, Variant], spec: str) -> Variant:
     """The extra named ``spec``, or for ``a+b`` trainrun with what each of them changes."""
     def named(name: str) -> Variant:  # chunk=N: the head's chunks of N tokens
+        if name.startswith("attention="):  # attention=SPEC: as --gpt2-attention takes
+            return dataclasses.replace(trainrun, name=f"trainrun, {name}",
+                                       attention=attention_choice(name.partition("=")[2]))
         if name.startswith("chunk="):
             return dataclasses.replace(trainrun, name=f"trainrun, {name}", options=(
                 *trainrun.options, ("loss_chunk", int(name.removeprefix("chunk=")))))
@@ -1233,8 +1254,7 @@ def gpt2_part(p: Plan, m: Model, budget: Budget, report: Report, peak: float,
         table(f"{s.name}, {rows} rows", got, checks, peak)
         entry: dict[str, Any] = {"rows": got, "checks": checks}
         if args.profile and i == 0:
-            entry["profile"] = profile([t for t in timed if t.side.variant.name in
-                                        (PLAIN.name, "trainrun")], m, budget)
+            entry["profile"] = profile(timed, m, budget, args.profile_top)
         report.data["gpt2"][str(rows)] = entry
         report.save()
         for side in sides:
@@ -1360,8 +1380,10 @@ def run_parts(args: argparse.Namespace, parts: set[str], budget: Budget, report:
     report.save()
     micro: dict[str, Any] = {}
     if "micro" in parts:
+        kinds = set(args.micro_kinds.split(","))
         cases = [c for key, s in found.items() for c in
-                 head_micros(s, key, args.tiny) + attention_micros(s, key, args.tiny)]
+                 (head_micros(s, key, args.tiny) if "head" in kinds else [])
+                 + (attention_micros(s, key, args.tiny) if "attention" in kinds else [])]
         rows = run_micros(cases, budget, reps=3 if args.tiny else 10, reserve=300.0)
         micro_table(rows, {key: s.layers for key, s in found.items()})
         report.data["micro"] = rows
@@ -1404,6 +1426,8 @@ def main() -> int:
     parser.add_argument("--compile-alone", type=int, default=2)
     parser.add_argument("--parts", default="gpt2,qwen")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-top", type=int, default=15)
+    parser.add_argument("--micro-kinds", default="head,attention")
     parser.add_argument("--gpt2-rows", default="8,16")
     parser.add_argument("--gpt2-extra", default="select")
     parser.add_argument("--gpt2-ours-rows", default="32")

@@ -24,9 +24,9 @@ def _inputs(heads: int, kv_heads: int) -> tuple[jax.Array, ...]:
 
 
 @pytest.mark.slow  # the kernels run in Pallas' interpreter
-@pytest.mark.parametrize("heads,kv_heads,packed,fused", [(4, 2, False, True),
-                                                         (2, 2, True, False)])
-def test_outputs_and_gradients_equal_the_xla_form(heads, kv_heads, packed, fused):
+@pytest.mark.parametrize("heads,kv_heads,packed,fused,seq_minor", [
+    (4, 2, False, True, None), (2, 2, True, False, "qkv"), (4, 2, True, True, "")])
+def test_outputs_and_gradients_equal_the_xla_form(heads, kv_heads, packed, fused, seq_minor):
     q, k, v = _inputs(heads, kv_heads)
     segments = None
     if packed:  # two documents in the first row; padding (segment 0) ending the second
@@ -34,7 +34,7 @@ def test_outputs_and_gradients_equal_the_xla_form(heads, kv_heads, packed, fused
         rows[0, 100:], rows[1, 200:] = 2, 0
         segments = jnp.asarray(rows)
     cotangent = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
-    splash = AttentionPath(kernel=SplashAttention(128, 128, fused))
+    splash = AttentionPath(kernel=SplashAttention(128, 128, fused, seq_minor=seq_minor))
 
     def loss(path):
         return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(causal_attention(
@@ -57,6 +57,20 @@ def test_the_program_holds_the_kernel_and_grouped_heads_are_not_repeated():
     assert repeated not in jaxpr
     plain = str(jax.make_jaxpr(lambda q, k, v: causal_attention(q, k, v))(q, k, v))
     assert repeated in plain and "pallas_call" not in plain
+
+
+def test_keys_and_values_are_read_sequence_minor_unless_told():
+    q, k, v = _inputs(4, 2)
+
+    def program(kernel: SplashAttention) -> str:
+        path = AttentionPath(kernel=kernel)
+        return str(jax.make_jaxpr(jax.grad(lambda q, k, v: causal_attention(
+            q, k, v, path=path).sum(), argnums=(0, 1, 2)))(q, k, v))
+
+    seq_minor = "f32[2,2,32,256]"  # [batch, key/value heads, head width, sequence]
+    assert program(SplashAttention(128, 128)).count(seq_minor) >= 2
+    assert seq_minor not in program(SplashAttention(128, 128, seq_minor=""))
+    assert "f32[2,4,32,256]" in program(SplashAttention(128, 128, seq_minor="qkv"))
 
 
 def test_what_the_kernel_does_not_take_is_said():

@@ -27,6 +27,9 @@ LANES = 128  # the kernel's blocks are whole multiples of the chip's 128 lanes
 # Blocks of 512 rows up to 1024 positions, of 1024 from 2048 on: the fastest of those measured
 # on a TPU v5e at each length (BENCHMARKS.md, "TPU v5e: trainrun's step against plain JAX").
 SHORT_BLOCK, LONG_BLOCK, LONG_FROM = 512, 1024, 2048
+# Keys and values read with the sequence minor-most, so a 64-wide head no longer leaves half of
+# the chip's 128 lanes empty (BENCHMARKS.md, "Eighth run on the chip": GPT-2 small 9% faster).
+SEQ_MINOR = "kv"
 
 
 def default_block(seq: int) -> int:
@@ -38,13 +41,17 @@ def default_block(seq: int) -> int:
 class SplashAttention:
     """Splash attention in blocks of ``block_q`` query rows and ``block_kv`` key rows (the
     backward pass's too; None: ``default_block`` of the sequence's length), its backward pass
-    one fused kernel where ``fused_backward``. ``interpret``: run in Pallas' interpreter
-    (None: where the backend is not a TPU)."""
+    one fused kernel where ``fused_backward``. ``block_kv_compute``: the key rows of one step
+    of the kernel's inner loop (None: the whole block). ``seq_minor``: which of ``"qkv"`` the
+    kernel reads with the sequence, not the head's width, minor-most (None: ``SEQ_MINOR``).
+    ``interpret``: run in Pallas' interpreter (None: where the backend is not a TPU)."""
 
     block_q: int | None = None
     block_kv: int | None = None
     fused_backward: bool = True
     interpret: bool | None = None
+    block_kv_compute: int | None = None
+    seq_minor: str | None = None
 
     def blocks(self, seq: int) -> tuple[int, int]:
         """The query and key blocks at ``seq`` positions (at most the sequence)."""
@@ -91,11 +98,16 @@ def _kernel(spec: SplashAttention, seq: int, heads: int) -> Any:
     )
 
     bq, bkv = spec.blocks(seq)
+    compute = min(spec.block_kv_compute or bkv, bkv)
     separate = None if spec.fused_backward else bq, None if spec.fused_backward else bkv
-    sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
-                              block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
+    minor = SEQ_MINOR if spec.seq_minor is None else spec.seq_minor
+    layout = {name: splash.QKVLayout.SEQ_MINOR if name in minor
+              else splash.QKVLayout.HEAD_DIM_MINOR for name in "qkv"}
+    sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=compute,
+                              block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=compute,
                               block_q_dq=separate[0], block_kv_dq=separate[1],
-                              use_fused_bwd_kernel=spec.fused_backward)
+                              use_fused_bwd_kernel=spec.fused_backward, q_layout=layout["q"],
+                              k_layout=layout["k"], v_layout=layout["v"])
     mask = masks.MultiHeadMask([masks.CausalMask((seq, seq)) for _ in range(heads)])
     interpret = jax.default_backend() != "tpu" if spec.interpret is None else spec.interpret
     # concrete arrays, not tracers of the program being traced: the kernel is cached across

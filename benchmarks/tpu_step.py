@@ -29,6 +29,7 @@ Parts:
          on its plain paths (``plain-paths``: XLA's attention, the head's chunks scanned, the
          select), with XLA's attention alone (``xla``), its logits whole (``whole-logits``) or its
          layers under scan (``scan``); ``chunk=N`` its head's chunks of N tokens,
+         ``remat=P`` each layer rematerialized by ``model.remat`` P,
          ``attention=A`` its attention as ``--gpt2-attention`` says, ``a+b`` the changes of
          both. One state on the device, handed from call to call; each contender's first call
          starts from the same fresh state (their losses compared), then
@@ -1109,6 +1110,9 @@ def _combined(trainrun: Variant, extras: dict[str, Variant], spec: str) -> Varia
         if name.startswith("chunk="):
             return dataclasses.replace(trainrun, name=f"trainrun, {name}", options=(
                 *trainrun.options, ("loss_chunk", int(name.removeprefix("chunk=")))))
+        if name.startswith("remat="):  # remat=POLICY: each layer rematerialized so
+            return dataclasses.replace(trainrun, name=f"trainrun, {name}", options=(
+                *trainrun.options, ("remat", name.removeprefix("remat="))))
         return extras[name]
 
     names = spec.split("+")

@@ -25,6 +25,7 @@ from trainrun.data.kept_tokenizer import FOLDER, run_records_tokenizer
 from trainrun.evaluation.evaluate import evaluate_run
 from trainrun.evaluation.sample import chat_answers, sample_run
 from trainrun.export import export_run
+from trainrun.storage import location
 from trainrun.training.loop import run
 
 CORPUS = {"a.py": "def add(a, b):\n    return a + b\n" * 30,
@@ -111,7 +112,8 @@ def test_a_chat_run_answers_through_its_kept_tokenizer_and_template(tmp_path):
     run_dir = tmp_path / "run"
     config = load_config("chat", [*overrides, "steps=4"])
     run(config, run_dir, out=io.StringIO())
-    named, kept = model_tokenizer.load(str(model_dir)), run_records_tokenizer(run_dir, config.data)
+    named, kept = model_tokenizer.load(str(model_dir)), run_records_tokenizer(
+        location.local(run_dir), config.data)
     assert kept.tokenizer.to_str() == named.tokenizer.to_str()
     assert (kept.special, kept.eos_id, kept.stop_ids) == (named.special, named.eos_id,
                                                           named.stop_ids)
@@ -143,8 +145,9 @@ def test_a_chat_run_answers_through_its_kept_tokenizer_and_template(tmp_path):
 @pytest.mark.slow
 def test_a_kept_tokenizer_folder_that_is_a_link_is_refused_and_its_target_left_alone(
         tmp_path, capsys):
-    """The folder a run keeps its tokenizer in, made a link to a user's folder: the resume is
-    refused in one line, and nothing is written through it."""
+    """The folder a run keeps its tokenizer in, made a link to a user's folder: the resume,
+    a sample, an eval and an export are each refused in one line (exit 2), nothing is
+    written through it; so is a link in place of one of its files."""
     run_dir = tmp_path / "run"
     small = ["--run-dir", str(run_dir), "model.d_model=32", "model.layers=1",
              "data.synthetic_examples=256", "data.batch_size=8", "eval.every=0",
@@ -154,14 +157,32 @@ def test_a_kept_tokenizer_folder_that_is_a_link_is_refused_and_its_target_left_a
     users = tmp_path / "my-tokenizer"
     users.mkdir()
     (users / "tokenizer.json").write_text("mine\n")
+    kept = tmp_path / "kept"
+    shutil.copytree(run_dir / FOLDER, kept)
     shutil.rmtree(run_dir / FOLDER)
     (run_dir / FOLDER).symlink_to(users)
     capsys.readouterr()
     assert main(["train", "--config", "chat", *small, "steps=4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{run_dir / FOLDER} is a symbolic link" in err, err
+    readers = [["sample", str(run_dir), "--prompt", "hi", "--tokens", "2"],
+               ["eval", str(run_dir), "--tokens", "2", "--limit", "2"],
+               ["export", str(run_dir), "--to", str(tmp_path / "export")]]
+    for command in readers:
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{run_dir / FOLDER} is a symbolic link" in err, err
+    assert not (tmp_path / "export").exists()
     assert [p.name for p in users.iterdir()] == ["tokenizer.json"]
     assert (users / "tokenizer.json").read_text() == "mine\n"
+
+    (run_dir / FOLDER).unlink()  # the run's own folder back, one file of it a link
+    shutil.copytree(kept, run_dir / FOLDER)
+    (run_dir / FOLDER / "tokenizer_config.json").unlink()
+    (run_dir / FOLDER / "tokenizer_config.json").symlink_to(users / "tokenizer.json")
+    assert main(readers[0]) == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir / FOLDER / 'tokenizer_config.json'} is a symbolic link" in err, err
 
 
 @pytest.mark.slow

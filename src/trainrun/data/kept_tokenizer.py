@@ -60,9 +60,19 @@ def _json(value: dict[str, Any]) -> str:
 
 
 def kept_folder(run: Location) -> Location | None:
-    """The folder holding the tokenizer ``run`` keeps; None for a run that keeps none."""
+    """The folder holding the tokenizer ``run`` keeps; None for a run that keeps none. The
+    folder, or a file in it, that is a symbolic link was not written by trainrun: refused,
+    not read through (a sample, an eval or an export would use another tokenizer than the
+    run's, or carry out whatever the link names)."""
     folder = run / FOLDER
-    return folder if (folder / TOKENIZER_JSON).is_file() else None
+    kept = folder if (folder / TOKENIZER_JSON).is_file() else None
+    links = [folder] if folder.is_symlink() else [] if kept is None else [
+        folder / name for name in sorted(folder.list_names()) if (folder / name).is_symlink()]
+    if links:
+        raise UserError(f"{links[0]} is a symbolic link where the run keeps the tokenizer it "
+                        "trained with, not what trainrun wrote; replace the link with a copy "
+                        "of what it points to")
+    return kept
 
 
 def kept_files(run: Location) -> dict[str, str] | None:

@@ -108,7 +108,7 @@ import optax
 
 from trainrun.config import OptimizerConfig, TransformerModel
 from trainrun.fast.strategies import chosen
-from trainrun.fast.tpu_attention import SplashAttention
+from trainrun.fast.tpu_attention import SEQ_MINOR, SplashAttention
 from trainrun.models.losses import PLAIN_HEAD, HeadPath, next_token_from_features
 from trainrun.models.transformer import (
     PLAIN_ATTENTION,
@@ -318,7 +318,7 @@ def _attention_name(path: AttentionPath) -> str:
         blocks = (f"{kernel.block_q}x{kernel.block_kv}" if kernel.block_q
                   else "blocks by length")
         more = (f" compute {kernel.block_kv_compute}" if kernel.block_kv_compute else "") + (
-            f" {kernel.seq_minor or 'none'} seq-minor" if kernel.seq_minor is not None else "")
+            f" {SEQ_MINOR if kernel.seq_minor is None else kernel.seq_minor or 'none'} seq-minor")
         return f"splash {blocks}{more}{' fused bwd' if kernel.fused_backward else ''}"
     return "XLA attention"
 

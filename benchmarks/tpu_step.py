@@ -318,7 +318,7 @@ def _attention_name(path: AttentionPath) -> str:
         blocks = (f"{kernel.block_q}x{kernel.block_kv}" if kernel.block_q
                   else "blocks by length")
         more = (f" compute {kernel.block_kv_compute}" if kernel.block_kv_compute else "") + (
-            f" {SEQ_MINOR if kernel.seq_minor is None else kernel.seq_minor or 'none'} seq-minor")
+            f" {kernel.seq_minor or 'none'} seq-minor")
         return f"splash {blocks}{more}{' fused bwd' if kernel.fused_backward else ''}"
     return "XLA attention"
 
@@ -348,7 +348,7 @@ def attention_choice(spec: str | None) -> AttentionPath:
     return AttentionPath(kernel=SplashAttention(
         bq, bkv, fused_backward="unfused" not in options,
         block_kv_compute=int(options["c"]) if options.get("c") else None,
-        seq_minor=options.get("minor")))
+        seq_minor=options.get("minor", SEQ_MINOR)))
 
 
 def head_choice(spec: str | None) -> HeadPath:

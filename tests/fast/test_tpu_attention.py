@@ -25,7 +25,7 @@ def _inputs(heads: int, kv_heads: int) -> tuple[jax.Array, ...]:
 
 @pytest.mark.slow  # the kernels run in Pallas' interpreter
 @pytest.mark.parametrize("heads,kv_heads,packed,fused,seq_minor", [
-    (4, 2, False, True, None), (2, 2, True, False, "qkv"), (4, 2, True, True, "")])
+    (4, 2, False, True, "kv"), (2, 2, True, False, "qkv"), (4, 2, True, True, "")])
 def test_outputs_and_gradients_equal_the_xla_form(heads, kv_heads, packed, fused, seq_minor):
     q, k, v = _inputs(heads, kv_heads)
     segments = None

@@ -65,21 +65,30 @@ def kept_folder(run: Location) -> Location | None:
     not read through (a sample, an eval or an export would use another tokenizer than the
     run's, or carry out whatever the link names)."""
     folder = run / FOLDER
-    kept = folder if (folder / TOKENIZER_JSON).is_file() else None
-    links = [folder] if folder.is_symlink() else [] if kept is None else [
-        folder / name for name in sorted(folder.list_names()) if (folder / name).is_symlink()]
-    if links:
-        raise UserError(f"{links[0]} is a symbolic link where the run keeps the tokenizer it "
-                        "trained with, not what trainrun wrote; replace the link with a copy "
-                        "of what it points to")
-    return kept
+    if folder.is_symlink():
+        _refuse_link(folder)
+    if not (folder / TOKENIZER_JSON).is_file():
+        return None
+    if folder.local_path is not None:  # links exist only on a file system, not in a bucket
+        for name in sorted(folder.list_names()):
+            if (folder / name).is_symlink():
+                _refuse_link(folder / name)
+    return folder
+
+
+def _refuse_link(path: Location) -> None:
+    raise UserError(f"{path} is a symbolic link where the run keeps the tokenizer it trained "
+                    "with, not what trainrun wrote; replace the link with a copy of what it "
+                    "points to")
 
 
 def kept_files(run: Location) -> dict[str, str] | None:
     """The tokenizer files ``run`` keeps (name -> text); None for a run that keeps none."""
     folder = kept_folder(run)
-    if folder is None:
-        return None
+    return None if folder is None else _files_in(folder)
+
+
+def _files_in(folder: Location) -> dict[str, str]:
     return {name: (folder / name).read_text(encoding="utf-8")
             for name in sorted(folder.list_names()) if (folder / name).is_file()}
 
@@ -107,7 +116,7 @@ def records_as_trained(run: Location, data: Any) -> Any:
     if not isinstance(data, RecordsData) or folder is None:
         return data
     try:
-        if tokenizer_files(data) == kept_files(run):
+        if tokenizer_files(data) == _files_in(folder):
             return data
     except (UserError, OSError):  # what it names is gone or no longer reads
         pass

@@ -43,7 +43,7 @@ class SplashAttention:
     backward pass's too; None: ``default_block`` of the sequence's length), its backward pass
     one fused kernel where ``fused_backward``. ``block_kv_compute``: the key rows of one step
     of the kernel's inner loop (None: the whole block). ``seq_minor``: which of ``"qkv"`` the
-    kernel reads with the sequence, not the head's width, minor-most (None: ``SEQ_MINOR``).
+    kernel reads with the sequence, not the head's width, minor-most.
     ``interpret``: run in Pallas' interpreter (None: where the backend is not a TPU)."""
 
     block_q: int | None = None
@@ -51,7 +51,7 @@ class SplashAttention:
     fused_backward: bool = True
     interpret: bool | None = None
     block_kv_compute: int | None = None
-    seq_minor: str | None = None
+    seq_minor: str = SEQ_MINOR
 
     def blocks(self, seq: int) -> tuple[int, int]:
         """The query and key blocks at ``seq`` positions (at most the sequence)."""
@@ -100,8 +100,7 @@ def _kernel(spec: SplashAttention, seq: int, heads: int) -> Any:
     bq, bkv = spec.blocks(seq)
     compute = min(spec.block_kv_compute or bkv, bkv)
     separate = None if spec.fused_backward else bq, None if spec.fused_backward else bkv
-    minor = SEQ_MINOR if spec.seq_minor is None else spec.seq_minor
-    layout = {name: splash.QKVLayout.SEQ_MINOR if name in minor
+    layout = {name: splash.QKVLayout.SEQ_MINOR if name in spec.seq_minor
               else splash.QKVLayout.HEAD_DIM_MINOR for name in "qkv"}
     sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=compute,
                               block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=compute,

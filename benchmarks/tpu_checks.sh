@@ -250,7 +250,7 @@ part "7: time to the first step at the Qwen2.5-0.5B shape, cold and from the com
 first_step qwen
 fi
 
-if want 4 35 "memory refusal naming the batch that fits"; then
+if want 4 50 "memory refusal naming the batch that fits"; then
 part "4: a step that cannot fit, refused naming the batch that does"
 if [[ $TINY == 1 ]]; then BIG=1024; else BIG=2048; fi  # rows of 1024 bytes
 timeout 200 "$PY" -m trainrun train --run-dir "$WORK/big" --config lm data.seq_len=1024 \

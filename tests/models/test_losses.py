@@ -197,6 +197,27 @@ def test_the_unrolled_head_holds_no_scan_and_no_more_logits_than_a_chunk():
     assert largest_float32(grads(unrolled), features, embedding) == max(10 * VOCAB, VOCAB * D)
 
 
+def test_past_its_most_chunks_the_unrolled_head_is_scanned_its_program_one_size():
+    """Straight-line chunks grow the program, and its compile, with the batch: past
+    ``most_unrolled`` chunks they are scanned, the program the same size at any count."""
+    from trainrun.models.losses import HeadPath
+
+    path = HeadPath(unrolled=True, most_unrolled=3)
+    features, embedding, targets = inputs()
+
+    def primitives(count):
+        tokens = 5 * count  # chunks of 5 tokens
+        first = targets[:tokens]
+        return [eqn.primitive.name for eqn in equations(jax.grad(
+            lambda f, e: next_token_from_features(f, e, first, 5, path=path)[0],
+            argnums=(0, 1)), features[:tokens], embedding)]
+
+    at_most, past, far_past = primitives(3), primitives(4), primitives(10)
+    assert "scan" not in at_most and len(at_most) > len(primitives(2))  # unrolled: it grows
+    assert "scan" in past and past == far_past
+    assert path.unrolls(3) and not path.unrolls(4) and not HeadPath().unrolls(1)
+
+
 @pytest.mark.slow
 def test_the_unrolled_head_holds_one_chunks_logits_at_a_time_in_the_compiled_program():
     """XLA's own memory analysis: the unrolled chunks' temporaries are the scan's, not all

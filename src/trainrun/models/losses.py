@@ -62,14 +62,21 @@ class HeadPath:
     """How the head's loss over chunks is computed (never what). ``unrolled``: the chunks one
     after another in straight-line code instead of a ``lax.scan``, each chunk's logits made
     only once the chunk before is done with its own (in the backward pass too), so one
-    chunk's float32 logits are still all that exists of them at a time. The plain path is the
-    default;
+    chunk's float32 logits are still all that exists of them at a time, up to
+    ``most_unrolled`` chunks. The plain path is the default;
     ``fast/strategies.py`` chooses another once per run (docs/internals.md, "Fast paths")."""
 
     unrolled: bool = False
+    # more chunks than this are scanned even so: straight-line code grows with the batch, and
+    # its compile with it (BENCHMARKS.md, "Ninth run on the chip")
+    most_unrolled: int = 16
 
     def plain(self) -> bool:
         return self == PLAIN_HEAD
+
+    def unrolls(self, count: int) -> bool:
+        """Whether ``count`` chunks run one after another in straight-line code."""
+        return self.unrolled and count <= self.most_unrolled
 
 
 PLAIN_HEAD = HeadPath()
@@ -110,7 +117,7 @@ def next_token_from_features(features: jax.Array, embedding: jax.Array, targets:
     if weights is not None:
         targets = jnp.where(weights, targets, -1)  # -1: a row the head's loss skips
     # custom_vjp's unannotated __new__ (JAX) loses the wrapped function's return type.
-    if path.plain():
+    if not path.unrolls(count):
         loss_sum, hits = _head_cross_entropy(  # pyright: ignore[reportGeneralTypeIssues]
             features, embedding, targets, chunk, count, softcap)
     else:

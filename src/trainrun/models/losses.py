@@ -71,9 +71,6 @@ class HeadPath:
     # its compile with it (BENCHMARKS.md, "Ninth run on the chip")
     most_unrolled: int = 16
 
-    def plain(self) -> bool:
-        return self == PLAIN_HEAD
-
     def unrolls(self, count: int) -> bool:
         """Whether ``count`` chunks run one after another in straight-line code."""
         return self.unrolled and count <= self.most_unrolled

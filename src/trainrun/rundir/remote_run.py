@@ -67,7 +67,6 @@ class RunMirror:
         self.renew_every_s = lease.lease_s / 4
         self.uploaded: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) sent
         self.failure: Exception | None = None
-        self._poked = threading.Event()
         self._stop = threading.Event()
         self._sync_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -113,10 +112,6 @@ class RunMirror:
         self._thread = threading.Thread(target=self._work, name="trainrun-mirror", daemon=True)
         self._thread.start()
 
-    def poke(self, *_: Any) -> None:
-        """Sync now (a checkpoint started, the status changed)."""
-        self._poked.set()
-
     def _work(self) -> None:
         next_sync = next_renewal = time.monotonic()
         while not self._stop.is_set():
@@ -125,15 +120,14 @@ class RunMirror:
                 if now >= next_renewal:
                     self.lease.renew()
                     next_renewal = now + self.renew_every_s
-                if now >= next_sync or self._poked.is_set():
-                    self._poked.clear()
+                if now >= next_sync:
                     self.sync()
                     next_sync = time.monotonic() + self.sync_every_s
             except Exception as err:
                 self.failure = err
                 return
             wait = min(next_sync, next_renewal) - time.monotonic()
-            self._poked.wait(max(wait, 0.05))
+            self._stop.wait(max(wait, 0.05))  # a stop ends the wait
 
     def stopped(self, last_committed: int | None) -> Exception | None:
         """The error the run stops on, once the mirror failed: its line says where a resume
@@ -156,7 +150,6 @@ class RunMirror:
         """End the thread; ``wait=False`` leaves it (a daemon) to a request the store never
         answers."""
         self._stop.set()
-        self._poked.set()
         if self._thread is not None:
             if wait:
                 self._thread.join()

@@ -3,8 +3,9 @@
 
     python benchmarks/tpu_step.py --out DIR [--tiny] [--parts gpt2,qwen,micro,init] [--profile]
         [--profile-top 15] [--micro-kinds head,attention] [--budget-s 370] [--rounds 5]
-        [--compile-threads 7] [--compile-alone 2]
-        [--gpt2-rows 8,16] [--gpt2-extra select,none,plain-paths,xla,whole-logits,scan]
+        [--compile-threads 7] [--compile-alone 2] [--compile-profile TOP]
+        [--gpt2-rows 8,16]
+        [--gpt2-extra select,none,plain-paths,concat-norms,xla,whole-logits,scan]
         [--gpt2-attention A] [--gpt2-head H] [--gpt2-chunk N]
         [--qwen-rows 8,4,2,1] [--qwen-target 4] [--qwen-extra none,select]
         [--qwen-plain 1x4,1x1] [--qwen-attention A] [--qwen-head H] [--qwen-chunk N]
@@ -27,9 +28,10 @@ Parts:
          K=10, at each of ``--gpt2-rows``: the plain step and trainrun, and at the first rows
          trainrun with its guard as a select of every leaf (``select``), without a guard (``none``),
          on its plain paths (``plain-paths``: XLA's attention, the head's chunks scanned, the
-         select), with XLA's attention alone (``xla``), its logits whole (``whole-logits``) or its
-         layers under scan (``scan``); ``chunk=N`` its head's chunks of N tokens,
-         ``remat=P`` each layer rematerialized by ``model.remat`` P,
+         select, the norms concatenated), its norms over the leaves laid end to end
+         (``concat-norms``), with XLA's attention alone (``xla``), its logits whole
+         (``whole-logits``) or its layers under scan (``scan``); ``chunk=N`` its head's chunks
+         of N tokens, ``remat=P`` each layer rematerialized by ``model.remat`` P,
          ``attention=A`` its attention as ``--gpt2-attention`` says, ``a+b`` the changes of
          both. One state on the device, handed from call to call; each contender's first call
          starts from the same fresh state (their losses compared), then
@@ -72,7 +74,9 @@ Reported: ms/step, tokens/s, MFU against 197 TFLOP/s (v5e's datasheet) and again
 tokens + 12 x layers x seq x width x tokens) and by XLA's count of each program (trainrun's own
 count; a Pallas kernel's FLOPs are not in it); compile seconds; compiled memory. ``--profile``:
 one call of each contender at GPT-2's first rows under ``jax.profiler``, the device's ops
-summed per step (the ``--profile-top`` costliest). A markdown report on stdout and in
+summed per step (the ``--profile-top`` costliest). ``--compile-profile``: each program compiled
+alone under ``jax.profiler``, the compiler's host events summed by name, self time (what XLA
+spends its compile on, pass by pass where it names them). A markdown report on stdout and in
 OUT/tpu_step.md; every figure in OUT/tpu_step.json (both written again as each part ends, so
 a run stopped early keeps what it measured).
 """
@@ -125,7 +129,14 @@ from trainrun.program.state import (
     init_program,
     init_state,
 )
-from trainrun.program.step import KeepIfNot, keep_if_not, make_multi_step, make_train_step
+from trainrun.program.step import (
+    KeepIfNot,
+    Norm,
+    global_norm,
+    keep_if_not,
+    make_multi_step,
+    make_train_step,
+)
 
 PEAK_BF16 = 197e12  # TPU v5e datasheet, dense bfloat16
 OPTIM = OptimizerConfig(name="adamw", lr=6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
@@ -285,7 +296,8 @@ class Variant:
     model options (``loss_chunk``, ``scan_layers``, ``remat``). ``guard``: trainrun's
     non-finite guard as its strategy chooses it (``library``), a select of every leaf
     (``select``, the plain path's) or none (``none``: what the guard costs, not an option of
-    trainrun's)."""
+    trainrun's). ``norm``: the step's norms as trainrun's strategy chooses them (``library``)
+    or over the leaves laid end to end (``concatenated``, the plain path's)."""
 
     name: str
     plain: bool = False
@@ -293,6 +305,7 @@ class Variant:
     head: HeadPath = PLAIN_HEAD
     options: tuple[tuple[str, Any], ...] = ()
     guard: str = "library"
+    norm: str = "library"
 
     def describe(self) -> str:
         if self.plain:
@@ -302,7 +315,8 @@ class Variant:
         parts += [f"{k}={v}" for k, v in dict(self.options).items()]
         guard = {"library": "guard: trainrun's", "select": "guard: a select",
                  "none": "no non-finite guard"}[self.guard]
-        return ", ".join([*parts, guard])
+        norms = [] if self.norm == "library" else ["norms concatenated"]
+        return ", ".join([*parts, guard, *norms])
 
     def keep(self, k: int) -> KeepIfNot:
         if self.guard == "none":
@@ -310,6 +324,9 @@ class Variant:
         if self.guard == "select":
             return keep_if_not
         return chosen().nonfinite_guard(k)
+
+    def norms(self) -> Norm:
+        return global_norm if self.norm == "concatenated" else chosen().norm()
 
 
 def _attention_name(path: AttentionPath) -> str:
@@ -438,7 +455,8 @@ class Side:
         else:
             model = make_transformer(s.config(**dict(variant.options)), variant.attention,
                                      variant.head)
-            step = make_train_step(model, m.optimizer, policy=m.policy, keep=variant.keep(k))
+            step = make_train_step(model, m.optimizer, policy=m.policy, keep=variant.keep(k),
+                                   norm=variant.norms())
             fn = jax.jit(make_multi_step(step), donate_argnums=0)
             self.lowered = fn.lower(m.abstract, {"tokens": self.shape})
         self.lower_s = time.perf_counter() - start
@@ -896,6 +914,65 @@ def fastest(rows: list[dict[str, Any]], kind: str, shape: str) -> Any:
     return min(good, key=lambda r: r["ms"])["choice"] if good else None
 
 
+def host_events(trace_dir: str, top: int, hlo_text: str = "") -> list[dict[str, Any]]:
+    """The complete events of a trace's host threads summed by name: total time, and self
+    time (less the events nested in each on its thread), the ``top`` by self time, then the
+    same summed by kind (an instruction's emission, its name's number dropped). An emission
+    names its instruction in ``hlo_text``: its shape and the JAX operation it comes from."""
+    files = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
+    if not files:
+        return []
+    with gzip.open(files[-1]) as handle:
+        events = json.load(handle)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    spans = sorted((e for e in events if e.get("ph") == "X" and "dur" in e
+                    and not procs.get(e["pid"], "").startswith("/device:")),
+                   key=lambda e: (e["pid"], e.get("tid"), e["ts"], -e["dur"]))
+    total: Counter[str] = Counter()
+    self_us: Counter[str] = Counter()
+    count: Counter[str] = Counter()
+    stack: list[tuple[Any, float, str]] = []  # (thread, end, name)
+    for e in spans:
+        thread, start, end = (e["pid"], e.get("tid")), e["ts"], e["ts"] + e["dur"]
+        while stack and (stack[-1][0] != thread or stack[-1][1] <= start):
+            stack.pop()
+        if stack:
+            self_us[stack[-1][2]] -= min(end, stack[-1][1]) - start
+        total[e["name"]] += e["dur"]
+        self_us[e["name"]] += e["dur"]
+        count[e["name"]] += 1
+        stack.append((thread, end, e["name"]))
+    kinds: Counter[str] = Counter()
+    kind_total: Counter[str] = Counter()
+    kind_count: Counter[str] = Counter()
+    for name, us in self_us.items():
+        kind = re.sub(r"\.\d+$", ".*", name)
+        kinds[kind] += us
+        kind_total[kind] += total[name]
+        kind_count[kind] += count[name]
+
+    def instruction(name: str) -> str:
+        emitted = re.match(r"XLA::TPU emitting for ([\w.\-]+)$", name)
+        if not emitted:
+            return ""
+        line = re.search(rf"^\s*(?:ROOT\s+)?%?{re.escape(emitted[1])} = (.*)$", hlo_text,
+                         re.MULTILINE)
+        if not line:
+            return ""
+        shape = line[1].split("(")[0].strip()
+        op = re.search(r'op_name="([^"]*)"', line[1])
+        return shape + (" from " + "/".join(op[1].split("/")[-4:]) if op else "")
+
+    return [{"name": name, "self_s": us / 1e6, "total_s": total[name] / 1e6,
+             "count": count[name], "instruction": instruction(name)}
+            for name, us in self_us.most_common(top)] + [
+        {"name": "kind: " + kind, "self_s": us / 1e6, "total_s": kind_total[kind] / 1e6,
+         "count": kind_count[kind], "instruction": ""}
+        for kind, us in kinds.most_common(top) if kind.endswith(".*")]
+
+
 # ---- the device's ops, from a profile --------------------------------------------------------
 
 
@@ -1139,7 +1216,10 @@ def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
         extras = {"select": dataclasses.replace(trainrun, name="trainrun, guard a select",
                                                 guard="select"),
                   "none": dataclasses.replace(trainrun, name="trainrun, no guard", guard="none"),
-                  "plain-paths": Variant("trainrun, plain paths", guard="select"),
+                  "plain-paths": Variant("trainrun, plain paths", guard="select",
+                                         norm="concatenated"),
+                  "concat-norms": dataclasses.replace(trainrun, name="trainrun, norms concatenated",
+                                                      norm="concatenated"),
                   "xla": dataclasses.replace(trainrun, name="trainrun, XLA attention",
                                              attention=PLAIN_ATTENTION),
                   "whole-logits": dataclasses.replace(
@@ -1174,13 +1254,31 @@ def plan(args: argparse.Namespace, parts: set[str], found: dict[str, Shape],
 
 
 def compile_everything(p: Plan, budget: Budget, report: Report, reserve: float,
-                       meanwhile: Callable[[], None], alone: int) -> None:
+                       meanwhile: Callable[[], None], alone: int, traced: int = 0) -> None:
     """The first ``alone`` programs at GPT-2's first rows (the plain step's, trainrun's, then
     the extras) one at a time (their compile seconds alone, cold), then every other program on
     the pool (``meanwhile`` run as they compile), all waited for."""
     first = next(iter(p.gpt2.values()), [])[:alone]
     for side in first:
-        side.compile()
+        if traced:
+            directory = tempfile.mkdtemp(prefix="tpu-step-compile-")
+            with jax.profiler.trace(directory):
+                side.compile()
+            hlo = side.compiled.as_text() if side.compiled is not None else ""
+            events = host_events(directory, traced, hlo)
+            report.out.mkdir(parents=True, exist_ok=True)
+            with gzip.open(report.out / f"{side.variant.name}.hlo.txt.gz", "wt") as handle:
+                handle.write(hlo)  # the compiled program the events name
+            shutil.rmtree(directory, ignore_errors=True)
+            report.data.setdefault("compile_events", {})[side.variant.name] = events
+            say(f"\n#### The compile's host events: {side.variant.name} ({side.compile_s:.1f} s)"
+                "\n\n| event | self s | total s | count | the instruction |"
+                "\n|---|---:|---:|---:|---|")
+            for e in events:
+                say(f"| {e['name'][:70]} | {e['self_s']:.2f} | {e['total_s']:.2f} | "
+                    f"{e['count']} | {e['instruction'][:160]} |")
+        else:
+            side.compile()
         side.alone = True
         if side.compile_error:
             budget.note(f"{side.name}: compile failed ({side.compile_error})")
@@ -1409,7 +1507,7 @@ def run_parts(args: argparse.Namespace, parts: set[str], budget: Budget, report:
                 models[key].ready()
 
     compile_everything(p, budget, report, 150.0 if "qwen" in parts else 60.0, states,
-                       args.compile_alone)
+                       args.compile_alone, args.compile_profile)
     if p.gpt2:
         gpt2_part(p, models["gpt2"], budget, report, peak, args)
     for sides in p.gpt2.values():  # GPT-2's programs off the chip before the 0.5B shape
@@ -1431,6 +1529,7 @@ def main() -> int:
     parser.add_argument("--parts", default="gpt2,qwen")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-top", type=int, default=15)
+    parser.add_argument("--compile-profile", type=int, default=0, metavar="TOP")
     parser.add_argument("--micro-kinds", default="head,attention")
     parser.add_argument("--gpt2-rows", default="8,16")
     parser.add_argument("--gpt2-extra", default="select")

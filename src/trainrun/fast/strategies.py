@@ -14,6 +14,8 @@ each seam of the plain path the strategy it takes, built at set-up and never ask
                                else ``AttentionPath()``, XLA's form
     how the head's loss runs   on a TPU, its chunks unrolled one after another; else
                                ``losses.PLAIN_HEAD``, a ``lax.scan`` over the chunks
+    how the step's norms sum   on a TPU, ``leaf_norms.leafwise_norm``; else
+                               ``step.global_norm``, the leaves laid end to end
     how a fresh state is made  on a TPU with one device, op by op; else one init program
 
 A fast path that is off, or that does not fit the run, leaves the plain path's default.
@@ -30,6 +32,7 @@ import jax
 
 from trainrun.fast.guard import keep_if_not_branched
 from trainrun.fast.head_layout import head_transposed
+from trainrun.fast.leaf_norms import leafwise_norm
 from trainrun.fast.packing import PackedState, packing_for
 from trainrun.fast.tpu_attention import SplashAttention
 from trainrun.fast.writer_thread import WriterThread
@@ -41,7 +44,7 @@ from trainrun.platform.process import gpu_deterministic
 from trainrun.program.carried import StateCarrier, TrainStateCarrier
 from trainrun.program.decode import HeadLayout, head_as_trained
 from trainrun.program.state import TrainState
-from trainrun.program.step import KeepIfNot, keep_if_not
+from trainrun.program.step import KeepIfNot, Norm, global_norm, keep_if_not
 
 # On CPU, one block up to 256 positions; longer ones compile in less time than in training's
 # blocks and run as fast (BENCHMARKS.md, "lm-evaluation-harness").
@@ -137,6 +140,14 @@ class Strategies:
         if (backend or jax.default_backend()) != "tpu":
             return PLAIN_HEAD
         return HeadPath(unrolled=self.switch.tpu_unrolled_head)
+
+    def norm(self, backend: str | None = None) -> Norm:
+        """On a TPU, the step's norms leaf by leaf: the leaves laid end to end are written out
+        there (``fast/leaf_norms.py``). ``backend``: the one to choose for (None: JAX's
+        default)."""
+        if self.switch.tpu_leafwise_norms and (backend or jax.default_backend()) == "tpu":
+            return leafwise_norm
+        return global_norm
 
     def _cpu_score(self) -> bool:
         return self.switch.cpu_score_compile and jax.default_backend() == "cpu"

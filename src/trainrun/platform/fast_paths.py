@@ -27,6 +27,8 @@ plain path takes; only ``inline_cpu_calls`` is a process setting, read here by
                         measured there and a fused backward pass (``fast/tpu_attention.py``)
     tpu_unrolled_head   on a TPU, the chunks of the head's loss run one after another in
                         straight-line code, not a ``lax.scan`` (``losses.HeadPath``)
+    tpu_leafwise_norms  on a TPU, the step's norms add each leaf's sum of squares, not one
+                        sum over the leaves laid end to end (``fast/leaf_norms.py``)
     tpu_op_by_op_init   on a TPU with one device, a fresh run's state is built op by op, not
                         compiled as one init program (``program.state.init_state``)
 
@@ -59,6 +61,7 @@ class FastPaths:
     fused_gpu_attention: bool = True
     tpu_splash_attention: bool = True
     tpu_unrolled_head: bool = True
+    tpu_leafwise_norms: bool = True
     tpu_op_by_op_init: bool = True
 
     def on(self) -> list[str]:

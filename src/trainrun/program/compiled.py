@@ -19,7 +19,7 @@ from trainrun.program.optim import Optimizer
 from trainrun.program.precision import Policy
 from trainrun.program.sharding import traced_on
 from trainrun.program.state import TrainState
-from trainrun.program.step import KeepIfNot, keep_if_not, make_train_step
+from trainrun.program.step import KeepIfNot, Norm, keep_if_not, make_train_step
 from trainrun.program.streamed import Emit, streamed
 
 Batch = Any
@@ -47,8 +47,8 @@ class CompiledSteps:
     (``carried.py``: the ``TrainState`` itself unless another carrier is given). ``carry`` and
     ``state`` convert; the loop converts back only where it needs the state (checkpoints,
     eval). source: where the calls' batches come from (``batch_source.py``: the host's unless
-    another source is given). keep: how a step that is not finite keeps the old state
-    (``step.make_train_step``)."""
+    another source is given). keep: how a step that is not finite keeps the old state; norm:
+    how its norms are taken (both ``step.make_train_step``)."""
 
     def __init__(self, model: Model, optimizer: Optimizer, steps_per_call: int,
                  watch: PhaseTimer, *, abstract: TrainState | None = None,
@@ -56,10 +56,11 @@ class CompiledSteps:
                  state_sharding: TrainState | None = None,
                  batch_sharding: jax.sharding.NamedSharding | None = None,
                  stream: Emit | None = None, source: BatchSource | None = None,
-                 carrier: StateCarrier | None = None, keep: KeepIfNot = keep_if_not):
+                 carrier: StateCarrier | None = None, keep: KeepIfNot = keep_if_not,
+                 norm: Norm | None = None):
         scanned = steps_per_call > 1
         self.one_step = make_train_step(  # what one step computes (FLOPs per step)
-            model, optimizer, accumulate=accumulate, policy=policy, keep=keep)
+            model, optimizer, accumulate=accumulate, policy=policy, keep=keep, norm=norm)
         single = self.one_step if stream is None else streamed(self.one_step, stream)
         self.source = source or HostBatches()
         self.abstract = abstract

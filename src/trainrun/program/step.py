@@ -23,6 +23,7 @@ PyTree = Any
 Metrics = dict[str, jax.Array]
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 KeepIfNot = Callable[[jax.Array, PyTree, PyTree], PyTree]  # (finite, new, old) -> kept
+Norm = Callable[[PyTree], jax.Array]  # a tree -> the L2 norm of its leaves together
 
 
 def keep_if_not(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -31,7 +32,8 @@ def keep_if_not(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
 
 
 def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
-                    policy: Policy | None = None, keep: KeepIfNot = keep_if_not) -> StepFn:
+                    policy: Policy | None = None, keep: KeepIfNot = keep_if_not,
+                    norm: Norm | None = None) -> StepFn:
     """One optimizer update on one batch.
 
     accumulate: M > 1 splits the batch into M microbatches (example ``j`` goes to microbatch
@@ -44,6 +46,8 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         to its compute dtype, the loss to its output dtype; float16 scales the loss.
     keep: how the skip below keeps the old state (``keep_if_not``); another must give the
         same bits (``fast/guard.py``'s branches, for a step run under ``lax.scan`` on CPU).
+    norm: how the metrics' and the guard's norms are taken (``global_norm``); another agrees
+        within float tolerance (``fast/leaf_norms.py``, on a TPU).
 
     A step whose loss, gradients or update is not finite is not applied: params and opt_state
     (hence the schedule) stay as they were, ``nonfinite_steps`` counts it, and with float16 the
@@ -56,6 +60,7 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
     (with the batch's summed ``weight`` under ``Model.weight_name`` where the model names it).
     """
     policy = policy or Policy()
+    norm = norm or global_norm
     gradients = make_gradient_fn(model, policy, accumulate, optimizer.trainable)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -64,8 +69,8 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
         grads = policy.unscale_grads(grads, state.loss_scale)
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        grad_norm = global_norm(grads)
-        update_norm = global_norm(updates)
+        grad_norm = norm(grads)
+        update_norm = norm(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         params, opt_state, model_state = keep(
             finite, (params, opt_state, model_state),
@@ -80,7 +85,7 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
             "loss": loss,
             "grad_norm": grad_norm,
             "update_norm": update_norm,
-            "param_norm": global_norm(params),
+            "param_norm": norm(params),
             "lr": jnp.asarray(optimizer.schedule(updates_done), jnp.float32),
             "nonfinite_steps": new_state.nonfinite_steps,
             **({"loss_scale": state.loss_scale.scale} if policy.scales_loss else {}),
@@ -104,8 +109,9 @@ def moving_average(ema: PyTree, params: PyTree, decay: float | None,
 
 def global_norm(tree: PyTree) -> jax.Array:
     """The L2 norm of all leaves together, summed in float32 whatever their dtype."""
-    # One reduction over the leaves laid end to end: XLA fuses the concatenation into it, so a
-    # small model pays one kernel per norm instead of one per leaf (it dominates a tiny step).
+    # One reduction over the leaves laid end to end: XLA:CPU fuses the concatenation into it, so
+    # a small model pays one kernel per norm, not one per leaf (XLA:TPU writes it out instead:
+    # fast/leaf_norms.py).
     flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
     return jnp.sqrt(jnp.sum(jnp.square(flat)))
 

@@ -318,7 +318,7 @@ def _compiled_steps(config: RunConfig, parts: Parts, watch: Stopwatch,
         abstract=parts.abstract, accumulate=config.accumulate, policy=parts.policy,
         state_sharding=parts.state_sharding, batch_sharding=parts.placement.sharding,
         stream=stream, carrier=chosen.state_carrier(parts.abstract),
-        keep=chosen.nonfinite_guard(config.steps_per_call))
+        keep=chosen.nonfinite_guard(config.steps_per_call), norm=chosen.norm())
 
 
 def _checked_programs(compiled_steps: Callable[..., CompiledSteps], chosen: Strategies,

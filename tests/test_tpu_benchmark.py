@@ -5,6 +5,8 @@ the plain ones do; the state at step 0 made op by op has the init program's bits
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import json
 import math
 import os
@@ -27,7 +29,7 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
          "2", "--budget-s", "3000", "--gpt2-extra", "select,none+chunk=64",
          "--gpt2-attention", "library",
          # the head as trainrun chooses it on a TPU, not as the micro part's CPU timings do
-         "--gpt2-head", "library", "--qwen-attention", "splash"],
+         "--gpt2-head", "library", "--qwen-attention", "splash", "--compile-profile", "6"],
         capture_output=True, text=True, env=env, timeout=3000)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "tpu_step.json").read_text())
@@ -48,8 +50,16 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
         assert init[shape, "op by op"]["same_bits"], init
         assert init[shape, "trainrun's init program"]["compile_s"] > 0
 
-    # the two main programs compiled alone, before any other
+    # the two main programs compiled alone, before any other, each under the profiler: the
+    # compiler's costliest host events, and the program they name kept beside them
     assert set(report["compile_alone_s"]) == {"plain", "trainrun"}
+    assert set(report["compile_events"]) == {"plain", "trainrun"}
+    for name, events in report["compile_events"].items():
+        assert 0 < len(events) <= 12 and all(
+            e["total_s"] >= e["self_s"] >= 0 and e["count"] > 0 for e in events), events
+        with gzip.open(tmp_path / f"{name}.hlo.txt.gz", "rt") as handle:
+            assert handle.read().startswith("HloModule")
+    assert "#### The compile's host events: trainrun" in done.stdout
     # the compile cache's write and read, step by step, of each program compiled alone
     trips = report["cache_round_trip"]
     assert set(trips) == {"plain", "trainrun"}
@@ -97,3 +107,35 @@ def test_the_tpu_benchmark_at_toy_sizes_reports_both_shapes_and_equal_losses(tmp
     assert report["verdicts"][-1].startswith("qwen-tiny: trainrun ran 512 tokens a step")
     assert any(v.startswith("gpt2-tiny, each at its largest batch (trainrun 4 rows, plain 3)")
                for v in report["verdicts"])
+
+
+def test_the_compiles_host_events_are_summed_by_self_time_and_name_their_instruction(
+        tmp_path, monkeypatch):
+    """``--compile-profile``'s reading of a trace: an event's self time is its own less what
+    nests in it on its thread, a device's events are left out, and an emission names its
+    instruction's shape and JAX operation in the compiled program."""
+    spec = importlib.util.spec_from_file_location("tpu_step", REPO / "benchmarks" / "tpu_step.py")
+    assert spec is not None and spec.loader is not None
+    tpu_step = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "tpu_step", tpu_step)  # its dataclasses look it up
+    spec.loader.exec_module(tpu_step)
+    hlo = ('  %reshape.71 = f32[38633472]{0} reshape(%fusion.5), metadata={op_name='
+           '"jit(multi_step)/while/body/closed_call/reshape"}\n')
+    emit = "XLA::TPU emitting for reshape.71"
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:TPU:0"}},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 10_000_000, "name": "TpuCompiler"},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 1_000_000, "dur": 4_000_000, "name": emit},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 2_000_000, "dur": 1_000_000, "name": "LSRA"},
+        {"ph": "X", "pid": 1, "tid": 2, "ts": 0, "dur": 3_000_000, "name": "LSRA"},
+        {"ph": "X", "pid": 2, "tid": 1, "ts": 0, "dur": 9_000_000, "name": "TpuCompiler"}]
+    (tmp_path / "t").mkdir()
+    with gzip.open(tmp_path / "t" / "host.trace.json.gz", "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    found = {e["name"]: e for e in tpu_step.host_events(str(tmp_path), 5, hlo)}
+    assert [found[n]["self_s"] for n in ("TpuCompiler", emit, "LSRA")] == [6.0, 3.0, 4.0]
+    assert found["TpuCompiler"]["total_s"] == 10.0 and found["LSRA"]["count"] == 2
+    assert found[emit]["instruction"] == (
+        "f32[38633472]{0} reshape from while/body/closed_call/reshape")
+    assert found["kind: XLA::TPU emitting for reshape.*"]["self_s"] == 3.0

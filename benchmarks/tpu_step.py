@@ -914,19 +914,26 @@ def fastest(rows: list[dict[str, Any]], kind: str, shape: str) -> Any:
     return min(good, key=lambda r: r["ms"])["choice"] if good else None
 
 
-def host_events(trace_dir: str, top: int, hlo_text: str = "") -> list[dict[str, Any]]:
-    """The complete events of a trace's host threads summed by name: total time, and self
-    time (less the events nested in each on its thread), the ``top`` by self time, then the
-    same summed by kind (an instruction's emission, its name's number dropped). An emission
-    names its instruction in ``hlo_text``: its shape and the JAX operation it comes from."""
+def trace_events(trace_dir: str) -> tuple[list[dict[str, Any]], dict[Any, str]]:
+    """The events of the newest perfetto trace under ``trace_dir`` and its processes' names by
+    pid (none where no trace was written)."""
     files = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
     if not files:
-        return []
+        return [], {}
     with gzip.open(files[-1]) as handle:
         events = json.load(handle)
     events = events["traceEvents"] if isinstance(events, dict) else events
     procs = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return events, procs
+
+
+def host_events(trace_dir: str, top: int, hlo_text: str = "") -> list[dict[str, Any]]:
+    """The complete events of a trace's host threads summed by name: total time, and self
+    time (less the events nested in each on its thread), the ``top`` by self time, then the
+    same summed by kind (an instruction's emission, its name's number dropped). An emission
+    names its instruction in ``hlo_text``: its shape and the JAX operation it comes from."""
+    events, procs = trace_events(trace_dir)
     spans = sorted((e for e in events if e.get("ph") == "X" and "dur" in e
                     and not procs.get(e["pid"], "").startswith("/device:")),
                    key=lambda e: (e["pid"], e.get("tid"), e["ts"], -e["dur"]))
@@ -980,14 +987,7 @@ def device_ops(trace_dir: str, steps: int, hlo_text: str, top: int = 15) -> list
     """The "XLA Ops" events of the /device:* processes of a perfetto trace, summed per op name,
     per step, each with the JAX operation it comes from (the compiled HLO's metadata). Loops
     show as ``while``: their time holds the ops inside them."""
-    files = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
-    if not files:
-        return []
-    with gzip.open(files[-1]) as handle:
-        events = json.load(handle)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    procs = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events, procs = trace_events(trace_dir)
     device = {p for p, n in procs.items() if n.startswith("/device:")}
     ops = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
            and e.get("name") == "thread_name" and e["pid"] in device
@@ -1261,22 +1261,7 @@ def compile_everything(p: Plan, budget: Budget, report: Report, reserve: float,
     first = next(iter(p.gpt2.values()), [])[:alone]
     for side in first:
         if traced:
-            directory = tempfile.mkdtemp(prefix="tpu-step-compile-")
-            with jax.profiler.trace(directory):
-                side.compile()
-            hlo = side.compiled.as_text() if side.compiled is not None else ""
-            events = host_events(directory, traced, hlo)
-            report.out.mkdir(parents=True, exist_ok=True)
-            with gzip.open(report.out / f"{side.variant.name}.hlo.txt.gz", "wt") as handle:
-                handle.write(hlo)  # the compiled program the events name
-            shutil.rmtree(directory, ignore_errors=True)
-            report.data.setdefault("compile_events", {})[side.variant.name] = events
-            say(f"\n#### The compile's host events: {side.variant.name} ({side.compile_s:.1f} s)"
-                "\n\n| event | self s | total s | count | the instruction |"
-                "\n|---|---:|---:|---:|---|")
-            for e in events:
-                say(f"| {e['name'][:70]} | {e['self_s']:.2f} | {e['total_s']:.2f} | "
-                    f"{e['count']} | {e['instruction'][:160]} |")
+            compile_profiled(side, report, traced)
         else:
             side.compile()
         side.alone = True
@@ -1303,6 +1288,28 @@ def compile_everything(p: Plan, budget: Budget, report: Report, reserve: float,
     if rest:
         say(f"the other {len(rest)} programs compiled side by side in "
             f"{time.monotonic() - start:.0f} s ({budget.threads} threads)")
+
+
+def compile_profiled(side: Side, report: Report, top: int) -> None:
+    """``side`` compiled under ``jax.profiler``: its compile's ``top`` host events reported,
+    and the compiled program they name kept beside the report."""
+    directory = tempfile.mkdtemp(prefix="tpu-step-compile-")
+    try:
+        with jax.profiler.trace(directory):
+            side.compile()
+        hlo = side.compiled.as_text() if side.compiled is not None else ""
+        events = host_events(directory, top, hlo)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    report.out.mkdir(parents=True, exist_ok=True)
+    with gzip.open(report.out / f"{side.variant.name}.hlo.txt.gz", "wt") as handle:
+        handle.write(hlo)
+    report.data.setdefault("compile_events", {})[side.variant.name] = events
+    say(f"\n#### The compile's host events: {side.variant.name} ({side.compile_s:.1f} s)"
+        "\n\n| event | self s | total s | count | the instruction |\n|---|---:|---:|---:|---|")
+    for e in events:
+        say(f"| {e['name'][:70]} | {e['self_s']:.2f} | {e['total_s']:.2f} | {e['count']} | "
+            f"{e['instruction'][:160]} |")
 
 
 def cache_round_trip(compiled: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from trainrun.program.optim import Optimizer
 from trainrun.program.precision import Policy
 from trainrun.program.sharding import traced_on
 from trainrun.program.state import TrainState
-from trainrun.program.step import KeepIfNot, Norm, keep_if_not, make_train_step
+from trainrun.program.step import KeepIfNot, Norm, global_norm, keep_if_not, make_train_step
 from trainrun.program.streamed import Emit, streamed
 
 Batch = Any
@@ -57,7 +57,7 @@ class CompiledSteps:
                  batch_sharding: jax.sharding.NamedSharding | None = None,
                  stream: Emit | None = None, source: BatchSource | None = None,
                  carrier: StateCarrier | None = None, keep: KeepIfNot = keep_if_not,
-                 norm: Norm | None = None):
+                 norm: Norm = global_norm):
         scanned = steps_per_call > 1
         self.one_step = make_train_step(  # what one step computes (FLOPs per step)
             model, optimizer, accumulate=accumulate, policy=policy, keep=keep, norm=norm)

@@ -31,9 +31,18 @@ def keep_if_not(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
+def global_norm(tree: PyTree) -> jax.Array:
+    """The L2 norm of all leaves together, summed in float32 whatever their dtype."""
+    # One reduction over the leaves laid end to end: XLA:CPU fuses the concatenation into it, so
+    # a small model pays one kernel per norm, not one per leaf (XLA:TPU writes it out instead:
+    # fast/leaf_norms.py).
+    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
+    return jnp.sqrt(jnp.sum(jnp.square(flat)))
+
+
 def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
                     policy: Policy | None = None, keep: KeepIfNot = keep_if_not,
-                    norm: Norm | None = None) -> StepFn:
+                    norm: Norm = global_norm) -> StepFn:
     """One optimizer update on one batch.
 
     accumulate: M > 1 splits the batch into M microbatches (example ``j`` goes to microbatch
@@ -60,7 +69,6 @@ def make_train_step(model: Model, optimizer: Optimizer, *, accumulate: int = 1,
     (with the batch's summed ``weight`` under ``Model.weight_name`` where the model names it).
     """
     policy = policy or Policy()
-    norm = norm or global_norm
     gradients = make_gradient_fn(model, policy, accumulate, optimizer.trainable)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -105,15 +113,6 @@ def moving_average(ema: PyTree, params: PyTree, decay: float | None,
     rate = 1.0 - decay
     return jax.tree.map(lambda e, p: jnp.where(applied, e + (p - e) * jnp.asarray(rate, e.dtype),
                                                e), ema, params)
-
-
-def global_norm(tree: PyTree) -> jax.Array:
-    """The L2 norm of all leaves together, summed in float32 whatever their dtype."""
-    # One reduction over the leaves laid end to end: XLA:CPU fuses the concatenation into it, so
-    # a small model pays one kernel per norm, not one per leaf (XLA:TPU writes it out instead:
-    # fast/leaf_norms.py).
-    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
-    return jnp.sqrt(jnp.sum(jnp.square(flat)))
 
 
 GradientFn = Callable[..., tuple[jax.Array, dict[str, jax.Array], PyTree, PyTree]]
